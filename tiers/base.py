@@ -1,0 +1,129 @@
+"""What every tier shares: the shape of one block, the lower-tier interface, tier statistics.
+
+One block is one contiguous extent in every tier (DESIGN.md, "KV layout"): its payload is
+`[num_layers, 2, block_size, num_kv_heads, head_dim]` of `dtype`, i.e. `BlockLayout.block_nbytes`
+bytes. Lower tiers move payloads as flat uint8 tensors of exactly that many bytes, so moving a
+block between tiers is one copy and a disk value is one byte string.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+KV_LAYOUT_VERSION = 1  # bump when the block layout changes: it is folded into every hash namespace
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_numel(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.block_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self, num_blocks: int, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
+        """A block-major KV tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`."""
+        return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device, pin_memory=pin_memory)
+
+
+def as_bytes(block: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of one contiguous block (no copy)."""
+    assert block.is_contiguous(), "a block must be one contiguous extent"
+    return block.reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class TierStats:
+    """Counters every tier reports; the engine sums them into `LLM.stats()` and `/metrics`."""
+
+    name: str
+    capacity_blocks: int = 0
+    capacity_bytes: int = 0
+    used_blocks: int = 0
+    used_bytes: int = 0
+    hits: int = 0             # blocks found and served (verified)
+    misses: int = 0           # blocks asked for and not found
+    puts: int = 0             # blocks written into this tier
+    evictions: int = 0        # blocks pushed out by LRU to make room
+    corrupt: int = 0          # blocks found but failing verification (header, checksum, tokens): dropped
+    extra: dict = field(default_factory=dict)
+
+
+class LowerTier(abc.ABC):
+    """The interface of every tier below the device pool (CPU, disk).
+
+    Keys are chain hashes (bytes). A value is one block's payload plus the block's token ids,
+    which are checked on every read: a hit is served only if the stored token ids equal the
+    expected ones (and, where the tier keeps one, the checksum verifies); otherwise it is a miss,
+    counted in `corrupt`, and the entry is dropped. Methods are batched: the hierarchy moves
+    many blocks per call.
+    """
+
+    name: str
+    layout: BlockLayout
+
+    @abc.abstractmethod
+    def contains(self, block_hash: bytes) -> bool:
+        """True if the tier holds the block now (cheap; no verification, no LRU update)."""
+
+    def count_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading hashes of a chain this tier holds (stops at the first it lacks)."""
+        n = 0
+        for h in block_hashes:
+            if not self.contains(h):
+                break
+            n += 1
+        return n
+
+    @abc.abstractmethod
+    def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
+            dests: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy each block's payload into `dests[i]` (flat uint8, `layout.block_nbytes` long).
+
+        Returns, per block, whether it was served. A False leaves `dests[i]` undefined. Served
+        blocks become most recently used.
+        """
+
+    @abc.abstractmethod
+    def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
+            srcs: Sequence[torch.Tensor]) -> None:
+        """Store blocks (flat uint8 payloads). The payloads are copied before this returns, so the
+        caller may overwrite `srcs` right after. A hash already held is only touched. Makes room
+        by LRU eviction; never fails because the tier is full."""
+
+    @abc.abstractmethod
+    def discard(self, block_hash: bytes) -> bool:
+        """Drop one block if held; True if it was."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Drop every block."""
+
+    @abc.abstractmethod
+    def stats(self) -> TierStats:
+        ...
+
+    def flush(self) -> None:
+        """Wait until every accepted put is durable / visible to other readers (no-op by default)."""
+
+    def close(self) -> None:
+        """Flush and release resources."""
+        self.flush()
