@@ -1,0 +1,106 @@
+"""Sampling parameters and the sampler (no model: synthetic logits)."""
+import pytest
+import torch
+
+from kvstrata.engine.sampling import SamplingParams, make_generator, sample
+
+VOCAB = 1000
+
+
+def _logits(batch: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _sample_seeded(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    return sample(logits, params, [make_generator(p, "cpu") for p in params])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", -1), ("max_tokens", 0), ("max_tokens", 2.5),
+    ("temperature", -0.1), ("temperature", float("nan")),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 1.5),
+    ("seed", "abc"), ("stop", ""), ("stop", ["ok", 3]),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_stop_is_normalised_to_a_list():
+    assert SamplingParams(stop="\n").stop == ["\n"]
+    assert SamplingParams().stop == []
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+
+
+def test_temperature_zero_is_argmax():
+    logits = _logits(4)
+    params = [SamplingParams(temperature=0.0)] * 4
+    assert torch.equal(sample(logits, params, [None] * 4), logits.argmax(-1))
+
+
+def test_seeded_sampling_is_reproducible():
+    logits = _logits(1)
+    params = [SamplingParams(temperature=1.0, seed=7)]
+    generator = make_generator(params[0], "cpu")
+    first = [sample(logits, params, [generator]).item() for _ in range(20)]
+    generator = make_generator(params[0], "cpu")
+    again = [sample(logits, params, [generator]).item() for _ in range(20)]
+    assert first == again
+    assert len(set(first)) > 1, "successive draws of one request must differ (the stream advances)"
+
+
+def test_seeded_request_is_independent_of_its_batch_companions():
+    logits = _logits(4)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=123)
+    alone = _sample_seeded(logits[2:3], [seeded])
+    companions = [SamplingParams(temperature=1.3, seed=1), SamplingParams(temperature=0.0),
+                  seeded, SamplingParams(temperature=0.5, top_k=3)]
+    batched = _sample_seeded(logits, companions)
+    reordered = _sample_seeded(logits.flip(0), companions[::-1])
+    assert batched[2] == alone[0] == reordered[1]
+
+
+def test_different_seeds_give_different_samples():
+    logits = torch.zeros(1, VOCAB)  # uniform: two seeds agreeing 8 times in a row is (1/1000)^8
+    a = [_sample_seeded(logits, [SamplingParams(seed=1 + i)]).item() for i in range(8)]
+    b = [_sample_seeded(logits, [SamplingParams(seed=100 + i)]).item() for i in range(8)]
+    assert a != b
+
+
+def test_top_k_one_is_greedy():
+    logits = _logits(8)
+    params = [SamplingParams(temperature=1.5, top_k=1, seed=i) for i in range(8)]
+    assert torch.equal(_sample_seeded(logits, params), logits.argmax(-1))
+
+
+def test_tiny_top_p_is_greedy():
+    logits = _logits(8)
+    params = [SamplingParams(temperature=1.5, top_p=1e-6, seed=i) for i in range(8)]
+    assert torch.equal(_sample_seeded(logits, params), logits.argmax(-1))
+
+
+def test_top_k_only_ever_samples_the_k_most_likely():
+    logits = _logits(1)
+    allowed = set(logits[0].topk(5).indices.tolist())
+    params = [SamplingParams(temperature=2.0, top_k=5, seed=3)]
+    generator = make_generator(params[0], "cpu")
+    drawn = {sample(logits, params, [generator]).item() for _ in range(200)}
+    assert drawn <= allowed and len(drawn) > 1
+
+
+def test_top_p_only_ever_samples_inside_the_nucleus():
+    # probabilities 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps the first two (0.5 < 0.7 <= 0.8)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    params = [SamplingParams(top_p=0.7, seed=5)]
+    generator = make_generator(params[0], "cpu")
+    drawn = {sample(logits, params, [generator]).item() for _ in range(200)}
+    assert drawn == {0, 1}
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    params = [SamplingParams(seed=11)]
+    generator = make_generator(params[0], "cpu")
+    counts = torch.bincount(torch.stack([sample(logits, params, [generator])[0] for _ in range(3000)]),
+                            minlength=3)
+    assert torch.allclose(counts / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
