@@ -1,0 +1,158 @@
+"""The CPU tier serves back exactly what was put, evicts least recently used blocks through
+`on_evict` before reusing their slots, and never serves a block stored under other tokens."""
+import pytest
+import torch
+
+from kvstrata.tiers.base import BlockLayout, as_bytes
+from kvstrata.tiers.cpu import CpuTier
+
+BF16 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+FP32 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+def random_block(layout: BlockLayout, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return as_bytes(torch.randn(layout.block_shape, generator=g).to(layout.dtype)).clone()
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def tokens(i: int, layout: BlockLayout = BF16) -> list[int]:
+    return [1000 * i + t for t in range(layout.block_size)]
+
+
+def put_blocks(tier: CpuTier, ids, layout=BF16) -> dict[int, torch.Tensor]:
+    blocks = {i: random_block(layout, i) for i in ids}
+    tier.put([key(i) for i in ids], [tokens(i, layout) for i in ids], [blocks[i] for i in ids])
+    return blocks
+
+
+def get_one(tier: CpuTier, i: int, layout=BF16, toks=None) -> torch.Tensor | None:
+    dest = torch.empty(layout.block_nbytes, dtype=torch.uint8)
+    (ok,) = tier.get([key(i)], [toks if toks is not None else tokens(i, layout)], [dest])
+    return dest if ok else None
+
+
+@pytest.mark.parametrize("layout", [BF16, FP32], ids=["bf16", "fp32"])
+def test_put_then_get_returns_identical_bytes(layout):
+    tier = CpuTier(layout, capacity_blocks=4)
+    blocks = put_blocks(tier, [1, 2, 3], layout)
+    dests = [torch.empty(layout.block_nbytes, dtype=torch.uint8) for _ in range(3)]
+    assert tier.get([key(i) for i in (1, 2, 3)], [tokens(i, layout) for i in (1, 2, 3)], dests) == [True] * 3
+    for i, dest in zip((1, 2, 3), dests):
+        assert torch.equal(dest, blocks[i])
+
+
+def test_caller_may_overwrite_source_after_put():
+    tier = CpuTier(BF16, capacity_blocks=2)
+    src = random_block(BF16, 7)
+    expected = src.clone()
+    tier.put([key(7)], [tokens(7)], [src])
+    src.zero_()
+    assert torch.equal(get_one(tier, 7), expected)
+
+
+def test_get_of_unknown_hash_is_a_miss():
+    tier = CpuTier(BF16, capacity_blocks=2)
+    put_blocks(tier, [1])
+    dests = [torch.empty(BF16.block_nbytes, dtype=torch.uint8) for _ in range(2)]
+    assert tier.get([key(1), key(2)], [tokens(1), tokens(2)], dests) == [True, False]
+
+
+def test_full_tier_evicts_least_recently_used_and_get_refreshes_recency():
+    tier = CpuTier(BF16, capacity_blocks=3)
+    put_blocks(tier, [1, 2, 3])
+    assert get_one(tier, 1) is not None  # 1 becomes most recent; 2 is now the oldest
+    put_blocks(tier, [4])
+    assert not tier.contains(key(2))
+    assert all(tier.contains(key(i)) for i in (1, 3, 4))
+
+
+def test_eviction_hands_the_old_payload_to_on_evict_before_its_slot_is_reused():
+    evicted = []
+
+    def on_evict(block_hash, token_ids, payload):
+        evicted.append((block_hash, token_ids, payload.clone()))
+
+    tier = CpuTier(BF16, capacity_blocks=2, on_evict=on_evict)
+    blocks = put_blocks(tier, [1, 2])
+    put_blocks(tier, [3])
+    assert len(evicted) == 1
+    block_hash, token_ids, payload = evicted[0]
+    assert block_hash == key(1)
+    assert list(token_ids) == tokens(1)
+    assert torch.equal(payload, blocks[1])
+
+
+def test_token_mismatch_is_a_miss_counted_as_corrupt_and_drops_the_entry():
+    tier = CpuTier(BF16, capacity_blocks=2)
+    put_blocks(tier, [1])
+    wrong = tokens(1)
+    wrong[-1] += 1
+    assert get_one(tier, 1, toks=wrong) is None
+    assert not tier.contains(key(1))
+    stats = tier.stats()
+    assert (stats.corrupt, stats.misses, stats.hits, stats.used_blocks) == (1, 1, 0, 0)
+    put_blocks(tier, [2, 3])  # the dropped slot is free again: no eviction needed
+    assert tier.stats().evictions == 0
+
+
+def test_token_ids_may_come_as_a_tensor():
+    tier = CpuTier(BF16, capacity_blocks=2)
+    blocks = put_blocks(tier, [5])
+    assert torch.equal(get_one(tier, 5, toks=torch.tensor(tokens(5))), blocks[5])
+
+
+def test_put_of_a_held_hash_only_refreshes_recency():
+    tier = CpuTier(BF16, capacity_blocks=2)
+    blocks = put_blocks(tier, [1, 2])
+    tier.put([key(1)], [tokens(1)], [random_block(BF16, 99)])  # other bytes: ignored, 1 becomes recent
+    assert torch.equal(get_one(tier, 1), blocks[1])
+    put_blocks(tier, [3])
+    assert not tier.contains(key(2)) and tier.contains(key(1))
+    assert tier.stats().puts == 3
+
+
+def test_stats_count_hits_misses_puts_evictions_and_usage():
+    tier = CpuTier(BF16, capacity_blocks=2)
+    put_blocks(tier, [1, 2, 3])            # 3 evicts 1
+    get_one(tier, 1)                       # miss
+    get_one(tier, 2)                       # hit
+    get_one(tier, 3)                       # hit
+    stats = tier.stats()
+    assert stats.name == "cpu"
+    assert (stats.hits, stats.misses, stats.puts, stats.evictions, stats.corrupt) == (2, 1, 3, 1, 0)
+    assert (stats.capacity_blocks, stats.used_blocks) == (2, 2)
+    assert (stats.capacity_bytes, stats.used_bytes) == (2 * BF16.block_nbytes, 2 * BF16.block_nbytes)
+
+
+def test_count_prefix_stops_at_the_first_missing_block():
+    tier = CpuTier(BF16, capacity_blocks=4)
+    put_blocks(tier, [1, 2, 4])
+    assert tier.count_prefix([key(1), key(2), key(3), key(4)]) == 2
+    assert tier.count_prefix([key(3), key(1)]) == 0
+    assert tier.count_prefix([]) == 0
+
+
+def test_discard_and_clear_free_slots():
+    tier = CpuTier(BF16, capacity_blocks=2)
+    put_blocks(tier, [1, 2])
+    assert tier.discard(key(1)) and not tier.discard(key(1))
+    tier.clear()
+    assert tier.stats().used_blocks == 0
+    put_blocks(tier, [3, 4])
+    assert tier.stats().evictions == 0
+
+
+def test_pinned_request_without_cuda_falls_back_to_plain_memory():
+    tier = CpuTier(BF16, capacity_blocks=1, pin_memory=True)
+    assert tier.stats().extra["pinned"] == torch.cuda.is_available()
+    blocks = put_blocks(tier, [1])
+    assert torch.equal(get_one(tier, 1), blocks[1])
+
+
+def test_zero_capacity_is_rejected():
+    with pytest.raises(ValueError, match="cache.tiers.cpu.size"):
+        CpuTier(BF16, capacity_blocks=0)

@@ -1,0 +1,155 @@
+"""The CPU tier: a preallocated (optionally pinned) host slab of block slots with LRU eviction.
+
+One slot holds one block's payload (`layout.block_nbytes` bytes) and the block's token ids, which
+every read checks against the ones the caller expects. The LRU order lives in an OrderedDict
+(hash -> slot, least recently used first); free slots sit in a stack. When a put finds no free
+slot, the least recently used block is handed to `on_evict` (so the hierarchy can write it down to
+disk) *before* its slot is overwritten.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from kvstrata.tiers.base import BlockLayout, LowerTier, TierStats
+
+# on_evict(block_hash, token_ids, payload_view): the view aliases the slot about to be reused, so
+# the callback must copy what it keeps before returning. It runs under the tier's lock and must not
+# call back into this tier.
+EvictCallback = Callable[[bytes, tuple, torch.Tensor], None]
+
+
+def token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
+    """Token ids in one canonical, comparable form (plain ints), whatever sequence they came in."""
+    if isinstance(token_ids, torch.Tensor):
+        return tuple(token_ids.tolist())
+    return tuple(int(t) for t in token_ids)
+
+
+class CpuTier(LowerTier):
+    """Host-memory tier of `capacity_blocks` block slots.
+
+    Invariants (all under `_lock`): every slot is either in `_free_slots` or the value of exactly
+    one entry of `_slot_of`; `_token_ids[slot]` is the token tuple of the block in that slot.
+    A read that finds a block whose token ids differ from the expected ones counts it as a miss
+    *and* as corrupt, and drops the entry.
+    """
+
+    name = "cpu"
+
+    def __init__(self, layout: BlockLayout, capacity_blocks: int, pin_memory: bool = False,
+                 on_evict: Optional[EvictCallback] = None):
+        if capacity_blocks <= 0:
+            raise ValueError(f"cache.tiers.cpu.size: the CPU tier needs at least one block, got {capacity_blocks} "
+                             "(leave the tier out to turn it off)")
+        self.layout = layout
+        self.capacity_blocks = capacity_blocks
+        self.on_evict = on_evict
+        # Pinned memory only helps (and only exists) with CUDA; without it a plain slab is the same thing.
+        self.pinned = bool(pin_memory and torch.cuda.is_available())
+        self._slab = torch.empty((capacity_blocks, layout.block_nbytes), dtype=torch.uint8,
+                                 pin_memory=self.pinned)
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()
+        self._token_ids: list[Optional[tuple[int, ...]]] = [None] * capacity_blocks
+        self._free_slots: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() gives slot 0 first
+        self._lock = threading.Lock()
+        self._stats = TierStats(name=self.name, capacity_blocks=capacity_blocks,
+                                capacity_bytes=capacity_blocks * layout.block_nbytes)
+
+    # -- lookups -----------------------------------------------------------------------------
+
+    def contains(self, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_hash in self._slot_of
+
+    def count_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        with self._lock:
+            n = 0
+            for h in block_hashes:
+                if h not in self._slot_of:
+                    break
+                n += 1
+            return n
+
+    def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
+            dests: Sequence[torch.Tensor]) -> list[bool]:
+        assert len(block_hashes) == len(token_ids) == len(dests)
+        served = [False] * len(block_hashes)
+        async_copies = False
+        # The copies happen under the lock: a concurrent put must not reuse a slot mid-copy.
+        with self._lock:
+            for i, (h, expected, dest) in enumerate(zip(block_hashes, token_ids, dests)):
+                slot = self._slot_of.get(h)
+                if slot is None:
+                    self._stats.misses += 1
+                    continue
+                if self._token_ids[slot] != token_tuple(expected):
+                    self._stats.misses += 1
+                    self._stats.corrupt += 1
+                    self._drop(h)
+                    continue
+                non_blocking = self.pinned and dest.device.type != "cpu"
+                dest.copy_(self._slab[slot], non_blocking=non_blocking)
+                async_copies |= non_blocking
+                self._slot_of.move_to_end(h)
+                self._stats.hits += 1
+                served[i] = True
+            if async_copies:
+                # The slots are only safe to reuse once the device has read them.
+                torch.cuda.current_stream().synchronize()
+        return served
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
+            srcs: Sequence[torch.Tensor]) -> None:
+        assert len(block_hashes) == len(token_ids) == len(srcs)
+        with self._lock:
+            for h, ids, src in zip(block_hashes, token_ids, srcs):
+                if h in self._slot_of:
+                    self._slot_of.move_to_end(h)
+                    continue
+                assert src.numel() == self.layout.block_nbytes and src.dtype == torch.uint8, \
+                    "a payload is a flat uint8 tensor of layout.block_nbytes bytes"
+                slot = self._free_slots.pop() if self._free_slots else self._evict_lru()
+                self._slab[slot].copy_(src)
+                self._token_ids[slot] = token_tuple(ids)
+                self._slot_of[h] = slot
+                self._stats.puts += 1
+
+    def _evict_lru(self) -> int:
+        """Free the least recently used slot, handing its block to `on_evict` first; returns the slot."""
+        h, slot = self._slot_of.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(h, self._token_ids[slot], self._slab[slot])
+        self._token_ids[slot] = None
+        self._stats.evictions += 1
+        return slot
+
+    def _drop(self, block_hash: bytes) -> None:
+        slot = self._slot_of.pop(block_hash)
+        self._token_ids[slot] = None
+        self._free_slots.append(slot)
+
+    def discard(self, block_hash: bytes) -> bool:
+        with self._lock:
+            if block_hash not in self._slot_of:
+                return False
+            self._drop(block_hash)
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            for h in list(self._slot_of):
+                self._drop(h)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            used = len(self._slot_of)
+            self._stats.used_blocks = used
+            self._stats.used_bytes = used * self.layout.block_nbytes
+            return dataclasses.replace(self._stats, extra={"pinned": self.pinned})
