@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -120,6 +120,13 @@ class LowerTier(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> TierStats:
         ...
+
+    def blocks(self) -> Iterator[tuple[bytes, tuple[int, ...], torch.Tensor]]:
+        """Every block held, as (hash, token ids, flat uint8 payload), for writing a tier down whole.
+
+        A payload may be a view valid only until the next call into the tier: copy it before then.
+        """
+        raise NotImplementedError(f"the {self.name} tier cannot list its blocks")
 
     def flush(self) -> None:
         """Wait until every accepted put is durable / visible to other readers (no-op by default)."""

@@ -1,0 +1,69 @@
+"""One generation request as the scheduler and the KV manager see it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvstrata.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"      # EOS or a stop string
+    FINISHED_LENGTH = "length"     # max_tokens or the model's context
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    prompt: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    stop_reason: str | None = None
+    # Tokens whose K/V are in the device cache (computed or served from a tier).
+    num_computed_tokens: int = 0
+    # Chain hashes of the request's full blocks (prompt + output so far), extended as tokens arrive.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Prompt tokens served from the cache at the request's first scheduling, per tier (measured).
+    cached_tokens_by_tier: dict[str, int] | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum((self.cached_tokens_by_tier or {}).values())
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
