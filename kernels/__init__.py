@@ -1,1 +1,88 @@
-"""Triton kernels, each with a torch reference beside it. Knows nothing of tiers or the engine."""
+"""Triton kernels, each with a torch reference beside it. Knows nothing of tiers or the engine: plain tensors in,
+tensors out.
+
+The engine asks `get_ops(resolve_backend(config.model.attention_backend, device))` once and calls the returned
+`KernelOps`. Importing this package never imports Triton; only `get_ops("triton")` does.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
+
+BACKENDS = ("triton", "torch")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The kernels one backend provides, all with the signatures of the torch references."""
+
+    name: str
+    store_kv: Callable[..., None]
+    prefix_prefill: Callable[..., torch.Tensor]
+    gather_blocks: Callable[..., torch.Tensor]
+    scatter_blocks: Callable[..., None]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when Triton imports here (it is absent or broken on some machines; the torch path still works)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_interpreted() -> bool:
+    """True when Triton kernels run through its CPU interpreter (tests on machines without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def get_ops(backend: str) -> KernelOps:
+    """The kernels of `backend` ("triton" or "torch")."""
+    if backend == "torch":
+        from kvstrata.kernels import block_copy, kv_store, prefix_prefill
+
+        return KernelOps(name="torch", store_kv=kv_store.reference_store_kv,
+                         prefix_prefill=prefix_prefill.reference_prefix_prefill,
+                         gather_blocks=block_copy.reference_gather_blocks,
+                         scatter_blocks=block_copy.reference_scatter_blocks)
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("model.attention_backend: 'triton' needs the triton package, which is not installed "
+                             "(use 'torch' or 'auto')")
+        from kvstrata.kernels import block_copy, kv_store, prefix_prefill
+
+        if not hasattr(prefix_prefill, "prefix_prefill"):  # Triton kernels land in the next commit
+            raise ValueError("model.attention_backend: the triton kernels are not built yet (use 'torch')")
+        return KernelOps(name="triton", store_kv=kv_store.store_kv, prefix_prefill=prefix_prefill.prefix_prefill,
+                         gather_blocks=block_copy.gather_blocks, scatter_blocks=block_copy.scatter_blocks)
+    raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of auto, triton, torch)")
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """Turn the configured `model.attention_backend` into a concrete backend for `device`:
+    "auto" is "triton" on CUDA when Triton imports, else "torch"; "triton" off CUDA is an error unless the
+    Triton interpreter is on; "torch" works everywhere."""
+    device_type = getattr(device, "type", None) or str(device).split(":")[0]
+    if backend == "auto":
+        return "triton" if device_type == "cuda" and triton_available() else "torch"
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("model.attention_backend: 'triton' needs the triton package, which is not installed "
+                             "(use 'torch' or 'auto')")
+        if device_type != "cuda" and not triton_interpreted():
+            raise ValueError(f"model.attention_backend: 'triton' needs a CUDA device, got {device_type!r} "
+                             "(use 'torch' or 'auto')")
+        return "triton"
+    raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of auto, triton, torch)")
+
+
+__all__ = ["BACKENDS", "KernelOps", "get_ops", "resolve_backend", "triton_available", "triton_interpreted"]

@@ -1,0 +1,88 @@
+"""Random paged-attention problems for the kernel tests, and a naive float64 dense attention to check them
+against (small and obviously correct: one softmax per query over exactly the keys it may see)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Unused block-table entries: a block id far out of range, so a kernel that reads one fails or goes wrong.
+UNUSED_BLOCK_ID = 1 << 20
+
+
+@dataclass
+class PagedProblem:
+    query: torch.Tensor          # [T, num_heads, head_dim]
+    kv_cache: torch.Tensor       # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    layer: int
+    block_tables: torch.Tensor   # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor       # [B] int32
+    keys: list[torch.Tensor]     # per sequence, the dense K written into the cache, [seq_len, kv_heads, head_dim]
+    values: list[torch.Tensor]
+    scale: float
+
+    def args(self) -> tuple:
+        return (self.query, self.kv_cache, self.layer, self.block_tables, self.query_start_loc, self.seq_lens,
+                self.scale)
+
+
+def make_paged_problem(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_heads: int, head_dim: int,
+                       block_size: int, dtype: torch.dtype, num_layers: int = 2, layer: int = 1,
+                       seed: int = 0) -> PagedProblem:
+    """`seqs` lists (context_len, q_len) per sequence. Blocks are spread over a shuffled pool with spare blocks;
+    every cache slot no sequence owns (other blocks, the tail of partial blocks) holds NaN, so reading one shows."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-(ctx + q) // block_size) for ctx, q in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    kv_cache = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), float("nan"),
+                          dtype=dtype)
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.full((len(seqs), max(blocks_per_seq) + 1), UNUSED_BLOCK_ID, dtype=torch.int32)
+    keys, values, queries = [], [], []
+    for seq, ((ctx, q_len), n_blocks) in enumerate(zip(seqs, blocks_per_seq)):
+        seq_len = ctx + q_len
+        key = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        value = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        own, pool = pool[:n_blocks], pool[n_blocks:]
+        block_tables[seq, :n_blocks] = torch.tensor(own, dtype=torch.int32)
+        for j, block_id in enumerate(own):
+            rows = slice(j * block_size, min((j + 1) * block_size, seq_len))
+            n = rows.stop - rows.start
+            kv_cache[block_id, layer, 0, :n] = key[rows]
+            kv_cache[block_id, layer, 1, :n] = value[rows]
+        keys.append(key)
+        values.append(value)
+        queries.append(torch.randn(q_len, num_heads, head_dim, generator=gen).to(dtype))
+    q_lens = torch.tensor([q for _, q in seqs], dtype=torch.int32)
+    query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(q_lens, 0)
+    seq_lens = torch.tensor([ctx + q for ctx, q in seqs], dtype=torch.int32)
+    return PagedProblem(torch.cat(queries), kv_cache, layer, block_tables, query_start_loc, seq_lens, keys, values,
+                        scale=head_dim ** -0.5)
+
+
+def naive_attention(problem: PagedProblem) -> torch.Tensor:
+    """Dense float64 causal attention over each sequence's own K/V, the oracle for every prefill kernel."""
+    num_heads = problem.query.shape[1]
+    outputs = []
+    starts = problem.query_start_loc.tolist()
+    for seq, (key, value) in enumerate(zip(problem.keys, problem.values)):
+        q = problem.query[starts[seq]:starts[seq + 1]].double()
+        seq_len, q_len = key.shape[0], q.shape[0]
+        group = num_heads // key.shape[1]
+        k = key.double().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+        v = value.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * problem.scale
+        query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(outputs)
+
+
+# Tolerances against the float64 oracle: the result is rounded to `dtype` once (bf16 has 8 bits of mantissa).
+TOLERANCE = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
