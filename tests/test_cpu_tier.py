@@ -136,6 +136,17 @@ def test_count_prefix_stops_at_the_first_missing_block():
     assert tier.count_prefix([]) == 0
 
 
+def test_blocks_lists_every_held_block_oldest_first():
+    tier = CpuTier(BF16, capacity_blocks=3)
+    blocks = put_blocks(tier, [1, 2, 3])
+    get_one(tier, 1)
+    listed = tier.blocks()
+    assert [h for h, _, _ in listed] == [key(2), key(3), key(1)]
+    for h, toks, payload in listed:
+        i = int.from_bytes(h, "big")
+        assert list(toks) == tokens(i) and torch.equal(payload, blocks[i])
+
+
 def test_discard_and_clear_free_slots():
     tier = CpuTier(BF16, capacity_blocks=2)
     put_blocks(tier, [1, 2])

@@ -147,6 +147,15 @@ class CpuTier(LowerTier):
             for h in list(self._slot_of):
                 self._drop(h)
 
+    def blocks(self) -> list[tuple[bytes, tuple[int, ...], torch.Tensor]]:
+        """A snapshot of every held block as (hash, token ids, payload view), least recently used first.
+
+        The views alias the slots: read them before the next put can reuse a slot (the hierarchy
+        uses this on close, to write everything still held here down to disk).
+        """
+        with self._lock:
+            return [(h, self._token_ids[slot], self._slab[slot]) for h, slot in self._slot_of.items()]
+
     def stats(self) -> TierStats:
         with self._lock:
             used = len(self._slot_of)
