@@ -62,10 +62,13 @@ class KVCacheManager:
         hashes = request.block_hashes[:max_blocks]
         hit = self.hierarchy.acquire_prefix(hashes, self._block_tokens(request, 0, len(hashes)))
         by_tier = {t: hit.blocks_by_tier.get(t, 0) * self.block_size for t in TIER_NAMES}
+        return hit.blocks, hit.num_blocks * self.block_size, by_tier
+
+    def record_admission(self, request: Request, tokens_by_tier: dict[str, int]) -> None:
+        """Count one admitted request's prefix query (a retried admission is counted once)."""
         self.query_tokens += request.num_tokens
         for t in TIER_NAMES:
-            self.hit_tokens[t] += by_tier[t]
-        return hit.blocks, hit.num_blocks * self.block_size, by_tier
+            self.hit_tokens[t] += tokens_by_tier.get(t, 0)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:

@@ -1,0 +1,131 @@
+"""The offline Python API: `LLM(config).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+from kvstrata.engine.config import Config, load_config
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.request import Request
+from kvstrata.engine.sampling import SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class RequestOutput:
+    """One finished (or, while streaming, in-flight) request, as the user sees it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    cached_tokens: int                       # prompt tokens served from any tier (measured)
+    cached_tokens_by_tier: dict[str, int]    # {"device": n, "cpu": n, "disk": n}
+    ttft_s: float | None                     # arrival to first token, measured
+    finish_reason: str | None                # "stop" | "length" | "abort" | None while running
+    stop_reason: str | None = None           # the stop string that ended it, if any
+    finished: bool = False
+    num_preemptions: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_request(cls, r: Request) -> "RequestOutput":
+        by_tier = dict(r.cached_tokens_by_tier or {"device": 0, "cpu": 0, "disk": 0})
+        return cls(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
+                   text=r.output_text, token_ids=list(r.output_token_ids), cached_tokens=sum(by_tier.values()),
+                   cached_tokens_by_tier=by_tier, ttft_s=r.ttft_s,
+                   finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason,
+                   finished=r.is_finished, num_preemptions=r.num_preemptions)
+
+
+class LLM:
+    """kvstrata's offline entry point.
+
+        llm = LLM("configs/default.yaml")             # or LLM(load_config(path, overrides))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0))
+    """
+
+    def __init__(self, config: Union[str, Path, dict, Config, None] = None, **overrides: Any):
+        self.config = config if isinstance(config, Config) and not overrides else load_config(config, overrides or None)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list; prompts are text or token ids. Outputs keep the order."""
+        return self._run(self._normalise_prompts(prompts), sampling_params, cache_salt)
+
+    def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self._run([(None, self.engine.apply_chat_template(c)) for c in conversations],
+                         sampling_params, cache_salt)
+
+    def _normalise_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of them")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append((p, self.engine.tokenize(p)))
+            elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
+                out.append((None, list(p)))
+            else:
+                raise ValueError("each prompt must be a string or a list of integer token ids")
+        return out
+
+    def _run(self, prompts: list[tuple[str | None, list[int]]], sampling_params, cache_salt) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        # Validate everything before adding anything: a bad prompt leaves nothing half-scheduled.
+        for (_, ids), p in zip(prompts, params):
+            self.engine.validate_request(ids, p)
+        arrival = time.perf_counter()
+        ids = []
+        for (text, token_ids), p in zip(prompts, params):
+            rid = f"gen-{next(self._ids)}"
+            self.engine.add_request(rid, token_ids, p, cache_salt=cache_salt, prompt=text, arrival_time=arrival)
+            ids.append(rid)
+        try:
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        outputs = [RequestOutput.from_request(self.engine.requests[rid]) for rid in ids]
+        for rid in ids:
+            self.engine.release(rid)
+        return outputs
+
+    def stats(self) -> dict:
+        """Per-tier blocks, bytes, hits, misses, evictions; prefix-cache query and hit tokens; moves."""
+        return self.engine.stats()
+
+    def close(self) -> None:
+        """Flush pending write-downs to disk (so the next process finds them) and release the tiers."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

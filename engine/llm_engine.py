@@ -1,0 +1,242 @@
+"""LLMEngine: composes the model, the tiered KV cache and the scheduler; one `step()` at a time.
+
+The engine is single-threaded by design: `add_request`, `abort_request` and `step` are called from
+one thread (the LLM API's loop, or the server's engine thread).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict
+from typing import Sequence
+
+import torch
+
+from kvstrata.engine.config import Config
+from kvstrata.engine.detokenizer import IncrementalDetokenizer
+from kvstrata.engine.hashing import BlockHasher, make_namespace
+from kvstrata.engine.kv_manager import KVCacheManager
+from kvstrata.engine.model_loader import LoadedModel, load_model, resolve_model
+from kvstrata.engine.model_runner import ModelRunner, StepInput
+from kvstrata.engine.request import Request, RequestStatus
+from kvstrata.engine.sampling import SamplingParams, make_generator, sample
+from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
+from kvstrata.kernels import get_ops, resolve_backend
+from kvstrata.tiers.base import KV_LAYOUT_VERSION, BlockLayout
+from kvstrata.tiers.block_pool import BlockPool
+from kvstrata.tiers.cpu import CpuTier
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.hierarchy import TierHierarchy
+
+logger = logging.getLogger("kvstrata")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: Config, loaded: LoadedModel | None = None):
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        self.dtype = DTYPES[config.model.dtype]
+        self.loaded = loaded or load_model(resolve_model(config.model.name), self.dtype, self.device)
+        mc = self.loaded.model_config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(mc.max_model_len, config.model.max_model_len or mc.max_model_len)
+        cache = config.cache
+        self.block_size = cache.block_size
+        self.layout = BlockLayout(mc.num_layers, cache.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        self.hierarchy = self._build_tiers()
+        namespace = make_namespace(mc.identity, config.model.dtype, cache.block_size, KV_LAYOUT_VERSION, cache.hash)
+        self.kv_manager = KVCacheManager(self.hierarchy, BlockHasher(cache.block_size, namespace, cache.hash),
+                                         cache.block_size, enable_caching=cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.scheduler.max_num_batched_tokens,
+                                   config.scheduler.max_num_seqs)
+        self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
+        self.runner = ModelRunner(self.loaded, self.hierarchy.kv_cache, get_ops(self.attention_backend))
+        self.requests: dict[str, Request] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ construction
+
+    def _build_tiers(self) -> TierHierarchy:
+        tiers = self.config.cache.tiers
+        nbytes = self.layout.block_nbytes
+        num_device_blocks = tiers.device.size.to_blocks(nbytes)
+        if num_device_blocks < 1:
+            raise ValueError(f"cache.tiers.device.size: {tiers.device.size} holds no block of "
+                             f"{nbytes} bytes")
+        kv_cache = self.layout.allocate(num_device_blocks, self.device)
+        pool = BlockPool(num_device_blocks, enable_caching=self.config.cache.enable_prefix_caching)
+        cpu = disk = None
+        if self.config.cache.enable_prefix_caching:
+            if tiers.cpu is not None and not tiers.cpu.size.is_off:
+                num_cpu_blocks = tiers.cpu.size.to_blocks(nbytes)
+                if num_cpu_blocks < 1:
+                    raise ValueError(f"cache.tiers.cpu.size: {tiers.cpu.size} holds no block of {nbytes} bytes")
+                pin = tiers.cpu.pinned and self.device.type == "cuda"
+                cpu = CpuTier(self.layout, num_cpu_blocks, pin_memory=pin)
+            if tiers.disk is not None and not tiers.disk.size.is_off:
+                disk = DiskTier(self.layout, str(tiers.disk.path), tiers.disk.size.to_bytes(nbytes))
+        return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload)
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        validate_messages(messages)
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Everything that can be wrong with a request, checked before any work is done."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        vocab = self.loaded.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens and max_tokens is {params.max_tokens}: "
+                             f"{n + params.max_tokens} exceeds the model's context of {self.max_model_len} tokens")
+        blocks_needed = -(-(n + params.max_tokens) // self.block_size)
+        if blocks_needed > self.hierarchy.pool.num_blocks:
+            raise ValueError(f"cache.tiers.device.size: the request needs {blocks_needed} blocks but the device "
+                             f"tier holds {self.hierarchy.pool.num_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    cache_salt: str | None = None, prompt: str | None = None,
+                    arrival_time: float | None = None) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.validate_request(prompt_token_ids, params)
+        request = Request(request_id, prompt_token_ids, params, cache_salt=cache_salt, prompt=prompt)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.requests[request_id] = request
+        self._generators[request_id] = make_generator(params, self.device)
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None and not request.is_finished:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[Request]:
+        """Schedule, run the model once, sample; returns the requests that got a token or finished."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        logits = self.runner.execute(self._build_step_input(out))
+        self.scheduler.update_after_step(out)
+        # The step computed the K/V of the blocks cached at allocation: now they can go down.
+        self.hierarchy.flush_pending()
+        sampling = [s.request for s in out.scheduled if s.samples]
+        if not sampling:
+            return []
+        token_ids = sample(logits, [r.sampling_params for r in sampling],
+                           [self._generators[r.request_id] for r in sampling]).tolist()
+        now = time.perf_counter()
+        for request, token_id in zip(sampling, token_ids):
+            self._append_token(request, token_id, now)
+        return sampling
+
+    def _build_step_input(self, out: SchedulerOutput) -> StepInput:
+        bs = self.block_size
+        input_ids, positions, slots, tables, seq_lens, logits_indices = [], [], [], [], [], []
+        query_start_loc = [0]
+        for s in out.scheduled:
+            req = s.request
+            start, stop = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            block_ids = torch.tensor(self.kv_manager.get_block_ids(req), dtype=torch.int64)
+            pos = torch.arange(start, stop, dtype=torch.int64)
+            input_ids.append(torch.tensor(req.all_token_ids[start:stop], dtype=torch.int64))
+            positions.append(pos)
+            slots.append(block_ids[pos // bs] * bs + pos % bs)
+            tables.append(block_ids)
+            seq_lens.append(stop)
+            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
+            if s.samples:
+                logits_indices.append(query_start_loc[-1] - 1)
+        width = max(len(t) for t in tables)
+        block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = t
+        return StepInput(input_ids=torch.cat(input_ids), positions=torch.cat(positions),
+                         slot_mapping=torch.cat(slots), block_tables=block_tables,
+                         query_start_loc=query_start_loc, seq_lens=seq_lens, logits_indices=logits_indices)
+
+    def _append_token(self, request: Request, token_id: int, now: float) -> None:
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.output_token_ids.append(token_id)
+        params = request.sampling_params
+        detok = self._detokenizers[request.request_id]
+        is_eos = token_id in self.loaded.model_config.eos_token_ids and not params.ignore_eos
+        request.output_text, hit_stop = detok.update(request.output_token_ids, final=is_eos)
+        if hit_stop is not None:
+            request.stop_reason = hit_stop
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+        elif is_eos:
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.output_text = detok.flush(request.output_token_ids)
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self._generators.pop(request.request_id, None)
+        self._detokenizers.pop(request.request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (its outputs have been taken)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.is_finished:
+            del self.requests[request_id]
+
+    # ------------------------------------------------------------------ stats and shutdown
+
+    def stats(self) -> dict:
+        h = self.hierarchy.stats()
+        tiers = {name: asdict(s) for name, s in h["tiers"].items()}
+        counters = asdict(h["counters"])
+        kv = self.kv_manager.stats()
+        return {
+            "tiers": tiers,
+            "prefix_cache": {"query_tokens": kv["query_tokens"], "hit_tokens": kv["hit_tokens"]},
+            "promotions": counters["promotions"],
+            "promotion_failures": counters["promotion_failures"],
+            "write_downs": counters["write_downs"],
+            "device_evictions": counters["device_evictions"],
+            "corrupt": {name: s.get("corrupt", 0) for name, s in tiers.items()},
+            "block_bytes": self.layout.block_nbytes,
+            "attention_backend": self.attention_backend,
+        }
+
+    def close(self) -> None:
+        """Write everything cached that the disk tier lacks down to it, then release the tiers."""
+        if self._closed:
+            return
+        self._closed = True
+        self.hierarchy.close()
+
+
+def validate_messages(messages) -> None:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
