@@ -58,8 +58,6 @@ def get_ops(backend: str) -> KernelOps:
                              "(use 'torch' or 'auto')")
         from kvstrata.kernels import block_copy, kv_store, prefix_prefill
 
-        if not hasattr(prefix_prefill, "prefix_prefill"):  # Triton kernels land in the next commit
-            raise ValueError("model.attention_backend: the triton kernels are not built yet (use 'torch')")
         return KernelOps(name="triton", store_kv=kv_store.store_kv, prefix_prefill=prefix_prefill.prefix_prefill,
                          gather_blocks=block_copy.gather_blocks, scatter_blocks=block_copy.scatter_blocks)
     raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of auto, triton, torch)")

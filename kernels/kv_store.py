@@ -22,3 +22,49 @@ def reference_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     block_ids, offsets = slots // block_size, slots % block_size
     kv_cache[block_ids, layer, 0, offsets] = key.to(kv_cache.dtype)
     kv_cache[block_ids, layer, 1, offsets] = value.to(kv_cache.dtype)
+
+
+@triton.jit
+def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, layer,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cb, stride_cl, stride_ckv, stride_cs, stride_ch,
+                     num_kv_heads, head_dim, block_size,
+                     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One program per token: copy its [num_kv_heads, head_dim] K and V into slot `slot_mapping[token]`."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    block_id = slot // block_size
+    offset = slot % block_size
+    heads = tl.arange(0, HEADS)[:, None]
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    mask = (heads < num_kv_heads) & (dims < head_dim)
+    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    dst = cache_ptr + block_id * stride_cb + layer * stride_cl + offset * stride_cs + heads * stride_ch + dims
+    tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_ckv, value.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+             slot_mapping: torch.Tensor) -> None:
+    """Triton version of `reference_store_kv`: writes in place, one program per token, no host sync."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"store_kv: value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if kv_cache.dim() != 6 or kv_cache.shape[4:] != (num_kv_heads, head_dim):
+        raise ValueError(f"store_kv: kv_cache shape {tuple(kv_cache.shape)} does not hold "
+                         f"{num_kv_heads} kv heads of dim {head_dim}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"store_kv: slot_mapping shape {tuple(slot_mapping.shape)} != ({num_tokens},)")
+    if key.stride(2) != 1 or value.stride(2) != 1 or kv_cache.stride(5) != 1:
+        raise ValueError("store_kv: key, value and kv_cache need a contiguous last (head_dim) axis")
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, kv_cache, slot_mapping, layer,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+        num_kv_heads, head_dim, kv_cache.shape[3],
+        HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=triton.next_power_of_2(head_dim))
