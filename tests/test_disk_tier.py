@@ -1,0 +1,316 @@
+"""The disk tier serves back exactly what was put, across reopen and across processes, keeps within its
+byte budget by evicting the least recently read block, and turns anything that does not verify into
+a counted miss instead of an exception or wrong bytes."""
+import subprocess
+import sys
+import textwrap
+import threading
+
+import lmdb
+import pytest
+import torch
+
+from kvstrata.tiers.base import BlockLayout, as_bytes
+from kvstrata.tiers.disk import DiskTier, clear_store, encoded_size, read_store_stats
+
+BF16 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+FP32 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+MiB = 1 << 20
+
+
+def payload(layout: BlockLayout, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return as_bytes(torch.randn(layout.block_shape, generator=g).to(layout.dtype)).clone()
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def tokens(i: int, layout: BlockLayout = BF16) -> list[int]:
+    return [1000 * i + t for t in range(layout.block_size)]
+
+
+def put_blocks(tier: DiskTier, ids, layout=BF16) -> None:
+    tier.put([key(i) for i in ids], [tokens(i, layout) for i in ids], [payload(layout, i) for i in ids])
+
+
+def get_blocks(tier: DiskTier, ids, layout=BF16, toks=None) -> list[bool]:
+    """Read blocks and check every served one is byte-exact; returns which were served."""
+    dests = [torch.empty(layout.block_nbytes, dtype=torch.uint8) for _ in ids]
+    served = tier.get([key(i) for i in ids], toks or [tokens(i, layout) for i in ids], dests)
+    for i, ok, dest in zip(ids, served, dests):
+        if ok:
+            assert torch.equal(dest, payload(layout, i)), f"block {i} served with wrong bytes"
+    return served
+
+
+def run_python(code: str) -> str:
+    """Run code in a fresh interpreter (a second process on the store); returns its stdout."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+CHILD_PRELUDE = """
+import torch
+from kvstrata.tiers.base import BlockLayout, as_bytes
+from kvstrata.tiers.disk import DiskTier
+L = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+def payload(i):
+    g = torch.Generator().manual_seed(i)
+    return as_bytes(torch.randn(L.block_shape, generator=g).to(L.dtype)).clone()
+def key(i): return i.to_bytes(16, "big")
+def tokens(i): return [1000 * i + t for t in range(L.block_size)]
+"""
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    return str(tmp_path / "kvstore")
+
+
+def corrupt_value(path: str, i: int, mangle) -> None:
+    """Rewrite one stored value directly in LMDB (the tier must be closed)."""
+    env = lmdb.open(path, max_dbs=4, map_size=0)
+    blocks = env.open_db(b"blocks", create=False)
+    with env.begin(write=True, db=blocks) as txn:
+        txn.put(key(i), mangle(bytearray(txn.get(key(i)))))
+    env.close()
+
+
+@pytest.mark.parametrize("layout", [BF16, FP32], ids=["bf16", "fp32"])
+def test_put_then_get_returns_identical_bytes(store_path, layout):
+    tier = DiskTier(layout, store_path, 4 * MiB)
+    put_blocks(tier, range(5), layout)
+    tier.flush()
+    assert get_blocks(tier, range(5), layout) == [True] * 5
+    assert get_blocks(tier, [7], layout) == [False]
+    tier.close()
+
+
+def test_blocks_survive_close_and_reopen(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, range(3))
+    tier.close()  # flushes
+    reopened = DiskTier(BF16, store_path, 4 * MiB)
+    assert get_blocks(reopened, range(3)) == [True] * 3
+    reopened.close()
+
+
+def test_blocks_are_served_to_a_fresh_process(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, range(3))
+    tier.close()
+    out = run_python(CHILD_PRELUDE + f"""
+tier = DiskTier(L, {store_path!r}, 4 << 20)
+dests = [torch.empty(L.block_nbytes, dtype=torch.uint8) for _ in range(3)]
+ok = tier.get([key(i) for i in range(3)], [tokens(i) for i in range(3)], dests)
+print(ok, all(torch.equal(d, payload(i)) for i, d in enumerate(dests)))
+tier.close()
+""")
+    assert out.strip() == "[True, True, True] True"
+
+
+def test_pending_puts_are_served_before_the_writer_commits_them(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    gate = threading.Event()
+    commit = tier._apply_with_room
+
+    def stalled_commit(batch):
+        gate.wait()
+        commit(batch)
+
+    tier._apply_with_room = stalled_commit  # hold the writer so the puts stay pending
+    put_blocks(tier, range(3))
+    assert tier.stats().extra["pending_puts"] == 3
+    assert tier.count_prefix([key(0), key(1), key(2), key(3)]) == 3
+    assert get_blocks(tier, range(3)) == [True] * 3
+    gate.set()
+    tier.flush()
+    assert tier.stats().extra["pending_puts"] == 0
+    assert get_blocks(tier, range(3)) == [True] * 3
+    tier.close()
+
+
+def test_pending_puts_are_written_when_the_interpreter_exits(store_path):
+    run_python(CHILD_PRELUDE + f"""
+tier = DiskTier(L, {store_path!r}, 4 << 20)
+tier.put([key(i) for i in range(20)], [tokens(i) for i in range(20)], [payload(i) for i in range(20)])
+# no close(): the tier closes itself at exit
+""")
+    assert read_store_stats(store_path)["entries"] == 20
+
+
+def test_full_store_evicts_the_least_recently_read_block_and_stays_within_capacity(store_path):
+    capacity = 4 * encoded_size(BF16)
+    tier = DiskTier(BF16, store_path, capacity)
+    put_blocks(tier, [1, 2, 3, 4])
+    tier.flush()
+    assert get_blocks(tier, [1]) == [True]  # 1 becomes most recent: 2 is now the oldest
+    put_blocks(tier, [5])
+    tier.flush()
+    assert [tier.contains(key(i)) for i in (1, 2, 3, 4, 5)] == [True, False, True, True, True]
+    put_blocks(tier, range(10, 30))
+    tier.flush()
+    stats = tier.stats()
+    assert stats.used_bytes <= capacity
+    assert stats.evictions == 1 + 20
+    assert get_blocks(tier, range(26, 30)) == [True] * 4
+    tier.close()
+
+
+def test_lru_order_is_kept_in_the_store_across_reopen(store_path):
+    capacity = 3 * encoded_size(BF16)
+    tier = DiskTier(BF16, store_path, capacity)
+    put_blocks(tier, [1, 2, 3])
+    tier.flush()
+    get_blocks(tier, [1])
+    tier.close()
+    tier = DiskTier(BF16, store_path, capacity)
+    put_blocks(tier, [4])
+    tier.flush()
+    assert [tier.contains(key(i)) for i in (1, 2, 3, 4)] == [True, False, True, True]
+    tier.close()
+
+
+def test_many_writes_far_beyond_capacity_never_fail(store_path):
+    layout = BlockLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    capacity = 10 * encoded_size(layout)
+    tier = DiskTier(layout, store_path, capacity, writer_batch=8)
+    for start in range(0, 300, 25):
+        put_blocks(tier, range(start, start + 25), layout)
+    tier.flush()
+    stats = tier.stats()
+    assert stats.used_bytes <= capacity and stats.extra["write_errors"] == 0
+    assert get_blocks(tier, range(290, 300), layout) == [True] * 10
+    tier.close()
+
+
+def test_token_mismatch_is_a_counted_miss_and_drops_the_entry(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, [1])
+    tier.flush()
+    wrong = tokens(1)
+    wrong[0] += 1
+    assert get_blocks(tier, [1], toks=[wrong]) == [False]
+    tier.flush()
+    assert not tier.contains(key(1))
+    stats = tier.stats()
+    assert (stats.corrupt, stats.misses, stats.hits, stats.used_blocks, stats.used_bytes) == (1, 1, 0, 0, 0)
+    tier.close()
+
+
+@pytest.mark.parametrize("mangle", [
+    pytest.param(lambda v: v[:-1] + bytes([v[-1] ^ 0x01]), id="flipped-payload-bit"),
+    pytest.param(lambda v: v[: len(v) // 2], id="truncated"),
+    pytest.param(lambda v: v[:4], id="header-only"),
+    pytest.param(lambda v: b"\xff" * len(v), id="garbage-header"),
+    pytest.param(lambda v: b"", id="empty"),
+])
+def test_a_damaged_value_is_a_counted_miss_never_served(store_path, mangle):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, [1, 2])
+    tier.close()
+    corrupt_value(store_path, 1, mangle)
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    assert get_blocks(tier, [1, 2]) == [False, True]
+    tier.flush()
+    assert not tier.contains(key(1)) and tier.contains(key(2))
+    assert tier.stats().corrupt == 1
+    tier.close()
+
+
+def test_a_block_from_another_layout_is_a_miss(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, [1])
+    tier.close()
+    other = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    assert other.block_nbytes == BF16.block_nbytes  # same size, different meaning
+    tier = DiskTier(other, store_path, 4 * MiB)
+    dest = torch.empty(other.block_nbytes, dtype=torch.uint8)
+    assert tier.get([key(1)], [tokens(1)], [dest]) == [False]
+    assert tier.stats().corrupt == 1
+    tier.close()
+
+
+def test_put_of_a_held_block_keeps_the_stored_bytes(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, [1])
+    tier.flush()
+    tier.put([key(1)], [tokens(1)], [payload(BF16, 99)])
+    tier.flush()
+    assert get_blocks(tier, [1]) == [True]
+    assert tier.stats().puts == 1
+    tier.close()
+
+
+def test_discard_and_clear_remove_blocks(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, range(4))
+    assert tier.discard(key(0)) and not tier.discard(key(0))
+    assert tier.stats().used_blocks == 3
+    tier.clear()
+    stats = tier.stats()
+    assert (stats.used_blocks, stats.used_bytes) == (0, 0)
+    assert get_blocks(tier, range(4)) == [False] * 4
+    tier.close()
+
+
+def test_close_is_idempotent_and_later_use_is_an_error(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    tier.close()
+    tier.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.contains(key(1))
+
+
+def test_unwritable_path_is_a_one_line_error_naming_the_key(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match=r"^cache\.tiers\.disk\.path: cannot write to '.*a-file/store'"):
+        DiskTier(BF16, str(blocker / "store"), 4 * MiB)
+
+
+def test_capacity_beyond_free_space_is_an_error_naming_the_key(store_path):
+    with pytest.raises(ValueError, match=r"^cache\.tiers\.disk\.size: .* exceeds the .* free on"):
+        DiskTier(BF16, store_path, 1 << 62)
+
+
+def test_capacity_below_one_block_is_an_error_naming_the_key(store_path):
+    with pytest.raises(ValueError, match=r"^cache\.tiers\.disk\.size: .* smaller than one block"):
+        DiskTier(BF16, store_path, BF16.block_nbytes // 2)
+
+
+def test_two_processes_share_one_store(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, [1])
+    tier.flush()
+    out = run_python(CHILD_PRELUDE + f"""
+tier = DiskTier(L, {store_path!r}, 4 << 20)
+print(tier.contains(key(1)))
+tier.put([key(i) for i in (2, 3)], [tokens(i) for i in (2, 3)], [payload(i) for i in (2, 3)])
+tier.flush()
+tier.close()
+""")
+    assert out.strip() == "True"  # the child saw ours, while we hold the store open
+    assert get_blocks(tier, [1, 2, 3]) == [True] * 3  # and we see the child's
+    tier.close()
+
+
+def test_admin_helpers_report_and_clear_a_store_without_its_layout(store_path, tmp_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, range(6))
+    tier.close()
+    stats = read_store_stats(store_path)
+    assert stats["entries"] == 6
+    assert 6 * BF16.block_nbytes < stats["used_bytes"] <= 6 * encoded_size(BF16)
+    assert stats["capacity_bytes"] == 4 * MiB
+    assert stats["file_bytes"] >= stats["used_bytes"]
+    assert clear_store(store_path) == 6
+    assert read_store_stats(store_path)["entries"] == 0
+    with pytest.raises(ValueError, match="not a kvstrata disk store"):
+        read_store_stats(str(tmp_path / "nothing-here"))
+    with pytest.raises(ValueError, match="not a kvstrata disk store"):
+        clear_store(str(tmp_path))
