@@ -15,8 +15,9 @@ from kvstrata.kernels.block_copy import (gather_blocks, reference_gather_blocks,
 from kvstrata.kernels.kv_store import reference_store_kv, store_kv
 from kvstrata.kernels.prefix_prefill import prefix_prefill, reference_prefix_prefill
 
-# (context, new tokens): fresh prompts, chunked prefill over cached blocks, decode rows, block-aligned edges.
-MIXED_BATCH = [(0, 7), (13, 1), (30, 5), (0, 1), (47, 17), (16, 16)]
+# (context, new tokens): fresh prompts, chunked prefill over cached blocks, decode rows, block-aligned edges, and a
+# first query at position 62 (the last key of a 64-key tile is then visible to it but not to the row after).
+MIXED_BATCH = [(0, 7), (13, 1), (30, 5), (0, 1), (47, 17), (16, 16), (62, 4)]
 
 
 def check_prefill(problem, dtype) -> None:
@@ -36,7 +37,7 @@ def test_prefill_mixed_batch_with_gqa_matches_reference(dtype):
 
 
 def test_prefill_head_dim_128_long_context_spans_many_tiles():
-    problem = make_paged_problem([(100, 3), (0, 70), (37, 40)], num_heads=8, num_kv_heads=2, head_dim=128,
+    problem = make_paged_problem([(100, 3), (0, 70), (30, 40)], num_heads=8, num_kv_heads=2, head_dim=128,
                                  block_size=16, dtype=torch.float32, seed=1)
     check_prefill(problem, torch.float32)
 
