@@ -302,7 +302,7 @@ def load_config(source: str | os.PathLike | Mapping | Config | None = None,
         for variable, key, value in _environment_overrides(os.environ):
             _set_dotted(raw, key, value)
             env_sources[key] = variable
-    for key, value in _parse_overrides(overrides).items():
+    for key, value in parse_overrides(overrides).items():
         _set_dotted(raw, key, value)
         env_sources.pop(key, None)
     return _validate(raw, env_sources)
@@ -371,7 +371,8 @@ def _environment_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, A
     return found
 
 
-def _parse_overrides(overrides: Mapping[str, Any] | list[str] | str | None) -> dict[str, Any]:
+def parse_overrides(overrides: Mapping[str, Any] | list[str] | str | None) -> dict[str, Any]:
+    """`["a.b=1", "c=x"]` -> `{"a.b": 1, "c": "x"}` (values parsed as YAML scalars); a dict passes through."""
     if overrides is None:
         return {}
     if isinstance(overrides, Mapping):

@@ -1,0 +1,242 @@
+"""`kvstrata`, the command line (DESIGN.md, "CLI").
+
+    kvstrata serve  --config F [--host H] [--port P] [--set key=value ...]
+    kvstrata ask    --config F --doc FILE [--question Q ...] [QUESTION ...] [--max-tokens N]
+    kvstrata bench  ttft --config F [benchmark options ...]
+    kvstrata config check FILE [--set key=value ...]
+    kvstrata cache  stats|clear --config F
+
+Every command takes `--set dotted.key=value` (repeatable) on top of its config file. A bad config
+or argument value is one line on stderr and exit code 2, never a traceback; Ctrl-C exits 130.
+Heavy modules (torch, transformers, the engine) are imported inside the commands that need them,
+so `kvstrata config check` and `kvstrata --version` stay fast.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import runpy
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from kvstrata import __version__
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2          # bad config or arguments (argparse uses 2 too)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passes_extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except ValueError as exc:  # ConfigError is a ValueError
+        _print_error(exc)
+        return EXIT_USAGE
+    except (OSError, ModuleNotFoundError) as exc:
+        _print_error(exc)
+        return EXIT_FAILURE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstrata", description="An LLM inference engine with a tiered prefix KV cache.")
+    parser.add_argument("--version", action="version", version=f"kvstrata {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_config_arguments(serve)
+    serve.add_argument("--host", help="address to listen on (overrides server.host)")
+    serve.add_argument("--port", type=int, help="port to listen on (overrides server.port)")
+    serve.set_defaults(run=_serve)
+
+    ask = commands.add_parser("ask", help="answer questions about a long document")
+    _add_config_arguments(ask)
+    ask.add_argument("--doc", required=True, help="the document (a text file)")
+    ask.add_argument("--question", action="append", default=[], help="a question (repeatable)")
+    ask.add_argument("questions", nargs="*", metavar="QUESTION", help="more questions")
+    ask.add_argument("--max-tokens", type=_positive_int, default=256, help="longest answer in tokens (default 256)")
+    ask.set_defaults(run=_ask)
+
+    bench = commands.add_parser("bench", help="run a benchmark")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    ttft = benchmarks.add_parser("ttft", help="time to first token under memory pressure (benchmarks/ttft_pressure.py); "
+                                              "options after --config go to the benchmark")
+    _add_config_arguments(ttft)
+    ttft.set_defaults(run=_bench_ttft, passes_extra_args=True)
+
+    config = commands.add_parser("config", help="work with config files")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    check = config_commands.add_parser("check", help="validate a config file and print the resolved config")
+    check.add_argument("file", metavar="FILE")
+    _add_override_argument(check)
+    check.set_defaults(run=_config_check)
+
+    cache = commands.add_parser("cache", help="inspect or empty the persistent (disk) tier")
+    cache_commands = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    for name, run, help_text in (("stats", _cache_stats, "print the disk tier's contents and size"),
+                                 ("clear", _cache_clear, "drop every block from the disk tier")):
+        action = cache_commands.add_parser(name, help=help_text)
+        _add_config_arguments(action)
+        action.set_defaults(run=run)
+    return parser
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML config (default: built-in defaults, the embedded model with a 1GiB device tier)")
+    _add_override_argument(parser)
+
+
+def _add_override_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config key, e.g. --set cache.tiers.cpu.size=2GiB (repeatable)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _load(args: argparse.Namespace, **extra_overrides: Any):
+    from kvstrata.engine.config import load_config, parse_overrides
+
+    overrides = parse_overrides(args.overrides)
+    overrides.update({key: value for key, value in extra_overrides.items() if value is not None})
+    return load_config(getattr(args, "config", None) or getattr(args, "file", None), overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = _load(args, **{"server.host": args.host, "server.port": args.port})
+    from kvstrata.engine.server import serve
+
+    serve(config)
+    return EXIT_OK
+
+
+def _ask(args: argparse.Namespace) -> int:
+    """Answers are printed by `qa.ask` itself (it streams them as they are generated)."""
+    doc_path = Path(args.doc)
+    if not doc_path.is_file():
+        raise ValueError(f"--doc: no such file {args.doc!r}")
+    questions = [*args.question, *args.questions]
+    if not questions:
+        raise ValueError("ask: give at least one question (as an argument or with --question)")
+    config = _load(args)
+    from kvstrata.engine.qa import ask
+
+    ask(config, doc_path, questions, args.max_tokens)
+    return EXIT_OK
+
+
+def _bench_ttft(args: argparse.Namespace) -> int:
+    """Run benchmarks/ttft_pressure.py as a script, with --config, --set and any further options."""
+    _load(args)  # a bad config fails here, in one line, before the benchmark loads a model
+    script = _find_benchmark("ttft_pressure")
+    script_args = ["--config", args.config] if args.config else []
+    for override in args.overrides:
+        script_args += ["--set", override]
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(script), *script_args, *args.extra]
+    sys.path.insert(0, str(script.parent.parent))  # so the script can import the `benchmarks` package
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return EXIT_OK
+
+
+def _find_benchmark(name: str) -> Path:
+    # Benchmarks live beside the packages in a source checkout; try it, then the current directory.
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        script = root / "benchmarks" / f"{name}.py"
+        if script.is_file():
+            return script
+    raise ValueError(f"bench: benchmarks/{name}.py not found; run from a kvstrata source checkout")
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    config = _load(args)
+    sys.stdout.write(config.to_yaml())
+    return EXIT_OK
+
+
+def _cache_stats(args: argparse.Namespace) -> int:
+    import yaml
+
+    config = _load(args)
+    disk = config.cache.tiers.disk
+    if disk is None:
+        print("disk tier: off in this config (only the disk tier persists between runs)")
+        return EXIT_OK
+    if not _store_exists(disk.path):
+        print(f"disk tier: no store at {disk.path} yet (nothing has been written)")
+        return EXIT_OK
+    from kvstrata.tiers.disk import read_store_stats
+
+    stats = _plain(read_store_stats(disk.path))
+    report = {"path": str(disk.path), "configured_size": disk.size.to_yaml_value(),
+              **(stats if isinstance(stats, dict) else {"stats": stats})}
+    sys.stdout.write(yaml.safe_dump({"disk": report}, sort_keys=False))
+    return EXIT_OK
+
+
+def _cache_clear(args: argparse.Namespace) -> int:
+    config = _load(args)
+    disk = config.cache.tiers.disk
+    if disk is None:
+        print("disk tier: off in this config; nothing to clear")
+        return EXIT_OK
+    if not _store_exists(disk.path):
+        print(f"disk tier: no store at {disk.path}; nothing to clear")
+        return EXIT_OK
+    from kvstrata.tiers.disk import clear_store
+
+    cleared = clear_store(disk.path)
+    what = f"{cleared} blocks" if isinstance(cleared, int) and not isinstance(cleared, bool) else "all blocks"
+    print(f"cleared {what} from {disk.path}")
+    return EXIT_OK
+
+
+def _store_exists(path: Path) -> bool:
+    # The disk tier is one LMDB environment in a directory; LMDB keeps its data in data.mdb there.
+    return (path / "data.mdb").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Output helpers
+
+
+def _plain(value: Any) -> Any:
+    """Stats objects (dataclasses, dicts, paths) as YAML-safe plain data."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _print_error(exc: BaseException) -> None:
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"kvstrata: error: {message}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The `kvstrata` command line: config check, cache stats/clear, and one-line errors with exit code 2."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvstrata import cli
+from kvstrata.engine.config import ENV_OVERRIDES, load_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def kvstrata(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key not in {v for v, _, _ in ENV_OVERRIDES}}
+    return subprocess.run([sys.executable, "-m", "kvstrata.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=120)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("kvstrata: error: ")
+    assert fragment in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch, tmp_path):
+    for variable, _, _ in ENV_OVERRIDES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# ------------------------------------------------------------------------------------------ config check
+
+
+def test_config_check_prints_the_resolved_config(tmp_path):
+    result = kvstrata("config", "check", str(CONFIGS / "default.yaml"), "--set", "server.port=9001", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed["server"]["port"] == 9001
+    assert printed["cache"]["tiers"]["disk"]["path"] == str(tmp_path / "kvstore")
+    assert load_config(printed) == load_config(CONFIGS / "default.yaml", ["server.port=9001"])
+
+
+def test_config_check_of_a_bad_key_is_one_line_and_exit_2(tmp_path):
+    path = write_yaml(tmp_path / "bad.yaml", {"cache": {"tiers": {"dsk": {"size": "1GiB"}}}})
+    assert_one_line_error(kvstrata("config", "check", str(path), cwd=tmp_path), "cache.tiers.dsk: unknown key")
+
+
+def test_config_check_of_malformed_yaml_is_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model: {name: [\n")
+    assert_one_line_error(kvstrata("config", "check", str(path), cwd=tmp_path), "malformed YAML at line")
+
+
+def test_config_check_of_a_missing_file_is_one_line_and_exit_2(tmp_path):
+    assert_one_line_error(kvstrata("config", "check", "nope.yaml", cwd=tmp_path), "nope.yaml: no such file")
+
+
+def test_config_check_of_a_bad_override_is_one_line_and_exit_2(tmp_path):
+    result = kvstrata("config", "check", str(CONFIGS / "default.yaml"), "--set", "cache.hash=md5", cwd=tmp_path)
+    assert_one_line_error(result, "cache.hash: unknown value 'md5'")
+
+
+def test_config_check_needs_neither_torch_nor_transformers(tmp_path):
+    probe = ("import sys, contextlib, io\n"
+             "from kvstrata.cli import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()):\n"
+             f"    assert main(['config', 'check', {str(CONFIGS / 'pressure.yaml')!r}]) == 0\n"
+             "heavy = sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules)\n"
+             "assert not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_version_is_printed(tmp_path):
+    result = kvstrata("--version", cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.startswith("kvstrata ")
+
+
+# ------------------------------------------------------------------------------------------ other commands
+
+
+def test_ask_without_the_document_is_one_line_and_exit_2(tmp_path):
+    assert_one_line_error(kvstrata("ask", "--doc", "missing.txt", "what?", cwd=tmp_path), "--doc: no such file")
+
+
+def test_ask_without_a_question_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "doc.txt").write_text("a document")
+    assert_one_line_error(kvstrata("ask", "--doc", "doc.txt", cwd=tmp_path), "at least one question")
+
+
+def test_serve_with_a_bad_config_fails_before_loading_anything(tmp_path):
+    path = write_yaml(tmp_path / "bad.yaml", {"scheduler": {"max_num_seqs": 0}})
+    assert_one_line_error(kvstrata("serve", "--config", str(path), cwd=tmp_path), "scheduler.max_num_seqs")
+
+
+def test_bench_with_a_bad_config_fails_before_running(tmp_path):
+    result = kvstrata("bench", "ttft", "--config", str(CONFIGS / "pressure.yaml"), "--set", "model.dtype=fp8",
+                      cwd=tmp_path)
+    assert_one_line_error(result, "model.dtype")
+
+
+def test_serve_hands_the_config_with_host_and_port_flags_to_the_server(monkeypatch):
+    served = []
+    monkeypatch.setitem(sys.modules, "kvstrata.engine.server", types.SimpleNamespace(serve=served.append))
+    assert cli.main(["serve", "--config", str(CONFIGS / "default.yaml"), "--port", "9100", "--host", "0.0.0.0",
+                     "--set", "scheduler.max_num_seqs=4"]) == 0
+    (config,) = served
+    assert (config.server.host, config.server.port, config.scheduler.max_num_seqs) == ("0.0.0.0", 9100, 4)
+
+
+def test_ask_hands_document_and_all_questions_to_qa(monkeypatch, tmp_path):
+    calls = []
+    fake_qa = types.SimpleNamespace(ask=lambda *args: calls.append(args))
+    monkeypatch.setitem(sys.modules, "kvstrata.engine.qa", fake_qa)
+    (tmp_path / "doc.txt").write_text("a document")
+    assert cli.main(["ask", "--doc", "doc.txt", "--question", "first?", "second?", "--max-tokens", "7"]) == 0
+    (config, doc_path, questions, max_tokens), = calls
+    assert (Path(doc_path), questions, max_tokens) == (Path("doc.txt"), ["first?", "second?"], 7)
+    assert config == load_config()
+
+
+def test_ctrl_c_exits_130_quietly(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_config_check", interrupted)
+    assert cli.main(["config", "check", "whatever.yaml"]) == 130
+    assert capsys.readouterr().err == ""
+
+
+def test_unknown_arguments_are_refused(tmp_path):
+    result = kvstrata("config", "check", str(CONFIGS / "default.yaml"), "--frobnicate", cwd=tmp_path)
+    assert result.returncode == 2 and "unrecognized arguments: --frobnicate" in result.stderr
+
+
+# ------------------------------------------------------------------------------------------ cache stats/clear
+
+
+def make_store(path: Path, num_blocks: int) -> None:
+    import torch
+
+    from kvstrata.tiers.base import BlockLayout, as_bytes
+    from kvstrata.tiers.disk import DiskTier
+
+    layout = BlockLayout(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    tier = DiskTier(layout, str(path), capacity_bytes=4 * 1024**2)
+    blocks = layout.allocate(num_blocks)
+    tier.put([bytes([i]) * 16 for i in range(num_blocks)], [[i, i, i, i] for i in range(num_blocks)],
+             [as_bytes(blocks[i]) for i in range(num_blocks)])
+    tier.close()
+
+
+def test_cache_stats_and_clear_on_a_disk_store(tmp_path, capsys):
+    # In-process: the disk tier imports torch, which a subprocess would pay for on every call.
+    store = tmp_path / "store"
+    make_store(store, num_blocks=3)
+    config = str(write_yaml(tmp_path / "c.yaml", {"cache": {"tiers": {"disk": {"path": str(store), "size": "4MiB"}}}}))
+
+    assert cli.main(["cache", "stats", "--config", config]) == 0
+    report = yaml.safe_load(capsys.readouterr().out)["disk"]
+    assert report["path"] == str(store) and report["entries"] == 3 and report["used_bytes"] > 0
+
+    assert cli.main(["cache", "clear", "--config", config]) == 0
+    assert capsys.readouterr().out.strip() == f"cleared 3 blocks from {store}"
+
+    assert cli.main(["cache", "stats", "--config", config]) == 0
+    after = yaml.safe_load(capsys.readouterr().out)["disk"]
+    assert after["entries"] == 0 and after["used_bytes"] == 0
+
+
+def test_cache_stats_before_anything_was_written_says_so(tmp_path):
+    config = write_yaml(tmp_path / "c.yaml", {"cache": {"tiers": {"disk": {"path": "fresh", "size": "4MiB"}}}})
+    result = kvstrata("cache", "stats", "--config", str(config), cwd=tmp_path)
+    assert result.returncode == 0 and "no store at" in result.stdout
+
+
+def test_cache_commands_with_the_disk_tier_off_say_so(tmp_path):
+    for action in ("stats", "clear"):
+        result = kvstrata("cache", action, "--set", "cache.tiers.cpu.size=1MiB", cwd=tmp_path)
+        assert result.returncode == 0 and "disk tier: off" in result.stdout

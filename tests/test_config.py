@@ -1,0 +1,385 @@
+"""The YAML config: shipped configs, defaults, sizes, overrides, and one-line errors naming the key."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstrata.engine import config as config_module
+from kvstrata.engine.config import ENV_OVERRIDES, Config, ConfigError, load_config
+from kvstrata.engine.sizes import Size
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+SMOLLM2_BF16_BLOCK_NBYTES = 368_640  # 30 layers x 2 x 16 tokens x 3 KV heads x 64 dims x 2 bytes
+GiB = 1024**3
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch, tmp_path):
+    """No override variable leaks in from the caller, and relative disk paths land in a temp dir."""
+    for variable, _, _ in ENV_OVERRIDES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def config_error(source, overrides=None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(source, overrides)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return info.value
+
+
+# ----------------------------------------------------------------------------------- shipped configs
+
+
+@pytest.mark.parametrize("name", ["default.yaml", "pressure.yaml"])
+def test_shipped_config_loads_on_a_laptop(name, tmp_path):
+    config = load_config(CONFIGS / name)
+    assert config.model.name == config_module.EMBEDDED_MODEL
+    assert config.tiers_enabled() == ("device", "cpu", "disk")
+    assert config.cache.tiers.disk.path.parent == tmp_path  # ./kvstore... resolved against the current directory
+
+
+def test_gpu_config_loads_on_a_gpu_server(monkeypatch):
+    monkeypatch.setattr(config_module, "_ram_bytes", lambda: 256 * GiB)
+    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index: 80 * GiB)
+    monkeypatch.setattr(config_module, "_disk_room_bytes", lambda path: 1024 * GiB)
+    config = load_config(CONFIGS / "gpu.yaml")
+    assert config.cache.tiers.device.size == Size(nbytes=8 * GiB)
+    assert config.cache.tiers.cpu.size == Size(nbytes=32 * GiB) and config.cache.tiers.cpu.pinned
+    assert config.cache.tiers.disk.size == Size(nbytes=128 * GiB)
+
+
+def test_gpu_config_is_refused_where_its_cpu_tier_does_not_fit(monkeypatch):
+    monkeypatch.setattr(config_module, "_ram_bytes", lambda: 16 * GiB)
+    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index: 80 * GiB)
+    assert config_error(CONFIGS / "gpu.yaml").key == "cache.tiers.cpu.size"
+
+
+def test_pressure_config_spills_a_few_2k_token_documents_to_cpu_and_disk():
+    tiers = load_config(CONFIGS / "pressure.yaml").cache.tiers
+    blocks_per_document = 2048 // 16
+    device_blocks = tiers.device.size.to_blocks(SMOLLM2_BF16_BLOCK_NBYTES)
+    cpu_blocks = tiers.cpu.size.to_blocks(SMOLLM2_BF16_BLOCK_NBYTES)
+    disk_blocks = tiers.disk.size.to_blocks(SMOLLM2_BF16_BLOCK_NBYTES)
+    assert blocks_per_document <= device_blocks < 2 * blocks_per_document
+    assert 4 * blocks_per_document <= cpu_blocks < 8 * blocks_per_document
+    assert disk_blocks >= 32 * blocks_per_document
+    assert tiers.disk.path.name == "kvstore-pressure"
+
+
+def test_default_config_is_laptop_sized():
+    config = load_config(CONFIGS / "default.yaml")
+    assert config.cache.tiers.device.size == Size.parse("256MiB")
+    assert config.cache.tiers.cpu.size == Size.parse("1GiB")
+    assert config.cache.tiers.disk.size == Size.parse("4GiB")
+    assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (2048, 16)
+
+
+# ------------------------------------------------------------------------------------------ defaults
+
+
+def test_no_config_gives_the_embedded_model_and_a_1gib_device_tier_only():
+    config = load_config()
+    assert config.model.name == "smollm2-135m-instruct"
+    assert (config.model.dtype, config.model.device, config.model.attention_backend) == ("bfloat16", "auto", "auto")
+    assert config.model.max_model_len is None
+    assert config.cache.enable_prefix_caching and config.cache.block_size == 16
+    assert (config.cache.hash, config.cache.offload) == ("xxh3_128", "write_through")
+    assert config.cache.tiers.device.size == Size(nbytes=GiB)
+    assert config.tiers_enabled() == ("device",)
+    assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (2048, 32)
+    assert (config.server.host, config.server.port, config.server.model_alias) == ("127.0.0.1", 8000, None)
+
+
+def test_empty_file_gives_the_defaults(tmp_path):
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config(tmp_path / "empty.yaml") == load_config()
+
+
+def test_device_tier_defaults_to_1gib_when_only_lower_tiers_are_given():
+    config = load_config({"cache": {"tiers": {"cpu": {"size": "1GiB"}}}})
+    assert config.cache.tiers.device.size == Size(nbytes=GiB)
+    assert config.tiers_enabled() == ("device", "cpu")
+
+
+@pytest.mark.parametrize("cpu", [{"size": 0}, {"size": "0"}, {"size": "0GiB"}, None])
+def test_lower_tier_sized_zero_or_null_is_off(cpu, tmp_path):
+    config = load_config({"cache": {"tiers": {"cpu": cpu, "disk": {"path": str(tmp_path / "x"), "size": 0}}}})
+    assert config.cache.tiers.cpu is None and config.cache.tiers.disk is None
+    assert config.tiers_enabled() == ("device",)
+    assert not (tmp_path / "x").exists()  # an off disk tier touches nothing
+
+
+@pytest.mark.parametrize("alias, dtype", [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"),
+                                          ("FLOAT16", "float16"), ("float32", "float32")])
+def test_dtype_aliases_are_canonicalised(alias, dtype):
+    assert load_config({"model": {"dtype": alias}}).model.dtype == dtype
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1", "CUDA:0"])
+def test_devices_accepted(device):
+    assert load_config({"model": {"device": device}}).model.device == device.lower()
+
+
+def test_explicit_device_is_its_own_resolution():
+    assert load_config({"model": {"device": "cpu"}}).resolved_device() == "cpu"
+    assert load_config({"model": {"device": "cuda:1"}}).resolved_device() == "cuda:1"
+
+
+def test_local_model_directory_is_accepted_as_an_absolute_path(tmp_path):
+    (tmp_path / "my-llama").mkdir()
+    (tmp_path / "my-llama" / "config.json").write_text("{}")
+    assert load_config({"model": {"name": "my-llama"}}).model.name == str(tmp_path / "my-llama")
+
+
+def test_config_is_frozen():
+    config = load_config()
+    with pytest.raises(Exception):
+        config.server.port = 1
+
+
+def test_resolved_config_round_trips_through_dict_and_yaml(tmp_path):
+    import yaml
+
+    config = load_config(CONFIGS / "pressure.yaml", ["cache.tiers.cpu.size=100", "cache.tiers.disk.size=1.5GB"])
+    assert load_config(config.to_dict()) == config
+    assert load_config(yaml.safe_load(config.to_yaml())) == config
+    assert config.to_dict()["cache"]["tiers"]["cpu"]["size"] == 100
+    assert config.to_dict()["cache"]["tiers"]["disk"]["size"] == "1500MB"
+
+
+# --------------------------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("text, nbytes, num_blocks", [
+    ("512MiB", 512 * 1024**2, None),
+    ("8GiB", 8 * GiB, None),
+    ("1.5GB", 1_500_000_000, None),
+    ("100MB", 100_000_000, None),
+    ("4KiB", 4096, None),
+    ("4 KiB", 4096, None),
+    ("2gib", 2 * GiB, None),
+    ("1TiB", 1024 * GiB, None),
+    ("300B", 300, None),
+    (1024, None, 1024),
+    ("1024", None, 1024),
+])
+def test_size_parses_bytes_and_block_counts(text, nbytes, num_blocks):
+    size = Size.parse(text)
+    assert (size.nbytes, size.num_blocks) == (nbytes, num_blocks)
+    assert not size.is_off
+    assert Size.parse(size.to_yaml_value()) == size
+
+
+@pytest.mark.parametrize("text", [0, "0", "0GiB", "0 MB"])
+def test_size_zero_is_off(text):
+    assert Size.parse(text).is_off
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("12XB", "unknown unit 'XB'"),
+    ("-1GiB", "bad size"),
+    (-5, "negative"),
+    ("1.5", "whole number"),
+    (1.5, "whole number"),
+    (True, "bad size"),
+    ("GiB", "bad size"),
+    ("", "bad size"),
+    ([1], "bad size"),
+    ("1 2GiB", "bad size"),
+])
+def test_size_rejects_malformed_values(text, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        Size.parse(text)
+
+
+def test_size_converts_to_blocks_of_a_given_byte_size():
+    assert Size.parse("1GiB").to_blocks(SMOLLM2_BF16_BLOCK_NBYTES) == 2912
+    assert Size.parse("64MiB").to_blocks(SMOLLM2_BF16_BLOCK_NBYTES) == 182
+    assert Size.parse(500).to_blocks(SMOLLM2_BF16_BLOCK_NBYTES) == 500
+    assert Size.parse("100B").to_blocks(SMOLLM2_BF16_BLOCK_NBYTES) == 0
+    assert Size.parse(10).to_bytes(1000) == 10_000
+
+
+# ----------------------------------------------------------------------------------- one-line errors
+
+
+@pytest.mark.parametrize("source, key, fragment", [
+    ({"cache": {"tiers": {"dsk": {"size": "1GiB"}}}}, "cache.tiers.dsk", "unknown key"),
+    ({"modle": {}}, "modle", "unknown key"),
+    ({"server": {"port": 80, "hots": "x"}}, "server.hots", "unknown key"),
+    ({"cache": {"tiers": {"cpu": {"size": "4XB"}}}}, "cache.tiers.cpu.size", "unknown unit"),
+    ({"cache": {"tiers": {"cpu": {"size": "lots"}}}}, "cache.tiers.cpu.size", "bad size"),
+    ({"cache": {"tiers": {"cpu": {"size": -3}}}}, "cache.tiers.cpu.size", "negative"),
+    ({"cache": {"tiers": {"cpu": {"pinned": True}}}}, "cache.tiers.cpu.size", "missing"),
+    ({"cache": {"tiers": {"device": {"size": 0}}}}, "cache.tiers.device.size", "cannot be off"),
+    ({"cache": {"tiers": {"device": None}}}, "cache.tiers.device", "cannot be off"),
+    ({"scheduler": {"max_num_seqs": 0}}, "scheduler.max_num_seqs", "positive"),
+    ({"scheduler": {"max_num_batched_tokens": -1}}, "scheduler.max_num_batched_tokens", "positive"),
+    ({"model": {"max_model_len": 0}}, "model.max_model_len", "positive"),
+    ({"server": {"port": 70000}}, "server.port", "at most 65535"),
+    ({"server": {"port": "eighty"}}, "server.port", "expected an integer"),
+    ({"cache": {"enable_prefix_caching": "yes"}}, "cache.enable_prefix_caching", "expected true or false"),
+    ({"server": {"host": 127}}, "server.host", "expected a string"),
+    ({"cache": "big"}, "cache", "expected a mapping"),
+    ({"cache": {"hash": "md5"}}, "cache.hash", "unknown value 'md5'"),
+    ({"cache": {"offload": "lazy"}}, "cache.offload", "unknown value 'lazy'"),
+    ({"cache": {"block_size": 12}}, "cache.block_size", "unknown value 12"),
+    ({"model": {"dtype": "fp8"}}, "model.dtype", "unknown value 'fp8'"),
+    ({"model": {"device": "mps"}}, "model.device", "unknown device 'mps'"),
+    ({"model": {"attention_backend": "flash"}}, "model.attention_backend", "unknown value 'flash'"),
+    ({"model": {"name": "no-such-model"}}, "model.name", "neither the embedded model"),
+])
+def test_each_config_error_is_one_line_naming_the_key(source, key, fragment):
+    error = config_error(source)
+    assert error.key == key
+    assert str(error).startswith(f"{key}: ")
+    assert fragment in str(error)
+
+
+def test_several_errors_are_reported_in_one_line():
+    error = config_error({"cache": {"hash": "md5", "offload": "lazy"}})
+    assert error.key == "cache.hash" and "(and 1 more error)" in str(error)
+
+
+def test_model_directory_without_config_json_is_refused(tmp_path):
+    (tmp_path / "empty-dir").mkdir()
+    assert config_error({"model": {"name": str(tmp_path / "empty-dir")}}).key == "model.name"
+
+
+def test_malformed_yaml_names_the_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  name: smollm2-135m-instruct\n  dtype: [bf16\n")
+    error = config_error(path)
+    assert error.key is None
+    assert str(error).startswith(f"{path}: malformed YAML at line ")
+
+
+def test_duplicate_yaml_key_is_refused(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("server:\n  port: 1\n  port: 2\n")
+    assert "duplicate key 'port'" in str(config_error(path))
+
+
+def test_yaml_that_is_not_a_mapping_is_refused(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n- cache\n")
+    assert "expected a mapping" in str(config_error(path))
+
+
+def test_missing_file_is_named(tmp_path):
+    error = config_error(tmp_path / "nope.yaml")
+    assert str(error) == f"{tmp_path / 'nope.yaml'}: no such file"
+
+
+def test_disk_path_under_a_file_is_unwritable(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    error = config_error({"cache": {"tiers": {"disk": {"path": str(tmp_path / "a-file" / "store"), "size": "1GiB"}}}})
+    assert error.key == "cache.tiers.disk.path" and "cannot write" in str(error)
+
+
+def test_disk_path_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    error = config_error({"cache": {"tiers": {"disk": {"path": str(tmp_path / "a-file"), "size": "1GiB"}}}})
+    assert error.key == "cache.tiers.disk.path" and "not a directory" in str(error)
+
+
+def test_disk_path_is_created_and_relative_paths_resolve_against_the_current_directory(tmp_path):
+    config = load_config({"cache": {"tiers": {"disk": {"path": "stores/kv", "size": "1GiB"}}}})
+    assert config.cache.tiers.disk.path == tmp_path / "stores" / "kv"
+    assert config.cache.tiers.disk.path.is_dir()
+
+
+def test_cpu_tier_larger_than_ram_is_refused():
+    error = config_error({"cache": {"tiers": {"cpu": {"size": "100PiB"}}}})
+    assert error.key == "cache.tiers.cpu.size" and "RAM" in str(error)
+
+
+def test_device_tier_on_cpu_larger_than_ram_is_refused():
+    error = config_error({"model": {"device": "cpu"}, "cache": {"tiers": {"device": {"size": "100PiB"}}}})
+    assert error.key == "cache.tiers.device.size" and "RAM" in str(error)
+
+
+def test_device_tier_larger_than_the_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index: 8 * GiB)
+    error = config_error({"cache": {"tiers": {"device": {"size": "16GiB"}}}})  # device: auto finds the GPU
+    assert error.key == "cache.tiers.device.size" and "cuda:0" in str(error)
+    assert load_config({"cache": {"tiers": {"device": {"size": "4GiB"}}}}).cache.tiers.device.size.nbytes == 4 * GiB
+
+
+def test_disk_tier_larger_than_free_space_is_refused(tmp_path):
+    error = config_error({"cache": {"tiers": {"disk": {"path": str(tmp_path / "kv"), "size": "100PiB"}}}})
+    assert error.key == "cache.tiers.disk.size" and "free space" in str(error)
+
+
+def test_block_count_sizes_are_checked_against_memory_only_once_the_model_is_known():
+    config = load_config({"cache": {"tiers": {"cpu": {"size": 10**12}}}})
+    assert config.cache.tiers.cpu.size.num_blocks == 10**12
+
+
+# --------------------------------------------------------------------------------- overrides and env
+
+
+def test_overrides_as_dotted_strings_are_parsed_as_yaml(tmp_path):
+    config = load_config(CONFIGS / "default.yaml", ["server.port=9001", "cache.tiers.cpu.pinned=false",
+                                                    "cache.tiers.cpu.size=512MiB", "cache.block_size=32"])
+    assert config.server.port == 9001 and config.cache.block_size == 32
+    assert config.cache.tiers.cpu.size == Size.parse("512MiB") and not config.cache.tiers.cpu.pinned
+
+
+def test_overrides_as_a_dict_and_null_turns_a_tier_off():
+    config = load_config(CONFIGS / "default.yaml", {"cache.tiers.disk": None, "model.dtype": "fp32"})
+    assert config.cache.tiers.disk is None and config.model.dtype == "float32"
+
+
+def test_override_of_an_unknown_key_names_it():
+    assert config_error(None, ["cache.tiers.dsk.size=1GiB"]).key == "cache.tiers.dsk"
+
+
+def test_override_without_equals_is_refused():
+    assert "dotted.key=value" in str(config_error(None, ["server.port"]))
+
+
+def test_overrides_apply_to_an_existing_config():
+    base = load_config()
+    assert load_config(base, {"server.port": 1234}).server.port == 1234
+    assert base.server.port == 8000
+
+
+def test_environment_overrides_the_file_and_explicit_overrides_win(monkeypatch):
+    monkeypatch.setenv("PORT", "8001")
+    assert load_config(CONFIGS / "default.yaml").server.port == 8001
+    monkeypatch.setenv("KVSTRATA_PORT", "8002")
+    assert load_config(CONFIGS / "default.yaml").server.port == 8002
+    assert load_config(CONFIGS / "default.yaml", ["server.port=8003"]).server.port == 8003
+
+
+def test_environment_sets_model_device_and_tier_sizes(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVSTRATA_HOST", "0.0.0.0")
+    monkeypatch.setenv("KVSTRATA_DTYPE", "fp32")
+    monkeypatch.setenv("KVSTRATA_DEVICE", "cpu")
+    monkeypatch.setenv("KVSTRATA_DEVICE_SIZE", "128MiB")
+    monkeypatch.setenv("KVSTRATA_CPU_SIZE", "0")
+    monkeypatch.setenv("KVSTRATA_DISK_SIZE", "300")
+    monkeypatch.setenv("KVSTRATA_DISK_PATH", str(tmp_path / "env-store"))
+    config = load_config(CONFIGS / "default.yaml")
+    assert (config.server.host, config.model.dtype, config.model.device) == ("0.0.0.0", "float32", "cpu")
+    assert config.cache.tiers.device.size == Size.parse("128MiB")
+    assert config.cache.tiers.cpu is None
+    assert config.cache.tiers.disk.size == Size(num_blocks=300)
+    assert config.cache.tiers.disk.path == tmp_path / "env-store"
+
+
+def test_bad_environment_value_names_the_key_and_the_variable(monkeypatch):
+    monkeypatch.setenv("KVSTRATA_CPU_SIZE", "huge")
+    error = config_error(CONFIGS / "default.yaml")
+    assert error.key == "cache.tiers.cpu.size" and "$KVSTRATA_CPU_SIZE" in str(error)
+
+
+def test_environment_is_not_reapplied_to_an_existing_config(monkeypatch):
+    config = load_config(None, {"server.port": 9000})
+    monkeypatch.setenv("KVSTRATA_PORT", "8002")
+    assert load_config(config).server.port == 9000
+
