@@ -230,6 +230,11 @@ class CacheConfig(_Section):
     tiers: TiersConfig = TiersConfig()
     offload: Literal["write_through", "on_evict"] = "write_through"
 
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _empty_is_default(cls, section: Any) -> Any:
+        return {} if section is None else section
+
 
 class SchedulerConfig(_Section):
     max_num_batched_tokens: PositiveInt = 2048
@@ -247,6 +252,12 @@ class Config(_Section):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
+
+    @field_validator("model", "cache", "scheduler", "server", mode="before")
+    @classmethod
+    def _empty_is_default(cls, section: Any) -> Any:
+        # `server:` with every key commented out is YAML null: it means "the defaults", not "off".
+        return {} if section is None else section
 
     @model_validator(mode="after")
     def _device_tier_fits(self) -> Config:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.engine import config as config_module
-from kvstrata.engine.config import ENV_OVERRIDES, Config, ConfigError, load_config
+from kvstrata.engine.config import ENV_OVERRIDES, ConfigError, load_config
 from kvstrata.engine.sizes import Size
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -96,6 +96,11 @@ def test_no_config_gives_the_embedded_model_and_a_1gib_device_tier_only():
 def test_empty_file_gives_the_defaults(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     assert load_config(tmp_path / "empty.yaml") == load_config()
+
+
+def test_sections_left_empty_take_their_defaults(tmp_path):
+    (tmp_path / "sparse.yaml").write_text("model:\nserver:\n  # port: 9000\ncache:\n  tiers:\n")
+    assert load_config(tmp_path / "sparse.yaml") == load_config()
 
 
 def test_device_tier_defaults_to_1gib_when_only_lower_tiers_are_given():
