@@ -1,0 +1,175 @@
+"""Cost of paging: our prefix-prefill on the paged KV cache against SDPA on the same problem laid out contiguously.
+
+A problem is one layer of one batch: `num_seqs` sequences, each with `context` cached tokens and `new` new tokens,
+their K/V spread over shuffled cache blocks (block size 16). The baseline gets the same K/V already contiguous as
+`[num_seqs, kv_heads, context + new, head_dim]`, the same queries and the same causal mask (the new tokens sit at
+the end, so the mask is aligned bottom-right), and so pays neither the block-table gather nor GQA broadcasting.
+Figures are reported as ratios `ours / SDPA` (1.0 = paging costs nothing).
+
+- On CUDA: the Triton kernel (`prefix_prefill`) against `F.scaled_dot_product_attention`, timed with
+  `triton.testing.do_bench` (median), for SmolLM2-135M (9/3 heads, d64) and Llama-3-8B (32/8 heads, d128) shapes:
+  8k context + 512 new tokens, and a decode batch (32 sequences x 1 token over 8k).
+- On a CPU: the torch reference (`reference_prefix_prefill`, the CPU engine path) against SDPA, at a smaller size,
+  one thread, best of `--repeats` by process CPU time (a busy machine's other processes do not count). The Triton
+  figures need a GPU.
+
+    python benchmarks/kernels.py                 # prints a markdown table
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvstrata.kernels.prefix_prefill import prefix_prefill, reference_prefix_prefill
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: Shape
+    num_seqs: int
+    context: int
+    new: int
+
+    def describe(self) -> str:
+        kind = "decode" if self.new == 1 else "prefill"
+        return f"{self.shape.model} {kind}: {self.num_seqs} x ({self.context} cached + {self.new} new)"
+
+
+SMOLLM2 = Shape("SmolLM2-135M", 9, 3, 64)
+LLAMA_8B = Shape("Llama-3-8B", 32, 8, 128)
+
+
+@dataclass
+class Problem:
+    paged_args: tuple            # the arguments of prefix_prefill, minus `scale`
+    query_dense: torch.Tensor    # [num_seqs, heads, new, head_dim]
+    key_dense: torch.Tensor      # [num_seqs, kv_heads, context + new, head_dim]
+    value_dense: torch.Tensor
+    mask: torch.Tensor | None    # [new, context + new] bool; None for decode and for prompts with no context
+    is_causal: bool              # no context: SDPA's own causal mask is the right one
+    scale: float
+
+
+def make_problem(case: Case, dtype: torch.dtype, device: torch.device) -> Problem:
+    shape, seq_len = case.shape, case.context + case.new
+    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
+    num_blocks = case.num_seqs * blocks_per_seq
+    kv_cache = torch.zeros(num_blocks, 1, 2, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim, dtype=dtype,
+                           device=device)
+    key = torch.randn(case.num_seqs, seq_len, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
+    value = torch.randn_like(key)
+    block_tables = torch.randperm(num_blocks, device=device).view(case.num_seqs, blocks_per_seq).int()
+    pad = blocks_per_seq * BLOCK_SIZE - seq_len
+    for seq in range(case.num_seqs):
+        table = block_tables[seq].long()
+        kv_cache[table, 0, 0] = F.pad(key[seq], (0, 0, 0, 0, 0, pad)).view(blocks_per_seq, BLOCK_SIZE,
+                                                                             *key.shape[2:])
+        kv_cache[table, 0, 1] = F.pad(value[seq], (0, 0, 0, 0, 0, pad)).view(blocks_per_seq, BLOCK_SIZE,
+                                                                               *key.shape[2:])
+    query = torch.randn(case.num_seqs * case.new, shape.num_heads, shape.head_dim, dtype=dtype, device=device)
+    query_start_loc = torch.arange(0, case.num_seqs + 1, device=device, dtype=torch.int32) * case.new
+    seq_lens = torch.full((case.num_seqs,), seq_len, device=device, dtype=torch.int32)
+    mask = None
+    if case.new > 1 and case.context > 0:
+        mask = torch.arange(seq_len, device=device)[None, :] <= torch.arange(case.context, seq_len,
+                                                                              device=device)[:, None]
+    return Problem(
+        paged_args=(query, kv_cache, 0, block_tables, query_start_loc, seq_lens),
+        query_dense=query.view(case.num_seqs, case.new, *query.shape[1:]).transpose(1, 2).contiguous(),
+        key_dense=key.transpose(1, 2).contiguous(), value_dense=value.transpose(1, 2).contiguous(),
+        mask=mask, is_causal=case.context == 0 and case.new > 1, scale=shape.head_dim ** -0.5)
+
+
+def sdpa_baseline(problem: Problem) -> Callable[[], torch.Tensor]:
+    """SDPA on the contiguous problem. KV heads are broadcast to the query heads beforehand (not timed), since
+    the CUDA flash/efficient backends take equal head counts."""
+    group = problem.query_dense.shape[1] // problem.key_dense.shape[1]
+    key = problem.key_dense.repeat_interleave(group, dim=1)
+    value = problem.value_dense.repeat_interleave(group, dim=1)
+    return lambda: F.scaled_dot_product_attention(problem.query_dense, key, value, attn_mask=problem.mask,
+                                                  is_causal=problem.is_causal, scale=problem.scale)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def time_cpu(fn: Callable[[], object], repeats: int) -> float:
+    """Best of `repeats` calls, in seconds of this process's CPU time (one thread)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def time_cuda(fn: Callable[[], object], repeats: int) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=max(100, 20 * repeats), return_mode="median") / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        cases = [Case(SMOLLM2, 1, 8192, 512), Case(LLAMA_8B, 1, 8192, 512),
+                 Case(SMOLLM2, 32, 8192, 1), Case(LLAMA_8B, 32, 8192, 1)]
+        dtypes, ours, timer, name = [torch.bfloat16, torch.float16], prefix_prefill, time_cuda, "Triton prefix_prefill"
+        machine = torch.cuda.get_device_name(device)
+    else:
+        torch.set_num_threads(1)
+        cases = [Case(SMOLLM2, 1, 2048, 512), Case(SMOLLM2, 1, 0, 512), Case(SMOLLM2, 16, 2048, 1)]
+        dtypes, ours, timer, name = [torch.float32, torch.bfloat16], reference_prefix_prefill, time_cpu, \
+            "torch reference_prefix_prefill"
+        machine = f"{cpu_name()} ({os.cpu_count()} cores), timed on {torch.get_num_threads()} thread"
+    print(f"machine: {machine}; torch {torch.__version__}; ours = {name}; block size {BLOCK_SIZE}")
+    if not on_cuda:
+        print("(CPU run: the Triton kernel's figures need a GPU)")
+    print()
+    print("| case | dtype | ours (ms) | SDPA contiguous (ms) | ours / SDPA |")
+    print("|---|---|---:|---:|---:|")
+    for case in cases:
+        for dtype in dtypes:
+            problem = make_problem(case, dtype, device)
+            ours_s = timer(lambda: ours(*problem.paged_args, problem.scale), args.repeats)
+            sdpa_s = timer(sdpa_baseline(problem), args.repeats)
+            print(f"| {case.describe()} | {str(dtype).removeprefix('torch.')} | {ours_s * 1e3:.2f} | "
+                  f"{sdpa_s * 1e3:.2f} | {ours_s / sdpa_s:.2f} |", flush=True)
+            del problem
+            if on_cuda:
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
