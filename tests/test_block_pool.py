@@ -105,6 +105,8 @@ def test_reference_scenario_prefix_hits_and_lazy_lru_eviction_order():
     assert [b.block_hash for b in request_0.blocks[:3]] == request_0.block_hashes[:3]
     assert request_0.blocks[3].block_hash is None
     assert pool.num_cached_blocks == 3
+    assert [block.ref_cnt for block in request_0.blocks] == [1, 1, 1, 1]
+    assert free_queue_ids(pool) == [4, 5, 6, 7, 8, 9]
 
     # 2. One decode token fills block 3, which gets cached; decoding on, block 4 is allocated.
     requests.append_token(request_0, 100)
@@ -117,6 +119,7 @@ def test_reference_scenario_prefix_hits_and_lazy_lru_eviction_order():
     # 3. Request 1, 14 tokens, first 10 equal: hits 0 and 1 only (8 tokens), new blocks 5 and 6.
     request_1, num_hits = requests.add(list(range(10)) + [200, 201, 202, 203])
     assert num_hits == 2
+    assert request_1.block_hashes[2] != request_0.block_hashes[2]  # 2 of its 4 tokens differ
     assert ids(request_1.blocks) == [0, 1, 5, 6]
     assert [pool.blocks[i].ref_cnt for i in range(7)] == [2, 2, 1, 1, 1, 1, 1]
     assert pool.blocks[5].block_hash == request_1.block_hashes[2]  # its own third block, now full

@@ -1,4 +1,5 @@
 """Chain hashing: the properties every tier relies on to find a prefix by its hash."""
+import os
 import subprocess
 import sys
 
@@ -35,7 +36,7 @@ def test_hashes_are_identical_in_a_fresh_interpreter():
     )
     # A different PYTHONHASHSEED would change anything built on Python's hash(); ours must not move.
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True,
-                            env={"PYTHONHASHSEED": "12345"})
+                            env={**os.environ, "PYTHONHASHSEED": "12345"})
     expected = hashes_of(TOKENS) + hashes_of(TOKENS, cache_salt="s")
     assert result.stdout.strip() == ",".join(h.hex() for h in expected)
 
