@@ -1,0 +1,66 @@
+"""Run one step of the model over the paged KV cache: packed new tokens in, logits of chosen rows out."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvstrata.engine.attention import AttentionMetadata
+from kvstrata.engine.model_loader import LoadedModel
+
+IntSeq = torch.Tensor | Sequence[int]
+
+
+@dataclass
+class StepInput:
+    """One scheduler step, every sequence's new tokens packed back to back (vLLM v1 names).
+
+    `logits_indices` are the packed rows whose next-token logits are wanted: usually each sequence's
+    last new token, and none for a sequence whose prefill chunk does not reach its prompt's end.
+    Fields may be CPU tensors or plain lists; the runner moves them to the model's device.
+    """
+
+    input_ids: IntSeq        # [T]
+    positions: IntSeq        # [T] position of each token in its sequence
+    slot_mapping: IntSeq     # [T] block_id * block_size + offset
+    block_tables: torch.Tensor | Sequence[Sequence[int]]  # [B, max_blocks], rows padded (any value)
+    query_start_loc: IntSeq  # [B+1]
+    seq_lens: IntSeq         # [B] cached context + new tokens
+    logits_indices: IntSeq   # [B']
+
+
+class ModelRunner:
+    """Owns nothing but references: the loaded model, the device KV cache and the kernel ops."""
+
+    def __init__(self, loaded: LoadedModel, kv_cache: torch.Tensor, ops) -> None:
+        assert kv_cache.dtype == loaded.dtype, f"KV cache is {kv_cache.dtype}, model is {loaded.dtype}"
+        assert kv_cache.device == loaded.device, f"KV cache is on {kv_cache.device}, model on {loaded.device}"
+        self.loaded = loaded
+        self.kv_cache = kv_cache
+        self.ops = ops
+        self.device = loaded.device
+        self._decoder = loaded.model.get_decoder()  # the transformer body: hidden states, no logits
+        self._lm_head = loaded.model.get_output_embeddings()
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Run the step; returns float32 logits `[len(logits_indices), vocab_size]`."""
+        metadata = AttentionMetadata(
+            slot_mapping=self._tensor(step.slot_mapping, torch.int64),
+            block_tables=self._tensor(step.block_tables, torch.int32),
+            query_start_loc=self._tensor(step.query_start_loc, torch.int32),
+            seq_lens=self._tensor(step.seq_lens, torch.int32),
+            kv_cache=self.kv_cache,
+            ops=self.ops,
+        )
+        input_ids = self._tensor(step.input_ids, torch.int64).unsqueeze(0)
+        positions = self._tensor(step.positions, torch.int64).unsqueeze(0)
+        hidden = self._decoder(input_ids=input_ids, position_ids=positions, use_cache=False,
+                               attn_metadata=metadata).last_hidden_state
+        rows = hidden[0].index_select(0, self._tensor(step.logits_indices, torch.int64))
+        # logits only for the sampled rows: a 2k-token prefill chunk would otherwise make 2k x 49k
+        return self._lm_head(rows).float()
+
+    def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(data, dtype=dtype).to(self.device, non_blocking=True)
