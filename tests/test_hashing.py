@@ -6,6 +6,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstrata.engine.hashing import BlockHasher, block_hashes, make_namespace
 
@@ -198,3 +200,18 @@ def test_unknown_algorithm_or_mismatched_parent_is_an_error():
         hashes_of(TOKENS, parent=b"\0" * 32)  # a sha256-sized parent in an xxh3_128 chain
     with pytest.raises(ValueError, match="block_size"):
         hashes_of(TOKENS, block_size=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=60), block_size=st.integers(1, 8),
+       steps=st.lists(st.integers(0, 12), max_size=8), cache_salt=st.one_of(st.none(), st.text(max_size=3)))
+def test_any_sequence_of_extends_equals_hashing_the_whole_sequence(tokens, block_size, steps, cache_salt):
+    hasher = BlockHasher(block_size, NAMESPACE)
+    hashes: list[bytes] = []
+    num_tokens = 0
+    for step in steps + [len(tokens)]:
+        num_tokens = min(len(tokens), num_tokens + step)
+        hasher.extend(hashes, tokens[:num_tokens], cache_salt=cache_salt)
+    full = block_hashes(tokens, block_size=block_size, namespace=NAMESPACE, cache_salt=cache_salt)
+    assert hashes == full
+    assert len(set(full)) == len(full)  # a chain never repeats a hash, even over repeated tokens
