@@ -90,14 +90,18 @@ def _embedded_source() -> ModelSource:
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
     """Load tokenizer and weights (dequantised to `dtype` for a GGUF) with kvstrata attention plugged in."""
-    os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers touches the hub machinery
+    # never reach a hub: the env var covers code paths that ignore local_files_only; it must be set
+    # before huggingface_hub is first imported, which transformers does on import
+    os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     register_attention()
-    gguf = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(source.directory, **gguf)
+    files = {"local_files_only": True}
+    if source.gguf_file:
+        files["gguf_file"] = source.gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, **files)
     model = AutoModelForCausalLM.from_pretrained(
-        source.directory, dtype=dtype, attn_implementation=ATTENTION_NAME, **gguf
+        source.directory, dtype=dtype, attn_implementation=ATTENTION_NAME, **files
     )
     model.to(device).eval().requires_grad_(False)
     return LoadedModel(model, tokenizer, _summarise(model, tokenizer, source), source)

@@ -59,8 +59,8 @@ class Chunk:
     block_table: list[int]
 
 
-def build_step(chunks: list[Chunk]) -> StepInput:
-    """Pack chunks into one step, asking for the logits of each chunk's last token."""
+def build_step(chunks: list[Chunk], want_logits: bool = True) -> StepInput:
+    """Pack chunks into one step, asking for the logits of each chunk's last token (or of none)."""
     input_ids, positions, slots, query_start_loc, seq_lens, last_rows = [], [], [], [0], [], []
     for chunk in chunks:
         chunk_positions = list(range(chunk.start, chunk.start + len(chunk.tokens)))
@@ -73,7 +73,8 @@ def build_step(chunks: list[Chunk]) -> StepInput:
         last_rows.append(len(input_ids) - 1)
     width = max(len(c.block_table) for c in chunks)
     block_tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
-    return StepInput(input_ids, positions, slots, block_tables, query_start_loc, seq_lens, last_rows)
+    return StepInput(input_ids, positions, slots, block_tables, query_start_loc, seq_lens,
+                     last_rows if want_logits else [])
 
 
 def blocks_for(num_tokens: int, first: int = 0) -> list[int]:
@@ -119,7 +120,8 @@ def test_chunked_prefill_matches_one_shot(loaded, ops, runner, tokens):
     fresh_cache = BlockLayout(cfg.num_layers, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     chunked_runner = ModelRunner(loaded, fresh_cache.allocate(NUM_BLOCKS, "cpu"), ops)
     split = 37  # mid-block: the second chunk starts inside a partly written block
-    chunked_runner.execute(build_step([Chunk(prompt[:split], 0, table)]))
+    first = chunked_runner.execute(build_step([Chunk(prompt[:split], 0, table)], want_logits=False))
+    assert first.shape == (0, cfg.vocab_size)  # a chunk short of the prompt's end samples nothing
     chunked = chunked_runner.execute(build_step([Chunk(prompt[split:], split, table)]))[0]
     assert_logits_close(chunked, one_shot)
 
@@ -168,9 +170,9 @@ def test_loaded_model_summary(loaded):
 
 
 @pytest.mark.slow
-def test_model_identity_is_stable_and_independent_of_dtype(loaded):
-    """Identity names the weights file only (the hash namespace adds dtype itself): recomputing it
-    from scratch, as a second load would, gives the same string."""
+def test_model_identity_is_the_same_when_recomputed(loaded):
+    """Identity names the weights file only (it takes no dtype: the hash namespace adds dtype
+    itself): recomputing the digest from scratch, as a second load would, gives the same string."""
     from kvstrata.engine import model_loader
 
     model_loader._file_digest_cached.cache_clear()
@@ -193,6 +195,13 @@ def test_embedded_model_resolves_to_the_packaged_gguf():
     source = resolve_model(EMBEDDED_MODEL)
     assert source.gguf_file and (source.directory / source.gguf_file).is_file()
     assert source.display_name == EMBEDDED_MODEL
+
+
+def test_gguf_file_path_resolves_to_its_directory_and_name():
+    embedded = resolve_model(EMBEDDED_MODEL)
+    source = resolve_model(str(embedded.directory / embedded.gguf_file))
+    assert (source.directory, source.gguf_file) == (embedded.directory, embedded.gguf_file)
+    assert model_identity(source).split("@")[1] == model_identity(embedded).split("@")[1]
 
 
 def _model_dir(tmp_path, hidden_size=576, weight_bytes=10):
