@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.kernels.triton_compat import tl, triton
+from kvstrata.kernels.triton_compat import check_launchable, tl, triton
 
 
 def reference_gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -52,10 +52,11 @@ def _check_block_pair(name: str, kv_cache: torch.Tensor, staging: torch.Tensor, 
 
 
 def _launch_copy(src, dst, block_ids, gather: bool) -> None:
+    block_ids = block_ids.to(device=src.device)  # block ids may come from the host-side block pool
+    check_launchable("gather_blocks" if gather else "scatter_blocks", src, dst, block_ids)
     num_blocks = block_ids.shape[0]
     if num_blocks == 0:
         return
-    block_ids = block_ids.to(device=src.device)
     block_numel = src[0].numel()
     grid = (num_blocks, triton.cdiv(block_numel, _COPY_CHUNK))
     _copy_blocks_kernel[grid](src, dst, block_ids, block_ids, src.stride(0), dst.stride(0), block_numel,

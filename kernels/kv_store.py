@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.kernels.triton_compat import tl, triton
+from kvstrata.kernels.triton_compat import check_launchable, tl, triton
 
 
 def reference_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
@@ -60,6 +60,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, lay
         raise ValueError(f"store_kv: slot_mapping shape {tuple(slot_mapping.shape)} != ({num_tokens},)")
     if key.stride(2) != 1 or value.stride(2) != 1 or kv_cache.stride(5) != 1:
         raise ValueError("store_kv: key, value and kv_cache need a contiguous last (head_dim) axis")
+    check_launchable("store_kv", key, value, kv_cache, slot_mapping)
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvstrata.kernels.triton_compat import tl, triton
+from kvstrata.kernels.triton_compat import check_launchable, tl, triton
 
 
 def gather_sequence_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor,
@@ -83,7 +83,7 @@ def reference_prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer:
 @triton.jit
 def _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q: tl.constexpr):
     """The last sequence b whose first tile `query_start_loc[b] // BLOCK_Q + b` is <= tile_index."""
-    lo = 0
+    lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
@@ -97,22 +97,22 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q: tl.conste
 
 @triton.jit
 def _attend_tile(acc, row_max, row_sum, q, key_start, query_pos, block_table_ptr, k_base, v_base, kv_len,
-                 stride_cb, stride_cs, qk_scale, block_size,
-                 offs_n, offs_d, d_mask, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 FP32_DOT_PRECISION: tl.constexpr):
+                 stride_cb, stride_cs, qk_scale,
+                 offs_n, offs_d, d_mask, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     """Fold keys [key_start, key_start + TILE_N) into the running softmax state (acc, row_max, row_sum)."""
     key_pos = key_start + offs_n
     if MASKED:
         key_ok = key_pos < kv_len
-        block_ids = tl.load(block_table_ptr + key_pos // block_size, mask=key_ok, other=0).to(tl.int64)
+        block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     else:
         key_ok = offs_n >= 0  # every key of an unmasked tile exists
-        block_ids = tl.load(block_table_ptr + key_pos // block_size).to(tl.int64)
-    token_offsets = block_ids * stride_cb + (key_pos % block_size) * stride_cs  # [TILE_N]
+        block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE).to(tl.int64)
+    token_offsets = block_ids * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs  # [TILE_N]
     kv_mask = key_ok[None, :] & d_mask[:, None]
     k = tl.load(k_base + token_offsets[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)  # [HEAD_DIM, TILE_N]
     v = tl.load(v_base + token_offsets[:, None] + offs_d[None, :], mask=tl.trans(kv_mask), other=0.0)
-    scores = tl.dot(q, k.to(DOT_DTYPE), input_precision=FP32_DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2
+    scores = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2
     if MASKED:
         scores = tl.where(key_pos[None, :] <= query_pos[:, None], scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -120,18 +120,18 @@ def _attend_tile(acc, row_max, row_sum, q, key_start, query_pos, block_table_ptr
     correction = tl.math.exp2(row_max - new_max)
     row_sum = row_sum * correction + tl.sum(probs, axis=1)
     acc = acc * correction[:, None] + tl.dot(probs.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                             input_precision=FP32_DOT_PRECISION)
+                                             input_precision=DOT_PRECISION)
     return acc, new_max, row_sum
 
 
 @triton.jit
 def _prefix_prefill_kernel(
         query_ptr, cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        layer, qk_scale, num_seqs, head_dim, block_size,
+        layer, qk_scale, num_seqs, head_dim,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cl, stride_ckv, stride_cs, stride_ch, stride_bt,
-        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, FP32_DOT_PRECISION: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     tile_index = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q)
@@ -170,12 +170,12 @@ def _prefix_prefill_kernel(
     num_tiles = tl.cdiv(last_query_pos + 1, TILE_N)
     for tile in range(0, num_open_tiles):
         acc, row_max, row_sum = _attend_tile(acc, row_max, row_sum, q, tile * TILE_N, query_pos, block_table_ptr,
-                                             k_base, v_base, kv_len, stride_cb, stride_cs, qk_scale, block_size,
-                                             offs_n, offs_d, d_mask, False, DOT_DTYPE, FP32_DOT_PRECISION)
+                                             k_base, v_base, kv_len, stride_cb, stride_cs, qk_scale,
+                                             offs_n, offs_d, d_mask, BLOCK_SIZE, False, DOT_DTYPE, DOT_PRECISION)
     for tile in range(num_open_tiles, num_tiles):
         acc, row_max, row_sum = _attend_tile(acc, row_max, row_sum, q, tile * TILE_N, query_pos, block_table_ptr,
-                                             k_base, v_base, kv_len, stride_cb, stride_cs, qk_scale, block_size,
-                                             offs_n, offs_d, d_mask, True, DOT_DTYPE, FP32_DOT_PRECISION)
+                                             k_base, v_base, kv_len, stride_cb, stride_cs, qk_scale,
+                                             offs_n, offs_d, d_mask, BLOCK_SIZE, True, DOT_DTYPE, DOT_PRECISION)
 
     out = acc / row_sum[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -219,6 +219,7 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of `reference_prefix_prefill`: one launch for the whole batch, no host sync."""
     _check_prefill_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out)
+    check_launchable("prefix_prefill", query, kv_cache, block_tables, query_start_loc, seq_lens)
     if out is None:
         out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
@@ -232,21 +233,22 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    dot_dtype = _dot_dtype(query.dtype)
     _prefix_prefill_kernel[grid](
         query, kv_cache, out, block_tables, query_start_loc, seq_lens,
-        layer, scale * _LOG2E, num_seqs, head_dim, kv_cache.shape[3],
+        layer, scale * _LOG2E, num_seqs, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
         block_tables.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=64 if head_dim <= 64 else 32,
-        HEAD_DIM=max(16, triton.next_power_of_2(head_dim)), DOT_DTYPE=_dot_dtype(query.dtype),
-        FP32_DOT_PRECISION="ieee")
+        BLOCK_SIZE=kv_cache.shape[3], GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
+        TILE_N=64 if head_dim <= 64 else 32, HEAD_DIM=max(16, triton.next_power_of_2(head_dim)),
+        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
     return out
 
 
 def _dot_dtype(dtype: torch.dtype):
-    """The dtype tiles enter `tl.dot` in. On a GPU, the input dtype (fp16/bf16 tensor cores; fp32 at IEEE precision,
-    since TF32 would cost the 1e-4 agreement fp32 users expect). The CPU interpreter keeps bf16 as raw uint16 bits,
+    """The dtype tiles enter `tl.dot` in. On a GPU, the input dtype (fp16/bf16 tensor cores; fp32 dots run at IEEE
+    precision, since TF32 would cost the 1e-4 agreement fp32 users expect). The CPU interpreter keeps bf16 as raw uint16 bits,
     so its `tl.dot` (a numpy matmul) would multiply bit patterns: there, bf16 tiles are upcast to fp32 first."""
     from kvstrata.kernels import triton_interpreted
 

@@ -23,4 +23,19 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = _MissingTriton()
     tl = _MissingTriton()
 
-__all__ = ["HAS_TRITON", "triton", "tl"]
+__all__ = ["HAS_TRITON", "check_launchable", "triton", "tl"]
+
+
+def check_launchable(kernel: str, *tensors) -> None:
+    """Raise a one-line error unless Triton can run `kernel` on `tensors`: all on one CUDA device, or anywhere
+    when the CPU interpreter is on (TRITON_INTERPRET=1, as in the tests)."""
+    from kvstrata.kernels import triton_interpreted
+
+    if not HAS_TRITON:
+        raise RuntimeError(f"{kernel}: the triton package is not installed (use the torch backend)")
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{kernel}: tensors are on several devices {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type != "cuda" and not triton_interpreted():
+        raise ValueError(f"{kernel}: Triton kernels need CUDA tensors, got {device} (use the torch backend)")

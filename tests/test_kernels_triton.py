@@ -99,3 +99,13 @@ def test_triton_backend_serves_the_triton_kernels():
     assert ops.name == "triton"
     assert (ops.store_kv, ops.prefix_prefill, ops.gather_blocks, ops.scatter_blocks) == (
         store_kv, prefix_prefill, gather_blocks, scatter_blocks)
+
+
+def test_triton_kernels_refuse_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    problem = make_paged_problem([(4, 4)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8,
+                                 dtype=torch.float32)
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        prefix_prefill(*problem.args())
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        store_kv(problem.query[:, :1], problem.query[:, :1], problem.kv_cache, 0, torch.zeros(8, dtype=torch.long))
