@@ -108,4 +108,4 @@ def test_triton_kernels_refuse_cpu_tensors_outside_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="need CUDA tensors"):
         prefix_prefill(*problem.args())
     with pytest.raises(ValueError, match="need CUDA tensors"):
-        store_kv(problem.query[:, :1], problem.query[:, :1], problem.kv_cache, 0, torch.zeros(8, dtype=torch.long))
+        store_kv(problem.query[:, :1], problem.query[:, :1], problem.kv_cache, 0, torch.zeros(4, dtype=torch.long))
