@@ -62,6 +62,15 @@ def make_paged_problem(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_he
                         scale=head_dim ** -0.5)
 
 
+def random_batch(seed: int, max_seqs: int = 6, max_context: int = 80, max_new: int = 40) -> list[tuple[int, int]]:
+    """A batch of (context, new tokens) of random sizes: prefill chunks, fresh prompts and decode rows mixed."""
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = int(torch.randint(1, max_seqs + 1, (1,), generator=gen))
+    contexts = torch.randint(0, max_context, (num_seqs,), generator=gen).tolist()
+    new_tokens = torch.randint(-max_new // 4, max_new, (num_seqs,), generator=gen).clamp(min=1).tolist()
+    return list(zip(contexts, new_tokens))
+
+
 def naive_attention(problem: PagedProblem) -> torch.Tensor:
     """Dense float64 causal attention over each sequence's own K/V, the oracle for every prefill kernel."""
     num_heads = problem.query.shape[1]

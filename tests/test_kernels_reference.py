@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from kernel_cases import TOLERANCE, make_paged_problem, naive_attention
+from kernel_cases import TOLERANCE, make_paged_problem, naive_attention, random_batch
 
 from kvstrata.kernels import get_ops, resolve_backend
 from kvstrata.kernels.block_copy import reference_gather_blocks, reference_scatter_blocks
@@ -31,6 +31,14 @@ def test_reference_prefill_matches_dense_attention_on_mixed_batch(dtype, heads):
 def test_reference_prefill_handles_long_context_head_dim_128(block_size):
     problem = make_paged_problem([(100, 3), (0, 70), (129, 1)], num_heads=8, num_kv_heads=2, head_dim=128,
                                  block_size=block_size, dtype=torch.float32, seed=1)
+    torch.testing.assert_close(reference_prefix_prefill(*problem.args()).double(), naive_attention(problem),
+                               **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reference_prefill_matches_dense_attention_on_random_batches(seed):
+    problem = make_paged_problem(random_batch(seed), num_heads=6, num_kv_heads=2, head_dim=64,
+                                 block_size=[8, 16, 32][seed % 3], dtype=torch.float32, seed=seed)
     torch.testing.assert_close(reference_prefix_prefill(*problem.args()).double(), naive_attention(problem),
                                **TOLERANCE[torch.float32])
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import TOLERANCE, make_paged_problem, naive_attention
+from kernel_cases import TOLERANCE, make_paged_problem, naive_attention, random_batch
 
 from kvstrata.kernels import get_ops
 from kvstrata.kernels.block_copy import (gather_blocks, reference_gather_blocks, reference_scatter_blocks,
@@ -36,8 +36,8 @@ def test_prefill_mixed_batch_with_gqa_matches_reference(dtype):
     check_prefill(problem, dtype)
 
 
-def test_prefill_head_dim_128_long_context_spans_many_tiles():
-    problem = make_paged_problem([(100, 3), (0, 70), (30, 40)], num_heads=8, num_kv_heads=2, head_dim=128,
+def test_prefill_head_dim_128_long_context_spans_many_tiles_and_skips_idle_sequences():
+    problem = make_paged_problem([(100, 3), (5, 0), (0, 70), (30, 40)], num_heads=8, num_kv_heads=2, head_dim=128,
                                  block_size=16, dtype=torch.float32, seed=1)
     check_prefill(problem, torch.float32)
 
@@ -45,6 +45,13 @@ def test_prefill_head_dim_128_long_context_spans_many_tiles():
 def test_decode_batch_with_large_blocks_matches_reference():
     problem = make_paged_problem([(90, 1), (0, 1), (63, 1), (64, 1), (5, 1)], num_heads=8, num_kv_heads=2,
                                  head_dim=64, block_size=64, dtype=torch.bfloat16, seed=2)
+    check_prefill(problem, torch.bfloat16)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefill_random_batches_match_reference(seed):
+    problem = make_paged_problem(random_batch(seed + 100), num_heads=9, num_kv_heads=3, head_dim=64,
+                                 block_size=[16, 32][seed], dtype=torch.bfloat16, seed=seed)
     check_prefill(problem, torch.bfloat16)
 
 
