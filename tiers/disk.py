@@ -28,6 +28,8 @@ import logging
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -270,7 +272,7 @@ def _open_env(path: str, map_size: int) -> lmdb.Environment:
     return lmdb.open(path, map_size=map_size, max_dbs=len(_SUBDBS), subdir=True, meminit=False)
 
 
-def _quarantine(path: str, reason: Exception) -> None:
+def _quarantine(path: str, reason) -> None:
     """Move an unreadable store aside so the tier can start empty (the cache is only a cache)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     target = os.path.join(path, f"data.mdb.corrupt-{stamp}")
@@ -282,8 +284,64 @@ def _quarantine(path: str, reason: Exception) -> None:
                    path, reason, target)
 
 
-def _open_store(path: str, map_size: int, capacity_bytes: int) -> _Store:
-    """Open (or create) the store, stamp its format and capacity, and trim it to the capacity."""
+# Walks every B-tree page of the store, looks every key up again by search (the path a read takes),
+# touches the first and last byte of every value (never the rest of the payload) and tries a write
+# transaction (an insert and a delete in every sub-database) that it aborts, so the page allocator
+# and the freelist are exercised too. It runs in a separate process: LMDB
+# trusts its pages, and a damaged one can kill the process (SIGBUS/SIGSEGV) instead of erroring.
+_INTEGRITY_CHECK = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], max_dbs=4, map_size=0, subdir=True)
+with env.begin(buffers=True) as txn:
+    for name in (b"blocks", b"atime", b"lru", b"meta"):
+        db = env.open_db(name, txn=txn, create=False)
+        for key in [bytes(k) for k in txn.cursor(db=db).iternext(keys=True, values=False)]:
+            value = txn.get(key, db=db)
+            if value is not None and len(value):
+                value[0], value[len(value) - 1]
+with env.begin(write=True) as txn:
+    for name in (b"blocks", b"atime", b"lru", b"meta"):
+        db = env.open_db(name, txn=txn, create=False)
+        cursor = txn.cursor(db=db)
+        first = bytes(cursor.key()) if cursor.first() else None
+        txn.put(b"\\xff" * 32, bytes(1 << 16), db=db)
+        if first:
+            txn.delete(first, db=db)
+    txn.abort()
+env.close()
+"""
+
+
+def check_store_integrity(path: str, timeout_s: float = 120.0) -> Optional[str]:
+    """None if the store at `path` can be walked safely, else why not (run in a child process).
+
+    Values damaged inside their payload are not this check's business: reads catch those by checksum.
+    """
+    data_file = os.path.join(path, "data.mdb")
+    if not os.path.exists(data_file):
+        return None
+    try:
+        result = subprocess.run([sys.executable, "-c", _INTEGRITY_CHECK, path], capture_output=True,
+                                text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"integrity check did not finish in {timeout_s:.0f} s"
+    if result.returncode < 0:
+        return f"walking its pages killed the process with signal {-result.returncode}"
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines()
+        return lines[-1] if lines else f"integrity check exited with {result.returncode}"
+    return None
+
+
+def _open_store(path: str, map_size: int, capacity_bytes: int, check_integrity: bool) -> _Store:
+    """Open (or create) the store, stamp its format and capacity, and trim it to the capacity.
+
+    A store that fails the integrity check, or that LMDB refuses to open, is quarantined
+    (moved aside) and the tier starts empty."""
+    if check_integrity:
+        problem = check_store_integrity(path)
+        if problem is not None:
+            _quarantine(path, problem)
     for attempt in range(2):
         try:
             env = _open_env(path, map_size)
@@ -327,11 +385,16 @@ class DiskTier(LowerTier):
     Thread-safe. `put` returns once the values are encoded (copied); a background writer commits
     them, `writer_batch` puts per transaction. At most `4 * writer_batch` puts wait in memory: a put
     beyond that blocks until the writer catches up.
+
+    `check_integrity` walks the store's pages in a child process before opening it (a fraction of
+    a second for a few thousand blocks): LMDB can crash the process on a damaged page, so a store
+    that does not pass is moved aside and the tier starts empty.
     """
 
     name = "disk"
 
-    def __init__(self, layout: BlockLayout, path: str, capacity_bytes: int, *, writer_batch: int = 64):
+    def __init__(self, layout: BlockLayout, path: str, capacity_bytes: int, *, writer_batch: int = 64,
+                 check_integrity: bool = True):
         if writer_batch < 1:
             raise ValueError(f"writer_batch must be >= 1, got {writer_batch}")
         self.layout = layout
@@ -342,7 +405,7 @@ class DiskTier(LowerTier):
         _check_writable(self.path)
         _check_capacity(self.path, self.capacity_bytes, self.value_bytes)
         self._store = _open_store(self.path, _map_size(self.capacity_bytes, writer_batch, self.value_bytes),
-                                  self.capacity_bytes)
+                                  self.capacity_bytes, check_integrity)
         self._env = self._store.env
 
         self._cond = threading.Condition()
@@ -394,13 +457,8 @@ class DiskTier(LowerTier):
         for i, value in enumerate(pending):
             if value is not None:
                 served[i] = self._serve(memoryview(value), block_hashes[i], token_ids[i], dests[i], corrupt)
-        if from_store:
-            try:
-                with self._env.begin(db=self._store.blocks, buffers=True) as txn:
-                    for i in from_store:
-                        served[i] = self._read_one(txn, block_hashes[i], token_ids[i], dests[i], corrupt)
-            except lmdb.Error as e:
-                self._log_read_error(e)
+        while from_store:
+            from_store = self._read_from_store(from_store, block_hashes, token_ids, dests, served, corrupt)
         hits = sum(served)
         self._stats.hits += hits
         self._stats.misses += len(served) - hits
@@ -409,16 +467,27 @@ class DiskTier(LowerTier):
                       + [_Op("delete", h) for h in corrupt])
         return served
 
-    def _read_one(self, txn, block_hash: bytes, expected, dest: torch.Tensor, corrupt: list) -> bool:
+    def _read_from_store(self, todo: list[int], block_hashes, token_ids, dests, served: list[bool],
+                         corrupt: list[bytes]) -> list[int]:
+        """Serve blocks `todo` from one read snapshot; returns those still to try.
+
+        An LMDB error on one key (a damaged page on its path) marks that key corrupt; it also
+        invalidates the transaction, so the rest is returned to be read in a fresh one.
+        """
         try:
-            value = txn.get(block_hash)
-        except lmdb.Error as e:  # a damaged page under this key
-            logger.warning("disk tier: reading a block failed (%s); dropping it", e)
-            corrupt.append(block_hash)
-            return False
-        if value is None:
-            return False
-        return self._serve(value, block_hash, expected, dest, corrupt)
+            with self._env.begin(db=self._store.blocks, buffers=True) as txn:
+                for n, i in enumerate(todo):
+                    try:
+                        value = txn.get(block_hashes[i])
+                    except lmdb.Error as e:
+                        logger.warning("disk tier: reading block %s failed (%s); dropping it", block_hashes[i].hex(), e)
+                        corrupt.append(block_hashes[i])
+                        return todo[n + 1:]
+                    if value is not None:
+                        served[i] = self._serve(value, block_hashes[i], token_ids[i], dests[i], corrupt)
+        except lmdb.Error as e:  # the snapshot itself could not be taken: all misses, none corrupt
+            self._log_read_error(e)
+        return []
 
     def _serve(self, value: memoryview, block_hash: bytes, expected, dest: torch.Tensor, corrupt: list) -> bool:
         try:
@@ -547,16 +616,31 @@ class DiskTier(LowerTier):
 
     def _apply_with_room(self, batch: list[_Op]) -> None:
         """Commit a batch; if LMDB's map is full (fragmentation, pages pinned by readers), evict
-        more of the oldest blocks and retry instead of failing."""
+        more of the oldest blocks and retry instead of failing. If the batch fails otherwise (a
+        damaged page under one of its keys), apply its operations one by one so that only the
+        ones that cannot be applied are lost."""
         for attempt in range(4):
             try:
                 self._apply(batch)
                 return
             except lmdb.MapFullError:
+                if len(batch) > 1 and attempt == 3:
+                    break
                 keep = self.capacity_bytes * (3 - attempt) // 4
                 logger.warning("disk tier: LMDB map full; evicting down to %s and retrying", _format_bytes(keep))
                 self._evict_down_to(keep)
-        raise lmdb.MapFullError("the store stays full after evicting every block")
+            except lmdb.Error as e:
+                if len(batch) == 1:
+                    raise
+                logger.warning("disk tier: a batch of %d operations failed (%s); applying them one by one",
+                               len(batch), e)
+                break
+        for op in batch:
+            try:
+                self._apply([op])
+            except lmdb.Error as e:
+                self._write_errors += 1
+                logger.error("disk tier: dropping a %s of block %s: %s", op.kind, op.block_hash.hex(), e)
 
     def _apply(self, batch: list[_Op]) -> None:
         store = self._store
