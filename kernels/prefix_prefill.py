@@ -23,7 +23,8 @@ def gather_sequence_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Te
     block_size = kv_cache.shape[3]
     num_blocks = -(-seq_len // block_size)
     block_ids = block_table[:num_blocks].to(device=kv_cache.device, dtype=torch.long)
-    blocks = kv_cache[:, layer].index_select(0, block_ids)  # [n, 2, block_size, kv_heads, head_dim]
+    # advanced indexing, not index_select on the strided layer view: the latter is ~100x slower on CPU
+    blocks = kv_cache[block_ids, layer]  # [n, 2, block_size, kv_heads, head_dim]
     key = blocks[:, 0].reshape(num_blocks * block_size, *blocks.shape[-2:])[:seq_len]
     value = blocks[:, 1].reshape(num_blocks * block_size, *blocks.shape[-2:])[:seq_len]
     return key.transpose(0, 1), value.transpose(0, 1)
@@ -36,10 +37,22 @@ def causal_suffix_mask(q_len: int, kv_len: int, device: torch.device) -> torch.T
     return torch.arange(kv_len, device=device)[None, :] <= query_pos[:, None]
 
 
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """One new token attending to all `kv_len` keys: `query [num_heads, head_dim]`, `key/value [num_kv_heads,
+    kv_len, head_dim]`. Plain fp32 matmuls over the query heads grouped by KV head: on a CPU, SDPA's one-row
+    path measured 7-9x slower in bf16 (and no faster in fp32), see benchmarks/results/kernels.md."""
+    num_kv_heads, _, head_dim = key.shape
+    grouped = query.reshape(num_kv_heads, -1, head_dim).float()  # [kv_heads, group, head_dim]
+    scores = torch.matmul(grouped, key.float().transpose(1, 2)) * scale
+    attn = torch.matmul(scores.softmax(dim=-1), value.float())
+    return attn.reshape(query.shape).to(query.dtype)
+
+
 def reference_prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                              out: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference and CPU path: per sequence, gather its K/V blocks and call SDPA once."""
+    """Torch reference and CPU path: per sequence, gather its K/V blocks, then one SDPA call (prefill) or two
+    matmuls (decode)."""
     if out is None:
         out = torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -50,6 +63,9 @@ def reference_prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer:
         if q_len == 0:
             continue
         key, value = gather_sequence_kv(kv_cache, layer, block_tables[seq], kv_len)
+        if q_len == 1:
+            out[q_start] = decode_attention(query[q_start], key, value, scale)
+            continue
         q = query[q_start:q_end].transpose(0, 1)  # [num_heads, q_len, head_dim]
         mask, is_causal = None, False
         if q_len == kv_len:
@@ -111,7 +127,7 @@ def _attend_tile(acc, row_max, row_sum, q, key_start, query_pos, block_table_ptr
     token_offsets = block_ids * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs  # [TILE_N]
     kv_mask = key_ok[None, :] & d_mask[:, None]
     k = tl.load(k_base + token_offsets[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)  # [HEAD_DIM, TILE_N]
-    v = tl.load(v_base + token_offsets[:, None] + offs_d[None, :], mask=tl.trans(kv_mask), other=0.0)
+    v = tl.load(v_base + token_offsets[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_mask[None, :], other=0.0)
     scores = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2
     if MASKED:
         scores = tl.where(key_pos[None, :] <= query_pos[:, None], scores, float("-inf"))
