@@ -118,6 +118,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def check_agreement(problem: Problem, ours: Callable[..., torch.Tensor]) -> None:
+    """Time nothing that computes something else: ours must match the baseline on this very problem."""
+    paged = ours(*problem.paged_args, problem.scale)
+    dense = sdpa_baseline(problem)()  # [num_seqs, heads, new, head_dim]
+    torch.testing.assert_close(paged.float(), dense.transpose(1, 2).reshape(paged.shape).float(),
+                               atol=3e-2, rtol=3e-2)
+
+
 def time_cpu(fn: Callable[[], object], repeats: int) -> float:
     """Best of `repeats` calls, in seconds of this process's CPU time (one thread)."""
     fn()
@@ -162,6 +170,7 @@ def main() -> None:
     for case in cases:
         for dtype in dtypes:
             problem = make_problem(case, dtype, device)
+            check_agreement(problem, ours)
             ours_s = timer(lambda: ours(*problem.paged_args, problem.scale), args.repeats)
             sdpa_s = timer(sdpa_baseline(problem), args.repeats)
             print(f"| {case.describe()} | {str(dtype).removeprefix('torch.')} | {ours_s * 1e3:.2f} | "

@@ -40,7 +40,7 @@ def causal_suffix_mask(q_len: int, kv_len: int, device: torch.device) -> torch.T
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """One new token attending to all `kv_len` keys: `query [num_heads, head_dim]`, `key/value [num_kv_heads,
     kv_len, head_dim]`. Plain fp32 matmuls over the query heads grouped by KV head: on a CPU, SDPA's one-row
-    path measured 7-9x slower in bf16 (and no faster in fp32), see benchmarks/results/kernels.md."""
+    path measured 6-9x slower in bf16 (and no faster in fp32), see benchmarks/results/kernels.md."""
     num_kv_heads, _, head_dim = key.shape
     grouped = query.reshape(num_kv_heads, -1, head_dim).float()  # [kv_heads, group, head_dim]
     scores = torch.matmul(grouped, key.float().transpose(1, 2)) * scale
