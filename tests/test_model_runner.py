@@ -81,8 +81,19 @@ def blocks_for(num_tokens: int, first: int = 0) -> list[int]:
     return list(range(first, first + -(-num_tokens // BLOCK_SIZE)))
 
 
+_reference_logits: dict[tuple[int, ...], torch.Tensor] = {}
+
+
 def transformers_last_logits(loaded, token_ids: list[int]) -> torch.Tensor:
-    """The reference: transformers' own forward with SDPA over the whole sequence, no paged cache."""
+    """The reference: transformers' own forward with SDPA over the whole sequence, no paged cache
+    (memoised: several tests compare against the same prompt)."""
+    key = tuple(token_ids)
+    if key not in _reference_logits:
+        _reference_logits[key] = _transformers_forward(loaded, token_ids)
+    return _reference_logits[key]
+
+
+def _transformers_forward(loaded, token_ids: list[int]) -> torch.Tensor:
     model = loaded.model
     model.set_attn_implementation("sdpa")
     try:
@@ -157,6 +168,20 @@ def test_shuffled_non_contiguous_blocks_give_the_same_logits(loaded, runner, tok
     table = torch.randperm(NUM_BLOCKS, generator=generator)[: len(blocks_for(len(prompt)))].tolist()
     assert table != sorted(table)
     logits = runner.execute(build_step([Chunk(prompt, 0, table)]))[0]
+    assert_logits_close(logits, transformers_last_logits(loaded, prompt))
+
+
+@pytest.mark.slow
+def test_triton_kernels_through_the_whole_model_match_transformers(loaded, tokens):
+    """The Triton backend (run by its interpreter here: small shapes) in every layer, on a chunked
+    prefill over out-of-order blocks."""
+    cfg = loaded.model_config
+    layout = BlockLayout(cfg.num_layers, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    triton_runner = ModelRunner(loaded, layout.allocate(4, "cpu"), get_ops(resolve_backend("triton", "cpu")))
+    prompt, table = tokens["b"], [3, 1]
+    assert len(prompt) <= len(table) * BLOCK_SIZE
+    triton_runner.execute(build_step([Chunk(prompt[:9], 0, table)], want_logits=False))
+    logits = triton_runner.execute(build_step([Chunk(prompt[9:], 9, table)]))[0]
     assert_logits_close(logits, transformers_last_logits(loaded, prompt))
 
 
