@@ -1,0 +1,58 @@
+"""Compile every Triton kernel for an NVIDIA sm_90 GPU, without a GPU: Triton's front end, its MLIR passes and
+ptxas all run on the CPU. This catches what the interpreter lets through (loop-carried types, dot shapes, early
+returns, constexpr misuse). Run in a fresh process with TRITON_INTERPRET unset:
+
+    python tests/gpu_compile_check.py
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvstrata.kernels import block_copy, kv_store, prefix_prefill
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_gpu(kernel, pointer_types: dict[str, str], constexprs: dict[str, object], scalar_type="i32") -> None:
+    """Compile `kernel` with the given pointer element types; other lower-case parameters are `scalar_type`."""
+    signature = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointer_types:
+            signature[name] = "*" + pointer_types[name]
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else scalar_type
+    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET)
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET to compile for a GPU"
+    metadata = {"block_tables_ptr": "i32", "query_start_loc_ptr": "i32", "seq_lens_ptr": "i32"}
+    variants = [  # (dtype, GQA group, BLOCK_M, TILE_N, head dim, block size): SmolLM2 prefill, Llama decode
+        ("bf16", tl.bfloat16, 3, 64, 64, 64, 16),
+        ("fp32", tl.float32, 4, 16, 32, 128, 8),
+    ]
+    for dtype, dot_dtype, group, block_m, tile_n, head_dim, block_size in variants:
+        tensors = {"query_ptr": dtype, "cache_ptr": dtype, "out_ptr": dtype, **metadata}
+        compile_for_gpu(prefix_prefill._prefix_prefill_kernel, tensors, {
+            "BLOCK_SIZE": block_size, "GROUP": group, "BLOCK_Q": block_m // group, "BLOCK_M": block_m,
+            "TILE_N": tile_n, "HEAD_DIM": head_dim, "DOT_DTYPE": dot_dtype,
+            "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32"})
+    compile_for_gpu(kv_store._store_kv_kernel, {"key_ptr": "bf16", "value_ptr": "bf16", "cache_ptr": "bf16",
+                                                "slot_ptr": "i64"}, {"HEADS": 4, "HEAD_DIM": 64})
+    for gather in (True, False):
+        compile_for_gpu(block_copy._copy_blocks_kernel, {"src_ptr": "bf16", "dst_ptr": "bf16",
+                                                         "src_index_ptr": "i64", "dst_index_ptr": "i64"},
+                        {"GATHER": gather, "CHUNK": 4096}, scalar_type="i64")
+    print("all kernels compiled for", TARGET)
+
+
+if __name__ == "__main__":
+    main()
