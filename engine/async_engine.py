@@ -1,0 +1,256 @@
+"""AsyncEngine: the single-threaded LLMEngine on its own thread, fed by asyncio callers.
+
+One engine thread owns the LLMEngine. It drains a thread-safe inbox of commands (add, abort, stop),
+calls `step()` while there is work, and hands each request's progress to the asyncio queue of the
+caller that asked for it with `loop.call_soon_threadsafe`. With no work it blocks on the inbox, so an
+idle server costs nothing. The asyncio side never touches the engine: it validates requests with
+`validate_request` (which reads only the tokenizer and fixed limits) and reads the stats snapshot
+that the engine thread publishes after each step.
+
+Order of operations after a step: publish the stats snapshot, then push the outputs. A client that
+has its answer therefore finds its request already counted in `/metrics`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from kvstrata.engine.llm import RequestOutput
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.metrics import EngineMetrics, EngineSnapshot
+from kvstrata.engine.request import Request
+from kvstrata.engine.sampling import SamplingParams
+
+logger = logging.getLogger("kvstrata")
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down (or failed) and takes no new requests."""
+
+
+@dataclass(eq=False)
+class _Stream:
+    """Where one request's outputs go: a queue on the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    saw_first_token: bool = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's loop is closed: nobody is listening any more
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    prompt: str | None
+    arrival_time: float
+    stream: _Stream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """Serve an LLMEngine to asyncio code.
+
+        async for output in async_engine.generate(token_ids, SamplingParams(max_tokens=32)):
+            ...                                  # RequestOutput snapshots; the last has finished=True
+        async_engine.shutdown()                  # finishes in-flight requests, then engine.close()
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics or EngineMetrics()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Guards `_accepting` together with putting into the inbox, so that no add can land behind _STOP.
+        self._lock = threading.Lock()
+        self._accepting = True
+        self.error: BaseException | None = None  # set if a step failed: the engine is then unusable
+        # Owned by the engine thread only.
+        self._streams: dict[str, _Stream] = {}
+        self._publish_snapshot()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ asyncio side
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def snapshot(self) -> EngineSnapshot | None:
+        return self.metrics.snapshot
+
+    def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                 request_id: str | None = None, cache_salt: str | None = None, prompt: str | None = None,
+                 arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate now (ValueError before anything is queued), then return the request's outputs.
+
+        The request is queued when iteration starts. Each item is a snapshot of the whole request so
+        far (its text only ever grows); the last one has `finished=True`. Closing or cancelling the
+        iterator before that (a client that went away) aborts the request and frees its blocks.
+        """
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.engine.validate_request(prompt_token_ids, params)
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        return self._outputs(_Add(request_id, prompt_token_ids, params, cache_salt, prompt, arrival_time,
+                                  _Stream(asyncio.get_running_loop())))
+
+    async def _outputs(self, add: _Add) -> AsyncIterator[RequestOutput]:
+        self._submit(add)
+        finished = False
+        try:
+            while not finished:
+                output = await _latest(add.stream.queue)
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self._submit(_Abort(add.request_id), required=False)
+
+    def _submit(self, command, required: bool = True) -> None:
+        with self._lock:
+            if self._accepting:
+                self._inbox.put(command)
+            elif required:
+                raise EngineStoppedError(self._stopped_reason())
+
+    def _stopped_reason(self) -> str:
+        if self.error is not None:
+            return f"the engine failed and takes no more requests: {self.error}"
+        return "the engine is shutting down and takes no new requests"
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop taking requests, let the in-flight ones finish, stop the thread, close the engine
+        (which writes the cache down to disk). Safe to call more than once; blocks until done."""
+        with self._lock:
+            if self._accepting:
+                self._accepting = False
+                self._inbox.put(_STOP)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            self._serve_until_stopped()
+        except BaseException as exc:  # a failed step: every caller must hear of it, none may hang
+            logger.exception("kvstrata: the engine failed")
+            self.error = exc
+            self._fail_all(EngineStoppedError(f"the engine failed: {exc}"))
+        finally:
+            self._refuse_queued_commands()
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        try:
+            self.engine.close()
+        except Exception:
+            logger.exception("kvstrata: writing the cache down at shutdown failed")
+
+    def _serve_until_stopped(self) -> None:
+        stop_requested = False
+        while not (stop_requested and not self.engine.has_unfinished_requests()):
+            idle = not self.engine.has_unfinished_requests()
+            for command in self._take_commands(wait=idle and not stop_requested):
+                if command is _STOP:
+                    stop_requested = True
+                else:
+                    self._apply(command)
+            updated = self.engine.step() if self.engine.has_unfinished_requests() else []
+            self._publish_snapshot()
+            self._deliver(updated)
+
+    def _take_commands(self, wait: bool) -> list:
+        commands = [self._inbox.get()] if wait else []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            if self._streams.pop(command.request_id, None) is not None:
+                request = self.engine.requests.get(command.request_id)
+                self.engine.abort_request(command.request_id)
+                if request is not None:
+                    self.metrics.observe_finished(request.status.value)
+                self.engine.release(command.request_id)
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    cache_salt=command.cache_salt, prompt=command.prompt,
+                                    arrival_time=command.arrival_time)
+        except ValueError as exc:
+            command.stream.put(exc)
+            return
+        self._streams[command.request_id] = command.stream
+
+    def _deliver(self, updated: list[Request]) -> None:
+        for request in updated:
+            stream = self._streams.get(request.request_id)
+            if stream is None:
+                continue
+            if not stream.saw_first_token and request.ttft_s is not None:
+                stream.saw_first_token = True
+                self.metrics.observe_first_token(request.ttft_s)
+            stream.put(RequestOutput.from_request(request))
+            if request.is_finished:
+                self.metrics.observe_finished(request.status.value)
+                del self._streams[request.request_id]
+                self.engine.release(request.request_id)
+
+    def _publish_snapshot(self) -> None:
+        scheduler = self.engine.scheduler
+        self.metrics.update(EngineSnapshot(stats=self.engine.stats(), num_running=len(scheduler.running),
+                                           num_waiting=len(scheduler.waiting)))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            stream.put(error)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine is already broken; the callers have been told
+                pass
+        self._streams.clear()
+
+    def _refuse_queued_commands(self) -> None:
+        with self._lock:
+            self._accepting = False
+            for command in self._take_commands(wait=False):
+                if isinstance(command, _Add):
+                    command.stream.put(EngineStoppedError(self._stopped_reason()))
+
+
+async def _latest(outputs: asyncio.Queue) -> RequestOutput:
+    """The newest output in the queue (each is a whole snapshot, so older ones can be skipped when
+    the reader falls behind); an error in the queue is raised."""
+    item = await outputs.get()
+    while True:
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished or outputs.empty():
+            return item
+        item = outputs.get_nowait()

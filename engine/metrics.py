@@ -1,0 +1,129 @@
+"""Prometheus metrics for `GET /metrics`, fed from the engine thread's snapshots.
+
+The engine thread publishes an `EngineSnapshot` (a copy of `LLMEngine.stats()` plus the scheduler's
+queue lengths) after each step; a scrape reads the latest one. Nothing here ever reads engine state,
+so a scrape never races a step. Cumulative engine counters are exposed as Prometheus counters
+straight from the snapshot (they only grow); observations that the snapshot cannot carry (each
+request's time to first token, each finish) are recorded by the engine thread as they happen.
+
+Every metric lives in this object's own `CollectorRegistry`: two servers in one process (tests)
+never collide, and the process-wide default registry stays untouched.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "kvstrata"
+TIERS = ("device", "cpu", "disk")
+LOWER_TIERS = ("cpu", "disk")
+# From a device hit on a small model (milliseconds) to a cold multi-thousand-token CPU prefill (a minute).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine thread saw after a step; immutable, so the HTTP side may read it freely."""
+
+    stats: dict                      # LLMEngine.stats()
+    num_running: int
+    num_waiting: int
+    taken_at: float = field(default_factory=time.time)
+
+
+class EngineMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._snapshot: EngineSnapshot | None = None
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "Time from a request's arrival to its first token.",
+            buckets=TTFT_BUCKETS, registry=self.registry)
+        self.requests_finished = Counter(
+            f"{PREFIX}_requests_finished_total", "Requests that ended, by why they ended (stop, length, abort).",
+            ["finish_reason"], registry=self.registry)
+        self.registry.register(_SnapshotCollector(self))
+
+    # Called from the engine thread.
+    def update(self, snapshot: EngineSnapshot) -> None:
+        self._snapshot = snapshot  # one reference assignment: scrapes see the old or the new, whole
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        self.time_to_first_token.observe(ttft_s)
+
+    def observe_finished(self, finish_reason: str) -> None:
+        self.requests_finished.labels(finish_reason=finish_reason).inc()
+
+    # Called from the HTTP side.
+    @property
+    def snapshot(self) -> EngineSnapshot | None:
+        return self._snapshot
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SnapshotCollector(Collector):
+    """Turns the latest snapshot into metric families at scrape time."""
+
+    def __init__(self, metrics: EngineMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.metrics.snapshot
+        if snapshot is None:
+            return
+        yield from _cache_metrics(snapshot.stats)
+        yield _gauge("requests_running", "Requests scheduled on the engine now.", snapshot.num_running)
+        yield _gauge("requests_waiting", "Requests queued for admission (or preempted).", snapshot.num_waiting)
+
+
+def _cache_metrics(stats: dict) -> Iterator[Metric]:
+    prefix = stats["prefix_cache"]
+    yield _counter("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+                   prefix["query_tokens"])
+    yield _per_tier(CounterMetricFamily, "prefix_cache_hits_tokens",
+                    "Prompt tokens served from the cache, by the tier that held them.", prefix["hit_tokens"], TIERS)
+    tiers = stats["tiers"]
+    enabled = [name for name in TIERS if name in tiers]
+    for field_name, metric, help_text in (
+            ("used_blocks", "cache_usage_blocks", "KV blocks held by each tier."),
+            ("used_bytes", "cache_usage_bytes", "Bytes of KV blocks held by each tier."),
+            ("capacity_blocks", "cache_capacity_blocks", "KV blocks each tier can hold."),
+            ("capacity_bytes", "cache_capacity_bytes", "Bytes of KV blocks each tier can hold.")):
+        yield _per_tier(GaugeMetricFamily, metric, help_text, {n: tiers[n][field_name] for n in enabled}, enabled)
+    yield _per_tier(CounterMetricFamily, "cache_evictions_blocks",
+                    "Cached blocks each tier dropped by LRU to make room (device: slots reused).",
+                    {n: tiers[n]["evictions"] for n in enabled}, enabled)
+    yield _per_tier(CounterMetricFamily, "cache_promotions_blocks",
+                    "Blocks copied up to the device from each lower tier.", stats["promotions"], LOWER_TIERS)
+    yield _counter("cache_promotion_failures_blocks",
+                   "Lower-tier blocks that vanished or failed verification while being promoted.",
+                   stats["promotion_failures"])
+    yield _per_tier(CounterMetricFamily, "cache_write_downs_blocks",
+                    "Blocks written down into each lower tier.", stats["write_downs"], LOWER_TIERS)
+    yield _per_tier(CounterMetricFamily, "cache_corrupt_blocks",
+                    "Stored blocks that failed verification (served as misses, never as output).",
+                    stats["corrupt"], enabled)
+
+
+def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+    # CounterMetricFamily appends `_total` to the exposed sample name.
+    return CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+
+
+def _per_tier(family_type, name: str, help_text: str, values: dict, tiers) -> Metric:
+    family = family_type(f"{PREFIX}_{name}", help_text, labels=["tier"])
+    for tier in tiers:
+        family.add_metric([tier], values.get(tier, 0))
+    return family
