@@ -30,7 +30,7 @@ class KernelOps:
 
 @functools.cache
 def triton_available() -> bool:
-    """True when Triton imports here (it is absent or broken on some machines; the torch path still works)."""
+    """True when Triton imports here (it is absent on some machines; the torch path works without it)."""
     try:
         import triton  # noqa: F401
     except ImportError:
