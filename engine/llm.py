@@ -50,9 +50,12 @@ class LLM:
         outs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0))
     """
 
-    def __init__(self, config: Union[str, Path, dict, Config, None] = None, **overrides: Any):
-        self.config = config if isinstance(config, Config) and not overrides else load_config(config, overrides or None)
-        self.engine = LLMEngine(self.config)
+    def __init__(self, config: Union[str, Path, dict, Config, None] = None, *,
+                 loaded_model: Any = None):
+        """`config`: a YAML path, a dict, a Config, or None (defaults). `loaded_model` lets several
+        engines in one process share one loaded model (same dtype and device)."""
+        self.config = config if isinstance(config, Config) else load_config(config)
+        self.engine = LLMEngine(self.config, loaded=loaded_model)
         self._ids = itertools.count()
 
     @property
