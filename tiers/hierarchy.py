@@ -159,7 +159,7 @@ class TierHierarchy:
         n_ok = next((k for k in range(n) if served_from[k] is None), n)
         if n_ok < n:
             self.counters.promotion_failures += 1
-            # Unused blocks go back to the head-side free list order they came from (uncached).
+            # The blocks that found no content go back to the free queue, uncached.
             self.pool.free_blocks(list(reversed(new_blocks[n_ok:])))
         promoted = new_blocks[:n_ok]
         names = [s for s in served_from[:n_ok]]  # type: ignore[misc]
@@ -266,6 +266,7 @@ class TierHierarchy:
         dev.used_blocks = self.pool.num_blocks - self.pool.num_free_blocks
         dev.used_bytes = dev.used_blocks * (dev.capacity_bytes // max(self.pool.num_blocks, 1))
         dev.hits = self.counters.hit_blocks["device"]
+        dev.misses = self.counters.query_blocks - dev.hits
         dev.evictions = self.counters.device_evictions
         dev.extra = {"cached_blocks": len(self.pool.cached_block_hash_to_block)}
         tiers = {"device": dev}
