@@ -1,0 +1,95 @@
+"""`kvstrata ask`: long-document QA from the terminal."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from server_process import DEFAULT_CONFIG, REPO, server_env
+
+DOCUMENT = (
+    "The Harbor Street library opened in 1921 and was designed by the architect Mara Velde. "
+    "It holds 42,000 books and a collection of old maps of the river delta. In 1987 a fire destroyed "
+    "the east wing, which was rebuilt two years later with a glass roof. The head librarian, Tomas Reyl, "
+    "started a Saturday reading club for children in 2004.\n"
+)
+SUMMARY = re.compile(r"\[ttft (\d+\.\d+) s · cached (\d+)/(\d+) tokens: device (\d+), cpu (\d+), disk (\d+)\]")
+
+
+def ask(*args: str, tmp_path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "kvstrata", "ask", "--config", str(DEFAULT_CONFIG),
+               "--set", "model.dtype=float32", "--set", "cache.tiers.device.size=64",
+               "--set", f"cache.tiers.disk.path={tmp_path / 'kvstore'}", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=server_env(), cwd=REPO, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ask_answers_each_question_and_the_second_reuses_the_cached_document(tmp_path):
+    doc = tmp_path / "library.txt"
+    doc.write_text(DOCUMENT)
+    result = ask("--doc", str(doc), "--max-tokens", "6", "Who designed the library?", "When was the fire?",
+                 tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count("Q: ") == 2 and out.count("A: ") == 2
+    assert out.index("Who designed the library?") < out.index("When was the fire?")
+    summaries = [tuple(map(float, m.groups())) for m in SUMMARY.finditer(out)]
+    assert len(summaries) == 2
+    (_, cached_1, prompt_1, *_), (_, cached_2, prompt_2, device, cpu, disk) = summaries
+    assert prompt_1 > 64 and prompt_2 > 64
+    assert cached_2 >= prompt_2 / 2  # the document, shared by both questions
+    assert device + cpu + disk == cached_2
+    answers = re.findall(r"^A: (.*)$", out, re.MULTILINE)
+    assert all(answer.strip() for answer in answers)
+
+
+def test_ask_about_a_missing_file_is_one_line_error_and_exit_2(tmp_path):
+    result = ask("--doc", str(tmp_path / "missing.txt"), "Anything?", tmp_path=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"kvstrata: error: --doc: no such file {str(tmp_path / 'missing.txt')!r}"]
+    assert result.stdout == ""
+
+
+class _ShortContextEngine:
+    """Just what the prompt check reads from an engine: the chat template and the context length."""
+
+    max_model_len = 100
+
+    def apply_chat_template(self, messages) -> list[int]:
+        return [0] * sum(len(m["content"].split()) for m in messages)
+
+
+def test_document_too_long_for_the_context_is_one_line_error_suggesting_what_to_change():
+    from pathlib import Path
+
+    from kvstrata.engine.qa import _document_prompt
+
+    with pytest.raises(ValueError) as error:
+        _document_prompt(_ShortContextEngine(), "word " * 200, "Why?", 16, Path("big.txt"))
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("--doc: big.txt with the question is ")
+    assert "exceeds the context of 100 tokens" in message
+    assert "cut the document" in message and "model.max_model_len" in message
+
+
+@pytest.mark.parametrize("content,problem", [(b"", "is empty"), (b"  \n", "is empty"),
+                                             (b"\xff\xfe\x00bad", "is not UTF-8 text")])
+def test_unusable_document_is_one_line_error(tmp_path, content, problem):
+    from kvstrata.engine.qa import read_document
+
+    doc = tmp_path / "doc.txt"
+    doc.write_bytes(content)
+    with pytest.raises(ValueError, match=f"^--doc: .* {problem}$"):
+        read_document(doc)
+
+
+def test_document_that_is_a_directory_is_one_line_error(tmp_path):
+    from kvstrata.engine.qa import read_document
+
+    with pytest.raises(ValueError, match="is a directory, not a text file$"):
+        read_document(tmp_path)
