@@ -188,6 +188,14 @@ def test_many_writes_far_beyond_capacity_never_fail(store_path):
     tier.close()
 
 
+def test_one_put_larger_than_the_write_queue_completes(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB, writer_batch=2)  # at most 8 puts wait in memory
+    put_blocks(tier, range(50))
+    tier.flush()
+    assert get_blocks(tier, range(50)) == [True] * 50
+    tier.close()
+
+
 def test_token_mismatch_is_a_counted_miss_and_drops_the_entry(store_path):
     tier = DiskTier(BF16, store_path, 4 * MiB)
     put_blocks(tier, [1])

@@ -537,6 +537,7 @@ class DiskTier(LowerTier):
             for op in ops:
                 if op.kind == "put":
                     while len(self._pending) >= self._max_pending and not self._stopping:
+                        self._cond.notify_all()  # the writer must see what is queued so far
                         self._cond.wait()
                     self._pending[op.block_hash] = op.value
                     self._stats.puts += 1
