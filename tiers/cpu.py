@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, TierStats
@@ -53,6 +54,10 @@ class CpuTier(LowerTier):
         self.pinned = bool(pin_memory and torch.cuda.is_available())
         self._slab = torch.empty((capacity_blocks, layout.block_nbytes), dtype=torch.uint8,
                                  pin_memory=self.pinned)
+        # Host-to-host block copies go through numpy: one plain single-threaded memcpy per block.
+        # torch's copy_ splits each 368 KB block across its intra-op threads, and on a busy machine
+        # the per-copy thread handoff costs more than the copy itself.
+        self._slab_np = self._slab.numpy()
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()
         self._token_ids: list[Optional[tuple[int, ...]]] = [None] * capacity_blocks
         self._free_slots: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() gives slot 0 first
@@ -92,9 +97,11 @@ class CpuTier(LowerTier):
                     self._stats.corrupt += 1
                     self._drop(h)
                     continue
-                non_blocking = self.pinned and dest.device.type != "cpu"
-                dest.copy_(self._slab[slot], non_blocking=non_blocking)
-                async_copies |= non_blocking
+                if dest.device.type == "cpu":
+                    np.copyto(dest.numpy(), self._slab_np[slot])
+                else:
+                    dest.copy_(self._slab[slot], non_blocking=self.pinned)
+                    async_copies |= self.pinned
                 self._slot_of.move_to_end(h)
                 self._stats.hits += 1
                 served[i] = True
@@ -116,7 +123,10 @@ class CpuTier(LowerTier):
                 assert src.numel() == self.layout.block_nbytes and src.dtype == torch.uint8, \
                     "a payload is a flat uint8 tensor of layout.block_nbytes bytes"
                 slot = self._free_slots.pop() if self._free_slots else self._evict_lru()
-                self._slab[slot].copy_(src)
+                if src.device.type == "cpu":
+                    np.copyto(self._slab_np[slot], src.numpy())
+                else:
+                    self._slab[slot].copy_(src)
                 self._token_ids[slot] = token_tuple(ids)
                 self._slot_of[h] = slot
                 self._stats.puts += 1

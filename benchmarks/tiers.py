@@ -1,0 +1,181 @@
+"""Tier bandwidth: promotion from the CPU tier and from a warm disk tier into a block-major KV tensor,
+as a fraction of this machine's copy bandwidth, and the disk tier's write-down throughput.
+
+    python benchmarks/tiers.py [--out benchmarks/results] [--repeats 5]
+
+The reference is a plain torch copy of a large buffer on a CPU-only machine; with CUDA it is
+pinned host-to-device bandwidth (the CPU tier is pinned then). Blocks are SmolLM2-135M-sized
+(30 layers, 3 KV heads, head_dim 64, block_size 16, bf16: 368,640 bytes). Goals (DESIGN.md):
+CPU tier >= 70% of the reference, warm disk >= 50%.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from kvstrata.tiers.base import BlockLayout, as_bytes
+from kvstrata.tiers.cpu import CpuTier
+from kvstrata.tiers.disk import DiskTier
+
+LAYOUT = BlockLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+TOKEN_COUNTS = (1024, 4096, 8192)
+GOALS = {"cpu": 0.70, "disk": 0.50}
+
+
+def best_seconds(fn, repeats: int, sync) -> float:
+    """Fastest of `repeats` timed calls (after one warm-up call): the machine's capability, not its noise."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def reference_bandwidth(device: torch.device, repeats: int, sync) -> tuple[float, str]:
+    """Bytes per second of the copy a promotion is measured against."""
+    nbytes = 1 << 30
+    if device.type == "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        what = "pinned host-to-device copy of 1 GiB"
+        seconds = best_seconds(lambda: dst.copy_(src, non_blocking=True), repeats, sync)
+        return nbytes / seconds, what
+    # On the host, the faster of torch's (multi-threaded) copy and numpy's single memcpy: on a busy
+    # machine torch's thread handoff can make it the slower one, which would flatter every ratio.
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    torch_s = best_seconds(lambda: dst.copy_(src), repeats, sync)
+    numpy_s = best_seconds(lambda: np.copyto(dst.numpy(), src.numpy()), repeats, sync)
+    return nbytes / min(torch_s, numpy_s), "host memcpy of 1 GiB (the faster of torch copy_ and numpy copyto)"
+
+
+def block_ids(num_blocks: int) -> tuple[list[bytes], list[list[int]]]:
+    hashes = [i.to_bytes(16, "big") for i in range(num_blocks)]
+    tokens = [[(i * LAYOUT.block_size + t) % 49152 for t in range(LAYOUT.block_size)] for i in range(num_blocks)]
+    return hashes, tokens
+
+
+def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int, sync) -> dict:
+    num_blocks = num_tokens // LAYOUT.block_size
+    nbytes = num_blocks * LAYOUT.block_nbytes
+    hashes, tokens = block_ids(num_blocks)
+    source = LAYOUT.allocate(num_blocks)
+    source.view(torch.uint8).random_(0, 256)
+    srcs = [as_bytes(source[i]) for i in range(num_blocks)]
+    kv = LAYOUT.allocate(num_blocks, device=device)
+    dests = [as_bytes(kv[i]) for i in range(num_blocks)]
+
+    cpu = CpuTier(LAYOUT, num_blocks, pin_memory=True)
+    cpu.put(hashes, tokens, srcs)
+    cpu_s = best_seconds(lambda: cpu.get(hashes, tokens, dests), repeats, sync)
+    assert torch.equal(kv.cpu().view(torch.uint8), source.view(torch.uint8)), "CPU tier promotion returned other bytes"
+
+    path = os.path.join(store_dir, f"store-{num_tokens}")
+    disk = DiskTier(LAYOUT, path, 2 * nbytes + (64 << 20), check_integrity=False)
+    start = time.perf_counter()
+    disk.put(hashes, tokens, srcs)
+    disk.flush()
+    write_s = time.perf_counter() - start
+    kv.zero_()
+    disk_s = best_seconds(lambda: disk.get(hashes, tokens, dests), repeats, sync)  # warm: read once first
+    assert torch.equal(kv.cpu().view(torch.uint8), source.view(torch.uint8)), "disk tier promotion returned other bytes"
+    disk.close()
+    return {"tokens": num_tokens, "blocks": num_blocks, "bytes": nbytes,
+            "cpu_gbps": nbytes / cpu_s / 1e9, "disk_gbps": nbytes / disk_s / 1e9,
+            "disk_write_gbps": nbytes / write_s / 1e9}
+
+
+def machine_description(device: torch.device) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    desc = f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB RAM, torch {torch.__version__}"
+    if device.type == "cuda":
+        desc += f", {torch.cuda.get_device_name(device)}"
+    return desc
+
+
+def markdown(results: dict) -> str:
+    ref = results["reference_gbps"]
+    lines = [
+        "# Tier bandwidth",
+        "",
+        f"Machine: {results['machine']}.",
+        f"Command: `{results['command']}`",
+        f"Reference: {results['reference']}, best of before and after the rows: **{ref:.2f} GB/s**. Blocks of {LAYOUT.block_nbytes:,} bytes "
+        "(SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, block_size 16, bf16), promoted into a block-major "
+        f"KV tensor on `{results['device']}`; best of {results['repeats']} runs after a warm-up.",
+        "",
+        "| tokens | blocks | MB | CPU tier -> device GB/s | % of ref (goal 70%) | warm disk -> device GB/s "
+        "| % of ref (goal 50%) | disk write-down GB/s (put + flush) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results["rows"]:
+        lines.append(f"| {r['tokens']} | {r['blocks']} | {r['bytes'] / 1e6:.1f} | {r['cpu_gbps']:.2f} | "
+                     f"{100 * r['cpu_gbps'] / ref:.0f}% | {r['disk_gbps']:.2f} | {100 * r['disk_gbps'] / ref:.0f}% | "
+                     f"{r['disk_write_gbps']:.2f} |")
+    lines.append("")
+    missed = [f"{r['tokens']} tokens from {tier} ({100 * r[f'{tier}_gbps'] / ref:.0f}% < {100 * goal:.0f}%)"
+              for r in results["rows"] for tier, goal in GOALS.items() if r[f"{tier}_gbps"] / ref < goal]
+    lines.append("Goals missed: " + "; ".join(missed) + "." if missed else "All promotion goals met.")
+    lines += [
+        "",
+        "Notes: a promotion of 1k-4k tokens (24-94 MB) is partly served from the CPU's last-level cache, which",
+        "the 1 GiB reference cannot use, hence ratios above 100%; 8k tokens is the fair row. A disk read is one",
+        "B-tree lookup, a CBOR header decode and token check, one copy out of LMDB's mapping and an xxh3_64 of",
+        "the copy while it is still in cache; every served read also queues an LRU touch that the writer",
+        "commits in the background. Write-down commits with LMDB's default fsync per batch.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--store-dir", default=None, help="where to put the temporary disk stores")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # The reference is taken before and after the rows and the better one kept: on a shared machine a
+    # single measurement can land in a busy moment and flatter every ratio.
+    reference, what = reference_bandwidth(device, args.repeats, sync)
+    store_dir = tempfile.mkdtemp(prefix="kvstrata-bench-", dir=args.store_dir)
+    try:
+        rows = [measure(n, device, store_dir, args.repeats, sync) for n in TOKEN_COUNTS]
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+    reference = max(reference, reference_bandwidth(device, args.repeats, sync)[0])
+    results = {"machine": machine_description(device), "device": str(device), "reference": what,
+               "reference_gbps": reference / 1e9, "repeats": args.repeats, "rows": rows,
+               "command": " ".join(["python", "benchmarks/tiers.py", *(sys.argv[1:] if argv is None else argv)])}
+    table = markdown(results)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tiers.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(args.out, "tiers.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
