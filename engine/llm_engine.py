@@ -25,7 +25,7 @@ from kvstrata.kernels import get_ops, resolve_backend
 from kvstrata.tiers.base import KV_LAYOUT_VERSION, BlockLayout
 from kvstrata.tiers.block_pool import BlockPool
 from kvstrata.tiers.cpu import CpuTier
-from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.disk import DiskTier, encoded_size
 from kvstrata.tiers.hierarchy import TierHierarchy
 
 logger = logging.getLogger("kvstrata")
@@ -78,7 +78,9 @@ class LLMEngine:
                 pin = tiers.cpu.pinned and self.device.type == "cuda"
                 cpu = CpuTier(self.layout, num_cpu_blocks, pin_memory=pin)
             if tiers.disk is not None and not tiers.disk.size.is_off:
-                disk = DiskTier(self.layout, str(tiers.disk.path), tiers.disk.size.to_bytes(nbytes))
+                # a block count means that many stored blocks, each a payload plus a small header
+                capacity = tiers.disk.size.to_bytes(encoded_size(self.layout))
+                disk = DiskTier(self.layout, str(tiers.disk.path), capacity)
         return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload)
 
     # ------------------------------------------------------------------ requests
