@@ -226,3 +226,24 @@ def test_a_second_process_gets_disk_hits_for_a_document_the_first_saw(loaded, re
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tiers"]["disk"] >= 16 * (len(first.prompt_token_ids) // 16 - 1)
     assert result["tokens"] == reference[key][0]
+
+
+def test_stop_strings_and_seeds_behave_like_openai(loaded, tmp_path):
+    llm = LLM(load_config(config(tmp_path)), loaded_model=loaded)
+    messages = chat(DOCS["try"], QUESTIONS[0])
+    full = llm.chat(messages, SamplingParams(max_tokens=16, temperature=0))[0]
+    assert full.finish_reason in ("length", "stop") and full.text
+    # stop at the second word of the greedy answer: text ends before it, finish_reason "stop"
+    words = full.text.split()
+    assert len(words) >= 2
+    stop = words[1]
+    cut = llm.chat(messages, SamplingParams(max_tokens=16, temperature=0, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[:full.text.index(stop)]
+    # a seeded sampled request is reproducible, also when batched with others
+    seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=1234)
+    alone = llm.chat(messages, seeded)[0].token_ids
+    batch = llm.chat([chat(DOCS["import"], QUESTIONS[0]), messages],
+                     [SamplingParams(max_tokens=6, temperature=1.0), seeded])
+    assert batch[1].token_ids == alone
+    llm.close()
