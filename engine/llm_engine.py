@@ -144,16 +144,17 @@ class LLMEngine:
             return []
         logits = self.runner.execute(self._build_step_input(out))
         self.scheduler.update_after_step(out)
-        # The step computed the K/V of the blocks cached at allocation: now they can go down.
-        self.hierarchy.flush_pending()
         sampling = [s.request for s in out.scheduled if s.samples]
-        if not sampling:
-            return []
-        token_ids = sample(logits, [r.sampling_params for r in sampling],
-                           [self._generators[r.request_id] for r in sampling]).tolist()
-        now = time.perf_counter()
-        for request, token_id in zip(sampling, token_ids):
-            self._append_token(request, token_id, now)
+        if sampling:
+            token_ids = sample(logits, [r.sampling_params for r in sampling],
+                               [self._generators[r.request_id] for r in sampling]).tolist()
+            now = time.perf_counter()
+            for request, token_id in zip(sampling, token_ids):
+                self._append_token(request, token_id, now)
+        # The step computed the K/V of the blocks cached at allocation: now they can go down, after
+        # the tokens are out (off the TTFT path). A block reused before this is drained by the pool's
+        # eviction hook first, so nothing is lost.
+        self.hierarchy.flush_pending()
         return sampling
 
     def _build_step_input(self, out: SchedulerOutput) -> StepInput:
