@@ -62,9 +62,10 @@ class StreamOptions(_OpenAIModel):
 class _SamplingRequest(_OpenAIModel):
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    # None (some clients send null for "unset"): OpenAI's defaults, temperature 1 and top_p 1; top_k off.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -268,8 +269,9 @@ def build_app(engine: AsyncEngine, model_id: str) -> FastAPI:
         if body.n != 1:
             raise APIError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos)
+            return SamplingParams(max_tokens=max_tokens, temperature=_given(body.temperature, 1.0),
+                                  top_p=_given(body.top_p, 1.0), top_k=_given(body.top_k, -1), seed=body.seed,
+                                  stop=body.stop, ignore_eos=body.ignore_eos)
         except ValueError as exc:
             raise _bad_request(exc) from None
 
@@ -333,6 +335,10 @@ def build_app(engine: AsyncEngine, model_id: str) -> FastAPI:
                                       usage=_usage(final), kvstrata=_kvstrata(final))
 
     return app
+
+
+def _given(value, default):
+    return default if value is None else value
 
 
 def _validation_error_to_api_error(exc: RequestValidationError) -> APIError:
