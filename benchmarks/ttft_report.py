@@ -1,0 +1,244 @@
+"""Goals, the markdown report and the plots of the TTFT benchmark, computed from its result dict."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.ttft_stats import MISS, TIERS, Goal, p50_of, ratio
+
+ROUND_ROBIN = "round_robin"
+
+
+def _records(result: dict, configuration: str) -> list[dict]:
+    return (result.get("configurations", {}).get(configuration) or {}).get("records", [])
+
+
+def _peer_repeat_p50(result: dict, peer: str) -> float | None:
+    entry = result.get("peers", {}).get(peer) or {}
+    return (entry.get("repeat") or {}).get("p50") if entry.get("available") else None
+
+
+def device_hit_p50(result: dict) -> tuple[float | None, str]:
+    """A device hit's TTFT: device_cpu's device hits; else every configuration's device hits pooled."""
+    value = p50_of(_records(result, "device_cpu"), hit_tier="device")
+    if value is not None:
+        return value, "device_cpu device-hit p50"
+    pooled = [r for name in result.get("configurations", {}) for r in _records(result, name)]
+    return p50_of(pooled, hit_tier="device"), "device-hit p50, all configurations"
+
+
+def goals(result: dict) -> list[Goal]:
+    """The figures DESIGN.md holds us to, from this run's measurements (None where one was not run)."""
+    recompute = p50_of(_records(result, "recompute"))
+    cpu_hit = p50_of(_records(result, "device_cpu"), hit_tier="cpu")
+    device_hit, device_hit_name = device_hit_p50(result)
+    disk_hit = p50_of(_records(result, "disk_after_restart"), hit_tier="disk")
+    cold = result.get("cold_slowdown") or {}
+    return [
+        Goal("recompute / CPU-tier hit", ratio(recompute, cpu_hit), 20.0, ">=",
+             "recompute p50", "device_cpu CPU-hit p50"),
+        Goal("CPU-tier hit / device hit", ratio(cpu_hit, device_hit), 1.5, "<=",
+             "device_cpu CPU-hit p50", device_hit_name),
+        Goal("disk hit after restart / device hit", ratio(disk_hit, device_hit), 3.0, "<=",
+             "disk_after_restart disk-hit p50", device_hit_name),
+        Goal("device_only / device_cpu, round robin", ratio(p50_of(_records(result, "device_only"), phase=ROUND_ROBIN),
+                                                          p50_of(_records(result, "device_cpu"), phase=ROUND_ROBIN)),
+             10.0, ">=", "device_only round-robin p50", "device_cpu round-robin p50"),
+        Goal("cold slowdown with CPU + disk tiers on", cold.get("slowdown"), 0.10, "<",
+             "median cold TTFT, tiers on", "tiers off, minus 1"),
+        Goal("kvstrata CPU-tier hit / llama.cpp RAM-cache hit", ratio(cpu_hit, _peer_repeat_p50(result, "llama_cpp_ram_cache")),
+             1.0, "<=", "device_cpu CPU-hit p50", "llama_cpp_ram_cache repeat-document p50"),
+        Goal("kvstrata disk hit after restart / llama.cpp disk-cache hit",
+             ratio(disk_hit, _peer_repeat_p50(result, "llama_cpp_disk_cache")), 1.0, "<=",
+             "disk_after_restart disk-hit p50", "llama_cpp_disk_cache repeat-document p50"),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- markdown
+
+def _s(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _x(value: float | None, direction: str = ">=") -> str:
+    if value is None:
+        return "–"
+    return f"{value:+.1%}" if direction == "<" else f"{value:.2f}x"
+
+
+def goals_table(result: dict) -> str:
+    lines = ["| goal | measured | target | status | measured as |", "|---|---|---|---|---|"]
+    for g in result["goals"]:
+        target = f"{g['direction']} {_x(g['target'], g['direction'])}"
+        lines.append(f"| {g['name']} | {_x(g['value'], g['direction'])} | {target} | **{g['status']}** | "
+                     f"{g['numerator']} / {g['denominator']} |")
+    return "\n".join(lines)
+
+
+def _configuration_table(result: dict) -> list[str]:
+    lines = ["| configuration | tiers (device / cpu / disk) | requests | p50 | p90 | p99 | cold | "
+             "mean cached tokens device / cpu / disk | hits device / cpu / disk / miss |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, c in result["configurations"].items():
+        t = c["tiers"]
+        tiers = f"{t['device']} / {t['cpu'] or 'off'} / {t['disk'] or 'off'}" + ("" if t["prefix_caching"] else
+                                                                                  " (caching off)")
+        s, cached = c["summary"], c["mean_cached_tokens_by_tier"]
+        counts = [sum(1 for r in c["records"] if r["hit_tier"] == k) for k in (*TIERS, MISS)]
+        lines.append(f"| {name} | {tiers} | {s['n']} | {_s(s['p50'])} | {_s(s['p90'])} | {_s(s['p99'])} | "
+                     f"{_s(c['cold_ttft_s'])} | {' / '.join(f'{cached[k]:.0f}' for k in TIERS)} | "
+                     f"{' / '.join(map(str, counts))} |")
+    return lines
+
+
+def _hit_tier_table(result: dict) -> list[str]:
+    lines = ["| configuration | device hit p50 | CPU hit p50 | disk hit p50 | miss p50 | round robin p50 | Zipf p50 |",
+             "|---|---|---|---|---|---|---|"]
+    for name, c in result["configurations"].items():
+        by_hit, by_phase = c["by_hit_tier"], c["by_phase"]
+        cells = [_s((by_hit.get(k) or {}).get("p50")) + (f" (n={by_hit[k]['n']})" if by_hit.get(k) else "")
+                 for k in (*TIERS, MISS)]
+        cells += [_s((by_phase.get(ph) or {}).get("p50")) for ph in (ROUND_ROBIN, "zipf")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _peer_table(result: dict) -> list[str]:
+    if not result.get("peers"):
+        return ["Peers were not run."]
+    lines = ["| peer | p50 | p90 | p99 | first question on a document, p50 | repeated document, p50 | cold |",
+             "|---|---|---|---|---|---|---|"]
+    for name, p in result["peers"].items():
+        if not p.get("available"):
+            lines.append(f"| {name} | not run: {p['reason']} | | | | | |")
+            continue
+        s = p["summary"]
+        lines.append(f"| {name} | {_s(s['p50'])} | {_s(s['p90'])} | {_s(s['p99'])} | "
+                     f"{_s((p['first_seen'] or {}).get('p50'))} | {_s((p['repeat'] or {}).get('p50'))} | "
+                     f"{_s(p['cold_ttft_s'])} |")
+    return lines
+
+
+def _sweep_table(result: dict) -> list[str]:
+    sweep = result.get("sweep")
+    if not sweep:
+        return ["The sweep was not run."]
+    names = list(dict.fromkeys(p["configuration"] for p in sweep["points"]))
+    lines = ["| device tier (fraction of working set) | " + " | ".join(f"{n} repeat p50" for n in names) + " |",
+             "|---" * (len(names) + 1) + "|"]
+    by_blocks: dict[int, dict] = {}
+    for p in sweep["points"]:
+        by_blocks.setdefault(p["device_blocks"], {})[p["configuration"]] = p
+    for blocks, row in by_blocks.items():
+        fraction = next(iter(row.values()))["fraction"]
+        lines.append(f"| {blocks} blocks ({fraction:.2f}) | " +
+                     " | ".join(_s((row.get(n) or {}).get("p50_repeat_s")) for n in names) + " |")
+    return lines
+
+
+def _profile_section(result: dict) -> list[str]:
+    lines = []
+    for name, prof in (result.get("profiles") or {}).items():
+        lines += [f"**{name}** ({prof['hit_tier']}, {prof['cached_tokens']} of {prof['prompt_tokens']} prompt tokens "
+                  f"cached, TTFT under the profiler {_s(prof['ttft_s'])}), top functions by own time:", "",
+                  "```", *prof["top_by_own_time"][:10], "```", ""]
+    return lines or ["No profiles were taken."]
+
+
+def markdown(result: dict) -> str:
+    w = result["workload"]
+    load = result["load_average"]
+    cold = result.get("cold_slowdown")
+    out = [
+        "# TTFT under memory pressure", "",
+        f"Command: `{result['command']}`  ",
+        f"Machine: {result['machine']}  ",
+        f"Load average (1 min) during the run: min {load['during_1min']['min']:.2f}, mean "
+        f"{load['during_1min']['mean']:.2f}, max {load['during_1min']['max']:.2f} (before: "
+        f"{load['before'][0]:.2f}); the machine was shared, so absolute times are noisy.  ",
+        f"Started {result['started_at']}, took {result['duration_s']:.0f} s (model load {result['model_load_s']:.0f} s).",
+        "",
+        "## Workload", "",
+        f"{w['num_requests']} requests, `max_tokens=1`: {len(w['documents'])} documents of `{w['data']}` cut to "
+        f"{w['doc_tokens']} tokens, {w['questions_per_doc']} questions each asked round robin, then "
+        f"{w['zipf_requests']} Zipf draws (s={w['zipf_exponent']}, seed {w['seed']}). Prompts are "
+        f"{w['prompt_tokens']['min']}-{w['prompt_tokens']['max']} tokens. Working set "
+        f"{w['working_set_blocks']} blocks of {w['block_size']} tokens; device tier {w['device_blocks']} blocks "
+        f"(pressure {w['pressure']:.1f}x). A hit is a request with at least half its prompt cached, named by "
+        "the tier that served most of it. TTFT is measured from arrival to the first token.",
+        "",
+        "## kvstrata configurations", "",
+        *_configuration_table(result), "",
+        *_hit_tier_table(result), "",
+        "## Peers (same prompts, same GGUF)", "",
+        *_peer_table(result), "",
+        "## Goals", "",
+        goals_table(result), "",
+    ]
+    if cold:
+        out += ["## Cold requests with the lower tiers on", "",
+                f"{cold['pairs']} alternating pairs of all-miss requests (unique `cache_salt`): median "
+                f"{_s(cold['median_off_s'])} with the device tier alone, {_s(cold['median_on_s'])} with CPU + disk "
+                f"tiers on ({cold['slowdown']:+.1%}). Samples off: "
+                f"{', '.join(_s(v) for v in cold['ttft_s']['off'])}; on: {', '.join(_s(v) for v in cold['ttft_s']['on'])}.",
+                ""]
+    sweep = result.get("sweep")
+    out += ["## Pressure sweep", ""]
+    if sweep:
+        out += [f"{sweep['num_requests']} round-robin requests on documents cut to {sweep['doc_tokens']} tokens "
+                f"(working set {sweep['working_set_blocks']} blocks); p50 over repeated documents (a document's "
+                f"second and later questions). A device tier holds at least one prompt "
+                f"({sweep['min_device_blocks']} blocks), so the smallest fractions are raised to that.", ""]
+    out += [*_sweep_table(result), "", "## Where the time goes (cProfile)", "", *_profile_section(result)]
+    if result.get("notes"):
+        out += ["## Observations", "", result["notes"].strip(), ""]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- plots
+
+def plots(result: dict, bars_path: Path, sweep_path: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    rows = [(name, c["summary"]) for name, c in result["configurations"].items()]
+    rows += [(name, p["summary"]) for name, p in result.get("peers", {}).items() if p.get("available")]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    labels = [name for name, _ in rows]
+    ax.barh(labels, [s["p50"] for _, s in rows], color="tab:blue", label="p50")
+    ax.scatter([s["p90"] for _, s in rows], labels, marker="|", s=200, color="black", label="p90", zorder=3)
+    ax.scatter([s["p99"] for _, s in rows], labels, marker="x", color="tab:red", label="p99", zorder=3)
+    for y, (_, s) in enumerate(rows):
+        ax.annotate(_s(s["p50"]), (s["p50"], y), xytext=(3, -10), textcoords="offset points", fontsize=8)
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.set_xlabel("time to first token (s, log scale)")
+    ax.set_title(f"TTFT under pressure: {result['workload']['num_requests']} requests, "
+                 f"working set {result['workload']['pressure']:.1f}x the device tier")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(bars_path, dpi=110)
+    plt.close(fig)
+    written.append(bars_path)
+
+    sweep = result.get("sweep")
+    if sweep:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in dict.fromkeys(p["configuration"] for p in sweep["points"]):
+            points = [p for p in sweep["points"] if p["configuration"] == name and p["p50_repeat_s"] is not None]
+            ax.plot([p["fraction"] for p in points], [p["p50_repeat_s"] for p in points], marker="o", label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("device tier / working set")
+        ax.set_ylabel("TTFT p50 of repeated documents (s, log scale)")
+        ax.set_title("TTFT against device-tier size")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(sweep_path, dpi=110)
+        plt.close(fig)
+        written.append(sweep_path)
+    return written

@@ -1,0 +1,226 @@
+"""The TTFT-under-pressure benchmark: its workload builder and statistics (fast), and one tiny
+end-to-end run through `kvstrata bench ttft` that must produce every configuration (slow)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter, OrderedDict
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.ttft_report import goals  # noqa: E402
+from benchmarks.ttft_stats import Goal, hit_tier, mean_cached_by_tier, percentile, ratio, summarize  # noqa: E402
+from benchmarks.ttft_workload import (ROUND_ROBIN, ZIPF, blocks_for, build_workload, cut_document,  # noqa: E402
+                                      load_questions, round_robin_order, working_set_blocks, zipf_order)
+
+
+# ---------------------------------------------------------------------------------------------- workload
+
+def toy_render(content: str) -> list[int]:
+    """A stand-in for the chat template: one id per word, a fixed header and footer."""
+    return [1, 2] + [sum(map(ord, w)) % 1000 + 10 for w in content.split()] + [3]
+
+
+def toy_documents(num_docs: int, words: int = 40) -> "OrderedDict[str, str]":
+    return OrderedDict((f"pydoc_data.topics:d{d}", " ".join(f"doc{d}word{i}" for i in range(words)))
+                       for d in range(num_docs))
+
+
+def toy_questions(num_docs: int, num_questions: int) -> "OrderedDict[str, list[str]]":
+    return OrderedDict((f"pydoc_data.topics:d{d}", [f"question {q} about doc {d}?" for q in range(num_questions)])
+                       for d in range(num_docs))
+
+
+def test_round_robin_asks_every_document_before_any_document_again():
+    order = round_robin_order(3, 2)
+    assert order == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert all(a[0] != b[0] for a, b in zip(order, order[1:]))
+
+
+def test_zipf_order_is_deterministic_for_a_seed_and_favours_the_first_documents():
+    a = zipf_order(6, 3, 400, 1.2, seed=7)
+    assert a == zipf_order(6, 3, 400, 1.2, seed=7)
+    assert a != zipf_order(6, 3, 400, 1.2, seed=8)
+    counts = Counter(d for d, _ in a)
+    assert counts[0] > counts[1] > counts[5]
+
+
+def test_zipf_order_cycles_through_a_documents_questions():
+    order = zipf_order(2, 3, 50, 1.0, seed=0)
+    for doc in (0, 1):
+        asked = [q for d, q in order if d == doc]
+        assert asked == [i % 3 for i in range(len(asked))]
+
+
+def test_working_set_counts_a_shared_document_prefix_once():
+    doc = list(range(64))                       # 4 full blocks of 16
+    prompts = [doc + [100 + i] * 16 for i in range(3)]  # each adds one block of its own
+    assert working_set_blocks(prompts, 16) == 4 + 3
+    assert working_set_blocks([doc + [1, 2, 3]], 16) == 4  # a partial last block is not cached
+
+
+def test_working_set_distinguishes_equal_blocks_behind_different_prefixes():
+    block = [7] * 16
+    assert working_set_blocks([[1] * 16 + block, [2] * 16 + block], 16) == 4
+
+
+def test_blocks_for_rounds_up():
+    assert blocks_for(16, 16) == 1 and blocks_for(17, 16) == 2 and blocks_for(1, 16) == 1
+
+
+def test_workload_is_round_robin_then_zipf_with_the_document_first():
+    prompts = build_workload(toy_documents(3), toy_questions(3, 2), num_questions=2, zipf_requests=5,
+                             zipf_exponent=1.2, seed=0, render=toy_render)
+    assert [p.phase for p in prompts] == [ROUND_ROBIN] * 6 + [ZIPF] * 5
+    assert [(p.doc_index, p.question_index) for p in prompts[:6]] == round_robin_order(3, 2)
+    for p in prompts:
+        assert p.content.startswith(toy_documents(3)[p.doc]) and p.content.endswith(p.question)
+        assert p.token_ids == tuple(toy_render(p.content))
+    assert [p.repeat for p in prompts[:6]] == [False] * 3 + [True] * 3
+    assert all(p.repeat for p in prompts[6:])
+
+
+def test_workload_prompts_on_one_document_share_its_tokens_as_prefix():
+    prompts = build_workload(toy_documents(2), toy_questions(2, 2), 2, 0, 1.0, 0, toy_render)
+    first, second = (p.token_ids for p in prompts if p.doc_index == 0)
+    doc_len = len(toy_render(toy_documents(2)["pydoc_data.topics:d0"])) - 1  # without the footer
+    assert first[:doc_len] == second[:doc_len] and first != second
+
+
+def test_workload_refuses_more_questions_than_a_document_has():
+    with pytest.raises(ValueError, match="has 2 questions"):
+        build_workload(toy_documents(2), toy_questions(2, 2), 3, 0, 1.0, 0, toy_render)
+
+
+def test_cut_document_keeps_the_first_tokens():
+    def encode(text):
+        return text.split()
+
+    def decode(ids):
+        return " ".join(ids)
+
+    assert cut_document("a b c d e", 3, encode, decode) == "a b c"
+    assert cut_document("a b", 3, encode, decode) == "a b"
+
+
+def test_load_questions_groups_by_document_in_file_order(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    rows = [("pydoc_data.topics:b", "q1"), ("pydoc_data.topics:a", "q2"), ("pydoc_data.topics:b", "q3")]
+    path.write_text("\n".join(json.dumps({"doc": d, "question": q}) for d, q in rows) + "\n")
+    assert list(load_questions(path).items()) == [("pydoc_data.topics:b", ["q1", "q3"]),
+                                                   ("pydoc_data.topics:a", ["q2"])]
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+def test_percentile_interpolates_like_numpy():
+    values = [5.0, 1.0, 3.0, 2.0, 4.0, 10.0]
+    assert percentile(values, 50) == pytest.approx(3.5)
+    assert percentile(values, 90) == pytest.approx(7.5)   # numpy.percentile(values, 90)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 10.0
+    assert percentile([2.0], 99) == 2.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_summarize_reports_percentiles_and_none_for_nothing():
+    s = summarize([1.0, 2.0, 3.0])
+    assert (s["n"], s["p50"], s["mean"], s["min"]) == (3, 2.0, 2.0, 1.0)
+    assert summarize([]) is None
+
+
+def test_hit_tier_names_the_tier_that_served_most_of_a_mostly_cached_prompt():
+    assert hit_tier({"device": 0, "cpu": 0, "disk": 0}, 100) == "miss"
+    assert hit_tier({"device": 30, "cpu": 0, "disk": 0}, 100) == "miss"
+    assert hit_tier({"device": 16, "cpu": 64, "disk": 0}, 100) == "cpu"
+    assert hit_tier({"device": 0, "cpu": 16, "disk": 80}, 100) == "disk"
+
+
+def test_mean_cached_tokens_by_tier():
+    rows = [{"cached_tokens_by_tier": {"device": 10, "cpu": 0, "disk": 0}},
+            {"cached_tokens_by_tier": {"device": 0, "cpu": 30, "disk": 2}}]
+    assert mean_cached_by_tier(rows) == {"device": 5.0, "cpu": 15.0, "disk": 1.0}
+
+
+def test_ratio_and_goal_status():
+    assert ratio(6.0, 2.0) == 3.0 and ratio(None, 1.0) is None and ratio(1.0, 0.0) is None
+    assert Goal("g", 25.0, 20.0, ">=", "a", "b").status == "PASS"
+    assert Goal("g", 1.6, 1.5, "<=", "a", "b").status == "MISS"
+    assert Goal("g", 0.10, 0.10, "<", "a", "b").status == "MISS"
+    assert Goal("g", None, 1.0, "<=", "a", "b").status == "N/A"
+
+
+def _record(ttft, tier, phase=ROUND_ROBIN):
+    return {"ttft_s": ttft, "hit_tier": tier, "phase": phase}
+
+
+def test_goals_are_computed_from_the_right_requests():
+    result = {
+        "configurations": {
+            "recompute": {"records": [_record(3.0, "miss"), _record(3.2, "miss"), _record(2.8, "miss")]},
+            "device_only": {"records": [_record(3.0, "miss"), _record(0.1, "device", "zipf")]},
+            "device_cpu": {"records": [_record(3.0, "miss"), _record(0.12, "cpu"), _record(0.12, "cpu"),
+                                       _record(0.1, "device", "zipf")]},
+            "disk_after_restart": {"records": [_record(0.25, "disk"), _record(0.1, "device")]},
+        },
+        "peers": {"llama_cpp_ram_cache": {"available": True, "repeat": {"p50": 0.5}},
+                  "llama_cpp_disk_cache": {"available": False, "reason": "not installed"}},
+        "cold_slowdown": {"slowdown": 0.03},
+    }
+    by_name = {g.name: g for g in goals(result)}
+    assert by_name["recompute / CPU-tier hit"].value == pytest.approx(3.0 / 0.12)
+    assert by_name["CPU-tier hit / device hit"].value == pytest.approx(1.2)
+    assert by_name["disk hit after restart / device hit"].value == pytest.approx(2.5)
+    assert by_name["device_only / device_cpu, round robin"].value == pytest.approx(3.0 / 0.12)
+    assert by_name["cold slowdown with CPU + disk tiers on"].status == "PASS"
+    assert by_name["kvstrata CPU-tier hit / llama.cpp RAM-cache hit"].value == pytest.approx(0.24)
+    assert by_name["kvstrata disk hit after restart / llama.cpp disk-cache hit"].status == "N/A"
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_ttft_cli_measures_every_configuration(tmp_path):
+    out_dir = tmp_path / "results"
+    command = [sys.executable, "-c", "from kvstrata.cli import main; raise SystemExit(main())",
+               "bench", "ttft", "--config", "configs/pressure.yaml", "--set", "model.dtype=float32",
+               "--docs", "2", "--questions", "2", "--doc-tokens", "200", "--zipf-requests", "2",
+               "--peers", "none", "--cold-pairs", "1", "--sweep-docs", "2", "--sweep-questions", "2",
+               "--sweep-doc-tokens", "100", "--sweep-fractions", "0.5,1.0", "--out-dir", str(out_dir)]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    result = json.loads((out_dir / "ttft_pressure.json").read_text())
+    assert set(result["configurations"]) == {"recompute", "device_only", "device_cpu", "device_cpu_disk",
+                                             "disk_after_restart"}
+    workload = result["workload"]
+    assert workload["num_requests"] == 2 * 2 + 2
+    for name, c in result["configurations"].items():
+        assert len(c["records"]) == workload["num_requests"], name
+        assert c["summary"]["p50"] > 0 and c["summary"]["p50"] <= c["summary"]["p99"], name
+        assert c["cold_ttft_s"] > 0 and c["cold"]["cached_tokens"] == 0, name
+        assert set(c["mean_cached_tokens_by_tier"]) == {"device", "cpu", "disk"}, name
+        for r in c["records"]:
+            assert 0 <= r["cached_tokens"] < r["prompt_tokens"], name
+    assert all(r["cached_tokens"] == 0 for r in result["configurations"]["recompute"]["records"])
+    # a repeated document is served from the cache when the lower tiers hold it
+    repeats = [r for r in result["configurations"]["device_cpu"]["records"] if r["repeat"]]
+    assert repeats and all(r["hit_tier"] != "miss" for r in repeats)
+    # the fresh process finds the first document on the disk tier the earlier one wrote
+    restart = result["configurations"]["disk_after_restart"]["records"]
+    assert restart[0]["cached_tokens_by_tier"]["disk"] > 0
+    assert result["cold_slowdown"]["pairs"] == 1 and result["cold_slowdown"]["median_on_s"] > 0
+    assert {p["configuration"] for p in result["sweep"]["points"]} == {"device_only", "device_cpu",
+                                                                      "device_cpu_disk"}
+    assert [g["status"] in ("PASS", "MISS", "N/A") for g in result["goals"]] == [True] * len(result["goals"])
+    assert result["load_average"]["during_1min"]["samples"] >= 1 and result["machine"]
+    report = (out_dir / "ttft_pressure.md").read_text()
+    assert "| disk_after_restart |" in report and "## Goals" in report
+    assert (out_dir / "ttft_pressure.png").stat().st_size > 0 and (out_dir / "ttft_sweep.png").stat().st_size > 0
