@@ -11,7 +11,9 @@ Each peer answers `first_token_latency(token_ids) -> seconds` and `close()`.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import time
 from pathlib import Path
@@ -68,6 +70,7 @@ class LlamaCppPeer:
         if cache_kind not in ("ram", "disk"):
             raise ValueError(f"llama.cpp cache kind must be 'ram' or 'disk', got {cache_kind!r}")
         self.name = f"llama_cpp_{cache_kind}_cache"
+        self.cache_dir = cache_dir
         self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=n_threads, verbose=False)
         if cache_kind == "ram":
             cache = LlamaRAMCache(capacity_bytes=capacity_bytes)
@@ -78,9 +81,15 @@ class LlamaCppPeer:
         self.llm.set_cache(cache)
 
     def first_token_latency(self, token_ids: Sequence[int]) -> float:
-        start = time.perf_counter()
-        self.llm.create_completion(prompt=list(token_ids), max_tokens=1, temperature=0.0, stream=False)
-        return time.perf_counter() - start
+        # LlamaDiskCache prints three debug lines to stderr on every store: keep them out of the log
+        with contextlib.redirect_stderr(io.StringIO()):
+            start = time.perf_counter()
+            self.llm.create_completion(prompt=list(token_ids), max_tokens=1, temperature=0.0, stream=False)
+            return time.perf_counter() - start
+
+    def cache_bytes(self) -> int:
+        """Bytes the prompt cache holds now (states of every prompt it stored, as llama-cpp-python keeps them)."""
+        return int(self.llm.cache.cache_size) if self.llm.cache is not None else 0
 
     def close(self) -> None:
         self.llm.close()

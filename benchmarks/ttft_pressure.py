@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default="ttft_pressure", help="stem of the output files")
     p.add_argument("--no-plots", dest="plots", action="store_false")
     p.add_argument("--notes", default=None, help="a markdown file of observations to include in the report")
+    p.add_argument("--from-json", default=None,
+                   help="rewrite the report and plots from an earlier run's JSON (with --notes), measuring nothing")
     p.add_argument("--restart-child", default=None, help=argparse.SUPPRESS)  # internal: a fresh process
     args = p.parse_args(argv)
     args.configs = _names(p, args.configs, CONFIGURATIONS, "--configs")
@@ -418,9 +420,10 @@ def run_peers(names: list[str], loaded, prompts: list[QAPrompt], dtype, work_dir
                 records.append({"index": i, "phase": prompt.phase, "doc": prompt.doc, "repeat": prompt.repeat,
                                 "question_index": prompt.question_index, "prompt_tokens": len(prompt.token_ids),
                                 "ttft_s": peer.first_token_latency(prompt.token_ids)})
+            cache_bytes = peer.cache_bytes() if hasattr(peer, "cache_bytes") else None
         finally:
             peer.close()
-        results[name] = {"available": True, "cold_ttft_s": cold_s, "records": records,
+        results[name] = {"available": True, "cold_ttft_s": cold_s, "records": records, "cache_bytes": cache_bytes,
                          "attention": getattr(peer, "attention", None), **summarise_peer(records)}
         gc.collect()
     return results
@@ -480,6 +483,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.restart_child:
         run_restart_child(args.restart_child)
+        return 0
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        if args.notes:
+            result["notes"] = Path(args.notes).read_text()
+        write_outputs(result, args)
         return 0
     started_at, started = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.perf_counter()
     load_before = os.getloadavg()
@@ -559,7 +568,7 @@ def run_benchmark(args, work_dir: Path) -> dict:
     result = {"benchmark": "ttft_pressure", "command": command_line(), "machine": machine_line(),
               "versions": versions(), "config": base.to_dict(), "model_load_s": load_s, "workload": workload,
               "configurations": configurations, "peers": peers, "cold_slowdown": cold, "sweep": sweep,
-              "profiles": profiles}
+              "profiles": profiles, "work_dir": str(work_dir)}
     result["goals"] = [g.as_dict() for g in ttft_report.goals(result)]
     return result
 
@@ -601,12 +610,24 @@ def command_line() -> str:
     return "python " + " ".join(shlex.quote(a) for a in argv)
 
 
+def scrub_paths(text: str, work_dir: str) -> str:
+    """Results name files relative to the checkout or the environment, never by this machine's paths."""
+    import sysconfig
+
+    replacements = [(work_dir, "$TMPDIR/kvstrata-ttft"), (sysconfig.get_paths()["purelib"], "site-packages"),
+                    (str(REPO_ROOT) + os.sep, ""), (str(REPO_ROOT), ".")]
+    for old, new in replacements:
+        text = text.replace(old, new)
+    return text
+
+
 def write_outputs(result: dict, args) -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{args.name}.json", out_dir / f"{args.name}.md"
-    json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    md_path.write_text(ttft_report.markdown(result))
+    work_dir = result.pop("work_dir", None) or "$TMPDIR/kvstrata-ttft"
+    json_path.write_text(scrub_paths(json.dumps(result, indent=1, default=str), work_dir) + "\n")
+    md_path.write_text(scrub_paths(ttft_report.markdown(result), work_dir))
     written = [json_path, md_path]
     if args.plots:
         sweep_name = "ttft_sweep.png" if args.name == "ttft_pressure" else f"{args.name}_sweep.png"

@@ -61,6 +61,10 @@ def _s(seconds: float | None) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
+def _mib(nbytes: int | None) -> str:
+    return "–" if nbytes is None else f"{nbytes / (1 << 20):.0f} MiB"
+
+
 def _x(value: float | None, direction: str = ">=") -> str:
     if value is None:
         return "–"
@@ -107,16 +111,16 @@ def _hit_tier_table(result: dict) -> list[str]:
 def _peer_table(result: dict) -> list[str]:
     if not result.get("peers"):
         return ["Peers were not run."]
-    lines = ["| peer | p50 | p90 | p99 | first question on a document, p50 | repeated document, p50 | cold |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| peer | p50 | p90 | p99 | first question on a document, p50 | repeated document, p50 | cold | "
+             "prompt cache holds |", "|---|---|---|---|---|---|---|---|"]
     for name, p in result["peers"].items():
         if not p.get("available"):
-            lines.append(f"| {name} | not run: {p['reason']} | | | | | |")
+            lines.append(f"| {name} | not run: {p['reason']} | | | | | | |")
             continue
         s = p["summary"]
         lines.append(f"| {name} | {_s(s['p50'])} | {_s(s['p90'])} | {_s(s['p99'])} | "
                      f"{_s((p['first_seen'] or {}).get('p50'))} | {_s((p['repeat'] or {}).get('p50'))} | "
-                     f"{_s(p['cold_ttft_s'])} |")
+                     f"{_s(p['cold_ttft_s'])} | {_mib(p.get('cache_bytes'))} |")
     return lines
 
 

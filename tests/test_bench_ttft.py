@@ -190,10 +190,10 @@ def test_goals_are_computed_from_the_right_requests():
 def test_bench_ttft_cli_measures_every_configuration(tmp_path):
     out_dir = tmp_path / "results"
     command = [sys.executable, "-c", "from kvstrata.cli import main; raise SystemExit(main())",
-               "bench", "ttft", "--config", "configs/pressure.yaml", "--set", "model.dtype=float32",
+               "bench", "ttft", "--config", "configs/pressure.yaml", "--set", "model.dtype=float32", "--threads", "1",
                "--docs", "2", "--questions", "2", "--doc-tokens", "200", "--zipf-requests", "2",
                "--peers", "none", "--cold-pairs", "1", "--sweep-docs", "2", "--sweep-questions", "2",
-               "--sweep-doc-tokens", "100", "--sweep-fractions", "0.5,1.0", "--out-dir", str(out_dir)]
+               "--sweep-doc-tokens", "60", "--sweep-fractions", "0.5,1.0", "--out-dir", str(out_dir)]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
