@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -100,11 +102,29 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
     if source.gguf_file:
         files["gguf_file"] = source.gguf_file
     tokenizer = AutoTokenizer.from_pretrained(source.directory, **files)
-    model = AutoModelForCausalLM.from_pretrained(
-        source.directory, dtype=dtype, attn_implementation=ATTENTION_NAME, **files
-    )
+    with _quiet_gguf_dtype_warning():
+        model = AutoModelForCausalLM.from_pretrained(
+            source.directory, dtype=dtype, attn_implementation=ATTENTION_NAME, **files
+        )
     model.to(device).eval().requires_grad_(False)
     return LoadedModel(model, tokenizer, _summarise(model, tokenizer, source), source)
+
+
+@contextmanager
+def _quiet_gguf_dtype_warning():
+    """transformers warns that GGUF weights "stay quantized" when a dtype other than float32 is asked
+    for, but without a GGUF matmul kernel it dequantises them into plain Linear layers of that dtype
+    (checked in tests): the warning would only mislead users at every start, so it is filtered."""
+    gguf_logger = logging.getLogger("transformers.quantizers.quantizer_gguf")
+
+    def not_the_packed_weights_warning(record: logging.LogRecord) -> bool:
+        return "weights packed is fastest" not in record.getMessage()
+
+    gguf_logger.addFilter(not_the_packed_weights_warning)
+    try:
+        yield
+    finally:
+        gguf_logger.removeFilter(not_the_packed_weights_warning)
 
 
 def _summarise(model: torch.nn.Module, tokenizer, source: ModelSource) -> ModelConfig:

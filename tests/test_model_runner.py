@@ -192,6 +192,9 @@ def test_loaded_model_summary(loaded):
     assert cfg.vocab_size == 49152 and cfg.max_model_len == 8192
     assert loaded.tokenizer.convert_tokens_to_ids("<|im_end|>") in cfg.eos_token_ids
     assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
+    # the GGUF is dequantised into plain Linear layers of the asked dtype (no packed-weight modules)
+    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in linears)
 
 
 @pytest.mark.slow
