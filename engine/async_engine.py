@@ -173,7 +173,9 @@ class AsyncEngine:
         stop_requested = False
         while not (stop_requested and not self.engine.has_unfinished_requests()):
             idle = not self.engine.has_unfinished_requests()
-            for command in self._take_commands(wait=idle and not stop_requested):
+            # Idle time writes the cache down to disk in small chunks, checking the inbox between them.
+            wrote_down = idle and not stop_requested and self._inbox.empty() and self._write_down_idle()
+            for command in self._take_commands(wait=idle and not stop_requested and not wrote_down):
                 if command is _STOP:
                     stop_requested = True
                 else:
@@ -181,6 +183,13 @@ class AsyncEngine:
             updated = self.engine.step() if self.engine.has_unfinished_requests() else []
             self._publish_snapshot()
             self._deliver(updated)
+
+    def _write_down_idle(self) -> bool:
+        try:
+            return self.engine.write_down_idle() > 0
+        except Exception:  # the cache is best effort: never let it stop the server
+            logger.exception("kvstrata: writing the cache down while idle failed")
+            return False
 
     def _take_commands(self, wait: bool) -> list:
         commands = [self._inbox.get()] if wait else []

@@ -229,6 +229,11 @@ class LLMEngine:
             "attention_backend": self.attention_backend,
         }
 
+    def write_down_idle(self, max_blocks: int = 64) -> int:
+        """While idle, write up to `max_blocks` cached blocks the disk tier lacks down to it, so a
+        killed server loses little. Returns how many; 0 when the disk tier holds everything."""
+        return self.hierarchy.persist(max_blocks=max_blocks, wait=False)
+
     def close(self) -> None:
         """Write everything cached that the disk tier lacks down to it, then release the tiers."""
         if self._closed:

@@ -246,3 +246,21 @@ def test_blocks_persisted_on_close_are_disk_hits_in_a_new_process(tmp_path):
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip().splitlines()[-1]) == 5 * BS
     assert req.num_tokens == 5 * BS + 1
+
+
+def test_idle_write_down_in_chunks_puts_every_cached_block_on_disk(tmp_path):
+    kv = make_stack(device_blocks=16, cpu_blocks=6, disk_path=tmp_path / "kv", disk_blocks=64)
+    a, b = doc(21, 5 * BS + 1), doc(22, 5 * BS + 1)
+    ra, rb = run_request(kv, a), run_request(kv, b)
+    h = kv.hierarchy
+    chunks = []
+    while (n := h.persist(max_blocks=3, wait=False)) > 0:
+        assert n <= 3
+        chunks.append(n)
+    h.disk.flush()
+    assert len(chunks) >= 2  # (some blocks already cascaded to disk through the small CPU tier)
+    for x in ra.block_hashes[:5] + rb.block_hashes[:5]:
+        assert h.disk.contains(x)
+    assert h.persist(max_blocks=3) == 0  # nothing new cached: nothing to do
+    run_request(kv, doc(23, 3 * BS + 1))
+    assert h.persist() == 3  # only the new blocks

@@ -72,6 +72,8 @@ class TierHierarchy:
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         # write_through: blocks cached on the device whose content is not yet below (block_id -> hash).
         self._pending: dict[int, bytes] = {}
+        # Something was cached since the disk tier last held everything (see `persist`).
+        self._unpersisted = False
         pool.on_evict = self._on_device_evict
         if cpu is not None and disk is not None:
             cpu.on_evict = self._on_cpu_evict
@@ -183,6 +185,7 @@ class TierHierarchy:
         """
         newly = self.pool.cache_full_blocks(list(blocks), list(block_hashes), num_cached_blocks, num_full_blocks)
         newly_ids = {b.block_id for b in newly}
+        self._unpersisted |= bool(newly)
         for k in range(num_cached_blocks, num_full_blocks):
             block = blocks[k]
             if block.block_id not in newly_ids:
@@ -196,6 +199,7 @@ class TierHierarchy:
                          tokens: Sequence[Sequence[int]]) -> None:
         """Promoted blocks are already below: cache them without queueing a write-down."""
         self.pool.cache_full_blocks(blocks, list(hashes), 0, len(blocks))
+        self._unpersisted |= bool(blocks)
         for block, toks in zip(blocks, tokens):
             self._block_tokens[block.block_id] = tuple(toks)
 
@@ -231,26 +235,35 @@ class TierHierarchy:
             self.disk.put([block_hash], [token_ids], [payload])
             self.counters.write_downs["disk"] += 1
 
-    def persist(self) -> int:
-        """Write every cached block that the disk tier lacks down to it (device and CPU). Returns the count."""
+    def persist(self, max_blocks: int | None = None, wait: bool = True) -> int:
+        """Write cached blocks that the disk tier lacks down to it, device first, then CPU.
+
+        Returns how many were handed to the disk tier. With `max_blocks`, at most that many: an idle
+        server calls this repeatedly, in small chunks, so that a new request never waits long
+        behind it. `wait` waits until the disk tier has committed them.
+        """
         self.flush_pending()
-        if self.disk is None:
+        if self.disk is None or not self._unpersisted:
             return 0
-        written = 0
-        device_blocks = [(b, h) for h, b in list(self.pool.cached_block_hash_to_block.items())
-                         if b.block_id in self._block_tokens and not self.disk.contains(h)]
-        if device_blocks:
-            self.disk.put([h for _, h in device_blocks], [self._block_tokens[b.block_id] for b, _ in device_blocks],
-                          [as_bytes(self.kv_cache[b.block_id]) for b, _ in device_blocks])
-            written += len(device_blocks)
-        if self.cpu is not None:
-            below = [(h, t, p) for h, t, p in self.cpu.blocks() if not self.disk.contains(h)]
-            for h, t, p in below:
-                self.disk.put([h], [t], [p])
-            written += len(below)
-        self.counters.write_downs["disk"] += written
-        self.disk.flush()
-        return written
+        budget = max_blocks if max_blocks is not None else len(self._block_tokens) + self._cpu_blocks()
+        todo = [(h, self._block_tokens[b.block_id], as_bytes(self.kv_cache[b.block_id]))
+                for h, b in list(self.pool.cached_block_hash_to_block.items())
+                if b.block_id in self._block_tokens and not self.disk.contains(h)][:budget]
+        if self.cpu is not None and len(todo) < budget:
+            held = {h for h, _, _ in todo}
+            todo += [(h, t, p) for h, t, p in self.cpu.blocks()
+                     if h not in held and not self.disk.contains(h)][:budget - len(todo)]
+        for h, t, p in todo:
+            self.disk.put([h], [t], [p])
+        self.counters.write_downs["disk"] += len(todo)
+        if not todo:
+            self._unpersisted = False  # everything cached is on disk now
+        if wait:
+            self.disk.flush()
+        return len(todo)
+
+    def _cpu_blocks(self) -> int:
+        return self.cpu.stats().used_blocks if self.cpu is not None else 0
 
     def clear_device_cache(self) -> bool:
         ok = self.pool.reset_prefix_cache()
