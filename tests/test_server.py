@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import threading
+import time
 
 import httpx
 import openai
@@ -189,6 +190,16 @@ def test_metrics_expose_cache_tiers_ttft_and_queues(http):
     for name in ("kvstrata_cache_evictions_blocks_total", "kvstrata_cache_write_downs_blocks_total",
                  "kvstrata_cache_promotions_blocks_total", "kvstrata_cache_corrupt_blocks_total"):
         metric_value(text, name, 'tier="cpu"')
+
+
+@pytest.mark.slow
+def test_an_idle_server_writes_its_cache_down_to_disk_before_any_shutdown(client, http):
+    client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2, temperature=0,
+                                   messages=document_chat("How many floors does the library have?"))
+    deadline = time.monotonic() + 60
+    while metric_value(http.get("/metrics").text, "kvstrata_cache_write_downs_blocks_total", 'tier="disk"') == 0:
+        assert time.monotonic() < deadline, "nothing reached the disk tier while the server was idle"
+        time.sleep(0.5)
 
 
 @pytest.mark.slow
