@@ -16,9 +16,12 @@ import sys
 from pathlib import Path
 from typing import Sequence, TextIO
 
+from tqdm import tqdm
+
 from kvstrata.engine.config import Config
 from kvstrata.engine.llm import LLM, RequestOutput
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams
 
 SYSTEM_PROMPT = "Answer the question using only the document. Be brief."
@@ -83,9 +86,11 @@ def _answer(engine: LLMEngine, request_id: str, question: str, prompt_token_ids:
     out.write(f"Q: {question.strip()}\nA: ")
     out.flush()
     shown = 0
+    progress = None
     try:
         while not request.is_finished:
             engine.step()
+            progress = prefill_progress(progress, request)
             out.write(request.output_text[shown:])  # the text only grows: print what is new
             shown = len(request.output_text)
             out.flush()
@@ -93,11 +98,27 @@ def _answer(engine: LLMEngine, request_id: str, question: str, prompt_token_ids:
         engine.abort_request(request_id)
         raise
     finally:
+        if progress is not None:
+            progress.close()
         engine.release(request_id)
     answer = RequestOutput.from_request(request)
     out.write(f"\n   {cache_summary(answer)}\n\n")
     out.flush()
     return answer
+
+
+def prefill_progress(bar: tqdm | None, request: Request) -> tqdm | None:
+    """A progress bar on stderr while a long prompt is prefilled in several chunks (one engine step
+    each); it starts at the tokens served from the cache and closes at the first token."""
+    if request.first_token_time is not None:
+        if bar is not None:
+            bar.close()
+        return None
+    if bar is None:
+        bar = tqdm(total=request.num_prompt_tokens, initial=request.num_cached_tokens, desc="prefill",
+                   unit="tok", leave=False, file=sys.stderr, dynamic_ncols=True)
+    bar.update(request.num_computed_tokens - bar.n)
+    return bar
 
 
 def cache_summary(answer: RequestOutput) -> str:

@@ -93,3 +93,20 @@ def test_document_that_is_a_directory_is_one_line_error(tmp_path):
 
     with pytest.raises(ValueError, match="is a directory, not a text file$"):
         read_document(tmp_path)
+
+
+def test_long_prefill_shows_progress_from_the_cached_tokens_until_the_first_token(capsys):
+    from kvstrata.engine.qa import prefill_progress
+    from kvstrata.engine.request import Request
+    from kvstrata.engine.sampling import SamplingParams
+
+    request = Request("r", list(range(1000)), SamplingParams(max_tokens=4))
+    request.cached_tokens_by_tier = {"device": 0, "cpu": 256, "disk": 0}
+    request.num_computed_tokens = 256 + 300  # one 300-token chunk computed after the cached prefix
+    bar = prefill_progress(None, request)
+    assert bar is not None and (bar.n, bar.total) == (556, 1000)
+    request.num_computed_tokens = 856
+    assert prefill_progress(bar, request) is bar and bar.n == 856
+    request.first_token_time = request.arrival_time + 1.0
+    assert prefill_progress(bar, request) is None
+    assert "prefill" in capsys.readouterr().err
