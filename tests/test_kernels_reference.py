@@ -35,6 +35,17 @@ def test_reference_prefill_handles_long_context_head_dim_128(block_size):
                                **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_prefill_is_exact_for_short_long_and_no_context(dtype):
+    """Each way the CPU path aligns the causal diagonal: no context, a context shorter than the new
+    tokens (queries padded at the front), and a longer one (explicit mask)."""
+    problem = make_paged_problem([(0, 33), (3, 40), (1, 50), (20, 20), (40, 3), (47, 17)], num_heads=9,
+                                 num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype, seed=7)
+    out = torch.full_like(problem.query, float("nan"))
+    reference_prefix_prefill(*problem.args(), out=out)
+    torch.testing.assert_close(out.double(), naive_attention(problem), **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_reference_prefill_matches_dense_attention_on_random_batches(seed):
     problem = make_paged_problem(random_batch(seed), num_heads=6, num_kv_heads=2, head_dim=64,
