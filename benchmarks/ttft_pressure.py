@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=str(DEFAULT_DATA), help="longdoc QA jsonl (default ../shared/data/...)")
     p.add_argument("--docs", type=int, default=6, help="documents in the workload")
     p.add_argument("--questions", type=int, default=3, help="questions per document in the round-robin pass")
-    p.add_argument("--zipf-requests", type=int, default=12, help="requests in the Zipf pass (0: none)")
+    p.add_argument("--zipf-requests", type=int, default=10, help="requests in the Zipf pass (0: none)")
     p.add_argument("--zipf-exponent", type=float, default=1.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--doc-tokens", type=int, default=2000, help="cut each document to this many tokens")
@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(CONFIGURATIONS), help="configurations to run, comma separated")
     p.add_argument("--peers", default=",".join(PEERS), help="peers to run, comma separated, or 'none'")
     p.add_argument("--cold-pairs", type=int, default=3, help="alternating cold-request pairs (0: skip)")
-    p.add_argument("--sweep-fractions", default="0.1,0.25,0.5,1.0",
+    p.add_argument("--sweep-fractions", default="0.1,0.5,1.0",
                    help="device tier as fractions of the sweep working set ('' to skip the sweep)")
     p.add_argument("--sweep-docs", type=int, default=6)
     p.add_argument("--sweep-questions", type=int, default=2)
@@ -166,6 +166,20 @@ def machine_line() -> str:
             f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
 
 
+def source_state() -> dict:
+    """The commit measured, and whether the engine's sources differed from it (a run on a dirty tree
+    measures code no commit holds)."""
+    def git(*argv: str) -> str:
+        try:
+            return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    changed = git("status", "--porcelain", "--", "engine", "tiers", "kernels", "kvstrata")
+    return {"commit": git("rev-parse", "--short", "HEAD") or None,
+            "engine_sources_modified": [line[3:] for line in changed.splitlines()]}
+
+
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -194,6 +208,7 @@ def ask(engine, token_ids, cache_salt: str | None = None) -> dict:
     engine.release(request_id)
     by_tier = {t: int(out.cached_tokens_by_tier.get(t, 0)) for t in TIERS}
     return {"ttft_s": out.ttft_s, "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": sum(by_tier.values()),
+            "computed_tokens": len(out.prompt_token_ids) - sum(by_tier.values()),
             "cached_tokens_by_tier": by_tier, "hit_tier": hit_tier(by_tier, len(out.prompt_token_ids)),
             "text": out.text}
 
@@ -513,6 +528,7 @@ def run_benchmark(args, work_dir: Path) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()  # the peers use the same count
+    source = source_state()  # read as the engine modules are imported, so it names the code measured
     base = load_config(args.config, args.overrides)
     dtype = DTYPES[base.model.dtype]
     print(f"loading {base.model.name} ({base.model.dtype}) ...", flush=True)
@@ -565,7 +581,7 @@ def run_benchmark(args, work_dir: Path) -> dict:
         sweep = run_sweep(base, loaded, sweep_prompts, args.sweep_fractions, sweep_min, work_dir)
         sweep["doc_tokens"] = args.sweep_doc_tokens
 
-    result = {"benchmark": "ttft_pressure", "command": command_line(), "machine": machine_line(),
+    result = {"benchmark": "ttft_pressure", "command": command_line(), "machine": machine_line(), "source": source,
               "versions": versions(), "config": base.to_dict(), "model_load_s": load_s, "workload": workload,
               "configurations": configurations, "peers": peers, "cold_slowdown": cold, "sweep": sweep,
               "profiles": profiles, "work_dir": str(work_dir)}
@@ -575,11 +591,13 @@ def run_benchmark(args, work_dir: Path) -> dict:
 
 def _profiler_for(name: str, lru_prompt: QAPrompt, mru_prompt: QAPrompt, render, args):
     """After device_cpu's workload: a device hit (the most recent document) and a CPU hit (the least
-    recent one, long gone from the device tier); after recompute: a miss."""
-    if not args.profile or name not in ("recompute", "device_cpu"):
+    recent one, long gone from the device tier); after recompute and device_only: a miss."""
+    if not args.profile or name not in ("recompute", "device_only", "device_cpu"):
         return None
     if name == "recompute":
         return lambda engine: {"miss": profile_request(engine, profile_prompt(mru_prompt, render))}
+    if name == "device_only":  # a miss with caching on: only the chat template's first blocks are cached
+        return lambda engine: {"miss": profile_request(engine, profile_prompt(lru_prompt, render))}
 
     def device_cpu_profiles(engine) -> dict:
         return {"device_hit": profile_request(engine, profile_prompt(mru_prompt, render)),

@@ -150,6 +150,15 @@ def _profile_section(result: dict) -> list[str]:
     return lines or ["No profiles were taken."]
 
 
+def _source_line(result: dict) -> list[str]:
+    source = result.get("source")
+    if not source:
+        return []
+    modified = source["engine_sources_modified"]
+    return [f"Code: commit {source['commit']}" + (f", with uncommitted changes to {', '.join(modified)}"
+                                                  if modified else "") + "  "]
+
+
 def markdown(result: dict) -> str:
     w = result["workload"]
     load = result["load_average"]
@@ -158,6 +167,7 @@ def markdown(result: dict) -> str:
         "# TTFT under memory pressure", "",
         f"Command: `{result['command']}`  ",
         f"Machine: {result['machine']}  ",
+        *_source_line(result),
         f"Load average (1 min) during the run: min {load['during_1min']['min']:.2f}, mean "
         f"{load['during_1min']['mean']:.2f}, max {load['during_1min']['max']:.2f} (before: "
         f"{load['before'][0]:.2f}); the machine was shared, so absolute times are noisy.  ",
@@ -211,7 +221,7 @@ def plots(result: dict, bars_path: Path, sweep_path: Path) -> list[Path]:
     written = []
     rows = [(name, c["summary"]) for name, c in result["configurations"].items()]
     rows += [(name, p["summary"]) for name, p in result.get("peers", {}).items() if p.get("available")]
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.5))
     labels = [name for name, _ in rows]
     ax.barh(labels, [s["p50"] for _, s in rows], color="tab:blue", label="p50")
     ax.scatter([s["p90"] for _, s in rows], labels, marker="|", s=200, color="black", label="p90", zorder=3)
@@ -223,7 +233,7 @@ def plots(result: dict, bars_path: Path, sweep_path: Path) -> list[Path]:
     ax.set_xlabel("time to first token (s, log scale)")
     ax.set_title(f"TTFT under pressure: {result['workload']['num_requests']} requests, "
                  f"working set {result['workload']['pressure']:.1f}x the device tier")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(bars_path, dpi=110)
     plt.close(fig)

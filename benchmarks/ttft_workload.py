@@ -29,6 +29,11 @@ DOC_PREFIX = "pydoc_data.topics:"
 
 # (document index, question index) in the order the requests are sent
 Order = list[tuple[int, int]]
+# The Zipf pass comes back to questions the round-robin pass asked: it asks them in other words, so
+# that every request brings a suffix no earlier request had (as different users would), and a hit
+# always computes the question, whatever tier served the document.
+REPHRASINGS = ("In one sentence: {question}", "According to the document, {question}",
+               "Briefly: {question}", "Quote the relevant passage: {question}")
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,8 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 def build_workload(documents: "OrderedDict[str, str]", questions: "OrderedDict[str, list[str]]",
                    num_questions: int, zipf_requests: int, zipf_exponent: float, seed: int,
                    render: Callable[[str], list[int]]) -> list[QAPrompt]:
-    """The round-robin pass over every (document, question), then `zipf_requests` Zipf draws.
+    """The round-robin pass over every (document, question), then `zipf_requests` Zipf draws whose
+    questions are rephrased (`REPHRASINGS`), so that no two requests send the same prompt.
 
     `documents`: name -> (already cut) text, in popularity order for the Zipf draws;
     `render`: user message -> chat-templated token ids.
@@ -132,16 +138,17 @@ def build_workload(documents: "OrderedDict[str, str]", questions: "OrderedDict[s
                              f"fewer than the {num_questions} asked for")
     phases = [(ROUND_ROBIN, round_robin_order(len(names), num_questions)),
               (ZIPF, zipf_order(len(names), num_questions, zipf_requests, zipf_exponent, seed))]
-    rendered: dict[tuple[int, int], tuple[str, tuple[int, ...]]] = {}
     seen_docs: set[int] = set()
+    zipf_draws = [0] * len(names)
     prompts = []
     for phase, order in phases:
         for d, q in order:
             question = questions[names[d]][q]
-            if (d, q) not in rendered:
-                content = f"{documents[names[d]]}\n\nQuestion: {question}"
-                rendered[(d, q)] = (content, tuple(render(content)))
-            content, ids = rendered[(d, q)]
-            prompts.append(QAPrompt(phase, names[d], d, q, question, content, ids, repeat=d in seen_docs))
+            if phase == ZIPF:
+                question = REPHRASINGS[(zipf_draws[d] // num_questions) % len(REPHRASINGS)].format(question=question)
+                zipf_draws[d] += 1
+            content = f"{documents[names[d]]}\n\nQuestion: {question}"
+            prompts.append(QAPrompt(phase, names[d], d, q, question, content, tuple(render(content)),
+                                    repeat=d in seen_docs))
             seen_docs.add(d)
     return prompts

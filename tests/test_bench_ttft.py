@@ -86,6 +86,11 @@ def test_workload_is_round_robin_then_zipf_with_the_document_first():
     assert all(p.repeat for p in prompts[6:])
 
 
+def test_workload_never_sends_the_same_prompt_twice():
+    prompts = build_workload(toy_documents(2), toy_questions(2, 2), 2, 12, 1.0, 0, toy_render)
+    assert len({p.token_ids for p in prompts}) == len(prompts)
+
+
 def test_workload_prompts_on_one_document_share_its_tokens_as_prefix():
     prompts = build_workload(toy_documents(2), toy_questions(2, 2), 2, 0, 1.0, 0, toy_render)
     first, second = (p.token_ids for p in prompts if p.doc_index == 0)
