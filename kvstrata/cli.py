@@ -178,12 +178,9 @@ def _cache_stats(args: argparse.Namespace) -> int:
     import yaml
 
     config = _load(args)
-    disk = config.cache.tiers.disk
+    disk = _disk_store(config, if_off="only the disk tier persists between runs",
+                       if_missing="nothing has been written")
     if disk is None:
-        print("disk tier: off in this config (only the disk tier persists between runs)")
-        return EXIT_OK
-    if not _store_exists(disk.path):
-        print(f"disk tier: no store at {disk.path} yet (nothing has been written)")
         return EXIT_OK
     from kvstrata.tiers.disk import read_store_stats
 
@@ -195,13 +192,8 @@ def _cache_stats(args: argparse.Namespace) -> int:
 
 
 def _cache_clear(args: argparse.Namespace) -> int:
-    config = _load(args)
-    disk = config.cache.tiers.disk
+    disk = _disk_store(_load(args), if_off="nothing to clear", if_missing="nothing to clear")
     if disk is None:
-        print("disk tier: off in this config; nothing to clear")
-        return EXIT_OK
-    if not _store_exists(disk.path):
-        print(f"disk tier: no store at {disk.path}; nothing to clear")
         return EXIT_OK
     from kvstrata.tiers.disk import clear_store
 
@@ -209,6 +201,18 @@ def _cache_clear(args: argparse.Namespace) -> int:
     what = f"{cleared} blocks" if isinstance(cleared, int) and not isinstance(cleared, bool) else "all blocks"
     print(f"cleared {what} from {disk.path}")
     return EXIT_OK
+
+
+def _disk_store(config, if_off: str, if_missing: str):
+    """The config's disk tier if its store exists; otherwise says why not and returns None."""
+    disk = config.cache.tiers.disk
+    if disk is None:
+        print(f"disk tier: off in this config ({if_off})")
+        return None
+    if not _store_exists(disk.path):
+        print(f"disk tier: no store at {disk.path} yet ({if_missing})")
+        return None
+    return disk
 
 
 def _store_exists(path: Path) -> bool:
