@@ -409,8 +409,10 @@ def run_sweep(base, loaded, prompts: list[QAPrompt], fractions: list[float], min
                            "p50_repeat_s": percentile(repeats, 50) if repeats else None,
                            "p50_all_s": percentile([r["ttft_s"] for r in records], 50),
                            "mean_cached_tokens_by_tier": mean_cached_by_tier(records), "records": records})
+            p50 = points[-1]["p50_repeat_s"]
+            shown = "n/a (no document asked twice)" if p50 is None else f"{p50:.3f} s"
             print(f"  sweep {name:16s} device {device_blocks:5d} blocks ({device_blocks / working_set:.2f} of the "
-                  f"working set): repeat p50 {points[-1]['p50_repeat_s']:.3f} s", flush=True)
+                  f"working set): repeat p50 {shown}", flush=True)
     return {"working_set_blocks": working_set, "num_requests": len(prompts), "min_device_blocks": min_blocks,
             "points": points}
 
