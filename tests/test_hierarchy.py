@@ -264,3 +264,30 @@ def test_idle_write_down_in_chunks_puts_every_cached_block_on_disk(tmp_path):
     assert h.persist(max_blocks=3) == 0  # nothing new cached: nothing to do
     run_request(kv, doc(23, 3 * BS + 1))
     assert h.persist() == 3  # only the new blocks
+
+
+def test_a_promotion_never_evicts_a_device_hit_later_in_the_same_prefix():
+    """Prefix laid out device, cpu, cpu, device, device, device: the promotions' allocations must not
+    take the later device hits' blocks (they are held before anything is allocated)."""
+    kv = make_stack(device_blocks=7, cpu_blocks=32)
+    h = kv.hierarchy
+    tokens = doc(31, 6 * BS + 1)
+    first = run_request(kv, tokens)
+    for x in first.block_hashes[1:3]:  # blocks 1 and 2 leave the device; the CPU tier still has them
+        block = h.pool.cached_block_hash_to_block.pop(x)
+        block.block_hash = None
+    assert h.lookup(first.block_hashes[:6]) == ["device", "cpu", "cpu", "device", "device", "device"]
+    again = run_request(kv, tokens)  # checks every served block's bytes
+    assert again.cached_tokens_by_tier == {"device": 4 * BS, "cpu": 2 * BS, "disk": 0}
+
+    # the same layout with block 1 corrupt in the CPU tier: the prefix ends after block 0 and the
+    # device hits further along are not left held
+    for x in first.block_hashes[1:3]:
+        block = h.pool.cached_block_hash_to_block.pop(x)
+        block.block_hash = None
+    h.cpu.discard(first.block_hashes[1])
+    h.cpu.put([first.block_hashes[1]], [[9999] * BS], [content_for(first.block_hashes[1])])
+    probe = Request("probe", list(tokens), SamplingParams(max_tokens=1))
+    blocks, num_cached, _ = kv.get_computed_blocks(probe)
+    assert num_cached == BS and len(blocks) == 1
+    assert h.pool.num_free_blocks == h.pool.num_blocks - 1

@@ -84,55 +84,55 @@ class TierHierarchy:
     def lower_tiers(self) -> list[LowerTier]:
         return [t for t in (self.cpu, self.disk) if t is not None]
 
-    def _tier_holding(self, block_hash: bytes) -> str | None:
-        if self.pool.get_cached_block(block_hash) is not None:
-            return "device"
-        for tier in self.lower_tiers:
-            if tier.contains(block_hash):
-                return tier.name
-        return None
+    def _walk(self, block_hashes: Sequence[bytes]) -> list[tuple[str, KVCacheBlock | None]]:
+        """For each leading block of the chain, the first tier that holds it (and the device block if
+        that tier is the device); stops at the first block no tier holds."""
+        found: list[tuple[str, KVCacheBlock | None]] = []
+        for h in block_hashes:
+            block = self.pool.get_cached_block(h)
+            tier = "device" if block is not None else next(
+                (t.name for t in self.lower_tiers if t.contains(h)), None)
+            if tier is None:
+                break
+            found.append((tier, block))
+        return found
 
     def lookup(self, block_hashes: Sequence[bytes]) -> list[str]:
         """For each leading block of the chain, the name of the first tier that holds it."""
-        where: list[str] = []
-        for h in block_hashes:
-            tier = self._tier_holding(h)
-            if tier is None:
-                break
-            where.append(tier)
-        return where
+        return [tier for tier, _ in self._walk(block_hashes)]
 
     def acquire_prefix(self, block_hashes: Sequence[bytes],
                        block_tokens: Sequence[Sequence[int]]) -> PrefixHit:
         """Find the longest cached prefix of the chain in any tier and hold it on the device.
 
-        Device hits are touched first (so that allocating slots for the promotions cannot evict
-        them), then lower-tier hits are promoted. If a lower-tier block turns out to be gone or
-        corrupt, the prefix ends just before it.
+        Every device hit is held (touched) before anything is allocated, so that the promotions'
+        new blocks can never evict a hit further along the prefix; then each run of lower-tier hits
+        is promoted as one batch. If a lower-tier block turns out to be gone or corrupt, the prefix
+        ends just before it and the device hits after it are released again.
         """
-        where = self.lookup(block_hashes)
+        found = self._walk(block_hashes)
         self.counters.query_blocks += len(block_hashes)
+        self.pool.touch([block for _, block in found if block is not None])
         blocks: list[KVCacheBlock] = []
         by_tier = {"device": 0, "cpu": 0, "disk": 0}
         i = 0
-        while i < len(where):
-            if where[i] == "device":
-                block = self.pool.get_cached_block(block_hashes[i])
-                assert block is not None
-                self.pool.touch([block])
+        while i < len(found):
+            _, block = found[i]
+            if block is not None:
                 blocks.append(block)
                 by_tier["device"] += 1
                 i += 1
                 continue
-            # A run of consecutive lower-tier hits: promote it as one batch.
             j = i
-            while j < len(where) and where[j] != "device":
+            while j < len(found) and found[j][1] is None:
                 j += 1
             promoted, from_tier = self._promote(block_hashes[i:j], block_tokens[i:j])
             blocks.extend(promoted)
             for name in from_tier:
                 by_tier[name] += 1
             if len(promoted) < j - i:
+                unused = [b for _, b in found[j:] if b is not None]
+                self.pool.free_blocks(list(reversed(unused)))
                 break
             i = j
         for name, n in by_tier.items():
