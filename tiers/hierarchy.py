@@ -21,8 +21,9 @@ Mechanism lives in the tiers (how bytes move); this file holds the policy:
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -30,6 +31,7 @@ from kvstrata.tiers.base import LowerTier, TierStats, as_bytes
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
 
 OFFLOAD_POLICIES = ("write_through", "on_evict")
+PERSIST_BATCH_BLOCKS = 64
 
 
 @dataclass
@@ -245,25 +247,31 @@ class TierHierarchy:
         self.flush_pending()
         if self.disk is None or not self._unpersisted:
             return 0
-        budget = max_blocks if max_blocks is not None else len(self._block_tokens) + self._cpu_blocks()
-        todo = [(h, self._block_tokens[b.block_id], as_bytes(self.kv_cache[b.block_id]))
-                for h, b in list(self.pool.cached_block_hash_to_block.items())
-                if b.block_id in self._block_tokens and not self.disk.contains(h)][:budget]
-        if self.cpu is not None and len(todo) < budget:
-            held = {h for h, _, _ in todo}
-            todo += [(h, t, p) for h, t, p in self.cpu.blocks()
-                     if h not in held and not self.disk.contains(h)][:budget - len(todo)]
-        for h, t, p in todo:
-            self.disk.put([h], [t], [p])
-        self.counters.write_downs["disk"] += len(todo)
-        if not todo:
+        missing = itertools.islice(self._blocks_missing_on_disk(), max_blocks)
+        written = 0
+        # batches of a bounded size: the disk tier encodes a whole batch before queueing it
+        while batch := list(itertools.islice(missing, PERSIST_BATCH_BLOCKS)):
+            hashes, tokens, payloads = zip(*batch)
+            self.disk.put(hashes, tokens, payloads)
+            written += len(batch)
+        self.counters.write_downs["disk"] += written
+        if not written:
             self._unpersisted = False  # everything cached is on disk now
         if wait:
             self.disk.flush()
-        return len(todo)
+        return written
 
-    def _cpu_blocks(self) -> int:
-        return self.cpu.stats().used_blocks if self.cpu is not None else 0
+    def _blocks_missing_on_disk(self) -> Iterator[tuple[bytes, tuple[int, ...], torch.Tensor]]:
+        """(hash, token ids, payload) of cached blocks the disk tier lacks: device first, then CPU.
+        Lazy, so that a small chunk stops asking the disk tier as soon as it is full."""
+        seen: set[bytes] = set()
+        device = ((h, self._block_tokens[b.block_id], as_bytes(self.kv_cache[b.block_id]))
+                  for h, b in list(self.pool.cached_block_hash_to_block.items()) if b.block_id in self._block_tokens)
+        cpu = self.cpu.blocks() if self.cpu is not None else ()
+        for h, t, p in itertools.chain(device, cpu):
+            if h not in seen and not self.disk.contains(h):
+                seen.add(h)
+                yield h, t, p
 
     def clear_device_cache(self) -> bool:
         ok = self.pool.reset_prefix_cache()
