@@ -522,7 +522,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_benchmark(args, work_dir: Path) -> dict:
     from kvstrata import load_config
-    from kvstrata.engine.llm_engine import DTYPES
     from kvstrata.engine.model_loader import load_model, resolve_model
 
     import torch
@@ -532,7 +531,7 @@ def run_benchmark(args, work_dir: Path) -> dict:
     args.threads = torch.get_num_threads()  # the peers use the same count
     source = source_state()  # read as the engine modules are imported, so it names the code measured
     base = load_config(args.config, args.overrides)
-    dtype = DTYPES[base.model.dtype]
+    dtype = base.model.torch_dtype
     print(f"loading {base.model.name} ({base.model.dtype}) ...", flush=True)
     t0 = time.perf_counter()
     loaded = load_model(resolve_model(base.model.name), dtype, base.resolved_device())

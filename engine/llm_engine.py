@@ -30,14 +30,11 @@ from kvstrata.tiers.hierarchy import TierHierarchy
 
 logger = logging.getLogger("kvstrata")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class LLMEngine:
     def __init__(self, config: Config, loaded: LoadedModel | None = None):
         self.config = config
         self.device = torch.device(config.resolved_device())
-        self.dtype = DTYPES[config.model.dtype]
+        self.dtype = config.model.torch_dtype
         self.loaded = loaded or load_model(resolve_model(config.model.name), self.dtype, self.device)
         mc = self.loaded.model_config
         self.tokenizer = self.loaded.tokenizer

