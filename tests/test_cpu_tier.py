@@ -2,29 +2,13 @@
 `on_evict` before reusing their slots, and never serves a block stored under other tokens."""
 import pytest
 import torch
+from tier_cases import BF16, FP32, key, payload, tokens
 
-from kvstrata.tiers.base import BlockLayout, as_bytes
 from kvstrata.tiers.cpu import CpuTier
-
-BF16 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
-FP32 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-
-
-def random_block(layout: BlockLayout, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return as_bytes(torch.randn(layout.block_shape, generator=g).to(layout.dtype)).clone()
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "big")
-
-
-def tokens(i: int, layout: BlockLayout = BF16) -> list[int]:
-    return [1000 * i + t for t in range(layout.block_size)]
 
 
 def put_blocks(tier: CpuTier, ids, layout=BF16) -> dict[int, torch.Tensor]:
-    blocks = {i: random_block(layout, i) for i in ids}
+    blocks = {i: payload(layout, i) for i in ids}
     tier.put([key(i) for i in ids], [tokens(i, layout) for i in ids], [blocks[i] for i in ids])
     return blocks
 
@@ -47,7 +31,7 @@ def test_put_then_get_returns_identical_bytes(layout):
 
 def test_caller_may_overwrite_source_after_put():
     tier = CpuTier(BF16, capacity_blocks=2)
-    src = random_block(BF16, 7)
+    src = payload(BF16, 7)
     expected = src.clone()
     tier.put([key(7)], [tokens(7)], [src])
     src.zero_()
@@ -108,7 +92,7 @@ def test_token_ids_may_come_as_a_tensor():
 def test_put_of_a_held_hash_only_refreshes_recency():
     tier = CpuTier(BF16, capacity_blocks=2)
     blocks = put_blocks(tier, [1, 2])
-    tier.put([key(1)], [tokens(1)], [random_block(BF16, 99)])  # other bytes: ignored, 1 becomes recent
+    tier.put([key(1)], [tokens(1)], [payload(BF16, 99)])  # other bytes: ignored, 1 becomes recent
     assert torch.equal(get_one(tier, 1), blocks[1])
     put_blocks(tier, [3])
     assert not tier.contains(key(2)) and tier.contains(key(1))

@@ -5,30 +5,17 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import lmdb
 import pytest
 import torch
+from tier_cases import BF16, FP32, key, payload, tokens
 
-from kvstrata.tiers.base import BlockLayout, as_bytes
+from kvstrata.tiers.base import BlockLayout
 from kvstrata.tiers.disk import DiskTier, clear_store, encoded_size, read_store_stats
 
-BF16 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
-FP32 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 MiB = 1 << 20
-
-
-def payload(layout: BlockLayout, i: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(i)
-    return as_bytes(torch.randn(layout.block_shape, generator=g).to(layout.dtype)).clone()
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "big")
-
-
-def tokens(i: int, layout: BlockLayout = BF16) -> list[int]:
-    return [1000 * i + t for t in range(layout.block_size)]
 
 
 def put_blocks(tier: DiskTier, ids, layout=BF16) -> None:
@@ -53,16 +40,16 @@ def run_python(code: str) -> str:
     return result.stdout
 
 
-CHILD_PRELUDE = """
+# A child process (another process on the same store) uses the same blocks, with the layout fixed.
+CHILD_PRELUDE = f"""
+import sys
 import torch
-from kvstrata.tiers.base import BlockLayout, as_bytes
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import tier_cases
+from tier_cases import key, tokens
 from kvstrata.tiers.disk import DiskTier
-L = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
-def payload(i):
-    g = torch.Generator().manual_seed(i)
-    return as_bytes(torch.randn(L.block_shape, generator=g).to(L.dtype)).clone()
-def key(i): return i.to_bytes(16, "big")
-def tokens(i): return [1000 * i + t for t in range(L.block_size)]
+L = tier_cases.BF16
+def payload(i): return tier_cases.payload(L, i)
 """
 
 
