@@ -21,7 +21,8 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def update(self, token_ids: Sequence[int], final: bool = False) -> tuple[str, str | None]:
-        """(text safe to show, the stop string that ended generation or None)."""
+        """(text safe to show, the stop string that ended generation or None). `final`: this is the
+        last token, so nothing is held back."""
         text = self._decode(token_ids)
         for stop in self.stop:
             idx = text.find(stop)
@@ -32,7 +33,3 @@ class IncrementalDetokenizer:
         if text.endswith(REPLACEMENT_CHAR):
             text = text.rstrip(REPLACEMENT_CHAR)
         return text[:max(0, len(text) - self._hold)], None
-
-    def flush(self, token_ids: Sequence[int]) -> str:
-        """The whole text at the end of generation (no stop string was hit)."""
-        return self._decode(token_ids)

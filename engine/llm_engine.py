@@ -186,14 +186,14 @@ class LLMEngine:
         params = request.sampling_params
         detok = self._detokenizers[request.request_id]
         is_eos = token_id in self.loaded.model_config.eos_token_ids and not params.ignore_eos
-        request.output_text, hit_stop = detok.update(request.output_token_ids, final=is_eos)
+        at_limit = len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len
+        request.output_text, hit_stop = detok.update(request.output_token_ids, final=is_eos or at_limit)
         if hit_stop is not None:
             request.stop_reason = hit_stop
             self._finish(request, RequestStatus.FINISHED_STOPPED)
         elif is_eos:
             self._finish(request, RequestStatus.FINISHED_STOPPED)
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            request.output_text = detok.flush(request.output_token_ids)
+        elif at_limit:
             self._finish(request, RequestStatus.FINISHED_LENGTH)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

@@ -51,7 +51,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         # 1. Running requests, oldest first.
         i = 0
@@ -69,7 +68,6 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(self._scheduled(request, num_new))
-                scheduled_ids.add(request.request_id)
                 budget -= num_new
                 i += 1
                 continue
