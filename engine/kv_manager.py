@@ -93,9 +93,8 @@ class KVCacheManager:
                 del self.req_to_blocks[request.request_id]
             return None
         blocks.extend(new_computed_blocks)
-        self.num_cached_block.setdefault(request.request_id, 0)
-        self.num_cached_block[request.request_id] = max(self.num_cached_block[request.request_id],
-                                                        len(new_computed_blocks))
+        # prefix blocks come only at a request's first scheduling, and they are all cached already
+        self.num_cached_block.setdefault(request.request_id, len(new_computed_blocks))
         new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, total)
