@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, Union
 
@@ -31,7 +31,6 @@ class RequestOutput:
     stop_reason: str | None = None           # the stop string that ended it, if any
     finished: bool = False
     num_preemptions: int = 0
-    metrics: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_request(cls, r: Request) -> "RequestOutput":
