@@ -10,6 +10,8 @@ Decode is the case q_len == 1.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -97,16 +99,25 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 # ---------------------------------------------------------------------------------------------------------------
 # Triton kernel.
 #
-# Layout of the work: the grid is flattened over the whole batch, (query tiles, kv heads). A query tile holds
-# BLOCK_Q consecutive new tokens of ONE sequence times the GROUP query heads that share a KV head, packed as
+# Layout of the work: the grid is flattened over the whole batch, (query tiles, kv heads, key splits). A query tile
+# holds BLOCK_Q consecutive new tokens of ONE sequence times the GROUP query heads that share a KV head, packed as
 # BLOCK_M = BLOCK_Q * GROUP (+ padding) rows, so every K/V tile is loaded once for the whole GQA group.
 # Sequence b's tiles are numbered from `query_start_loc[b] // BLOCK_Q + b`; these starts leave room for every
 # tile of every sequence, so `T // BLOCK_Q + B` programs cover the batch without reading lengths on the host.
 # A program finds its sequence by binary search over those starts; programs past their sequence's last tile exit.
 #
-# Each program walks its sequence's keys in TILE_N-position tiles in block-table order (a tile may span several
-# cache blocks: each position looks up its own block), with an online softmax in base 2 and fp32 accumulation.
-# Keys up to the tile's first query position are visible to every row, so only the tiles after it mask.
+# Each program walks keys in TILE_N-position tiles in block-table order (a tile may span several cache blocks:
+# each position looks up its own block), with an online softmax in base 2 and fp32 accumulation. Keys up to the
+# tile's first query position are visible to every row, so only the tiles after it mask.
+#
+# Split-KV (flash-decoding): a few query tiles over a long context would leave most SMs idle while each program
+# walks thousands of keys in turn. The third grid axis then cuts each sequence's key tiles into up to `num_splits`
+# consecutive ranges (`_key_tiles_per_split`, from the sequence's length alone); program (tile, head, split) folds
+# its range into a partial output, normalised by its own softmax sum, and that sum's log-sum-exp (fp32, base 2),
+# and writes both for every row of its tile, also when its range is empty (a sequence too short for that many
+# splits, or keys past the causal limit of some rows): then 0 and an LSE of -inf, which weigh nothing.
+# `_merge_splits_kernel` weighs the partials by their LSEs into the output. With one split (the choice whenever
+# the query tiles fill the GPU) the kernel is a single pass into the output: no scratch, no merge launch.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -123,6 +134,17 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q: tl.conste
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _key_tiles_per_split(kv_len, num_splits, min_tiles_per_split, TILE_N: tl.constexpr):
+    """Split s of a sequence of kv_len keys holds its key tiles [s * n, (s + 1) * n) for the n returned: as even a
+    cut into at most `num_splits` ranges as whole tiles allow, each of at least `min_tiles_per_split` tiles but
+    the last (which holds at least one), fewer ranges when the sequence is too short (one: not split). Splits
+    past the last range are empty."""
+    num_key_tiles = tl.maximum(tl.cdiv(kv_len, TILE_N), 1)
+    seq_splits = tl.maximum(tl.minimum(num_splits, num_key_tiles // min_tiles_per_split), 1)
+    return tl.cdiv(num_key_tiles, seq_splits)
 
 
 @triton.jit
@@ -146,8 +168,14 @@ def _attend_tile(acc, row_max, row_sum, q, key_start, query_pos, block_table_ptr
     if MASKED:
         scores = tl.where(key_pos[None, :] <= query_pos[:, None], scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-    probs = tl.math.exp2(scores - new_max[:, None])
-    correction = tl.math.exp2(row_max - new_max)
+    if MASKED:
+        # A row may have seen no key yet (a split starting past its causal limit): its max stays -inf and it is
+        # shifted by 0 instead, so its probabilities and correction are 0, not NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    else:
+        shift = new_max
+    probs = tl.math.exp2(scores - shift[:, None])
+    correction = tl.math.exp2(row_max - shift)
     row_sum = row_sum * correction + tl.sum(probs, axis=1)
     acc = acc * correction[:, None] + tl.dot(probs.to(DOT_DTYPE), v.to(DOT_DTYPE),
                                              input_precision=DOT_PRECISION)
@@ -156,14 +184,17 @@ def _attend_tile(acc, row_max, row_sum, q, key_start, query_pos, block_table_ptr
 
 @triton.jit
 def _prefix_prefill_kernel(
-        query_ptr, cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-        layer, qk_scale, num_seqs, head_dim,
+        query_ptr, cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        layer, qk_scale, num_seqs, num_heads, head_dim, num_splits, min_tiles_per_split, num_rows,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cl, stride_ckv, stride_cs, stride_ch, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SPLIT: tl.constexpr):
     tile_index = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -193,30 +224,72 @@ def _prefix_prefill_kernel(
     k_base = cache_ptr + layer * stride_cl + kv_head * stride_ch
     v_base = k_base + stride_ckv
 
-    # Keys 0..first_query_pos are visible to every row of the tile: whole tiles among them need no mask.
+    # Keys 0..first_query_pos are visible to every row of the tile: whole tiles among them need no mask. This
+    # program walks the key tiles of its split's range, [first_tile, end_tile), that the tile's rows may see.
     first_query_pos = context_len + tile_in_seq * BLOCK_Q
     last_query_pos = tl.minimum(first_query_pos + BLOCK_Q, kv_len) - 1
     num_open_tiles = (first_query_pos + 1) // TILE_N
-    num_tiles = tl.cdiv(last_query_pos + 1, TILE_N)
-    for tile in range(0, num_open_tiles):
+    tiles_per_split = _key_tiles_per_split(kv_len, num_splits, min_tiles_per_split, TILE_N)
+    first_tile = split * tiles_per_split
+    end_tile = tl.minimum(first_tile + tiles_per_split, tl.cdiv(last_query_pos + 1, TILE_N))
+    for tile in range(first_tile, tl.minimum(end_tile, num_open_tiles)):
         acc, row_max, row_sum = _attend_tile(acc, row_max, row_sum, q, tile * TILE_N, query_pos, block_table_ptr,
                                              k_base, v_base, kv_len, stride_cb, stride_cs, qk_scale,
                                              offs_n, offs_d, d_mask, BLOCK_SIZE, False, DOT_DTYPE, DOT_PRECISION)
-    for tile in range(num_open_tiles, num_tiles):
+    for tile in range(tl.maximum(first_tile, num_open_tiles), end_tile):
         acc, row_max, row_sum = _attend_tile(acc, row_max, row_sum, q, tile * TILE_N, query_pos, block_table_ptr,
                                              k_base, v_base, kv_len, stride_cb, stride_cs, qk_scale,
                                              offs_n, offs_d, d_mask, BLOCK_SIZE, True, DOT_DTYPE, DOT_PRECISION)
 
-    out = acc / row_sum[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    # Every row sees key 0, so only a split's rows can end with an empty sum: they store 0 and an LSE of -inf.
+    seen = row_sum > 0
+    safe_sum = tl.where(seen, row_sum, 1.0)
+    out = acc / safe_sum[:, None]
+    row_mask = row_ok[:, None] & d_mask[None, :]
+    if SPLIT:  # row (token, head) of split s in the contiguous scratch [num_splits, num_rows (, head_dim)]
+        row = split.to(tl.int64) * num_rows + token * num_heads + head
+        tl.store(partial_out_ptr + row[:, None] * head_dim + offs_d[None, :], out, mask=row_mask)
+        tl.store(partial_lse_ptr + row, tl.where(seen, row_max + tl.math.log2(safe_sum), float("-inf")), mask=row_ok)
+    else:
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, num_splits, num_heads, head_dim, num_rows,
+                         stride_ot, stride_oh, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+    """Program c merges elements [c * CHUNK, (c + 1) * CHUNK) of the output read as one flat run of rows (token,
+    head) of head_dim: each is sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max_s lse_s), from the
+    contiguous scratch `partial_out [num_splits, num_rows, head_dim]` and `partial_lse [num_splits, num_rows]`.
+    Split 0 holds key 0, which every query sees, so the max is finite; splits a row saw nothing of weigh 0."""
+    num_elements = num_rows * head_dim
+    offs = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    in_range = offs < num_elements
+    offs = tl.minimum(offs, num_elements - 1)  # the tail repeats the last element (not stored) rather than mask
+    row = offs // head_dim
+    split = tl.arange(0, SPLITS)[:, None].to(tl.int64)
+    split_ok = split < num_splits
+    lse = tl.load(partial_lse_ptr + split * num_rows + row[None, :], mask=split_ok, other=float("-inf"))
+    weight = tl.math.exp2(lse - tl.max(lse, axis=0)[None, :])  # [SPLITS, CHUNK]
+    partial = tl.load(partial_out_ptr + split * num_elements + offs[None, :], mask=split_ok, other=0.0)
+    merged = tl.sum(weight * partial, axis=0) / tl.sum(weight, axis=0)
+    token = row // num_heads
+    head = row % num_heads
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs % head_dim,
+             merged.to(out_ptr.dtype.element_ty), mask=in_range)
 
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Split-KV policy. A split shorter than this many keys would spend more on its fixed cost (loading its queries,
+# writing and merging a partial output) than on keys; the cap bounds the merge's vector of splits.
+MIN_KEYS_PER_SPLIT = 256
+MAX_NUM_SPLITS = 64
+# SM count assumed for CPU tensors (the interpreter): a small GPU's, so that the tests' small shapes split.
+INTERPRETER_NUM_SMS = 16
 
 
-def _check_prefill_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out) -> None:
+def _check_prefill_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out, num_splits) -> None:
     if query.dim() != 3 or kv_cache.dim() != 6:
         raise ValueError(f"prefix_prefill: query must be [T, heads, head_dim] and kv_cache 6-d, got "
                          f"{tuple(query.shape)} and {tuple(kv_cache.shape)}")
@@ -242,37 +315,98 @@ def _check_prefill_args(query, kv_cache, layer, block_tables, query_start_loc, s
         raise ValueError("prefix_prefill: query, kv_cache and block_tables need a contiguous last axis")
     if out is not None and (out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1):
         raise ValueError(f"prefix_prefill: out must be {tuple(query.shape)} {query.dtype} with contiguous head_dim")
+    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= MAX_NUM_SPLITS):
+        raise ValueError(f"prefix_prefill: num_splits must be None or an int in 1..{MAX_NUM_SPLITS}, "
+                         f"got {num_splits!r}")
+
+
+def _query_tiling(num_tokens: int, num_seqs: int, group: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): rows of a query tile and the new tokens it holds. Decode batches (one new token per
+    sequence) get short tiles; prefill gets tall ones. A tile's rows are BLOCK_Q tokens x the GQA group."""
+    block_m = max(16 if num_tokens <= num_seqs else 64, triton.next_power_of_2(group))
+    return block_m, block_m // group
+
+
+def _key_tile(head_dim: int) -> int:
+    """TILE_N, keys per inner step: shorter for wide heads, to bound the K/V tiles' registers."""
+    return 64 if head_dim <= 64 else 32
+
+
+def choose_num_splits(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
+                      num_sms: int) -> int:
+    """How many parts to cut each sequence's keys into. One (a single pass) when the batch's query tiles already
+    give every SM a program; otherwise as many as give each SM about one program, but no split shorter than
+    MIN_KEYS_PER_SPLIT keys of the longest sequence and at most MAX_NUM_SPLITS. Host arithmetic only."""
+    _, block_q = _query_tiling(num_tokens, num_seqs, num_heads // num_kv_heads)
+    # Query tiles that carry work: at least one per sequence, and the tokens fill at least cdiv(T, BLOCK_Q).
+    num_query_tiles = max(-(-num_tokens // block_q), num_seqs)
+    programs = num_query_tiles * num_kv_heads
+    return max(1, min(num_sms // programs, max_seq_len // MIN_KEYS_PER_SPLIT, MAX_NUM_SPLITS))
+
+
+@functools.cache
+def _cuda_sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (read once per device); INTERPRETER_NUM_SMS for CPU tensors."""
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of `reference_prefix_prefill`: one launch for the whole batch, no host sync."""
-    _check_prefill_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out)
+                   out: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+    """Triton version of `reference_prefix_prefill`: one launch for the whole batch, two with split-KV, no host
+    sync.
+
+    `num_splits`: None chooses it (`choose_num_splits`) from shapes alone. The longest sequence is bounded by
+    the block table's width, which the engine pads to the batch's longest: a wider table costs only idle
+    programs, since each sequence is cut by its own length. 1 forces the single pass; N cuts every sequence's
+    keys into up to N ranges of at least one key tile each."""
+    _check_prefill_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out, num_splits)
     check_launchable("prefix_prefill", query, kv_cache, block_tables, query_start_loc, seq_lens)
     if out is None:
         out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[4]
+    num_kv_heads, block_size = kv_cache.shape[4], kv_cache.shape[3]
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
-    # Decode batches (one new token per sequence) get short tiles; prefill gets tall ones.
-    block_m = max(16, triton.next_power_of_2(group)) if num_tokens <= num_seqs else 64
-    block_m = max(block_m, triton.next_power_of_2(group))
-    block_q = block_m // group
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    block_m, block_q = _query_tiling(num_tokens, num_seqs, group)
+    tile_n = _key_tile(head_dim)
+    min_tiles_per_split = 1
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tokens, num_seqs, num_heads, num_kv_heads,
+                                       block_tables.shape[1] * block_size, sm_count(query.device))
+        min_tiles_per_split = max(1, MIN_KEYS_PER_SPLIT // tile_n)
+    split = num_splits > 1
+    num_rows = num_tokens * num_heads
+    if split:  # every split program writes all its rows, so the merge reads no uninitialised scratch
+        partial_out = query.new_empty(num_splits, num_rows, head_dim, dtype=torch.float32)
+        partial_lse = query.new_empty(num_splits, num_rows, dtype=torch.float32)
+    else:
+        partial_out = partial_lse = out  # not read: the single pass writes `out` directly
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     dot_dtype = _dot_dtype(query.dtype)
-    _prefix_prefill_kernel[grid](
-        query, kv_cache, out, block_tables, query_start_loc, seq_lens,
-        layer, scale * _LOG2E, num_seqs, head_dim,
+    _prefix_prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, num_splits)](
+        query, kv_cache, out, partial_out, partial_lse, block_tables, query_start_loc, seq_lens,
+        layer, scale * _LOG2E, num_seqs, num_heads, head_dim, num_splits, min_tiles_per_split, num_rows,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
         block_tables.stride(0),
-        BLOCK_SIZE=kv_cache.shape[3], GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-        TILE_N=64 if head_dim <= 64 else 32, HEAD_DIM=max(16, triton.next_power_of_2(head_dim)),
-        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
+        BLOCK_SIZE=block_size, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        HEAD_DIM=head_dim_padded, DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        SPLIT=split)
+    if split:
+        splits_padded = triton.next_power_of_2(num_splits)
+        chunk = min(1024, max(64, 4096 // splits_padded))  # a merge program holds [splits, chunk] <= 4096 values
+        _merge_splits_kernel[(triton.cdiv(num_rows * head_dim, chunk),)](
+            out, partial_out, partial_lse, num_splits, num_heads, head_dim, num_rows,
+            out.stride(0), out.stride(1), SPLITS=splits_padded, CHUNK=chunk)
     return out
 
 

@@ -41,10 +41,16 @@ def main() -> None:
     ]
     for dtype, dot_dtype, group, block_m, tile_n, head_dim, block_size in variants:
         tensors = {"query_ptr": dtype, "cache_ptr": dtype, "out_ptr": dtype, **metadata}
-        compile_for_gpu(prefix_prefill._prefix_prefill_kernel, tensors, {
-            "BLOCK_SIZE": block_size, "GROUP": group, "BLOCK_Q": block_m // group, "BLOCK_M": block_m,
-            "TILE_N": tile_n, "HEAD_DIM": head_dim, "DOT_DTYPE": dot_dtype,
-            "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32"})
+        for split in (False, True):
+            scratch = {"partial_out_ptr": "fp32", "partial_lse_ptr": "fp32"} if split else {
+                "partial_out_ptr": dtype, "partial_lse_ptr": dtype}
+            compile_for_gpu(prefix_prefill._prefix_prefill_kernel, {**tensors, **scratch}, {
+                "BLOCK_SIZE": block_size, "GROUP": group, "BLOCK_Q": block_m // group, "BLOCK_M": block_m,
+                "TILE_N": tile_n, "HEAD_DIM": head_dim, "DOT_DTYPE": dot_dtype,
+                "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32", "SPLIT": split})
+    for dtype, splits, chunk in (("bf16", 8, 512), ("fp32", 64, 64)):
+        compile_for_gpu(prefix_prefill._merge_splits_kernel, {
+            "out_ptr": dtype, "partial_out_ptr": "fp32", "partial_lse_ptr": "fp32"}, {"SPLITS": splits, "CHUNK": chunk})
     compile_for_gpu(kv_store._store_kv_kernel, {"key_ptr": "bf16", "value_ptr": "bf16", "cache_ptr": "bf16",
                                                 "slot_ptr": "i64"}, {"HEADS": 4, "HEAD_DIM": 64})
     for gather in (True, False):
