@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata.kernels.prefix_prefill import prefix_prefill, reference_prefix_prefill
+
 # Unused block-table entries: a block id far out of range, so a kernel that reads one fails or goes wrong.
 UNUSED_BLOCK_ID = 1 << 20
 
@@ -95,3 +97,22 @@ TOLERANCE = {
     torch.float16: dict(atol=2e-3, rtol=2e-3),
     torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
 }
+
+
+GUARD_ROWS = 3
+
+
+def check_prefill(problem: PagedProblem, dtype: torch.dtype, **kwargs) -> None:
+    """Run the Triton prefix-prefill (keyword options `kwargs`) into a NaN-poisoned output followed by guard rows:
+    it must match dense float64 attention and the torch reference, fill every row and write nothing past them."""
+    num_tokens = problem.query.shape[0]
+    buffer = torch.full((num_tokens + GUARD_ROWS, *problem.query.shape[1:]), float("nan"), dtype=dtype,
+                        device=problem.query.device)
+    out = buffer[:num_tokens]
+    assert prefix_prefill(*problem.args(), out=out, **kwargs) is out
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), naive_attention(problem), **tolerance)
+    reference = reference_prefix_prefill(*problem.args())
+    torch.testing.assert_close(out.double(), reference.double(), atol=2 * tolerance["atol"],
+                               rtol=2 * tolerance["rtol"])
+    assert buffer[num_tokens:].isnan().all(), "prefix_prefill wrote past its output rows"

@@ -7,27 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import TOLERANCE, make_paged_problem, naive_attention, random_batch
+from kernel_cases import TOLERANCE, check_prefill, make_paged_problem, naive_attention, random_batch
 
 from kvstrata.kernels import get_ops
 from kvstrata.kernels.block_copy import (gather_blocks, reference_gather_blocks, reference_scatter_blocks,
                                          scatter_blocks)
 from kvstrata.kernels.kv_store import reference_store_kv, store_kv
-from kvstrata.kernels.prefix_prefill import prefix_prefill, reference_prefix_prefill
+from kvstrata.kernels.prefix_prefill import prefix_prefill
 
 # (context, new tokens): fresh prompts, chunked prefill over cached blocks, decode rows, block-aligned edges, and a
 # first query at position 62 (the last key of a 64-key tile is then visible to it but not to the row after).
 MIXED_BATCH = [(0, 7), (13, 1), (30, 5), (0, 1), (47, 17), (16, 16), (62, 4)]
-
-
-def check_prefill(problem, dtype) -> None:
-    out = torch.full_like(problem.query, float("nan"))  # poison: an unwritten element fails the comparison
-    assert prefix_prefill(*problem.args(), out=out) is out
-    reference = reference_prefix_prefill(*problem.args())
-    tolerance = TOLERANCE[dtype]
-    torch.testing.assert_close(out.double(), naive_attention(problem), **tolerance)
-    torch.testing.assert_close(out.double(), reference.double(), atol=2 * tolerance["atol"],
-                               rtol=2 * tolerance["rtol"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -36,9 +26,11 @@ def test_prefill_mixed_batch_with_gqa_matches_reference(dtype):
     check_prefill(problem, dtype)
 
 
-def test_prefill_head_dim_128_long_context_spans_many_tiles_and_skips_idle_sequences():
-    problem = make_paged_problem([(100, 3), (5, 0), (0, 70), (30, 40)], num_heads=8, num_kv_heads=2, head_dim=128,
-                                 block_size=16, dtype=torch.float32, seed=1)
+def test_prefill_over_many_key_tiles_writes_nothing_for_sequences_without_new_tokens():
+    """At head_dim 128 a key tile holds 32 keys: the first sequence spans 4. The last sequence has no new tokens,
+    so a program that wrote for it would write past the output, into check_prefill's guard rows."""
+    problem = make_paged_problem([(100, 3), (5, 0), (0, 70), (30, 40), (9, 0)], num_heads=8, num_kv_heads=2,
+                                 head_dim=128, block_size=16, dtype=torch.float32, seed=1)
     check_prefill(problem, torch.float32)
 
 
@@ -78,7 +70,9 @@ def test_prefill_rejects_mismatched_metadata():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_matches_reference_and_skips_padding(dtype):
-    kv_cache = torch.randn(5, 3, 2, 8, 3, 64).to(dtype)
+    pool = torch.randn(7, 3, 2, 8, 3, 64).to(dtype)
+    kv_cache = pool[1:6]  # blocks 0 and 6 of the pool guard the cache's ends
+    before = pool.clone()
     expected = kv_cache.clone()
     slots = torch.tensor([9, -1, 0, 39, 17, -1, 8])
     fused = torch.randn(len(slots), 2, 3, 64).to(dtype)  # K and V as strided views of one tensor
@@ -86,6 +80,9 @@ def test_store_kv_matches_reference_and_skips_padding(dtype):
     store_kv(key, value, kv_cache, 2, slots)
     reference_store_kv(key, value, expected, 2, slots)
     assert torch.equal(kv_cache, expected)
+    # padding (slot -1) is written nowhere: neither inside the cache nor just before it
+    assert torch.equal(pool[[0, 6]], before[[0, 6]])
+    assert not torch.equal(kv_cache, before[1:6])  # the real slots were written
 
 
 def test_gather_and_scatter_blocks_match_reference():
