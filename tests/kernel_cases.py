@@ -2,6 +2,7 @@
 against (small and obviously correct: one softmax per query over exactly the keys it may see)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,13 @@ class PagedProblem:
     def args(self) -> tuple:
         return (self.query, self.kv_cache, self.layer, self.block_tables, self.query_start_loc, self.seq_lens,
                 self.scale)
+
+    def to(self, device: torch.device | str) -> PagedProblem:
+        return dataclasses.replace(
+            self, query=self.query.to(device), kv_cache=self.kv_cache.to(device),
+            block_tables=self.block_tables.to(device), query_start_loc=self.query_start_loc.to(device),
+            seq_lens=self.seq_lens.to(device), keys=[k.to(device) for k in self.keys],
+            values=[v.to(device) for v in self.values])
 
 
 def make_paged_problem(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -85,8 +93,8 @@ def naive_attention(problem: PagedProblem) -> torch.Tensor:
         k = key.double().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
         v = value.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * problem.scale
-        query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len, device=q.device)[None, :] > query_pos, float("-inf"))
         outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(outputs)
 
@@ -116,3 +124,35 @@ def check_prefill(problem: PagedProblem, dtype: torch.dtype, **kwargs) -> None:
     torch.testing.assert_close(out.double(), reference.double(), atol=2 * tolerance["atol"],
                                rtol=2 * tolerance["rtol"])
     assert buffer[num_tokens:].isnan().all(), "prefix_prefill wrote past its output rows"
+
+
+# The GPU check's grid (tests/gpu_kernel_check.py): real models' head shapes, contexts to 8k, block size 16.
+CUDA_HEAD_SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (heads, kv heads, head dim)
+CUDA_BATCHES = {  # (context, new tokens) per sequence
+    "question-4k": [(4000, 16)],
+    "question-7k": [(7087, 16)],
+    "decode-8k": [(8191, 1)],
+    "decode-batch": [(8000, 1), (17, 1), (4095, 1), (1, 1), (2047, 1), (600, 1), (7000, 1), (33, 1)],
+    "mixed": [(7087, 16), (0, 300), (5, 0), (1200, 1), (64, 64)],
+    "chunk-512": [(2048, 512)],
+}
+CUDA_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CUDA_SPLITS = {"auto": None, "single": 1, "split7": 7}  # the `num_splits` argument
+# Shapes whose automatic choice splits on any GPU of 16 SMs or more: few query tiles over a long context.
+CUDA_LONG_CONTEXT_BATCHES = ("question-4k", "question-7k", "decode-8k")
+
+
+@dataclass(frozen=True)
+class CudaCase:
+    heads: str
+    batch: str
+    dtype: str
+    splits: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.heads}-{self.batch}-{self.dtype}-{self.splits}"
+
+
+CUDA_CASES = [CudaCase(heads, batch, dtype, splits) for heads in CUDA_HEAD_SHAPES for batch in CUDA_BATCHES
+              for dtype in CUDA_DTYPES for splits in CUDA_SPLITS]
