@@ -1,4 +1,5 @@
-"""Cost of paging: our prefix-prefill on the paged KV cache against SDPA on the same problem laid out contiguously.
+"""Cost of paging, and what split-KV buys: our prefix-prefill on the paged KV cache against SDPA on the same problem
+laid out contiguously, and the Triton kernel with split-KV against itself without.
 
 A problem is one layer of one batch: `num_seqs` sequences, each with `context` cached tokens and `new` new tokens,
 their K/V spread over shuffled cache blocks (block size 16). The baseline gets the same K/V already contiguous as
@@ -8,16 +9,21 @@ Figures are reported as ratios `ours / SDPA` (1.0 = paging costs nothing).
 
 - On CUDA: the Triton kernel (`prefix_prefill`) against `F.scaled_dot_product_attention`, timed with
   `triton.testing.do_bench` (median), for SmolLM2-135M (9/3 heads, d64) and Llama-3-8B (32/8 heads, d128) shapes:
-  8k context + 512 new tokens, and a decode batch (32 sequences x 1 token over 8k).
-- On a CPU: the torch reference (`reference_prefix_prefill`, the CPU engine path) against SDPA, at a smaller size,
-  one thread, best of `--repeats` by process CPU time (a busy machine's other processes do not count). The Triton
-  figures need a GPU.
+  8k context + 512 new tokens, and a decode batch (32 sequences x 1 token over 8k). Then split-KV on the shape of
+  a question over a cached document (one sequence, 4k and 7k cached tokens, 16 new tokens or 1): the kernel with
+  its automatic choice of splits, the same kernel forced to a single pass (`num_splits=1`), and SDPA.
+- On a CPU: the torch reference (`reference_prefix_prefill`, the CPU engine path) against SDPA, at a smaller size
+  and on the question shapes, one thread, best of `--repeats` by process CPU time (a busy machine's other
+  processes do not count). The Triton figures need a GPU.
 
-    python benchmarks/kernels.py                 # prints a markdown table
+Every timed function is first checked to give the baseline's output on the very problem it is timed on.
+
+    python benchmarks/kernels.py                 # prints markdown tables
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import time
@@ -27,7 +33,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kvstrata.kernels.prefix_prefill import prefix_prefill, reference_prefix_prefill
+from kvstrata.kernels.prefix_prefill import (choose_num_splits, prefix_prefill, reference_prefix_prefill,
+                                             sm_count)
 
 BLOCK_SIZE = 16
 
@@ -54,6 +61,9 @@ class Case:
 
 SMOLLM2 = Shape("SmolLM2-135M", 9, 3, 64)
 LLAMA_8B = Shape("Llama-3-8B", 32, 8, 128)
+# A question over a cached document: the shape split-KV is for (few query tiles, a long context).
+QUESTION_CASES = [Case(shape, 1, context, new) for shape in (SMOLLM2, LLAMA_8B) for context in (4096, 7087)
+                  for new in (16, 1)]
 
 
 @dataclass
@@ -143,6 +153,49 @@ def time_cuda(fn: Callable[[], object], repeats: int) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=max(100, 20 * repeats), return_mode="median") / 1e3
 
 
+def chosen_splits(case: Case, problem: Problem) -> int:
+    """The number of splits `prefix_prefill` chooses for this problem on its device."""
+    query, _, _, block_tables, _, _ = problem.paged_args
+    return choose_num_splits(query.shape[0], case.num_seqs, case.shape.num_heads, case.shape.num_kv_heads,
+                             block_tables.shape[1] * BLOCK_SIZE, sm_count(query.device))
+
+
+SDPA = "SDPA contiguous"
+
+
+def timing_table(cases: list[Case], dtypes: list[torch.dtype], kernels: dict[str, Callable[..., torch.Tensor]],
+                 ratios: list[tuple[str, str, str]], timer, repeats: int, device: torch.device,
+                 splits_column: bool = False) -> None:
+    """Print one markdown row per case and dtype: the time of each of `kernels` (paged arguments, then scale) and
+    of SDPA on the contiguous problem, then each ratio (label, numerator, denominator) of those times; with
+    `splits_column`, the number of splits the Triton kernel chooses there."""
+    header = ["case", "dtype", *(["splits"] if splits_column else []), *(f"{name} (ms)" for name in [*kernels, SDPA]),
+              *(label for label, _, _ in ratios)]
+    print("| " + " | ".join(header) + " |")
+    print("|---|---|" + "---:|" * (len(header) - 2))
+    for case in cases:
+        for dtype in dtypes:
+            problem = make_problem(case, dtype, device)
+            seconds = {}
+            for name, kernel in kernels.items():
+                check_agreement(problem, kernel)
+                seconds[name] = timer(lambda: kernel(*problem.paged_args, problem.scale), repeats)
+            seconds[SDPA] = timer(sdpa_baseline(problem), repeats)
+            cells = [case.describe(), str(dtype).removeprefix("torch."),
+                     *([str(chosen_splits(case, problem))] if splits_column else []),
+                     *(f"{seconds[name] * 1e3:.3f}" for name in [*kernels, SDPA]),
+                     *(f"{seconds[a] / seconds[b]:.2f}" for _, a, b in ratios)]
+            print("| " + " | ".join(cells) + " |", flush=True)
+            del problem
+            free_cached_memory(device)
+
+
+def free_cached_memory(device: torch.device) -> None:
+    """Hand the last problem's memory back, so that the next (larger) one fits."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -154,32 +207,28 @@ def main() -> None:
         cases = [Case(SMOLLM2, 1, 8192, 512), Case(LLAMA_8B, 1, 8192, 512),
                  Case(SMOLLM2, 32, 8192, 1), Case(LLAMA_8B, 32, 8192, 1)]
         dtypes, ours, timer, name = [torch.bfloat16, torch.float16], prefix_prefill, time_cuda, "Triton prefix_prefill"
-        machine = torch.cuda.get_device_name(device)
+        machine = f"{torch.cuda.get_device_name(device)} ({sm_count(device)} SMs)"
     else:
         torch.set_num_threads(1)
         # (48 cached + 2000 new): a shared system prompt cached before a new document, the common miss
         cases = [Case(SMOLLM2, 1, 2048, 512), Case(SMOLLM2, 1, 0, 512), Case(SMOLLM2, 1, 48, 2000),
-                 Case(SMOLLM2, 16, 2048, 1)]
+                 Case(SMOLLM2, 16, 2048, 1), *QUESTION_CASES]
         dtypes, ours, timer, name = [torch.float32, torch.bfloat16], reference_prefix_prefill, time_cpu, \
             "torch reference_prefix_prefill"
         machine = f"{cpu_name()} ({os.cpu_count()} cores), timed on {torch.get_num_threads()} thread"
     print(f"machine: {machine}; torch {torch.__version__}; ours = {name}; block size {BLOCK_SIZE}")
     if not on_cuda:
-        print("(CPU run: the Triton kernel's figures need a GPU)")
+        print("(CPU run: the Triton kernel's figures, split-KV among them, need a GPU)")
     print()
-    print("| case | dtype | ours (ms) | SDPA contiguous (ms) | ours / SDPA |")
-    print("|---|---|---:|---:|---:|")
-    for case in cases:
-        for dtype in dtypes:
-            problem = make_problem(case, dtype, device)
-            check_agreement(problem, ours)
-            ours_s = timer(lambda: ours(*problem.paged_args, problem.scale), args.repeats)
-            sdpa_s = timer(sdpa_baseline(problem), args.repeats)
-            print(f"| {case.describe()} | {str(dtype).removeprefix('torch.')} | {ours_s * 1e3:.2f} | "
-                  f"{sdpa_s * 1e3:.2f} | {ours_s / sdpa_s:.2f} |", flush=True)
-            del problem
-            if on_cuda:
-                torch.cuda.empty_cache()
+    timing_table(cases, dtypes, {"ours": ours}, [("ours / SDPA", "ours", SDPA)], timer, args.repeats, device)
+    if on_cuda:
+        print()
+        print("Split-KV: a question over a cached document")
+        print()
+        timing_table(QUESTION_CASES, [torch.bfloat16],
+                     {"split-KV": prefix_prefill, "single pass": functools.partial(prefix_prefill, num_splits=1)},
+                     [("single pass / split-KV", "single pass", "split-KV"), ("split-KV / SDPA", "split-KV", SDPA)],
+                     timer, args.repeats, device, splits_column=True)
 
 
 if __name__ == "__main__":
