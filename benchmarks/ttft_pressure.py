@@ -67,7 +67,7 @@ from benchmarks.ttft_workload import (QAPrompt, blocks_for, build_workload, cut_
 CONFIGURATIONS = ("recompute", "device_only", "device_cpu", "device_cpu_disk", "disk_after_restart")
 SWEEP_CONFIGURATIONS = ("device_only", "device_cpu", "device_cpu_disk")
 PEERS = ("hf_generate", "llama_cpp_ram_cache", "llama_cpp_disk_cache")
-DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "longdoc_qa_dev.jsonl"
+DEFAULT_DATA = REPO_ROOT / "benchmarks" / "data" / "longdoc_qa_dev.jsonl"
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pressure.yaml"
 PROFILE_QUESTION = "Summarize this section in one sentence."
 PROFILE_TOP = 14
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="kvstrata YAML config (model, dtype, cache knobs)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (repeatable)")
-    p.add_argument("--data", default=str(DEFAULT_DATA), help="longdoc QA jsonl (default ../shared/data/...)")
+    p.add_argument("--data", default=str(DEFAULT_DATA), help="long-document QA questions, jsonl (default benchmarks/data/longdoc_qa_dev.jsonl)")
     p.add_argument("--docs", type=int, default=6, help="documents in the workload")
     p.add_argument("--questions", type=int, default=3, help="questions per document in the round-robin pass")
     p.add_argument("--zipf-requests", type=int, default=10, help="requests in the Zipf pass (0: none)")

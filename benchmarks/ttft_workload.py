@@ -2,7 +2,7 @@
 
 A prompt is one chat message `document + question`, document first, so that every question on a
 document shares the document as its prefix. Documents are sections of the Python language reference
-(`pydoc_data.topics`), cut to a token budget; questions come from `../shared/data/longdoc_qa_dev.jsonl`.
+(`pydoc_data.topics`), cut to a token budget; questions come from `benchmarks/data/longdoc_qa_dev.jsonl`.
 
 Two request orders, both interleaved so that the working set (every document at once) exceeds the
 device tier:
