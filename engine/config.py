@@ -1,6 +1,7 @@
 """The engine's configuration: YAML in, typed frozen objects out (DESIGN.md, "YAML").
 
-    model:  {name: smollm2-135m-instruct, dtype: bfloat16, device: auto, attention_backend: auto, max_model_len: null}
+    model:  {name: smollm2-135m-instruct, load_format: auto, dtype: auto, device: auto, attention_backend: auto,
+             max_model_len: null, threads: auto}
     cache:
       enable_prefix_caching: true
       block_size: 16
@@ -15,23 +16,29 @@
 
 The config is validated once, here, at the edge; inside the engine the types are trusted. Every
 problem becomes one `ConfigError` whose message is a single line naming the dotted key
-(`cache.tiers.dsk: unknown key`). Validation also checks the config against the machine: the disk
-path must be writable (its directory is created), and byte sizes must fit in the memory or disk that
-would hold them.
+(`cache.tiers.dsk: unknown key`). Validation also checks the config against the model and the
+machine, so that `kvstrata config check` refuses what `serve` would fail on: the model must be one
+kvstrata runs (its shape is read from its config.json, not its weights), `max_model_len` within its
+limit, a CUDA device must exist, the disk path must be writable (its directory is created), and
+every tier size, in bytes or in blocks, must fit in the memory or disk that would hold it.
 
 Invariants of a `Config`: the device tier is on; `cache.tiers.cpu` / `cache.tiers.disk` are None
 exactly when that tier is off (left out, null, or sized 0); paths (the disk tier's, a model
 directory) are absolute, relative ones having been resolved against the current directory at load
-time; dtype and device are spelled canonically (`bfloat16`, `cuda:0`).
+time; dtype and device are spelled canonically (`bfloat16`, `cuda:0`). `auto` values stay `auto` in
+the config (it describes what was asked); `resolved_device()`, `resolved_dtype()` and
+`resolved_threads()` say what they mean on this machine.
 
 This module must stay cheap to import: `kvstrata config check` uses it without torch.
 """
 from __future__ import annotations
 
 import copy
+import ipaddress
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,13 +51,18 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator,
                       ValidationError, field_validator, model_validator)
 
+from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, ModelShape, model_shape
 from kvstrata.engine.sizes import Size, format_bytes, format_size
 
-EMBEDDED_MODEL = "smollm2-135m-instruct"
 DEFAULT_DEVICE_TIER_SIZE = Size(nbytes=1024**3)
+DTYPE_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# `model.threads: auto` never picks more: past this, one request's matmuls gain little from more
+# threads and a busy machine's scheduling noise grows (see `default_threads`).
+MAX_AUTO_THREADS = 16
 
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_HOST_LABEL_RE = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 
 # Environment overrides: (variable, dotted key, parse the value as a YAML scalar?). Applied in this
 # order, so KVSTRATA_PORT wins over PORT. Strings such as paths are taken verbatim.
@@ -105,9 +117,22 @@ def _size_value(size: Size) -> int | str:
     return size.to_yaml_value()
 
 
-Dtype = Annotated[Literal["float32", "bfloat16", "float16"], BeforeValidator(_canonical_dtype)]
+Dtype = Annotated[Literal["auto", "float32", "bfloat16", "float16"], BeforeValidator(_canonical_dtype)]
 SizeField = Annotated[Size, PlainValidator(Size.parse), PlainSerializer(_size_value)]
 PositiveInt = Annotated[int, Field(gt=0)]
+
+
+def _threads(value: Any) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected a positive integer or auto, got {_short_repr(value)}")
+    if value <= 0:
+        raise ValueError(f"must be positive (or auto), got {value}")
+    return value
+
+
+Threads = Annotated[int | str, PlainValidator(_threads)]
 
 
 class _Section(BaseModel):
@@ -121,21 +146,20 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     name: str = EMBEDDED_MODEL
-    dtype: Dtype = "bfloat16"
+    load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from the model's config
+    dtype: Dtype = "auto"
     device: str = "auto"
     attention_backend: Literal["auto", "triton", "torch"] = "auto"
     max_model_len: PositiveInt | None = None  # None: the model's own limit
+    threads: Threads = "auto"  # torch's CPU threads; auto: see `default_threads`
 
     @field_validator("name")
     @classmethod
-    def _embedded_or_local_directory(cls, name: str) -> str:
+    def _canonical_name(cls, name: str) -> str:
         if name.strip().lower() == EMBEDDED_MODEL:
             return EMBEDDED_MODEL
         directory = Path(name).expanduser()
-        if directory.is_dir() and (directory / "config.json").is_file():
-            return os.path.abspath(directory)
-        raise ValueError(f"{name!r} is neither the embedded model {EMBEDDED_MODEL!r} "
-                         "nor a local model directory with a config.json")
+        return os.path.abspath(directory) if directory.is_dir() else name.strip()
 
     @field_validator("device")
     @classmethod
@@ -143,17 +167,40 @@ class ModelConfig(_Section):
         canonical = device.strip().lower()
         if not _DEVICE_RE.match(canonical):
             raise ValueError(f"unknown device {device!r} (expected auto, cpu, cuda or cuda:N)")
+        if canonical.startswith("cuda"):
+            index = int(canonical.partition(":")[2] or 0)
+            if _gpu_memory_bytes(index, explicit=True) is None:
+                raise ValueError(f"{canonical}: no such CUDA device on this machine "
+                                 f"({_describe_cuda_devices()}; use cpu or auto)")
         return canonical
+
+    @model_validator(mode="after")
+    def _runnable_model(self) -> ModelConfig:
+        shape = self.shape()
+        if self.max_model_len is not None and self.max_model_len > shape.max_model_len:
+            raise _FieldError("max_model_len", f"{self.max_model_len} is more than the model's limit of "
+                                               f"{shape.max_model_len} tokens")
+        return self
+
+    def shape(self) -> ModelShape:
+        """The model's architecture and KV shape, read from its config (no weights are loaded)."""
+        if self.load_format == "dummy" and self.name in PRESETS:
+            return model_shape(self.name, self.load_format)
+        if self.name != EMBEDDED_MODEL and not (Path(self.name) / "config.json").is_file():
+            presets = f", or with load_format: dummy a preset ({', '.join(PRESETS)})"
+            raise _FieldError("name", f"{self.name!r} is neither the embedded model {EMBEDDED_MODEL!r} nor a "
+                                      f"local model directory with a config.json{presets}")
+        if self.name == EMBEDDED_MODEL and self.load_format == "dummy":
+            raise _FieldError("load_format", f"dummy needs a model config: a preset ({', '.join(PRESETS)}) "
+                                             "or a model directory")
+        try:
+            return model_shape(self.name, self.load_format)
+        except ValueError as exc:
+            raise _FieldError("name", f"{self.name}: {exc}") from None
 
     @property
     def is_embedded(self) -> bool:
         return self.name == EMBEDDED_MODEL
-
-    @property
-    def torch_dtype(self):
-        """The dtype as a `torch.dtype` (imports torch, so only the engine calls it)."""
-        import torch
-        return getattr(torch, self.dtype)
 
 
 class DeviceTierConfig(_Section):
@@ -171,14 +218,6 @@ class CpuTierConfig(_Section):
     size: SizeField
     pinned: bool = True  # page-locked host memory for fast copies to a GPU; ignored without CUDA
 
-    @model_validator(mode="after")
-    def _fits_in_ram(self) -> CpuTierConfig:
-        ram = _ram_bytes()
-        if self.size.is_bytes and self.size.nbytes > ram:
-            raise _FieldError("size", f"{format_size(self.size.nbytes)} is more than this machine's RAM "
-                                      f"({format_bytes(ram)})")
-        return self
-
 
 class DiskTierConfig(_Section):
     # Relative paths resolve against the current directory when the config is loaded.
@@ -193,15 +232,9 @@ class DiskTierConfig(_Section):
         return Path(os.path.abspath(Path(path).expanduser()))
 
     @model_validator(mode="after")
-    def _writable_and_fits(self) -> DiskTierConfig:
-        if self.size.is_off:
-            return self  # an off tier touches nothing
-        _check_writable_directory(self.path)
-        if self.size.is_bytes:
-            room = _disk_room_bytes(self.path)
-            if self.size.nbytes > room:
-                raise _FieldError("size", f"{format_size(self.size.nbytes)} is more than the free space at "
-                                          f"{str(self.path)!r} ({format_bytes(room)})")
+    def _writable(self) -> DiskTierConfig:
+        if not self.size.is_off:  # an off tier touches nothing
+            _check_writable_directory(self.path)
         return self
 
 
@@ -246,6 +279,11 @@ class ServerConfig(_Section):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000  # 0: any free port
     model_alias: str | None = None  # the model id served by /v1/models; None: model.name
 
+    @field_validator("host")
+    @classmethod
+    def _listenable_host(cls, host: str) -> str:
+        return _check_host(host)
+
 
 class Config(_Section):
     model: ModelConfig = ModelConfig()
@@ -260,20 +298,34 @@ class Config(_Section):
         return {} if section is None else section
 
     @model_validator(mode="after")
-    def _device_tier_fits(self) -> Config:
-        size = self.cache.tiers.device.size
-        if not size.is_bytes:
-            return self  # a block count's bytes depend on the model: checked when the pool is allocated
-        where, capacity = _device_capacity(self.model.device)
-        if capacity is not None and size.nbytes > capacity:
-            raise _FieldError("cache.tiers.device.size",
-                              f"{format_size(size.nbytes)} is more than {where} ({format_bytes(capacity)})")
-        return self
-
-    def tiers_enabled(self) -> tuple[str, ...]:
-        """The tiers that are on, top down: always "device", then "cpu" and "disk" if configured."""
+    def _tiers_fit_the_machine(self) -> Config:
+        """Every tier's bytes, whether its size was given in bytes or in blocks, against the memory or
+        disk that would hold it: the device's memory; the RAM available now for the CPU tier plus a
+        device tier on the CPU (pinned memory counted as the allocator rounds it); the disk's room."""
         tiers = self.cache.tiers
-        return ("device",) + (("cpu",) if tiers.cpu else ()) + (("disk",) if tiers.disk else ())
+        tier_bytes = _TierBytes(self)
+        where, capacity = _device_capacity(self.model.device)
+        device_bytes = tier_bytes(tiers.device.size)
+        if capacity is not None and device_bytes > capacity:
+            raise _FieldError("cache.tiers.device.size", f"{tier_bytes.describe(tiers.device.size)} is more than "
+                                                         f"{where} ({format_bytes(capacity)})")
+        if tiers.cpu is not None:
+            on_gpu = where != _RAM
+            ram = _available_ram_bytes() - (0 if on_gpu else device_bytes)
+            needed = tier_bytes(tiers.cpu.size)
+            if tiers.cpu.pinned and on_gpu:
+                needed = pinned_allocation_bytes(needed)
+            if needed > ram:
+                rounded = f" (pinned: {format_bytes(needed)} once rounded up)" if tiers.cpu.pinned and on_gpu else ""
+                beside = "" if on_gpu else " beside the device tier"
+                raise _FieldError("cache.tiers.cpu.size", f"{tier_bytes.describe(tiers.cpu.size)}{rounded} is more than "
+                                                          f"the RAM available{beside} ({format_bytes(ram)})")
+        if tiers.disk is not None:
+            room = _disk_room_bytes(tiers.disk.path)
+            if tier_bytes(tiers.disk.size) > room:
+                raise _FieldError("cache.tiers.disk.size", f"{tier_bytes.describe(tiers.disk.size)} is more than the "
+                                                           f"free space at {str(tiers.disk.path)!r} ({format_bytes(room)})")
+        return self
 
     def resolved_device(self) -> str:
         """`model.device` with `auto` resolved: "cuda" when torch sees a CUDA device, else "cpu"."""
@@ -281,6 +333,16 @@ class Config(_Section):
             return self.model.device
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        """`model.dtype` with `auto` resolved for the resolved device (see `auto_dtype`)."""
+        if self.model.dtype != "auto":
+            return self.model.dtype
+        return auto_dtype(self.resolved_device())
+
+    def resolved_threads(self) -> int:
+        """`model.threads` with `auto` resolved (see `default_threads`)."""
+        return default_threads() if self.model.threads == "auto" else self.model.threads
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-able data; `load_config(config.to_dict())` gives an equal Config."""
@@ -363,8 +425,9 @@ def _read_yaml_file(path: Path) -> dict[str, Any]:
         raise ConfigError(None, f"{path}: malformed YAML{where}: {exc.problem or exc.context}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(None, f"{path}: malformed YAML: {_one_line(str(exc))}") from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file, or comments only: most likely the wrong file, so not "the defaults"
+        raise ConfigError(None, f"{path}: the file is empty; give at least one section (model, cache, scheduler, "
+                                "server), or leave --config out for the built-in defaults")
     if not isinstance(data, dict):
         raise ConfigError(None, f"{path}: expected a mapping of sections (model, cache, scheduler, server), "
                                 f"got {type(data).__name__}")
@@ -498,33 +561,129 @@ def _one_line(text: str) -> str:
 # What the machine can hold
 
 
-def _ram_bytes() -> int:
-    return psutil.virtual_memory().total
+_RAM = "the RAM available"
+
+
+def _available_ram_bytes() -> int:
+    """RAM that a new allocation can have now (what other processes use is not ours to take)."""
+    return psutil.virtual_memory().available
+
+
+def pinned_allocation_bytes(nbytes: int) -> int:
+    """What a pinned host allocation of `nbytes` really takes: torch's caching host allocator rounds
+    every request up to a power of two (a 33 GiB slab pins 64 GiB)."""
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
+
+
+class _TierBytes:
+    """A tier size in bytes, a block count converted with the model's block size (read once, lazily:
+    it needs the model's shape and the resolved dtype)."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self._block_nbytes: int | None = None
+
+    @property
+    def block_nbytes(self) -> int:
+        if self._block_nbytes is None:
+            dtype_nbytes = DTYPE_NBYTES[_dtype_for_sizing(self.config)]
+            self._block_nbytes = self.config.model.shape().kv_block_nbytes(self.config.cache.block_size, dtype_nbytes)
+        return self._block_nbytes
+
+    def __call__(self, size: Size) -> int:
+        return size.nbytes if size.is_bytes else size.to_bytes(self.block_nbytes)
+
+    def describe(self, size: Size) -> str:
+        if size.is_bytes:
+            return format_size(size.nbytes)
+        return f"{size.num_blocks} blocks ({format_bytes(self(size))} at {self.block_nbytes} bytes a block)"
+
+
+def _dtype_for_sizing(config: Config) -> str:
+    """The dtype a block will have, without importing torch where the answer does not need it:
+    `auto` is 2 bytes on any GPU (bfloat16 or float16) and needs torch's CPU check only on a CPU."""
+    if config.model.dtype != "auto":
+        return config.model.dtype
+    where, _ = _device_capacity(config.model.device)
+    return "bfloat16" if where != _RAM else auto_dtype("cpu")
+
+
+def auto_dtype(device: str) -> str:
+    """What `model.dtype: auto` means on `device` (a resolved device: "cpu", "cuda", "cuda:N").
+
+    On a GPU, bfloat16 where the GPU computes it natively (compute capability 8.0 and later), else
+    float16. On a CPU, float32: without bfloat16 matrix units a CPU computes bfloat16 more slowly
+    than float32 (1.5x on a 2k-token prompt, measured), and float32 cache hits give exactly the
+    uncached outputs. CPUs with AMX tiles multiply bfloat16 in hardware, so they get bfloat16.
+    """
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        return "bfloat16" if _cuda_capability(index) >= (8, 0) else "float16"
+    return "bfloat16" if _cpu_has_amx() else "float32"
+
+
+def _cuda_capability(index: int) -> tuple[int, int]:
+    import torch
+    return torch.cuda.get_device_capability(index)
+
+
+def _cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (and the OS lets torch use them), as torch's CPU check says."""
+    import torch
+    is_supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(is_supported and is_supported())
+
+
+def default_threads() -> int:
+    """The torch thread count `model.threads: auto` picks: one per physical core this process may
+    run on, at most `MAX_AUTO_THREADS`, and one on a machine with two cores or fewer.
+
+    Why one there: intra-op threads meet at a barrier after every operator, so a request runs at the
+    pace of its slowest thread, and on two cores any other busy process deschedules one of the two.
+    Measured on a 2-core machine shared with other work (benchmarks/results/threads.md): with two
+    threads a 58-token prompt took 15x longer at the median than with one (13 s against 0.9 s) and
+    a 500-token prefill 4x longer. Where the machine is otherwise idle, `model.threads: 2` may be faster.
+    """
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    physical = psutil.cpu_count(logical=False) or usable
+    cores = min(usable, physical)
+    return 1 if cores <= 2 else min(cores, MAX_AUTO_THREADS)
 
 
 def _device_capacity(device: str) -> tuple[str, int | None]:
     """Where the device tier would live and how many bytes that memory holds (None: unknown)."""
     if device == "cpu":
-        return "this machine's RAM", _ram_bytes()
+        return _RAM, _available_ram_bytes()
     index = int(device.partition(":")[2] or 0)
-    gpu_bytes = _gpu_memory_bytes(index)
+    gpu_bytes = _gpu_memory_bytes(index, explicit=device != "auto")
     if device == "auto" and gpu_bytes is None:
-        return "this machine's RAM", _ram_bytes()
+        return _RAM, _available_ram_bytes()
     return f"the memory of cuda:{index}", gpu_bytes
 
 
-def _gpu_memory_bytes(index: int) -> int | None:
-    """Total memory of CUDA device `index`, or None when no CUDA device can be seen.
+def _gpu_memory_bytes(index: int, explicit: bool = False) -> int | None:
+    """Total memory of CUDA device `index`, or None when there is no such device.
 
-    Asks torch only when it is already imported (the engine); otherwise asks nvidia-smi, so that
-    validating a config stays cheap.
+    Asks torch when it is already imported (the engine); otherwise nvidia-smi, so that validating
+    a config stays cheap. Where nvidia-smi cannot answer and the config names a CUDA device
+    (`explicit`), torch is asked after all: a missing device must be refused here, not at serve time.
     """
     torch = sys.modules.get("torch")
-    if torch is not None:
-        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-            return None
-        return torch.cuda.get_device_properties(index).total_memory
-    return _nvidia_smi_memory_bytes(index)
+    if torch is None:
+        found = _nvidia_smi_memory_bytes(index)
+        if found is not None or not explicit or shutil.which("nvidia-smi") is not None:
+            return found
+        import torch
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+def _describe_cuda_devices() -> str:
+    count = 0
+    while _gpu_memory_bytes(count) is not None:
+        count += 1
+    return "no CUDA device is visible" if count == 0 else f"visible: cuda:0 to cuda:{count - 1}"
 
 
 def _nvidia_smi_memory_bytes(index: int) -> int | None:
@@ -543,6 +702,26 @@ def _nvidia_smi_memory_bytes(index: int) -> int | None:
         return int(out.strip().splitlines()[0]) * 1024**2  # reported in MiB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+
+
+def _check_host(host: str) -> str:
+    """`server.host` must be an address this machine could listen on: an IP address, or a host
+    name that resolves. Checked here so that `config check` refuses what `serve` could not bind."""
+    host = host.strip()
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if not host or len(host) > 253 or not all(_HOST_LABEL_RE.match(label) for label in labels) \
+            or labels[-1].isdigit():
+        raise ValueError(f"{host!r} is neither an IP address nor a host name")
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"cannot resolve {host!r}: {getattr(exc, 'strerror', None) or exc}") from None
+    return host
 
 
 def _check_writable_directory(path: Path) -> None:

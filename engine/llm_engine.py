@@ -33,9 +33,13 @@ logger = logging.getLogger("kvstrata")
 class LLMEngine:
     def __init__(self, config: Config, loaded: LoadedModel | None = None):
         self.config = config
+        # Process-wide, so set here, where every entry point (LLM, serve, ask, benchmarks) passes.
+        torch.set_num_threads(config.resolved_threads())
         self.device = torch.device(config.resolved_device())
-        self.dtype = config.model.torch_dtype
-        self.loaded = loaded or load_model(resolve_model(config.model.name), self.dtype, self.device)
+        self.dtype_name = config.resolved_dtype()  # "auto" resolved: what the weights and the KV cache are
+        self.dtype = getattr(torch, self.dtype_name)
+        self.loaded = loaded or load_model(resolve_model(config.model.name, config.model.load_format),
+                                           self.dtype, self.device)
         mc = self.loaded.model_config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(mc.max_model_len, config.model.max_model_len or mc.max_model_len)
@@ -43,7 +47,7 @@ class LLMEngine:
         self.block_size = cache.block_size
         self.layout = BlockLayout(mc.num_layers, cache.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.hierarchy = self._build_tiers()
-        namespace = make_namespace(mc.identity, config.model.dtype, cache.block_size, KV_LAYOUT_VERSION, cache.hash)
+        namespace = make_namespace(mc.identity, self.dtype_name, cache.block_size, KV_LAYOUT_VERSION, cache.hash)
         self.kv_manager = KVCacheManager(self.hierarchy, BlockHasher(cache.block_size, namespace, cache.hash),
                                          cache.block_size, enable_caching=cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.scheduler.max_num_batched_tokens,
@@ -64,7 +68,8 @@ class LLMEngine:
         if num_device_blocks < 1:
             raise ValueError(f"cache.tiers.device.size: {tiers.device.size} holds no block of "
                              f"{nbytes} bytes")
-        kv_cache = self.layout.allocate(num_device_blocks, self.device)
+        kv_cache = self._allocate("cache.tiers.device.size", num_device_blocks,
+                                  lambda: self.layout.allocate(num_device_blocks, self.device))
         pool = BlockPool(num_device_blocks, enable_caching=self.config.cache.enable_prefix_caching)
         cpu = disk = None
         if self.config.cache.enable_prefix_caching:
@@ -73,12 +78,23 @@ class LLMEngine:
                 if num_cpu_blocks < 1:
                     raise ValueError(f"cache.tiers.cpu.size: {tiers.cpu.size} holds no block of {nbytes} bytes")
                 pin = tiers.cpu.pinned and self.device.type == "cuda"
-                cpu = CpuTier(self.layout, num_cpu_blocks, pin_memory=pin)
+                cpu = self._allocate("cache.tiers.cpu.size", num_cpu_blocks,
+                                     lambda: CpuTier(self.layout, num_cpu_blocks, pin_memory=pin))
             if tiers.disk is not None and not tiers.disk.size.is_off:
                 # a block count means that many stored blocks, each a payload plus a small header
                 capacity = tiers.disk.size.to_bytes(encoded_size(self.layout))
                 disk = DiskTier(self.layout, str(tiers.disk.path), capacity)
         return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload)
+
+    def _allocate(self, key: str, num_blocks: int, allocate):
+        """Run `allocate`; memory the config check saw free but that is gone by now (another process
+        took it) is one line naming the tier's key, not a traceback."""
+        try:
+            return allocate()
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+            raise ValueError(f"{key}: cannot allocate {num_blocks} blocks of {self.layout.block_nbytes} bytes "
+                             f"({reason})") from None
 
     # ------------------------------------------------------------------ requests
 
@@ -223,6 +239,10 @@ class LLMEngine:
             "device_evictions": counters["device_evictions"],
             "corrupt": {name: s.get("corrupt", 0) for name, s in tiers.items()},
             "block_bytes": self.layout.block_nbytes,
+            "model": self.config.model.name,
+            "dtype": self.dtype_name,
+            "device": str(self.device),
+            "threads": torch.get_num_threads(),
             "attention_backend": self.attention_backend,
         }
 

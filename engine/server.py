@@ -563,9 +563,12 @@ def _banner(config: Config, async_engine: AsyncEngine, model_id: str, sock: sock
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     engine = async_engine.engine
-    tiers = (async_engine.snapshot.stats if async_engine.snapshot else engine.stats())["tiers"]
-    lines = [f"kvstrata {__version__} serving {model_id} ({config.model.dtype} on {engine.device}, "
-             f"attention: {engine.attention_backend}, context {engine.max_model_len} tokens)",
+    stats = async_engine.snapshot.stats if async_engine.snapshot else engine.stats()
+    tiers = stats["tiers"]
+    dtype = f"{stats['dtype']}{' (auto)' if config.model.dtype == 'auto' else ''}"
+    lines = [f"kvstrata {__version__} serving {model_id} ({dtype} on {stats['device']}, {stats['threads']} torch "
+             f"thread{'s' if stats['threads'] != 1 else ''}, attention: {stats['attention_backend']}, "
+             f"context {engine.max_model_len} tokens)",
              f"  listening on http://{url_host}:{port}  (OpenAI API under /v1, Prometheus at /metrics)"]
     for name in ("device", "cpu", "disk"):
         tier = tiers.get(name)

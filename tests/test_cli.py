@@ -86,6 +86,30 @@ def test_config_check_needs_neither_torch_nor_transformers(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+REFUSED_BEFORE_SERVING = [
+    pytest.param({"cache": {"tiers": {"device": {"size": 100_000_000}}}}, "cache.tiers.device.size", id="device-blocks"),
+    pytest.param({"cache": {"tiers": {"cpu": {"size": 100_000_000}}}}, "cache.tiers.cpu.size", id="cpu-blocks"),
+    pytest.param({"model": {"device": "cuda:3"}}, "model.device: cuda:3: no such CUDA device", id="missing-gpu"),
+    pytest.param({"model": {"max_model_len": 10**9}}, "model.max_model_len", id="max-model-len"),
+    pytest.param({"server": {"host": "not a host"}}, "server.host", id="host"),
+    pytest.param(None, "the file is empty", id="empty-file"),
+]
+
+
+@pytest.mark.parametrize("data, fragment", REFUSED_BEFORE_SERVING)
+def test_config_check_refuses_what_serve_could_not_run(tmp_path, data, fragment):
+    path = tmp_path / "c.yaml"
+    path.write_text("" if data is None else yaml.safe_dump(data))
+    assert_one_line_error(kvstrata("config", "check", str(path), cwd=tmp_path), fragment)
+
+
+@pytest.mark.parametrize("data, fragment", [case for case in REFUSED_BEFORE_SERVING if case.id in
+                                            ("device-blocks", "cpu-blocks", "missing-gpu")])
+def test_serve_refuses_tiers_and_devices_the_machine_lacks_in_one_line(tmp_path, data, fragment):
+    path = write_yaml(tmp_path / "c.yaml", data)
+    assert_one_line_error(kvstrata("serve", "--config", str(path), cwd=tmp_path), fragment)
+
+
 def test_version_is_printed(tmp_path):
     result = kvstrata("--version", cwd=tmp_path)
     assert result.returncode == 0 and result.stdout.startswith("kvstrata ")

@@ -1,6 +1,7 @@
 """The YAML config: shipped configs, defaults, sizes, overrides, and one-line errors naming the key."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,21 @@ def _clean_environment(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
 
 
+def enabled_tiers(config) -> tuple[str, ...]:
+    tiers = config.cache.tiers
+    return ("device",) + (("cpu",) if tiers.cpu else ()) + (("disk",) if tiers.disk else ())
+
+
+def write_model_dir(path: Path, **fields) -> Path:
+    """A model directory holding only a config.json (all that config validation reads)."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+              "max_position_embeddings": 4096, **fields}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 def config_error(source, overrides=None) -> ConfigError:
     with pytest.raises(ConfigError) as info:
         load_config(source, overrides)
@@ -37,13 +53,13 @@ def config_error(source, overrides=None) -> ConfigError:
 def test_shipped_config_loads_on_a_laptop(name, tmp_path):
     config = load_config(CONFIGS / name)
     assert config.model.name == config_module.EMBEDDED_MODEL
-    assert config.tiers_enabled() == ("device", "cpu", "disk")
+    assert enabled_tiers(config) == ("device", "cpu", "disk")
     assert config.cache.tiers.disk.path.parent == tmp_path  # ./kvstore... resolved against the current directory
 
 
 def test_gpu_config_loads_on_a_gpu_server(monkeypatch):
-    monkeypatch.setattr(config_module, "_ram_bytes", lambda: 256 * GiB)
-    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index: 80 * GiB)
+    monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: 256 * GiB)
+    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index, explicit=False: 80 * GiB)
     monkeypatch.setattr(config_module, "_disk_room_bytes", lambda path: 1024 * GiB)
     config = load_config(CONFIGS / "gpu.yaml")
     assert config.cache.tiers.device.size == Size(nbytes=8 * GiB)
@@ -52,8 +68,8 @@ def test_gpu_config_loads_on_a_gpu_server(monkeypatch):
 
 
 def test_gpu_config_is_refused_where_its_cpu_tier_does_not_fit(monkeypatch):
-    monkeypatch.setattr(config_module, "_ram_bytes", lambda: 16 * GiB)
-    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index: 80 * GiB)
+    monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: 16 * GiB)
+    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index, explicit=False: 80 * GiB)
     assert config_error(CONFIGS / "gpu.yaml").key == "cache.tiers.cpu.size"
 
 
@@ -83,19 +99,22 @@ def test_default_config_is_laptop_sized():
 def test_no_config_gives_the_embedded_model_and_a_1gib_device_tier_only():
     config = load_config()
     assert config.model.name == "smollm2-135m-instruct"
-    assert (config.model.dtype, config.model.device, config.model.attention_backend) == ("bfloat16", "auto", "auto")
+    assert (config.model.dtype, config.model.device, config.model.attention_backend) == ("auto", "auto", "auto")
+    assert (config.model.load_format, config.model.threads) == ("auto", "auto")
     assert config.model.max_model_len is None
     assert config.cache.enable_prefix_caching and config.cache.block_size == 16
     assert (config.cache.hash, config.cache.offload) == ("xxh3_128", "write_through")
     assert config.cache.tiers.device.size == Size(nbytes=GiB)
-    assert config.tiers_enabled() == ("device",)
+    assert enabled_tiers(config) == ("device",)
     assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (2048, 32)
     assert (config.server.host, config.server.port, config.server.model_alias) == ("127.0.0.1", 8000, None)
 
 
-def test_empty_file_gives_the_defaults(tmp_path):
-    (tmp_path / "empty.yaml").write_text("")
-    assert load_config(tmp_path / "empty.yaml") == load_config()
+@pytest.mark.parametrize("text", ["", "\n", "# model:\n#   dtype: float32\n"])
+def test_empty_file_is_refused_as_probably_the_wrong_file(tmp_path, text):
+    (tmp_path / "empty.yaml").write_text(text)
+    error = config_error(tmp_path / "empty.yaml")
+    assert error.key is None and "the file is empty" in str(error)
 
 
 def test_sections_left_empty_take_their_defaults(tmp_path):
@@ -106,14 +125,14 @@ def test_sections_left_empty_take_their_defaults(tmp_path):
 def test_device_tier_defaults_to_1gib_when_only_lower_tiers_are_given():
     config = load_config({"cache": {"tiers": {"cpu": {"size": "1GiB"}}}})
     assert config.cache.tiers.device.size == Size(nbytes=GiB)
-    assert config.tiers_enabled() == ("device", "cpu")
+    assert enabled_tiers(config) == ("device", "cpu")
 
 
 @pytest.mark.parametrize("cpu", [{"size": 0}, {"size": "0"}, {"size": "0GiB"}, None])
 def test_lower_tier_sized_zero_or_null_is_off(cpu, tmp_path):
     config = load_config({"cache": {"tiers": {"cpu": cpu, "disk": {"path": str(tmp_path / "x"), "size": 0}}}})
     assert config.cache.tiers.cpu is None and config.cache.tiers.disk is None
-    assert config.tiers_enabled() == ("device",)
+    assert enabled_tiers(config) == ("device",)
     assert not (tmp_path / "x").exists()  # an off disk tier touches nothing
 
 
@@ -123,20 +142,97 @@ def test_dtype_aliases_are_canonicalised(alias, dtype):
     assert load_config({"model": {"dtype": alias}}).model.dtype == dtype
 
 
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A machine with cuda:0 and cuda:1 of 80 GiB each (as nvidia-smi or torch would report them)."""
+    monkeypatch.setattr(config_module, "_gpu_memory_bytes",
+                        lambda index, explicit=False: 80 * GiB if index < 2 else None)
+
+
 @pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1", "CUDA:0"])
-def test_devices_accepted(device):
+def test_devices_accepted(device, two_gpus):
     assert load_config({"model": {"device": device}}).model.device == device.lower()
 
 
-def test_explicit_device_is_its_own_resolution():
+def test_explicit_device_is_its_own_resolution(two_gpus):
     assert load_config({"model": {"device": "cpu"}}).resolved_device() == "cpu"
     assert load_config({"model": {"device": "cuda:1"}}).resolved_device() == "cuda:1"
 
 
+def test_cuda_device_the_machine_lacks_is_refused(two_gpus):
+    error = config_error({"model": {"device": "cuda:3"}})
+    assert error.key == "model.device" and "no such CUDA device" in str(error) and "cuda:0 to cuda:1" in str(error)
+
+
+def test_cuda_device_on_a_machine_without_a_gpu_is_refused_by_asking_torch(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(config_module.shutil, "which", lambda name: None)  # no nvidia-smi
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    error = config_error({"model": {"device": "cuda"}})
+    assert error.key == "model.device" and "no CUDA device is visible" in str(error)
+
+
 def test_local_model_directory_is_accepted_as_an_absolute_path(tmp_path):
-    (tmp_path / "my-llama").mkdir()
-    (tmp_path / "my-llama" / "config.json").write_text("{}")
+    write_model_dir(tmp_path / "my-llama")
     assert load_config({"model": {"name": "my-llama"}}).model.name == str(tmp_path / "my-llama")
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                          "Qwen3ForCausalLM"])
+def test_supported_architectures_are_accepted(tmp_path, architecture):
+    write_model_dir(tmp_path / "m", architectures=[architecture])
+    assert load_config({"model": {"name": str(tmp_path / "m")}}).model.shape().architecture == architecture
+
+
+def test_unsupported_architecture_is_one_line_naming_it(tmp_path):
+    write_model_dir(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    error = config_error({"model": {"name": str(tmp_path / "gpt2")}})
+    assert error.key == "model.name" and "architecture GPT2LMHeadModel is not supported" in str(error)
+    assert "LlamaForCausalLM" in str(error)
+
+
+def test_model_directory_with_a_broken_config_json_is_refused(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{not json")
+    error = config_error({"model": {"name": str(tmp_path / "m")}})
+    assert error.key == "model.name" and "not valid JSON" in str(error)
+
+
+def test_max_model_len_beyond_the_models_limit_is_refused(tmp_path):
+    error = config_error({"model": {"max_model_len": 10**9}})
+    assert error.key == "model.max_model_len" and "limit of 8192 tokens" in str(error)
+    assert load_config({"model": {"max_model_len": 8192}}).model.max_model_len == 8192
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  max_model_len: 1e9\n")  # YAML 1.1 reads this as a string
+    assert config_error(path).key == "model.max_model_len"
+
+
+def test_a_sliding_window_caps_the_models_limit(tmp_path):
+    write_model_dir(tmp_path / "mistral", architectures=["MistralForCausalLM"], model_type="mistral",
+                    sliding_window=1024)
+    error = config_error({"model": {"name": str(tmp_path / "mistral"), "max_model_len": 2048}})
+    assert error.key == "model.max_model_len" and "limit of 1024 tokens" in str(error)
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "tiny-llama"])
+def test_random_weight_presets_are_accepted_with_load_format_dummy(name):
+    model = load_config({"model": {"name": name, "load_format": "dummy"}}).model
+    assert model.shape().num_layers == {"llama-3-8b": 32, "tiny-llama": 2}[name]
+
+
+def test_a_preset_without_load_format_dummy_is_not_a_model():
+    assert "neither the embedded model" in str(config_error({"model": {"name": "llama-3-8b"}}))
+
+
+def test_dummy_needs_a_models_config():
+    assert config_error({"model": {"load_format": "dummy"}}).key == "model.load_format"
+
+
+def test_dummy_accepts_a_model_directorys_config(tmp_path):
+    write_model_dir(tmp_path / "shape-only")  # no weights: dummy reads the config only
+    config = load_config({"model": {"name": str(tmp_path / "shape-only"), "load_format": "dummy"}})
+    assert config.model.shape().num_kv_heads == 2
 
 
 def test_config_is_frozen():
@@ -233,6 +329,8 @@ def test_size_converts_to_blocks_of_a_given_byte_size():
     ({"cache": {"offload": "lazy"}}, "cache.offload", "unknown value 'lazy'"),
     ({"cache": {"block_size": 12}}, "cache.block_size", "unknown value 12"),
     ({"model": {"dtype": "fp8"}}, "model.dtype", "unknown value 'fp8'"),
+    ({"model": {"threads": 0}}, "model.threads", "positive"),
+    ({"model": {"load_format": "gguf"}}, "model.load_format", "unknown value 'gguf'"),
     ({"model": {"device": "mps"}}, "model.device", "unknown device 'mps'"),
     ({"model": {"attention_backend": "flash"}}, "model.attention_backend", "unknown value 'flash'"),
     ({"model": {"name": "no-such-model"}}, "model.name", "neither the embedded model"),
@@ -308,7 +406,7 @@ def test_device_tier_on_cpu_larger_than_ram_is_refused():
 
 
 def test_device_tier_larger_than_the_gpu_is_refused(monkeypatch):
-    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index: 8 * GiB)
+    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index, explicit=False: 8 * GiB)
     error = config_error({"cache": {"tiers": {"device": {"size": "16GiB"}}}})  # device: auto finds the GPU
     assert error.key == "cache.tiers.device.size" and "cuda:0" in str(error)
     assert load_config({"cache": {"tiers": {"device": {"size": "4GiB"}}}}).cache.tiers.device.size.nbytes == 4 * GiB
@@ -319,9 +417,102 @@ def test_disk_tier_larger_than_free_space_is_refused(tmp_path):
     assert error.key == "cache.tiers.disk.size" and "free space" in str(error)
 
 
-def test_block_count_sizes_are_checked_against_memory_only_once_the_model_is_known():
-    config = load_config({"cache": {"tiers": {"cpu": {"size": 10**12}}}})
-    assert config.cache.tiers.cpu.size.num_blocks == 10**12
+SMOLLM2_FP32_BLOCK_NBYTES = 2 * SMOLLM2_BF16_BLOCK_NBYTES
+
+
+@pytest.mark.parametrize("tier", ["device", "cpu", "disk"])
+def test_block_counts_are_checked_like_byte_sizes_with_the_models_block_size(tier, monkeypatch, tmp_path):
+    """A block count is bytes once the model's shape (read without loading it) and dtype are known:
+    the same limit refuses 1000 blocks and accepts 999 whether the size says blocks or bytes."""
+    limit = 999 * SMOLLM2_FP32_BLOCK_NBYTES + SMOLLM2_FP32_BLOCK_NBYTES // 2
+    monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: limit if tier != "disk" else 100 * GiB)
+    monkeypatch.setattr(config_module, "_disk_room_bytes", lambda path: limit)
+    monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: False)  # auto: float32
+    cpu_tier_only = {"device": {"size": 1}} if tier == "cpu" else {}
+
+    def tiers(size):
+        extra = {"path": str(tmp_path / "kv")} if tier == "disk" else {}
+        return {"model": {"device": "cpu"}, "cache": {"tiers": {**cpu_tier_only, tier: {"size": size, **extra}}}}
+
+    if tier == "cpu":  # the device tier on the CPU takes its share of the RAM first
+        monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: limit + SMOLLM2_FP32_BLOCK_NBYTES)
+    load_config(tiers(999))
+    load_config(tiers(f"{999 * SMOLLM2_FP32_BLOCK_NBYTES}B"))
+    error = config_error(tiers(1000))
+    assert error.key == f"cache.tiers.{tier}.size"
+    assert "1000 blocks" in str(error) and f"{SMOLLM2_FP32_BLOCK_NBYTES} bytes a block" in str(error)
+    assert config_error(tiers(f"{1000 * SMOLLM2_FP32_BLOCK_NBYTES}B")).key == f"cache.tiers.{tier}.size"
+    # bfloat16 blocks are half the bytes: twice as many fit
+    load_config(tiers(1998), {"model.dtype": "bfloat16"})
+
+
+def test_a_block_count_far_beyond_the_machine_is_refused_before_serving():
+    for tier in ("device", "cpu"):
+        error = config_error({"cache": {"tiers": {tier: {"size": 100_000_000}}}})
+        assert error.key == f"cache.tiers.{tier}.size" and "100000000 blocks" in str(error)
+
+
+def test_pinned_cpu_tier_counts_what_the_allocator_rounds_it_up_to(two_gpus, monkeypatch):
+    monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: 48 * GiB)
+    tiers = {"device": {"size": "1GiB"}, "cpu": {"size": "33GiB"}}
+    error = config_error({"model": {"device": "cuda"}, "cache": {"tiers": tiers}})
+    assert error.key == "cache.tiers.cpu.size" and "64.0 GiB once rounded up" in str(error)
+    unpinned = {**tiers, "cpu": {"size": "33GiB", "pinned": False}}
+    assert load_config({"model": {"device": "cuda"}, "cache": {"tiers": unpinned}}).cache.tiers.cpu.size.nbytes \
+        == 33 * GiB
+    assert config_module.pinned_allocation_bytes(32 * GiB) == 32 * GiB
+    assert config_module.pinned_allocation_bytes(32 * GiB + 1) == 64 * GiB
+
+
+# ---------------------------------------------------------------------------------- what auto means
+
+
+@pytest.mark.parametrize("amx, dtype", [(False, "float32"), (True, "bfloat16")])
+def test_auto_dtype_on_a_cpu_is_float32_unless_it_has_amx(monkeypatch, amx, dtype):
+    monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: amx)
+    assert load_config({"model": {"device": "cpu"}}).resolved_dtype() == dtype
+
+
+@pytest.mark.parametrize("capability, dtype", [((9, 0), "bfloat16"), ((8, 0), "bfloat16"), ((7, 5), "float16")])
+def test_auto_dtype_on_a_gpu_is_bfloat16_where_it_computes_it_natively(two_gpus, monkeypatch, capability, dtype):
+    monkeypatch.setattr(config_module, "_cuda_capability", lambda index: capability)
+    assert load_config({"model": {"device": "cuda:1"}}).resolved_dtype() == dtype
+
+
+def test_explicit_dtype_is_kept_whatever_the_machine(monkeypatch):
+    monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: True)
+    assert load_config({"model": {"device": "cpu", "dtype": "fp32"}}).resolved_dtype() == "float32"
+    monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: False)
+    assert load_config({"model": {"device": "cpu", "dtype": "bf16"}}).resolved_dtype() == "bfloat16"
+
+
+def test_this_machines_cpu_check_asks_torch():
+    import torch
+
+    assert config_module._cpu_has_amx() == torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.parametrize("usable, physical, threads", [(1, 1, 1), (2, 2, 1), (2, 1, 1), (4, 2, 1), (4, 4, 4),
+                                                       (8, 4, 4), (6, 8, 6), (64, 32, 16)])
+def test_auto_threads_is_one_per_physical_core_capped_and_one_on_two_cores(monkeypatch, usable, physical, threads):
+    monkeypatch.setattr(config_module.os, "sched_getaffinity", lambda pid: set(range(usable)))
+    monkeypatch.setattr(config_module.psutil, "cpu_count", lambda logical=True: physical)
+    config = load_config()
+    assert config.model.threads == "auto" and config.resolved_threads() == threads
+    assert load_config({"model": {"threads": 3}}).resolved_threads() == 3
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "::1", "localhost"])
+def test_listenable_hosts_are_accepted(host):
+    assert load_config({"server": {"host": host}}).server.host == host
+
+
+@pytest.mark.parametrize("host, fragment", [("not a host", "neither an IP address"), ("300.1.1.1", "neither"),
+                                            ("", "neither"), ("-bad-.example", "neither"),
+                                            ("no-such-host.invalid", "cannot resolve")])
+def test_host_that_cannot_be_listened_on_is_refused(host, fragment):
+    error = config_error({"server": {"host": host}})
+    assert error.key == "server.host" and fragment in str(error)
 
 
 # --------------------------------------------------------------------------------- overrides and env

@@ -67,7 +67,7 @@ def test_serve_on_a_port_in_use_is_one_line_error_and_exit_2(tmp_path):
 def test_startup_banner_names_address_model_and_tier_sizes(server):
     banner = server.output
     assert f"listening on {server.base_url}" in banner
-    assert "serving smollm2-135m-instruct" in banner
+    assert "serving smollm2-135m-instruct (float32 on cpu, " in banner
     for tier in ("device tier:", "cpu tier:", "disk tier:"):
         assert tier in banner
     assert "128 blocks" in banner  # the device tier as configured

@@ -1,0 +1,152 @@
+"""What a model is made of, read without loading it: its architecture and the shape of its KV cache.
+
+Config validation needs a block's byte size (to check tier sizes given as block counts) and the
+model's context limit (to check `model.max_model_len`) before any weight is read, and
+`kvstrata config check` must stay free of torch and transformers. So this module reads shapes from
+plain data: a model directory's `config.json`, a named preset for random-weight models
+(`load_format: dummy`), or the embedded model's known shape. The engine reads the loaded model's
+config through the same `read_shape`, so both sides agree on one definition.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+
+# The families whose attention kvstrata runs: a decoder-only transformer with rotary positions,
+# (grouped-query) attention over `head_dim`-sized heads and nothing else that reads past tokens.
+# Each has a test on a tiny random checkpoint (tests/test_model_families.py).
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# transformers configs of models that `load_format: dummy` builds with random weights, so figures
+# for realistic model sizes need no downloaded weights. The vocabulary is the embedded tokenizer's
+# whatever the preset says (see `model_loader.build_dummy_model`).
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    },
+    # small enough for tests on a CPU: two layers, grouped-query attention, 2.3M parameters
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 49152, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    },
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The facts about a model that size its KV cache and bound its context."""
+
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int  # the longest sequence kvstrata runs exactly (see `read_shape`)
+
+    def kv_block_nbytes(self, block_size: int, dtype_nbytes: int) -> int:
+        """Bytes of one KV block: `[num_layers, 2, block_size, num_kv_heads, head_dim]` elements."""
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * dtype_nbytes
+
+
+# SmolLM2-135M-Instruct, as its GGUF describes it (checked against the loaded model in tests).
+EMBEDDED_SHAPE = ModelShape(architecture="LlamaForCausalLM", num_layers=30, num_heads=9, num_kv_heads=3,
+                            head_dim=64, vocab_size=49152, max_model_len=8192)
+
+
+def read_shape(config: Mapping[str, Any]) -> ModelShape:
+    """The shape of a transformers config (a `config.json`'s data); ValueError, one line, if
+    kvstrata cannot run it.
+
+    `max_model_len` is `max_position_embeddings`, capped at the sliding window where the model
+    uses one: kvstrata's attention sees every earlier token, which equals sliding-window attention
+    only while the sequence fits in the window.
+    """
+    architecture = _architecture(config)
+    try:
+        num_heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // num_heads)
+        shape = ModelShape(
+            architecture=architecture,
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            vocab_size=int(config["vocab_size"]),
+            max_model_len=min(int(config["max_position_embeddings"]), _sliding_window(config) or math.inf),
+        )
+    except KeyError as exc:
+        raise ValueError(f"its config has no {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"its config has a malformed field: {exc}") from None
+    if min(shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.vocab_size,
+           shape.max_model_len) <= 0 or shape.num_heads % shape.num_kv_heads:
+        raise ValueError(f"its config gives an impossible shape: {shape}")
+    return shape
+
+
+def _architecture(config: Mapping[str, Any]) -> str:
+    architectures = config.get("architectures") or []
+    model_type = config.get("model_type")
+    if architectures:
+        name = architectures[0]
+        if name in SUPPORTED_ARCHITECTURES.values():
+            return name
+    elif model_type in SUPPORTED_ARCHITECTURES:
+        return SUPPORTED_ARCHITECTURES[model_type]
+    else:
+        name = f"model_type {model_type!r}" if model_type else "an unnamed architecture"
+    raise ValueError(f"architecture {name} is not supported (supported: "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES.values())})")
+
+
+def _sliding_window(config: Mapping[str, Any]) -> int | None:
+    """The attention window, if any layer attends to a window only (transformers' spellings)."""
+    window = config.get("sliding_window")
+    if not window:
+        return None
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if "use_sliding_window" in config:  # Qwen2 and Qwen3 ship a window they do not use by default
+        return int(window) if config["use_sliding_window"] else None
+    return int(window)  # Mistral: a window set is a window used
+
+
+def model_shape(name: str, load_format: str = "auto") -> ModelShape:
+    """The shape of `model.name` (the embedded model, a preset, or a model directory) without loading it."""
+    if load_format == "dummy" and name in PRESETS:
+        return read_shape(PRESETS[name])
+    if name == EMBEDDED_MODEL:
+        return EMBEDDED_SHAPE
+    return read_shape(read_config_json(Path(name)))
+
+
+def read_config_json(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return config
