@@ -14,7 +14,12 @@ Measured one after the other in one run, on the same prompts (the same token ids
     disk_after_restart  a fresh process on the disk tier that device_cpu_disk wrote (a subprocess
                         of this script), CPU tier empty at start
 
-and the peers, on the same prompts and the same GGUF file: transformers `generate`
+With `--dtype float32,bfloat16` recompute, device_cpu and device_cpu_disk (the configurations that
+give a miss, a device hit, a CPU-tier hit and a disk hit) are measured again for each further dtype
+(a model loaded in that dtype, the same prompts and tier sizes in blocks), and the report shows
+those TTFTs per dtype side by side. Everything else below runs in the first dtype only.
+
+And the peers, on the same prompts and the same GGUF file: transformers `generate`
 (`max_new_tokens=1`, per request, no reuse), llama-cpp-python with `LlamaRAMCache` and with
 `LlamaDiskCache` (if installed). Also: the cold-request slowdown of turning the lower tiers on
 (alternating pairs of all-miss requests), a pressure sweep (TTFT p50 of repeated documents against
@@ -66,7 +71,9 @@ from benchmarks.ttft_workload import (QAPrompt, blocks_for, build_workload, cut_
 
 CONFIGURATIONS = ("recompute", "device_only", "device_cpu", "device_cpu_disk", "disk_after_restart")
 SWEEP_CONFIGURATIONS = ("device_only", "device_cpu", "device_cpu_disk")
+DTYPE_CONFIGURATIONS = ("recompute", "device_cpu", "device_cpu_disk")  # miss, device, CPU and disk hits
 PEERS = ("hf_generate", "llama_cpp_ram_cache", "llama_cpp_disk_cache")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_DATA = REPO_ROOT / "benchmarks" / "data" / "longdoc_qa_dev.jsonl"
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pressure.yaml"
 PROFILE_QUESTION = "Summarize this section in one sentence."
@@ -98,8 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-docs", type=int, default=6)
     p.add_argument("--sweep-questions", type=int, default=2)
     p.add_argument("--sweep-doc-tokens", type=int, default=1000)
+    p.add_argument("--dtype", default=None,
+                   help="dtypes to measure, comma separated, e.g. float32,bfloat16 (default: the config's)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch and llama.cpp (default: torch's default, all cores)")
+                   help="CPU threads for torch and llama.cpp (default: the config's model.threads)")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the cProfile runs")
     p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
     p.add_argument("--name", default="ttft_pressure", help="stem of the output files")
@@ -111,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.configs = _names(p, args.configs, CONFIGURATIONS, "--configs")
     args.peers = [] if args.peers.strip() == "none" else _names(p, args.peers, PEERS, "--peers")
+    args.dtypes = _names(p, args.dtype, DTYPES, "--dtype") if args.dtype else []
+    if args.threads is not None:
+        args.overrides.append(f"model.threads={args.threads}")
     args.sweep_fractions = [float(x) for x in args.sweep_fractions.split(",") if x.strip()]
     if any(not 0 < f <= 1 for f in args.sweep_fractions):
         p.error("--sweep-fractions must be in (0, 1]")
@@ -302,10 +314,7 @@ def run_restart_child(spec_path: str) -> None:
     """The `disk_after_restart` side: a fresh process opens the disk tier an earlier one wrote."""
     from kvstrata import LLM, load_config
 
-    import torch
-
     spec = json.loads(Path(spec_path).read_text())
-    torch.set_num_threads(spec["threads"])
     started = time.perf_counter()
     llm = LLM(load_config(spec["config"]))
     load_s = time.perf_counter() - started
@@ -327,7 +336,6 @@ def run_restart_child(spec_path: str) -> None:
 def run_disk_after_restart(config, prompts: list[QAPrompt], profile_ids, work_dir: Path, args) -> dict:
     spec_path, out_path = work_dir / "restart_spec.json", work_dir / "restart_out.json"
     spec = {"config": config.to_dict(), "prompts": [asdict(p) for p in prompts], "out": str(out_path),
-            "threads": args.threads,
             "profile": profile_ids is not None, "profile_token_ids": list(profile_ids or [])}
     spec_path.write_text(json.dumps(spec))
     command = [sys.executable, str(Path(__file__).resolve()), "--restart-child", str(spec_path)]
@@ -451,6 +459,8 @@ class PeerUnavailable(Exception):
 
 
 def make_peer(name: str, source, dtype, prompts: list[QAPrompt], work_dir: Path, threads: int):
+    if source.load_format == "dummy":
+        raise PeerUnavailable("the model has random weights (load_format: dummy); peers load weights from files")
     if name == "hf_generate":
         return HFGeneratePeer(source.directory, source.gguf_file, dtype)
     if not llama_cpp_available():
@@ -520,22 +530,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_benchmark(args, work_dir: Path) -> dict:
-    from kvstrata import load_config
+def load(config):
+    """The config's model in its resolved dtype, and the seconds loading took."""
     from kvstrata.engine.model_loader import load_model, resolve_model
 
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.threads = torch.get_num_threads()  # the peers use the same count
+    dtype = config.resolved_dtype()
+    print(f"loading {config.model.name} ({dtype}) ...", flush=True)
+    started = time.perf_counter()
+    loaded = load_model(resolve_model(config.model.name, config.model.load_format), getattr(torch, dtype),
+                        config.resolved_device())
+    return loaded, time.perf_counter() - started
+
+
+def run_benchmark(args, work_dir: Path) -> dict:
+    from kvstrata import load_config
+
+    import torch
+
     source = source_state()  # read as the engine modules are imported, so it names the code measured
     base = load_config(args.config, args.overrides)
-    dtype = base.model.torch_dtype
-    print(f"loading {base.model.name} ({base.model.dtype}) ...", flush=True)
-    t0 = time.perf_counter()
-    loaded = load_model(resolve_model(base.model.name), dtype, base.resolved_device())
-    load_s = time.perf_counter() - t0
+    if args.dtypes:
+        base = load_config(base, {"model.dtype": args.dtypes[0]})
+    args.threads = base.resolved_threads()
+    torch.set_num_threads(args.threads)  # the engines set it again from the config; the peers use it too
+    loaded, load_s = load(base)
+    dtype = loaded.dtype
     block_size = base.cache.block_size
 
     prompts = build_prompts(args, loaded.tokenizer, args.doc_tokens, args.docs, args.questions, args.zipf_requests)
@@ -546,24 +567,8 @@ def run_benchmark(args, work_dir: Path) -> dict:
     print(f"workload: {len(prompts)} requests on {args.docs} documents, working set {working_set} blocks, "
           f"device tier {device_blocks} blocks ({working_set / device_blocks:.1f}x pressure)", flush=True)
 
-    configurations, profiles = {}, {}
-    disk_path = work_dir / "disk"
-    render = lambda content: render_chat(loaded.tokenizer, content)  # noqa: E731
-    lru_prompt, mru_prompt = least_and_most_recent(prompts)
-    for name in args.configs:
-        print(f"configuration {name} ...", flush=True)
-        config = _set_tiers(base, tier_overrides(name, device_blocks, working_set, disk_path))
-        if name == "disk_after_restart":
-            result = run_disk_after_restart(config, prompts, profile_prompt(lru_prompt, render) if args.profile else None,
-                                            work_dir, args)
-        else:
-            result = run_configuration(name, config, loaded, prompts,
-                                       profile_with=_profiler_for(name, lru_prompt, mru_prompt, render, args))
-        profiles.update({f"{name}:{k}": v for k, v in result.pop("profiles", {}).items()})
-        configurations[name] = {**result, **summarise_configuration(result)}
-        s = configurations[name]["summary"]
-        print(f"  p50 {s['p50']:.3f} s  p90 {s['p90']:.3f} s  cold {configurations[name]['cold_ttft_s']:.3f} s",
-              flush=True)
+    configurations, profiles = run_configurations(args.configs, args, base, loaded, prompts, device_blocks,
+                                                  working_set, work_dir / "disk", profile=args.profile)
 
     cold = None
     if args.cold_pairs > 0:
@@ -582,18 +587,57 @@ def run_benchmark(args, work_dir: Path) -> dict:
         sweep = run_sweep(base, loaded, sweep_prompts, args.sweep_fractions, sweep_min, work_dir)
         sweep["doc_tokens"] = args.sweep_doc_tokens
 
+    dtype_name = base.resolved_dtype()
+    other_dtypes = {}
+    for other in args.dtypes[1:]:
+        config = load_config(base, {"model.dtype": other})
+        other_name = config.resolved_dtype()
+        if other_name == dtype_name or other_name in other_dtypes:
+            continue
+        loaded = None  # one model in memory at a time
+        gc.collect()
+        print(f"dtype {other_name}:", flush=True)
+        loaded, other_load_s = load(config)
+        names = [name for name in args.configs if name in DTYPE_CONFIGURATIONS]
+        other_configurations, _ = run_configurations(names, args, config, loaded, prompts, device_blocks,
+                                                     working_set, work_dir / f"disk-{other_name}", profile=False)
+        other_dtypes[other_name] = {"model_load_s": other_load_s, "configurations": other_configurations}
+
     result = {"benchmark": "ttft_pressure", "command": command_line(), "machine": machine_line(), "source": source,
-              "versions": versions(), "config": base.to_dict(), "model_load_s": load_s, "workload": workload,
-              "configurations": configurations, "peers": peers, "cold_slowdown": cold, "sweep": sweep,
-              "profiles": profiles, "work_dir": str(work_dir)}
+              "versions": versions(), "config": base.to_dict(), "dtype": dtype_name, "model_load_s": load_s,
+              "workload": workload, "configurations": configurations, "other_dtypes": other_dtypes, "peers": peers,
+              "cold_slowdown": cold, "sweep": sweep, "profiles": profiles, "work_dir": str(work_dir)}
     result["goals"] = [g.as_dict() for g in ttft_report.goals(result)]
     return result
 
 
-def _profiler_for(name: str, lru_prompt: QAPrompt, mru_prompt: QAPrompt, render, args):
+def run_configurations(names: list[str], args, base, loaded, prompts: list[QAPrompt], device_blocks: int,
+                       working_set: int, disk_path: Path, profile: bool) -> tuple[dict, dict]:
+    """The named configurations on the loaded model, one after the other: their results and profiles."""
+    configurations, profiles = {}, {}
+    render = lambda content: render_chat(loaded.tokenizer, content)  # noqa: E731
+    lru_prompt, mru_prompt = least_and_most_recent(prompts)
+    for name in names:
+        print(f"configuration {name} ...", flush=True)
+        config = _set_tiers(base, tier_overrides(name, device_blocks, working_set, disk_path))
+        if name == "disk_after_restart":
+            profile_ids = profile_prompt(lru_prompt, render) if profile else None
+            result = run_disk_after_restart(config, prompts, profile_ids, disk_path.parent, args)
+        else:
+            profiler = _profiler_for(name, lru_prompt, mru_prompt, render) if profile else None
+            result = run_configuration(name, config, loaded, prompts, profile_with=profiler)
+        profiles.update({f"{name}:{k}": v for k, v in result.pop("profiles", {}).items()})
+        configurations[name] = {**result, **summarise_configuration(result)}
+        s = configurations[name]["summary"]
+        print(f"  p50 {s['p50']:.3f} s  p90 {s['p90']:.3f} s  cold {configurations[name]['cold_ttft_s']:.3f} s",
+              flush=True)
+    return configurations, profiles
+
+
+def _profiler_for(name: str, lru_prompt: QAPrompt, mru_prompt: QAPrompt, render):
     """After device_cpu's workload: a device hit (the most recent document) and a CPU hit (the least
     recent one, long gone from the device tier); after recompute and device_only: a miss."""
-    if not args.profile or name not in ("recompute", "device_only", "device_cpu"):
+    if name not in ("recompute", "device_only", "device_cpu"):
         return None
     if name == "recompute":
         return lambda engine: {"miss": profile_request(engine, profile_prompt(mru_prompt, render))}
@@ -638,6 +682,15 @@ def scrub_paths(text: str, work_dir: str) -> str:
     for old, new in replacements:
         text = text.replace(old, new)
     return text
+
+
+def save_result(out_dir: str | Path, name: str, result: dict, report: str) -> None:
+    """`<out_dir>/<name>.json` and `<name>.md` (the other benchmarks' outputs; this one's are write_outputs')."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / f"{name}.md").write_text(report)
+    print(report)
 
 
 def write_outputs(result: dict, args) -> None:

@@ -26,12 +26,22 @@ def device_hit_p50(result: dict) -> tuple[float | None, str]:
     return p50_of(pooled, hit_tier="device"), "device-hit p50, all configurations"
 
 
+def tier_p50s(result: dict) -> dict[str, float | None]:
+    """TTFT p50 of a miss (recompute), a device hit, a CPU-tier hit (device_cpu), a disk hit in the
+    process that wrote the disk tier (device_cpu_disk: warm page cache) and one after a restart, from
+    `result["configurations"]`: the figures the goals compare and the dtype table shows."""
+    return {"miss": p50_of(_records(result, "recompute")),
+            "device_hit": device_hit_p50(result)[0],
+            "cpu_hit": p50_of(_records(result, "device_cpu"), hit_tier="cpu"),
+            "disk_hit": p50_of(_records(result, "device_cpu_disk"), hit_tier="disk"),
+            "disk_hit_after_restart": p50_of(_records(result, "disk_after_restart"), hit_tier="disk")}
+
+
 def goals(result: dict) -> list[Goal]:
     """The figures DESIGN.md holds us to, from this run's measurements (None where one was not run)."""
-    recompute = p50_of(_records(result, "recompute"))
-    cpu_hit = p50_of(_records(result, "device_cpu"), hit_tier="cpu")
+    p50s = tier_p50s(result)
+    recompute, cpu_hit, disk_hit = p50s["miss"], p50s["cpu_hit"], p50s["disk_hit_after_restart"]
     device_hit, device_hit_name = device_hit_p50(result)
-    disk_hit = p50_of(_records(result, "disk_after_restart"), hit_tier="disk")
     cold = result.get("cold_slowdown") or {}
     return [
         Goal("recompute / CPU-tier hit", ratio(recompute, cpu_hit), 20.0, ">=",
@@ -105,6 +115,19 @@ def _hit_tier_table(result: dict) -> list[str]:
                  for k in (*TIERS, MISS)]
         cells += [_s((by_phase.get(ph) or {}).get("p50")) for ph in (ROUND_ROBIN, "zipf")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def dtype_table(result: dict) -> list[str]:
+    """Miss and hit TTFT per dtype, side by side (the first dtype's run, then each `--dtype` after it)."""
+    runs = {result.get("dtype", result["config"]["model"]["dtype"]): result, **result.get("other_dtypes", {})}
+    lines = ["| dtype | miss (recompute) p50 | device hit p50 | CPU-tier hit p50 | disk hit p50 (device_cpu_disk) | "
+             "recompute / CPU-tier hit |", "|---|---|---|---|---|---|"]
+    for dtype, run in runs.items():
+        p50s = tier_p50s(run)
+        speedup = ratio(p50s["miss"], p50s["cpu_hit"])
+        lines.append(f"| {dtype} | {_s(p50s['miss'])} | {_s(p50s['device_hit'])} | {_s(p50s['cpu_hit'])} | "
+                     f"{_s(p50s['disk_hit'])} | {_x(speedup)} |")
     return lines
 
 
@@ -185,6 +208,11 @@ def markdown(result: dict) -> str:
         "## kvstrata configurations", "",
         *_configuration_table(result), "",
         *_hit_tier_table(result), "",
+        "## By dtype", "",
+        "The same prompts and tier sizes (in blocks) with the model loaded in each dtype"
+        + (" (`--dtype`); the dtypes after the first ran recompute, device_cpu and device_cpu_disk only."
+           if result.get("other_dtypes") else "; run with `--dtype float32,bfloat16` to compare dtypes."), "",
+        *dtype_table(result), "",
         "## Peers (same prompts, same GGUF)", "",
         *_peer_table(result), "",
         "## Goals", "",
