@@ -9,8 +9,9 @@ computed earlier (in another pass, cut into other chunks) and read from the cach
 
     python benchmarks/cache_invariance.py [--dtype float32,bfloat16] [--docs 4] [--doc-tokens 1000]
 
-Writes `<out-dir>/cache_invariance.json` and `.md`: per dtype, how many answers differ and where the
-first differing token is. This measures outputs, not time: a busy machine does not change it.
+Writes `<out-dir>/<name>.json` and `.md` (`--name`, default `cache_invariance`): per dtype, how many
+answers differ and where the first differing token is. This measures outputs, not time: a busy
+machine does not change it.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doc-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
+    p.add_argument("--name", default="cache_invariance", help="stem of the output files")
     return p.parse_args(argv)
 
 
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "cache_invariance", "command": command_line(),
               "machine": machine_line(), "model": base.model.name, "doc_tokens": args.doc_tokens,
               "max_tokens": args.max_tokens, "by_dtype": by_dtype}
-    save_result(args.out_dir, "cache_invariance", result, markdown(result))
+    save_result(args.out_dir, args.name, result, markdown(result))
     return 0
 
 
@@ -96,7 +98,8 @@ def markdown(result: dict) -> str:
              f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
              f"Model: {result['model']}; documents of the development set cut to {result['doc_tokens']} tokens, "
              f"each cached by its first question; each further question's greedy answer "
-             f"({result['max_tokens']} tokens) compared with prefix caching off.", "",
+             f"({result['max_tokens']} tokens, end of sequence ignored) compared with prefix caching off. "
+             "The document is a device hit; a CPU or disk hit would hold the same bytes.", "",
              "| dtype | answers that differ | first differing token (of those that differ) |", "|---|---|---|"]
     for dtype, m in result["by_dtype"].items():
         where = [str(r["first_difference"]) for r in m["prompts"] if not r["same"]]
