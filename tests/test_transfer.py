@@ -1,0 +1,105 @@
+"""The transfer engine on a CPU: the same asynchronous interface as on CUDA, run on worker threads.
+
+Loads and stores complete in the background and in submission order per direction, a failure is
+reported as unserved blocks (never raised on the caller's thread), and `wait_copied` is what makes
+a block safe to reuse.
+"""
+import threading
+
+import torch
+
+from kvstrata.tiers.base import BlockLayout, as_bytes
+from kvstrata.tiers.transfer import TransferEngine
+
+LAYOUT = BlockLayout(num_layers=1, block_size=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+
+
+def engine(num_blocks: int = 8) -> TransferEngine:
+    return TransferEngine(LAYOUT.allocate(num_blocks))
+
+
+def fill_with(values: dict[int, int], gate: threading.Event | None = None):
+    """A fill that writes byte value `values[start + i]` into view i (after `gate`, if given)."""
+    def fill(start, views):
+        if gate is not None:
+            assert gate.wait(10)
+        for i, view in enumerate(views):
+            view.fill_(values[start + i])
+        return [True] * len(views)
+    return fill
+
+
+def test_load_lands_in_the_background_and_writes_only_its_blocks():
+    transfers = engine()
+    gate = threading.Event()
+    job = transfers.load([2, 5], fill_with({0: 7, 1: 9}, gate))
+    assert not job.done  # the caller's thread is not blocked by the copy
+    gate.set()
+    assert job.wait(10) and job.served == [True, True]
+    kv = transfers.kv_cache
+    assert bool((as_bytes(kv[2]) == 7).all()) and bool((as_bytes(kv[5]) == 9).all())
+    assert all(bool((as_bytes(kv[b]) == 0).all()) for b in (0, 1, 3, 4, 6, 7))
+    transfers.close()
+
+
+def test_jobs_of_one_direction_complete_in_submission_order():
+    transfers = engine()
+    gate = threading.Event()
+    first = transfers.load([0], fill_with({0: 1}, gate))
+    second = transfers.load([0], fill_with({0: 2}))
+    assert not second.wait(0.2)  # queued behind the first
+    gate.set()
+    assert second.wait(10) and first.done
+    assert bool((as_bytes(transfers.kv_cache[0]) == 2).all())
+    transfers.close()
+
+
+def test_a_failing_read_is_reported_as_unserved_blocks_not_raised():
+    transfers = engine()
+
+    def broken(start, views):
+        raise OSError("disk went away")
+
+    job = transfers.load([1, 2, 3], broken)
+    assert job.wait(10)
+    assert job.failed and job.served == [False, False, False]
+    # the worker survives: the next job runs
+    assert transfers.load([1], fill_with({0: 3})).wait(10)
+    transfers.close()
+
+
+def test_a_store_reads_the_blocks_before_wait_copied_returns():
+    transfers = engine()
+    kv = transfers.kv_cache
+    as_bytes(kv[4]).fill_(42)
+    kept = []
+    gate = threading.Event()
+
+    def drain(start, views):
+        assert gate.wait(10)
+        kept.extend(v.clone() for v in views)
+
+    job = transfers.store([4], drain)
+    assert not job.copied
+    gate.set()
+    job.wait_copied()
+    as_bytes(kv[4]).fill_(0)  # the slot may be reused now: the copy already has its bytes
+    assert job.wait(10) and bool((kept[0] == 42).all())
+    transfers.close()
+
+
+def test_wait_any_returns_when_one_job_lands_and_times_out_otherwise():
+    transfers = engine()
+    gate = threading.Event()
+    slow = transfers.load([0], fill_with({0: 1}, gate))
+    assert not transfers.wait_any([slow], timeout=0.05)
+    gate.set()
+    assert transfers.wait_any([slow], timeout=10)
+    transfers.close()
+
+
+def test_an_empty_job_is_done_at_once():
+    transfers = engine()
+    assert transfers.load([], fill_with({})).done
+    assert transfers.store([], lambda start, views: None).done
+    transfers.close()

@@ -1,0 +1,249 @@
+"""The transfer engine: moves runs of device blocks to and from host memory off the step thread.
+
+Mechanism only: the hierarchy decides which blocks move and which tier serves or keeps them; this
+module supplies host buffers, worker threads and (on CUDA) streams and events. Two directions, each
+with its own worker thread (and CUDA stream), each running its jobs in submission order:
+
+- load: `fill(start, host_views)` (the hierarchy's reads from the CPU slab or the disk tier) writes each
+  block's payload into a host buffer; the run is then copied to the device blocks. On CUDA the
+  buffer is a bounded pinned staging area, split in two halves so that filling one overlaps the
+  copy of the other, and a run moves as one host-to-device copy into a device staging area plus one
+  scatter into the KV cache. With the KV cache in host memory the views are the device blocks
+  themselves (no staging: the tier's read is the only copy).
+- store: the blocks are copied out of the KV cache (gather plus one device-to-host copy on CUDA,
+  after the compute stream's work so far), then `drain(start, host_views)` hands them to a lower tier.
+
+Completion: a job is done when its worker has seen its last copy complete (a CUDA event, waited on
+by the worker, never a device-wide synchronize and never on the step thread). The step thread only
+polls `done`; it waits (`wait`, `wait_copied`) only for a job it needs now.
+
+Invariants the caller relies on:
+- a store job's device blocks are not read after `copied` is set, so a block may be reused once
+  `wait_copied()` returns;
+- a load job writes only its own device blocks, and nothing after `done` is set;
+- a failure inside `fill` or `drain` is logged and ends the job: a load then reports the failed
+  chunk's blocks and every later one as not served; nothing is raised on the step thread.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from kvstrata.tiers.base import as_bytes
+
+logger = logging.getLogger("kvstrata")
+
+# fill(start, host_views) -> served per view; drain(start, host_views) -> None. The views hold the
+# job's blocks start, start + 1, ... (a job moves in chunks). Both run on a worker thread and must
+# copy what they keep before returning: the views are reused for the next chunk.
+Fill = Callable[[int, list[torch.Tensor]], list[bool]]
+Drain = Callable[[int, list[torch.Tensor]], None]
+
+DEFAULT_STAGING_BYTES = 64 << 20  # per direction, on CUDA only
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One job. `served` (loads) holds, per block, whether it now holds its payload."""
+
+    block_ids: list[int]
+    served: list[bool] = field(default_factory=list)
+    failed: bool = False
+    _after: object = None  # CUDA: an event on the compute stream that the job's copies wait for
+    _copied: threading.Event = field(default_factory=threading.Event)
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def copied(self) -> bool:
+        """The job's device blocks are no longer read (stores) or written (loads)."""
+        return self._copied.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def wait_copied(self) -> None:
+        self._copied.wait()
+
+
+class TransferEngine:
+    """Asynchronous batched block copies between the KV cache and host memory (see module doc)."""
+
+    def __init__(self, kv_cache: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES):
+        self.kv_cache = kv_cache
+        self.on_cuda = kv_cache.device.type == "cuda"
+        block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
+        # Completions wake `wait_any`; one condition for both directions.
+        self._completed = threading.Condition()
+        self._closed = False
+        if self.on_cuda:
+            chunk = max(1, staging_bytes // (2 * block_nbytes))  # blocks per half of a staging area
+            self._loads = _CudaDirection("load", kv_cache, chunk, self._completed)
+            self._stores = _CudaDirection("store", kv_cache, chunk, self._completed)
+        else:
+            self._loads = _HostDirection("load", kv_cache, self._completed)
+            self._stores = _HostDirection("store", kv_cache, self._completed)
+
+    def load(self, block_ids: Sequence[int], fill: Fill) -> Transfer:
+        """Fill device blocks `block_ids` with what `fill` writes into host views, in the background."""
+        return self._loads.submit(Transfer(list(block_ids)), fill)
+
+    def store(self, block_ids: Sequence[int], drain: Drain) -> Transfer:
+        """Copy device blocks `block_ids` out (as computed so far) and hand them to `drain`, in the background."""
+        return self._stores.submit(Transfer(list(block_ids)), drain)
+
+    def wait_any(self, transfers: Sequence[Transfer], timeout: float) -> bool:
+        """Wait until one of `transfers` is done (True) or `timeout` seconds pass (False)."""
+        with self._completed:
+            return self._completed.wait_for(lambda: any(t.done for t in transfers), timeout)
+
+    def wait_idle(self) -> None:
+        """Wait until every job submitted so far is done (shutdown, persistence, tests)."""
+        self._loads.wait_idle()
+        self._stores.wait_idle()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loads.stop()
+        self._stores.stop()
+
+
+class _Direction:
+    """A worker thread running one direction's jobs in submission order."""
+
+    def __init__(self, name: str, kv_cache: torch.Tensor, completed: threading.Condition):
+        self.name = name
+        self.kv_cache = kv_cache
+        self._completed = completed
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._last: Transfer | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kvstrata-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, transfer: Transfer, work) -> Transfer:
+        if not transfer.block_ids:
+            self._finish(transfer)
+            return transfer
+        self._prepare(transfer)
+        self._last = transfer
+        self._jobs.put((transfer, work))
+        return transfer
+
+    def wait_idle(self) -> None:
+        last = self._last
+        if last is not None:
+            last.wait()
+
+    def stop(self) -> None:
+        self.wait_idle()
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            transfer, work = job
+            try:
+                if self.name == "load":
+                    self._load(transfer, work)
+                else:
+                    self._store(transfer, work)
+            except Exception:  # a tier's fault is a miss, never a crashed engine
+                logger.exception("kvstrata: a block %s failed", self.name)
+                transfer.failed = True
+                transfer.served += [False] * (len(transfer.block_ids) - len(transfer.served))
+            self._finish(transfer)
+
+    def _finish(self, transfer: Transfer) -> None:
+        transfer._copied.set()
+        with self._completed:
+            transfer._done.set()
+            self._completed.notify_all()
+
+    # Subclasses: how a job's bytes move.
+    def _prepare(self, transfer: Transfer) -> None:
+        """On the submitting (step) thread, before the job is queued."""
+
+    def _load(self, transfer: Transfer, fill: Fill) -> None:
+        raise NotImplementedError
+
+    def _store(self, transfer: Transfer, drain: Drain) -> None:
+        raise NotImplementedError
+
+
+class _HostDirection(_Direction):
+    """The KV cache is in host memory: the tiers read into and write from the device blocks directly."""
+
+    def _views(self, transfer: Transfer) -> list[torch.Tensor]:
+        return [as_bytes(self.kv_cache[b]) for b in transfer.block_ids]
+
+    def _load(self, transfer: Transfer, fill: Fill) -> None:
+        transfer.served = list(fill(0, self._views(transfer)))
+
+    def _store(self, transfer: Transfer, drain: Drain) -> None:
+        drain(0, self._views(transfer))  # the tier copies the payloads before returning
+
+
+class _CudaDirection(_Direction):
+    """Pinned host staging in two halves, a device staging area, a side stream and events."""
+
+    def __init__(self, name: str, kv_cache: torch.Tensor, chunk_blocks: int, completed: threading.Condition):
+        self.chunk = chunk_blocks
+        self.stream = torch.cuda.Stream(device=kv_cache.device)
+        block_shape = kv_cache.shape[1:]
+        self.host = [torch.empty((chunk_blocks, *block_shape), dtype=kv_cache.dtype, pin_memory=True)
+                     for _ in range(2)]
+        self.device = torch.empty((chunk_blocks, *block_shape), dtype=kv_cache.dtype, device=kv_cache.device)
+        # An event per host half: recorded after the last copy that read or wrote it.
+        self.host_free: list[torch.cuda.Event | None] = [None, None]
+        super().__init__(name, kv_cache, completed)
+
+    def _prepare(self, transfer: Transfer) -> None:
+        # The job must come after the work queued on the compute stream so far: a store reads blocks
+        # the last step computed; a load overwrites blocks that a finished step may still have read.
+        transfer._after = torch.cuda.current_stream(self.kv_cache.device).record_event()
+
+    def _chunks(self, transfer: Transfer):
+        ids = transfer.block_ids
+        for k, start in enumerate(range(0, len(ids), self.chunk)):
+            half = k % 2
+            if self.host_free[half] is not None:
+                self.host_free[half].synchronize()  # this worker waits, not the step thread
+            yield half, start, ids[start:start + self.chunk]
+
+    def _host_views(self, half: int, n: int) -> list[torch.Tensor]:
+        return [as_bytes(self.host[half][i]) for i in range(n)]
+
+    def _load(self, transfer: Transfer, fill: Fill) -> None:
+        self.stream.wait_event(transfer._after)
+        for half, start, ids in self._chunks(transfer):
+            transfer.served += list(fill(start, self._host_views(half, len(ids))))
+            with torch.cuda.stream(self.stream):
+                index = torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)
+                staged = self.device[:len(ids)]
+                staged.copy_(self.host[half][:len(ids)], non_blocking=True)  # one host-to-device copy
+                self.kv_cache.index_copy_(0, index, staged)
+                self.host_free[half] = self.stream.record_event()
+        self.stream.synchronize()  # the worker waits for its own stream: the job has landed
+
+    def _store(self, transfer: Transfer, drain: Drain) -> None:
+        self.stream.wait_event(transfer._after)
+        for half, start, ids in self._chunks(transfer):
+            with torch.cuda.stream(self.stream):
+                index = torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)
+                staged = self.device[:len(ids)]
+                torch.index_select(self.kv_cache, 0, index, out=staged)
+                self.host[half][:len(ids)].copy_(staged, non_blocking=True)  # one device-to-host copy
+                copied = self.stream.record_event()
+            copied.synchronize()
+            drain(start, self._host_views(half, len(ids)))
+        transfer._copied.set()
