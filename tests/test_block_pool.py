@@ -220,13 +220,13 @@ def test_reset_prefix_cache_only_when_nothing_is_in_use():
     assert all(block.block_hash is None for block in pool.blocks)
 
 
-def test_usage_counts_blocks_in_use():
+def test_free_block_count_follows_allocation_and_free():
     pool = BlockPool(4)
-    assert pool.get_usage() == 0.0
+    assert pool.num_free_blocks == 4
     blocks = pool.get_new_blocks(3)
-    assert pool.get_usage() == 0.75 and pool.num_free_blocks == pool.get_num_free_blocks() == 1
+    assert pool.num_free_blocks == 1
     pool.free_blocks(blocks)
-    assert pool.get_usage() == 0.0
+    assert pool.num_free_blocks == 4
 
 
 def test_pool_size_must_be_positive():

@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 import torch
 
 KV_LAYOUT_VERSION = 1  # bump when the block layout changes: it is folded into every hash namespace
+TIER_NAMES = ("device", "cpu", "disk")  # top down: the order in which a prefix is looked up
 
 
 @dataclass(frozen=True)
@@ -84,14 +85,21 @@ class LowerTier(abc.ABC):
     def contains(self, block_hash: bytes) -> bool:
         """True if the tier holds the block now (cheap; no verification, no LRU update)."""
 
+    @abc.abstractmethod
     def count_prefix(self, block_hashes: Sequence[bytes]) -> int:
-        """How many leading hashes of a chain this tier holds (stops at the first it lacks)."""
-        n = 0
-        for h in block_hashes:
-            if not self.contains(h):
-                break
-            n += 1
-        return n
+        """How many leading hashes of a chain this tier holds (stops at the first it lacks), in one
+        lock or read transaction: a lookup asks each tier once per run, not once per hash."""
+
+    def hold(self, block_hashes: Sequence[bytes]) -> None:
+        """Keep these blocks from LRU eviction until `release` (a promotion will read them soon).
+
+        Holds nest (a count per hash). A tier whose eviction is shared with other processes (disk)
+        cannot promise this and keeps the default no-op: a held block that is gone when it is read
+        is a miss, and the prefix ends there.
+        """
+
+    def release(self, block_hashes: Sequence[bytes]) -> None:
+        """Undo one `hold` of each hash."""
 
     @abc.abstractmethod
     def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],

@@ -157,17 +157,10 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
-    def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
-
     @property
     def num_cached_blocks(self) -> int:
         """How many blocks are findable by hash (in use or free)."""
         return len(self.cached_block_hash_to_block)
-
-    def get_usage(self) -> float:
-        """The fraction of blocks in use (ref_cnt > 0), in [0, 1]."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block caching `block_hash`, in use or free, or None. Does not touch it."""

@@ -35,7 +35,9 @@ class CpuTier(LowerTier):
     """Host-memory tier of `capacity_blocks` block slots.
 
     Invariants (all under `_lock`): every slot is either in `_free_slots` or the value of exactly
-    one entry of `_slot_of`; `_token_ids[slot]` is the token tuple of the block in that slot.
+    one entry of `_slot_of`; `_token_ids[slot]` is the token tuple of the block in that slot; a held
+    block is never evicted by LRU (a put that finds every slot held stores nothing, counted in
+    `stats().extra['rejected_puts']`). Payloads are host tensors on both sides: a GPU is reached through the transfer engine.
     A read that finds a block whose token ids differ from the expected ones counts it as a miss
     *and* as corrupt, and drops the entry.
     """
@@ -62,6 +64,9 @@ class CpuTier(LowerTier):
         self._token_ids: list[Optional[tuple[int, ...]]] = [None] * capacity_blocks
         self._free_slots: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() gives slot 0 first
         self._lock = threading.Lock()
+        # hash -> how many promotions in flight will read it: never evicted while held (see `hold`).
+        self._holds: dict[bytes, int] = {}
+        self._rejected_puts = 0
         self._stats = TierStats(name=self.name, capacity_blocks=capacity_blocks,
                                 capacity_bytes=capacity_blocks * layout.block_nbytes)
 
@@ -82,9 +87,9 @@ class CpuTier(LowerTier):
 
     def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             dests: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy payloads into host tensors `dests` (the transfer engine moves them on to a GPU)."""
         assert len(block_hashes) == len(token_ids) == len(dests)
         served = [False] * len(block_hashes)
-        async_copies = False
         # The copies happen under the lock: a concurrent put must not reuse a slot mid-copy.
         with self._lock:
             for i, (h, expected, dest) in enumerate(zip(block_hashes, token_ids, dests)):
@@ -97,18 +102,23 @@ class CpuTier(LowerTier):
                     self._stats.corrupt += 1
                     self._drop(h)
                     continue
-                if dest.device.type == "cpu":
-                    np.copyto(dest.numpy(), self._slab_np[slot])
-                else:
-                    dest.copy_(self._slab[slot], non_blocking=self.pinned)
-                    async_copies |= self.pinned
+                np.copyto(dest.numpy(), self._slab_np[slot])
                 self._slot_of.move_to_end(h)
                 self._stats.hits += 1
                 served[i] = True
-            if async_copies:
-                # The slots are only safe to reuse once the device has read them.
-                torch.cuda.current_stream().synchronize()
         return served
+
+    def hold(self, block_hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            for h in block_hashes:
+                self._holds[h] = self._holds.get(h, 0) + 1
+
+    def release(self, block_hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            for h in block_hashes:
+                n = self._holds.pop(h) - 1
+                if n:
+                    self._holds[h] = n
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -123,17 +133,21 @@ class CpuTier(LowerTier):
                 assert src.numel() == self.layout.block_nbytes and src.dtype == torch.uint8, \
                     "a payload is a flat uint8 tensor of layout.block_nbytes bytes"
                 slot = self._free_slots.pop() if self._free_slots else self._evict_lru()
-                if src.device.type == "cpu":
-                    np.copyto(self._slab_np[slot], src.numpy())
-                else:
-                    self._slab[slot].copy_(src)
+                if slot is None:
+                    self._rejected_puts += 1  # every slot is held by a promotion in flight
+                    continue
+                np.copyto(self._slab_np[slot], src.numpy())
                 self._token_ids[slot] = token_tuple(ids)
                 self._slot_of[h] = slot
                 self._stats.puts += 1
 
-    def _evict_lru(self) -> int:
-        """Free the least recently used slot, handing its block to `on_evict` first; returns the slot."""
-        h, slot = self._slot_of.popitem(last=False)
+    def _evict_lru(self) -> int | None:
+        """Free the least recently used slot that no promotion holds, handing its block to
+        `on_evict` first; returns the slot, or None when every block is held."""
+        h = next((h for h in self._slot_of if h not in self._holds), None)
+        if h is None:
+            return None
+        slot = self._slot_of.pop(h)
         if self.on_evict is not None:
             self.on_evict(h, self._token_ids[slot], self._slab[slot])
         self._token_ids[slot] = None
@@ -171,4 +185,4 @@ class CpuTier(LowerTier):
             used = len(self._slot_of)
             self._stats.used_blocks = used
             self._stats.used_bytes = used * self.layout.block_nbytes
-            return dataclasses.replace(self._stats, extra={"pinned": self.pinned})
+            return dataclasses.replace(self._stats, extra={"pinned": self.pinned, "rejected_puts": self._rejected_puts})
