@@ -1,17 +1,36 @@
 """KVCacheManager: a request's view of the tiered cache (vLLM v1 names).
 
 The scheduler asks it three things: how much of a request's prefix is cached anywhere
-(`get_computed_blocks`, which also promotes lower-tier hits to the device), for device slots for the
-tokens it is about to compute (`allocate_slots`), and to let a request go (`free`).
+(`get_computed_blocks`, which starts loading lower-tier hits to the device and answers None while
+they load), for device slots for the tokens it is about to compute (`allocate_slots`), and to let a
+request go (`free`).
+
+A request's prefix is held from its lookup until it is admitted or let go: device hits by their
+ref count, lower-tier hits in their tier and by the device blocks they are being copied into.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from kvstrata.engine.hashing import BlockHasher
 from kvstrata.engine.request import Request
+from kvstrata.tiers.base import TIER_NAMES
 from kvstrata.tiers.block_pool import KVCacheBlock
-from kvstrata.tiers.hierarchy import TierHierarchy
+from kvstrata.tiers.hierarchy import PrefixLoad, TierHierarchy
 
-TIER_NAMES = ("device", "cpu", "disk")
+ComputedBlocks = tuple[list[KVCacheBlock], int, dict[str, int]]
+
+
+@dataclass
+class PrefixCacheStats:
+    """The prefix cache's hit counters: one definition, counted once per request at its first
+    admission (what the request reports as `cached_tokens_by_tier`), so an admission retried
+    because the device was full, or after a preemption, is not counted again."""
+
+    queries: int = 0                 # requests admitted
+    query_tokens: int = 0            # their prompt tokens
+    query_blocks: int = 0            # their blocks that could hit (full blocks before the last prompt token)
+    hit_blocks: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIER_NAMES})  # served, per tier
 
 
 class KVCacheManager:
@@ -26,8 +45,11 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request_id -> how many of its blocks are cached (hashed into the device map) so far.
         self.num_cached_block: dict[str, int] = {}
-        self.query_tokens = 0
-        self.hit_tokens = {t: 0 for t in TIER_NAMES}
+        # request_id -> its prefix from lookup until the scheduler takes it (loading or landed).
+        self.prefix_loads: dict[str, PrefixLoad] = {}
+        # Prefixes of requests let go while their load was in flight: released once it lands.
+        self._abandoned: list[PrefixLoad] = []
+        self.prefix_stats = PrefixCacheStats()
 
     # ----------------------------------------------------------------- hashing
 
@@ -47,28 +69,61 @@ class KVCacheManager:
 
     # ----------------------------------------------------------------- the scheduler's calls
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int, dict[str, int]]:
-        """The longest cached prefix of the request in any tier, held on the device.
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks | None:
+        """The longest cached prefix of the request in any tier, held on the device, or None while
+        the part found below the device is loading (ask again once `prefix_ready`).
 
         Returns (blocks, num_computed_tokens, tokens per tier). The hit is capped so that at least
         the last token is computed (its logits are needed). The blocks are ref-counted for the
         request: pass them to `allocate_slots`, which keeps or releases them.
         """
-        by_tier = {t: 0 for t in TIER_NAMES}
         if not self.enable_caching:
-            return [], 0, by_tier
-        self._update_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = request.block_hashes[:max_blocks]
-        hit = self.hierarchy.acquire_prefix(hashes, self._block_tokens(request, 0, len(hashes)))
+            return [], 0, {t: 0 for t in TIER_NAMES}
+        load = self.prefix_loads.get(request.request_id)
+        if load is None:
+            self._update_hashes(request)
+            max_blocks = (request.num_tokens - 1) // self.block_size
+            hashes = request.block_hashes[:max_blocks]
+            load = self.hierarchy.acquire_prefix(hashes, self._block_tokens(request, 0, len(hashes)))
+            self.prefix_loads[request.request_id] = load
+        if not load.ready:
+            return None
+        del self.prefix_loads[request.request_id]
+        hit = self.hierarchy.finish_prefix(load)
         by_tier = {t: hit.blocks_by_tier.get(t, 0) * self.block_size for t in TIER_NAMES}
         return hit.blocks, hit.num_blocks * self.block_size, by_tier
 
-    def record_admission(self, request: Request, tokens_by_tier: dict[str, int]) -> None:
-        """Count one admitted request's prefix query (a retried admission is counted once)."""
-        self.query_tokens += request.num_tokens
+    def is_loading(self, request: Request) -> bool:
+        """The request's prefix is being copied up from a lower tier."""
+        load = self.prefix_loads.get(request.request_id)
+        return load is not None and not load.ready
+
+    def wait_for_loads(self, timeout: float) -> bool:
+        """Wait until some prefix load lands (True) or `timeout` seconds pass: for a step with nothing
+        else to do. Also releases the prefixes of requests let go while loading."""
+        transfers = [x.transfer for x in self.prefix_loads.values() if x.transfer is not None]
+        landed = bool(transfers) and self.hierarchy.transfers.wait_any(transfers, timeout)
+        self.release_abandoned()
+        return landed
+
+    def release_abandoned(self) -> None:
+        """Let go of the prefixes whose request was freed while they loaded, once they have landed."""
+        still = []
+        for load in self._abandoned:
+            if load.ready:
+                self.pool.free_blocks(list(reversed(self.hierarchy.finish_prefix(load).blocks)))
+            else:
+                still.append(load)
+        self._abandoned = still
+
+    def record_admission(self, request: Request, cached_tokens_by_tier: dict[str, int]) -> None:
+        """Count a request's prefix hit at its first admission (see `PrefixCacheStats`)."""
+        stats = self.prefix_stats
+        stats.queries += 1
+        stats.query_tokens += request.num_prompt_tokens
+        stats.query_blocks += (request.num_prompt_tokens - 1) // self.block_size
         for t in TIER_NAMES:
-            self.hit_tokens[t] += tokens_by_tier.get(t, 0)
+            stats.hit_blocks[t] += cached_tokens_by_tier.get(t, 0) // self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
@@ -116,7 +171,12 @@ class KVCacheManager:
         self.num_cached_block[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so its unique suffix is evicted before shared roots."""
+        """Release the request's blocks, tail first, so its unique suffix is evicted before shared roots.
+        A prefix still loading is released once it lands (its device blocks are being written)."""
+        load = self.prefix_loads.pop(request.request_id, None)
+        if load is not None:
+            self._abandoned.append(load)
+            self.release_abandoned()
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
         if blocks:
@@ -125,5 +185,6 @@ class KVCacheManager:
     def get_block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
 
-    def stats(self) -> dict:
-        return {"query_tokens": self.query_tokens, "hit_tokens": dict(self.hit_tokens)}
+    def stats(self) -> PrefixCacheStats:
+        s = self.prefix_stats
+        return PrefixCacheStats(s.queries, s.query_tokens, s.query_blocks, dict(s.hit_blocks))

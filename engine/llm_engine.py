@@ -29,6 +29,7 @@ from kvstrata.tiers.disk import DiskTier, encoded_size
 from kvstrata.tiers.hierarchy import TierHierarchy
 
 logger = logging.getLogger("kvstrata")
+LOAD_WAIT_S = 0.05  # the longest an otherwise idle step waits for a prefix load to land
 
 class LLMEngine:
     def __init__(self, config: Config, loaded: LoadedModel | None = None):
@@ -154,6 +155,9 @@ class LLMEngine:
         """Schedule, run the model once, sample; returns the requests that got a token or finished."""
         out = self.scheduler.schedule()
         if not out.scheduled:
+            # Nothing can run until a prefix load lands: wait for one (briefly, so that a caller
+            # feeding new requests between steps is not kept waiting).
+            self.kv_manager.wait_for_loads(timeout=LOAD_WAIT_S)
             return []
         logits = self.runner.execute(self._build_step_input(out))
         self.scheduler.update_after_step(out)
@@ -164,9 +168,9 @@ class LLMEngine:
             now = time.perf_counter()
             for request, token_id in zip(sampling, token_ids):
                 self._append_token(request, token_id, now)
-        # The step computed the K/V of the blocks cached at allocation: now they can go down, after
-        # the tokens are out (off the TTFT path). A block reused before this is drained by the pool's
-        # eviction hook first, so nothing is lost.
+        # The step computed the K/V of the blocks cached at allocation: now they can go down (the
+        # transfer engine copies them in the background). A block reused before its copy is done is
+        # waited for by the pool's eviction hook, so nothing is lost.
         self.hierarchy.flush_pending()
         return sampling
 
@@ -226,13 +230,31 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats and shutdown
 
     def stats(self) -> dict:
+        """What the engine counts, all measured. Units are in the names; each counter has one definition:
+
+        - `prefix_cache.query_tokens`: prompt tokens of admitted requests; `prefix_cache.hit_tokens[tier]`:
+          those served from each tier. Both are counted once per request, at its first admission
+          (what the request reports as `cached_tokens_by_tier`): a retried admission is not counted again.
+        - `tiers.device.hits` / `misses`: the same hits in blocks; misses are the admitted requests'
+          blocks that could have hit (full blocks before the last prompt token) and the device did
+          not serve. `tiers.cpu|disk.hits|misses|corrupt`: blocks each lower tier's reads served,
+          missed, or found corrupt, counted by the tier itself.
+        - `promotions[tier]`: blocks copied up to the device from each lower tier and used in a prefix.
+        - `promotion_failures`: blocks found below the device at lookup that could not be served when
+          loaded (gone, corrupt, a fault); the request recomputed from there.
+        - `write_downs[tier]`: blocks handed down to each lower tier.
+        - `device_evictions`: cached device blocks whose slot was reused.
+        """
         h = self.hierarchy.stats()
         tiers = {name: asdict(s) for name, s in h["tiers"].items()}
         counters = asdict(h["counters"])
-        kv = self.kv_manager.stats()
+        prefix = self.kv_manager.stats()
+        tiers["device"]["hits"] = prefix.hit_blocks["device"]
+        tiers["device"]["misses"] = prefix.query_blocks - prefix.hit_blocks["device"]
         return {
             "tiers": tiers,
-            "prefix_cache": {"query_tokens": kv["query_tokens"], "hit_tokens": kv["hit_tokens"]},
+            "prefix_cache": {"query_tokens": prefix.query_tokens,
+                             "hit_tokens": {t: n * self.block_size for t, n in prefix.hit_blocks.items()}},
             "promotions": counters["promotions"],
             "promotion_failures": counters["promotion_failures"],
             "write_downs": counters["write_downs"],

@@ -10,6 +10,9 @@ from kvstrata.engine.sampling import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Its prefix was found below the device and is being copied up (vLLM: WAITING_FOR_REMOTE_KVS);
+    # still in the waiting queue, it is admitted once the copy has landed.
+    LOADING = "loading"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"      # EOS or a stop string

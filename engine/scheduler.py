@@ -2,9 +2,12 @@
 
 Each step has a token budget (`max_num_batched_tokens`). Running requests go first (decodes and
 the rest of chunked prefills), then waiting requests are admitted in arrival order: at admission
-their prefix is looked up across every tier and promoted to the device, and only the uncached
-suffix is scheduled. When the device pool cannot hold a running request's next tokens, the newest
-running request is preempted (its blocks freed, to be recomputed later, mostly from the cache).
+their prefix is looked up across every tier, and only the uncached suffix is scheduled. A request
+whose prefix was found below the device waits in the loading state (vLLM's WAITING_FOR_REMOTE_KVS)
+while its blocks are copied up, and the scheduler admits the requests behind it meanwhile; it is
+admitted in its turn once the copy has landed. When the device pool cannot hold a running
+request's next tokens, the newest running request is preempted (its blocks freed, to be recomputed
+later, mostly from the cache).
 """
 from __future__ import annotations
 
@@ -48,9 +51,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_loading(self) -> int:
+        return sum(1 for r in self.waiting if r.status == RequestStatus.LOADING)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.kv.release_abandoned()
 
         # 1. Running requests, oldest first.
         i = 0
@@ -73,23 +81,47 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing after it can run either
 
-        # 2. Waiting requests, in arrival order, while budget and sequence slots last.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            request = self.waiting[0]
-            blocks, num_cached, by_tier = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
-            if self.kv.allocate_slots(request, num_new, blocks) is None:
+        # 2. Waiting requests, in arrival order, while budget and sequence slots last. Loading ones
+        # count towards the sequence slots (they hold device blocks) and are passed over.
+        num_seqs = len(self.running) + self.num_loading
+        for request in list(self.waiting):
+            if budget <= 0 or out.preempted:
+                break
+            if self.kv.is_loading(request):
+                continue
+            loaded = request.status == RequestStatus.LOADING  # landed: its prefix is held already
+            if not loaded and num_seqs >= self.max_num_seqs:
+                break
+            computed = self.kv.get_computed_blocks(request)
+            if computed is None:  # found below the device: it waits while its blocks are copied up
+                request.status = RequestStatus.LOADING
+                num_seqs += 1
+                continue
+            if not self._admit(request, computed, budget, out):
+                if loaded:  # its prefix was just released (still cached on the device): retried later
+                    request.status = RequestStatus.WAITING
+                    num_seqs -= 1
+                    continue
                 break  # the device pool is full: wait for running requests to finish
-            self.waiting.popleft()
-            self.kv.record_admission(request, by_tier)
-            if request.cached_tokens_by_tier is None:  # first admission: what the user is told
-                request.cached_tokens_by_tier = by_tier
-            request.num_computed_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            budget -= out.scheduled[-1].num_new_tokens
+            num_seqs += not loaded
         return out
+
+    def _admit(self, request: Request, computed, budget: int, out: SchedulerOutput) -> bool:
+        """Give a looked-up request device slots for its first chunk and start it running."""
+        blocks, num_cached, by_tier = computed
+        num_new = min(request.num_tokens - num_cached, budget)
+        if self.kv.allocate_slots(request, num_new, blocks) is None:
+            return False
+        self.waiting.remove(request)
+        if request.cached_tokens_by_tier is None:  # first admission: what the user is told, and counted
+            request.cached_tokens_by_tier = by_tier
+            self.kv.record_admission(request, by_tier)
+        request.num_computed_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(self._scheduled(request, num_new))
+        return True
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, num_new,

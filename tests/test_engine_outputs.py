@@ -176,7 +176,7 @@ def test_chunked_prefill_and_preemption_do_not_change_outputs(loaded, reference,
     outs = llm.chat([chat(DOCS[n], q) for n, q in keys], GREEDY)
     for key, out in zip(keys, outs):
         assert out.token_ids == reference[key][0], key
-    assert any(o.num_preemptions for o in outs) or llm.stats()["device_evictions"] > 0
+    assert any(o.num_preemptions for o in outs), "the pool was meant to be too small for all three at once"
     assert llm.engine.hierarchy.pool.num_free_blocks == llm.engine.hierarchy.pool.num_blocks
     llm.close()
 

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from tier_cases import GatedTier
 
 from kvstrata.engine.hashing import BlockHasher
 from kvstrata.engine.kv_manager import KVCacheManager
@@ -34,10 +35,14 @@ def content_for(block_hash: bytes) -> torch.Tensor:
 
 
 def make_stack(device_blocks: int, cpu_blocks: int = 0, disk_path=None, disk_blocks: int = 0,
-               offload: str = "write_through"):
+               offload: str = "write_through", gate_cpu: bool = False):
+    """A KV manager over a device pool and the lower tiers asked for; `gate_cpu` wraps the CPU tier
+    in a `GatedTier` (its reads wait for `hierarchy.cpu.gate`)."""
     pool = BlockPool(device_blocks)
     kv = LAYOUT.allocate(device_blocks)
     cpu = CpuTier(LAYOUT, cpu_blocks) if cpu_blocks else None
+    if gate_cpu:
+        cpu = GatedTier(cpu)
     disk = None
     if disk_path is not None:
         from kvstrata.tiers.disk import DiskTier
@@ -49,10 +54,17 @@ def make_stack(device_blocks: int, cpu_blocks: int = 0, disk_path=None, disk_blo
 _ids = iter(range(1_000_000))
 
 
+def computed_blocks(kv: KVCacheManager, req: Request):
+    """The request's cached prefix, waiting for its load from a lower tier to land."""
+    while (computed := kv.get_computed_blocks(req)) is None:
+        kv.wait_for_loads(timeout=5.0)
+    return computed
+
+
 def run_request(kv: KVCacheManager, tokens: list[int], finish: bool = True) -> Request:
-    """Admit a request, 'compute' its uncached blocks, flush write-downs, optionally finish it."""
+    """Admit a request, 'compute' its uncached blocks, write them down, optionally finish it."""
     req = Request(f"r{next(_ids)}", list(tokens), SamplingParams(max_tokens=1, temperature=0))
-    blocks, num_cached, by_tier = kv.get_computed_blocks(req)
+    blocks, num_cached, by_tier = computed_blocks(kv, req)
     # Every cached block must already hold exactly its content.
     for block, h in zip(blocks, req.block_hashes):
         assert torch.equal(as_bytes(kv.hierarchy.kv_cache[block.block_id]), content_for(h)), "wrong bytes served"
@@ -63,6 +75,7 @@ def run_request(kv: KVCacheManager, tokens: list[int], finish: bool = True) -> R
             as_bytes(kv.hierarchy.kv_cache[block.block_id]).copy_(content_for(h))
     req.num_computed_tokens = req.num_tokens
     kv.hierarchy.flush_pending()
+    kv.hierarchy.wait_for_write_downs()  # they run in the background: let them land
     if finish:
         kv.free(req)
     return req
@@ -118,8 +131,8 @@ def test_cpu_evictions_cascade_to_disk_and_disk_hits_refill_cpu(tmp_path):
     again = run_request(kv, docs[0])  # long gone from device and CPU
     assert again.cached_tokens_by_tier["disk"] > 0
     assert again.num_cached_tokens == 6 * BS
-    # blocks that came up from disk were put in the CPU tier too
-    assert all(h.cpu.contains(x) for x in again.block_hashes[:6][-min(6, again.cached_tokens_by_tier["disk"] // BS):])
+    # blocks that came up from disk were put in the CPU tier too (it holds exactly these 6 now)
+    assert all(h.cpu.contains(x) for x in again.block_hashes[:6])
 
 
 def test_lookup_stops_at_the_first_block_no_tier_holds():
@@ -130,13 +143,12 @@ def test_lookup_stops_at_the_first_block_no_tier_holds():
     req = Request("probe", base + [7], SamplingParams(max_tokens=1))
     kv._update_hashes(req)
     victim = req.block_hashes[2]
-    h.pool.get_cached_block(victim)
     # drop block 2 everywhere: the walk must stop there even though 3.. are still held
     block = h.pool.get_cached_block(victim)
     h.pool.cached_block_hash_to_block.pop(victim)
     block.block_hash = None
     h.cpu.discard(victim)
-    assert h.lookup(req.block_hashes) == ["device", "device"]
+    assert h.locate(req.block_hashes) == ["device", "device"]
 
 
 def test_corrupt_lower_tier_block_ends_the_prefix_and_is_never_served():
@@ -147,7 +159,7 @@ def test_corrupt_lower_tier_block_ends_the_prefix_and_is_never_served():
     h = kv.hierarchy
     probe = Request("p", list(a), SamplingParams(max_tokens=1))
     kv._update_hashes(probe)
-    where = h.lookup(probe.block_hashes[:6])
+    where = h.locate(probe.block_hashes[:6])
     first_cpu = where.index("cpu")
     # overwrite the stored token ids check: store the block again under its hash with wrong tokens
     h.cpu.discard(probe.block_hashes[first_cpu])
@@ -168,9 +180,9 @@ def test_pending_write_through_is_written_before_its_block_is_reused():
     h.cpu.clear()
     kv.free(req)
     run_request(kv, doc(6, 7 * BS + 1))  # reuses a's blocks before any flush
-    for x in req.block_hashes[:6]:
-        if h.pool.get_cached_block(x) is None:
-            assert h.cpu.contains(x)
+    reused = [x for x in req.block_hashes[:6] if h.pool.get_cached_block(x) is None]
+    assert len(reused) >= 5  # b's 8 blocks took all but at most one of a's
+    assert all(h.cpu.contains(x) for x in reused)
     assert run_request(kv, a).num_cached_tokens == 6 * BS
 
 
@@ -245,7 +257,7 @@ def test_blocks_persisted_on_close_are_disk_hits_in_a_new_process(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip().splitlines()[-1]) == 5 * BS
-    assert req.num_tokens == 5 * BS + 1
+    assert req.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 0}  # the first process computed it
 
 
 def test_idle_write_down_in_chunks_puts_every_cached_block_on_disk(tmp_path):
@@ -276,7 +288,7 @@ def test_a_promotion_never_evicts_a_device_hit_later_in_the_same_prefix():
     for x in first.block_hashes[1:3]:  # blocks 1 and 2 leave the device; the CPU tier still has them
         block = h.pool.cached_block_hash_to_block.pop(x)
         block.block_hash = None
-    assert h.lookup(first.block_hashes[:6]) == ["device", "cpu", "cpu", "device", "device", "device"]
+    assert h.locate(first.block_hashes[:6]) == ["device", "cpu", "cpu", "device", "device", "device"]
     again = run_request(kv, tokens)  # checks every served block's bytes
     assert again.cached_tokens_by_tier == {"device": 4 * BS, "cpu": 2 * BS, "disk": 0}
 
@@ -288,6 +300,6 @@ def test_a_promotion_never_evicts_a_device_hit_later_in_the_same_prefix():
     h.cpu.discard(first.block_hashes[1])
     h.cpu.put([first.block_hashes[1]], [[9999] * BS], [content_for(first.block_hashes[1])])
     probe = Request("probe", list(tokens), SamplingParams(max_tokens=1))
-    blocks, num_cached, _ = kv.get_computed_blocks(probe)
+    blocks, num_cached, _ = computed_blocks(kv, probe)
     assert num_cached == BS and len(blocks) == 1
     assert h.pool.num_free_blocks == h.pool.num_blocks - 1

@@ -1,7 +1,9 @@
 """Small blocks for the lower-tier tests: two layouts, keys, token ids and payloads derived from an id."""
+import threading
+
 import torch
 
-from kvstrata.tiers.base import BlockLayout, as_bytes
+from kvstrata.tiers.base import BlockLayout, LowerTier, as_bytes
 
 BF16 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 FP32 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -19,3 +21,62 @@ def key(i: int) -> bytes:
 
 def tokens(i: int, layout: BlockLayout = BF16) -> list[int]:
     return [1000 * i + t for t in range(layout.block_size)]
+
+
+class GatedTier(LowerTier):
+    """A lower tier whose reads wait until `gate` is set, so a test can act while a load is in flight.
+
+    Everything else goes straight to the wrapped tier. `fail_reads` makes reads raise instead.
+    """
+
+    def __init__(self, inner: LowerTier):
+        self.inner = inner
+        self.name = inner.name
+        self.layout = inner.layout
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_reads = False
+
+    @property
+    def on_evict(self):
+        return self.inner.on_evict
+
+    @on_evict.setter
+    def on_evict(self, callback):
+        self.inner.on_evict = callback
+
+    def get(self, block_hashes, token_ids, dests):
+        assert self.gate.wait(30), "the test never opened the gate"
+        if self.fail_reads:
+            raise OSError("the tier failed mid-transfer")
+        return self.inner.get(block_hashes, token_ids, dests)
+
+    def contains(self, block_hash):
+        return self.inner.contains(block_hash)
+
+    def count_prefix(self, block_hashes):
+        return self.inner.count_prefix(block_hashes)
+
+    def hold(self, block_hashes):
+        self.inner.hold(block_hashes)
+
+    def release(self, block_hashes):
+        self.inner.release(block_hashes)
+
+    def put(self, block_hashes, token_ids, srcs):
+        self.inner.put(block_hashes, token_ids, srcs)
+
+    def discard(self, block_hash):
+        return self.inner.discard(block_hash)
+
+    def clear(self):
+        self.inner.clear()
+
+    def stats(self):
+        return self.inner.stats()
+
+    def blocks(self):
+        return self.inner.blocks()
+
+    def close(self):
+        self.inner.close()

@@ -1,34 +1,45 @@
 """The tier hierarchy: walks a hash chain across device, CPU and disk, promotes hits, writes blocks down.
 
-Mechanism lives in the tiers (how bytes move); this file holds the policy:
+Mechanism lives in the tiers (how bytes are stored) and the transfer engine (how bytes move, off the
+step thread); this file holds the policy:
 
-- Lookup walks a chain once: for each block hash ask the device pool, then the CPU tier, then disk,
-  and stops at the first hash no tier holds.
-- Promotion allocates device blocks for hits found below the device and copies them up
-  (disk -> host -> device), then caches them in the device map like any computed block. A block that
-  arrives from disk is also put in the CPU tier, so the next miss on the device is a cheap one.
+- Lookup walks a chain once per tier: device hits are map lookups; each run of blocks the device
+  lacks is asked of each lower tier with one `count_prefix` (one lock or read transaction), in tier
+  order, and the walk stops at the first block no tier holds.
+- Promotion is asynchronous and has two halves. `acquire_prefix` holds every block of the prefix
+  (device hits ref-counted, lower-tier hits held in their tier so that no write-down evicts them),
+  allocates device blocks for the lower-tier hits and starts one load of all of them. The request
+  waits; `finish_prefix`, called once the load has landed, caches the arrived blocks on the device,
+  releases the holds and returns the prefix, which ends at the first block that could not be
+  served (gone or failing verification): the rest is recomputed. A block that arrives from disk is
+  also put in the CPU tier, so the next miss on the device is a cheap one.
 - Write-down, chosen in config:
   * `write_through`: a block that becomes full and cached on the device is queued for the CPU tier
-    (or disk when there is no CPU tier). The queue is written in one batch after the model step that
-    computed those blocks (`flush_pending`), never before: the K/V do not exist until then. CPU-tier
-    LRU evictions cascade to disk.
+    (or disk when there is no CPU tier). The queue is handed to the transfer engine in one batch
+    after the model step that computed those blocks (`flush_pending`), never before: the K/V do not
+    exist until then. CPU-tier LRU evictions cascade to disk.
   * `on_evict`: nothing is copied until the device pool is about to reuse a cached block; the block
     is then copied down before its slot is handed out.
-  Either way a block is never overwritten while a copy from it is pending: the pool calls
-  `_on_device_evict` before it returns a reused block, and that drains the block's pending copy first.
-- `persist()` (on close) writes every block still held only above the disk down to it, so a later
-  process on the same disk path finds what this one computed.
+  Either way a block is never overwritten while a copy from it is in flight: the pool calls
+  `_on_device_evict` before it returns a reused block, and that waits for the block's copy. A block
+  being loaded into is held by its request until the load has landed, so it is never reused either.
+- `persist()` (idle time, close) writes every block still held only above the disk down to it, so a
+  later process on the same disk path finds what this one computed.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
 
-from kvstrata.tiers.base import LowerTier, TierStats, as_bytes
+from kvstrata.tiers.base import TIER_NAMES, LowerTier, TierStats, as_bytes
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
+from kvstrata.tiers.transfer import Transfer, TransferEngine
 
 OFFLOAD_POLICIES = ("write_through", "on_evict")
 PERSIST_BATCH_BLOCKS = 64
@@ -46,13 +57,36 @@ class PrefixHit:
         return len(self.blocks)
 
 
+@dataclass(eq=False)
+class PrefixLoad:
+    """A prefix between lookup and landing. Every block in it is held: device hits by their
+    ref count, lower-tier hits in their tier and by the device block they are being copied into."""
+
+    block_hashes: list[bytes]
+    block_tokens: list[Sequence[int]]
+    found_in: list[str]                 # per leading block, the tier the walk found it in
+    blocks: list[KVCacheBlock]          # per leading block, the device block holding or receiving it
+    below: list[int]                    # positions of the blocks found below the device
+    served_from: list[str | None]       # per position in `below`: the tier that served it (set by the load)
+    transfer: Transfer | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Nothing is in flight any more: `finish_prefix` may be called."""
+        return self.transfer is None or self.transfer.done
+
+
 @dataclass
 class HierarchyCounters:
-    query_blocks: int = 0            # blocks looked up
-    hit_blocks: dict[str, int] = field(default_factory=lambda: {"device": 0, "cpu": 0, "disk": 0})
+    """Blocks, each; see `LLMEngine.stats` for what the engine exports."""
+
+    # Blocks copied up to the device from each lower tier, and used in a request's prefix.
     promotions: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
-    promotion_failures: int = 0      # lower-tier blocks that vanished or failed verification mid-promotion
+    # Blocks found below the device at lookup that could not be served at load (gone, corrupt, a fault).
+    promotion_failures: int = 0
+    # Blocks handed down to each lower tier (write-through, on_evict, CPU-tier cascade, persist).
     write_downs: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
+    # Cached device blocks whose slot was reused for other content.
     device_evictions: int = 0
 
 
@@ -60,7 +94,8 @@ class TierHierarchy:
     """Composes the device block pool and its KV tensor with the optional CPU and disk tiers."""
 
     def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, cpu: LowerTier | None = None,
-                 disk: LowerTier | None = None, offload: str = "write_through"):
+                 disk: LowerTier | None = None, offload: str = "write_through",
+                 transfers: TransferEngine | None = None):
         if offload not in OFFLOAD_POLICIES:
             raise ValueError(f"cache.offload: unknown policy {offload!r} (use one of {', '.join(OFFLOAD_POLICIES)})")
         assert kv_cache.shape[0] == pool.num_blocks
@@ -69,11 +104,16 @@ class TierHierarchy:
         self.cpu = cpu
         self.disk = disk
         self.offload = offload
+        self.transfers = transfers or TransferEngine(kv_cache)
         self.counters = HierarchyCounters()
+        # Counters the transfer workers update too (the CPU tier's cascade to disk runs on them).
+        self._counters_lock = threading.Lock()
         # Token ids of every block cached on the device (lower tiers verify them on read).
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         # write_through: blocks cached on the device whose content is not yet below (block_id -> hash).
         self._pending: dict[int, bytes] = {}
+        # device block id -> the store job last copying it down; waited for before the slot is reused.
+        self._stores_in_flight: dict[int, Transfer] = {}
         # Something was cached since the disk tier last held everything (see `persist`).
         self._unpersisted = False
         pool.on_evict = self._on_device_evict
@@ -86,95 +126,111 @@ class TierHierarchy:
     def lower_tiers(self) -> list[LowerTier]:
         return [t for t in (self.cpu, self.disk) if t is not None]
 
-    def _walk(self, block_hashes: Sequence[bytes]) -> list[tuple[str, KVCacheBlock | None]]:
-        """For each leading block of the chain, the first tier that holds it (and the device block if
-        that tier is the device); stops at the first block no tier holds."""
-        found: list[tuple[str, KVCacheBlock | None]] = []
-        for h in block_hashes:
-            block = self.pool.get_cached_block(h)
-            tier = "device" if block is not None else next(
-                (t.name for t in self.lower_tiers if t.contains(h)), None)
-            if tier is None:
+    def locate(self, block_hashes: Sequence[bytes]) -> list[str]:
+        """For each leading block of the chain, the first tier that holds it; stops at the first
+        block no tier holds. Each run of blocks the device lacks costs one `count_prefix` per lower
+        tier (a run that alternates between the CPU tier and disk costs one more round)."""
+        found: list[str] = []
+        n = len(block_hashes)
+        while len(found) < n:
+            if self.pool.get_cached_block(block_hashes[len(found)]) is not None:
+                found.append("device")
+                continue
+            end = len(found) + 1  # the run below the device ends where the device holds a block again
+            while end < n and self.pool.get_cached_block(block_hashes[end]) is None:
+                end += 1
+            progressed = True
+            while progressed and len(found) < end:
+                progressed = False
+                for tier in self.lower_tiers:
+                    k = tier.count_prefix(block_hashes[len(found):end])
+                    found += [tier.name] * k
+                    progressed |= k > 0
+            if len(found) < end:
                 break
-            found.append((tier, block))
         return found
 
-    def lookup(self, block_hashes: Sequence[bytes]) -> list[str]:
-        """For each leading block of the chain, the name of the first tier that holds it."""
-        return [tier for tier, _ in self._walk(block_hashes)]
+    def acquire_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]]) -> PrefixLoad:
+        """Find the longest cached prefix of the chain in any tier, hold all of it and start loading
+        the part found below the device. Call `finish_prefix` once the result is `ready`.
 
-    def acquire_prefix(self, block_hashes: Sequence[bytes],
-                       block_tokens: Sequence[Sequence[int]]) -> PrefixHit:
-        """Find the longest cached prefix of the chain in any tier and hold it on the device.
-
-        Every device hit is held (touched) before anything is allocated, so that the promotions'
-        new blocks can never evict a hit further along the prefix; then each run of lower-tier hits
-        is promoted as one batch. If a lower-tier block turns out to be gone or corrupt, the prefix
-        ends just before it and the device hits after it are released again.
+        Order of operations: device hits are held first and lower-tier hits are held in their tier,
+        so that the allocation for the load (which may evict device blocks and write them down,
+        which may evict CPU blocks) can take neither. A prefix needing more device blocks than are
+        free ends where the room ends.
         """
-        found = self._walk(block_hashes)
-        self.counters.query_blocks += len(block_hashes)
-        self.pool.touch([block for _, block in found if block is not None])
-        blocks: list[KVCacheBlock] = []
-        by_tier = {"device": 0, "cpu": 0, "disk": 0}
-        i = 0
-        while i < len(found):
-            _, block = found[i]
-            if block is not None:
-                blocks.append(block)
-                by_tier["device"] += 1
-                i += 1
-                continue
-            j = i
-            while j < len(found) and found[j][1] is None:
-                j += 1
-            promoted, from_tier = self._promote(block_hashes[i:j], block_tokens[i:j])
-            blocks.extend(promoted)
-            for name in from_tier:
-                by_tier[name] += 1
-            if len(promoted) < j - i:
-                unused = [b for _, b in found[j:] if b is not None]
-                self.pool.free_blocks(list(reversed(unused)))
-                break
-            i = j
-        for name, n in by_tier.items():
-            self.counters.hit_blocks[name] += n
-        return PrefixHit(blocks=blocks, blocks_by_tier=by_tier)
+        found_in = self.locate(block_hashes)
+        blocks: list[KVCacheBlock | None] = [
+            self.pool.get_cached_block(h) if t == "device" else None for h, t in zip(block_hashes, found_in)]
+        self.pool.touch([b for b in blocks if b is not None])
+        below = [k for k, t in enumerate(found_in) if t != "device"]
+        if len(below) > self.pool.num_free_blocks:
+            end = below[self.pool.num_free_blocks]
+            self.pool.free_blocks(list(reversed([b for b in blocks[end:] if b is not None])))
+            found_in, blocks, below = found_in[:end], blocks[:end], below[:self.pool.num_free_blocks]
+        load = PrefixLoad(list(block_hashes[:len(found_in)]), list(block_tokens[:len(found_in)]), found_in,
+                          blocks, below, [None] * len(below))  # type: ignore[arg-type]
+        if not below:
+            return load
+        self._hold_below(load, hold=True)
+        for k, block in zip(below, self.pool.get_new_blocks(len(below))):
+            load.blocks[k] = block
+        load.transfer = self.transfers.load([load.blocks[k].block_id for k in below],
+                                            functools.partial(self._read_below, load))
+        return load
 
-    def _promote(self, hashes: Sequence[bytes], tokens: Sequence[Sequence[int]]
-                 ) -> tuple[list[KVCacheBlock], list[str]]:
-        """Copy a run of lower-tier blocks into fresh device blocks; returns the leading run that made it."""
-        n = min(len(hashes), self.pool.num_free_blocks)
-        if n == 0:
-            return [], []
-        new_blocks = self.pool.get_new_blocks(n)
-        served_from: list[str | None] = [None] * n
-        # Ask each tier in order for what is still missing: a block evicted from the CPU tier
-        # between lookup and now has cascaded to disk and is found there.
+    def _hold_below(self, load: PrefixLoad, hold: bool) -> None:
         for tier in self.lower_tiers:
-            missing = [k for k in range(n) if served_from[k] is None]
+            hashes = [load.block_hashes[k] for k in load.below if load.found_in[k] == tier.name]
+            if hashes:
+                (tier.hold if hold else tier.release)(hashes)
+
+    def _read_below(self, load: PrefixLoad, start: int, dests: list[torch.Tensor]) -> list[bool]:
+        """On the load worker: fill `dests` with the blocks `load.below[start:]` from the lower tiers.
+
+        Each tier in order is asked for what is still missing: a block evicted from the CPU tier
+        since the lookup has cascaded to disk and is found there.
+        """
+        positions = load.below[start:start + len(dests)]
+        hashes = [load.block_hashes[k] for k in positions]
+        tokens = [load.block_tokens[k] for k in positions]
+        served_from: list[str | None] = [None] * len(positions)
+        for tier in self.lower_tiers:
+            missing = [m for m, s in enumerate(served_from) if s is None]
             if not missing:
                 break
-            ok = tier.get([hashes[k] for k in missing], [tokens[k] for k in missing],
-                          [as_bytes(self.kv_cache[new_blocks[k].block_id]) for k in missing])
-            for k, served in zip(missing, ok):
+            ok = tier.get([hashes[m] for m in missing], [tokens[m] for m in missing], [dests[m] for m in missing])
+            for m, served in zip(missing, ok):
                 if served:
-                    served_from[k] = tier.name
-        n_ok = next((k for k in range(n) if served_from[k] is None), n)
-        if n_ok < n:
-            self.counters.promotion_failures += 1
-            # The blocks that found no content go back to the free queue, uncached.
-            self.pool.free_blocks(list(reversed(new_blocks[n_ok:])))
-        promoted = new_blocks[:n_ok]
-        names = [s for s in served_from[:n_ok]]  # type: ignore[misc]
-        self._cache_on_device(promoted, hashes[:n_ok], tokens[:n_ok])
-        for name in names:
-            self.counters.promotions[name] += 1
-        from_disk = [k for k in range(n_ok) if names[k] == "disk"]
+                    served_from[m] = tier.name
+        from_disk = [m for m, s in enumerate(served_from) if s == "disk"]
         if from_disk and self.cpu is not None:
-            self.cpu.put([hashes[k] for k in from_disk], [tokens[k] for k in from_disk],
-                         [as_bytes(self.kv_cache[promoted[k].block_id]) for k in from_disk])
-        return promoted, names  # type: ignore[return-value]
+            self.cpu.put([hashes[m] for m in from_disk], [tokens[m] for m in from_disk], [dests[m] for m in from_disk])
+        load.served_from[start:start + len(dests)] = served_from
+        return [s is not None for s in served_from]
+
+    def finish_prefix(self, load: PrefixLoad) -> PrefixHit:
+        """The prefix of a landed load, held on the device: it ends at the first block not served.
+
+        Every block that arrived is cached on the device (it is verified), also past the end, so a
+        later request finds it; the blocks past the end are released, the lower-tier holds too.
+        """
+        assert load.ready, "finish_prefix before the load has landed"
+        served = dict(zip(load.below, load.served_from))
+        end = next((k for k in load.below if served[k] is None), len(load.found_in))
+        arrived = [k for k in load.below if served[k] is not None]
+        self._cache_on_device([load.blocks[k] for k in arrived], [load.block_hashes[k] for k in arrived],
+                              [load.block_tokens[k] for k in arrived])
+        self._hold_below(load, hold=False)
+        self.pool.free_blocks(list(reversed(load.blocks[end:])))
+        by_tier = {t: 0 for t in TIER_NAMES}
+        for k in range(end):
+            by_tier[served.get(k) or "device"] += 1
+        with self._counters_lock:
+            for name in ("cpu", "disk"):
+                self.counters.promotions[name] += by_tier[name]
+            self.counters.promotion_failures += len(load.below) - len(arrived)
+        return PrefixHit(blocks=load.blocks[:end], blocks_by_tier=by_tier)
 
     # ------------------------------------------------------------------ caching and write-down
 
@@ -200,42 +256,59 @@ class TierHierarchy:
     def _cache_on_device(self, blocks: list[KVCacheBlock], hashes: Sequence[bytes],
                          tokens: Sequence[Sequence[int]]) -> None:
         """Promoted blocks are already below: cache them without queueing a write-down."""
-        self.pool.cache_full_blocks(blocks, list(hashes), 0, len(blocks))
-        self._unpersisted |= bool(blocks)
+        newly = {b.block_id for b in self.pool.cache_full_blocks(blocks, list(hashes), 0, len(blocks))}
+        self._unpersisted |= bool(newly)
         for block, toks in zip(blocks, tokens):
-            self._block_tokens[block.block_id] = tuple(toks)
+            if block.block_id in newly:
+                self._block_tokens[block.block_id] = tuple(toks)
 
     def flush_pending(self) -> int:
-        """Write the queued write-through blocks down in one batch (call after the model step)."""
+        """Hand the queued write-through blocks to the transfer engine in one batch (call after the
+        model step that computed them); returns how many."""
+        done = [b for b, job in self._stores_in_flight.items() if job.copied]
+        for b in done:
+            del self._stores_in_flight[b]
         if not self._pending:
             return 0
-        items = [(bid, h) for bid, h in self._pending.items()]
+        block_ids, hashes = list(self._pending), list(self._pending.values())
         self._pending.clear()
-        self._write_down([bid for bid, _ in items], [h for _, h in items])
-        return len(items)
+        self._write_down(block_ids, hashes)
+        return len(block_ids)
 
-    def _write_down(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> None:
+    def _write_down(self, block_ids: list[int], hashes: list[bytes]) -> None:
         target = self.cpu if self.cpu is not None else self.disk
         if target is None:
             return
-        target.put(list(hashes), [self._block_tokens[b] for b in block_ids],
-                   [as_bytes(self.kv_cache[b]) for b in block_ids])
-        self.counters.write_downs[target.name] += len(block_ids)
+        tokens = [self._block_tokens[b] for b in block_ids]
+        job = self.transfers.store(block_ids, functools.partial(_put_run, target, hashes, tokens))
+        for b in block_ids:
+            self._stores_in_flight[b] = job
+        with self._counters_lock:
+            self.counters.write_downs[target.name] += len(block_ids)
+
+    def wait_for_write_downs(self) -> None:
+        """Wait until every block handed down so far is in its lower tier."""
+        self.transfers.wait_stores()
 
     def _on_device_evict(self, block_id: int, block_hash: bytes) -> None:
-        """The pool is about to hand out a cached block: make sure its content is safe below first."""
+        """The pool is about to hand out a cached block: its content must be safe below first, and
+        no copy may still be reading it when the slot is overwritten."""
         self.counters.device_evictions += 1
-        pending = self._pending.pop(block_id, None)
-        if pending is not None or self.offload == "on_evict":
+        if self._pending.pop(block_id, None) is not None or self.offload == "on_evict":
             self._write_down([block_id], [block_hash])
+        job = self._stores_in_flight.pop(block_id, None)
+        if job is not None:
+            job.wait_copied()  # the step needs this slot now: the one wait on a transfer it makes
         self._block_tokens.pop(block_id, None)
 
     def _on_cpu_evict(self, block_hash: bytes, token_ids: Sequence[int], payload: torch.Tensor) -> None:
-        """CPU-tier LRU eviction cascades to disk (the disk tier copies the payload before returning)."""
+        """CPU-tier LRU eviction cascades to disk (the disk tier copies the payload before returning).
+        Runs on whichever thread put into the CPU tier (a transfer worker, mostly)."""
         assert self.disk is not None
         if not self.disk.contains(block_hash):
             self.disk.put([block_hash], [token_ids], [payload])
-            self.counters.write_downs["disk"] += 1
+            with self._counters_lock:
+                self.counters.write_downs["disk"] += 1
 
     def persist(self, max_blocks: int | None = None, wait: bool = True) -> int:
         """Write cached blocks that the disk tier lacks down to it, device first, then CPU.
@@ -245,6 +318,7 @@ class TierHierarchy:
         behind it. `wait` waits until the disk tier has committed them.
         """
         self.flush_pending()
+        self.wait_for_write_downs()  # what was handed down is below before the disk tier is asked
         if self.disk is None or not self._unpersisted:
             return 0
         missing = itertools.islice(self._blocks_missing_on_disk(), max_blocks)
@@ -254,7 +328,8 @@ class TierHierarchy:
             hashes, tokens, payloads = zip(*batch)
             self.disk.put(hashes, tokens, payloads)
             written += len(batch)
-        self.counters.write_downs["disk"] += written
+        with self._counters_lock:
+            self.counters.write_downs["disk"] += written
         if not written:
             self._unpersisted = False  # everything cached is on disk now
         if wait:
@@ -274,28 +349,41 @@ class TierHierarchy:
                 yield h, t, p
 
     def clear_device_cache(self) -> bool:
+        """Forget every cached device block, if none is in use (write-downs in flight finish first:
+        a cleared block is reused without passing through `_on_device_evict`)."""
+        self.wait_for_write_downs()
         ok = self.pool.reset_prefix_cache()
         if ok:
             self._block_tokens.clear()
             self._pending.clear()
+            self._stores_in_flight.clear()
         return ok
 
     def stats(self) -> dict:
-        """Per-tier usage and counters, plus the hierarchy's own counters."""
+        """Per-tier usage and counters, plus the hierarchy's own counters. The device tier's hits and
+        misses are the KV manager's (counted per admitted request); they are left 0 here."""
         dev = TierStats(name="device", capacity_blocks=self.pool.num_blocks,
                         capacity_bytes=self.kv_cache.numel() * self.kv_cache.element_size())
         dev.used_blocks = self.pool.num_blocks - self.pool.num_free_blocks
         dev.used_bytes = dev.used_blocks * (dev.capacity_bytes // max(self.pool.num_blocks, 1))
-        dev.hits = self.counters.hit_blocks["device"]
-        dev.misses = self.counters.query_blocks - dev.hits
         dev.evictions = self.counters.device_evictions
         dev.extra = {"cached_blocks": len(self.pool.cached_block_hash_to_block)}
         tiers = {"device": dev}
         for tier in self.lower_tiers:
             tiers[tier.name] = tier.stats()
-        return {"tiers": tiers, "counters": self.counters}
+        with self._counters_lock:
+            counters = copy.deepcopy(self.counters)
+        return {"tiers": tiers, "counters": counters}
 
     def close(self) -> None:
         self.persist()
+        self.transfers.close()
         for tier in self.lower_tiers:
             tier.close()
+
+
+def _put_run(tier: LowerTier, hashes: list[bytes], tokens: list[tuple[int, ...]], start: int,
+             srcs: list[torch.Tensor]) -> None:
+    """A store job's drain: put the blocks `start, start + 1, ...` of the job into `tier`."""
+    stop = start + len(srcs)
+    tier.put(hashes[start:stop], tokens[start:stop], srcs)

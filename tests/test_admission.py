@@ -1,0 +1,206 @@
+"""Asynchronous admission, without a model: a request whose prefix is below the device waits in the
+loading state while the others keep running, its hits stay held from lookup until the load lands,
+a failed read ends the prefix where it failed, and every counter counts what its name says.
+
+The fake "model step" of test_hierarchy fills each computed block with bytes derived from its chain
+hash, and every served prefix is checked byte for byte.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hierarchy import BS, HASHER, computed_blocks, content_for, doc, make_stack, run_request
+
+from kvstrata.engine.request import Request, RequestStatus
+from kvstrata.engine.sampling import SamplingParams
+from kvstrata.engine.scheduler import Scheduler
+from kvstrata.tiers.base import as_bytes
+
+
+def hashes_of(tokens: list[int]) -> list[bytes]:
+    return HASHER.hash(tokens)
+
+
+def put_below(kv, tokens: list[int], num_blocks: int) -> None:
+    """Store the first `num_blocks` blocks of `tokens` in the CPU tier only (as if long evicted)."""
+    hashes = hashes_of(tokens)[:num_blocks]
+    kv.hierarchy.cpu.put(hashes, [tokens[i * BS:(i + 1) * BS] for i in range(num_blocks)],
+                         [content_for(h) for h in hashes])
+
+
+def assert_prefix_bytes(kv, blocks, hashes) -> None:
+    for block, h in zip(blocks, hashes):
+        assert torch.equal(as_bytes(kv.hierarchy.kv_cache[block.block_id]), content_for(h)), "wrong bytes served"
+
+
+def new_request(tokens: list[int], max_tokens: int = 1) -> Request:
+    return Request(f"q{len(tokens)}-{tokens[0]}", list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def fake_step(kv, scheduler: Scheduler) -> list[Request]:
+    """One engine step without a model: schedule, 'compute' the new blocks, sample token 1."""
+    out = scheduler.schedule()
+    for s in out.scheduled:
+        req = s.request
+        for block, h in zip(kv.req_to_blocks[req.request_id], req.block_hashes):
+            if block.block_hash == h:
+                as_bytes(kv.hierarchy.kv_cache[block.block_id]).copy_(content_for(h))
+    scheduler.update_after_step(out)
+    sampled = [s.request for s in out.scheduled if s.samples]
+    for req in sampled:
+        req.output_token_ids.append(1)
+    kv.hierarchy.flush_pending()
+    return sampled
+
+
+@pytest.mark.parametrize("offload", ["write_through", "on_evict"])
+def test_a_loading_request_waits_while_another_keeps_decoding(offload):
+    kv = make_stack(device_blocks=32, cpu_blocks=16, offload=offload, gate_cpu=True)
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
+    document = doc(1, 6 * BS + 1)
+    put_below(kv, document, 6)
+    decoding = new_request(doc(2, 2 * BS), max_tokens=10)
+    scheduler.add_request(decoding)
+    fake_step(kv, scheduler)  # its prefill
+
+    kv.hierarchy.cpu.gate.clear()  # the CPU tier's reads now wait: the load stays in flight
+    loading = new_request(document)
+    scheduler.add_request(loading)
+    for _ in range(3):
+        sampled = fake_step(kv, scheduler)
+        assert sampled == [decoding]  # the other request decodes a token every step
+        assert loading.status == RequestStatus.LOADING and loading.num_computed_tokens == 0
+    kv.hierarchy.cpu.gate.set()
+    kv.wait_for_loads(timeout=10)
+    sampled = fake_step(kv, scheduler)
+    assert loading in sampled and decoding in sampled
+    assert loading.cached_tokens_by_tier == {"device": 0, "cpu": 6 * BS, "disk": 0}
+    assert_prefix_bytes(kv, kv.req_to_blocks[loading.request_id][:6], loading.block_hashes)
+
+
+@pytest.mark.parametrize("offload", ["write_through", "on_evict"])
+def test_hits_stay_held_from_lookup_until_the_load_lands(offload):
+    """While the load waits, other requests write down twice the CPU tier's free room: without
+    holds the LRU would evict the very blocks being promoted."""
+    kv = make_stack(device_blocks=24, cpu_blocks=10, offload=offload, gate_cpu=True)
+    document = doc(3, 6 * BS + 1)
+    put_below(kv, document, 6)
+    kv.hierarchy.cpu.gate.clear()
+    req = new_request(document)
+    assert kv.get_computed_blocks(req) is None and kv.is_loading(req)
+    for seed in range(10, 14):  # four other documents pass through the device and down
+        run_request(kv, doc(seed, 6 * BS + 1))
+    assert kv.hierarchy.cpu.stats().evictions > 0 or kv.hierarchy.cpu.stats().extra["rejected_puts"] > 0
+    kv.hierarchy.cpu.gate.set()
+    blocks, num_cached, by_tier = computed_blocks(kv, req)
+    assert num_cached == 6 * BS and by_tier["cpu"] == 6 * BS
+    assert_prefix_bytes(kv, blocks, req.block_hashes)
+
+
+def test_cpu_tier_hit_under_on_evict_without_disk_survives_its_own_promotion():
+    """The promotion's allocation evicts device blocks, which on_evict writes into a full CPU tier,
+    whose least recently used blocks are the ones being promoted: they must not be the ones to go."""
+    kv = make_stack(device_blocks=8, cpu_blocks=6, offload="on_evict")
+    a, b = doc(4, 6 * BS + 1), doc(5, 6 * BS + 1)
+    run_request(kv, a)
+    run_request(kv, b)  # a's blocks leave the device for the CPU tier; b's stay cached on the device
+    again = run_request(kv, a)  # run_request checks every served block's bytes
+    assert again.cached_tokens_by_tier["cpu"] > 0
+    assert again.num_cached_tokens == 6 * BS
+    assert kv.hierarchy.counters.promotion_failures == 0
+
+
+def test_a_block_gone_mid_transfer_ends_the_prefix_there_and_the_rest_is_recomputed():
+    kv = make_stack(device_blocks=24, cpu_blocks=16, gate_cpu=True)
+    document = doc(6, 6 * BS + 1)
+    put_below(kv, document, 6)
+    kv.hierarchy.cpu.gate.clear()
+    req = new_request(document)
+    assert kv.get_computed_blocks(req) is None
+    kv.hierarchy.cpu.inner.discard(req.block_hashes[3])  # dropped while the load waits
+    kv.hierarchy.cpu.gate.set()
+    blocks, num_cached, by_tier = computed_blocks(kv, req)
+    assert num_cached == 3 * BS and by_tier["cpu"] == 3 * BS
+    assert_prefix_bytes(kv, blocks, req.block_hashes)
+    assert kv.hierarchy.counters.promotion_failures == 1  # in blocks
+    # the blocks that did arrive after the gap are cached on the device for the next request
+    assert all(kv.pool.get_cached_block(h) is not None for h in req.block_hashes[4:6])
+
+
+def test_a_tier_failing_mid_transfer_is_a_miss_not_a_crash():
+    kv = make_stack(device_blocks=24, cpu_blocks=16, gate_cpu=True)
+    document = doc(7, 6 * BS + 1)
+    put_below(kv, document, 6)
+    kv.hierarchy.cpu.fail_reads = True
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
+    req = new_request(document)
+    scheduler.add_request(req)
+    while not fake_step(kv, scheduler):
+        kv.wait_for_loads(timeout=10)
+    assert req.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 0}  # recomputed whole
+    assert kv.hierarchy.counters.promotion_failures == 6
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks - len(kv.req_to_blocks[req.request_id])
+
+
+def test_a_request_aborted_while_loading_releases_its_blocks_once_the_load_lands():
+    kv = make_stack(device_blocks=24, cpu_blocks=16, gate_cpu=True)
+    document = doc(8, 6 * BS + 1)
+    put_below(kv, document, 6)
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
+    kv.hierarchy.cpu.gate.clear()
+    req = new_request(document)
+    scheduler.add_request(req)
+    assert fake_step(kv, scheduler) == [] and req.status == RequestStatus.LOADING
+    scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks - 6  # still being written into: not reusable
+    kv.hierarchy.cpu.gate.set()
+    kv.wait_for_loads(timeout=10)
+    kv.hierarchy.transfers.wait_idle()
+    kv.release_abandoned()
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    assert all(kv.pool.get_cached_block(h) is not None for h in req.block_hashes[:6])
+
+
+# ---------------------------------------------------------------------------------------- counters
+
+
+def test_hit_counters_count_each_admitted_request_once_even_when_its_admission_is_retried():
+    kv = make_stack(device_blocks=10)
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
+    shared = doc(9, 4 * BS)
+    first = new_request(shared + [5], max_tokens=1)
+    scheduler.add_request(first)
+    fake_step(kv, scheduler)
+    hog = new_request(doc(10, 5 * BS), max_tokens=3)  # takes the free blocks and keeps them a while
+    scheduler.add_request(hog)
+    fake_step(kv, scheduler)
+    second = new_request(shared + [6, 7, 8] + doc(11, 3 * BS), max_tokens=1)
+    scheduler.add_request(second)
+    admissions_tried = 0
+    while second.status != RequestStatus.RUNNING and not second.is_finished:
+        admissions_tried += second.cached_tokens_by_tier is None
+        for req in fake_step(kv, scheduler):
+            if len(req.output_token_ids) >= req.sampling_params.max_tokens:
+                scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+    assert admissions_tried >= 2, "the scenario must retry the admission"
+    stats = kv.stats()
+    assert stats.queries == 3
+    assert stats.hit_blocks == {"device": 4, "cpu": 0, "disk": 0}  # second's 4 shared blocks, once
+    assert stats.query_tokens == sum(r.num_prompt_tokens for r in (first, hog, second))
+    assert second.cached_tokens_by_tier["device"] == 4 * BS
+
+
+def test_promotion_write_down_and_eviction_counters_count_blocks():
+    kv = make_stack(device_blocks=8, cpu_blocks=32)
+    h = kv.hierarchy
+    a, b = doc(12, 6 * BS + 1), doc(13, 6 * BS + 1)
+    run_request(kv, a)
+    assert h.counters.write_downs == {"cpu": 6, "disk": 0}
+    run_request(kv, b)
+    assert h.counters.write_downs == {"cpu": 12, "disk": 0}
+    # b's 7 blocks took the one never used, a's uncached tail and 5 of a's 6 cached blocks
+    assert h.counters.device_evictions == 5
+    again = run_request(kv, a)
+    assert again.cached_tokens_by_tier == {"device": BS, "cpu": 5 * BS, "disk": 0}
+    assert h.counters.promotions == {"cpu": 5, "disk": 0}
+    assert h.counters.promotion_failures == 0
