@@ -1,6 +1,10 @@
 """Tier bandwidth: promotion from the CPU tier and from a warm disk tier into a block-major KV tensor,
 as a fraction of this machine's copy bandwidth, and the disk tier's write-down throughput.
 
+A promotion goes the engine's way: one load job of the transfer engine (the tier's read on its
+worker thread; with CUDA, pinned staging and one host-to-device copy per run on a side stream),
+timed from submission until it has landed.
+
     python benchmarks/tiers.py [--out benchmarks/results] [--repeats 5]
 
 The reference is a plain torch copy of a large buffer on a CPU-only machine; with CUDA it is
@@ -25,6 +29,7 @@ import torch
 from kvstrata.tiers.base import BlockLayout, as_bytes
 from kvstrata.tiers.cpu import CpuTier
 from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.transfer import TransferEngine
 
 LAYOUT = BlockLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
 TOKEN_COUNTS = (1024, 4096, 8192)
@@ -76,11 +81,20 @@ def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int,
     source.view(torch.uint8).random_(0, 256)
     srcs = [as_bytes(source[i]) for i in range(num_blocks)]
     kv = LAYOUT.allocate(num_blocks, device=device)
-    dests = [as_bytes(kv[i]) for i in range(num_blocks)]
+    transfers = TransferEngine(kv)
+    ids = list(range(num_blocks))
+
+    def promote(tier):
+        def fill(start, views):
+            stop = start + len(views)
+            return tier.get(hashes[start:stop], tokens[start:stop], views)
+        job = transfers.load(ids, fill)
+        job.wait()
+        assert all(job.served), f"the {tier.name} tier did not serve every block"
 
     cpu = CpuTier(LAYOUT, num_blocks, pin_memory=True)
     cpu.put(hashes, tokens, srcs)
-    cpu_s = best_seconds(lambda: cpu.get(hashes, tokens, dests), repeats, sync)
+    cpu_s = best_seconds(lambda: promote(cpu), repeats, sync)
     assert torch.equal(kv.cpu().view(torch.uint8), source.view(torch.uint8)), "CPU tier promotion returned other bytes"
 
     path = os.path.join(store_dir, f"store-{num_tokens}")
@@ -90,9 +104,10 @@ def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int,
     disk.flush()
     write_s = time.perf_counter() - start
     kv.zero_()
-    disk_s = best_seconds(lambda: disk.get(hashes, tokens, dests), repeats, sync)  # warm: read once first
+    disk_s = best_seconds(lambda: promote(disk), repeats, sync)  # warm: read once first
     assert torch.equal(kv.cpu().view(torch.uint8), source.view(torch.uint8)), "disk tier promotion returned other bytes"
     disk.close()
+    transfers.close()
     return {"tokens": num_tokens, "blocks": num_blocks, "bytes": nbytes,
             "cpu_gbps": nbytes / cpu_s / 1e9, "disk_gbps": nbytes / disk_s / 1e9,
             "disk_write_gbps": nbytes / write_s / 1e9}
