@@ -49,7 +49,7 @@ from typing import Annotated, Any, Literal
 import psutil
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator,
-                      ValidationError, field_validator, model_validator)
+                      ValidationError, field_serializer, field_validator, model_validator)
 
 from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, ModelShape, model_shape
 from kvstrata.engine.sizes import Size, format_bytes, format_size
@@ -270,8 +270,41 @@ class CacheConfig(_Section):
 
 
 class SchedulerConfig(_Section):
+    """How requests share the engine's steps (README, "Scheduling under concurrency").
+
+    `policy`: `uncached_first` admits waiting requests by the work left after the cache lookup,
+    short first, with aging; `fcfs` in arrival order. Under `uncached_first` each step computes at
+    most what `step_target` (seconds; YAML takes "50ms" or "0.2s") allows at the engine's measured
+    prefill speed, and while short work waits a long prefill gets at most `long_prefill_share` of it.
+    """
+
     max_num_batched_tokens: PositiveInt = 2048
     max_num_seqs: PositiveInt = 32
+    policy: Literal["fcfs", "uncached_first"] = "uncached_first"
+    step_target: float = 0.25
+    long_prefill_share: float = 0.25
+
+    @field_validator("step_target", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> float:
+        """A positive duration: "50ms", "0.2s", or a number of seconds."""
+        text = str(value).strip().lower() if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
+        match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)?", text)
+        seconds = float(match.group(1)) / (1000 if match.group(2) == "ms" else 1) if match else 0.0
+        if seconds <= 0:
+            raise ValueError(f"expected a positive duration such as 50ms or 0.2s, got {_short_repr(value)}")
+        return seconds
+
+    @field_validator("long_prefill_share", mode="before")
+    @classmethod
+    def _share(cls, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"expected a fraction in (0, 1], got {_short_repr(value)}")
+        return float(value)
+
+    @field_serializer("step_target")
+    def _duration_text(self, seconds: float) -> str:
+        return f"{seconds * 1000:g}ms"
 
 
 class ServerConfig(_Section):

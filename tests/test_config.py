@@ -579,3 +579,26 @@ def test_environment_is_not_reapplied_to_an_existing_config(monkeypatch):
     monkeypatch.setenv("KVSTRATA_PORT", "8002")
     assert load_config(config).server.port == 9000
 
+
+
+@pytest.mark.parametrize("scheduler, key, fragment", [
+    ({"policy": "lifo"}, "scheduler.policy", "unknown value 'lifo'"),
+    ({"step_target": "soon"}, "scheduler.step_target", "duration such as 50ms"),
+    ({"step_target": "-5ms"}, "scheduler.step_target", "duration such as 50ms"),
+    ({"step_target": 0}, "scheduler.step_target", "duration such as 50ms"),
+    ({"long_prefill_share": 0}, "scheduler.long_prefill_share", "fraction in (0, 1]"),
+    ({"long_prefill_share": 1.5}, "scheduler.long_prefill_share", "fraction in (0, 1]"),
+])
+def test_scheduler_policy_step_target_and_share_errors_are_one_line(scheduler, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config({"scheduler": scheduler})
+    assert info.value.key == key and fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_step_target_takes_milliseconds_seconds_or_a_number_and_round_trips():
+    for value, seconds in (("50ms", 0.05), ("0.2s", 0.2), (0.1, 0.1), ("1", 1.0)):
+        config = load_config({"scheduler": {"step_target": value, "policy": "fcfs"}})
+        assert config.scheduler.step_target == pytest.approx(seconds)
+        assert load_config(config.to_dict()) == config
+    default = load_config().scheduler
+    assert (default.policy, default.step_target, default.long_prefill_share) == ("uncached_first", 0.25, 0.25)
