@@ -19,6 +19,7 @@ from kvstrata.tiers.block_pool import KVCacheBlock
 from kvstrata.tiers.hierarchy import PrefixLoad, TierHierarchy
 
 ComputedBlocks = tuple[list[KVCacheBlock], int, dict[str, int]]
+LOAD_SMOOTHING = 0.3  # weight of the newest load in the per-tier load-time averages
 
 
 @dataclass
@@ -50,6 +51,8 @@ class KVCacheManager:
         # Prefixes of requests let go while their load was in flight: released once it lands.
         self._abandoned: list[PrefixLoad] = []
         self.prefix_stats = PrefixCacheStats()
+        # Measured seconds to load one block from each lower tier (moving averages; 0 until seen).
+        self.load_s_per_block: dict[str, float] = {t: 0.0 for t in TIER_NAMES if t != "device"}
 
     # ----------------------------------------------------------------- hashing
 
@@ -90,8 +93,32 @@ class KVCacheManager:
             return None
         del self.prefix_loads[request.request_id]
         hit = self.hierarchy.finish_prefix(load)
+        self._measure_load(load)
         by_tier = {t: hit.blocks_by_tier.get(t, 0) * self.block_size for t in TIER_NAMES}
         return hit.blocks, hit.num_blocks * self.block_size, by_tier
+
+    def _measure_load(self, load: PrefixLoad) -> None:
+        """Fold a landed load's time per block into the estimate for the tier that served most of it."""
+        served = [t for t in load.served_from if t is not None]
+        if load.transfer is None or not served:
+            return
+        tier = max(set(served), key=served.count)
+        per_block = load.transfer.seconds / len(load.below)
+        self.load_s_per_block[tier] += LOAD_SMOOTHING * (per_block - self.load_s_per_block[tier])
+
+    def estimate_uncached(self, request: Request) -> tuple[int, dict[str, int]]:
+        """(tokens left to compute, cached blocks per tier) for a waiting request, from a lookup that
+        holds nothing (one `count_prefix` per tier): for ordering admissions, not for admitting."""
+        load = self.prefix_loads.get(request.request_id)
+        if not self.enable_caching:
+            found: list[str] = []
+        elif load is not None:
+            found = load.found_in
+        else:
+            self._update_hashes(request)
+            found = self.hierarchy.locate(request.block_hashes[:(request.num_tokens - 1) // self.block_size])
+        hit_blocks = {t: found.count(t) for t in TIER_NAMES}
+        return request.num_tokens - len(found) * self.block_size, hit_blocks
 
     def is_loading(self, request: Request) -> bool:
         """The request's prefix is being copied up from a lower tier."""

@@ -51,8 +51,9 @@ class LLMEngine:
         namespace = make_namespace(mc.identity, self.dtype_name, cache.block_size, KV_LAYOUT_VERSION, cache.hash)
         self.kv_manager = KVCacheManager(self.hierarchy, BlockHasher(cache.block_size, namespace, cache.hash),
                                          cache.block_size, enable_caching=cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_manager, config.scheduler.max_num_batched_tokens,
-                                   config.scheduler.max_num_seqs)
+        sc = config.scheduler
+        self.scheduler = Scheduler(self.kv_manager, sc.max_num_batched_tokens, sc.max_num_seqs, policy=sc.policy,
+                                   step_target=sc.step_target, long_prefill_share=sc.long_prefill_share)
         self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
         self.runner = ModelRunner(self.loaded, self.hierarchy.kv_cache, get_ops(self.attention_backend))
         self.requests: dict[str, Request] = {}
@@ -159,6 +160,7 @@ class LLMEngine:
             # feeding new requests between steps is not kept waiting).
             self.kv_manager.wait_for_loads(timeout=LOAD_WAIT_S)
             return []
+        started = time.perf_counter()
         logits = self.runner.execute(self._build_step_input(out))
         self.scheduler.update_after_step(out)
         sampling = [s.request for s in out.scheduled if s.samples]
@@ -168,6 +170,10 @@ class LLMEngine:
             now = time.perf_counter()
             for request, token_id in zip(sampling, token_ids):
                 self._append_token(request, token_id, now)
+        # The step's measured cost prices waiting work and caps later steps (scheduler.step_target).
+        # On a GPU only a sampling step has waited for the device (`sample` reads the tokens back).
+        if sampling or self.device.type == "cpu":
+            self.scheduler.observe_step(out.num_tokens, time.perf_counter() - started)
         # The step computed the K/V of the blocks cached at allocation: now they can go down (the
         # transfer engine copies them in the background). A block reused before its copy is done is
         # waited for by the pool's eviction hook, so nothing is lost.

@@ -1,21 +1,46 @@
-"""Continuous batching with chunked prefill (vLLM v1's shape, one path).
+"""Continuous batching with chunked prefill (vLLM v1's shape, one path), admission by uncached work.
 
-Each step has a token budget (`max_num_batched_tokens`). Running requests go first (decodes and
-the rest of chunked prefills), then waiting requests are admitted in arrival order: at admission
-their prefix is looked up across every tier, and only the uncached suffix is scheduled. A request
-whose prefix was found below the device waits in the loading state (vLLM's WAITING_FOR_REMOTE_KVS)
-while its blocks are copied up, and the scheduler admits the requests behind it meanwhile; it is
-admitted in its turn once the copy has landed. When the device pool cannot hold a running
-request's next tokens, the newest running request is preempted (its blocks freed, to be recomputed
-later, mostly from the cache).
+Each step has a token budget. Running requests go first (decodes and the rest of chunked
+prefills), then waiting requests are admitted: at admission a request's prefix is looked up across
+every tier, and only the uncached suffix is scheduled. A request whose prefix was found below the
+device waits in the loading state (vLLM's WAITING_FOR_REMOTE_KVS) while its blocks are copied up,
+and the scheduler admits the requests behind it meanwhile; a landed request is admitted first. When
+the device pool cannot hold a running request's next tokens, the newest running request is
+preempted (its blocks freed, to be recomputed later, mostly from the cache).
+
+`scheduler.policy` decides the order of admission and the step's budget:
+
+- `fcfs`: arrival order (preempted requests first); the budget is `max_num_batched_tokens`.
+- `uncached_first` (default):
+  * Order by uncached work. Each waiting request is priced by what is left after a lookup that
+    holds nothing (one `count_prefix` per tier): the tokens to compute, plus its lower-tier hits at
+    their measured load time (in tokens of prefill time). Short work first, ties in arrival order.
+  * Aging. A request that has waited `AGING` times its own estimated cost (in seconds at the
+    measured prefill speed, and at least `MIN_AGE_S`) is overdue; overdue requests go before all
+    others, in arrival order. Bound: a request's wait exceeds max(AGING x its cost, MIN_AGE_S) by at
+    most the time the engine takes to admit the overdue requests that arrived before it, which is
+    the wait first-come-first-served would give it.
+  * Step cap. A step computes at most the tokens that `step_target` allows at the measured prefill
+    speed (at least `MIN_STEP_TOKENS`), so a request that arrives waits for no long step.
+  * Bounded share. While short work waits (a waiting request whose uncached work fits in one
+    step), a long prefill in progress (one the step cannot finish) gets at most
+    `long_prefill_share` of the step's budget and the rest goes to the short work. With nothing
+    short waiting, long prefills get the whole budget. Several requests may be mid-prefill at once.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvstrata.engine.kv_manager import KVCacheManager
 from kvstrata.engine.request import Request, RequestStatus
+
+POLICIES = ("fcfs", "uncached_first")
+AGING = 4.0              # a request is overdue once it has waited this many times its own estimated cost
+MIN_AGE_S = 1.0          # ... and at least this long: a near-free request is not overdue at once
+MIN_STEP_TOKENS = 32     # the step cap never goes below this: per-step overhead would dominate
 
 
 @dataclass
@@ -36,11 +61,47 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+@dataclass
+class StepCost:
+    """The engine's measured step time, `overhead_s + per_token_s * tokens`, as moving averages.
+
+    Steps of a few tokens (decodes) measure the overhead; larger ones the cost per token. Before
+    any measurement the per-token cost is a CPU-sized guess, replaced after the first steps.
+    """
+
+    per_token_s: float = 2e-3
+    overhead_s: float = 0.0
+    smoothing: float = 0.3
+    SMALL_STEP_TOKENS = 8
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0:
+            return
+        a = self.smoothing
+        if num_tokens <= self.SMALL_STEP_TOKENS:
+            self.overhead_s += a * (seconds - self.overhead_s)
+        else:
+            marginal = max(seconds - self.overhead_s, 0.0) / num_tokens
+            self.per_token_s += a * (marginal - self.per_token_s)
+
+    def tokens_within(self, seconds: float) -> int:
+        return max(MIN_STEP_TOKENS, int((seconds - self.overhead_s) / max(self.per_token_s, 1e-9)))
+
+
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, kv_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 policy: str = "uncached_first", step_target: float = 0.25, long_prefill_share: float = 0.25,
+                 clock: Callable[[], float] = time.perf_counter):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduler.policy: unknown policy {policy!r} (use one of {', '.join(POLICIES)})")
         self.kv = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.policy = policy
+        self.step_target = step_target
+        self.long_prefill_share = long_prefill_share
+        self.clock = clock
+        self.cost = StepCost()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -55,16 +116,53 @@ class Scheduler:
     def num_loading(self) -> int:
         return sum(1 for r in self.waiting if r.status == RequestStatus.LOADING)
 
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The engine reports how long a step of `num_tokens` took (it prices work and caps steps)."""
+        self.cost.observe(num_tokens, seconds)
+
+    # ------------------------------------------------------------------ one step
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         self.kv.release_abandoned()
+        budget = self.max_num_batched_tokens
+        candidates = [r for r in self.waiting if not self.kv.is_loading(r)]
+        long_chunk = budget
+        if self.policy == "uncached_first":
+            budget = min(budget, self.cost.tokens_within(self.step_target))
+            candidates, short_waiting = self._order(candidates, budget)
+            long_chunk = max(1, int(self.long_prefill_share * budget)) if short_waiting else budget
+        budget = self._schedule_running(out, budget, long_chunk)
+        self._admit_waiting(out, candidates, budget, long_chunk)
+        return out
 
-        # 1. Running requests, oldest first.
+    def _order(self, candidates: list[Request], budget: int) -> tuple[list[Request], bool]:
+        """Landed loads first, then overdue requests in arrival order, then the rest by uncached work;
+        and whether any candidate is short (its uncached work fits in one step)."""
+        now = self.clock()
+        work = {r.request_id: self._uncached_work(r) for r in candidates}
+
+        def key(r: Request):
+            landed = r.status == RequestStatus.LOADING
+            cost_s = work[r.request_id] * self.cost.per_token_s
+            overdue = now - r.arrival_time >= max(AGING * cost_s, MIN_AGE_S)
+            return (not landed, not overdue, 0 if overdue else work[r.request_id], r.arrival_time)
+
+        short = any(w <= budget for w in work.values())
+        return sorted(candidates, key=key), short
+
+    def _uncached_work(self, request: Request) -> float:
+        """Tokens left to compute after a lookup, plus lower-tier hits priced at their load time."""
+        tokens, hit_blocks = self.kv.estimate_uncached(request)
+        load_s = sum(n * self.kv.load_s_per_block.get(t, 0.0) for t, n in hit_blocks.items() if t != "device")
+        return tokens + load_s / max(self.cost.per_token_s, 1e-9)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, long_chunk: int) -> int:
+        """Running requests, oldest first; a long prefill gets at most `long_chunk`. Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget, long_chunk)
             if num_new <= 0:
                 i += 1
                 continue
@@ -80,37 +178,42 @@ class Scheduler:
                 i += 1
                 continue
             break  # the request itself was preempted: nothing after it can run either
+        return budget
 
-        # 2. Waiting requests, in arrival order, while budget and sequence slots last. Loading ones
-        # count towards the sequence slots (they hold device blocks) and are passed over.
+    @staticmethod
+    def _chunk(remaining: int, budget: int, long_chunk: int) -> int:
+        """A request's tokens this step: all that fit, but a prefill this step cannot finish (a long
+        one) gets at most `long_chunk`."""
+        return min(remaining, budget) if remaining <= budget else min(long_chunk, budget)
+
+    def _admit_waiting(self, out: SchedulerOutput, candidates: list[Request], budget: int, long_chunk: int) -> None:
+        """Admit waiting requests in `candidates` order while budget and sequence slots last. Loading
+        ones count towards the sequence slots (they hold device blocks)."""
         num_seqs = len(self.running) + self.num_loading
-        for request in list(self.waiting):
+        for request in candidates:
             if budget <= 0 or out.preempted:
                 break
-            if self.kv.is_loading(request):
-                continue
-            loaded = request.status == RequestStatus.LOADING  # landed: its prefix is held already
-            if not loaded and num_seqs >= self.max_num_seqs:
+            landed = request.status == RequestStatus.LOADING  # its prefix is held already
+            if not landed and num_seqs >= self.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(request)
             if computed is None:  # found below the device: it waits while its blocks are copied up
                 request.status = RequestStatus.LOADING
                 num_seqs += 1
                 continue
-            if not self._admit(request, computed, budget, out):
-                if loaded:  # its prefix was just released (still cached on the device): retried later
+            if not self._admit(request, computed, budget, long_chunk, out):
+                if landed:  # its prefix was just released (still cached on the device): retried later
                     request.status = RequestStatus.WAITING
                     num_seqs -= 1
                     continue
                 break  # the device pool is full: wait for running requests to finish
             budget -= out.scheduled[-1].num_new_tokens
-            num_seqs += not loaded
-        return out
+            num_seqs += not landed
 
-    def _admit(self, request: Request, computed, budget: int, out: SchedulerOutput) -> bool:
+    def _admit(self, request: Request, computed, budget: int, long_chunk: int, out: SchedulerOutput) -> bool:
         """Give a looked-up request device slots for its first chunk and start it running."""
         blocks, num_cached, by_tier = computed
-        num_new = min(request.num_tokens - num_cached, budget)
+        num_new = self._chunk(request.num_tokens - num_cached, budget, long_chunk)
         if self.kv.allocate_slots(request, num_new, blocks) is None:
             return False
         self.waiting.remove(request)
@@ -122,7 +225,6 @@ class Scheduler:
         self.running.append(request)
         out.scheduled.append(self._scheduled(request, num_new))
         return True
-
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, num_new,
                                 samples=request.num_computed_tokens + num_new == request.num_tokens)

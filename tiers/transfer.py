@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -54,6 +55,7 @@ class Transfer:
     block_ids: list[int]
     served: list[bool] = field(default_factory=list)
     failed: bool = False
+    seconds: float = 0.0  # how long the job took on its worker, from its start to its completion
     _after: object = None  # CUDA: an event on the compute stream that the job's copies wait for
     _copied: threading.Event = field(default_factory=threading.Event)
     _done: threading.Event = field(default_factory=threading.Event)
@@ -105,8 +107,12 @@ class TransferEngine:
         with self._completed:
             return self._completed.wait_for(lambda: any(t.done for t in transfers), timeout)
 
+    def wait_stores(self) -> None:
+        """Wait until every store submitted so far is done: its blocks are in their lower tier."""
+        self._stores.wait_idle()
+
     def wait_idle(self) -> None:
-        """Wait until every job submitted so far is done (shutdown, persistence, tests)."""
+        """Wait until every job submitted so far is done (shutdown, tests)."""
         self._loads.wait_idle()
         self._stores.wait_idle()
 
@@ -152,6 +158,7 @@ class _Direction:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             transfer, work = job
+            started = time.perf_counter()
             try:
                 if self.name == "load":
                     self._load(transfer, work)
@@ -161,6 +168,7 @@ class _Direction:
                 logger.exception("kvstrata: a block %s failed", self.name)
                 transfer.failed = True
                 transfer.served += [False] * (len(transfer.block_ids) - len(transfer.served))
+            transfer.seconds = time.perf_counter() - started
             self._finish(transfer)
 
     def _finish(self, transfer: Transfer) -> None:

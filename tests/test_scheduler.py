@@ -1,0 +1,149 @@
+"""Scheduling by uncached work, without a model and with a fake clock: short work is admitted ahead
+of long work, aging bounds every wait, a long prefill gets at most its share of a step while short
+work waits (and the whole step otherwise), and the step is capped by its target time."""
+from __future__ import annotations
+
+import pytest
+from test_admission import fake_step, new_request
+from test_hierarchy import BS, doc, make_stack, run_request
+
+from kvstrata.engine.request import RequestStatus
+from kvstrata.engine.scheduler import AGING, MIN_AGE_S, MIN_STEP_TOKENS, Scheduler, StepCost
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_scheduler(policy: str, budget: int = 64, device_blocks: int = 256, share: float = 0.25,
+                   step_target: float = 100.0, seconds_per_token: float = 0.01):
+    kv = make_stack(device_blocks=device_blocks)
+    clock = FakeClock()
+    scheduler = Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=16, policy=policy,
+                          step_target=step_target, long_prefill_share=share, clock=clock)
+    scheduler.cost = StepCost(per_token_s=seconds_per_token)
+    return kv, scheduler, clock
+
+
+def add(scheduler: Scheduler, clock: FakeClock, tokens: list[int], max_tokens: int = 1):
+    request = new_request(tokens, max_tokens)
+    request.arrival_time = clock.now
+    scheduler.add_request(request)
+    return request
+
+
+def step(kv, scheduler: Scheduler, clock: FakeClock) -> dict:
+    """One fake step; finishes requests that reached max_tokens; returns {request: tokens scheduled}."""
+    out_tokens = {}
+    original = scheduler.schedule
+
+    def recording_schedule():
+        out = original()
+        out_tokens.update({s.request: s.num_new_tokens for s in out.scheduled})
+        return out
+
+    scheduler.schedule = recording_schedule
+    try:
+        for req in fake_step(kv, scheduler):
+            if len(req.output_token_ids) >= req.sampling_params.max_tokens:
+                scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+    finally:
+        scheduler.schedule = original
+    clock.now += 1.0
+    return out_tokens
+
+
+def cached_question(kv, seed: int, doc_blocks: int = 10, question_tokens: int = 5) -> list[int]:
+    """A prompt whose document (its first `doc_blocks` blocks) is cached on the device already."""
+    document = doc(seed, doc_blocks * BS)
+    run_request(kv, document + [1])
+    return document + doc(seed + 1000, question_tokens)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
+def test_a_mostly_cached_question_is_admitted_ahead_of_a_long_uncached_document(policy):
+    kv, scheduler, clock = make_scheduler(policy)
+    question = cached_question(kv, 1)
+    long_doc = add(scheduler, clock, doc(2, 320))          # arrives first: 320 tokens to compute
+    short = add(scheduler, clock, question)                # 5 tokens to compute
+    scheduled = step(kv, scheduler, clock)
+    if policy == "uncached_first":
+        assert short in scheduled and scheduled[short] == 5
+        assert short.status == RequestStatus.FINISHED_LENGTH  # its first token came in the first step
+    else:
+        assert short not in scheduled and scheduled[long_doc] == 64  # first come, whole budget
+
+
+def test_aging_bounds_the_wait_of_a_long_request_behind_a_stream_of_short_ones():
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=32, share=1.0)
+    long_request = add(scheduler, clock, doc(3, 128))  # cost 1.28 s at 10 ms a token
+    bound = max(AGING * 128 * 0.01, MIN_AGE_S)
+    admitted_at = None
+    for i in range(20):
+        for k in range(4):  # four new 8-token requests a step: they alone fill the 32-token budget
+            add(scheduler, clock, doc(100 + 10 * i + k, 8))
+        now = clock.now
+        scheduled = step(kv, scheduler, clock)
+        if long_request in scheduled:
+            admitted_at = now
+            break
+    assert admitted_at is not None, "the long request was never admitted"
+    assert admitted_at >= bound - 1.0  # not overdue before its bound: short work went first
+    assert admitted_at <= bound + 1.0  # admitted at the first step once overdue
+    assert admitted_at > 0
+
+
+def test_a_long_prefill_gets_its_share_while_short_work_waits_and_the_whole_budget_otherwise():
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=64, share=0.25)
+    long_request = add(scheduler, clock, doc(4, 480))
+    assert step(kv, scheduler, clock)[long_request] == 64  # nothing else waits: the whole budget
+    question = cached_question(kv, 5)
+    short = add(scheduler, clock, question)
+    scheduled = step(kv, scheduler, clock)
+    assert scheduled[long_request] == 16  # a quarter of the step
+    assert scheduled[short] == 5          # and the short request is not kept waiting
+    assert step(kv, scheduler, clock)[long_request] == 64  # short work done: the whole budget again
+
+
+def test_several_prefills_run_at_once():
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=64, share=0.25)
+    first = add(scheduler, clock, doc(6, 480))
+    step(kv, scheduler, clock)
+    second = add(scheduler, clock, doc(7, 48))  # fits in one step, so it is short
+    scheduled = step(kv, scheduler, clock)
+    assert scheduled[first] == 16 and scheduled[second] == 48
+    assert first.num_computed_tokens < first.num_tokens  # still mid-prefill alongside the other
+
+
+def test_the_step_is_capped_by_its_target_time_at_the_measured_speed():
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=0.5,
+                                          seconds_per_token=1 / 128)
+    long_request = add(scheduler, clock, doc(8, 960))
+    assert step(kv, scheduler, clock)[long_request] == 64  # 0.5 s at 128 tokens a second
+    scheduler.cost = StepCost(per_token_s=1.0)  # a very slow engine: never below the floor
+    assert step(kv, scheduler, clock)[long_request] == MIN_STEP_TOKENS
+
+
+def test_fcfs_keeps_the_whole_budget_for_the_request_that_came_first():
+    kv, scheduler, clock = make_scheduler("fcfs", budget=2048, step_target=0.01)
+    long_request = add(scheduler, clock, doc(9, 60 * BS))
+    assert step(kv, scheduler, clock)[long_request] == 60 * BS  # no step cap, no share
+
+
+def test_step_cost_learns_overhead_from_small_steps_and_per_token_cost_from_large_ones():
+    cost = StepCost(per_token_s=1.0, smoothing=1.0)
+    cost.observe(2, 1 / 64)                # a decode step: the overhead
+    cost.observe(64, 1 / 64 + 64 / 1024)   # a prefill step: the overhead plus 1/1024 s a token
+    assert cost.overhead_s == 1 / 64
+    assert cost.per_token_s == 1 / 1024
+    assert cost.tokens_within(1 / 64 + 48 / 1024) == 48
+
+
+def test_unknown_policy_is_a_one_line_error():
+    kv = make_stack(device_blocks=8)
+    with pytest.raises(ValueError, match="scheduler.policy"):
+        Scheduler(kv, 64, 4, policy="lifo")
