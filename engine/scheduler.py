@@ -21,7 +21,9 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     most the time the engine takes to admit the overdue requests that arrived before it, which is
     the wait first-come-first-served would give it.
   * Step cap. A step computes at most the tokens that `step_target` allows at the measured prefill
-    speed (at least `MIN_STEP_TOKENS`), so a request that arrives waits for no long step.
+    speed, so a request that arrives waits for no long step; but at least `MIN_STEP_TOKENS`, and
+    enough that the step's fixed cost stays under `MAX_OVERHEAD_SHARE` of it (throughput first
+    where a step's overhead is large against the target).
   * Bounded share. While short work waits (a waiting request whose uncached work fits in one
     step), a long prefill in progress (one the step cannot finish) gets at most
     `long_prefill_share` of the step's budget and the rest goes to the short work. With nothing
@@ -40,7 +42,8 @@ from kvstrata.engine.request import Request, RequestStatus
 POLICIES = ("fcfs", "uncached_first")
 AGING = 4.0              # a request is overdue once it has waited this many times its own estimated cost
 MIN_AGE_S = 1.0          # ... and at least this long: a near-free request is not overdue at once
-MIN_STEP_TOKENS = 32     # the step cap never goes below this: per-step overhead would dominate
+MIN_STEP_TOKENS = 32     # the step cap never goes below this many tokens ...
+MAX_OVERHEAD_SHARE = 0.1  # ... nor so low that the fixed cost of a step exceeds this share of it
 
 
 @dataclass
@@ -85,7 +88,10 @@ class StepCost:
             self.per_token_s += a * (marginal - self.per_token_s)
 
     def tokens_within(self, seconds: float) -> int:
-        return max(MIN_STEP_TOKENS, int((seconds - self.overhead_s) / max(self.per_token_s, 1e-9)))
+        """The tokens a step may take to last `seconds`, within the floors of the step cap."""
+        per_token = max(self.per_token_s, 1e-9)
+        overhead_floor = self.overhead_s * (1 - MAX_OVERHEAD_SHARE) / MAX_OVERHEAD_SHARE / per_token
+        return max(MIN_STEP_TOKENS, int(overhead_floor), int((seconds - self.overhead_s) / per_token))
 
 
 class Scheduler:

@@ -151,3 +151,17 @@ def test_pinned_request_without_cuda_falls_back_to_plain_memory():
 def test_zero_capacity_is_rejected():
     with pytest.raises(ValueError, match="cache.tiers.cpu.size"):
         CpuTier(BF16, capacity_blocks=0)
+
+
+def test_a_held_block_is_never_evicted_and_a_full_tier_of_held_blocks_rejects_puts():
+    tier = CpuTier(BF16, capacity_blocks=2)
+    put_blocks(tier, [1, 2])
+    tier.hold([key(1)])
+    put_blocks(tier, [3])  # evicts 2, the least recently used block not held
+    assert tier.contains(key(1)) and tier.contains(key(3)) and not tier.contains(key(2))
+    tier.hold([key(3)])
+    put_blocks(tier, [4])  # every slot is held: the put stores nothing
+    assert not tier.contains(key(4)) and tier.stats().extra["rejected_puts"] == 1
+    tier.release([key(1), key(3)])
+    put_blocks(tier, [4])
+    assert tier.contains(key(4))

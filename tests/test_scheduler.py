@@ -140,7 +140,9 @@ def test_step_cost_learns_overhead_from_small_steps_and_per_token_cost_from_larg
     cost.observe(64, 1 / 64 + 64 / 1024)   # a prefill step: the overhead plus 1/1024 s a token
     assert cost.overhead_s == 1 / 64
     assert cost.per_token_s == 1 / 1024
-    assert cost.tokens_within(1 / 64 + 48 / 1024) == 48
+    assert cost.tokens_within(1 / 64 + 256 / 1024) == 256
+    # a short target would spend most of each step on its fixed cost: at most a tenth of it
+    assert cost.tokens_within(1 / 64 + 48 / 1024) == 144 == 9 * 16
 
 
 def test_unknown_policy_is_a_one_line_error():

@@ -116,8 +116,8 @@ class CpuTier(LowerTier):
     def release(self, block_hashes: Sequence[bytes]) -> None:
         with self._lock:
             for h in block_hashes:
-                n = self._holds.pop(h) - 1
-                if n:
+                n = self._holds.pop(h, 0) - 1
+                if n > 0:
                     self._holds[h] = n
 
     # -- writes ------------------------------------------------------------------------------
