@@ -116,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--notes", default=None, help="a markdown file of observations to include in the report")
     p.add_argument("--from-json", default=None,
                    help="rewrite the report and plots from an earlier run's JSON (with --notes), measuring nothing")
+    p.add_argument("--concurrency", action="store_true",
+                   help="run the concurrent section instead (benchmarks/ttft_concurrency.py: fcfs against "
+                        "uncached_first under N streams or Poisson arrivals; its options follow)")
     p.add_argument("--restart-child", default=None, help=argparse.SUPPRESS)  # internal: a fresh process
     args = p.parse_args(argv)
     args.configs = _names(p, args.configs, CONFIGURATIONS, "--configs")
@@ -507,6 +510,11 @@ def render_chat(tokenizer, content: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--concurrency" in argv:  # the concurrent section lives in its own module
+        from benchmarks import ttft_concurrency
+        argv.remove("--concurrency")
+        return ttft_concurrency.main(argv)
     args = parse_args(argv)
     if args.restart_child:
         run_restart_child(args.restart_child)

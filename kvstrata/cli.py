@@ -3,6 +3,7 @@
     kvstrata serve  --config F [--host H] [--port P] [--set key=value ...]
     kvstrata ask    --config F --doc FILE [--question Q ...] [QUESTION ...] [--max-tokens N]
     kvstrata bench  ttft --config F [benchmark options ...]
+    kvstrata bench  concurrency --config F [benchmark options ...]
     kvstrata config check FILE [--set key=value ...]
     kvstrata cache  stats|clear --config F
 
@@ -71,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                                               "options after --config go to the benchmark")
     _add_config_arguments(ttft)
     ttft.set_defaults(run=_bench_ttft, passes_extra_args=True)
+    concurrency = benchmarks.add_parser(
+        "concurrency", help="TTFT of cached questions and new documents at once, fcfs against uncached_first "
+                            "(benchmarks/ttft_concurrency.py); options after --config go to the benchmark")
+    _add_config_arguments(concurrency)
+    concurrency.set_defaults(run=_bench_concurrency, passes_extra_args=True)
 
     config = commands.add_parser("config", help="work with config files")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -144,8 +150,17 @@ def _ask(args: argparse.Namespace) -> int:
 
 def _bench_ttft(args: argparse.Namespace) -> int:
     """Run benchmarks/ttft_pressure.py as a script, with --config, --set and any further options."""
+    return _run_benchmark("ttft_pressure", args)
+
+
+def _bench_concurrency(args: argparse.Namespace) -> int:
+    """Run benchmarks/ttft_concurrency.py as a script, with --config, --set and any further options."""
+    return _run_benchmark("ttft_concurrency", args)
+
+
+def _run_benchmark(name: str, args: argparse.Namespace) -> int:
     _load(args)  # a bad config fails here, in one line, before the benchmark loads a model
-    script = _find_benchmark("ttft_pressure")
+    script = _find_benchmark(name)
     script_args = ["--config", args.config] if args.config else []
     for override in args.overrides:
         script_args += ["--set", override]
