@@ -204,3 +204,25 @@ def test_promotion_write_down_and_eviction_counters_count_blocks():
     assert again.cached_tokens_by_tier == {"device": BS, "cpu": 5 * BS, "disk": 0}
     assert h.counters.promotions == {"cpu": 5, "disk": 0}
     assert h.counters.promotion_failures == 0
+
+
+def test_a_prefix_needing_more_device_blocks_than_are_free_ends_where_the_room_ends():
+    """Laid out cpu, cpu, cpu, device, device with room for two blocks: the prefix is the first
+    two, and the device hits past the end are let go again."""
+    kv = make_stack(device_blocks=12, cpu_blocks=32)
+    pool = kv.pool
+    document = doc(14, 5 * BS + 1)
+    first = run_request(kv, document)
+    for h in first.block_hashes[:3]:  # blocks 0-2 leave the device; the CPU tier still has them
+        pool.cached_block_hash_to_block.pop(h).block_hash = None
+    hog = pool.get_new_blocks(7)  # the never-used blocks and the partial last one
+    hits = [pool.get_cached_block(h) for h in first.block_hashes[3:5]]
+    pool.touch(hits)
+    pool.free_blocks(hits)  # now last in the free queue: the next allocation takes an empty block
+    pool.get_new_blocks(1)
+    assert pool.num_free_blocks == 4 and kv.hierarchy.locate(first.block_hashes[:5]) == ["cpu"] * 3 + ["device"] * 2
+    blocks, num_cached, by_tier = computed_blocks(kv, new_request(document))
+    assert num_cached == 2 * BS and by_tier["cpu"] == 2 * BS
+    assert_prefix_bytes(kv, blocks, first.block_hashes)
+    assert pool.num_free_blocks == 2  # the two device hits went back to the free queue
+    pool.free_blocks(hog)

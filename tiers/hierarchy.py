@@ -164,10 +164,11 @@ class TierHierarchy:
             self.pool.get_cached_block(h) if t == "device" else None for h, t in zip(block_hashes, found_in)]
         self.pool.touch([b for b in blocks if b is not None])
         below = [k for k, t in enumerate(found_in) if t != "device"]
-        if len(below) > self.pool.num_free_blocks:
-            end = below[self.pool.num_free_blocks]
+        room = self.pool.num_free_blocks
+        if len(below) > room:
+            end = below[room]
             self.pool.free_blocks(list(reversed([b for b in blocks[end:] if b is not None])))
-            found_in, blocks, below = found_in[:end], blocks[:end], below[:self.pool.num_free_blocks]
+            found_in, blocks, below = found_in[:end], blocks[:end], below[:room]
         load = PrefixLoad(list(block_hashes[:len(found_in)]), list(block_tokens[:len(found_in)]), found_in,
                           blocks, below, [None] * len(below))  # type: ignore[arg-type]
         if not below:
