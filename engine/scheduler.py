@@ -20,8 +20,9 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     others, in arrival order. Bound: a request's wait exceeds max(AGING x its cost, MIN_AGE_S) by at
     most the time the engine takes to admit the overdue requests that arrived before it, which is
     the wait first-come-first-served would give it.
-  * Step cap. A step computes at most the tokens that `step_target` allows at the measured prefill
-    speed, so a request that arrives waits for no long step; but at least `MIN_STEP_TOKENS`, and
+  * Step cap. While more than one request is in the engine, a step computes at most the tokens that
+    `step_target` allows at the measured prefill speed, so no request waits long for a step shared
+    with others (a lone request keeps the whole budget); but at least `MIN_STEP_TOKENS`, and
     enough that the step's fixed cost stays under `MAX_OVERHEAD_SHARE` of it (throughput first
     where a step's overhead is large against the target).
   * Bounded share. While short work waits (a waiting request whose uncached work fits in one
@@ -135,7 +136,8 @@ class Scheduler:
         candidates = [r for r in self.waiting if not self.kv.is_loading(r)]
         long_chunk = budget
         if self.policy == "uncached_first":
-            budget = min(budget, self.cost.tokens_within(self.step_target))
+            if len(self.running) + len(self.waiting) > 1:  # a lone request keeps the whole budget
+                budget = min(budget, self.cost.tokens_within(self.step_target))
             candidates, short_waiting = self._order(candidates, budget)
             long_chunk = max(1, int(self.long_prefill_share * budget)) if short_waiting else budget
         budget = self._schedule_running(out, budget, long_chunk)

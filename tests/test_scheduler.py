@@ -119,13 +119,22 @@ def test_several_prefills_run_at_once():
     assert first.num_computed_tokens < first.num_tokens  # still mid-prefill alongside the other
 
 
-def test_the_step_is_capped_by_its_target_time_at_the_measured_speed():
+def test_the_step_is_capped_by_its_target_time_at_the_measured_speed_when_requests_share_it():
     kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=0.5,
                                           seconds_per_token=1 / 128)
-    long_request = add(scheduler, clock, doc(8, 960))
-    assert step(kv, scheduler, clock)[long_request] == 64  # 0.5 s at 128 tokens a second
+    first = add(scheduler, clock, doc(8, 960))
+    add(scheduler, clock, doc(10, 960))
+    assert sum(step(kv, scheduler, clock).values()) == 64  # 0.5 s at 128 tokens a second
     scheduler.cost = StepCost(per_token_s=1.0)  # a very slow engine: never below the floor
-    assert step(kv, scheduler, clock)[long_request] == MIN_STEP_TOKENS
+    assert sum(step(kv, scheduler, clock).values()) == MIN_STEP_TOKENS
+    assert first.num_computed_tokens > 0
+
+
+def test_a_lone_request_keeps_the_whole_budget():
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=0.5,
+                                          seconds_per_token=1 / 128)
+    lone = add(scheduler, clock, doc(11, 960))
+    assert step(kv, scheduler, clock)[lone] == 960
 
 
 def test_fcfs_keeps_the_whole_budget_for_the_request_that_came_first():
