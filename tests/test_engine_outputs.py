@@ -102,6 +102,15 @@ def test_hits_from_device_cpu_and_disk_give_the_uncached_outputs(loaded, referen
     llm = LLM(load_config(config(tmp_path)), loaded_model=loaded)
     rec = FirstTokenLogits(monkeypatch)
     hierarchy = llm.engine.hierarchy
+    outs = []
+    run = rec.run
+
+    def recorded_run(llm_, messages):
+        out_, logits_ = run(llm_, messages)
+        outs.append(out_)
+        return out_, logits_
+
+    rec.run = recorded_run
     key = ("try", QUESTIONS[0])
     out, logits = rec.run(llm, chat(DOCS["try"], key[1]))
     assert out.cached_tokens == 0
@@ -126,8 +135,15 @@ def test_hits_from_device_cpu_and_disk_give_the_uncached_outputs(loaded, referen
     out, logits = rec.run(llm, chat(DOCS["try"], key[1]))
     assert out.cached_tokens_by_tier["disk"] > 0, out.cached_tokens_by_tier
     assert_same_as_reference(reference, key, out, logits)
+    # every counter counts what the requests were told, once per request, in its unit
     stats = llm.stats()
+    served = {t: sum(o.cached_tokens_by_tier[t] for o in outs) for t in ("device", "cpu", "disk")}
+    assert stats["prefix_cache"]["hit_tokens"] == served
+    assert stats["prefix_cache"]["query_tokens"] == sum(len(o.prompt_token_ids) for o in outs)
+    assert stats["tiers"]["device"]["hits"] == served["device"] // 16
+    assert stats["promotions"] == {"cpu": served["cpu"] // 16, "disk": served["disk"] // 16}
     assert stats["promotions"]["disk"] > 0 and stats["promotions"]["cpu"] > 0
+    assert stats["promotion_failures"] == 0
     llm.close()
 
 
