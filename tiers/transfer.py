@@ -207,13 +207,17 @@ class _CudaDirection(_Direction):
     def __init__(self, name: str, kv_cache: torch.Tensor, chunk_blocks: int, completed: threading.Condition):
         self.chunk = chunk_blocks
         self.stream = torch.cuda.Stream(device=kv_cache.device)
-        block_shape = kv_cache.shape[1:]
-        self.host = [torch.empty((chunk_blocks, *block_shape), dtype=kv_cache.dtype, pin_memory=True)
-                     for _ in range(2)]
-        self.device = torch.empty((chunk_blocks, *block_shape), dtype=kv_cache.dtype, device=kv_cache.device)
+        # Staging is allocated by the first job (an engine without lower tiers never pins any).
+        self.host: list[torch.Tensor] = []
+        self.device: torch.Tensor | None = None
         # An event per host half: recorded after the last copy that read or wrote it.
         self.host_free: list[torch.cuda.Event | None] = [None, None]
         super().__init__(name, kv_cache, completed)
+
+    def _allocate_staging(self) -> None:
+        shape = (self.chunk, *self.kv_cache.shape[1:])
+        self.host = [torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=True) for _ in range(2)]
+        self.device = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
 
     def _prepare(self, transfer: Transfer) -> None:
         # The job must come after the work queued on the compute stream so far: a store reads blocks
@@ -221,6 +225,8 @@ class _CudaDirection(_Direction):
         transfer._after = torch.cuda.current_stream(self.kv_cache.device).record_event()
 
     def _chunks(self, transfer: Transfer):
+        if self.device is None:
+            self._allocate_staging()
         ids = transfer.block_ids
         for k, start in enumerate(range(0, len(ids), self.chunk)):
             half = k % 2
