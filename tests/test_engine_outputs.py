@@ -266,15 +266,15 @@ def test_stop_strings_and_seeds_behave_like_openai(loaded, tmp_path):
 
 
 def test_both_scheduling_policies_give_the_uncached_outputs(loaded, reference, tmp_path):
-    """Reordering never changes an answer: three documents and a second question on one of them,
-    sent at once, in steps small enough that their prefills interleave and are reordered."""
-    keys = [("try", QUESTIONS[0]), ("import", QUESTIONS[0]), ("execmodel", QUESTIONS[1]), ("try", QUESTIONS[1])]
+    """Reordering never changes an answer: two documents and a second question on one of them, sent
+    at once, in steps small enough that their prefills interleave and are reordered."""
+    keys = [("try", QUESTIONS[0]), ("import", QUESTIONS[0]), ("try", QUESTIONS[1])]
     for policy in ("fcfs", "uncached_first"):
         cfg = config(tmp_path / policy)
-        cfg["scheduler"] = {"max_num_batched_tokens": 96, "max_num_seqs": 8, "policy": policy, "step_target": "1ms"}
+        cfg["scheduler"] = {"max_num_batched_tokens": 128, "max_num_seqs": 8, "policy": policy}
         llm = LLM(load_config(cfg), loaded_model=loaded)
         outs = llm.chat([chat(DOCS[name], q) for name, q in keys], GREEDY)
         for key, out in zip(keys, outs):
             assert out.token_ids == reference[key][0], (policy, key)
-        assert outs[3].cached_tokens > 0, f"{policy}: the second question did not reuse its document"
+        assert outs[2].cached_tokens > 0, f"{policy}: the second question did not reuse its document"
         llm.close()
