@@ -19,8 +19,8 @@ problem becomes one `ConfigError` whose message is a single line naming the dott
 (`cache.tiers.dsk: unknown key`). Validation also checks the config against the model and the
 machine, so that `kvstrata config check` refuses what `serve` would fail on: the model must be one
 kvstrata runs (its shape is read from its config.json, not its weights), `max_model_len` within its
-limit, a CUDA device must exist, the disk path must be writable (its directory is created), and
-every tier size, in bytes or in blocks, must fit in the memory or disk that would hold it.
+limit, a CUDA device must exist, the disk path must be writable (its directory is created, private
+to its owner), and every tier size, in bytes or in blocks, must fit in the memory or disk that would hold it.
 
 Invariants of a `Config`: the device tier is on; `cache.tiers.cpu` / `cache.tiers.disk` are None
 exactly when that tier is off (left out, null, or sized 0); paths (the disk tier's, a model
@@ -41,7 +41,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -52,7 +51,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerial
                       ValidationError, field_serializer, field_validator, model_validator)
 
 from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, ModelShape, model_shape
-from kvstrata.engine.sizes import Size, format_bytes, format_size
+from kvstrata.engine.sizes import Size, format_size
+from kvstrata.tiers.storage import check_room, format_bytes, prepare_private_dir
 
 DEFAULT_DEVICE_TIER_SIZE = Size(nbytes=1024**3)
 DTYPE_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -234,7 +234,10 @@ class DiskTierConfig(_Section):
     @model_validator(mode="after")
     def _writable(self) -> DiskTierConfig:
         if not self.size.is_off:  # an off tier touches nothing
-            _check_writable_directory(self.path)
+            try:
+                prepare_private_dir(self.path)  # created 0700: stored token ids decode back to prompts
+            except ValueError as exc:
+                raise _FieldError("path", str(exc)) from None
         return self
 
 
@@ -354,10 +357,10 @@ class Config(_Section):
                 raise _FieldError("cache.tiers.cpu.size", f"{tier_bytes.describe(tiers.cpu.size)}{rounded} is more than "
                                                           f"the RAM available{beside} ({format_bytes(ram)})")
         if tiers.disk is not None:
-            room = _disk_room_bytes(tiers.disk.path)
-            if tier_bytes(tiers.disk.size) > room:
-                raise _FieldError("cache.tiers.disk.size", f"{tier_bytes.describe(tiers.disk.size)} is more than the "
-                                                           f"free space at {str(tiers.disk.path)!r} ({format_bytes(room)})")
+            try:
+                check_room(tiers.disk.path, tier_bytes(tiers.disk.size), spelled=tier_bytes.describe(tiers.disk.size))
+            except ValueError as exc:
+                raise _FieldError("cache.tiers.disk.size", str(exc)) from None
         return self
 
     def resolved_device(self) -> str:
@@ -755,23 +758,3 @@ def _check_host(host: str) -> str:
     except (socket.gaierror, UnicodeError) as exc:
         raise ValueError(f"cannot resolve {host!r}: {getattr(exc, 'strerror', None) or exc}") from None
     return host
-
-
-def _check_writable_directory(path: Path) -> None:
-    if path.exists() and not path.is_dir():
-        raise _FieldError("path", f"{str(path)!r} exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".kvstrata-write-test-"):
-            pass
-    except OSError as exc:
-        raise _FieldError("path", f"cannot write to {str(path)!r}: {exc.strerror or exc}") from None
-
-
-def _disk_room_bytes(path: Path) -> int:
-    """Free bytes on the path's filesystem plus what the files already there (an old store) occupy."""
-    occupied = 0
-    for entry in os.scandir(path):
-        if entry.is_file(follow_symlinks=False):
-            occupied += entry.stat(follow_symlinks=False).st_blocks * 512
-    return shutil.disk_usage(path).free + occupied

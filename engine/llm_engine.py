@@ -25,8 +25,9 @@ from kvstrata.kernels import get_ops, resolve_backend
 from kvstrata.tiers.base import KV_LAYOUT_VERSION, BlockLayout
 from kvstrata.tiers.block_pool import BlockPool
 from kvstrata.tiers.cpu import CpuTier
-from kvstrata.tiers.disk import DiskTier, encoded_size
+from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.hierarchy import TierHierarchy
+from kvstrata.tiers.record import RecordCodec
 
 logger = logging.getLogger("kvstrata")
 LOAD_WAIT_S = 0.05  # the longest an otherwise idle step waits for a prefix load to land
@@ -83,8 +84,8 @@ class LLMEngine:
                 cpu = self._allocate("cache.tiers.cpu.size", num_cpu_blocks,
                                      lambda: CpuTier(self.layout, num_cpu_blocks, pin_memory=pin))
             if tiers.disk is not None and not tiers.disk.size.is_off:
-                # a block count means that many stored blocks, each a payload plus a small header
-                capacity = tiers.disk.size.to_bytes(encoded_size(self.layout))
+                # a block count means that many stored blocks, each a record: a small header and the payload
+                capacity = tiers.disk.size.to_bytes(RecordCodec(self.layout).record_nbytes)
                 disk = DiskTier(self.layout, str(tiers.disk.path), capacity)
         return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload)
 

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from kvstrata import __version__
 from kvstrata.engine.config import Config
-from kvstrata.engine.sizes import format_bytes
+from kvstrata.tiers.storage import format_bytes
 
 if TYPE_CHECKING:
     from kvstrata.engine.async_engine import AsyncEngine

@@ -120,12 +120,3 @@ def format_size(nbytes: int) -> str:
             return f"{nbytes // multiplier}{unit}"
     return f"{nbytes}B"
 
-
-def format_bytes(nbytes: int | float) -> str:
-    """A rounded, human-readable byte count for messages: 25006202880 -> "23.3 GiB"."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")

@@ -192,16 +192,17 @@ def _config_check(args: argparse.Namespace) -> int:
 def _cache_stats(args: argparse.Namespace) -> int:
     import yaml
 
-    config = _load(args)
-    disk = _disk_store(config, if_off="only the disk tier persists between runs",
+    disk = _disk_store(_load(args), if_off="only the disk tier persists between runs",
                        if_missing="nothing has been written")
     if disk is None:
         return EXIT_OK
-    from kvstrata.tiers.disk import read_store_stats
+    from kvstrata.tiers.lmdb_store import StoreDamaged, read_store_stats
 
-    stats = _plain(read_store_stats(disk.path))
-    report = {"path": str(disk.path), "configured_size": disk.size.to_yaml_value(),
-              **(stats if isinstance(stats, dict) else {"stats": stats})}
+    try:
+        stats = read_store_stats(str(disk.path))
+    except StoreDamaged as exc:
+        raise ValueError(f"{exc}; `kvstrata cache clear` removes it") from None
+    report = {"path": str(disk.path), "configured_size": disk.size.to_yaml_value(), **_plain(stats)}
     sys.stdout.write(yaml.safe_dump({"disk": report}, sort_keys=False))
     return EXIT_OK
 
@@ -210,29 +211,28 @@ def _cache_clear(args: argparse.Namespace) -> int:
     disk = _disk_store(_load(args), if_off="nothing to clear", if_missing="nothing to clear")
     if disk is None:
         return EXIT_OK
-    from kvstrata.tiers.disk import clear_store
+    from kvstrata.tiers.lmdb_store import clear_store
 
-    cleared = clear_store(disk.path)
-    what = f"{cleared} blocks" if isinstance(cleared, int) and not isinstance(cleared, bool) else "all blocks"
-    print(f"cleared {what} from {disk.path}")
+    cleared = clear_store(str(disk.path))
+    if cleared.damage is not None:
+        print(f"{cleared.damage}; removed its files")
+    else:
+        print(f"cleared {cleared.blocks} blocks from {disk.path}")
     return EXIT_OK
 
 
 def _disk_store(config, if_off: str, if_missing: str):
     """The config's disk tier if its store exists; otherwise says why not and returns None."""
+    from kvstrata.tiers.lmdb_store import store_exists
+
     disk = config.cache.tiers.disk
     if disk is None:
         print(f"disk tier: off in this config ({if_off})")
         return None
-    if not _store_exists(disk.path):
+    if not store_exists(disk.path):
         print(f"disk tier: no store at {disk.path} yet ({if_missing})")
         return None
     return disk
-
-
-def _store_exists(path: Path) -> bool:
-    # The disk tier is one LMDB environment in a directory; LMDB keeps its data in data.mdb there.
-    return (path / "data.mdb").is_file()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -217,3 +217,30 @@ def test_cache_commands_with_the_disk_tier_off_say_so(tmp_path):
     for action in ("stats", "clear"):
         result = kvstrata("cache", action, "--set", "cache.tiers.cpu.size=1MiB", cwd=tmp_path)
         assert result.returncode == 0 and "disk tier: off" in result.stdout
+
+
+def disk_config(tmp_path: Path, store: Path) -> str:
+    return str(write_yaml(tmp_path / "c.yaml", {"cache": {"tiers": {"disk": {"path": str(store), "size": "4MiB"}}}}))
+
+
+def test_cache_stats_on_a_truncated_store_is_one_line_and_cache_clear_repairs_it(tmp_path):
+    store = tmp_path / "store"
+    make_store(store, num_blocks=20)
+    os.truncate(store / "data.mdb", 3 * 4096)  # cuts pages LMDB uses: reading them would be SIGBUS
+    config = disk_config(tmp_path, store)
+    stats = kvstrata("cache", "stats", "--config", config, cwd=tmp_path)
+    assert_one_line_error(stats, "data.mdb is truncated")
+    assert "`kvstrata cache clear` removes it" in stats.stderr
+    cleared = kvstrata("cache", "clear", "--config", config, cwd=tmp_path)
+    assert cleared.returncode == 0 and "removed its files" in cleared.stdout, cleared
+    after = kvstrata("cache", "stats", "--config", config, cwd=tmp_path)
+    assert after.returncode == 0 and "no store at" in after.stdout
+
+
+def test_cache_stats_on_an_empty_data_file_says_so_in_one_line(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "data.mdb").write_bytes(b"")
+    result = kvstrata("cache", "stats", "--config", disk_config(tmp_path, store), cwd=tmp_path)
+    assert_one_line_error(result, "data.mdb is empty (0 bytes)")
+

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from kvstrata.engine import config as config_module
 from kvstrata.engine.config import ENV_OVERRIDES, ConfigError, load_config
 from kvstrata.engine.sizes import Size
+from kvstrata.tiers import storage
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SMOLLM2_BF16_BLOCK_NBYTES = 368_640  # 30 layers x 2 x 16 tokens x 3 KV heads x 64 dims x 2 bytes
@@ -60,7 +63,7 @@ def test_shipped_config_loads_on_a_laptop(name, tmp_path):
 def test_gpu_config_loads_on_a_gpu_server(monkeypatch):
     monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: 256 * GiB)
     monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index, explicit=False: 80 * GiB)
-    monkeypatch.setattr(config_module, "_disk_room_bytes", lambda path: 1024 * GiB)
+    monkeypatch.setattr(storage, "room_bytes", lambda path: 1024 * GiB)
     config = load_config(CONFIGS / "gpu.yaml")
     assert config.cache.tiers.device.size == Size(nbytes=8 * GiB)
     assert config.cache.tiers.cpu.size == Size(nbytes=32 * GiB) and config.cache.tiers.cpu.pinned
@@ -395,6 +398,22 @@ def test_disk_path_is_created_and_relative_paths_resolve_against_the_current_dir
     assert config.cache.tiers.disk.path.is_dir()
 
 
+def test_disk_path_is_created_private_to_its_owner_whatever_the_umask(tmp_path):
+    previous = os.umask(0)
+    try:
+        config = load_config({"cache": {"tiers": {"disk": {"path": "kv", "size": "1GiB"}}}})
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(config.cache.tiers.disk.path.stat().st_mode) == 0o700
+
+
+def test_an_existing_disk_directory_open_to_others_is_made_private(tmp_path):
+    (tmp_path / "kv").mkdir(mode=0o755)
+    (tmp_path / "kv").chmod(0o755)
+    load_config({"cache": {"tiers": {"disk": {"path": "kv", "size": "1GiB"}}}})
+    assert stat.S_IMODE((tmp_path / "kv").stat().st_mode) == 0o700
+
+
 def test_cpu_tier_larger_than_ram_is_refused():
     error = config_error({"cache": {"tiers": {"cpu": {"size": "100PiB"}}}})
     assert error.key == "cache.tiers.cpu.size" and "RAM" in str(error)
@@ -426,7 +445,7 @@ def test_block_counts_are_checked_like_byte_sizes_with_the_models_block_size(tie
     the same limit refuses 1000 blocks and accepts 999 whether the size says blocks or bytes."""
     limit = 999 * SMOLLM2_FP32_BLOCK_NBYTES + SMOLLM2_FP32_BLOCK_NBYTES // 2
     monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: limit if tier != "disk" else 100 * GiB)
-    monkeypatch.setattr(config_module, "_disk_room_bytes", lambda path: limit)
+    monkeypatch.setattr(storage, "room_bytes", lambda path: limit)
     monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: False)  # auto: float32
     cpu_tier_only = {"device": {"size": 1}} if tier == "cpu" else {}
 

@@ -5,6 +5,7 @@ Payloads are derived from the key, so the checking process can tell good bytes f
 of a damaged store run in child processes: LMDB can kill a process on a damaged page, and the test
 must tell such a crash from a clean result.
 """
+import glob
 import json
 import os
 import random
@@ -196,3 +197,52 @@ def test_random_damage_anywhere_in_the_file_never_serves_garbage_or_crashes(fill
             assert result["open_error"].startswith("cache.tiers.disk.path:"), result
             continue
         assert result["wrong"] == [], f"seed {seed}: served wrong bytes for blocks {result['wrong']}"
+
+
+# Opens a store, fills it, damages it while the tier holds it open, then reads, flushes and writes.
+DAMAGE_UNDER_A_RUNNING_TIER = BLOCKS_SOURCE + """
+import json, logging, os, struct, sys
+from kvstrata.tiers.disk import DiskTier
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+path, damage = sys.argv[1], sys.argv[2]
+tier = DiskTier(L, path, 64 << 20)
+ids = list(range(40))
+tier.put([key(i) for i in ids], [tokens(i) for i in ids], [payload(i) for i in ids])
+tier.flush()
+data = os.path.join(path, "data.mdb")
+if damage == "truncated":
+    os.truncate(data, 3 * 4096)
+else:  # the leaf pages that hold the keys no longer pass LMDB's page checks
+    with open(data, "r+b") as f:
+        content = f.read()
+        for start in range(0, len(content), 4096):
+            page = content[start:start + 4096]
+            if struct.unpack_from("<H", page, 10)[0] & 0x02 and key(5) in page:  # P_LEAF
+                f.seek(start + 10)
+                f.write(b"\\0\\0")
+dests = [torch.empty(L.block_nbytes, dtype=torch.uint8) for _ in ids]
+result = {"served": sum(tier.get([key(i) for i in ids], [tokens(i) for i in ids], dests)),
+          "held": tier.count_prefix([key(i) for i in ids])}
+tier.flush()
+probe = 10**6
+tier.put([key(probe)], [tokens(probe)], [payload(probe)])
+tier.flush()
+dest = torch.empty(L.block_nbytes, dtype=torch.uint8)
+result["fresh_store_serves"] = tier.get([key(probe)], [tokens(probe)], [dest]) == [True] and torch.equal(dest, payload(probe))
+result["write_errors"] = tier.stats().extra["write_errors"]
+tier.close()
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize("damage", ["truncated", "unreadable-pages"])
+def test_a_store_damaged_under_a_running_tier_is_moved_aside_and_replaced_without_a_crash(tmp_path, damage):
+    path = str(tmp_path / "kvstore")
+    proc = subprocess.run([sys.executable, "-c", DAMAGE_UNDER_A_RUNNING_TIER, path, damage],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"the process died ({proc.returncode}): {proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["served"] == 0 and result["held"] == 0  # reads of a damaged store are misses
+    assert result["fresh_store_serves"] and result["write_errors"] == 0
+    assert len(glob.glob(os.path.join(path, "data.mdb.corrupt-*"))) == 1
+    assert proc.stderr.count("is damaged") == 1, proc.stderr  # logged once

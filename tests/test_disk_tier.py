@@ -1,6 +1,8 @@
 """The disk tier serves back exactly what was put, across reopen and across processes, keeps within its
 byte budget by evicting the least recently read block, and turns anything that does not verify into
 a counted miss instead of an exception or wrong bytes."""
+import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -13,7 +15,9 @@ import torch
 from tier_cases import BF16, FP32, key, payload, tokens
 
 from kvstrata.tiers.base import BlockLayout
-from kvstrata.tiers.disk import DiskTier, clear_store, encoded_size, read_store_stats
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.lmdb_store import clear_store, read_store_stats
+from kvstrata.tiers.record import RecordCodec
 
 MiB = 1 << 20
 
@@ -103,13 +107,13 @@ tier.close()
 def test_pending_puts_are_served_before_the_writer_commits_them(store_path):
     tier = DiskTier(BF16, store_path, 4 * MiB)
     gate = threading.Event()
-    commit = tier._apply_with_room
+    commit = tier._commit
 
     def stalled_commit(batch):
         gate.wait()
         commit(batch)
 
-    tier._apply_with_room = stalled_commit  # hold the writer so the puts stay pending
+    tier._commit = stalled_commit  # hold the writer so the puts stay pending
     put_blocks(tier, range(3))
     assert tier.stats().extra["pending_puts"] == 3
     assert tier.count_prefix([key(0), key(1), key(2), key(3)]) == 3
@@ -131,7 +135,7 @@ tier.put([key(i) for i in range(20)], [tokens(i) for i in range(20)], [payload(i
 
 
 def test_full_store_evicts_the_least_recently_read_block_and_stays_within_capacity(store_path):
-    capacity = 4 * encoded_size(BF16)
+    capacity = 4 * RecordCodec(BF16).record_nbytes
     tier = DiskTier(BF16, store_path, capacity)
     put_blocks(tier, [1, 2, 3, 4])
     tier.flush()
@@ -149,7 +153,7 @@ def test_full_store_evicts_the_least_recently_read_block_and_stays_within_capaci
 
 
 def test_lru_order_is_kept_in_the_store_across_reopen(store_path):
-    capacity = 3 * encoded_size(BF16)
+    capacity = 3 * RecordCodec(BF16).record_nbytes
     tier = DiskTier(BF16, store_path, capacity)
     put_blocks(tier, [1, 2, 3])
     tier.flush()
@@ -164,7 +168,7 @@ def test_lru_order_is_kept_in_the_store_across_reopen(store_path):
 
 def test_many_writes_far_beyond_capacity_never_fail(store_path):
     layout = BlockLayout(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
-    capacity = 10 * encoded_size(layout)
+    capacity = 10 * RecordCodec(layout).record_nbytes
     tier = DiskTier(layout, store_path, capacity, writer_batch=8)
     for start in range(0, 300, 25):
         put_blocks(tier, range(start, start + 25), layout)
@@ -269,7 +273,7 @@ def test_unwritable_path_is_a_one_line_error_naming_the_key(tmp_path):
 
 
 def test_capacity_beyond_free_space_is_an_error_naming_the_key(store_path):
-    with pytest.raises(ValueError, match=r"^cache\.tiers\.disk\.size: .* exceeds the .* free on"):
+    with pytest.raises(ValueError, match=r"^cache\.tiers\.disk\.size: .* is more than the free space at"):
         DiskTier(BF16, store_path, 1 << 62)
 
 
@@ -300,12 +304,100 @@ def test_admin_helpers_report_and_clear_a_store_without_its_layout(store_path, t
     tier.close()
     stats = read_store_stats(store_path)
     assert stats["entries"] == 6
-    assert 6 * BF16.block_nbytes < stats["used_bytes"] <= 6 * encoded_size(BF16)
+    assert 6 * BF16.block_nbytes < stats["used_bytes"] <= 6 * RecordCodec(BF16).record_nbytes
     assert stats["capacity_bytes"] == 4 * MiB
     assert stats["file_bytes"] >= stats["used_bytes"]
-    assert clear_store(store_path) == 6
+    assert clear_store(store_path).blocks == 6
     assert read_store_stats(store_path)["entries"] == 0
     with pytest.raises(ValueError, match="not a kvstrata disk store"):
         read_store_stats(str(tmp_path / "nothing-here"))
     with pytest.raises(ValueError, match="not a kvstrata disk store"):
         clear_store(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------- file modes
+
+
+def modes(path: str) -> tuple[int, int, int]:
+    return tuple(stat.S_IMODE(os.stat(p).st_mode) for p in (path, f"{path}/data.mdb", f"{path}/lock.mdb"))
+
+
+def test_a_new_store_is_private_to_its_owner_whatever_the_umask(tmp_path):
+    path = str(tmp_path / "parent" / "kvstore")
+    previous = os.umask(0)
+    try:
+        tier = DiskTier(BF16, path, 4 * MiB)
+        put_blocks(tier, [1])
+        tier.close()
+    finally:
+        os.umask(previous)
+    assert modes(path) == (0o700, 0o600, 0o600)
+
+
+def test_an_existing_store_with_looser_modes_is_tightened_when_its_owner_opens_it(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, [1])
+    tier.close()
+    os.chmod(store_path, 0o755)
+    for name in ("data.mdb", "lock.mdb"):
+        os.chmod(f"{store_path}/{name}", 0o644)
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    assert modes(store_path) == (0o700, 0o600, 0o600)
+    assert get_blocks(tier, [1]) == [True]
+    tier.close()
+
+
+# ---------------------------------------------------------------------------------- a full or grown map
+
+# Blocks of 256 KiB: a few hundred of them outgrow LMDB's map, which always has 64 MiB of headroom.
+BIG = BlockLayout(num_layers=8, block_size=16, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)
+
+
+def test_a_full_map_drops_writes_counted_and_later_writes_succeed_once_room_is_made(store_path):
+    capacity = 8 * RecordCodec(BIG).record_nbytes
+    tier = DiskTier(BIG, store_path, capacity, writer_batch=4)
+    put_blocks(tier, range(8), BIG)
+    tier.flush()
+    # Another process holds a read snapshot: LMDB cannot reuse a page freed after it, so replacing
+    # blocks over and over grows the file until the map is full.
+    reader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, lmdb
+        env = lmdb.open({store_path!r}, max_dbs=4, map_size=0, readonly=True)
+        txn = env.begin()
+        print("holding", flush=True)
+        sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert reader.stdout.readline().strip() == "holding"
+    for start in range(100, 500, 20):
+        put_blocks(tier, range(start, start + 20), BIG)
+    tier.flush()
+    failed = tier.stats().extra["write_errors"]
+    assert failed > 0  # the map filled: writes were dropped and counted, nothing raised
+    reader.communicate("")  # the snapshot is released: its pages can be reused
+    put_blocks(tier, range(1000, 1008), BIG)
+    tier.flush()
+    assert tier.stats().extra["write_errors"] == failed
+    assert get_blocks(tier, range(1000, 1008), BIG) == [True] * 8
+    assert tier.stats().used_bytes <= capacity
+    tier.close()
+
+
+def test_a_store_grown_by_a_process_with_a_larger_size_is_still_read_and_written(store_path):
+    small = DiskTier(BIG, store_path, 2 * RecordCodec(BIG).record_nbytes, writer_batch=1)
+    # The other process's 80 MiB of blocks outgrow this process's map (LMDB: MDB_MAP_RESIZED).
+    run_python(CHILD_PRELUDE + f"""
+from kvstrata.tiers.base import BlockLayout
+L = BlockLayout(num_layers=8, block_size=16, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)
+def payload(i): return tier_cases.payload(L, i)
+tier = DiskTier(L, {store_path!r}, 128 << 20)
+for start in range(0, 320, 32):
+    ids = range(start, start + 32)
+    tier.put([key(i) for i in ids], [tokens(i, L) for i in ids], [payload(i) for i in ids])
+tier.close()
+""")
+    assert get_blocks(small, [318, 319], BIG) == [True, True]
+    put_blocks(small, [1000], BIG)
+    small.flush()
+    assert get_blocks(small, [1000], BIG) == [True]
+    assert small.stats().extra["write_errors"] == 0
+    small.close()

@@ -259,7 +259,7 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(http, path, body
 
 @pytest.mark.slow
 def test_sigterm_finishes_the_request_in_flight_writes_the_cache_down_and_exits_0(server, http):
-    from kvstrata.tiers.disk import read_store_stats
+    from kvstrata.tiers.lmdb_store import read_store_stats
 
     events: list[str] = []
     first_chunk = threading.Event()

@@ -45,6 +45,13 @@ class BlockLayout:
         return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device, pin_memory=pin_memory)
 
 
+def token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
+    """Token ids in one canonical, comparable form (plain ints), whatever sequence they came in."""
+    if isinstance(token_ids, torch.Tensor):
+        return tuple(token_ids.tolist())
+    return tuple(int(t) for t in token_ids)
+
+
 def as_bytes(block: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of one contiguous block (no copy)."""
     assert block.is_contiguous(), "a block must be one contiguous extent"

@@ -16,19 +16,12 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from kvstrata.tiers.base import BlockLayout, LowerTier, TierStats
+from kvstrata.tiers.base import BlockLayout, LowerTier, TierStats, token_tuple
 
 # on_evict(block_hash, token_ids, payload_view): the view aliases the slot about to be reused, so
 # the callback must copy what it keeps before returning. It runs under the tier's lock and must not
 # call back into this tier.
 EvictCallback = Callable[[bytes, tuple, torch.Tensor], None]
-
-
-def token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
-    """Token ids in one canonical, comparable form (plain ints), whatever sequence they came in."""
-    if isinstance(token_ids, torch.Tensor):
-        return tuple(token_ids.tolist())
-    return tuple(int(t) for t in token_ids)
 
 
 class CpuTier(LowerTier):

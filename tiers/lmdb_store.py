@@ -1,0 +1,442 @@
+"""The LMDB store behind the disk tier: its files, how it is opened safely, and its LRU bookkeeping.
+
+It knows values as bytes only (no torch, no block layout), so `kvstrata cache stats|clear` use it
+without importing torch. One LMDB environment in a directory, four named sub-databases:
+
+    blocks  hash -> value (a block record, tiers/record.py)
+    atime   hash -> u64 BE sequence of its last use | u64 BE value size
+    lru     u64 BE sequence | hash -> b""   (so a cursor's first key is the least recently used block)
+    meta    "format", "used_bytes", "next_seq", "capacity_bytes"
+
+The LRU order lives in LMDB itself, so every process that opens the path shares it. The directory
+is 0700 and its files 0600 (tiers/storage.py): stored token ids decode back to prompt text.
+
+LMDB trusts its pages, and a damaged file can kill the process (SIGBUS, SIGSEGV) instead of raising
+an error. Hence: a store is walked by an integrity check in a child process before it is opened,
+and one that fails is moved aside (`quarantine`); and before every transaction the data file's size
+is checked against the last page LMDB's meta page says is in use, because a file truncated under
+a running process turns the next read of a page past its new end into SIGBUS (`StoreDamaged`).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import lmdb
+
+from kvstrata.tiers.storage import PRIVATE_DIR_MODE, make_private
+
+logger = logging.getLogger(__name__)
+
+DATA_FILE = "data.mdb"
+LOCK_FILE = "lock.mdb"
+STORE_FORMAT = b"kvstrata-disk-v2"   # v2: values are block records (tiers/record.py)
+STORE_FORMAT_FAMILY = "kvstrata-disk-"
+SUBDBS = (b"blocks", b"atime", b"lru", b"meta")
+_U64 = struct.Struct(">Q")
+_ATIME = struct.Struct(">QQ")  # sequence, value size
+
+# LMDB errors that mean the file itself is damaged: retrying cannot help, only a fresh store can.
+DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError)
+
+
+class StoreDamaged(ValueError):
+    """The store's files are damaged (truncated, unreadable pages); the message says how."""
+
+
+def data_file(path: str) -> str:
+    return os.path.join(path, DATA_FILE)
+
+
+def store_exists(path: str | os.PathLike) -> bool:
+    return os.path.isfile(data_file(os.fspath(path)))
+
+
+def data_file_bytes(path: str) -> int:
+    try:
+        return os.path.getsize(data_file(path))
+    except OSError:
+        return 0
+
+
+# ---------------------------------------------------------------------------------- integrity
+
+
+def _truncation(env: lmdb.Environment, file_bytes: int, psize: int) -> Optional[str]:
+    """Why a data file of `file_bytes` cannot hold the pages `env`'s meta page says are in use, or None.
+
+    The meta pages are read through the map, so the file is first checked to hold them at all.
+    """
+    if file_bytes < 2 * psize:
+        return f"data.mdb is truncated: {file_bytes} bytes, less than its two meta pages"
+    needed = (env.info()["last_pgno"] + 1) * psize
+    if file_bytes < needed:
+        return f"data.mdb is truncated: {file_bytes} bytes, LMDB uses {needed}"
+    return None
+
+
+def _walk_store(path: str, writable: bool) -> None:
+    """The integrity check proper; it runs in a child process, whose script is this function's source.
+
+    Checks the file holds every page in use, walks every B-tree page of the store, looks every key
+    up again by search (the path a read takes), touches the first and last byte of every value
+    (never the rest of the payload) and, for a store that will be written, tries a write
+    transaction (an insert and a delete in every sub-database) that it aborts, so the page
+    allocator and the freelist are exercised too. Exits non-zero, the reason on stderr's last line.
+    """
+    import os
+    import sys
+
+    import lmdb
+
+    data = os.path.join(path, "data.mdb")
+    if os.path.getsize(data) == 0:
+        sys.exit("data.mdb is empty (0 bytes): nothing was ever committed to it")
+    try:
+        env = lmdb.open(path, max_dbs=4, map_size=0, subdir=True, readonly=not writable)
+    except lmdb.Error:
+        if writable:
+            raise
+        # A store this user may not write: its lock file cannot be opened for writing either.
+        env = lmdb.open(path, max_dbs=4, map_size=0, subdir=True, readonly=True, lock=False)
+    psize = os.sysconf("SC_PAGE_SIZE")
+    problem = _truncation(env, os.path.getsize(data), psize)
+    if problem:
+        sys.exit(problem)
+    names = (b"blocks", b"atime", b"lru", b"meta")
+    with env.begin(buffers=True) as txn:
+        for name in names:
+            db = env.open_db(name, txn=txn, create=False)
+            for key in [bytes(k) for k in txn.cursor(db=db).iternext(keys=True, values=False)]:
+                value = txn.get(key, db=db)
+                if value is not None and len(value):
+                    value[0], value[len(value) - 1]
+    if writable:
+        with env.begin(write=True) as txn:
+            for name in names:
+                db = env.open_db(name, txn=txn, create=False)
+                cursor = txn.cursor(db=db)
+                first = bytes(cursor.key()) if cursor.first() else None
+                txn.put(b"\xff" * 32, bytes(1 << 16), db=db)
+                if first:
+                    txn.delete(first, db=db)
+            txn.abort()
+    env.close()
+
+
+_INTEGRITY_CHECK = (inspect.getsource(_truncation) + "\n" + inspect.getsource(_walk_store)
+                    + "\nimport sys\n_walk_store(sys.argv[1], sys.argv[2] == 'write')\n")
+
+
+def check_store_integrity(path: str, writable: bool = True, timeout_s: float = 120.0) -> Optional[str]:
+    """None if the store at `path` can be used safely (read, and written if `writable`), else why not.
+
+    Runs in a child process. Values damaged inside their payload are not this check's business:
+    reads catch those by checksum.
+    """
+    if not store_exists(path):
+        return None
+    try:
+        result = subprocess.run([sys.executable, "-c", "from __future__ import annotations\n" + _INTEGRITY_CHECK,
+                                 path, "write" if writable else "read"],
+                                capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"integrity check did not finish in {timeout_s:.0f} s"
+    if result.returncode < 0:
+        return f"walking its pages killed the process with signal {-result.returncode}"
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines()
+        return lines[-1] if lines else f"integrity check exited with {result.returncode}"
+    return None
+
+
+def quarantine(path: str, reason) -> str:
+    """Move a damaged store's data file aside (renamed with a timestamp) so that a fresh store can
+    start at `path` (the cache is only a cache); returns where it went."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = f"{data_file(path)}.corrupt-{stamp}"
+    n = 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{data_file(path)}.corrupt-{stamp}-{n}"
+    os.replace(data_file(path), target)
+    remove_lock_file(path)
+    logger.warning("disk tier: the store at '%s' is damaged (%s); moved its data to '%s' and started empty",
+                   path, reason, target)
+    return target
+
+
+def remove_lock_file(path: str) -> None:
+    try:
+        os.remove(os.path.join(path, LOCK_FILE))
+    except FileNotFoundError:
+        pass
+
+
+# ---------------------------------------------------------------------------------- bookkeeping
+
+
+@dataclass
+class Meta:
+    """The store-wide counters, read at the start of a write transaction and written at its end."""
+
+    used_bytes: int
+    next_seq: int
+
+    @classmethod
+    def read(cls, txn: lmdb.Transaction, db) -> "Meta":
+        return cls(used_bytes=read_u64(txn, db, b"used_bytes"), next_seq=read_u64(txn, db, b"next_seq"))
+
+    def write(self, txn: lmdb.Transaction, db) -> None:
+        txn.put(b"used_bytes", _U64.pack(max(self.used_bytes, 0)), db=db)
+        txn.put(b"next_seq", _U64.pack(self.next_seq), db=db)
+
+
+def read_u64(txn: lmdb.Transaction, db, key: bytes) -> int:
+    raw = txn.get(key, db=db)
+    return _U64.unpack(bytes(raw))[0] if raw is not None and len(raw) == _U64.size else 0
+
+
+class LmdbStore:
+    """An opened store: its environment and sub-databases, and the LRU bookkeeping of write txns.
+
+    Every method taking `txn` runs inside a write transaction the caller owns; they keep the
+    invariant: a hash is in `blocks` iff it is in `atime` iff its (seq, hash) is in `lru`, and
+    meta's used_bytes is the sum of the sizes recorded in `atime`.
+    """
+
+    def __init__(self, path: str, env: lmdb.Environment, create: bool):
+        self.path = path
+        self.env = env
+        self.blocks, self.atime, self.lru, self.meta = (env.open_db(name, create=create) for name in SUBDBS)
+        self.evictions = 0
+        self._psize = os.sysconf("SC_PAGE_SIZE")
+        # The size check asks the file LMDB mapped, not whatever the path names by then.
+        self._data_fd = os.open(data_file(path), os.O_RDONLY)
+
+    # -- opening -------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str, map_size: int, capacity_bytes: int, check_integrity: bool = True) -> "LmdbStore":
+        """Open (or create) the store in the directory `path` for writing, stamp its format and
+        capacity, and trim it to the capacity.
+
+        A store that fails the integrity check, or that LMDB refuses to open, is quarantined and a
+        fresh one started. Raises ValueError, one line naming the key, if not even that works.
+        """
+        if check_integrity:
+            problem = check_store_integrity(path)
+            if problem is not None:
+                quarantine(path, problem)
+        for attempt in range(2):
+            try:
+                return cls._open_writable(path, map_size, capacity_bytes)
+            except (lmdb.Error, OSError, StoreDamaged) as e:
+                if attempt or not store_exists(path):
+                    raise ValueError(f"cache.tiers.disk.path: cannot open the store at '{path}': {e}") from None
+                quarantine(path, e)
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _open_writable(cls, path: str, map_size: int, capacity_bytes: int) -> "LmdbStore":
+        env = lmdb.open(path, map_size=map_size, max_dbs=len(SUBDBS), subdir=True, meminit=False,
+                        mode=PRIVATE_DIR_MODE)  # files get the mode without execute bits: 0600
+        try:
+            for name in (DATA_FILE, LOCK_FILE):
+                make_private(os.path.join(path, name))
+            store = cls(path, env, create=True)
+            with store.begin(write=True) as txn:
+                fmt = txn.get(b"format", db=store.meta)
+                if fmt is not None and bytes(fmt) != STORE_FORMAT:
+                    logger.warning("disk tier: '%s' holds format %r; clearing it", path, bytes(fmt))
+                    store.clear(txn)
+                txn.put(b"format", STORE_FORMAT, db=store.meta)
+                txn.put(b"capacity_bytes", _U64.pack(capacity_bytes), db=store.meta)
+                meta = Meta.read(txn, store.meta)
+                while meta.used_bytes > capacity_bytes and store.evict_oldest(txn, meta):
+                    pass
+                meta.write(txn, store.meta)
+            return store
+        except BaseException:
+            env.close()
+            raise
+
+    @classmethod
+    def open_existing(cls, path: str, readonly: bool) -> "LmdbStore":
+        """Open a store that already exists, with the size it was created with, for inspection or clearing.
+
+        Raises ValueError (one line) if there is none at `path`, or StoreDamaged if it does not
+        pass the integrity check: then nothing of it was mapped into this process.
+        """
+        if not store_exists(path):
+            raise ValueError(f"'{path}' is not a kvstrata disk store (no {DATA_FILE} in it)")
+        problem = check_store_integrity(path, writable=not readonly)
+        if problem is not None:
+            raise StoreDamaged(f"the disk store at '{path}' is damaged: {problem}")
+        try:
+            try:
+                env = lmdb.open(path, max_dbs=len(SUBDBS), subdir=True, readonly=readonly, map_size=0)
+            except lmdb.Error:
+                if not readonly:
+                    raise
+                # A store this user may not write: its lock file cannot be opened for writing either.
+                env = lmdb.open(path, max_dbs=len(SUBDBS), subdir=True, readonly=True, map_size=0, lock=False)
+            store = cls(path, env, create=False)
+        except lmdb.Error as e:
+            raise ValueError(f"'{path}' is not a readable kvstrata disk store: {e}") from None
+        if not readonly:
+            for name in (DATA_FILE, LOCK_FILE):
+                make_private(os.path.join(path, name))
+        if not store.format().startswith(STORE_FORMAT_FAMILY):
+            store.close()
+            raise ValueError(f"'{path}' is not a kvstrata disk store")
+        return store
+
+    def format(self) -> str:
+        """The format stamped in the store ("" if none): older formats are cleared when a tier opens them."""
+        with self.begin() as txn:
+            fmt = txn.get(b"format", db=self.meta)
+            return bytes(fmt).decode("ascii", "replace") if fmt is not None else ""
+
+    def close(self) -> None:
+        self.env.close()
+        os.close(self._data_fd)
+
+    def is_at_path(self) -> bool:
+        """True while the path still names the data file this store mapped (nobody replaced it)."""
+        try:
+            ours, there = os.fstat(self._data_fd), os.stat(data_file(self.path))
+        except OSError:
+            return False
+        return (ours.st_dev, ours.st_ino) == (there.st_dev, there.st_ino)
+
+    # -- transactions --------------------------------------------------------------------------
+
+    def check_size(self) -> None:
+        """Raise StoreDamaged if the data file no longer holds every page LMDB uses (it was
+        truncated under this process): any read of the map could then end the process."""
+        problem = _truncation(self.env, os.fstat(self._data_fd).st_size, self._psize)
+        if problem is not None:
+            raise StoreDamaged(problem)
+
+    def begin(self, write: bool = False, db=None) -> lmdb.Transaction:
+        """A transaction, once the data file is known to hold every page in use. Reads get zero-copy
+        buffers, valid only inside the transaction."""
+        self.check_size()
+        return self.env.begin(write=write, db=db, buffers=not write)
+
+    def adopt_map_size(self) -> None:
+        """Take the map size another process grew the store to (after lmdb.MapResizedError). No
+        transaction of this process may be open."""
+        self.env.set_mapsize(0)
+
+    # -- LRU bookkeeping, inside a write transaction --------------------------------------------
+
+    def insert(self, txn, meta: Meta, block_hash: bytes, value, capacity_bytes: int) -> bool:
+        """Store a value, evicting least recently used ones to stay within capacity. False if already held."""
+        if txn.get(block_hash, db=self.atime) is not None:
+            self.touch(txn, meta, block_hash)
+            return False
+        while meta.used_bytes + len(value) > capacity_bytes and self.evict_oldest(txn, meta):
+            pass
+        txn.put(block_hash, value, db=self.blocks)
+        self._record_use(txn, meta, block_hash, len(value))
+        meta.used_bytes += len(value)
+        return True
+
+    def touch(self, txn, meta: Meta, block_hash: bytes) -> None:
+        raw = txn.get(block_hash, db=self.atime)
+        if raw is None or len(raw) != _ATIME.size:
+            return
+        seq, size = _ATIME.unpack(bytes(raw))
+        txn.delete(_U64.pack(seq) + block_hash, db=self.lru)
+        self._record_use(txn, meta, block_hash, size)
+
+    def _record_use(self, txn, meta: Meta, block_hash: bytes, size: int) -> None:
+        seq = meta.next_seq
+        meta.next_seq += 1
+        txn.put(_U64.pack(seq) + block_hash, b"", db=self.lru)
+        txn.put(block_hash, _ATIME.pack(seq, size), db=self.atime)
+
+    def delete(self, txn, meta: Meta, block_hash: bytes) -> bool:
+        raw = txn.get(block_hash, db=self.atime)
+        if raw is not None and len(raw) == _ATIME.size:
+            seq, size = _ATIME.unpack(bytes(raw))
+            txn.delete(_U64.pack(seq) + block_hash, db=self.lru)
+            meta.used_bytes -= size
+        txn.delete(block_hash, db=self.atime)
+        return txn.delete(block_hash, db=self.blocks)
+
+    def evict_oldest(self, txn, meta: Meta) -> bool:
+        """Drop the least recently used block; False when nothing is left to drop."""
+        cursor = txn.cursor(db=self.lru)
+        if not cursor.first():
+            meta.used_bytes = 0  # nothing is held: whatever the counter said, nothing is used
+            return False
+        block_hash = bytes(cursor.key())[_U64.size:]
+        cursor.delete()
+        self.delete(txn, meta, block_hash)
+        self.evictions += 1
+        return True
+
+    def clear(self, txn) -> int:
+        entries = txn.stat(self.blocks)["entries"]
+        for db in (self.blocks, self.atime, self.lru):
+            txn.drop(db, delete=False)
+        Meta(used_bytes=0, next_seq=read_u64(txn, self.meta, b"next_seq")).write(txn, self.meta)
+        return entries
+
+
+# ---------------------------------------------------------------------------------- administration
+
+
+def read_store_stats(path: str) -> dict:
+    """Entries, used bytes, capacity and file size of the store at `path`, without knowing its layout.
+
+    Needs only read access. Raises StoreDamaged (one line) for a store that is not safe to read.
+    """
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    store = LmdbStore.open_existing(path, readonly=True)
+    try:
+        fmt = store.format()
+        with store.begin() as txn:
+            return {
+                "path": path,
+                "format": fmt,
+                "entries": txn.stat(store.blocks)["entries"],
+                "used_bytes": read_u64(txn, store.meta, b"used_bytes"),
+                "capacity_bytes": read_u64(txn, store.meta, b"capacity_bytes"),
+                "file_bytes": data_file_bytes(path),
+            }
+    finally:
+        store.close()
+
+
+@dataclass
+class ClearedStore:
+    blocks: int                    # blocks removed from a healthy store
+    damage: Optional[str] = None   # why the store's files were removed instead (it was damaged)
+
+
+def clear_store(path: str) -> ClearedStore:
+    """Remove every block from the store at `path`. A damaged store (one that does not pass the
+    integrity check) cannot be opened safely: its files are removed instead, leaving no store."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    try:
+        store = LmdbStore.open_existing(path, readonly=False)
+    except StoreDamaged as e:
+        os.remove(data_file(path))
+        remove_lock_file(path)
+        return ClearedStore(blocks=0, damage=str(e))
+    try:
+        with store.begin(write=True) as txn:
+            return ClearedStore(blocks=store.clear(txn))
+    finally:
+        store.close()
