@@ -48,7 +48,7 @@ from typing import Annotated, Any, Literal
 import psutil
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator,
-                      ValidationError, field_serializer, field_validator, model_validator)
+                      ValidationError, ValidationInfo, field_serializer, field_validator, model_validator)
 
 from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, ModelShape, model_shape
 from kvstrata.engine.sizes import Size, format_size
@@ -232,8 +232,9 @@ class DiskTierConfig(_Section):
         return Path(os.path.abspath(Path(path).expanduser()))
 
     @model_validator(mode="after")
-    def _writable(self) -> DiskTierConfig:
-        if not self.size.is_off:  # an off tier touches nothing
+    def _writable(self, info: ValidationInfo) -> DiskTierConfig:
+        # An off tier touches nothing; a command that only reads the store neither creates nor writes it.
+        if not self.size.is_off and not _disk_read_only(info):
             try:
                 prepare_private_dir(self.path)  # created 0700: stored token ids decode back to prompts
             except ValueError as exc:
@@ -334,7 +335,7 @@ class Config(_Section):
         return {} if section is None else section
 
     @model_validator(mode="after")
-    def _tiers_fit_the_machine(self) -> Config:
+    def _tiers_fit_the_machine(self, info: ValidationInfo) -> Config:
         """Every tier's bytes, whether its size was given in bytes or in blocks, against the memory or
         disk that would hold it: the device's memory; the RAM available now for the CPU tier plus a
         device tier on the CPU (pinned memory counted as the allocator rounds it); the disk's room."""
@@ -356,7 +357,7 @@ class Config(_Section):
                 beside = "" if on_gpu else " beside the device tier"
                 raise _FieldError("cache.tiers.cpu.size", f"{tier_bytes.describe(tiers.cpu.size)}{rounded} is more than "
                                                           f"the RAM available{beside} ({format_bytes(ram)})")
-        if tiers.disk is not None:
+        if tiers.disk is not None and not _disk_read_only(info):
             try:
                 check_room(tiers.disk.path, tier_bytes(tiers.disk.size), spelled=tier_bytes.describe(tiers.disk.size))
             except ValueError as exc:
@@ -393,7 +394,8 @@ class Config(_Section):
 
 
 def load_config(source: str | os.PathLike | Mapping | Config | None = None,
-                overrides: Mapping[str, Any] | list[str] | str | None = None) -> Config:
+                overrides: Mapping[str, Any] | list[str] | str | None = None, *,
+                disk_read_only: bool = False) -> Config:
     """Load and validate a config.
 
     `source`: a YAML file path, a dict shaped like the YAML, an existing Config, or None (the
@@ -401,6 +403,8 @@ def load_config(source: str | os.PathLike | Mapping | Config | None = None,
     `overrides`: `{"dotted.key": value}` or `["dotted.key=value", ...]` (values parsed as YAML
     scalars; `key=null` removes a lower tier). Precedence: source < environment (see
     `ENV_OVERRIDES`; not re-applied to an existing Config) < overrides.
+    `disk_read_only`: for a command that only reads the disk store (`kvstrata cache stats`): its
+    path is then neither created nor required to be writable or roomy.
     Raises ConfigError, one line naming the key, for any problem.
     """
     env_sources: dict[str, str] = {}
@@ -414,7 +418,7 @@ def load_config(source: str | os.PathLike | Mapping | Config | None = None,
     for key, value in parse_overrides(overrides).items():
         _set_dotted(raw, key, value)
         env_sources.pop(key, None)
-    return _validate(raw, env_sources)
+    return _validate(raw, env_sources, {"disk_read_only": disk_read_only})
 
 
 def _read_source(source: Any) -> dict[str, Any]:
@@ -526,9 +530,14 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
         node[last] = copy.deepcopy(value)
 
 
-def _validate(raw: dict[str, Any], env_sources: Mapping[str, str]) -> Config:
+def _disk_read_only(info: ValidationInfo) -> bool:
+    """Validating for a command that only reads the disk store (`load_config(disk_read_only=True)`)."""
+    return bool((info.context or {}).get("disk_read_only"))
+
+
+def _validate(raw: dict[str, Any], env_sources: Mapping[str, str], context: dict[str, Any]) -> Config:
     try:
-        return Config.model_validate(raw)
+        return Config.model_validate(raw, context=context)
     except ValidationError as exc:
         raise _translate(exc, env_sources) from None
 

@@ -113,12 +113,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _load(args: argparse.Namespace, **extra_overrides: Any):
+def _load(args: argparse.Namespace, disk_read_only: bool = False, **extra_overrides: Any):
     from kvstrata.engine.config import load_config, parse_overrides
 
     overrides = parse_overrides(args.overrides)
     overrides.update({key: value for key, value in extra_overrides.items() if value is not None})
-    return load_config(getattr(args, "config", None) or getattr(args, "file", None), overrides)
+    return load_config(getattr(args, "config", None) or getattr(args, "file", None), overrides,
+                       disk_read_only=disk_read_only)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def _config_check(args: argparse.Namespace) -> int:
 def _cache_stats(args: argparse.Namespace) -> int:
     import yaml
 
-    disk = _disk_store(_load(args), if_off="only the disk tier persists between runs",
+    disk = _disk_store(_load(args, disk_read_only=True), if_off="only the disk tier persists between runs",
                        if_missing="nothing has been written")
     if disk is None:
         return EXIT_OK

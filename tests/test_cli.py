@@ -16,9 +16,9 @@ from kvstrata.engine.config import ENV_OVERRIDES, load_config
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-def kvstrata(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def kvstrata(*args: str, cwd: Path, wrapper: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key not in {v for v, _, _ in ENV_OVERRIDES}}
-    return subprocess.run([sys.executable, "-m", "kvstrata.cli", *args], capture_output=True, text=True,
+    return subprocess.run([*wrapper, sys.executable, "-m", "kvstrata.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=120)
 
 
@@ -244,3 +244,20 @@ def test_cache_stats_on_an_empty_data_file_says_so_in_one_line(tmp_path):
     result = kvstrata("cache", "stats", "--config", disk_config(tmp_path, store), cwd=tmp_path)
     assert_one_line_error(result, "data.mdb is empty (0 bytes)")
 
+
+def test_cache_stats_works_on_a_read_only_store(tmp_path):
+    store = tmp_path / "store"
+    make_store(store, num_blocks=3)
+    config = disk_config(tmp_path, store)
+    # Root ignores file modes unless it gives up the capabilities that let it.
+    wrapper = ("setpriv", "--bounding-set", "-dac_override,-dac_read_search") if os.geteuid() == 0 else ()
+    for path in (store / "data.mdb", store / "lock.mdb", store):
+        path.chmod(0o500 if path.is_dir() else 0o400)
+    try:
+        result = kvstrata("cache", "stats", "--config", config, cwd=tmp_path, wrapper=wrapper)
+        assert result.returncode == 0, result.stderr
+        assert yaml.safe_load(result.stdout)["disk"]["entries"] == 3
+        cleared = kvstrata("cache", "clear", "--config", config, cwd=tmp_path, wrapper=wrapper)
+        assert_one_line_error(cleared, "cache.tiers.disk.path: cannot write to")
+    finally:
+        store.chmod(0o700)

@@ -407,6 +407,14 @@ def test_disk_path_is_created_private_to_its_owner_whatever_the_umask(tmp_path):
     assert stat.S_IMODE(config.cache.tiers.disk.path.stat().st_mode) == 0o700
 
 
+def test_a_config_for_reading_the_disk_store_neither_creates_nor_needs_to_write_its_path(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for path in (tmp_path / "not-yet", blocker / "store"):
+        config = load_config({"cache": {"tiers": {"disk": {"path": str(path), "size": "1GiB"}}}}, disk_read_only=True)
+        assert config.cache.tiers.disk.path == path and not path.exists()
+
+
 def test_an_existing_disk_directory_open_to_others_is_made_private(tmp_path):
     (tmp_path / "kv").mkdir(mode=0o755)
     (tmp_path / "kv").chmod(0o755)
