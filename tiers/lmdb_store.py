@@ -75,15 +75,16 @@ def _truncation(env: lmdb.Environment, file_bytes: int, psize: int) -> Optional[
     The meta pages are read through the map, so the file is first checked to hold them at all.
     """
     if file_bytes < 2 * psize:
-        return f"data.mdb is truncated: {file_bytes} bytes, less than its two meta pages"
+        return f"{DATA_FILE} is truncated: {file_bytes} bytes, less than its two meta pages"
     needed = (env.info()["last_pgno"] + 1) * psize
     if file_bytes < needed:
-        return f"data.mdb is truncated: {file_bytes} bytes, LMDB uses {needed}"
+        return f"{DATA_FILE} is truncated: {file_bytes} bytes, LMDB uses {needed}"
     return None
 
 
 def _walk_store(path: str, writable: bool) -> None:
-    """The integrity check proper; it runs in a child process, whose script is this function's source.
+    """The integrity check proper. It runs in a child process whose script is built from this
+    function's source and `_truncation`'s.
 
     Checks the file holds every page in use, walks every B-tree page of the store, looks every key
     up again by search (the path a read takes), touches the first and last byte of every value
@@ -96,23 +97,22 @@ def _walk_store(path: str, writable: bool) -> None:
 
     import lmdb
 
-    data = os.path.join(path, "data.mdb")
+    data = os.path.join(path, DATA_FILE)
     if os.path.getsize(data) == 0:
-        sys.exit("data.mdb is empty (0 bytes): nothing was ever committed to it")
+        sys.exit(f"{DATA_FILE} is empty (0 bytes): nothing was ever committed to it")
     try:
-        env = lmdb.open(path, max_dbs=4, map_size=0, subdir=True, readonly=not writable)
+        env = lmdb.open(path, max_dbs=len(SUBDBS), map_size=0, subdir=True, readonly=not writable)
     except lmdb.Error:
         if writable:
             raise
         # A store this user may not write: its lock file cannot be opened for writing either.
-        env = lmdb.open(path, max_dbs=4, map_size=0, subdir=True, readonly=True, lock=False)
+        env = lmdb.open(path, max_dbs=len(SUBDBS), map_size=0, subdir=True, readonly=True, lock=False)
     psize = os.sysconf("SC_PAGE_SIZE")
     problem = _truncation(env, os.path.getsize(data), psize)
     if problem:
         sys.exit(problem)
-    names = (b"blocks", b"atime", b"lru", b"meta")
     with env.begin(buffers=True) as txn:
-        for name in names:
+        for name in SUBDBS:
             db = env.open_db(name, txn=txn, create=False)
             for key in [bytes(k) for k in txn.cursor(db=db).iternext(keys=True, values=False)]:
                 value = txn.get(key, db=db)
@@ -120,7 +120,7 @@ def _walk_store(path: str, writable: bool) -> None:
                     value[0], value[len(value) - 1]
     if writable:
         with env.begin(write=True) as txn:
-            for name in names:
+            for name in SUBDBS:
                 db = env.open_db(name, txn=txn, create=False)
                 cursor = txn.cursor(db=db)
                 first = bytes(cursor.key()) if cursor.first() else None
@@ -131,8 +131,9 @@ def _walk_store(path: str, writable: bool) -> None:
     env.close()
 
 
-_INTEGRITY_CHECK = (inspect.getsource(_truncation) + "\n" + inspect.getsource(_walk_store)
-                    + "\nimport sys\n_walk_store(sys.argv[1], sys.argv[2] == 'write')\n")
+_INTEGRITY_CHECK = "\n".join([
+    "from __future__ import annotations", "import sys", f"DATA_FILE = {DATA_FILE!r}", f"SUBDBS = {SUBDBS!r}",
+    inspect.getsource(_truncation), inspect.getsource(_walk_store), "_walk_store(sys.argv[1], sys.argv[2] == 'write')"])
 
 
 def check_store_integrity(path: str, writable: bool = True, timeout_s: float = 120.0) -> Optional[str]:
@@ -144,8 +145,7 @@ def check_store_integrity(path: str, writable: bool = True, timeout_s: float = 1
     if not store_exists(path):
         return None
     try:
-        result = subprocess.run([sys.executable, "-c", "from __future__ import annotations\n" + _INTEGRITY_CHECK,
-                                 path, "write" if writable else "read"],
+        result = subprocess.run([sys.executable, "-c", _INTEGRITY_CHECK, path, "write" if writable else "read"],
                                 capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return f"integrity check did not finish in {timeout_s:.0f} s"
