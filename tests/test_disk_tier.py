@@ -1,6 +1,7 @@
 """The disk tier serves back exactly what was put, across reopen and across processes, keeps within its
 byte budget by evicting the least recently read block, and turns anything that does not verify into
 a counted miss instead of an exception or wrong bytes."""
+import glob
 import os
 import stat
 import subprocess
@@ -401,3 +402,13 @@ tier.close()
     assert get_blocks(small, [1000], BIG) == [True]
     assert small.stats().extra["write_errors"] == 0
     small.close()
+
+
+def test_a_second_tier_on_a_store_open_in_this_process_is_refused_and_leaves_it_alone(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, [1])
+    tier.flush()
+    with pytest.raises(ValueError, match=r"^cache\.tiers\.disk\.path: cannot open the store .* already open"):
+        DiskTier(BF16, store_path, 4 * MiB)
+    assert get_blocks(tier, [1]) == [True] and not glob.glob(f"{store_path}/*.corrupt-*")
+    tier.close()

@@ -72,7 +72,8 @@ class _EnvGate:
         finally:
             with self._cond:
                 self._users -= 1
-                self._cond.notify_all()
+                if not self._users:
+                    self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:

@@ -238,10 +238,12 @@ class LmdbStore:
         for attempt in range(2):
             try:
                 return cls._open_writable(path, map_size, capacity_bytes)
-            except (lmdb.Error, OSError, StoreDamaged) as e:
+            except (StoreDamaged, lmdb.VersionMismatchError, *DAMAGE_ERRORS) as e:
                 if attempt or not store_exists(path):
                     raise ValueError(f"cache.tiers.disk.path: cannot open the store at '{path}': {e}") from None
                 quarantine(path, e)
+            except (lmdb.Error, OSError) as e:  # not the files' fault (already open here, permissions, ...)
+                raise ValueError(f"cache.tiers.disk.path: cannot open the store at '{path}': {e}") from None
         raise AssertionError("unreachable")
 
     @classmethod
