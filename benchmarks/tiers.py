@@ -154,9 +154,10 @@ def markdown(results: dict) -> str:
         "",
         "Notes: a promotion of 1k-4k tokens (24-94 MB) is partly served from the CPU's last-level cache, which",
         "the 1 GiB reference cannot use, hence ratios above 100%; 8k tokens is the fair row. A disk read is one",
-        "B-tree lookup, a CBOR header decode and token check, one copy out of LMDB's mapping and an xxh3_64 of",
-        "the copy while it is still in cache; every served read also queues an LRU touch that the writer",
-        "commits in the background. Write-down commits with LMDB's default fsync per batch.",
+        "B-tree lookup, one comparison of the record's header with the expected one (layout, token ids), one",
+        "copy out of LMDB's mapping and an xxh3_64 of the copy while it is still in cache; every served read",
+        "also queues an LRU touch that the writer commits in the background. Write-down commits with LMDB's",
+        "default fsync per batch.",
     ]
     return "\n".join(lines) + "\n"
 
