@@ -95,15 +95,14 @@ class RecordCodec:
         checksum is taken of `dest` right after the copy, while it is still in cache: one pass over
         the stored bytes, and it checks exactly the bytes the caller will use.
         """
-        checksum, payload = self._checked_header(record, token_ids)
         if dest.device.type == "cpu":
+            checksum, payload = self._checked_header(record, token_ids)
             dest_np = dest.numpy()
             np.copyto(dest_np, np.frombuffer(payload, dtype=np.uint8))
             if xxhash.xxh3_64_intdigest(dest_np) != checksum:
                 raise RecordError("payload checksum mismatch")
             return
-        if xxhash.xxh3_64_intdigest(payload) != checksum:
-            raise RecordError("payload checksum mismatch")
+        payload = self.verify(record, token_ids)
         # A read-only source (an LMDB buffer, bytes) makes torch warn; the copy from pageable memory
         # is synchronous, so it is done before the caller's buffer (an LMDB transaction) goes away.
         with warnings.catch_warnings():
