@@ -215,11 +215,16 @@ class LmdbStore:
     def __init__(self, path: str, env: lmdb.Environment, create: bool):
         self.path = path
         self.env = env
-        self.blocks, self.atime, self.lru, self.meta = (env.open_db(name, create=create) for name in SUBDBS)
         self.evictions = 0
         self._psize = os.sysconf("SC_PAGE_SIZE")
         # The size check asks the file LMDB mapped, not whatever the path names by then.
         self._data_fd = os.open(data_file(path), os.O_RDONLY)
+        try:
+            self.check_size()  # opening the sub-databases reads pages already
+            self.blocks, self.atime, self.lru, self.meta = (env.open_db(name, create=create) for name in SUBDBS)
+        except BaseException:
+            os.close(self._data_fd)
+            raise
 
     # -- opening -------------------------------------------------------------------------------
 
@@ -228,8 +233,8 @@ class LmdbStore:
         """Open (or create) the store in the directory `path` for writing, stamp its format and
         capacity, and trim it to the capacity.
 
-        A store that fails the integrity check, or that LMDB refuses to open, is quarantined and a
-        fresh one started. Raises ValueError, one line naming the key, if not even that works.
+        A store that fails the integrity check, or that proves damaged on opening, is quarantined
+        and a fresh one started. Raises ValueError, one line naming the key, if not even that works.
         """
         if check_integrity:
             problem = check_store_integrity(path)
