@@ -54,26 +54,28 @@ def _map_size(capacity_bytes: int, writer_batch: int, record_nbytes: int) -> int
 class _EnvGate:
     """Transactions share the LMDB environment; remapping it (another process grew the map) or
     replacing it (damage) needs it alone, because LMDB unmaps the file then and a buffer still
-    being read would fault. Waiting exclusive use goes first, so that readers cannot starve it."""
+    being read would fault. Waiting exclusive use goes first, so that readers cannot starve it.
+
+    `with gate.shared:` is on every read's path, so it is a plain object, not a generator.
+    """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._users = 0
         self._exclusive = False  # held or wanted
+        self.shared = _SharedUse(self)
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
+    def enter_shared(self) -> None:
         with self._cond:
             while self._exclusive:
                 self._cond.wait()
             self._users += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._users -= 1
-                if not self._users:
-                    self._cond.notify_all()
+
+    def exit_shared(self) -> None:
+        with self._cond:
+            self._users -= 1
+            if not self._users and self._exclusive:
+                self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -89,6 +91,19 @@ class _EnvGate:
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()
+
+
+class _SharedUse:
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: _EnvGate) -> None:
+        self._gate = gate
+
+    def __enter__(self) -> None:
+        self._gate.enter_shared()
+
+    def __exit__(self, *exc) -> None:
+        self._gate.exit_shared()
 
 
 @dataclass
@@ -235,7 +250,7 @@ class DiskTier(LowerTier):
         for attempt in range(2):
             store = None
             try:
-                with self._gate.shared():
+                with self._gate.shared:
                     store = self._store
                     if store is None:
                         return default()
@@ -439,7 +454,7 @@ class DiskTier(LowerTier):
         store = self._store
         evictions_before = store.evictions
         try:  # one transaction: all of the batch commits, or none of it
-            with self._gate.shared(), store.begin(write=True) as txn:
+            with self._gate.shared, store.begin(write=True) as txn:
                 meta = Meta.read(txn, store.meta)
                 for op in ops:
                     if op.kind == "put":
@@ -464,7 +479,7 @@ class DiskTier(LowerTier):
         store = self._store
         before = store.evictions
         try:
-            with self._gate.shared(), store.begin(write=True) as txn:
+            with self._gate.shared, store.begin(write=True) as txn:
                 meta = Meta.read(txn, store.meta)
                 while meta.used_bytes > keep_bytes and store.evict_oldest(txn, meta):
                     pass
