@@ -429,7 +429,8 @@ class DiskTier(LowerTier):
         one and replacing a damaged store as needed. Returns the error if they still fail."""
         error: Optional[BaseException] = None
         replaced = False
-        for attempt in range(4):
+        attempts = 4
+        for attempt in range(attempts):
             if self._store is None:
                 return error or StoreDamaged("no store: a damaged one could not be replaced")
             try:
@@ -440,7 +441,8 @@ class DiskTier(LowerTier):
                 self._adopt_map_size()
             except lmdb.MapFullError as e:
                 error = e
-                self._make_room(keep_bytes=self.capacity_bytes * (3 - attempt) // 4)
+                if attempt < attempts - 1:  # down to 3/4, 1/2, then 1/4 of the capacity, retrying each time
+                    self._make_room(keep_bytes=self.capacity_bytes * (attempts - 1 - attempt) // attempts)
             except (StoreDamaged, *DAMAGE_ERRORS) as e:
                 if replaced:
                     return e
