@@ -10,7 +10,7 @@ from typing import Any, Sequence, Union
 from kvstrata.engine.config import Config, load_config
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.request import Request
-from kvstrata.engine.sampling import SamplingParams
+from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
 
 Prompt = Union[str, Sequence[int]]
 
@@ -31,6 +31,7 @@ class RequestOutput:
     stop_reason: str | None = None           # the stop string that ended it, if any
     finished: bool = False
     num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per token in `token_ids`, if the params asked for them
 
     @classmethod
     def from_request(cls, r: Request) -> "RequestOutput":
@@ -39,7 +40,8 @@ class RequestOutput:
                    text=r.output_text, token_ids=list(r.output_token_ids), cached_tokens=sum(by_tier.values()),
                    cached_tokens_by_tier=by_tier, ttft_s=r.ttft_s,
                    finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason,
-                   finished=r.is_finished, num_preemptions=r.num_preemptions)
+                   finished=r.is_finished, num_preemptions=r.num_preemptions,
+                   logprobs=None if r.sampling_params.logprobs is None else list(r.output_logprobs))
 
 
 class LLM:

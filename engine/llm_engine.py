@@ -19,7 +19,7 @@ from kvstrata.engine.kv_manager import KVCacheManager
 from kvstrata.engine.model_loader import LoadedModel, load_model, resolve_model
 from kvstrata.engine.model_runner import ModelRunner, StepInput
 from kvstrata.engine.request import Request, RequestStatus
-from kvstrata.engine.sampling import SamplingParams, make_generator, sample
+from kvstrata.engine.sampling import SamplingParams, compute_logprobs, make_generator, sample
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
 from kvstrata.kernels import get_ops, resolve_backend
 from kvstrata.tiers.base import KV_LAYOUT_VERSION, BlockLayout
@@ -166,10 +166,13 @@ class LLMEngine:
         self.scheduler.update_after_step(out)
         sampling = [s.request for s in out.scheduled if s.samples]
         if sampling:
-            token_ids = sample(logits, [r.sampling_params for r in sampling],
-                               [self._generators[r.request_id] for r in sampling]).tolist()
+            params = [r.sampling_params for r in sampling]
+            token_ids = sample(logits, params, [self._generators[r.request_id] for r in sampling])
+            logprobs = compute_logprobs(logits, token_ids, params)
             now = time.perf_counter()
-            for request, token_id in zip(sampling, token_ids):
+            for request, token_id, token_logprobs in zip(sampling, token_ids.tolist(), logprobs):
+                if token_logprobs is not None:
+                    request.output_logprobs.append(token_logprobs)
                 self._append_token(request, token_id, now)
         # The step's measured cost prices waiting work and caps later steps (scheduler.step_target).
         # On a GPU only a sampling step has waited for the device (`sample` reads the tokens back).

@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvstrata.engine.sampling import SamplingParams
+from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -37,6 +37,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
+    # One entry per output token when the request asks for logprobs (sampling_params.logprobs).
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: str | None = None
     # Tokens whose K/V are in the device cache (computed or served from a tier).
     num_computed_tokens: int = 0

@@ -1,4 +1,5 @@
-"""Sampling parameters and the sampler: logits of a batch in, one token id per row out.
+"""Sampling parameters and the sampler: logits of a batch in, one token id per row out (and, for
+the rows that ask, the log-probabilities of what was sampled and of the most likely tokens).
 
 Stop strings are matched by the detokenizing layer, not here: the sampler sees only logits.
 """
@@ -10,13 +11,22 @@ from typing import Sequence
 
 import torch
 
+# Temperatures below this are greedy (as vLLM): dividing logits by 1e-38 overflows to inf and NaN.
+GREEDY_TEMPERATURE = 1e-5
+# The most alternatives a request may ask log-probabilities for, per generated token (vLLM's default).
+MAX_LOGPROBS = 20
+_SEED_RANGE = (-2**63, 2**63)  # a 64-bit signed integer, as vLLM and most clients take a seed to be
+
 
 @dataclass
 class SamplingParams:
     """What a request asks of generation (vLLM's names and defaults where they exist).
 
-    temperature 0 means greedy. top_k -1 or 0 means off. `seed` makes a request reproducible on its
-    own, whatever else shares its batch. `stop` is normalised to a list.
+    temperature 0 (or below GREEDY_TEMPERATURE) means greedy. top_k -1 or 0 means off. `seed` makes a
+    request reproducible on its own, whatever else shares its batch. `stop` is normalised to a list.
+    `logprobs`: None, or how many of the most likely alternatives to report with each generated
+    token's log-probability (0: the token's own only). Log-probabilities are those of the model's
+    distribution before temperature, top-k and top-p (vLLM's default, "raw" log-probabilities).
     """
 
     max_tokens: int = 16
@@ -26,6 +36,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] | str | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -36,13 +47,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]):
+            raise ValueError(f"seed must be a 64-bit signed integer (from -2**63 to 2**63 - 1) or None, "
+                             f"got {self.seed!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} or None, got {self.logprobs!r}")
         self.stop = _normalise_stop(self.stop)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _is_int(x) -> bool:
@@ -122,3 +136,35 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
     pass, no cumulative sum, and tokens with probability 0 can never win."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / noise).argmax()
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability, and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]   # (token id, log-probability), most likely first; `logprobs` long
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                     params_list: Sequence[SamplingParams]) -> list[TokenLogprobs | None]:
+    """For each row of `logits [B, V]` whose params ask for logprobs: the log-probability of its
+    sampled token `token_ids[row]` and its `params.logprobs` most likely tokens; None for the others.
+    Computed from the raw logits in float32, in one batched pass over the rows that ask."""
+    assert logits.dim() == 2 and len(params_list) == logits.shape[0] == token_ids.shape[0]
+    result: list[TokenLogprobs | None] = [None] * len(params_list)
+    rows = [i for i, p in enumerate(params_list) if p.logprobs is not None]
+    if not rows:
+        return result
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = logits[index].float().log_softmax(dim=-1)
+    sampled = logprobs.gather(1, token_ids[index].to(logits.device)[:, None])[:, 0].tolist()
+    num_top = max(params_list[i].logprobs for i in rows)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0])
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        k = params_list[i].logprobs
+        top = tuple((int(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k]))
+        result[i] = TokenLogprobs(int(token_ids[i]), sampled[j], top)
+    return result

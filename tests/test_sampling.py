@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvstrata.engine.sampling import SamplingParams, make_generator, sample
+from kvstrata.engine.sampling import MAX_LOGPROBS, SamplingParams, compute_logprobs, make_generator, sample
 
 VOCAB = 1000
 
@@ -19,7 +19,8 @@ def _sample_seeded(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     ("max_tokens", -1), ("max_tokens", 0), ("max_tokens", 2.5),
     ("temperature", -0.1), ("temperature", float("nan")),
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 1.5),
-    ("seed", "abc"), ("stop", ""), ("stop", ["ok", 3]),
+    ("seed", "abc"), ("seed", 2**63), ("seed", -2**63 - 1), ("stop", ""), ("stop", ["ok", 3]),
+    ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 1.0),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -36,6 +37,42 @@ def test_temperature_zero_is_argmax():
     logits = _logits(4)
     params = [SamplingParams(temperature=0.0)] * 4
     assert torch.equal(sample(logits, params, [None] * 4), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 - 1, -2**63])
+def test_every_64_bit_seed_seeds_a_generator(seed):
+    params = SamplingParams(seed=seed)
+    assert make_generator(params, "cpu") is not None
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-6, 0.0])
+def test_a_temperature_below_1e_5_is_greedy(temperature):
+    logits = _logits(8)
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(8)]
+    assert all(p.greedy for p in params)
+    assert torch.equal(_sample_seeded(logits, params), logits.argmax(-1))
+
+
+def test_logprobs_are_the_raw_log_softmax_of_the_sampled_and_likeliest_tokens():
+    logits = _logits(3)
+    params = [SamplingParams(temperature=0.7, seed=1, logprobs=2), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=0)]
+    token_ids = _sample_seeded(logits, params)
+    with_logprobs, without, sampled_only = compute_logprobs(logits, token_ids, params)
+    expected = logits.log_softmax(-1)  # before temperature, top-k and top-p (vLLM's raw logprobs)
+    assert without is None
+    assert with_logprobs.token_id == token_ids[0] and sampled_only.token_id == token_ids[2]
+    assert with_logprobs.logprob == pytest.approx(expected[0, token_ids[0]].item(), abs=1e-6)
+    top_ids = expected[0].topk(2).indices.tolist()
+    assert [t for t, _ in with_logprobs.top] == top_ids
+    assert [v for _, v in with_logprobs.top] == pytest.approx(expected[0, top_ids].tolist(), abs=1e-6)
+    assert sampled_only.top == () and sampled_only.logprob == pytest.approx(expected[2].max().item(), abs=1e-6)
+
+
+def test_rows_that_ask_for_no_logprobs_get_none():
+    logits = _logits(2)
+    params = [SamplingParams(temperature=0.0)] * 2
+    assert compute_logprobs(logits, sample(logits, params, [None, None]), params) == [None, None]
 
 
 def test_seeded_sampling_is_reproducible():
