@@ -501,12 +501,10 @@ def build_prompts(args, tokenizer, doc_tokens: int, num_docs: int, num_questions
 
 
 def render_chat(tokenizer, content: str) -> list[int]:
-    """The engine's chat rendering (LLMEngine.apply_chat_template) of one user message."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                        tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+    """One user message, rendered as the engine renders chats."""
+    from kvstrata.engine import prompts
+
+    return prompts.render_chat(tokenizer, [{"role": "user", "content": content}])
 
 
 def main(argv: list[str] | None = None) -> int:

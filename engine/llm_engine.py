@@ -18,6 +18,7 @@ from kvstrata.engine.hashing import BlockHasher, make_namespace
 from kvstrata.engine.kv_manager import KVCacheManager
 from kvstrata.engine.model_loader import LoadedModel, load_model, resolve_model
 from kvstrata.engine.model_runner import ModelRunner, StepInput
+from kvstrata.engine.prompts import render_chat, tokenize_text
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.sampling import SamplingParams, compute_logprobs, make_generator, sample
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
@@ -61,6 +62,7 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator | None] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._closed = False
+        self._final_stats: dict | None = None  # stats() once closed
 
     # ------------------------------------------------------------------ construction
 
@@ -102,14 +104,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def tokenize(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return tokenize_text(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        validate_messages(messages)
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return render_chat(self.tokenizer, messages)
 
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Everything that can be wrong with a request, checked before any work is done."""
@@ -137,9 +135,12 @@ class LLMEngine:
         request = Request(request_id, prompt_token_ids, params, cache_salt=cache_salt, prompt=prompt)
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        # Everything that can fail comes first: a refused request leaves nothing behind.
+        generator = make_generator(params, self.device)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.requests[request_id] = request
-        self._generators[request_id] = make_generator(params, self.device)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._generators[request_id] = generator
+        self._detokenizers[request_id] = detokenizer
         self.scheduler.add_request(request)
         return request
 
@@ -255,6 +256,8 @@ class LLMEngine:
         - `write_downs[tier]`: blocks handed down to each lower tier.
         - `device_evictions`: cached device blocks whose slot was reused.
         """
+        if self._final_stats is not None:
+            return self._final_stats
         h = self.hierarchy.stats()
         tiers = {name: asdict(s) for name, s in h["tiers"].items()}
         counters = asdict(h["counters"])
@@ -284,16 +287,12 @@ class LLMEngine:
         return self.hierarchy.persist(max_blocks=max_blocks, wait=False)
 
     def close(self) -> None:
-        """Write everything cached that the disk tier lacks down to it, then release the tiers."""
+        """Write everything cached that the disk tier lacks down to it, then release the tiers.
+        `stats()` still answers afterwards: the figures as of the close, write failures included."""
         if self._closed:
             return
         self._closed = True
+        self.hierarchy.persist()  # waits until the disk tier has committed, or counted as failed, each write
+        self._final_stats = self.stats()
         self.hierarchy.close()
 
-
-def validate_messages(messages) -> None:
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")

@@ -18,3 +18,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def embedded_model_fp32():
+    """The embedded model in float32 on the CPU, loaded once for the tests that run it in-process."""
+    from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
+
+    return load_model(resolve_model(EMBEDDED_MODEL), torch.float32, "cpu")
