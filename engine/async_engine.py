@@ -2,32 +2,57 @@
 
 One engine thread owns the LLMEngine. It drains a thread-safe inbox of commands (add, abort, stop),
 calls `step()` while there is work, and hands each request's progress to the asyncio queue of the
-caller that asked for it with `loop.call_soon_threadsafe`. With no work it blocks on the inbox, so an
-idle server costs nothing. The asyncio side never touches the engine: it validates requests with
-`validate_request` (which reads only the tokenizer and fixed limits) and reads the stats snapshot
-that the engine thread publishes after each step.
+caller that asked for it with `loop.call_soon_threadsafe`. With no work it waits on the inbox, waking
+once a second to publish a fresh stats snapshot (tiers keep changing while idle: the disk tier's
+writer commits, another process shares the store). The asyncio side never touches the engine: it
+validates requests with `validate_request` (which reads only fixed limits) and reads the stats
+snapshot that the engine thread publishes.
+
+This module knows nothing of HTTP or of how figures are exported: whoever serves the engine reads
+`snapshot` and may pass a `RequestListener` to hear of each first token and each finish.
 
 Order of operations after a step: publish the stats snapshot, then push the outputs. A client that
-has its answer therefore finds its request already counted in `/metrics`.
+has its answer therefore finds its request already counted in the snapshot.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Protocol, Sequence
 
 from kvstrata.engine.llm import RequestOutput
 from kvstrata.engine.llm_engine import LLMEngine
-from kvstrata.engine.metrics import EngineMetrics, EngineSnapshot
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams
 
 logger = logging.getLogger("kvstrata")
+
+# How often an idle engine thread republishes its stats snapshot.
+IDLE_SNAPSHOT_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine thread saw at one moment; immutable, so other threads may read it freely."""
+
+    stats: dict                      # LLMEngine.stats()
+    num_running: int
+    num_waiting: int
+    taken_at: float = field(default_factory=time.time)
+
+
+class RequestListener(Protocol):
+    """Hears of request events as they happen, on the engine thread (so it must be quick)."""
+
+    def on_first_token(self, ttft_s: float) -> None: ...
+
+    def on_finished(self, finish_reason: str) -> None: ...
 
 
 class EngineStoppedError(RuntimeError):
@@ -77,9 +102,14 @@ class AsyncEngine:
         async_engine.shutdown()                  # finishes in-flight requests, then engine.close()
     """
 
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None):
+    def __init__(self, engine: LLMEngine, listener: RequestListener | None = None):
         self.engine = engine
-        self.metrics = metrics or EngineMetrics()
+        self.listener = listener
+        # The latest snapshot: replaced whole (one reference assignment), so readers see the old or the new.
+        self.snapshot: EngineSnapshot | None = None
+        # LLMEngine.stats() as of the close (what writing the cache down at shutdown did); None before,
+        # or if closing failed.
+        self.final_stats: dict | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         # Guards `_accepting` together with putting into the inbox, so that no add can land behind _STOP.
         self._lock = threading.Lock()
@@ -96,10 +126,6 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.error is None
-
-    @property
-    def snapshot(self) -> EngineSnapshot | None:
-        return self.metrics.snapshot
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                  request_id: str | None = None, cache_salt: str | None = None, prompt: str | None = None,
@@ -166,6 +192,7 @@ class AsyncEngine:
     def _close_engine(self) -> None:
         try:
             self.engine.close()
+            self.final_stats = self.engine.stats()
         except Exception:
             logger.exception("kvstrata: writing the cache down at shutdown failed")
 
@@ -192,7 +219,12 @@ class AsyncEngine:
             return False
 
     def _take_commands(self, wait: bool) -> list:
-        commands = [self._inbox.get()] if wait else []
+        """The commands in the inbox; with `wait`, waits for one, but no longer than the idle
+        snapshot interval (the caller republishes the snapshot either way)."""
+        commands = []
+        if wait:
+            with contextlib.suppress(queue.Empty):
+                commands.append(self._inbox.get(timeout=IDLE_SNAPSHOT_INTERVAL_S))
         while True:
             try:
                 commands.append(self._inbox.get_nowait())
@@ -204,8 +236,8 @@ class AsyncEngine:
             if self._streams.pop(command.request_id, None) is not None:
                 request = self.engine.requests.get(command.request_id)
                 self.engine.abort_request(command.request_id)
-                if request is not None:
-                    self.metrics.observe_finished(request.status.value)
+                if request is not None and self.listener is not None:
+                    self.listener.on_finished(request.status.value)
                 self.engine.release(command.request_id)
             return
         try:
@@ -224,17 +256,19 @@ class AsyncEngine:
                 continue
             if not stream.saw_first_token and request.ttft_s is not None:
                 stream.saw_first_token = True
-                self.metrics.observe_first_token(request.ttft_s)
+                if self.listener is not None:
+                    self.listener.on_first_token(request.ttft_s)
             stream.put(RequestOutput.from_request(request))
             if request.is_finished:
-                self.metrics.observe_finished(request.status.value)
+                if self.listener is not None:
+                    self.listener.on_finished(request.status.value)
                 del self._streams[request.request_id]
                 self.engine.release(request.request_id)
 
     def _publish_snapshot(self) -> None:
         scheduler = self.engine.scheduler
-        self.metrics.update(EngineSnapshot(stats=self.engine.stats(), num_running=len(scheduler.running),
-                                           num_waiting=len(scheduler.waiting)))
+        self.snapshot = EngineSnapshot(stats=self.engine.stats(), num_running=len(scheduler.running),
+                                       num_waiting=len(scheduler.waiting))
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):

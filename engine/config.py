@@ -12,7 +12,7 @@
         disk:   {path: ./kvstore, size: 32GiB}
       offload: write_through    # or on_evict
     scheduler: {max_num_batched_tokens: 2048, max_num_seqs: 32}
-    server: {host: 127.0.0.1, port: 8000, model_alias: null}
+    server: {host: 127.0.0.1, port: 8000, model_alias: null, api_key: null, max_request_body: 32MiB}
 
 The config is validated once, here, at the edge; inside the engine the types are trusted. Every
 problem becomes one `ConfigError` whose message is a single line naming the dotted key
@@ -59,6 +59,8 @@ DTYPE_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # `model.threads: auto` never picks more: past this, one request's matmuls gain little from more
 # threads and a busy machine's scheduling noise grows (see `default_threads`).
 MAX_AUTO_THREADS = 16
+DEFAULT_MAX_REQUEST_BODY = 32 * 1024**2  # a 2k-token document is ~10 KB of JSON; a 128k-token one ~0.6 MB
+SECRET_MASK = "********"
 
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -77,6 +79,7 @@ ENV_OVERRIDES = (
     ("KVSTRATA_CPU_SIZE", "cache.tiers.cpu.size", True),
     ("KVSTRATA_DISK_SIZE", "cache.tiers.disk.size", True),
     ("KVSTRATA_DISK_PATH", "cache.tiers.disk.path", False),
+    ("KVSTRATA_API_KEY", "server.api_key", False),
 )
 
 
@@ -311,10 +314,34 @@ class SchedulerConfig(_Section):
         return f"{seconds * 1000:g}ms"
 
 
+def _request_body_limit(value: Any) -> int:
+    """A byte size: "32MiB", "1.5MB", or a plain number of bytes (not blocks: nothing here is a block)."""
+    try:
+        size = Size.parse(value)
+    except ValueError:
+        raise ValueError(f"expected a byte size such as '32MiB' or a number of bytes, got {_short_repr(value)}") from None
+    nbytes = size.nbytes if size.is_bytes else size.num_blocks
+    if nbytes < 1:
+        raise ValueError(f"must be at least one byte, got {value!r}")
+    return nbytes
+
+
+def _api_key(value: Any) -> Any:
+    # Never echo the value: a key mistyped as a number is still a secret.
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ValueError("expected a non-empty string (leave it out, or null, for no key)")
+    return value
+
+
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000  # 0: any free port
     model_alias: str | None = None  # the model id served by /v1/models; None: model.name
+    # Clients must send `Authorization: Bearer <api_key>` to /v1/*; None: no key. Masked when printed.
+    api_key: Annotated[str | None, BeforeValidator(_api_key)] = Field(default=None, repr=False)
+    # Bodies larger than this are refused (413) before they are parsed.
+    max_request_body: Annotated[int, BeforeValidator(_request_body_limit),
+                                PlainSerializer(format_size)] = DEFAULT_MAX_REQUEST_BODY
 
     @field_validator("host")
     @classmethod
@@ -386,7 +413,11 @@ class Config(_Section):
         return self.model_dump(mode="json")
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+        """The config as YAML for people to read: secrets (the API key) are masked."""
+        data = self.to_dict()
+        if data["server"]["api_key"] is not None:
+            data["server"]["api_key"] = SECRET_MASK
+        return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
 # ---------------------------------------------------------------------------------------------

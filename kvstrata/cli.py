@@ -1,6 +1,6 @@
 """`kvstrata`, the command line (DESIGN.md, "CLI").
 
-    kvstrata serve  --config F [--host H] [--port P] [--set key=value ...]
+    kvstrata serve  --config F [--host H] [--port P] [--api-key KEY] [--set key=value ...]
     kvstrata ask    --config F --doc FILE [--question Q ...] [QUESTION ...] [--max-tokens N]
     kvstrata bench  ttft --config F [benchmark options ...]
     kvstrata bench  concurrency --config F [benchmark options ...]
@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(serve)
     serve.add_argument("--host", help="address to listen on (overrides server.host)")
     serve.add_argument("--port", type=int, help="port to listen on (overrides server.port)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (overrides server.api_key; "
+                                         "$KVSTRATA_API_KEY keeps it out of the process list)")
     serve.set_defaults(run=_serve)
 
     ask = commands.add_parser("ask", help="answer questions about a long document")
@@ -127,8 +129,8 @@ def _load(args: argparse.Namespace, disk_read_only: bool = False, **extra_overri
 
 
 def _serve(args: argparse.Namespace) -> int:
-    config = _load(args, **{"server.host": args.host, "server.port": args.port})
-    from kvstrata.engine.server import serve
+    config = _load(args, **{"server.host": args.host, "server.port": args.port, "server.api_key": args.api_key})
+    from kvstrata.serving.server import serve
 
     serve(config)
     return EXIT_OK

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -33,12 +35,12 @@ def server_env() -> dict[str, str]:
 class ServerProcess:
     """A running `kvstrata serve`; `lines` collects its stdout and stderr as they come."""
 
-    def __init__(self, disk_path: Path, *overrides: str):
+    def __init__(self, disk_path: Path, *overrides: str, env: dict[str, str] | None = None):
         self.disk_path = disk_path
         settings = ("model.dtype=float32", "cache.tiers.device.size=128", "cache.tiers.cpu.size=256",
                     f"cache.tiers.disk.path={disk_path}", "cache.tiers.disk.size=256MiB", *overrides)
         self.process = subprocess.Popen(serve_command(*settings), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, env=server_env(), cwd=REPO)
+                                        text=True, env={**server_env(), **(env or {})}, cwd=REPO)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read_output, daemon=True)
         self._reader.start()
@@ -81,6 +83,10 @@ class ServerProcess:
         """SIGTERM, then the exit code (the server drains and writes its cache down first)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 120) -> int:
+        """The exit code, once the server has exited and all its output is in `lines`."""
         try:
             return self.process.wait(timeout)
         finally:
@@ -99,3 +105,43 @@ def metric_value(metrics_text: str, name: str, labels: str = "") -> float:
     if match is None:
         raise AssertionError(f"no sample {name}{{{labels}}} in /metrics")
     return float(match.group(1))
+
+
+def aborted_requests(metrics_text: str) -> float:
+    try:
+        return metric_value(metrics_text, "kvstrata_requests_finished_total", 'finish_reason="abort"')
+    except AssertionError:  # no request has been aborted yet: the labelled sample does not exist
+        return 0.0
+
+
+def raw_post(base_url: str, path: str, body: bytes, headers: dict[str, str] | None = None,
+             content_length: int | None = None) -> socket.socket:
+    """Send a POST on a plain socket and return the socket (to read the answer, or to hang up):
+    what an HTTP client library will not do, e.g. declare a Content-Length it never sends."""
+    url = urlsplit(base_url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=300)
+    head = [f"POST {path} HTTP/1.1", f"Host: {url.netloc}", "Content-Type: application/json",
+            f"Content-Length: {len(body) if content_length is None else content_length}"]
+    head += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """(status, body) of one plain (not chunked) HTTP response read from `sock`."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += _receive(sock)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    length = next(int(line.split(":", 1)[1]) for line in lines if line.lower().startswith("content-length:"))
+    while len(body) < length:
+        body += _receive(sock)
+    return int(lines[0].split()[1]), body
+
+
+def _receive(sock: socket.socket) -> bytes:
+    chunk = sock.recv(65536)
+    if not chunk:
+        raise ConnectionError("the server closed the connection before its answer was complete")
+    return chunk

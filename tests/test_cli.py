@@ -55,6 +55,19 @@ def test_config_check_prints_the_resolved_config(tmp_path):
     assert load_config(printed) == load_config(CONFIGS / "default.yaml", ["server.port=9001"])
 
 
+def test_config_check_masks_the_api_key_and_never_echoes_a_bad_one(tmp_path):
+    path = write_yaml(tmp_path / "server.yaml", {"server": {"api_key": "sk-do-not-print", "max_request_body": "1MiB"}})
+    result = kvstrata("config", "check", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "sk-do-not-print" not in result.stdout
+    printed = yaml.safe_load(result.stdout)["server"]
+    assert printed["api_key"] == "********" and printed["max_request_body"] == "1MiB"
+    bad = write_yaml(tmp_path / "bad.yaml", {"server": {"api_key": 987654321}})
+    result = kvstrata("config", "check", str(bad), cwd=tmp_path)
+    assert_one_line_error(result, "server.api_key: expected a non-empty string")
+    assert "987654321" not in result.stderr
+
+
 def test_config_check_of_a_bad_key_is_one_line_and_exit_2(tmp_path):
     path = write_yaml(tmp_path / "bad.yaml", {"cache": {"tiers": {"dsk": {"size": "1GiB"}}}})
     assert_one_line_error(kvstrata("config", "check", str(path), cwd=tmp_path), "cache.tiers.dsk: unknown key")
@@ -140,11 +153,21 @@ def test_bench_with_a_bad_config_fails_before_running(tmp_path):
 
 def test_serve_hands_the_config_with_host_and_port_flags_to_the_server(monkeypatch):
     served = []
-    monkeypatch.setitem(sys.modules, "kvstrata.engine.server", types.SimpleNamespace(serve=served.append))
+    monkeypatch.setitem(sys.modules, "kvstrata.serving.server", types.SimpleNamespace(serve=served.append))
     assert cli.main(["serve", "--config", str(CONFIGS / "default.yaml"), "--port", "9100", "--host", "0.0.0.0",
-                     "--set", "scheduler.max_num_seqs=4"]) == 0
+                     "--api-key", "from-the-flag", "--set", "scheduler.max_num_seqs=4"]) == 0
     (config,) = served
     assert (config.server.host, config.server.port, config.scheduler.max_num_seqs) == ("0.0.0.0", 9100, 4)
+    assert config.server.api_key == "from-the-flag"
+
+
+def test_serve_takes_the_api_key_from_the_environment_and_the_flag_wins(monkeypatch):
+    served = []
+    monkeypatch.setitem(sys.modules, "kvstrata.serving.server", types.SimpleNamespace(serve=served.append))
+    monkeypatch.setenv("KVSTRATA_API_KEY", "from-the-environment")
+    assert cli.main(["serve"]) == 0
+    assert cli.main(["serve", "--api-key", "from-the-flag"]) == 0
+    assert [config.server.api_key for config in served] == ["from-the-environment", "from-the-flag"]
 
 
 def test_ask_hands_document_and_all_questions_to_qa(monkeypatch, tmp_path):

@@ -188,7 +188,8 @@ def test_auto_dtype_is_what_stats_and_metrics_report_and_what_the_cache_is_keyed
     """`auto` resolves before anything is hashed: an engine asked for float32 by name finds the
     blocks an `auto` engine (a CPU without AMX) wrote, and stats and /metrics say float32."""
     from kvstrata.engine import config as config_module
-    from kvstrata.engine.metrics import EngineMetrics, EngineSnapshot
+    from kvstrata.engine.async_engine import EngineSnapshot
+    from kvstrata.serving.metrics import ServingMetrics
 
     monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: False)
     prompt = "The library opens at nine and closes at six. " * 8
@@ -196,8 +197,7 @@ def test_auto_dtype_is_what_stats_and_metrics_report_and_what_the_cache_is_keyed
         assert auto.generate(prompt, GREEDY)[0].cached_tokens == 0
         stats = auto.stats()
     assert (stats["dtype"], stats["device"], stats["threads"], stats["model"]) == ("float32", "cpu", 1, "tiny-llama")
-    metrics = EngineMetrics()
-    metrics.update(EngineSnapshot(stats=stats, num_running=0, num_waiting=0))
+    metrics = ServingMetrics(lambda: EngineSnapshot(stats=stats, num_running=0, num_waiting=0))
     assert ('kvstrata_engine_info{attention_backend="torch",device="cpu",dtype="float32",model="tiny-llama",'
             'threads="1"} 1.0') in metrics.render().decode()
     with LLM(load_config(tiny_dummy(tmp_path, dtype="float32"))) as explicit:

@@ -1,20 +1,25 @@
 """The OpenAI-compatible server, end to end: one `kvstrata serve` process (the embedded model, fp32,
-small tiers) for the whole file, driven by the official `openai` client and by plain HTTP.
+small tiers, an API key from the environment) for the whole file, driven by the official `openai`
+client and by plain HTTP.
 
 The last test stops the server with SIGTERM; it must stay last in this file."""
 from __future__ import annotations
 
 import json
+import select
+import signal
 import socket
 import subprocess
 import threading
 import time
+import uuid
 
 import httpx
 import openai
 import pytest
 
-from server_process import REPO, ServerProcess, metric_value, serve_command, server_env
+from server_process import (REPO, ServerProcess, aborted_requests, metric_value, raw_post, read_response,
+                            serve_command, server_env)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,21 +37,25 @@ def document_chat(question: str) -> list[dict]:
     return [{"role": "user", "content": f"Document:\n{DOCUMENT}\nQuestion: {question}"}]
 
 
+API_KEY = f"test-key-{uuid.uuid4().hex}"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process = ServerProcess(tmp_path_factory.mktemp("kvstore"))
+    process = ServerProcess(tmp_path_factory.mktemp("kvstore"), env={"KVSTRATA_API_KEY": API_KEY})
     yield process
     process.kill()  # normally already stopped by the SIGTERM test
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="not-needed", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=300) as http_client:
+    with httpx.Client(base_url=server.base_url, timeout=300, headers=AUTH) as http_client:
         yield http_client
 
 
@@ -81,19 +90,67 @@ def test_health_and_models_list_the_served_model(http, client):
 
 
 @pytest.mark.slow
+def test_api_routes_need_the_key_while_health_and_metrics_stay_open(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as anonymous:
+        assert anonymous.get("/health").status_code == 200
+        assert anonymous.get("/metrics").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            response = anonymous.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        assert anonymous.get("/v1/models").status_code == 401
+        assert anonymous.get("/v1/models", headers=AUTH).status_code == 200
+
+
+@pytest.mark.slow
 def test_completion_with_openai_client_reports_usage_and_cache_tiers(client):
-    completion = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
-                                           max_tokens=6, temperature=0)
-    choice = completion.choices[0]
-    assert choice.text and choice.finish_reason in ("stop", "length")
-    usage = completion.usage
-    assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 6
+    # A prompt no other test sends: the first time nothing of it is cached, the second time every
+    # whole block of it is, except the last token, which is always computed.
+    prompt = f"Request {uuid.uuid4().hex}: list the primary colours and say which two make green."
+    first, second = (client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=6,
+                                               temperature=0) for _ in range(2))
+    choice = second.choices[0]
+    assert choice.text == first.choices[0].text and choice.finish_reason in ("stop", "length")
+    usage = second.usage
+    assert usage.prompt_tokens > 16 and 0 < usage.completion_tokens <= 6
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens >= 0
-    kv = completion.model_extra["kvstrata"]
-    assert set(kv["cached_tokens_by_tier"]) == {"device", "cpu", "disk"}
-    assert sum(kv["cached_tokens_by_tier"].values()) == usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16
+    kv = second.model_extra["kvstrata"]
+    assert kv["cached_tokens_by_tier"] == {"device": usage.prompt_tokens_details.cached_tokens, "cpu": 0, "disk": 0}
     assert kv["ttft_ms"] > 0
+
+
+@pytest.mark.slow
+def test_completion_logprobs_name_each_token_and_its_likeliest_alternatives(client):
+    completion = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                           max_tokens=4, temperature=0, logprobs=2)
+    choice = completion.choices[0]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == completion.usage.completion_tokens
+    assert "".join(logprobs.tokens).startswith(choice.text)
+    assert logprobs.text_offset[0] == 0
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert logprob <= 0
+        assert 2 <= len(top) <= 3  # the two likeliest, and the sampled token if it is not one of them
+        assert top[token] == logprob == max(top.values())  # greedy: the sampled token is the likeliest
+
+
+@pytest.mark.slow
+def test_streamed_chat_logprobs_cover_every_generated_token(client):
+    chunks = list(client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=3, stream=True, stream_options={"include_usage": True}))
+    entries = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+               for entry in chunk.choices[0].logprobs.content]
+    assert len(entries) == chunks[-1].usage.completion_tokens
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "".join(entry.token for entry in entries).startswith(text)
+    for entry in entries:
+        assert [alternative.logprob for alternative in entry.top_logprobs] == sorted(
+            (alternative.logprob for alternative in entry.top_logprobs), reverse=True)
+        assert entry.top_logprobs[0].token == entry.token and len(entry.top_logprobs) == 3
+        assert entry.bytes == list(entry.token.encode())
 
 
 @pytest.mark.slow
@@ -234,6 +291,12 @@ BAD_REQUESTS = [
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ("unknown model in chat", "/v1/chat/completions",
      {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ("seed beyond 64 bits", "/v1/completions", {"prompt": "hi", "seed": 2**63}, 400, "seed"),
+    ("lone surrogate in a prompt", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages.0.content"),
+    ("a penalty the server does not implement", "/v1/completions", {"prompt": "hi", "presence_penalty": 0.5},
+     400, "presence_penalty"),
 ]
 
 
@@ -258,14 +321,58 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(http, path, body
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_the_request_in_flight_writes_the_cache_down_and_exits_0(server, http):
+def test_client_that_hangs_up_on_a_non_streaming_request_has_it_aborted(http, server):
+    aborted_before = aborted_requests(http.get("/metrics").text)
+    body = json.dumps({"prompt": "Count to a thousand:", "max_tokens": 1000, "ignore_eos": True}).encode()
+    with raw_post(server.base_url, "/v1/completions", body, AUTH):
+        _wait_for_metrics(http, lambda text: metric_value(text, "kvstrata_requests_running") == 1)
+    # hung up: the request must stop now, not after its 1000 tokens
+    text = _wait_for_metrics(http, lambda text: aborted_requests(text) > aborted_before)
+    assert aborted_requests(text) == aborted_before + 1
+    assert metric_value(text, "kvstrata_requests_running") == 0
+
+
+def _wait_for_metrics(http, condition, timeout_s: float = 120) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = http.get("/metrics").text
+        if condition(text):
+            return text
+        assert time.monotonic() < deadline, "the server's metrics never showed the expected state"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_huge_prompt_being_tokenized_does_not_hold_up_health(http, server):
+    # ~2 MB of text: seconds of tokenizing (then a 400: far beyond the context), within the body limit.
+    body = json.dumps({"prompt": "hello world " * 180_000, "max_tokens": 1}).encode()
+    with raw_post(server.base_url, "/v1/completions", body, AUTH) as huge:
+        time.sleep(0.5)  # the server has read the body (loopback: milliseconds) and is tokenizing it
+        assert http.get("/health").status_code == 200
+        answered_before_health = select.select([huge], [], [], 0)[0]
+        assert not answered_before_health, "/health waited for the huge prompt's tokenization"
+        assert read_response(huge)[0] == 400
+
+
+@pytest.mark.slow
+def test_body_larger_than_the_limit_is_refused_before_it_is_sent(server):
+    declared = 64 * 1024**2  # the default limit is 32MiB; nothing of the body is ever sent
+    with raw_post(server.base_url, "/v1/completions", b"", AUTH, content_length=declared) as sock:
+        status, body = read_response(sock)
+    assert status == 413
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_too_large" and "server.max_request_body" in error["message"]
+
+
+@pytest.mark.slow
+def test_sigterm_drains_refusing_new_requests_writes_the_cache_down_and_exits_0(server, http):
     from kvstrata.tiers.lmdb_store import read_store_stats
 
     events: list[str] = []
     first_chunk = threading.Event()
 
     def stream() -> None:
-        with http.stream("POST", "/v1/completions", json={"prompt": "Count: one, two,", "max_tokens": 12,
+        with http.stream("POST", "/v1/completions", json={"prompt": "Count: one, two,", "max_tokens": 24,
                                                           "temperature": 0, "ignore_eos": True,
                                                           "stream": True}) as response:
             for line in response.iter_lines():
@@ -276,10 +383,25 @@ def test_sigterm_finishes_the_request_in_flight_writes_the_cache_down_and_exits_
     reader = threading.Thread(target=stream)
     reader.start()
     assert first_chunk.wait(120)
-    assert server.terminate() == 0
+    server.process.send_signal(signal.SIGTERM)
+    refused = _post_until_refused(http)
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+    assert http.get("/health").status_code == 503  # a load balancer stops sending
+    assert server.wait() == 0  # once the stream has finished (a second signal would cut it short)
     reader.join(60)
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # drained, not cut off
     assert "Traceback" not in server.output
+    assert API_KEY not in server.output
+    assert server.lines[-1] == f"kvstrata: stopped; cache written down to {server.disk_path}"
     assert read_store_stats(str(server.disk_path))["entries"] > 0
+
+
+def _post_until_refused(http) -> httpx.Response:
+    """A new request after SIGTERM (the signal takes a moment to land: until then one is served)."""
+    deadline = time.monotonic() + 60
+    while True:
+        response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        if response.status_code != 200 or time.monotonic() > deadline:
+            return response

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_process import ServerProcess, metric_value
+from server_process import ServerProcess, aborted_requests, metric_value
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -68,7 +68,7 @@ def test_concurrent_streams_all_finish_with_the_outputs_of_requests_sent_alone(s
 
 def test_client_that_disconnects_mid_stream_has_its_request_aborted(server):
     with httpx.Client(base_url=server.base_url, timeout=300) as http:
-        aborted_before = _aborted(http.get("/metrics").text)
+        aborted_before = aborted_requests(http.get("/metrics").text)
         body = {"model": MODEL, "messages": messages("Tell me everything."), "max_tokens": 1000,
                 "ignore_eos": True, "temperature": 0, "stream": True}
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -78,18 +78,12 @@ def test_client_that_disconnects_mid_stream_has_its_request_aborted(server):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             text = http.get("/metrics").text
-            if metric_value(text, "kvstrata_requests_running") == 0 and _aborted(text) > aborted_before:
+            if metric_value(text, "kvstrata_requests_running") == 0 and aborted_requests(text) > aborted_before:
                 break
             time.sleep(0.2)
         assert metric_value(text, "kvstrata_requests_running") == 0
         assert metric_value(text, "kvstrata_requests_waiting") == 0
-        assert _aborted(text) == aborted_before + 1
+        assert aborted_requests(text) == aborted_before + 1
         assert metric_value(text, "kvstrata_cache_usage_blocks", 'tier="device"') == 0  # its blocks were freed
         assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
 
-
-def _aborted(metrics_text: str) -> float:
-    try:
-        return metric_value(metrics_text, "kvstrata_requests_finished_total", 'finish_reason="abort"')
-    except AssertionError:  # no request has been aborted yet: the labelled sample does not exist
-        return 0.0

@@ -1,23 +1,25 @@
 """Prometheus metrics for `GET /metrics`, fed from the engine thread's snapshots.
 
 The engine thread publishes an `EngineSnapshot` (a copy of `LLMEngine.stats()` plus the scheduler's
-queue lengths) after each step; a scrape reads the latest one. Nothing here ever reads engine state,
-so a scrape never races a step. Cumulative engine counters are exposed as Prometheus counters
-straight from the snapshot (they only grow); observations that the snapshot cannot carry (each
-request's time to first token, each finish) are recorded by the engine thread as they happen.
+queue lengths) after each step and every second while idle; a scrape reads the latest one. Nothing
+here ever reads engine state, so a scrape never races a step. Cumulative engine counters are exposed
+as Prometheus counters straight from the snapshot (they only grow); observations that the snapshot
+cannot carry (each request's time to first token, each finish) arrive as they happen: this object
+is the `AsyncEngine`'s `RequestListener`.
 
 Every metric lives in this object's own `CollectorRegistry`: two servers in one process (tests)
 never collide, and the process-wide default registry stays untouched.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:  # the engine imports torch: `kvstrata serve` reports a port in use before that
+    from kvstrata.engine.async_engine import EngineSnapshot
 
 PREFIX = "kvstrata"
 TIERS = ("device", "cpu", "disk")
@@ -26,22 +28,14 @@ LOWER_TIERS = ("cpu", "disk")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """What the engine thread saw after a step; immutable, so the HTTP side may read it freely."""
+class ServingMetrics:
+    """The metrics of one served engine: `snapshot` returns the engine's latest `EngineSnapshot`."""
 
-    stats: dict                      # LLMEngine.stats()
-    num_running: int
-    num_waiting: int
-    taken_at: float = field(default_factory=time.time)
-
-
-class EngineMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot | None]) -> None:
         self.registry = CollectorRegistry()
-        self._snapshot: EngineSnapshot | None = None
+        self.snapshot = snapshot
         self.time_to_first_token = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Time from a request's arrival to its first token.",
             buckets=TTFT_BUCKETS, registry=self.registry)
@@ -50,21 +44,14 @@ class EngineMetrics:
             ["finish_reason"], registry=self.registry)
         self.registry.register(_SnapshotCollector(self))
 
-    # Called from the engine thread.
-    def update(self, snapshot: EngineSnapshot) -> None:
-        self._snapshot = snapshot  # one reference assignment: scrapes see the old or the new, whole
-
-    def observe_first_token(self, ttft_s: float) -> None:
+    # The RequestListener side, called from the engine thread.
+    def on_first_token(self, ttft_s: float) -> None:
         self.time_to_first_token.observe(ttft_s)
 
-    def observe_finished(self, finish_reason: str) -> None:
+    def on_finished(self, finish_reason: str) -> None:
         self.requests_finished.labels(finish_reason=finish_reason).inc()
 
     # Called from the HTTP side.
-    @property
-    def snapshot(self) -> EngineSnapshot | None:
-        return self._snapshot
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -72,11 +59,11 @@ class EngineMetrics:
 class _SnapshotCollector(Collector):
     """Turns the latest snapshot into metric families at scrape time."""
 
-    def __init__(self, metrics: EngineMetrics):
+    def __init__(self, metrics: ServingMetrics):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        snapshot = self.metrics.snapshot
+        snapshot = self.metrics.snapshot()
         if snapshot is None:
             return
         yield _engine_info(snapshot.stats)

@@ -1,0 +1,236 @@
+"""The OpenAI-compatible HTTP API: the FastAPI app and its routes.
+
+    POST /v1/completions        prompt (text or token ids) -> text; `stream: true` for server-sent events
+    POST /v1/chat/completions   messages -> reply, through the model's chat template; streams the same way
+    GET  /v1/models             the one model served
+    GET  /health                200 while the engine runs and the server is not draining
+    GET  /metrics               Prometheus text: prefix-cache hits per tier, TTFT, tier usage, moves
+
+Responses carry OpenAI's `usage` (with `prompt_tokens_details.cached_tokens`) and a `kvstrata`
+object: `{"cached_tokens_by_tier": {"device": n, "cpu": n, "disk": n}, "ttft_ms": t}`. Every error
+is OpenAI's shape (`errors.py`).
+
+The routes never touch the engine: requests go through `AsyncEngine`, metrics come from the
+snapshots its thread publishes, prompts are tokenized on the tokenizer threads. A client that hangs
+up has its request aborted, streaming or not. This module imports neither torch nor the engine at
+import time, so that `kvstrata serve` reports a port in use before it spends time loading a model.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from kvstrata import __version__
+from kvstrata.engine.prompts import render_chat, tokenize_text
+from kvstrata.serving.errors import APIError, install_error_handlers, service_unavailable
+from kvstrata.serving.metrics import ServingMetrics
+from kvstrata.serving.middleware import APIKeyCheck, BodySizeLimit, DrainState, RequestGate
+from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events, chat_logprobs, completion_events,
+                                        completion_logprobs, kvstrata_info, token_texts, usage)
+from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                      CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
+                                      SamplingRequest)
+from kvstrata.serving.tokenizer_pool import TokenizerPool
+
+if TYPE_CHECKING:
+    from kvstrata.engine.async_engine import AsyncEngine
+    from kvstrata.engine.llm import RequestOutput
+    from kvstrata.engine.sampling import SamplingParams
+
+T = TypeVar("T")
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+# The SamplingParams fields whose names start their error messages ("max_tokens must be ..."),
+# which are the request fields of the same name unless a route says otherwise.
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
+
+
+def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, tokenizers: TokenizerPool,
+              api_key: str | None = None, max_request_body: int, drain: DrainState | None = None) -> FastAPI:
+    """The app serving `engine` under the model id `model_id`. `drain`: shared with the server,
+    which sets `draining` on SIGTERM."""
+    from kvstrata.engine.async_engine import EngineStoppedError
+    from kvstrata.engine.sampling import SamplingParams
+
+    drain = drain or DrainState()
+    app = FastAPI(title="kvstrata", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    # Outermost last: the key is checked first, then the gate, then the body's size.
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body)
+    app.add_middleware(RequestGate, state=drain)
+    app.add_middleware(APIKeyCheck, api_key=api_key)
+    created = int(time.time())
+    max_model_len = engine.engine.max_model_len
+
+    @app.exception_handler(EngineStoppedError)
+    async def _engine_stopped(_: Request, exc: EngineStoppedError) -> Response:
+        return service_unavailable(str(exc)).response()
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_id:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_id}`.",
+                           param="model", code="model_not_found")
+
+    def sampling_params(body: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                        field_names: dict[str, str]) -> SamplingParams:
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=_given(body.temperature, 1.0),
+                                  top_p=_given(body.top_p, 1.0), top_k=_given(body.top_k, -1), seed=body.seed,
+                                  stop=body.stop, ignore_eos=bool(body.ignore_eos), logprobs=logprobs)
+        except ValueError as exc:
+            raise _bad_request(exc, field_names) from None
+
+    async def tokenize(render, what, param: str) -> list[int]:
+        try:
+            return await tokenizers.run(render, what)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
+
+    def start(token_ids: list[int], params: SamplingParams, request_id: str, body: SamplingRequest,
+              prompt: str | None) -> AsyncIterator[RequestOutput]:
+        try:
+            return engine.generate(token_ids, params, request_id=request_id, cache_salt=body.cache_salt,
+                                   prompt=prompt, arrival_time=time.perf_counter())
+        except ValueError as exc:
+            raise _bad_request(exc, {}) from None
+
+    def stream_settings(body: SamplingRequest, request_id: str, logprobs: bool) -> StreamSettings:
+        return StreamSettings(request_id, model_id, body.include_usage, body.continuous_usage, logprobs, tokenizers)
+
+    async def respond(request: Request, body: SamplingRequest, outputs: AsyncIterator[RequestOutput],
+                      events: Callable[[], AsyncIterator[str]], whole: Callable[[RequestOutput], Awaitable[Any]]):
+        """Stream the request's events, or wait for its last output (aborting it if the client hangs
+        up first) and answer with the whole response built from it."""
+        if body.stream:
+            return SSEResponse(events())
+        final = await _unless_disconnected(request, _last(outputs))
+        if final is None:
+            return Response(status_code=499)  # nobody is listening: the request was aborted
+        return await whole(final)
+
+    async def shaped_logprobs(final: RequestOutput, shape: Callable[[list, dict[int, str]], Any]) -> Any:
+        """The output's logprobs in a response's shape, or None when the request asked for none."""
+        if final.logprobs is None:
+            return None
+        return shape(final.logprobs, await token_texts(tokenizers, final.logprobs))
+
+    @app.get("/health")
+    async def health() -> dict:
+        if drain.draining:
+            raise service_unavailable("the server is shutting down")
+        if not engine.is_running:
+            raise service_unavailable("the engine is not running")
+        return {"status": "ok"}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_id, created=created, max_model_len=max_model_len)])
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_text, token_ids = body.prompt, await tokenize(tokenize_text, body.prompt, "prompt")
+        else:
+            prompt_text, token_ids = None, body.prompt
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = sampling_params(body, max_tokens, body.logprobs, {})
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        outputs = start(token_ids, params, request_id, body, prompt_text)
+        settings = stream_settings(body, request_id, body.logprobs is not None)
+
+        async def whole(final: RequestOutput) -> CompletionResponse:
+            choice = CompletionChoice(text=final.text, logprobs=await shaped_logprobs(final, completion_logprobs),
+                                      finish_reason=final.finish_reason)
+            return CompletionResponse(id=request_id, created=int(time.time()), model=model_id, choices=[choice],
+                                      usage=usage(final), kvstrata=kvstrata_info(final))
+
+        return await respond(request, body, outputs, lambda: completion_events(outputs, settings), whole)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        token_ids = await tokenize(render_chat, messages, "messages")
+        max_tokens, max_tokens_field = body.max_tokens, "max_tokens"
+        if body.max_completion_tokens is not None:
+            max_tokens, max_tokens_field = body.max_completion_tokens, "max_completion_tokens"
+        if max_tokens is None:  # as vLLM: whatever room the context leaves
+            max_tokens = max(1, max_model_len - len(token_ids))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, max_tokens, logprobs,
+                                 {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"})
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = start(token_ids, params, request_id, body, None)
+        settings = stream_settings(body, request_id, logprobs is not None)
+
+        async def whole(final: RequestOutput) -> ChatCompletionResponse:
+            choice = ChatChoice(message=AssistantMessage(content=final.text),
+                                logprobs=await shaped_logprobs(final, chat_logprobs), finish_reason=final.finish_reason)
+            return ChatCompletionResponse(id=request_id, created=int(time.time()), model=model_id, choices=[choice],
+                                          usage=usage(final), kvstrata=kvstrata_info(final))
+
+        return await respond(request, body, outputs, lambda: chat_events(outputs, settings), whole)
+
+    return app
+
+
+def _given(value, default):
+    return default if value is None else value
+
+
+def _bad_request(exc: ValueError, field_names: dict[str, str]) -> APIError:
+    """A ValueError of the engine's (SamplingParams, request validation) as a 400 naming the request
+    field it is about: its message starts with the field's name."""
+    message = " ".join(str(exc).split())
+    first_word = message.split(" ", 1)[0]
+    param = None
+    if first_word in _SAMPLING_FIELDS:
+        param = field_names.get(first_word, first_word)
+        message = param + message[len(first_word):]  # the request's name for it, e.g. top_logprobs
+    elif message.startswith(("prompt", "messages")):
+        param = first_word.split("[", 1)[0]
+    return APIError(400, message, param=param)
+
+
+async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async with contextlib.aclosing(outputs):
+        async for output in outputs:
+            final = output
+    assert final is not None and final.finished
+    return final
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """The result of `work`, or None if the client hangs up first: `work` is then cancelled, which
+    closes its outputs and so aborts its request (as a stream's is when its client goes away)."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((work_task, watch_task), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+    return None if work_task.cancelled() else work_task.result()
+
+
+async def _disconnect(request: Request) -> Any:
+    """Returns when the client disconnects (the body has been read: nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,294 @@
+"""OpenAI's request and response shapes, as this server speaks them.
+
+Requests say exactly what they ask. A field the server implements is validated. A field it does not
+implement is accepted only at the value that asks for nothing (null, or its no-op default, as the
+official `openai` client and benchmark clients such as guidellm send them); any other value is a
+400 naming the field, never silently ignored. A field the server has never heard of is a 400 too.
+Every string must be valid Unicode (JSON can carry a lone surrogate, which no tokenizer encodes).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from kvstrata.engine.prompts import unicode_problem
+
+
+def _valid_unicode(text: str) -> str:
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise ValueError(f"not valid Unicode text: {problem}")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _no_op_only(*no_op_values: Any):
+    """The type of a field this server does not implement: null or one of `no_op_values` only."""
+
+    def check(value: Any) -> Any:
+        if value is None or any(type(value) is type(v) and value == v for v in no_op_values):
+            return value
+        accepted = " or ".join(repr(v) for v in no_op_values)
+        raise ValueError(f"not supported by this server (it accepts only null{' or ' if accepted else ''}{accepted})")
+
+    return Annotated[Any, AfterValidator(check)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage on every chunk, not only a last one
+
+
+class SamplingRequest(_Request):
+    model: Text | None = None
+    max_tokens: int | None = None
+    # None (some clients send null for "unset"): OpenAI's defaults, temperature 1 and top_p 1; top_k off.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Any = None  # a string or a list of them; validated below
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: _no_op_only(1) = None
+    cache_salt: Text | None = None  # isolates this request's cache entries from requests without the same salt
+    ignore_eos: bool | None = False
+    user: Text | None = None  # the caller's name for its end user: nothing for the server to do
+    presence_penalty: _no_op_only(0, 0.0) = None
+    frequency_penalty: _no_op_only(0, 0.0) = None
+    repetition_penalty: _no_op_only(1, 1.0) = None
+    logit_bias: _no_op_only({}) = None
+    min_p: _no_op_only(0, 0.0) = None
+    min_tokens: _no_op_only(0) = None
+    stop_token_ids: _no_op_only([]) = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: Any) -> str | list[str] | None:
+        if stop is None:
+            return None
+        if isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            for text in [stop] if isinstance(stop, str) else stop:
+                _valid_unicode(text)
+            return stop
+        raise ValueError("expected a string or a list of strings")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(SamplingRequest):
+    # Text, token ids, or a batch of exactly one of them; validated into text or token ids.
+    prompt: Any
+    logprobs: int | None = None  # how many alternatives to report with each token's log-probability
+    best_of: _no_op_only(1) = None
+    echo: _no_op_only(False) = None
+    suffix: _no_op_only("") = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError(f"one prompt per request, got a batch of {len(prompt)}")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return _valid_unicode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt
+        raise ValueError("expected a string, a list of token ids, or a batch of one of them")
+
+
+class ChatMessage(_Request):
+    role: Text
+    content: Any  # a string, or a list of text parts; validated into one string
+    name: _no_op_only() = None
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, content: Any) -> str:
+        if isinstance(content, str):
+            return _valid_unicode(content)
+        if isinstance(content, list):
+            texts = []
+            for i, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                        and set(part) == {"type", "text"}):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"part {i}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
+                                     f"got {kind!r}")
+                texts.append(_valid_unicode(part["text"]))
+            return "".join(texts)
+        raise ValueError("expected a string or a list of text parts")
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    echo: _no_op_only(False) = None
+    tools: _no_op_only([]) = None
+    tool_choice: _no_op_only("none", "auto") = None
+    functions: _no_op_only([]) = None
+    function_call: _no_op_only("none", "auto") = None
+    parallel_tool_calls: bool | None = None  # means nothing without tools
+    response_format: _no_op_only({"type": "text"}) = None
+    store: _no_op_only(False) = None
+    metadata: _no_op_only({}) = None
+    service_tier: _no_op_only("auto", "default") = None
+    modalities: _no_op_only(["text"]) = None
+    audio: _no_op_only() = None
+    prediction: _no_op_only() = None
+    reasoning_effort: _no_op_only() = None
+    web_search_options: _no_op_only() = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class KvstrataInfo(BaseModel):
+    cached_tokens_by_tier: dict[str, int]
+    ttft_ms: float | None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]  # the most likely tokens and the sampled one, by text
+    text_offset: list[int]                # where each token starts in the generated text
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    kvstrata: KvstrataInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's text as UTF-8
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    kvstrata: KvstrataInfo
+
+
+class DeltaMessage(BaseModel):
+    """What a chunk adds: the role (first chunk), some content, or nothing (the last chunk)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _given_fields_only(self) -> dict:
+        return {name: value for name, value in (("role", self.role), ("content", self.content)) if value is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    kvstrata: KvstrataInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvstrata"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,167 @@
+"""`kvstrata serve`: bind, load the model, serve the app, drain on SIGTERM, write the cache down.
+
+Shutting down, in order: the first SIGTERM (or Ctrl-C) starts a drain: new API requests get a 503
+and `/health` turns 503 (so a load balancer stops sending), while the requests in flight finish
+(streams to their last event), for at most GRACEFUL_SHUTDOWN_S. Then the listening socket closes,
+the engine stops and writes the cache down to the disk tier, and the last line printed says
+whether that worked. A second signal ends the drain at once.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import signal
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from kvstrata import __version__
+from kvstrata.engine.config import Config
+from kvstrata.tiers.storage import format_bytes
+from kvstrata.serving.app import build_app
+from kvstrata.serving.metrics import ServingMetrics
+from kvstrata.serving.middleware import DrainState
+from kvstrata.serving.tokenizer_pool import TokenizerPool
+
+if TYPE_CHECKING:
+    from kvstrata.engine.async_engine import AsyncEngine
+
+# How long a drain waits for the requests in flight before they are cancelled (and so aborted).
+GRACEFUL_SHUTDOWN_S = 60
+# After the drain, how long uvicorn waits for what is left before cancelling it.
+CANCEL_AFTER_DRAIN_S = 5
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with a drain: a signal first stops new requests (503) and lets those in flight finish
+    while the socket stays open; uvicorn's own shutdown starts when none is left. Unlike uvicorn, it
+    does not re-raise the signal afterwards, so the process lives on to write its cache down: `serve`
+    closes the engine and returns."""
+
+    def __init__(self, config: uvicorn.Config, drain: DrainState):
+        super().__init__(config)
+        self.drain = drain
+        self.received_signal: int | None = None
+        self._drain_deadline = 0.0
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.received_signal is None:
+            self.received_signal = sig
+            self.drain.draining = True
+            self._drain_deadline = time.monotonic() + GRACEFUL_SHUTDOWN_S
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain.draining and (self.drain.in_flight == 0 or time.monotonic() > self._drain_deadline):
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), so a port in use is reported before the model loads."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"server.host: cannot resolve {host!r}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"server.port: {host}:{port} is already in use (choose another with --port)") from None
+        raise ValueError(f"server.host: cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def serve(config: Config) -> None:
+    """Bind, load the model, print where we listen, serve until SIGTERM/SIGINT, drain, then write
+    the cache down to disk. Ctrl-C raises KeyboardInterrupt at the end (the CLI exits 130); SIGTERM
+    returns normally (exit 0)."""
+    sock = bind_socket(config.server.host, config.server.port)
+    async_engine = tokenizers = server = None
+    try:
+        from kvstrata.engine.async_engine import AsyncEngine
+        from kvstrata.engine.llm_engine import LLMEngine
+
+        llm_engine = LLMEngine(config)
+        tokenizers = TokenizerPool(llm_engine.tokenizer)  # copied before the engine thread uses the original
+        async_engine = AsyncEngine(llm_engine)
+        metrics = ServingMetrics(lambda: async_engine.snapshot)
+        async_engine.listener = metrics  # set before any request: the engine thread reads it for requests only
+        model_id = config.server.model_alias or config.model.name
+        drain = DrainState()
+        app = build_app(async_engine, model_id, metrics=metrics, tokenizers=tokenizers, drain=drain,
+                        api_key=config.server.api_key, max_request_body=config.server.max_request_body)
+        print(_banner(config, async_engine, model_id, sock), flush=True)
+        server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                        timeout_graceful_shutdown=CANCEL_AFTER_DRAIN_S), drain)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        if tokenizers is not None:
+            tokenizers.close()
+        if async_engine is not None:
+            async_engine.shutdown()
+    print(stopped_message(config, async_engine.final_stats), flush=True)
+    if server.received_signal == signal.SIGINT:
+        raise KeyboardInterrupt
+
+
+def stopped_message(config: Config, final_stats: dict | None) -> str:
+    """The last line `serve` prints: whether the cache reached the disk tier, from what the engine
+    measured at its close (`final_stats`: None when closing failed)."""
+    disk = config.cache.tiers.disk
+    if disk is None:
+        return "kvstrata: stopped"
+    if final_stats is None:
+        return f"kvstrata: stopped; writing the cache down to {disk.path} failed (see the error above)"
+    disk_stats = final_stats["tiers"].get("disk")
+    if disk_stats is None:  # prefix caching off: no tier below the device
+        return "kvstrata: stopped"
+    write_errors = disk_stats["extra"].get("write_errors", 0)
+    if write_errors:
+        return (f"kvstrata: stopped; {write_errors} write{'s' if write_errors > 1 else ''} to the disk tier at "
+                f"{disk.path} failed (see the errors above): the blocks they held are not on disk")
+    return f"kvstrata: stopped; cache written down to {disk.path}"
+
+
+def _banner(config: Config, async_engine: AsyncEngine, model_id: str, sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    engine = async_engine.engine
+    stats = async_engine.snapshot.stats if async_engine.snapshot else engine.stats()
+    tiers = stats["tiers"]
+    dtype = f"{stats['dtype']}{' (auto)' if config.model.dtype == 'auto' else ''}"
+    auth = "API key required" if config.server.api_key else "no API key"
+    lines = [f"kvstrata {__version__} serving {model_id} ({dtype} on {stats['device']}, {stats['threads']} torch "
+             f"thread{'s' if stats['threads'] != 1 else ''}, attention: {stats['attention_backend']}, "
+             f"context {engine.max_model_len} tokens)",
+             f"  listening on http://{url_host}:{port}  (OpenAI API under /v1, {auth}; Prometheus at /metrics)"]
+    for name in ("device", "cpu", "disk"):
+        tier = tiers.get(name)
+        if tier is None:
+            lines.append(f"  {name + ' tier:':<13}off")
+            continue
+        where = f" at {config.cache.tiers.disk.path}" if name == "disk" else ""
+        lines.append(f"  {name + ' tier:':<13}{format_bytes(tier['capacity_bytes'])} "
+                     f"({tier['capacity_blocks']} blocks of {config.cache.block_size} tokens){where}")
+    return "\n".join(lines)

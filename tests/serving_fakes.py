@@ -1,0 +1,78 @@
+"""A stand-in engine and tokenizer for HTTP tests that need the app's behaviour, not the model's:
+the real FastAPI app (middleware, schemas, routes, error shapes) over an engine that answers at once."""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import httpx
+
+from kvstrata.engine.llm import RequestOutput
+from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
+from kvstrata.serving.app import build_app
+from kvstrata.serving.metrics import ServingMetrics
+from kvstrata.serving.middleware import DrainState
+from kvstrata.serving.tokenizer_pool import TokenizerPool
+
+MODEL = "fake-model"
+VOCAB = 256
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte; the chat template is `role: content` lines."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+
+class FakeAsyncEngine:
+    """What the app uses of an AsyncEngine. Every request answers `REPLY` one token per output; the
+    sampled token is the most likely one, with log-probability -0.5, the next ones -1.5, -2.5, ..."""
+
+    REPLY = "hi!"
+
+    def __init__(self, max_model_len: int = 512):
+        self.engine = type("LLMEngineLimits", (), {"max_model_len": max_model_len})()
+        self.is_running = True
+        self.snapshot = None
+        self.received: list[tuple[list[int], SamplingParams]] = []
+
+    def generate(self, token_ids, params: SamplingParams, *, request_id, cache_salt, prompt,
+                 arrival_time) -> AsyncIterator[RequestOutput]:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        self.received.append((list(token_ids), params))
+        return self._outputs(request_id, list(token_ids), params)
+
+    async def _outputs(self, request_id: str, token_ids: list[int], params: SamplingParams):
+        reply = list(self.REPLY.encode())[:params.max_tokens]
+        for n in range(1, len(reply) + 1):
+            await asyncio.sleep(0)
+            finished = n == len(reply)
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = [TokenLogprobs(t, -0.5, tuple(((t + i) % VOCAB, -0.5 - i) for i in range(params.logprobs)))
+                            for t in reply[:n]]
+            yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=token_ids,
+                                text=bytes(reply[:n]).decode(), token_ids=reply[:n], cached_tokens=0,
+                                cached_tokens_by_tier={"device": 0, "cpu": 0, "disk": 0}, ttft_s=0.001,
+                                finish_reason=("length" if n == params.max_tokens else "stop") if finished else None,
+                                finished=finished, logprobs=logprobs)
+
+
+def fake_app(engine: FakeAsyncEngine | None = None, *, api_key: str | None = None, max_request_body: int = 1 << 20,
+             drain: DrainState | None = None):
+    engine = engine or FakeAsyncEngine()
+    return build_app(engine, MODEL, metrics=ServingMetrics(lambda: None), tokenizers=TokenizerPool(ByteTokenizer(), 2),
+                     api_key=api_key, max_request_body=max_request_body, drain=drain)
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")

@@ -1,0 +1,299 @@
+"""The HTTP face without a model: the real app (middleware, schemas, routes, error shapes) over a
+stand-in engine, driven in-process through httpx (tests/serving_fakes.py)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from kvstrata.serving.middleware import DrainState
+from kvstrata.serving.server import stopped_message
+from serving_fakes import MODEL, ByteTokenizer, FakeAsyncEngine, client, fake_app
+
+KEY = "s3cret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"messages": [{"role": "user", "content": "Say hi."}]}
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def post(app, path: str, body, headers: dict | None = None):
+    async with client(app) as http:
+        if isinstance(body, bytes):
+            return await http.post(path, content=body, headers={"content-type": "application/json", **(headers or {})})
+        return await http.post(path, json=body, headers=headers)
+
+
+async def get(app, path: str, headers: dict | None = None):
+    async with client(app) as http:
+        return await http.get(path, headers=headers)
+
+
+def assert_openai_error(response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "\n" not in error["message"]
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def sse_chunks(response) -> list[dict]:
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+# ---------------------------------------------------------------------------------------------
+# API key
+
+
+@pytest.mark.parametrize("headers", [None, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                                     {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}],
+                         ids=["no header", "wrong key", "no scheme", "basic scheme", "longer key"])
+def test_api_routes_refuse_a_missing_or_wrong_key_with_openai_401(headers):
+    app = fake_app(api_key=KEY)
+    for response in (run(post(app, "/v1/completions", {"prompt": "x"}, headers)), run(get(app, "/v1/models", headers)),
+                     run(get(app, "/v1/no-such-route", headers))):
+        error = assert_openai_error(response, 401, code="invalid_api_key")
+        assert KEY not in error["message"] and "wrong" not in error["message"].split(":")[-1]
+        assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_the_right_key_is_let_in_whatever_the_case_of_its_scheme():
+    app = fake_app(api_key=KEY)
+    assert run(post(app, "/v1/completions", {"prompt": "x"}, AUTH)).status_code == 200
+    assert run(get(app, "/v1/models", {"Authorization": f"bearer {KEY}"})).status_code == 200
+
+
+def test_health_and_metrics_need_no_key():
+    app = fake_app(api_key=KEY)
+    assert run(get(app, "/health")).json() == {"status": "ok"}
+    assert run(get(app, "/metrics")).status_code == 200
+
+
+def test_without_a_configured_key_no_header_is_needed():
+    assert run(post(fake_app(), "/v1/completions", {"prompt": "x"})).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Routes and errors
+
+
+def test_unknown_route_and_wrong_method_answer_in_openai_shape():
+    app = fake_app()
+    assert_openai_error(run(get(app, "/v1/nothing-here")), 404, code="not_found")
+    error = assert_openai_error(run(get(app, "/v1/completions")), 405, code="method_not_allowed")
+    assert "POST" in error["message"]
+    assert_openai_error(run(post(app, "/health", {})), 405, code="method_not_allowed")
+
+
+def test_body_over_the_limit_is_refused_with_413_by_its_content_length():
+    error = assert_openai_error(run(post(fake_app(max_request_body=1024), "/v1/completions",
+                                         {"prompt": "x" * 2000})), 413, code="request_too_large")
+    assert "1KiB" in error["message"] and "server.max_request_body" in error["message"]
+
+
+def test_streamed_body_without_a_length_is_counted_and_refused_with_413():
+    async def chunked(size: int):
+        async def body():
+            for _ in range(size // 100):
+                yield b" " * 100  # JSON allows leading whitespace: only the size matters here
+            yield json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+
+        async with client(fake_app(max_request_body=1024)) as http:
+            return await http.post("/v1/completions", content=body(), headers={"content-type": "application/json"})
+
+    assert_openai_error(run(chunked(5000)), 413, code="request_too_large")
+    assert run(chunked(500)).status_code == 200
+
+
+BAD_FIELDS = [
+    ("/v1/completions", "best_of", 2), ("/v1/completions", "echo", True), ("/v1/completions", "suffix", "end"),
+    ("/v1/completions", "n", 2), ("/v1/completions", "presence_penalty", 0.5),
+    ("/v1/completions", "frequency_penalty", -0.5), ("/v1/completions", "repetition_penalty", 1.2),
+    ("/v1/completions", "logit_bias", {"42": -100}), ("/v1/completions", "min_p", 0.1),
+    ("/v1/completions", "stop_token_ids", [2]), ("/v1/completions", "no_such_field", 1),
+    ("/v1/completions", "logprobs", 21), ("/v1/completions", "seed", 2**63), ("/v1/completions", "seed", -2**63 - 1),
+    ("/v1/completions", "temperature", "hot"), ("/v1/completions", "max_tokens", 0),
+    ("/v1/completions", "stop", 3), ("/v1/completions", "prompt", 3),
+    ("/v1/chat/completions", "echo", True), ("/v1/chat/completions", "tools", [{"type": "function"}]),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "frequency_penalty", 1), ("/v1/chat/completions", "top_logprobs", 30),
+    ("/v1/chat/completions", "max_completion_tokens", -1),
+]
+
+
+@pytest.mark.parametrize("path,field,value", BAD_FIELDS, ids=[f"{f}={v!r}" for _, f, v in BAD_FIELDS])
+def test_a_bad_or_unsupported_field_is_400_naming_it(path, field, value):
+    body = {"prompt": "x"} if path == "/v1/completions" else dict(CHAT)
+    body[field] = value
+    if field == "top_logprobs":
+        body["logprobs"] = True
+    engine = FakeAsyncEngine()
+    error = assert_openai_error(run(post(fake_app(engine), path, body)), 400, param=field)
+    assert error["message"].startswith(field)
+    assert engine.received == []  # nothing reached the engine
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", b'{"prompt": "a\\ud800"}', "prompt"),
+    ("/v1/completions", b'{"prompt": "a", "stop": ["\\udfff"]}', "stop"),
+    ("/v1/completions", b'{"prompt": "a", "cache_salt": "\\ud800"}', "cache_salt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "\\ud800", "content": "hi"}]}', "messages.0.role"),
+], ids=["prompt", "stop", "cache_salt", "message", "message part", "role"])
+def test_a_lone_surrogate_is_400_naming_the_field(path, body, param):
+    error = assert_openai_error(run(post(fake_app(), path, body)), 400, param=param)
+    assert "not valid Unicode" in error["message"]
+
+
+def test_fields_clients_send_at_their_no_op_values_are_accepted():
+    # As the official client, guidellm and others send them: null, or the value that asks for nothing.
+    completion = {"model": MODEL, "prompt": ["hello"], "max_tokens": 3, "best_of": 1, "echo": False, "suffix": None,
+                  "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                  "logit_bias": None, "logprobs": None, "user": "someone", "stop": None, "seed": None,
+                  "temperature": None, "top_p": None, "ignore_eos": True, "min_p": 0.0, "min_tokens": 0}
+    assert run(post(fake_app(), "/v1/completions", completion)).status_code == 200
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+            "max_completion_tokens": 3, "stop": None, "ignore_eos": True, "logprobs": False, "top_logprobs": None,
+            "tools": None, "tool_choice": "none", "parallel_tool_calls": True, "response_format": {"type": "text"},
+            "store": False, "metadata": None, "service_tier": "auto", "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    assert run(post(fake_app(), "/v1/chat/completions", chat)).status_code == 200
+
+
+def test_an_engine_refusal_is_400_and_a_stopped_engine_503():
+    from kvstrata.engine.async_engine import EngineStoppedError
+
+    assert_openai_error(run(post(fake_app(), "/v1/completions", {"prompt": []})), 400, param="prompt")
+
+    class StoppedEngine(FakeAsyncEngine):
+        def generate(self, *args, **kwargs):
+            raise EngineStoppedError("the engine is shutting down and takes no new requests")
+
+    assert run(post(fake_app(StoppedEngine()), "/v1/completions", {"prompt": "x"})).status_code == 503
+
+
+def test_a_draining_server_refuses_new_api_requests_with_503_and_reports_unhealthy():
+    app = fake_app(drain=DrainState(draining=True))
+    error = assert_openai_error(run(post(app, "/v1/completions", {"prompt": "x"})), 503)
+    assert error["type"] == "service_unavailable"
+    assert run(get(app, "/health")).status_code == 503
+
+
+def test_requests_in_flight_are_counted_until_their_last_event():
+    drain = DrainState()
+    seen = []
+
+    class WatchedEngine(FakeAsyncEngine):
+        async def _outputs(self, *args):
+            async for output in super()._outputs(*args):
+                seen.append(drain.in_flight)
+                yield output
+
+    app = fake_app(WatchedEngine(), drain=drain)
+    run(post(app, "/v1/completions", {"prompt": "x", "stream": True}))
+    assert seen and set(seen) == {1}
+    assert drain.in_flight == 0
+
+
+def test_tokenizing_happens_off_the_event_loop():
+    """A tokenizer that blocks until /health has answered: on the event loop it would never finish."""
+    health_answered = threading.Event()
+
+    class WaitingTokenizer(ByteTokenizer):
+        def __call__(self, text, add_special_tokens=True):
+            assert health_answered.wait(30), "the event loop was blocked: /health never answered"
+            return super().__call__(text, add_special_tokens)
+
+    from kvstrata.serving.app import build_app
+    from kvstrata.serving.metrics import ServingMetrics
+    from kvstrata.serving.tokenizer_pool import TokenizerPool
+
+    app = build_app(FakeAsyncEngine(), MODEL, metrics=ServingMetrics(lambda: None),
+                    tokenizers=TokenizerPool(WaitingTokenizer(), 2), max_request_body=1 << 20)
+
+    async def both():
+        async with client(app) as http:
+            completion = asyncio.ensure_future(http.post("/v1/completions", json={"prompt": "x"}))
+            await asyncio.sleep(0.05)
+            health = await asyncio.wait_for(http.get("/health"), 30)
+            health_answered.set()
+            return health, await completion
+
+    health, completion = run(both())
+    assert health.status_code == 200 and completion.status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs and usage in OpenAI's shapes
+
+
+def test_completion_logprobs_are_the_legacy_parallel_lists():
+    response = run(post(fake_app(), "/v1/completions", {"prompt": "x", "logprobs": 1}))
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert logprobs == {"tokens": ["h", "i", "!"], "token_logprobs": [-0.5, -0.5, -0.5],
+                        "top_logprobs": [{"h": -0.5}, {"i": -0.5}, {"!": -0.5}], "text_offset": [0, 1, 2]}
+    assert run(post(fake_app(), "/v1/completions", {"prompt": "x"})).json()["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs_carry_token_bytes_and_top_alternatives():
+    engine = FakeAsyncEngine()
+    response = run(post(fake_app(engine), "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}))
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == ["h", "i", "!"]
+    assert content[0] == {"token": "h", "logprob": -0.5, "bytes": [104],
+                          "top_logprobs": [{"token": "h", "logprob": -0.5, "bytes": [104]},
+                                           {"token": "i", "logprob": -1.5, "bytes": [105]}]}
+    assert engine.received[-1][1].logprobs == 2
+    plain = run(post(fake_app(engine), "/v1/chat/completions", {**CHAT, "logprobs": True}))
+    assert plain.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
+    assert engine.received[-1][1].logprobs == 0
+
+
+def test_streamed_logprobs_go_with_the_chunk_of_their_tokens():
+    response = run(post(fake_app(), "/v1/chat/completions", {**CHAT, "logprobs": True, "stream": True}))
+    chunks = sse_chunks(response)
+    with_tokens = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [(c["delta"]["content"], [e["token"] for e in c["logprobs"]["content"]]) for c in with_tokens] == [
+        ("h", ["h"]), ("i", ["i"]), ("!", ["!"])]
+    completion = sse_chunks(run(post(fake_app(), "/v1/completions", {"prompt": "x", "logprobs": 0, "stream": True})))
+    assert [c["choices"][0]["logprobs"]["text_offset"] for c in completion] == [[0], [1], [2]]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
+    body = {"prompt": "abcd", "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = sse_chunks(run(post(fake_app(), "/v1/completions", body)))
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 3]
+    assert all(c["usage"]["prompt_tokens"] == 4 for c in chunks)
+    plain = sse_chunks(run(post(fake_app(), "/v1/completions", {**body, "stream_options": {"include_usage": True}})))
+    assert ["usage" in c for c in plain] == [False, False, False, True]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shutdown report
+
+
+def _final_stats(write_errors: int) -> dict:
+    return {"tiers": {"device": {"extra": {}}, "disk": {"extra": {"write_errors": write_errors}}}}
+
+
+def test_stop_message_says_the_cache_was_written_down_only_if_every_write_succeeded(tmp_path):
+    from kvstrata.engine.config import load_config
+
+    config = load_config(None, {"cache.tiers.disk.path": str(tmp_path / "kv"), "cache.tiers.disk.size": "64MiB"})
+    where = config.cache.tiers.disk.path
+    assert stopped_message(config, _final_stats(0)) == f"kvstrata: stopped; cache written down to {where}"
+    failed = stopped_message(config, _final_stats(3))
+    assert "3 writes to the disk tier" in failed and "failed" in failed and "written down to" not in failed
+    assert "failed" in stopped_message(config, None)
+    assert stopped_message(load_config(None), None) == "kvstrata: stopped"
