@@ -55,6 +55,14 @@ class RequestListener(Protocol):
     def on_finished(self, finish_reason: str) -> None: ...
 
 
+class _NoListener:
+    def on_first_token(self, ttft_s: float) -> None:
+        pass
+
+    def on_finished(self, finish_reason: str) -> None:
+        pass
+
+
 class EngineStoppedError(RuntimeError):
     """The engine is shutting down (or failed) and takes no new requests."""
 
@@ -104,7 +112,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, listener: RequestListener | None = None):
         self.engine = engine
-        self.listener = listener
+        self.listener: RequestListener = listener or _NoListener()
         # The latest snapshot: replaced whole (one reference assignment), so readers see the old or the new.
         self.snapshot: EngineSnapshot | None = None
         # LLMEngine.stats() as of the close (what writing the cache down at shutdown did); None before,
@@ -236,7 +244,7 @@ class AsyncEngine:
             if self._streams.pop(command.request_id, None) is not None:
                 request = self.engine.requests.get(command.request_id)
                 self.engine.abort_request(command.request_id)
-                if request is not None and self.listener is not None:
+                if request is not None:
                     self.listener.on_finished(request.status.value)
                 self.engine.release(command.request_id)
             return
@@ -256,12 +264,10 @@ class AsyncEngine:
                 continue
             if not stream.saw_first_token and request.ttft_s is not None:
                 stream.saw_first_token = True
-                if self.listener is not None:
-                    self.listener.on_first_token(request.ttft_s)
+                self.listener.on_first_token(request.ttft_s)
             stream.put(RequestOutput.from_request(request))
             if request.is_finished:
-                if self.listener is not None:
-                    self.listener.on_finished(request.status.value)
+                self.listener.on_finished(request.status.value)
                 del self._streams[request.request_id]
                 self.engine.release(request.request_id)
 
