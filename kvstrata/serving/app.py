@@ -12,8 +12,9 @@ is OpenAI's shape (`errors.py`).
 
 The routes never touch the engine: requests go through `AsyncEngine`, metrics come from the
 snapshots its thread publishes, prompts are tokenized on the tokenizer threads. A client that hangs
-up has its request aborted, streaming or not. This module imports neither torch nor the engine at
-import time, so that `kvstrata serve` reports a port in use before it spends time loading a model.
+up has its request aborted, streaming or not. This module imports no torch (the engine's heavy
+modules are imported inside `build_app`), so that `kvstrata serve` reports a port in use before it
+spends time loading a model.
 """
 from __future__ import annotations
 
