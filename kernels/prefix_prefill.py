@@ -10,6 +10,7 @@ Decode is the case q_len == 1.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 
 import torch
@@ -52,9 +53,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def reference_prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                             out: torch.Tensor | None = None) -> torch.Tensor:
+                             out: torch.Tensor | None = None, *, batch_invariant: bool = False) -> torch.Tensor:
     """Torch reference and CPU path: per sequence, gather its K/V blocks, then one SDPA call (prefill) or two
-    matmuls (decode)."""
+    matmuls (decode). `batch_invariant`: `invariant_attention` for every sequence instead, whose bits do not
+    depend on how the sequence was cut into steps or batched."""
     if out is None:
         out = torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -65,6 +67,9 @@ def reference_prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer:
         if q_len == 0:
             continue
         key, value = gather_sequence_kv(kv_cache, layer, block_tables[seq], kv_len)
+        if batch_invariant:
+            out[q_start:q_end] = invariant_attention(query[q_start:q_end], key, value, scale)
+            continue
         if q_len == 1:
             out[q_start] = decode_attention(query[q_start], key, value, scale)
             continue
@@ -96,6 +101,74 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return attn[0, :, kv_len - q_len:].transpose(0, 1) if mask is None else attn[0].transpose(0, 1)
 
 
+# Batch-invariant attention (torch path). A query row's bits must depend only on its own query and the keys it may
+# see, never on how many rows share the call, where its step began (after a cached prefix or not) or which other
+# sequences are batched with it. So keys are folded in tiles of INVARIANT_KEY_TILE positions counted from position
+# 0, in order, by an online softmax in float32; and every matmul has one fixed shape, whatever the step:
+# [INVARIANT_QUERY_ROWS, head_dim] x [head_dim, INVARIANT_KEY_TILE] for the scores and back for the values, issued
+# as a batch of such products (bmm) so that the library runs the same instructions for every product. A tile past
+# a row's causal limit adds exact zeros (its probabilities are exp(-inf) = 0 and its correction exp(0) = 1), so
+# rows may share tiles with rows that see more. Elementwise steps (scale, mask, exp, max, the online update) are
+# per element; the row sums reduce one tile row of fixed length. Measured in benchmarks/results/batch_invariance.md.
+INVARIANT_KEY_TILE = 256
+INVARIANT_QUERY_ROWS = 16
+
+
+def invariant_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """`prefill_attention`'s contract (`query [q_len, heads, head_dim]` at the last q_len of `key/value [kv_heads,
+    kv_len, head_dim]`), computed in the batch-invariant order above. Decode (q_len 1) takes the same path."""
+    q_len, num_heads, head_dim = query.shape
+    num_kv_heads, kv_len, _ = key.shape
+    group = num_heads // num_kv_heads
+    rows, tile, chunk_rows = q_len * group, INVARIANT_KEY_TILE, INVARIANT_QUERY_ROWS
+    num_chunks, num_tiles = -(-rows // chunk_rows), -(-kv_len // tile)
+    # Rows (new token, head of the GQA group) per KV head, cut into chunks of fixed height. Padding rows take the
+    # last position, so that they see key 0 like every row (no empty softmax); their output is dropped.
+    q = query.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(num_kv_heads, rows,
+                                                                                             head_dim)
+    q = F.pad(q, (0, 0, 0, num_chunks * chunk_rows - rows)).view(num_kv_heads, num_chunks, chunk_rows, head_dim)
+    row_pos = torch.arange(num_chunks * chunk_rows, device=query.device) // group + (kv_len - q_len)
+    row_pos = row_pos.clamp_(max=kv_len - 1).view(num_chunks, chunk_rows, 1)
+    chunk_last_pos = row_pos[:, -1, 0].tolist()  # nondecreasing
+    key_tiles = _float_tiles(key, num_tiles * tile).view(num_kv_heads, num_tiles, tile, head_dim)
+    value_tiles = _float_tiles(value, num_tiles * tile).view(num_kv_heads, num_tiles, tile, head_dim)
+
+    acc = q.new_zeros(num_kv_heads, num_chunks, chunk_rows, head_dim)
+    row_max = q.new_full((num_kv_heads, num_chunks, chunk_rows, 1), float("-inf"))
+    row_sum = q.new_zeros(num_kv_heads, num_chunks, chunk_rows, 1)
+    key_offsets = torch.arange(tile, device=query.device)
+    for t in range(num_tiles):
+        start = t * tile
+        first = bisect.bisect_left(chunk_last_pos, start)  # chunks before it see none of this tile
+        live = num_chunks - first
+        scores = q.new_empty(num_kv_heads, live, chunk_rows, tile)
+        for h in range(num_kv_heads):
+            torch.bmm(q[h, first:], key_tiles[h, t].t().expand(live, head_dim, tile), out=scores[h])
+        scores.mul_(scale)
+        scores.masked_fill_(start + key_offsets > row_pos[first:], float("-inf"))
+        new_max = torch.maximum(row_max[:, first:], scores.amax(dim=-1, keepdim=True))
+        probs = torch.exp(scores.sub_(new_max))
+        correction = torch.exp(row_max[:, first:] - new_max)
+        row_sum[:, first:] = row_sum[:, first:] * correction + probs.sum(dim=-1, keepdim=True)
+        weighted = torch.empty_like(acc[:, first:])
+        for h in range(num_kv_heads):
+            torch.bmm(probs[h], value_tiles[h, t].expand(live, tile, head_dim), out=weighted[h])
+        acc[:, first:] = acc[:, first:] * correction + weighted
+        row_max[:, first:] = new_max
+    out = (acc / row_sum).view(num_kv_heads, num_chunks * chunk_rows, head_dim)[:, :rows]
+    return out.view(num_kv_heads, q_len, group, head_dim).transpose(0, 1).reshape(q_len, num_heads,
+                                                                                  head_dim).to(query.dtype)
+
+
+def _float_tiles(kv: torch.Tensor, padded_len: int) -> torch.Tensor:
+    """`kv [kv_heads, kv_len, head_dim]` in float32, zero-padded to `padded_len` positions (finite padding: a
+    masked key's probability is 0, and 0 times the padding must stay 0)."""
+    tiles = kv.new_empty(kv.shape[0], padded_len, kv.shape[2], dtype=torch.float32)
+    tiles[:, :kv.shape[1]] = kv
+    tiles[:, kv.shape[1]:] = 0
+    return tiles
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Triton kernel.
 #
@@ -118,17 +191,22 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 # splits, or keys past the causal limit of some rows): then 0 and an LSE of -inf, which weigh nothing.
 # `_merge_splits_kernel` weighs the partials by their LSEs into the output. With one split (the choice whenever
 # the query tiles fill the GPU) the kernel is a single pass into the output: no scratch, no merge launch.
+#
+# Batch-invariant mode fixes every choice that the batch would otherwise make: query tiles of the prefill height at
+# absolute positions (multiples of BLOCK_Q, so `+ 2b` spare tiles per sequence), splits of INVARIANT_KEYS_PER_SPLIT
+# keys from position 0, always the split path, and the merge's sequential order. A tile past a row's causal limit
+# adds exact zeros to it (probabilities 2^-inf, correction 2^0), so which tiles a program walks does not matter.
 # ---------------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q: tl.constexpr):
-    """The last sequence b whose first tile `query_start_loc[b] // BLOCK_Q + b` is <= tile_index."""
+def _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q: tl.constexpr, SEQ_SLACK: tl.constexpr):
+    """The last sequence b whose first tile `query_start_loc[b] // BLOCK_Q + b * SEQ_SLACK` is <= tile_index."""
     lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid * SEQ_SLACK
         if first_tile <= tile_index:
             lo = mid + 1
         else:
@@ -137,11 +215,15 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q: tl.conste
 
 
 @triton.jit
-def _key_tiles_per_split(kv_len, num_splits, min_tiles_per_split, TILE_N: tl.constexpr):
+def _key_tiles_per_split(kv_len, num_splits, min_tiles_per_split, TILE_N: tl.constexpr,
+                         FIXED_TILES_PER_SPLIT: tl.constexpr):
     """Split s of a sequence of kv_len keys holds its key tiles [s * n, (s + 1) * n) for the n returned: as even a
     cut into at most `num_splits` ranges as whole tiles allow, each of at least `min_tiles_per_split` tiles but
     the last (which holds at least one), fewer ranges when the sequence is too short (one: not split). Splits
-    past the last range are empty."""
+    past the last range are empty. FIXED_TILES_PER_SPLIT > 0 (batch-invariant mode) is n whatever the lengths:
+    split boundaries then sit at fixed key positions."""
+    if FIXED_TILES_PER_SPLIT > 0:
+        return FIXED_TILES_PER_SPLIT
     num_key_tiles = tl.maximum(tl.cdiv(kv_len, TILE_N), 1)
     seq_splits = tl.maximum(tl.minimum(num_splits, num_key_tiles // min_tiles_per_split), 1)
     return tl.cdiv(num_key_tiles, seq_splits)
@@ -191,29 +273,36 @@ def _prefix_prefill_kernel(
         stride_cb, stride_cl, stride_ckv, stride_cs, stride_ch, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SPLIT: tl.constexpr):
+        SPLIT: tl.constexpr, FIXED_TILES_PER_SPLIT: tl.constexpr, ALIGNED: tl.constexpr):
     tile_index = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q)
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q, 1 + ALIGNED)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    tile_in_seq = tile_index - (q_start // BLOCK_Q + seq)
-    if tile_in_seq * BLOCK_Q >= q_len:  # a spare program past this sequence's last tile
-        return
+    tile_in_seq = tile_index - (q_start // BLOCK_Q + seq * (1 + ALIGNED))
     kv_len = tl.load(seq_lens_ptr + seq)
     context_len = kv_len - q_len
+    # ALIGNED (batch-invariant mode): query tiles sit at absolute positions, multiples of BLOCK_Q, so a query keeps
+    # its row in its tile however its sequence was cut into steps; the first tile then starts `lead` positions
+    # before the step's first new token (rows not stored), and a sequence may need one tile more (SEQ_SLACK 2).
+    if ALIGNED:
+        lead = context_len % BLOCK_Q
+    else:
+        lead = 0
+    if tile_in_seq * BLOCK_Q - lead >= q_len:  # a spare program past this sequence's last tile
+        return
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
     d_mask = offs_d < head_dim
-    token_in_seq = tile_in_seq * BLOCK_Q + offs_m // GROUP  # which new token each row is
-    head = kv_head * GROUP + offs_m % GROUP                   # which query head each row is
-    row_ok = (offs_m // GROUP < BLOCK_Q) & (token_in_seq < q_len)
-    query_pos = context_len + token_in_seq                   # absolute position; rows past q_len stay >= 0
+    token_in_seq = tile_in_seq * BLOCK_Q - lead + offs_m // GROUP  # which new token each row is
+    head = kv_head * GROUP + offs_m % GROUP                          # which query head each row is
+    row_ok = (offs_m // GROUP < BLOCK_Q) & (token_in_seq >= 0) & (token_in_seq < q_len)
+    query_pos = context_len + token_in_seq  # absolute position; rows outside the step stay >= 0
 
-    token = (q_start + token_in_seq).to(tl.int64)
+    token = (q_start + tl.maximum(token_in_seq, 0)).to(tl.int64)
     q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
 
@@ -226,10 +315,10 @@ def _prefix_prefill_kernel(
 
     # Keys 0..first_query_pos are visible to every row of the tile: whole tiles among them need no mask. This
     # program walks the key tiles of its split's range, [first_tile, end_tile), that the tile's rows may see.
-    first_query_pos = context_len + tile_in_seq * BLOCK_Q
+    first_query_pos = context_len - lead + tile_in_seq * BLOCK_Q
     last_query_pos = tl.minimum(first_query_pos + BLOCK_Q, kv_len) - 1
     num_open_tiles = (first_query_pos + 1) // TILE_N
-    tiles_per_split = _key_tiles_per_split(kv_len, num_splits, min_tiles_per_split, TILE_N)
+    tiles_per_split = _key_tiles_per_split(kv_len, num_splits, min_tiles_per_split, TILE_N, FIXED_TILES_PER_SPLIT)
     first_tile = split * tiles_per_split
     end_tile = tl.minimum(first_tile + tiles_per_split, tl.cdiv(last_query_pos + 1, TILE_N))
     for tile in range(first_tile, tl.minimum(end_tile, num_open_tiles)):
@@ -257,22 +346,29 @@ def _prefix_prefill_kernel(
 
 @triton.jit
 def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, num_splits, num_heads, head_dim, num_rows,
-                         stride_ot, stride_oh, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+                         stride_ot, stride_oh, CHUNK: tl.constexpr):
     """Program c merges elements [c * CHUNK, (c + 1) * CHUNK) of the output read as one flat run of rows (token,
     head) of head_dim: each is sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max_s lse_s), from the
     contiguous scratch `partial_out [num_splits, num_rows, head_dim]` and `partial_lse [num_splits, num_rows]`.
-    Split 0 holds key 0, which every query sees, so the max is finite; splits a row saw nothing of weigh 0."""
+    Split 0 holds key 0, which every query sees, so the max is finite; splits a row saw nothing of weigh 0.
+    The sums run over the splits one after another in order, so splits a row saw nothing of add exact zeros
+    wherever they are: a row's bits depend on the splits it saw, not on how many the launch had (batch-invariant
+    mode relies on this)."""
     num_elements = num_rows * head_dim
     offs = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     in_range = offs < num_elements
     offs = tl.minimum(offs, num_elements - 1)  # the tail repeats the last element (not stored) rather than mask
     row = offs // head_dim
-    split = tl.arange(0, SPLITS)[:, None].to(tl.int64)
-    split_ok = split < num_splits
-    lse = tl.load(partial_lse_ptr + split * num_rows + row[None, :], mask=split_ok, other=float("-inf"))
-    weight = tl.math.exp2(lse - tl.max(lse, axis=0)[None, :])  # [SPLITS, CHUNK]
-    partial = tl.load(partial_out_ptr + split * num_elements + offs[None, :], mask=split_ok, other=0.0)
-    merged = tl.sum(weight * partial, axis=0) / tl.sum(weight, axis=0)
+    max_lse = tl.full([CHUNK], float("-inf"), dtype=tl.float32)
+    for split in range(num_splits):
+        max_lse = tl.maximum(max_lse, tl.load(partial_lse_ptr + split * num_rows + row))
+    numerator = tl.zeros([CHUNK], dtype=tl.float32)
+    denominator = tl.zeros([CHUNK], dtype=tl.float32)
+    for split in range(num_splits):
+        weight = tl.math.exp2(tl.load(partial_lse_ptr + split * num_rows + row) - max_lse)
+        numerator += weight * tl.load(partial_out_ptr + split * num_elements + offs)
+        denominator += weight
+    merged = numerator / denominator
     token = row // num_heads
     head = row % num_heads
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs % head_dim,
@@ -280,6 +376,7 @@ def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, num_splits, 
 
 
 _LOG2E = 1.4426950408889634
+_MERGE_CHUNK = 1024  # output elements per merge program
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Split-KV policy. A split shorter than this many keys would spend more on its fixed cost (loading its queries,
 # writing and merging a partial output) than on keys; the cap bounds the merge's vector of splits.
@@ -287,6 +384,9 @@ MIN_KEYS_PER_SPLIT = 256
 MAX_NUM_SPLITS = 64
 # SM count assumed for CPU tensors (the interpreter): a small GPU's, so that the tests' small shapes split.
 INTERPRETER_NUM_SMS = 16
+# Batch-invariant mode: every sequence's keys are cut at multiples of this many positions, whatever the batch, and
+# every launch takes the split path (one split's merge is then the single pass's division, in the same order).
+INVARIANT_KEYS_PER_SPLIT = 512
 
 
 def _check_prefill_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out, num_splits) -> None:
@@ -320,10 +420,13 @@ def _check_prefill_args(query, kv_cache, layer, block_tables, query_start_loc, s
                          f"got {num_splits!r}")
 
 
-def _query_tiling(num_tokens: int, num_seqs: int, group: int) -> tuple[int, int]:
+def _query_tiling(num_tokens: int, num_seqs: int, group: int, batch_invariant: bool = False) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_Q): rows of a query tile and the new tokens it holds. Decode batches (one new token per
-    sequence) get short tiles; prefill gets tall ones. A tile's rows are BLOCK_Q tokens x the GQA group."""
-    block_m = max(16 if num_tokens <= num_seqs else 64, triton.next_power_of_2(group))
+    sequence) get short tiles; prefill gets tall ones, and so does every batch in batch-invariant mode, so that a
+    row's dot products have one shape whether it decodes or not. A tile's rows are BLOCK_Q tokens x the GQA
+    group."""
+    decode = num_tokens <= num_seqs and not batch_invariant
+    block_m = max(16 if decode else 64, triton.next_power_of_2(group))
     return block_m, block_m // group
 
 
@@ -358,15 +461,22 @@ def sm_count(device: torch.device) -> int:
 
 def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                   out: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, *, num_splits: int | None = None,
+                   batch_invariant: bool = False) -> torch.Tensor:
     """Triton version of `reference_prefix_prefill`: one launch for the whole batch, two with split-KV, no host
     sync.
 
     `num_splits`: None chooses it (`choose_num_splits`) from shapes alone. The longest sequence is bounded by
     the block table's width, which the engine pads to the batch's longest: a wider table costs only idle
     programs, since each sequence is cut by its own length. 1 forces the single pass; N cuts every sequence's
-    keys into up to N ranges of at least one key tile each."""
+    keys into up to N ranges of at least one key tile each.
+
+    `batch_invariant`: a row's bits depend only on its query and the keys it sees, never on the batch: one query
+    tiling for prefill and decode, splits of INVARIANT_KEYS_PER_SPLIT keys from position 0 (as many as the block
+    table's width needs) and the merge's fixed order. Excludes `num_splits`."""
     _check_prefill_args(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out, num_splits)
+    if batch_invariant and num_splits is not None:
+        raise ValueError("prefix_prefill: batch_invariant fixes the splits itself; leave num_splits None")
     check_launchable("prefix_prefill", query, kv_cache, block_tables, query_start_loc, seq_lens)
     if out is None:
         out = torch.empty_like(query)
@@ -376,14 +486,18 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m, block_q = _query_tiling(num_tokens, num_seqs, group)
+    block_m, block_q = _query_tiling(num_tokens, num_seqs, group, batch_invariant)
     tile_n = _key_tile(head_dim)
     min_tiles_per_split = 1
-    if num_splits is None:
+    fixed_tiles_per_split = 0
+    if batch_invariant:
+        fixed_tiles_per_split = INVARIANT_KEYS_PER_SPLIT // tile_n
+        num_splits = -(-block_tables.shape[1] * block_size // INVARIANT_KEYS_PER_SPLIT)
+    elif num_splits is None:
         num_splits = choose_num_splits(num_tokens, num_seqs, num_heads, num_kv_heads,
                                        block_tables.shape[1] * block_size, sm_count(query.device))
         min_tiles_per_split = max(1, MIN_KEYS_PER_SPLIT // tile_n)
-    split = num_splits > 1
+    split = num_splits > 1 or batch_invariant
     num_rows = num_tokens * num_heads
     if split:  # every split program writes all its rows, so the merge reads no uninitialised scratch
         partial_out = query.new_empty(num_splits, num_rows, head_dim, dtype=torch.float32)
@@ -392,7 +506,8 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
         partial_out = partial_lse = out  # not read: the single pass writes `out` directly
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     dot_dtype = _dot_dtype(query.dtype)
-    _prefix_prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, num_splits)](
+    seq_slack = 2 if batch_invariant else 1  # query tiles a sequence may need beyond num_tokens // block_q
+    _prefix_prefill_kernel[(num_tokens // block_q + seq_slack * num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, out, partial_out, partial_lse, block_tables, query_start_loc, seq_lens,
         layer, scale * _LOG2E, num_seqs, num_heads, head_dim, num_splits, min_tiles_per_split, num_rows,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -400,13 +515,11 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
         block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         HEAD_DIM=head_dim_padded, DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-        SPLIT=split)
+        SPLIT=split, FIXED_TILES_PER_SPLIT=fixed_tiles_per_split, ALIGNED=batch_invariant)
     if split:
-        splits_padded = triton.next_power_of_2(num_splits)
-        chunk = min(1024, max(64, 4096 // splits_padded))  # a merge program holds [splits, chunk] <= 4096 values
-        _merge_splits_kernel[(triton.cdiv(num_rows * head_dim, chunk),)](
+        _merge_splits_kernel[(triton.cdiv(num_rows * head_dim, _MERGE_CHUNK),)](
             out, partial_out, partial_lse, num_splits, num_heads, head_dim, num_rows,
-            out.stride(0), out.stride(1), SPLITS=splits_padded, CHUNK=chunk)
+            out.stride(0), out.stride(1), CHUNK=_MERGE_CHUNK)
     return out
 
 
