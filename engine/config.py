@@ -155,6 +155,9 @@ class ModelConfig(_Section):
     attention_backend: Literal["auto", "triton", "torch"] = "auto"
     max_model_len: PositiveInt | None = None  # None: the model's own limit
     threads: Threads = "auto"  # torch's CPU threads; auto: see `default_threads`
+    # Reductions in an order no batch or chunking changes: cached and uncached outputs then agree bit for bit in
+    # every dtype, at a cost (benchmarks/results/batch_invariance.md). Its K/V get their own hash namespace.
+    batch_invariant: bool = False
 
     @field_validator("name")
     @classmethod

@@ -69,12 +69,15 @@ def get_digest_fn(algo: str) -> DigestFn:
         raise ValueError(f"unknown hash algorithm {algo!r}; expected one of {sorted(HASH_ALGOS)}") from None
 
 
-def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version: int, algo: str) -> bytes:
+def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version: int, algo: str,
+                   batch_invariant: bool = False) -> bytes:
     """The canonical CBOR encoding of everything that makes a KV block mean something.
 
     Two engines share a hash only if they run the same model in the same dtype with the same
     block size, KV layout and hash algorithm (and hashing scheme). Canonical CBOR sorts map keys,
-    so the bytes do not depend on argument or dict order.
+    so the bytes do not depend on argument or dict order. `batch_invariant` K/V are computed in
+    another order, so their bits differ: the mode gets its own namespace (and without it the
+    namespace is what it always was, so existing stores stay valid).
     """
     get_digest_fn(algo)
     if not isinstance(model_id, str) or not model_id:
@@ -92,6 +95,8 @@ def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version
         "algo": algo,
         "hash_scheme": HASH_SCHEME_VERSION,
     }
+    if batch_invariant:
+        fields["batch_invariant"] = True
     return cbor2.dumps(fields, canonical=True)
 
 

@@ -50,14 +50,16 @@ class LLMEngine:
         self.block_size = cache.block_size
         self.layout = BlockLayout(mc.num_layers, cache.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.hierarchy = self._build_tiers()
-        namespace = make_namespace(mc.identity, self.dtype_name, cache.block_size, KV_LAYOUT_VERSION, cache.hash)
+        namespace = make_namespace(mc.identity, self.dtype_name, cache.block_size, KV_LAYOUT_VERSION, cache.hash,
+                                   batch_invariant=config.model.batch_invariant)
         self.kv_manager = KVCacheManager(self.hierarchy, BlockHasher(cache.block_size, namespace, cache.hash),
                                          cache.block_size, enable_caching=cache.enable_prefix_caching)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_batched_tokens, sc.max_num_seqs, policy=sc.policy,
                                    step_target=sc.step_target, long_prefill_share=sc.long_prefill_share)
         self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
-        self.runner = ModelRunner(self.loaded, self.hierarchy.kv_cache, get_ops(self.attention_backend))
+        self.runner = ModelRunner(self.loaded, self.hierarchy.kv_cache,
+                                  get_ops(self.attention_backend, batch_invariant=config.model.batch_invariant))
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

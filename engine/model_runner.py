@@ -1,12 +1,14 @@
 """Run one step of the model over the paged KV cache: packed new tokens in, logits of chosen rows out."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from kvstrata.engine.attention import AttentionMetadata
+from kvstrata.engine.batch_invariant import BatchInvariantMode
 from kvstrata.engine.model_loader import LoadedModel
 
 IntSeq = torch.Tensor | Sequence[int]
@@ -56,11 +58,12 @@ class ModelRunner:
         )
         input_ids = self._tensor(step.input_ids, torch.int64).unsqueeze(0)
         positions = self._tensor(step.positions, torch.int64).unsqueeze(0)
-        hidden = self._decoder(input_ids=input_ids, position_ids=positions, use_cache=False,
-                               attn_metadata=metadata).last_hidden_state
-        rows = hidden[0].index_select(0, self._tensor(step.logits_indices, torch.int64))
-        # logits only for the sampled rows: a 2k-token prefill chunk would otherwise make 2k x 49k
-        return self._lm_head(rows).float()
+        with BatchInvariantMode(self.ops) if self.ops.batch_invariant else nullcontext():
+            hidden = self._decoder(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                   attn_metadata=metadata).last_hidden_state
+            rows = hidden[0].index_select(0, self._tensor(step.logits_indices, torch.int64))
+            # logits only for the sampled rows: a 2k-token prefill chunk would otherwise make 2k x 49k
+            return self._lm_head(rows).float()
 
     def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(data, dtype=dtype).to(self.device, non_blocking=True)

@@ -6,6 +6,7 @@ The engine asks `get_ops(resolve_backend(config.model.attention_backend, device)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -19,13 +20,18 @@ BACKENDS = ("triton", "torch")
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The kernels one backend provides, all with the signatures of the torch references."""
+    """The kernels one backend provides, all with the signatures of the torch references. With `batch_invariant`,
+    `prefix_prefill` is the batch-invariant attention, and the model runner routes the model's own linear layers
+    and last-axis means to `linear` / `mean_last_dim` (kernels/batch_invariant.py)."""
 
     name: str
     store_kv: Callable[..., None]
     prefix_prefill: Callable[..., torch.Tensor]
     gather_blocks: Callable[..., torch.Tensor]
     scatter_blocks: Callable[..., None]
+    linear: Callable[..., torch.Tensor]
+    mean_last_dim: Callable[..., torch.Tensor]
+    batch_invariant: bool = False
 
 
 @functools.cache
@@ -43,24 +49,33 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def get_ops(backend: str) -> KernelOps:
-    """The kernels of `backend` ("triton" or "torch")."""
+def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
+    """The kernels of `backend` ("triton" or "torch"), in batch-invariant mode if asked."""
     if backend == "torch":
+        from kvstrata.kernels import batch_invariant as invariant
         from kvstrata.kernels import block_copy, kv_store, prefix_prefill
 
-        return KernelOps(name="torch", store_kv=kv_store.reference_store_kv,
-                         prefix_prefill=prefix_prefill.reference_prefix_prefill,
-                         gather_blocks=block_copy.reference_gather_blocks,
-                         scatter_blocks=block_copy.reference_scatter_blocks)
-    if backend == "triton":
+        ops = KernelOps(name="torch", store_kv=kv_store.reference_store_kv,
+                        prefix_prefill=prefix_prefill.reference_prefix_prefill,
+                        gather_blocks=block_copy.reference_gather_blocks,
+                        scatter_blocks=block_copy.reference_scatter_blocks,
+                        linear=invariant.reference_linear, mean_last_dim=invariant.reference_mean_last_dim)
+    elif backend == "triton":
         if not triton_available():
             raise ValueError("model.attention_backend: 'triton' needs the triton package, which is not installed "
                              "(use 'torch' or 'auto')")
+        from kvstrata.kernels import batch_invariant as invariant
         from kvstrata.kernels import block_copy, kv_store, prefix_prefill
 
-        return KernelOps(name="triton", store_kv=kv_store.store_kv, prefix_prefill=prefix_prefill.prefix_prefill,
-                         gather_blocks=block_copy.gather_blocks, scatter_blocks=block_copy.scatter_blocks)
-    raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of auto, triton, torch)")
+        ops = KernelOps(name="triton", store_kv=kv_store.store_kv, prefix_prefill=prefix_prefill.prefix_prefill,
+                        gather_blocks=block_copy.gather_blocks, scatter_blocks=block_copy.scatter_blocks,
+                        linear=invariant.linear, mean_last_dim=invariant.mean_last_dim)
+    else:
+        raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of auto, triton, torch)")
+    if batch_invariant:
+        ops = dataclasses.replace(ops, batch_invariant=True,
+                                  prefix_prefill=functools.partial(ops.prefix_prefill, batch_invariant=True))
+    return ops
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:

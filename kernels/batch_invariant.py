@@ -1,0 +1,113 @@
+"""Row reductions whose bits do not depend on how many rows share the call: the linear layers' products and the
+mean over the last axis (RMSNorm's). The batch-invariant mode (`model.batch_invariant`) routes a model's own calls
+here, so a token's hidden state is the same whether it was computed in a long prefill, a short suffix after a
+cached prefix, a decode step or beside other requests.
+
+Why the default calls are not enough: a GEMM library picks its kernel, and with it the order in which a row's
+products are summed, from the problem's shape. On this CPU, float32 `x @ W.T` gives other bits for a row when the
+call has 1-3 rows than when it has more (MKL's small-M path), and OpenBLAS' bits depend on a row's place in the
+tile; cuBLAS picks tiles and split-K from M. A CUDA reduction picks its threads per row from the row count.
+
+The cures, each with a torch reference beside the Triton kernel:
+- `linear`: every row is its own [1, K] x [K, N] product (torch: one batched product over rows, the weight shared;
+  Triton: fixed BLOCK_M x BLOCK_N tiles walking K in fixed BLOCK_K steps, never split-K, whatever M is).
+- `mean_last_dim`: each row reduced alone in a fixed order (torch's CPU reduction already reduces an inner axis
+  row by row whatever their number; Triton: one program per row).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvstrata.kernels.triton_compat import check_launchable, tl, triton
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with every row of `x` computed as its own product (one bmm over the rows, the
+    weight broadcast, not copied): a row's bits cannot depend on the others. On this CPU bf16 costs the same as
+    `F.linear` and float32 several times more (benchmarks/results/batch_invariance.md)."""
+    rows = x.reshape(-1, 1, x.shape[-1])
+    out = torch.bmm(rows, weight.t().expand(rows.shape[0], -1, -1)).view(*x.shape[:-1], weight.shape[0])
+    return out + bias if bias is not None else out
+
+
+def reference_mean_last_dim(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """`x.mean(-1)`: torch's CPU reduction of a contiguous inner axis reduces each row by itself, the same way for
+    any number of rows (checked in tests/test_kernels_batch_invariant.py)."""
+    return x.mean(dim=-1, keepdim=keepdim)
+
+
+# Fixed tiles: M never changes a tile's shape or the order K is walked in (no split-K).
+LINEAR_BLOCK_M = 64
+LINEAR_BLOCK_N = 64
+LINEAR_BLOCK_K = 32
+MEAN_BLOCK = 1024
+
+
+@triton.jit
+def _linear_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Program (m, n) computes out[m-tile, n-tile] = x[m-tile] @ weight[n-tile].T, K in BLOCK_K steps, in order."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_ok = k_start + offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(weight_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_start + offs_k)[:, None],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _mean_last_dim_kernel(x_ptr, out_ptr, N, stride_xm, BLOCK: tl.constexpr):
+    """Program r: the mean of row r, summed in BLOCK-wide lanes along the row, then across the lanes."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    lanes = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        lanes += tl.load(x_ptr + row * stride_xm + start + offs, mask=start + offs < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row, (tl.sum(lanes, axis=0) / N).to(out_ptr.dtype.element_ty))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of `reference_linear`: `x [..., K]`, `weight [N, K]` -> `[..., N]` in x's dtype, float32
+    accumulation, one tiling for every M."""
+    from kvstrata.kernels.prefix_prefill import _dot_dtype
+
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.dtype != weight.dtype:
+        raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    check_launchable("linear", x, weight, *(() if bias is None else (bias,)))
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    (M, K), N = rows.shape, weight.shape[0]
+    out = rows.new_empty(M, N)
+    dot_dtype = _dot_dtype(x.dtype)
+    _linear_kernel[(triton.cdiv(M, LINEAR_BLOCK_M), triton.cdiv(N, LINEAR_BLOCK_N))](
+        rows, weight, bias if bias is not None else out, out, M, N, K, rows.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N,
+        BLOCK_K=LINEAR_BLOCK_K, DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
+    return out.view(*x.shape[:-1], N)
+
+
+def mean_last_dim(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """Triton version of `reference_mean_last_dim`."""
+    check_launchable("mean_last_dim", x)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = rows.new_empty(rows.shape[0])
+    if rows.shape[0]:
+        _mean_last_dim_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=MEAN_BLOCK)
+    return out.view(*x.shape[:-1], 1) if keepdim else out.view(x.shape[:-1])
