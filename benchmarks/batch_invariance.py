@@ -2,11 +2,11 @@
 
     python benchmarks/batch_invariance.py ops         # which ops give a row other bits when the call's shape changes
     python benchmarks/batch_invariance.py trace       # the first op whose bits differ, prompt whole vs. cut in two
-    python benchmarks/batch_invariance.py divergence  # greedy outputs cached vs. uncached, N prompts, both modes
     python benchmarks/batch_invariance.py cost        # prefill TTFT and decode step time, both modes
 
-Results and their reading: benchmarks/results/batch_invariance.md. The prompts are questions over the Python
-reference manual's topics (shipped with Python: `pydoc_data.topics`), the same source as the tests' documents.
+Results and their reading: benchmarks/results/batch_invariance.md. How often greedy answers differ cached vs.
+uncached is benchmarks/cache_invariance.py's measure (with `--set model.batch_invariant=true` for the mode). The
+prompts here are the Python reference manual's topics (shipped with Python: `pydoc_data.topics`).
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,10 +28,6 @@ from kvstrata.kernels import get_ops  # noqa: E402
 from kvstrata.tiers.base import BlockLayout  # noqa: E402
 
 BLOCK_SIZE = 16
-TOPICS = ["try", "import", "execmodel", "assignment", "with", "lambda", "class", "for", "if", "while", "global",
-          "raise", "return", "yield", "del", "pass"]
-QUESTIONS = ["What is this section about?", "Name one keyword it explains.", "Give one rule it states.",
-             "Summarise it in one sentence."]
 
 
 def document(topic: str, chars: int) -> str:
@@ -152,50 +147,6 @@ def trace(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# divergence: greedy outputs of N prompts with their document cached (by another question) vs. caching off.
-
-def prompts(n: int, chars: int) -> list[tuple[str, str]]:
-    return [(TOPICS[i % len(TOPICS)], QUESTIONS[i // len(TOPICS) % len(QUESTIONS)]) for i in range(n)]
-
-
-def chat(topic: str, question: str, chars: int) -> list[dict]:
-    return [{"role": "user", "content": f"{document(topic, chars)}\n\nAnswer briefly. {question}"}]
-
-
-def greedy(llm: LLM, conversation, max_tokens: int) -> list[int]:
-    return llm.chat(conversation, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0].token_ids
-
-
-def divergence(args) -> None:
-    loaded = load_model(resolve_model(EMBEDDED_MODEL), torch.bfloat16, "cpu")
-    print(f"{args.prompts} prompts (document of {args.chars} chars + question), {args.tokens} greedy tokens, "
-          f"bfloat16, torch path; cached = the document's blocks hit on the device after another question\n")
-    print("| mode | prompts whose greedy output differs cached vs. uncached | first differing token (median) |")
-    print("|---|---|---|")
-    for invariant in (False, True):
-        with tempfile.TemporaryDirectory() as tmp:
-            def engine(caching: bool) -> LLM:
-                return LLM(load_config({"model": {"dtype": "bfloat16", "device": "cpu", "attention_backend": "torch",
-                                                  "batch_invariant": invariant},
-                                        "cache": {"enable_prefix_caching": caching,
-                                                  "tiers": {"device": {"size": "256MiB"}}}}), loaded_model=loaded)
-            uncached, cached = engine(False), engine(True)
-            differ, positions = 0, []
-            for topic, question in prompts(args.prompts, args.chars):
-                other = QUESTIONS[(QUESTIONS.index(question) + 1) % len(QUESTIONS)]
-                greedy(cached, chat(topic, other, args.chars), 1)  # caches the document
-                a = greedy(uncached, chat(topic, question, args.chars), args.tokens)
-                b = greedy(cached, chat(topic, question, args.chars), args.tokens)
-                if a != b:
-                    differ += 1
-                    positions.append(next(i for i, (x, y) in enumerate(zip(a, b)) if x != y))
-            uncached.close()
-            cached.close()
-        median = statistics.median(positions) if positions else "-"
-        print(f"| {'invariant' if invariant else 'default'} | {differ} of {args.prompts} | {median} |", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # cost: prefill TTFT of a cold prompt and the decode step time after it, both modes, median of repeats.
 
 def cost(args) -> None:
@@ -233,10 +184,6 @@ def main(argv=None) -> None:
     p = sub.add_parser("trace")
     p.add_argument("--length", type=int, default=200)
     p.add_argument("--cuts", type=int, nargs="+", default=[96, 160, 192])
-    p = sub.add_parser("divergence")
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--chars", type=int, default=1100)
-    p.add_argument("--tokens", type=int, default=16)
     p = sub.add_parser("cost")
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--tokens", type=int, default=17)
@@ -245,7 +192,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"$ python benchmarks/batch_invariance.py {' '.join(argv or sys.argv[1:])}\n")
-    {"ops": ops, "trace": trace, "divergence": divergence, "cost": cost}[args.command](args)
+    {"ops": ops, "trace": trace, "cost": cost}[args.command](args)
 
 
 if __name__ == "__main__":
