@@ -5,8 +5,9 @@ cached prefix, a decode step or beside other requests.
 
 Why the default calls are not enough: a GEMM library picks its kernel, and with it the order in which a row's
 products are summed, from the problem's shape. On this CPU, float32 `x @ W.T` gives other bits for a row when the
-call has 1-3 rows than when it has more (MKL's small-M path), and OpenBLAS' bits depend on a row's place in the
-tile; cuBLAS picks tiles and split-K from M. A CUDA reduction picks its threads per row from the row count.
+call has 1-3 rows than when it has more (MKL's small-M path), and OpenBLAS' (numpy's) bits depend on a row's place
+in a product of fixed shape; cuBLAS picks tiles and split-K from M. A CUDA reduction picks its threads per row
+from the row count.
 
 The cures, each with a torch reference beside the Triton kernel:
 - `linear`: every row is its own [1, K] x [K, N] product (torch: one batched product over rows, the weight shared;
@@ -23,8 +24,8 @@ from kvstrata.kernels.triton_compat import check_launchable, tl, triton
 
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with every row of `x` computed as its own product (one bmm over the rows, the
-    weight broadcast, not copied): a row's bits cannot depend on the others. On this CPU bf16 costs the same as
-    `F.linear` and float32 several times more (benchmarks/results/batch_invariance.md)."""
+    weight broadcast, not copied): a row's bits cannot depend on the others. On this CPU bf16 costs about what
+    `F.linear` costs (benchmarks/results/batch_invariance.md); float32 gives up MKL's GEMM for it."""
     rows = x.reshape(-1, 1, x.shape[-1])
     out = torch.bmm(rows, weight.t().expand(rows.shape[0], -1, -1)).view(*x.shape[:-1], weight.shape[0])
     return out + bias if bias is not None else out
