@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvstrata.kernels import block_copy, kv_store, prefix_prefill
+from kvstrata.kernels import batch_invariant, block_copy, kv_store, prefix_prefill
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -41,16 +41,27 @@ def main() -> None:
     ]
     for dtype, dot_dtype, group, block_m, tile_n, head_dim, block_size in variants:
         tensors = {"query_ptr": dtype, "cache_ptr": dtype, "out_ptr": dtype, **metadata}
-        for split in (False, True):
+        # (split, batch-invariant): the single pass, split-KV, and the batch-invariant mode's aligned fixed splits
+        for split, invariant in ((False, False), (True, False), (True, True)):
             scratch = {"partial_out_ptr": "fp32", "partial_lse_ptr": "fp32"} if split else {
                 "partial_out_ptr": dtype, "partial_lse_ptr": dtype}
             compile_for_gpu(prefix_prefill._prefix_prefill_kernel, {**tensors, **scratch}, {
                 "BLOCK_SIZE": block_size, "GROUP": group, "BLOCK_Q": block_m // group, "BLOCK_M": block_m,
                 "TILE_N": tile_n, "HEAD_DIM": head_dim, "DOT_DTYPE": dot_dtype,
-                "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32", "SPLIT": split})
-    for dtype, splits, chunk in (("bf16", 8, 512), ("fp32", 64, 64)):
+                "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32", "SPLIT": split,
+                "FIXED_TILES_PER_SPLIT": prefix_prefill.INVARIANT_KEYS_PER_SPLIT // tile_n if invariant else 0,
+                "ALIGNED": invariant})
+    for dtype in ("bf16", "fp32"):
         compile_for_gpu(prefix_prefill._merge_splits_kernel, {
-            "out_ptr": dtype, "partial_out_ptr": "fp32", "partial_lse_ptr": "fp32"}, {"SPLITS": splits, "CHUNK": chunk})
+            "out_ptr": dtype, "partial_out_ptr": "fp32", "partial_lse_ptr": "fp32"}, {"CHUNK": 1024})
+    for dtype, dot_dtype, has_bias in (("bf16", tl.bfloat16, False), ("fp32", tl.float32, True)):
+        compile_for_gpu(batch_invariant._linear_kernel, {
+            "x_ptr": dtype, "weight_ptr": dtype, "bias_ptr": dtype, "out_ptr": dtype}, {
+            "HAS_BIAS": has_bias, "BLOCK_M": batch_invariant.LINEAR_BLOCK_M, "BLOCK_N": batch_invariant.LINEAR_BLOCK_N,
+            "BLOCK_K": batch_invariant.LINEAR_BLOCK_K, "DOT_DTYPE": dot_dtype,
+            "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32"})
+    compile_for_gpu(batch_invariant._mean_last_dim_kernel, {"x_ptr": "fp32", "out_ptr": "fp32"},
+                    {"BLOCK": batch_invariant.MEAN_BLOCK})
     compile_for_gpu(kv_store._store_kv_kernel, {"key_ptr": "bf16", "value_ptr": "bf16", "cache_ptr": "bf16",
                                                 "slot_ptr": "i64"}, {"HEADS": 4, "HEAD_DIM": 64})
     for gather in (True, False):
