@@ -66,6 +66,15 @@ class GatedTier(LowerTier):
     def put(self, block_hashes, token_ids, srcs):
         self.inner.put(block_hashes, token_ids, srcs)
 
+    def pin(self, owner, block_hashes, info=None):
+        self.inner.pin(owner, block_hashes, info)
+
+    def unpin(self, owner):
+        return self.inner.unpin(owner)
+
+    def pins(self):
+        return self.inner.pins()
+
     def discard(self, block_hash):
         return self.inner.discard(block_hash)
 

@@ -72,7 +72,20 @@ class TierStats:
     puts: int = 0             # blocks written into this tier
     evictions: int = 0        # blocks pushed out by LRU to make room
     corrupt: int = 0          # blocks found but failing verification (header, checksum, tokens): dropped
+    pinned_blocks: int = 0    # distinct blocks some pin keeps from eviction (held or not yet arrived)
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One owner's pin: the blocks it keeps from eviction and its own description of them.
+
+    `info` is the owner's (JSON-serialisable, opaque to the tier): a tier that persists its pins
+    gives it back after a restart, so the owner can describe what it pinned.
+    """
+
+    block_hashes: tuple[bytes, ...]
+    info: dict = field(default_factory=dict)
 
 
 class LowerTier(abc.ABC):
@@ -107,6 +120,23 @@ class LowerTier(abc.ABC):
 
     def release(self, block_hashes: Sequence[bytes]) -> None:
         """Undo one `hold` of each hash."""
+
+    # Pins are the mechanism of pinned documents: which blocks may be pinned, and how many, is the
+    # caller's policy. A pinned block is never evicted by LRU; it still leaves on `discard` (it
+    # failed verification) and `clear`. Pins are per owner, so blocks shared by two owners stay
+    # pinned until both let go; pinning a hash the tier does not hold yet pins it once it arrives.
+
+    @abc.abstractmethod
+    def pin(self, owner: str, block_hashes: Sequence[bytes], info: dict | None = None) -> None:
+        """Keep these blocks from eviction until `unpin(owner)`. Pinning an owner again replaces its pin."""
+
+    @abc.abstractmethod
+    def unpin(self, owner: str) -> bool:
+        """Drop the owner's pin (its blocks become ordinary LRU blocks); True if it had one."""
+
+    @abc.abstractmethod
+    def pins(self) -> dict[str, Pin]:
+        """Every owner's pin, as of now (a persistent tier: including those made before a restart)."""
 
     @abc.abstractmethod
     def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],

@@ -4,7 +4,7 @@ One slot holds one block's payload (`layout.block_nbytes` bytes) and the block's
 every read checks against the ones the caller expects. The LRU order lives in an OrderedDict
 (hash -> slot, least recently used first); free slots sit in a stack. When a put finds no free
 slot, the least recently used block is handed to `on_evict` (so the hierarchy can write it down to
-disk) *before* its slot is overwritten.
+disk) *before* its slot is overwritten. Pinned blocks (`pin`) are skipped by eviction, like held ones.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from kvstrata.tiers.base import BlockLayout, LowerTier, TierStats, token_tuple
+from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, token_tuple
 
 # on_evict(block_hash, token_ids, payload_view): the view aliases the slot about to be reused, so
 # the callback must copy what it keeps before returning. It runs under the tier's lock and must not
@@ -29,8 +29,9 @@ class CpuTier(LowerTier):
 
     Invariants (all under `_lock`): every slot is either in `_free_slots` or the value of exactly
     one entry of `_slot_of`; `_token_ids[slot]` is the token tuple of the block in that slot; a held
-    block is never evicted by LRU (a put that finds every slot held stores nothing, counted in
-    `stats().extra['rejected_puts']`). Payloads are host tensors on both sides: a GPU is reached through the transfer engine.
+    or pinned block is never evicted by LRU (a put that finds every slot held or pinned stores
+    nothing, counted in `stats().extra['rejected_puts']`); `_pin_count[h]` is the number of owners in
+    `_pins` whose pin names `h`. Pins live in memory only: this tier starts empty. Payloads are host tensors on both sides: a GPU is reached through the transfer engine.
     A read that finds a block whose token ids differ from the expected ones counts it as a miss
     *and* as corrupt, and drops the entry.
     """
@@ -59,6 +60,8 @@ class CpuTier(LowerTier):
         self._lock = threading.Lock()
         # hash -> how many promotions in flight will read it: never evicted while held (see `hold`).
         self._holds: dict[bytes, int] = {}
+        self._pins: dict[str, Pin] = {}
+        self._pin_count: dict[bytes, int] = {}
         self._rejected_puts = 0
         self._stats = TierStats(name=self.name, capacity_blocks=capacity_blocks,
                                 capacity_bytes=capacity_blocks * layout.block_nbytes)
@@ -113,6 +116,32 @@ class CpuTier(LowerTier):
                 if n > 0:
                     self._holds[h] = n
 
+    def pin(self, owner: str, block_hashes: Sequence[bytes], info: dict | None = None) -> None:
+        with self._lock:
+            self._unpin(owner)
+            pin = Pin(tuple(dict.fromkeys(block_hashes)), dict(info or {}))
+            self._pins[owner] = pin
+            for h in pin.block_hashes:
+                self._pin_count[h] = self._pin_count.get(h, 0) + 1
+
+    def unpin(self, owner: str) -> bool:
+        with self._lock:
+            return self._unpin(owner)
+
+    def _unpin(self, owner: str) -> bool:
+        pin = self._pins.pop(owner, None)
+        if pin is None:
+            return False
+        for h in pin.block_hashes:
+            n = self._pin_count.pop(h) - 1
+            if n > 0:
+                self._pin_count[h] = n
+        return True
+
+    def pins(self) -> dict[str, Pin]:
+        with self._lock:
+            return dict(self._pins)
+
     # -- writes ------------------------------------------------------------------------------
 
     def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
@@ -135,9 +164,9 @@ class CpuTier(LowerTier):
                 self._stats.puts += 1
 
     def _evict_lru(self) -> int | None:
-        """Free the least recently used slot that no promotion holds, handing its block to
-        `on_evict` first; returns the slot, or None when every block is held."""
-        h = next((h for h in self._slot_of if h not in self._holds), None)
+        """Free the least recently used slot that no promotion holds and no owner pins, handing its
+        block to `on_evict` first; returns the slot, or None when every block is held or pinned."""
+        h = next((h for h in self._slot_of if h not in self._holds and h not in self._pin_count), None)
         if h is None:
             return None
         slot = self._slot_of.pop(h)
@@ -160,9 +189,12 @@ class CpuTier(LowerTier):
             return True
 
     def clear(self) -> None:
+        """Drop every block and every pin."""
         with self._lock:
             for h in list(self._slot_of):
                 self._drop(h)
+            self._pins.clear()
+            self._pin_count.clear()
 
     def blocks(self) -> list[tuple[bytes, tuple[int, ...], torch.Tensor]]:
         """A snapshot of every held block as (hash, token ids, payload view), least recently used first.
@@ -178,4 +210,5 @@ class CpuTier(LowerTier):
             used = len(self._slot_of)
             self._stats.used_blocks = used
             self._stats.used_bytes = used * self.layout.block_nbytes
+            self._stats.pinned_blocks = len(self._pin_count)
             return dataclasses.replace(self._stats, extra={"pinned": self.pinned, "rejected_puts": self._rejected_puts})

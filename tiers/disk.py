@@ -1,5 +1,6 @@
 """The disk tier: block records (tiers/record.py) in an LMDB store (tiers/lmdb_store.py), keyed by
-chain hash, LRU within a byte budget that every process opening the path shares.
+chain hash, LRU within a byte budget that every process opening the path shares; pinned blocks
+(kept in the store, so they survive restarts) are never evicted.
 
 Reads open one short read transaction per batch with zero-copy buffers and decode each record
 straight into the caller's tensor inside the transaction, verifying it on the way. Anything that
@@ -34,7 +35,7 @@ from typing import Callable, Iterator, Optional, Sequence, TypeVar
 import lmdb
 import torch
 
-from kvstrata.tiers.base import BlockLayout, LowerTier, TierStats
+from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats
 from kvstrata.tiers.lmdb_store import DAMAGE_ERRORS, LmdbStore, Meta, StoreDamaged, data_file_bytes, quarantine, read_u64
 from kvstrata.tiers.record import RecordCodec, RecordError
 from kvstrata.tiers.storage import check_room, format_bytes, prepare_private_dir
@@ -108,9 +109,11 @@ class _SharedUse:
 
 @dataclass
 class _Op:
-    kind: str                       # "put" | "touch" | "delete" | "clear" | "replace" (a damaged store)
+    kind: str  # "put" | "touch" | "delete" | "clear" | "pin" | "unpin" | "replace" (a damaged store)
     block_hash: bytes = b""
     value: Optional[bytearray] = None
+    owner: str = ""                 # "pin", "unpin": whose pin
+    pin: Optional[Pin] = None
     damaged: Optional[LmdbStore] = None  # "replace": the store a reader found damaged, and why
     reason: str = ""
 
@@ -331,6 +334,25 @@ class DiskTier(LowerTier):
                 self._enqueued += 1
             self._cond.notify_all()
 
+    def pin(self, owner: str, block_hashes: Sequence[bytes], info: dict | None = None) -> None:
+        """Pin in the store itself (committed before this returns): the pin survives restarts, and
+        every process sharing the path keeps the blocks too."""
+        self._check_open()
+        self._enqueue([_Op("pin", owner=owner, pin=Pin(tuple(block_hashes), dict(info or {})))])
+        self.flush()
+
+    def unpin(self, owner: str) -> bool:
+        self._check_open()
+        had = owner in self.pins()
+        self._enqueue([_Op("unpin", owner=owner)])
+        self.flush()
+        return had
+
+    def pins(self) -> dict[str, Pin]:
+        self._check_open()
+        records = self._in_snapshot("pins", lambda store, txn: store.read_pins(txn), default=dict)
+        return {owner: Pin(tuple(hashes), info) for owner, (hashes, info) in records.items()}
+
     def discard(self, block_hash: bytes) -> bool:
         held = self.contains(block_hash)
         self._enqueue([_Op("delete", block_hash)])
@@ -465,6 +487,10 @@ class DiskTier(LowerTier):
                         store.touch(txn, meta, op.block_hash)
                     elif op.kind == "delete":
                         store.delete(txn, meta, op.block_hash)
+                    elif op.kind == "pin":
+                        store.pin(txn, meta, op.owner, op.pin.block_hashes, op.pin.info)
+                    elif op.kind == "unpin":
+                        store.unpin(txn, meta, op.owner)
                     elif op.kind == "clear":
                         store.clear(txn)
                         meta = Meta.read(txn, store.meta)
@@ -515,15 +541,17 @@ class DiskTier(LowerTier):
 
     def stats(self) -> TierStats:
         self._check_open()
-        entries, used_bytes = self._in_snapshot(
-            "meta", lambda store, txn: (txn.stat(store.blocks)["entries"], read_u64(txn, store.meta, b"used_bytes")),
-            default=lambda: (0, 0))
+        entries, used_bytes, pinned = self._in_snapshot(
+            "meta", lambda store, txn: (txn.stat(store.blocks)["entries"], read_u64(txn, store.meta, b"used_bytes"),
+                                        txn.stat(store.pinned)["entries"]),
+            default=lambda: (0, 0, 0))
         with self._cond:
             pending = list(self._pending.values())
         return dataclasses.replace(
             self._stats,
             used_blocks=entries + len(pending),
             used_bytes=used_bytes + sum(len(v) for v in pending),
+            pinned_blocks=pinned,
             extra={"path": self.path, "file_bytes": data_file_bytes(self.path), "pending_puts": len(pending),
                    "write_errors": self._write_errors},
         )

@@ -25,6 +25,10 @@ step thread); this file holds the policy:
   being loaded into is held by its request until the load has landed, so it is never reused either.
 - `persist()` (idle time, close) writes every block still held only above the disk down to it, so a
   later process on the same disk path finds what this one computed.
+- Pins (pinned documents): `pin` copies an owner's blocks into every lower tier that lacks them and
+  pins them there, so no LRU eviction below the device drops them; on the device they stay ordinary
+  cached blocks (evicted down to the CPU tier, which keeps them). What may be pinned is the
+  caller's policy (engine/documents.py).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from kvstrata.tiers.base import TIER_NAMES, LowerTier, TierStats, as_bytes
+from kvstrata.tiers.base import TIER_NAMES, LowerTier, Pin, TierStats, as_bytes
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
 from kvstrata.tiers.transfer import Transfer, TransferEngine
 
@@ -348,6 +352,74 @@ class TierHierarchy:
             if h not in seen and not self.disk.contains(h):
                 seen.add(h)
                 yield h, t, p
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(self, owner: str, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]],
+            info: dict) -> None:
+        """Pin the blocks for `owner` in every lower tier, first copying in those a tier lacks (from
+        the device, or another lower tier). Raises ValueError if there is no lower tier, or if a
+        tier did not take the pin (a disk write that failed)."""
+        if not self.lower_tiers:
+            raise ValueError("pinning needs a CPU or disk tier (cache.tiers.cpu or cache.tiers.disk)")
+        self.flush_pending()
+        self.wait_for_write_downs()  # write-through copies land first: fewer blocks to copy here
+        for tier in self.lower_tiers:
+            tier.pin(owner, block_hashes, info)  # first, so that the copies below cannot evict each other
+            missing = [k for k, h in enumerate(block_hashes) if not tier.contains(h)]
+            found = self._read_blocks([block_hashes[k] for k in missing], [block_tokens[k] for k in missing], tier)
+            if found:
+                hashes, tokens, payloads = zip(*found)
+                tier.put(list(hashes), list(tokens), list(payloads))
+                with self._counters_lock:
+                    self.counters.write_downs[tier.name] += len(found)
+            tier.flush()
+            if owner not in tier.pins():
+                raise ValueError(f"the {tier.name} tier could not record the pin of {owner} (see its write errors)")
+
+    def _read_blocks(self, hashes: list[bytes], tokens: list[Sequence[int]],
+                     exclude: LowerTier) -> list[tuple[bytes, Sequence[int], torch.Tensor]]:
+        """(hash, tokens, host payload) of each block found on the device or in a lower tier other than `exclude`."""
+        found = []
+        for h, toks in zip(hashes, tokens):
+            block = self.pool.get_cached_block(h)
+            if block is not None and block.block_id in self._block_tokens:
+                found.append((h, toks, as_bytes(self.kv_cache[block.block_id]).cpu().clone()))
+                continue
+            for tier in self.lower_tiers:
+                dest = torch.empty(tier.layout.block_nbytes, dtype=torch.uint8)
+                if tier is not exclude and tier.contains(h) and tier.get([h], [toks], [dest])[0]:
+                    found.append((h, toks, dest))
+                    break
+        return found
+
+    def unpin(self, owner: str) -> bool:
+        """Drop the owner's pin in every lower tier; True if any tier had it."""
+        return any([tier.unpin(owner) for tier in self.lower_tiers])
+
+    def pins(self) -> dict[str, Pin]:
+        """Every owner's pin in any lower tier (the disk tier's survive restarts)."""
+        pins: dict[str, Pin] = {}
+        for tier in self.lower_tiers:
+            pins.update(tier.pins())
+        return pins
+
+    def restore_pins(self) -> None:
+        """Pin in every lower tier what another one pins (after a restart the CPU tier starts empty
+        while the disk tier kept its pins): the blocks are pinned there as they arrive."""
+        pins = self.pins()
+        for tier in self.lower_tiers:
+            held = tier.pins()
+            for owner, pin in pins.items():
+                if owner not in held:
+                    tier.pin(owner, pin.block_hashes, pin.info)
+
+    def blocks_by_tier(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """How many of the blocks each tier holds now."""
+        counts = {"device": sum(self.pool.get_cached_block(h) is not None for h in block_hashes)}
+        for tier in self.lower_tiers:
+            counts[tier.name] = sum(tier.contains(h) for h in block_hashes)
+        return counts
 
     def clear_device_cache(self) -> bool:
         """Forget every cached device block, if none is in use (write-downs in flight finish first:

@@ -1,14 +1,17 @@
 """The LMDB store behind the disk tier: its files, how it is opened safely, and its LRU bookkeeping.
 
 It knows values as bytes only (no torch, no block layout), so `kvstrata cache stats|clear` use it
-without importing torch. One LMDB environment in a directory, four named sub-databases:
+without importing torch. One LMDB environment in a directory, six named sub-databases:
 
     blocks  hash -> value (a block record, tiers/record.py)
     atime   hash -> u64 BE sequence of its last use | u64 BE value size
     lru     u64 BE sequence | hash -> b""   (so a cursor's first key is the least recently used block)
     meta    "format", "used_bytes", "next_seq", "capacity_bytes"
+    pins    owner (UTF-8) -> JSON {"block_hashes": [hex, ...], "info": {...}}
+    pinned  hash -> u64 BE number of owners pinning it
 
-The LRU order lives in LMDB itself, so every process that opens the path shares it. The directory
+The LRU order and the pins live in LMDB itself, so every process that opens the path shares them
+and they survive restarts. A pinned block stays out of `lru`, so eviction never sees it. The directory
 is 0700 and its files 0600 (tiers/storage.py): stored token ids decode back to prompt text.
 
 LMDB trusts its pages, and a damaged file can kill the process (SIGBUS, SIGSEGV) instead of raising
@@ -20,6 +23,7 @@ a running process turns the next read of a page past its new end into SIGBUS (`S
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import struct
@@ -39,7 +43,8 @@ DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
 STORE_FORMAT = b"kvstrata-disk-v2"   # v2: values are block records (tiers/record.py)
 STORE_FORMAT_FAMILY = "kvstrata-disk-"
-SUBDBS = (b"blocks", b"atime", b"lru", b"meta")
+SUBDBS = (b"blocks", b"atime", b"lru", b"meta", b"pins", b"pinned")
+PIN_SUBDBS = (b"pins", b"pinned")  # added within format v2: a store written before them lacks them
 _U64 = struct.Struct(">Q")
 _ATIME = struct.Struct(">QQ")  # sequence, value size
 
@@ -113,7 +118,10 @@ def _walk_store(path: str, writable: bool) -> None:
         sys.exit(problem)
     with env.begin(buffers=True) as txn:
         for name in SUBDBS:
-            db = env.open_db(name, txn=txn, create=False)
+            try:
+                db = env.open_db(name, txn=txn, create=False)
+            except lmdb.NotFoundError:  # a store from before the pin sub-databases
+                continue
             for key in [bytes(k) for k in txn.cursor(db=db).iternext(keys=True, values=False)]:
                 value = txn.get(key, db=db)
                 if value is not None and len(value):
@@ -121,7 +129,10 @@ def _walk_store(path: str, writable: bool) -> None:
     if writable:
         with env.begin(write=True) as txn:
             for name in SUBDBS:
-                db = env.open_db(name, txn=txn, create=False)
+                try:
+                    db = env.open_db(name, txn=txn, create=False)
+                except lmdb.NotFoundError:
+                    continue
                 cursor = txn.cursor(db=db)
                 first = bytes(cursor.key()) if cursor.first() else None
                 txn.put(b"\xff" * 32, bytes(1 << 16), db=db)
@@ -208,8 +219,10 @@ class LmdbStore:
     """An opened store: its environment and sub-databases, and the LRU bookkeeping of write txns.
 
     Every method taking `txn` runs inside a write transaction the caller owns; they keep the
-    invariant: a hash is in `blocks` iff it is in `atime` iff its (seq, hash) is in `lru`, and
-    meta's used_bytes is the sum of the sizes recorded in `atime`.
+    invariants: a hash is in `blocks` iff it is in `atime`; it is in `lru` (as (seq, hash)) iff it is
+    in `atime` and not in `pinned`; `pinned[h]` counts the owners in `pins` naming `h`; meta's
+    used_bytes is the sum of the sizes recorded in `atime`. A store opened read-only that predates
+    the pin sub-databases has `pins` and `pinned` None: it pins nothing.
     """
 
     def __init__(self, path: str, env: lmdb.Environment, create: bool):
@@ -221,9 +234,18 @@ class LmdbStore:
         self._data_fd = os.open(data_file(path), os.O_RDONLY)
         try:
             self.check_size()  # opening the sub-databases reads pages already
-            self.blocks, self.atime, self.lru, self.meta = (env.open_db(name, create=create) for name in SUBDBS)
+            self.blocks, self.atime, self.lru, self.meta, self.pins, self.pinned = (
+                self._open_db(name, create) for name in SUBDBS)
         except BaseException:
             os.close(self._data_fd)
+            raise
+
+    def _open_db(self, name: bytes, create: bool):
+        try:
+            return self.env.open_db(name, create=create)
+        except lmdb.NotFoundError:
+            if name in PIN_SUBDBS and not create:
+                return None
             raise
 
     # -- opening -------------------------------------------------------------------------------
@@ -369,7 +391,8 @@ class LmdbStore:
     def _record_use(self, txn, meta: Meta, block_hash: bytes, size: int) -> None:
         seq = meta.next_seq
         meta.next_seq += 1
-        txn.put(_U64.pack(seq) + block_hash, b"", db=self.lru)
+        if not self.is_pinned(txn, block_hash):
+            txn.put(_U64.pack(seq) + block_hash, b"", db=self.lru)
         txn.put(block_hash, _ATIME.pack(seq, size), db=self.atime)
 
     def delete(self, txn, meta: Meta, block_hash: bytes) -> bool:
@@ -385,20 +408,77 @@ class LmdbStore:
         """Drop the least recently used block; False when nothing is left to drop."""
         cursor = txn.cursor(db=self.lru)
         if not cursor.first():
-            meta.used_bytes = 0  # nothing is held: whatever the counter said, nothing is used
-            return False
+            if not txn.stat(self.atime)["entries"]:
+                meta.used_bytes = 0  # nothing is held: whatever the counter said, nothing is used
+            return False  # (or every block left is pinned)
         block_hash = bytes(cursor.key())[_U64.size:]
         cursor.delete()
         self.delete(txn, meta, block_hash)
         self.evictions += 1
         return True
 
+    # -- pins, inside a write transaction ------------------------------------------------------
+
+    def is_pinned(self, txn, block_hash: bytes) -> bool:
+        return self.pinned is not None and txn.get(block_hash, db=self.pinned) is not None
+
+    def pin(self, txn, meta: Meta, owner: str, block_hashes, info: dict) -> None:
+        """Pin blocks for `owner` (replacing its pin): they leave the LRU order until unpinned."""
+        self.unpin(txn, meta, owner)
+        block_hashes = list(dict.fromkeys(block_hashes))
+        record = {"block_hashes": [h.hex() for h in block_hashes], "info": info}
+        txn.put(owner.encode("utf-8"), json.dumps(record).encode("utf-8"), db=self.pins)
+        for h in block_hashes:
+            count = read_u64(txn, self.pinned, h)
+            txn.put(h, _U64.pack(count + 1), db=self.pinned)
+            raw = txn.get(h, db=self.atime)
+            if count == 0 and raw is not None and len(raw) == _ATIME.size:
+                txn.delete(_U64.pack(_ATIME.unpack(bytes(raw))[0]) + h, db=self.lru)
+
+    def unpin(self, txn, meta: Meta, owner: str) -> bool:
+        """Drop `owner`'s pin; blocks no other owner pins rejoin the LRU order as most recently used."""
+        raw = txn.get(owner.encode("utf-8"), db=self.pins)
+        if raw is None:
+            return False
+        for h in _pin_record(bytes(raw))[0]:
+            count = read_u64(txn, self.pinned, h)
+            if count > 1:
+                txn.put(h, _U64.pack(count - 1), db=self.pinned)
+                continue
+            txn.delete(h, db=self.pinned)
+            self.touch(txn, meta, h)
+        txn.delete(owner.encode("utf-8"), db=self.pins)
+        return True
+
+    def read_pins(self, txn) -> dict[str, tuple[list[bytes], dict]]:
+        """owner -> (block hashes, info) of every pin; works in a read transaction too."""
+        if self.pins is None:
+            return {}
+        pins = {}
+        for owner, raw in txn.cursor(db=self.pins):
+            try:
+                pins[bytes(owner).decode("utf-8")] = _pin_record(bytes(raw))
+            except ValueError:
+                logger.warning("disk tier: ignoring a damaged pin record in '%s'", self.path)
+        return pins
+
     def clear(self, txn) -> int:
+        """Drop every block and every pin."""
         entries = txn.stat(self.blocks)["entries"]
-        for db in (self.blocks, self.atime, self.lru):
-            txn.drop(db, delete=False)
+        for db in (self.blocks, self.atime, self.lru, self.pins, self.pinned):
+            if db is not None:
+                txn.drop(db, delete=False)
         Meta(used_bytes=0, next_seq=read_u64(txn, self.meta, b"next_seq")).write(txn, self.meta)
         return entries
+
+
+def _pin_record(raw: bytes) -> tuple[list[bytes], dict]:
+    """(block hashes, info) of a stored pin; ValueError if it is not one."""
+    try:
+        record = json.loads(raw)
+        return [bytes.fromhex(h) for h in record["block_hashes"]], dict(record["info"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a pin record: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------- administration
@@ -421,6 +501,8 @@ def read_store_stats(path: str) -> dict:
                 "used_bytes": read_u64(txn, store.meta, b"used_bytes"),
                 "capacity_bytes": read_u64(txn, store.meta, b"capacity_bytes"),
                 "file_bytes": data_file_bytes(path),
+                "pins": len(store.read_pins(txn)),
+                "pinned_blocks": txn.stat(store.pinned)["entries"] if store.pinned is not None else 0,
             }
     finally:
         store.close()
