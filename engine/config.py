@@ -11,6 +11,8 @@
         cpu:    {size: 4GiB, pinned: true}
         disk:   {path: ./kvstore, size: 32GiB}
       offload: write_through    # or on_evict
+      pin_share: 0.5            # the most of each lower tier that pinned documents may take
+      preload: [{file: handbook.txt, cache_salt: null, pin: true}]   # documents cached at start-up
     scheduler: {max_num_batched_tokens: 2048, max_num_seqs: 32}
     server: {host: 127.0.0.1, port: 8000, model_alias: null, api_key: null, max_request_body: 32MiB}
 
@@ -136,6 +138,15 @@ def _threads(value: Any) -> int | str:
 
 
 Threads = Annotated[int | str, PlainValidator(_threads)]
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"expected a fraction in (0, 1], got {_short_repr(value)}")
+    return float(value)
+
+
+Fraction = Annotated[float, PlainValidator(_fraction)]
 
 
 class _Section(BaseModel):
@@ -266,17 +277,55 @@ class TiersConfig(_Section):
         return None if tier is not None and tier.size.is_off else tier
 
 
+class PreloadConfig(_Section):
+    """A document cached at start-up: a UTF-8 text file, rendered as `kvstrata ask` renders its
+    document (so its questions find it cached), under `cache_salt`, pinned if `pin`."""
+
+    file: Path
+    cache_salt: str | None = None
+    pin: bool = True
+
+    @field_validator("file", mode="before")
+    @classmethod
+    def _readable_file(cls, path: Any) -> Path:
+        if not isinstance(path, (str, Path)) or not str(path).strip():
+            raise ValueError(f"expected a file path, got {_short_repr(path)}")
+        path = Path(os.path.abspath(Path(path).expanduser()))
+        if not path.is_file():
+            raise ValueError(f"no such file {str(path)!r}")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"cannot read {str(path)!r}")
+        return path
+
+
 class CacheConfig(_Section):
     enable_prefix_caching: bool = True
     block_size: Literal[8, 16, 32, 64] = 16
     hash: Literal["xxh3_128", "sha256"] = "xxh3_128"
     tiers: TiersConfig = TiersConfig()
     offload: Literal["write_through", "on_evict"] = "write_through"
+    pin_share: Fraction = 0.5
+    preload: tuple[PreloadConfig, ...] = ()
 
     @field_validator("tiers", mode="before")
     @classmethod
     def _empty_is_default(cls, section: Any) -> Any:
         return {} if section is None else section
+
+    @field_validator("preload", mode="before")
+    @classmethod
+    def _list(cls, entries: Any) -> Any:
+        if entries is None:
+            return ()
+        if not isinstance(entries, (list, tuple)):
+            raise ValueError(f"expected a list of {{file, cache_salt, pin}}, got {_short_repr(entries)}")
+        return tuple(entries)
+
+    @model_validator(mode="after")
+    def _preload_needs_caching(self) -> CacheConfig:
+        if self.preload and not self.enable_prefix_caching:
+            raise _FieldError("preload", "needs cache.enable_prefix_caching: true")
+        return self
 
 
 class SchedulerConfig(_Section):
@@ -292,7 +341,7 @@ class SchedulerConfig(_Section):
     max_num_seqs: PositiveInt = 32
     policy: Literal["fcfs", "uncached_first"] = "uncached_first"
     step_target: float = 0.25
-    long_prefill_share: float = 0.25
+    long_prefill_share: Fraction = 0.25
 
     @field_validator("step_target", mode="before")
     @classmethod
@@ -304,13 +353,6 @@ class SchedulerConfig(_Section):
         if seconds <= 0:
             raise ValueError(f"expected a positive duration such as 50ms or 0.2s, got {_short_repr(value)}")
         return seconds
-
-    @field_validator("long_prefill_share", mode="before")
-    @classmethod
-    def _share(cls, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise ValueError(f"expected a fraction in (0, 1], got {_short_repr(value)}")
-        return float(value)
 
     @field_serializer("step_target")
     def _duration_text(self, seconds: float) -> str:

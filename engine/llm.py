@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any, Sequence, Union
 
 from kvstrata.engine.config import Config, load_config
+from kvstrata.engine.documents import Document
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.prompts import render_document
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
 
@@ -108,17 +110,30 @@ class LLM:
             rid = f"gen-{next(self._ids)}"
             self.engine.add_request(rid, token_ids, p, cache_salt=cache_salt, prompt=text, arrival_time=arrival)
             ids.append(rid)
-        try:
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
-        except BaseException:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
-        outputs = [RequestOutput.from_request(self.engine.requests[rid]) for rid in ids]
+        outputs = [RequestOutput.from_request(r) for r in self.engine.run_until_finished(ids)]
         for rid in ids:
             self.engine.release(rid)
         return outputs
+
+    def cache_document(self, messages: Sequence[dict] | None = None, prompt: str | None = None, *,
+                       cache_salt: str | None = None, pin: bool = True) -> Document:
+        """Compute and store a document's KV blocks before any question arrives; pinned, they are never
+        evicted from the CPU and disk tiers (at most `cache.pin_share` of each).
+
+        Give the start that the questions will share: `messages` whose last message the questions
+        extend (rendered open, without the end of turn), or a plain `prompt` they extend. Returns the
+        document: its id (stable across restarts), token counts and the blocks each tier holds.
+        """
+        document = render_document(self.tokenizer, messages=messages, prompt=prompt)
+        return self.engine.cache_document(document, cache_salt, pin)
+
+    def list_documents(self) -> list[Document]:
+        """Documents cached with `cache_document` or `cache.preload` (and pinned ones from before a restart)."""
+        return self.engine.documents.list()
+
+    def unpin_document(self, document_id: str) -> Document:
+        """Forget a document: its blocks become ordinary cached blocks, evictable again. KeyError if unknown."""
+        return self.engine.documents.unpin(document_id)
 
     def stats(self) -> dict:
         """Per-tier blocks, bytes, hits, misses, evictions; prefix-cache query and hit tokens; moves."""

@@ -14,11 +14,12 @@ import torch
 
 from kvstrata.engine.config import Config
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
+from kvstrata.engine.documents import Document, DocumentPlan, DocumentRegistry
 from kvstrata.engine.hashing import BlockHasher, make_namespace
 from kvstrata.engine.kv_manager import KVCacheManager
 from kvstrata.engine.model_loader import LoadedModel, load_model, resolve_model
 from kvstrata.engine.model_runner import ModelRunner, StepInput
-from kvstrata.engine.prompts import render_chat, tokenize_text
+from kvstrata.engine.prompts import RenderedDocument, document_prefix_messages, render_chat, render_document, tokenize_text
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.sampling import SamplingParams, compute_logprobs, make_generator, sample
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
@@ -52,8 +53,10 @@ class LLMEngine:
         self.hierarchy = self._build_tiers()
         namespace = make_namespace(mc.identity, self.dtype_name, cache.block_size, KV_LAYOUT_VERSION, cache.hash,
                                    batch_invariant=config.model.batch_invariant)
-        self.kv_manager = KVCacheManager(self.hierarchy, BlockHasher(cache.block_size, namespace, cache.hash),
-                                         cache.block_size, enable_caching=cache.enable_prefix_caching)
+        hasher = BlockHasher(cache.block_size, namespace, cache.hash)
+        self.kv_manager = KVCacheManager(self.hierarchy, hasher, cache.block_size,
+                                         enable_caching=cache.enable_prefix_caching)
+        self.documents = DocumentRegistry(self.hierarchy, hasher, cache.block_size, cache.pin_share)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_batched_tokens, sc.max_num_seqs, policy=sc.policy,
                                    step_target=sc.step_target, long_prefill_share=sc.long_prefill_share)
@@ -65,6 +68,11 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._closed = False
         self._final_stats: dict | None = None  # stats() once closed
+        try:
+            self._preload_documents()
+        except BaseException:
+            self.hierarchy.close()
+            raise
 
     # ------------------------------------------------------------------ construction
 
@@ -129,12 +137,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     cache_salt: str | None = None, prompt: str | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, prefill_only: bool = False) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate_request(prompt_token_ids, params)
-        request = Request(request_id, prompt_token_ids, params, cache_salt=cache_salt, prompt=prompt)
+        request = Request(request_id, prompt_token_ids, params, cache_salt=cache_salt, prompt=prompt,
+                          prefill_only=prefill_only)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         # Everything that can fail comes first: a refused request leaves nothing behind.
@@ -154,6 +163,59 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def run_until_finished(self, request_ids: Sequence[str]) -> list[Request]:
+        """Step until nothing is left to do; returns the requests named. An error (or an interrupt)
+        aborts them first, so nothing is left half-scheduled."""
+        try:
+            while self.has_unfinished_requests():
+                self.step()
+        except BaseException:
+            for rid in request_ids:
+                self.abort_request(rid)
+            raise
+        return [self.requests[rid] for rid in request_ids]
+
+    # ------------------------------------------------------------------ documents
+
+    def plan_document(self, document: RenderedDocument, cache_salt: str | None = None,
+                      pin: bool = True) -> DocumentPlan:
+        """Check a document can be cached (fits the context and the device, the pin bound) before
+        any work; ValueError (one line) if not."""
+        self.validate_request(document.token_ids, SamplingParams(max_tokens=1))
+        return self.documents.plan(document, cache_salt, pin)
+
+    def add_document_request(self, request_id: str, plan: DocumentPlan, arrival_time: float | None = None) -> Request:
+        """The prefill that computes a planned document's blocks (it generates no token)."""
+        return self.add_request(request_id, plan.token_ids, SamplingParams(max_tokens=1),
+                                cache_salt=plan.cache_salt, arrival_time=arrival_time, prefill_only=True)
+
+    def cache_document(self, document: RenderedDocument, cache_salt: str | None = None, pin: bool = True) -> Document:
+        """Compute and store a document's blocks (pinned if `pin`), stepping until they are; returns it."""
+        plan = self.plan_document(document, cache_salt, pin)
+        request_id = f"document-{plan.document_id}-{time.monotonic_ns()}"
+        self.add_document_request(request_id, plan)
+        try:
+            self.run_until_finished([request_id])
+        finally:
+            self.release(request_id)
+        return self.documents.register(plan)
+
+    def _preload_documents(self) -> None:
+        """`cache.preload`: every file cached (and pinned) as `kvstrata ask` renders its document."""
+        for k, entry in enumerate(self.config.cache.preload):
+            key = f"cache.preload.{k}.file"
+            try:
+                text = entry.file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{key}: cannot read {str(entry.file)!r} as UTF-8 text ({exc})") from None
+            try:
+                document = render_document(self.tokenizer, messages=document_prefix_messages(text))
+                doc = self.cache_document(document, entry.cache_salt, entry.pin)
+            except ValueError as exc:
+                raise ValueError(f"{key}: {entry.file.name}: {exc}") from None
+            logger.info("kvstrata: preloaded %s as %s (%d tokens, %s)", entry.file.name, doc.id, doc.num_tokens,
+                        "pinned" if doc.pinned else "not pinned")
+
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[Request]:
@@ -167,7 +229,10 @@ class LLMEngine:
         started = time.perf_counter()
         logits = self.runner.execute(self._build_step_input(out))
         self.scheduler.update_after_step(out)
-        sampling = [s.request for s in out.scheduled if s.samples]
+        prefilled = [s.request for s in out.scheduled if s.samples and s.request.prefill_only]
+        for request in prefilled:  # a document's blocks are computed: nothing to generate
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+        sampling = [s.request for s in out.scheduled if s.samples and not s.request.prefill_only]
         if sampling:
             params = [r.sampling_params for r in sampling]
             token_ids = sample(logits, params, [self._generators[r.request_id] for r in sampling])
@@ -185,7 +250,7 @@ class LLMEngine:
         # transfer engine copies them in the background). A block reused before its copy is done is
         # waited for by the pool's eviction hook, so nothing is lost.
         self.hierarchy.flush_pending()
-        return sampling
+        return sampling + prefilled
 
     def _build_step_input(self, out: SchedulerOutput) -> StepInput:
         bs = self.block_size
@@ -202,7 +267,7 @@ class LLMEngine:
             tables.append(block_ids)
             seq_lens.append(stop)
             query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
-            if s.samples:
+            if s.samples and not req.prefill_only:
                 logits_indices.append(query_start_loc[-1] - 1)
         width = max(len(t) for t in tables)
         block_tables = torch.zeros((len(tables), width), dtype=torch.int32)

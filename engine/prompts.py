@@ -7,7 +7,15 @@ fast tokenizer must not be used by two threads at once: every thread passes its 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
+
+# The system prompt of long-document QA (`kvstrata ask`, and documents preloaded from files).
+QA_SYSTEM_PROMPT = "Answer the question using only the document. Be brief."
+# Text a question may append to a document's last message. A byte-level BPE tokenizer can merge
+# the document's last characters with what follows ("\n\n" is one token alone, two before
+# "Question"), so a document's reusable prefix is what stays the same whatever of these follows.
+_CONTINUATION_PROBES = ("Question", " question", "\n", ".", "1", "-", "\u00e9")
 
 
 def tokenize_text(tokenizer, text: str, field: str = "prompt") -> list[int]:
@@ -24,6 +32,66 @@ def render_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
     if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+@dataclass(frozen=True)
+class RenderedDocument:
+    """A document rendered as the open start of the prompts that will extend it."""
+
+    token_ids: list[int]
+    # How many leading tokens every extension of the document starts with (<= len(token_ids)).
+    num_stable_tokens: int
+
+
+def render_document(tokenizer, *, messages: Sequence[dict] | None = None, prompt: str | None = None) -> RenderedDocument:
+    """A document as the start of later prompts: `messages` rendered as an open conversation (the chat
+    template's `continue_final_message`: no end of turn, no generation prompt), so a chat request
+    whose last message extends the document's last message starts with the same tokens; or a plain
+    `prompt` that completions will extend."""
+    if (messages is None) == (prompt is None):
+        raise ValueError("give the document as messages or as a prompt (one of them)")
+    if prompt is not None:
+        render = lambda tail: tokenize_text(tokenizer, prompt + tail)  # noqa: E731
+    else:
+        validate_messages(messages)
+        head, last = list(messages[:-1]), messages[-1]
+        if not last["content"].strip():
+            raise ValueError(f"messages[{len(messages) - 1}].content is empty: it is the document's open end")
+        render = lambda tail: _render_open(tokenizer, head + [{**last, "content": last["content"] + tail}])  # noqa: E731
+    token_ids = render("")
+    stable = len(token_ids)
+    for tail in _CONTINUATION_PROBES:
+        stable = min(stable, _common_prefix_len(token_ids, render(tail)))
+    return RenderedDocument(token_ids, stable)
+
+
+def document_prefix_messages(document: str) -> list[dict]:
+    """The open start of every question about `document` in long-document QA."""
+    return [{"role": "system", "content": QA_SYSTEM_PROMPT}, {"role": "user", "content": f"Document:\n{document.strip()}\n\n"}]
+
+
+def document_messages(document: str, question: str) -> list[dict]:
+    """The chat for one question. The document comes before the question, so that the prompts of
+    all questions about one document share it as their prefix (and hit the cache)."""
+    messages = document_prefix_messages(document)
+    messages[-1]["content"] += f"Question: {question.strip()}"
+    return messages
+
+
+def _render_open(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def validate_messages(messages: Any) -> None:

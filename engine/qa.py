@@ -21,11 +21,9 @@ from tqdm import tqdm
 from kvstrata.engine.config import Config
 from kvstrata.engine.llm import LLM, RequestOutput
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.prompts import document_messages
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams
-
-SYSTEM_PROMPT = "Answer the question using only the document. Be brief."
-
 
 def ask(config: Config, doc_path: str | Path, questions: Sequence[str], max_tokens: int = 256,
         out: TextIO | None = None) -> list[RequestOutput]:
@@ -61,13 +59,6 @@ def read_document(doc_path: str | Path) -> str:
     if not text.strip():
         raise ValueError(f"--doc: {str(path)!r} is empty")
     return text
-
-
-def document_messages(document: str, question: str) -> list[dict]:
-    """The chat for one question. The document comes before the question, so that the prompts of
-    all questions about one document share it as their prefix (and hit the cache)."""
-    return [{"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"Document:\n{document.strip()}\n\nQuestion: {question.strip()}"}]
 
 
 def _document_prompt(engine: LLMEngine, document: str, question: str, max_tokens: int, path: Path) -> list[int]:

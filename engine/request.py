@@ -33,6 +33,9 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     prompt: str | None = None
+    # Compute and cache the prompt's blocks, generate nothing (a document being cached): the request
+    # finishes, with "length", once its prompt is computed.
+    prefill_only: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
