@@ -24,15 +24,18 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence, TypeVar
 
+from kvstrata.engine.documents import Document
 from kvstrata.engine.llm import RequestOutput
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.prompts import RenderedDocument
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams
 
 logger = logging.getLogger("kvstrata")
 
+T = TypeVar("T")
 # How often an idle engine thread republishes its stats snapshot.
 IDLE_SNAPSHOT_INTERVAL_S = 1.0
 
@@ -92,11 +95,30 @@ class _Add:
     prompt: str | None
     arrival_time: float
     stream: _Stream
+    prefill_only: bool = False
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread; its result (or error) goes to `future` on `loop`."""
+
+    fn: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if not self.future.done():  # the caller may have gone away
+                (self.future.set_exception(error) if error is not None else self.future.set_result(result))
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:
+            pass  # the caller's loop is closed
 
 
 _STOP = object()
@@ -162,6 +184,25 @@ class AsyncEngine:
         finally:
             if not finished:
                 self._submit(_Abort(add.request_id), required=False)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` run on the engine thread between steps (the engine is never touched from
+        here); its exceptions are raised here."""
+        loop = asyncio.get_running_loop()
+        command = _Call(fn, loop, loop.create_future())
+        self._submit(command)
+        return await command.future
+
+    async def cache_document(self, document: RenderedDocument, cache_salt: str | None, pin: bool) -> Document:
+        """Plan (refusing before any work what cannot be done), prefill the document's blocks as a
+        request that generates nothing, then record and pin it: `LLMEngine.cache_document`, with the
+        other requests' steps going on meanwhile."""
+        plan = await self.call(lambda engine: engine.plan_document(document, cache_salt, pin))
+        add = _Add(f"document-{uuid.uuid4().hex}", plan.token_ids, SamplingParams(max_tokens=1), plan.cache_salt,
+                   None, time.perf_counter(), _Stream(asyncio.get_running_loop()), prefill_only=True)
+        async for _ in self._outputs(add):
+            pass
+        return await self.call(lambda engine: engine.documents.register(plan))
 
     def _submit(self, command, required: bool = True) -> None:
         with self._lock:
@@ -239,7 +280,13 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Call):
+            try:
+                command.resolve(command.fn(self.engine))
+            except Exception as exc:  # the caller's to handle: the engine goes on
+                command.resolve(error=exc)
+            return
         if isinstance(command, _Abort):
             if self._streams.pop(command.request_id, None) is not None:
                 request = self.engine.requests.get(command.request_id)
@@ -251,7 +298,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                     cache_salt=command.cache_salt, prompt=command.prompt,
-                                    arrival_time=command.arrival_time)
+                                    arrival_time=command.arrival_time, prefill_only=command.prefill_only)
         except ValueError as exc:
             command.stream.put(exc)
             return
@@ -291,6 +338,8 @@ class AsyncEngine:
             for command in self._take_commands(wait=False):
                 if isinstance(command, _Add):
                     command.stream.put(EngineStoppedError(self._stopped_reason()))
+                elif isinstance(command, _Call):
+                    command.resolve(error=EngineStoppedError(self._stopped_reason()))
 
 
 async def _latest(outputs: asyncio.Queue) -> RequestOutput:

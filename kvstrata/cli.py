@@ -6,6 +6,7 @@
     kvstrata bench  concurrency --config F [benchmark options ...]
     kvstrata config check FILE [--set key=value ...]
     kvstrata cache  stats|clear --config F
+    kvstrata cache  documents add FILE [--prompt] [--cache-salt S] [--no-pin] | list | unpin ID  [--url U | --config F]
 
 Every command takes `--set dotted.key=value` (repeatable) on top of its config file. A bad config
 or argument value is one line on stderr and exit code 2, never a traceback; Ctrl-C exits 130.
@@ -94,7 +95,29 @@ def build_parser() -> argparse.ArgumentParser:
         action = cache_commands.add_parser(name, help=help_text)
         _add_config_arguments(action)
         action.set_defaults(run=run)
+    _add_documents_parser(cache_commands)
     return parser
+
+
+def _add_documents_parser(cache_commands) -> None:
+    """`kvstrata cache documents`: pinned documents of a running server, through its HTTP API (pins live
+    in the server's tiers; `cache.preload` is the way to cache documents when an engine starts)."""
+    documents = cache_commands.add_parser("documents", help="cache, list or unpin documents of a running server")
+    actions = documents.add_subparsers(dest="documents_command", required=True, metavar="ACTION")
+    add = actions.add_parser("add", help="compute and store a text file's blocks (pinned unless --no-pin)")
+    add.add_argument("file", metavar="FILE")
+    add.add_argument("--prompt", action="store_true",
+                     help="send the text as a plain prompt (default: as `kvstrata ask` renders a document)")
+    add.add_argument("--cache-salt", help="the tenant's cache_salt (questions must carry the same)")
+    add.add_argument("--no-pin", dest="pin", action="store_false", help="cache without pinning")
+    listing = actions.add_parser("list", help="the documents cached and where their blocks are")
+    unpin = actions.add_parser("unpin", help="unpin and forget a document (its blocks become evictable)")
+    unpin.add_argument("document_id", metavar="ID")
+    for action, run in ((add, _documents_add), (listing, _documents_list), (unpin, _documents_unpin)):
+        action.add_argument("--url", help="the server (default: http://server.host:server.port of --config)")
+        action.add_argument("--api-key", help="the server's API key (default: server.api_key or $KVSTRATA_API_KEY)")
+        _add_config_arguments(action)
+        action.set_defaults(run=run)
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,6 +245,78 @@ def _cache_clear(args: argparse.Namespace) -> int:
     else:
         print(f"cleared {cleared.blocks} blocks from {disk.path}")
     return EXIT_OK
+
+
+def _documents_add(args: argparse.Namespace) -> int:
+    from kvstrata.engine.prompts import document_prefix_messages
+
+    text = _read_text(args.file)
+    body: dict[str, Any] = {"prompt": text} if args.prompt else {"messages": document_prefix_messages(text)}
+    body.update(cache_salt=args.cache_salt, pin=args.pin)
+    print(_describe_document(_server_call(args, "POST", "/v1/cache/documents", body)))
+    return EXIT_OK
+
+
+def _documents_list(args: argparse.Namespace) -> int:
+    documents = _server_call(args, "GET", "/v1/cache/documents")["data"]
+    for document in documents:
+        print(_describe_document(document))
+    if not documents:
+        print("no documents")
+    return EXIT_OK
+
+
+def _documents_unpin(args: argparse.Namespace) -> int:
+    _server_call(args, "DELETE", f"/v1/cache/documents/{args.document_id}")
+    print(f"unpinned {args.document_id}")
+    return EXIT_OK
+
+
+def _read_text(path: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"FILE: cannot read {path!r} as UTF-8 text ({getattr(exc, 'strerror', None) or exc})") from None
+    if not text.strip():
+        raise ValueError(f"FILE: {path!r} is empty")
+    return text
+
+
+def _describe_document(d: dict) -> str:
+    where = ", ".join(f"{tier} {n}" for tier, n in d["blocks_by_tier"].items())
+    state = "pinned" if d["pinned"] else "not pinned"
+    salted = ", salted" if d["salted"] else ""
+    return f"{d['id']}  {d['num_tokens']} tokens ({d['num_cached_tokens']} in full blocks), {state}{salted}; blocks: {where}"
+
+
+def _server_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
+    """One call to the server's HTTP API; an error answer or an unreachable server is a ValueError or OSError (one line)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    url, api_key = args.url, args.api_key
+    if url is None or api_key is None:
+        server = _load(args, disk_read_only=True).server
+        host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
+        url = url or f"http://{host}:{server.port}"
+        api_key = api_key or server.api_key  # $KVSTRATA_API_KEY reaches it through the config
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    data = None if body is None else json.dumps(body).encode("utf-8")
+    request = urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=3600) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {exc.code} {exc.reason}"
+        raise ValueError(message) from None
+    except urllib.error.URLError as exc:
+        raise OSError(f"cannot reach the server at {url}: {exc.reason}") from None
 
 
 def _disk_store(config, if_off: str, if_missing: str):

@@ -5,6 +5,9 @@
     GET  /v1/models             the one model served
     GET  /health                200 while the engine runs and the server is not draining
     GET  /metrics               Prometheus text: prefix-cache hits per tier, TTFT, tier usage, moves
+    POST /v1/cache/documents    messages or prompt -> its blocks computed and stored (pinned unless `pin: false`)
+    GET  /v1/cache/documents    the documents cached, with the blocks each tier holds
+    DELETE /v1/cache/documents/{id}   unpin and forget a document (its blocks become evictable again)
 
 Responses carry OpenAI's `usage` (with `prompt_tokens_details.cached_tokens`) and a `kvstrata`
 object: `{"cached_tokens_by_tier": {"device": n, "cpu": n, "disk": n}, "ttft_ms": t}`. Every error
@@ -22,20 +25,22 @@ import asyncio
 import contextlib
 import time
 import uuid
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from kvstrata import __version__
-from kvstrata.engine.prompts import render_chat, tokenize_text
+from kvstrata.engine.prompts import render_chat, render_document, tokenize_text
 from kvstrata.serving.errors import APIError, install_error_handlers, service_unavailable
 from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving.middleware import APIKeyCheck, BodySizeLimit, DrainState, RequestGate
 from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events, chat_logprobs, completion_events,
                                         completion_logprobs, kvstrata_info, token_texts, usage)
 from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                      CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
+                                      CompletionChoice, CompletionRequest, CompletionResponse, DocumentDeleted,
+                                      DocumentList, DocumentObject, DocumentRequest, ModelCard, ModelList,
                                       SamplingRequest)
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
@@ -58,6 +63,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
     """The app serving `engine` under the model id `model_id`. `drain`: shared with the server,
     which sets `draining` on SIGTERM."""
     from kvstrata.engine.async_engine import EngineStoppedError
+    from kvstrata.engine.documents import PinLimitError, UnknownDocumentError
     from kvstrata.engine.sampling import SamplingParams
 
     drain = drain or DrainState()
@@ -185,6 +191,38 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
                                           usage=usage(final), kvstrata=kvstrata_info(final))
 
         return await respond(request, body, outputs, lambda: chat_events(outputs, settings), whole)
+
+    @app.post("/v1/cache/documents", response_model=DocumentObject)
+    async def cache_document(body: DocumentRequest) -> DocumentObject:
+        check_model(body.model)
+        if (body.messages is None) == (body.prompt is None):
+            raise APIError(400, "give the document as `messages` or as `prompt` (one of them)", param="messages")
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.content} for m in body.messages]
+            document = await tokenize(lambda tok, m: render_document(tok, messages=m), messages, "messages")
+        else:
+            document = await tokenize(lambda tok, p: render_document(tok, prompt=p), body.prompt, "prompt")
+        try:
+            return DocumentObject(**asdict(await engine.cache_document(document, body.cache_salt, body.pin)))
+        except PinLimitError as exc:
+            raise APIError(409, str(exc), param="pin", code="pin_limit_exceeded") from None
+        except ValueError as exc:
+            message = str(exc)
+            raise APIError(400, message, param="pin" if message.startswith("pin:") else
+                           "messages" if body.messages is not None else "prompt") from None
+
+    @app.get("/v1/cache/documents", response_model=DocumentList)
+    async def list_documents() -> DocumentList:
+        documents = await engine.call(lambda e: e.documents.list())
+        return DocumentList(data=[DocumentObject(**asdict(d)) for d in documents])
+
+    @app.delete("/v1/cache/documents/{document_id}", response_model=DocumentDeleted)
+    async def unpin_document(document_id: str) -> DocumentDeleted:
+        try:
+            await engine.call(lambda e: e.documents.unpin(document_id))
+        except UnknownDocumentError as exc:
+            raise APIError(404, str(exc), param="document_id", code="document_not_found") from None
+        return DocumentDeleted(id=document_id)
 
     return app
 

@@ -160,6 +160,21 @@ class ChatCompletionRequest(SamplingRequest):
     web_search_options: _no_op_only() = None
 
 
+class DocumentRequest(_Request):
+    """`POST /v1/cache/documents`: the start that questions will share, computed and stored now.
+
+    `messages`: the conversation's start, whose last message the questions extend (rendered open:
+    no end of turn, no generation prompt); or `prompt`: text that completions extend. `pin` keeps
+    its blocks in the CPU and disk tiers until `DELETE /v1/cache/documents/{id}`.
+    """
+
+    model: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt: Text | None = None
+    cache_salt: Text | None = None
+    pin: bool = True
+
+
 # ---------------------------------------------------------------------------------------------
 # Responses
 
@@ -281,6 +296,27 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class DocumentObject(BaseModel):
+    id: str
+    object: Literal["cache.document"] = "cache.document"
+    num_tokens: int            # of the rendered document
+    num_cached_tokens: int     # in its full blocks: what a question extending it finds cached
+    pinned: bool
+    salted: bool               # cached under a cache_salt (never shown)
+    blocks_by_tier: dict[str, int]  # its blocks each tier holds now
+
+
+class DocumentList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[DocumentObject]
+
+
+class DocumentDeleted(BaseModel):
+    id: str
+    object: Literal["cache.document.deleted"] = "cache.document.deleted"
+    deleted: bool = True
 
 
 class ErrorInfo(BaseModel):
