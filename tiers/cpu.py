@@ -166,7 +166,15 @@ class CpuTier(LowerTier):
     def _evict_lru(self) -> int | None:
         """Free the least recently used slot that no promotion holds and no owner pins, handing its
         block to `on_evict` first; returns the slot, or None when every block is held or pinned."""
-        h = next((h for h in self._slot_of if h not in self._holds and h not in self._pin_count), None)
+        h, pinned = None, []
+        for candidate in self._slot_of:
+            if candidate in self._pin_count:
+                pinned.append(candidate)
+            elif candidate not in self._holds:
+                h = candidate
+                break
+        for p in pinned:  # never evicted, so their place in the order does not matter: out of the next scan's way
+            self._slot_of.move_to_end(p)
         if h is None:
             return None
         slot = self._slot_of.pop(h)
