@@ -181,6 +181,8 @@ class LLMEngine:
                       pin: bool = True) -> DocumentPlan:
         """Check a document can be cached (fits the context and the device, the pin bound) before
         any work; ValueError (one line) if not."""
+        if not self.config.cache.enable_prefix_caching:
+            raise ValueError("caching a document needs cache.enable_prefix_caching: true")
         self.validate_request(document.token_ids, SamplingParams(max_tokens=1))
         return self.documents.plan(document, cache_salt, pin)
 

@@ -105,7 +105,7 @@ def _add_documents_parser(cache_commands) -> None:
     documents = cache_commands.add_parser("documents", help="cache, list or unpin documents of a running server")
     actions = documents.add_subparsers(dest="documents_command", required=True, metavar="ACTION")
     add = actions.add_parser("add", help="compute and store a text file's blocks (pinned unless --no-pin)")
-    add.add_argument("file", metavar="FILE")
+    add.add_argument("document_file", metavar="FILE")
     add.add_argument("--prompt", action="store_true",
                      help="send the text as a plain prompt (default: as `kvstrata ask` renders a document)")
     add.add_argument("--cache-salt", help="the tenant's cache_salt (questions must carry the same)")
@@ -250,7 +250,7 @@ def _cache_clear(args: argparse.Namespace) -> int:
 def _documents_add(args: argparse.Namespace) -> int:
     from kvstrata.engine.prompts import document_prefix_messages
 
-    text = _read_text(args.file)
+    text = _read_text(args.document_file)
     body: dict[str, Any] = {"prompt": text} if args.prompt else {"messages": document_prefix_messages(text)}
     body.update(cache_salt=args.cache_salt, pin=args.pin)
     print(_describe_document(_server_call(args, "POST", "/v1/cache/documents", body)))

@@ -8,7 +8,7 @@ Every string must be valid Unicode (JSON can carry a lone surrogate, which no to
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer
 
@@ -23,6 +23,7 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+Item = TypeVar("Item")
 
 
 def _no_op_only(*no_op_values: Any):
@@ -293,9 +294,14 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class ModelList(BaseModel):
+class ObjectList(BaseModel, Generic[Item]):
+    """OpenAI's shape of a listing."""
+
     object: Literal["list"] = "list"
-    data: list[ModelCard]
+    data: list[Item]
+
+
+ModelList = ObjectList[ModelCard]
 
 
 class DocumentObject(BaseModel):
@@ -308,9 +314,7 @@ class DocumentObject(BaseModel):
     blocks_by_tier: dict[str, int]  # its blocks each tier holds now
 
 
-class DocumentList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[DocumentObject]
+DocumentList = ObjectList[DocumentObject]
 
 
 class DocumentDeleted(BaseModel):
