@@ -19,7 +19,8 @@ from kvstrata.engine.hashing import BlockHasher, make_namespace
 from kvstrata.engine.kv_manager import KVCacheManager
 from kvstrata.engine.model_loader import LoadedModel, load_model, resolve_model
 from kvstrata.engine.model_runner import ModelRunner, StepInput
-from kvstrata.engine.prompts import RenderedDocument, document_prefix_messages, render_chat, render_document, tokenize_text
+from kvstrata.engine.prompts import (RenderedDocument, document_prefix_messages, render_chat, render_document,
+                                    tokenize_text)
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.sampling import SamplingParams, compute_logprobs, make_generator, sample
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput

@@ -28,10 +28,7 @@ def render_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
     """Token ids of a conversation rendered by the model's chat template, ending with the prompt
     for the assistant's reply. `messages`: `{"role": str, "content": str}` objects."""
     validate_messages(messages)
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    return _token_list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
 
 
 @dataclass(frozen=True)
@@ -43,21 +40,26 @@ class RenderedDocument:
     num_stable_tokens: int
 
 
-def render_document(tokenizer, *, messages: Sequence[dict] | None = None, prompt: str | None = None) -> RenderedDocument:
+def render_document(tokenizer, *, messages: Sequence[dict] | None = None,
+                    prompt: str | None = None) -> RenderedDocument:
     """A document as the start of later prompts: `messages` rendered as an open conversation (the chat
     template's `continue_final_message`: no end of turn, no generation prompt), so a chat request
     whose last message extends the document's last message starts with the same tokens; or a plain
     `prompt` that completions will extend."""
     if (messages is None) == (prompt is None):
         raise ValueError("give the document as messages or as a prompt (one of them)")
-    if prompt is not None:
-        render = lambda tail: tokenize_text(tokenizer, prompt + tail)  # noqa: E731
-    else:
+    if messages is not None:
         validate_messages(messages)
-        head, last = list(messages[:-1]), messages[-1]
-        if not last["content"].strip():
+        if not messages[-1]["content"].strip():
             raise ValueError(f"messages[{len(messages) - 1}].content is empty: it is the document's open end")
-        render = lambda tail: _render_open(tokenizer, head + [{**last, "content": last["content"] + tail}])  # noqa: E731
+
+    def render(tail: str) -> list[int]:
+        """The document followed by `tail` (appended to its last message)."""
+        if prompt is not None:
+            return tokenize_text(tokenizer, prompt + tail)
+        extended = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + tail}]
+        return _token_list(tokenizer.apply_chat_template(extended, continue_final_message=True, tokenize=True))
+
     token_ids = render("")
     stable = len(token_ids)
     for tail in _CONTINUATION_PROBES:
@@ -67,7 +69,8 @@ def render_document(tokenizer, *, messages: Sequence[dict] | None = None, prompt
 
 def document_prefix_messages(document: str) -> list[dict]:
     """The open start of every question about `document` in long-document QA."""
-    return [{"role": "system", "content": QA_SYSTEM_PROMPT}, {"role": "user", "content": f"Document:\n{document.strip()}\n\n"}]
+    return [{"role": "system", "content": QA_SYSTEM_PROMPT},
+            {"role": "user", "content": f"Document:\n{document.strip()}\n\n"}]
 
 
 def document_messages(document: str, question: str) -> list[dict]:
@@ -78,11 +81,9 @@ def document_messages(document: str, question: str) -> list[dict]:
     return messages
 
 
-def _render_open(tokenizer, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
+def _token_list(ids) -> list[int]:
+    """A chat template's token ids (newer transformers return a BatchEncoding)."""
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

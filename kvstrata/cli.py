@@ -276,7 +276,8 @@ def _read_text(path: str) -> str:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"FILE: cannot read {path!r} as UTF-8 text ({getattr(exc, 'strerror', None) or exc})") from None
+        reason = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"FILE: cannot read {path!r} as UTF-8 text ({reason})") from None
     if not text.strip():
         raise ValueError(f"FILE: {path!r} is empty")
     return text
@@ -286,11 +287,13 @@ def _describe_document(d: dict) -> str:
     where = ", ".join(f"{tier} {n}" for tier, n in d["blocks_by_tier"].items())
     state = "pinned" if d["pinned"] else "not pinned"
     salted = ", salted" if d["salted"] else ""
-    return f"{d['id']}  {d['num_tokens']} tokens ({d['num_cached_tokens']} in full blocks), {state}{salted}; blocks: {where}"
+    return (f"{d['id']}  {d['num_tokens']} tokens ({d['num_cached_tokens']} in full blocks), {state}{salted}; "
+            f"blocks: {where}")
 
 
 def _server_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:
-    """One call to the server's HTTP API; an error answer or an unreachable server is a ValueError or OSError (one line)."""
+    """One call to the server's HTTP API. An error answer is a ValueError (its message), an unreachable
+    server an OSError: one line each."""
     import json
     import urllib.error
     import urllib.request

@@ -31,7 +31,8 @@ class CpuTier(LowerTier):
     one entry of `_slot_of`; `_token_ids[slot]` is the token tuple of the block in that slot; a held
     or pinned block is never evicted by LRU (a put that finds every slot held or pinned stores
     nothing, counted in `stats().extra['rejected_puts']`); `_pin_count[h]` is the number of owners in
-    `_pins` whose pin names `h`. Pins live in memory only: this tier starts empty. Payloads are host tensors on both sides: a GPU is reached through the transfer engine.
+    `_pins` whose pin names `h`. Pins live in memory only: this tier starts empty.
+    Payloads are host tensors on both sides: a GPU is reached through the transfer engine.
     A read that finds a block whose token ids differ from the expected ones counts it as a miss
     *and* as corrupt, and drops the entry.
     """

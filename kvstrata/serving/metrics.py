@@ -92,7 +92,8 @@ def _cache_metrics(stats: dict) -> Iterator[Metric]:
             ("used_bytes", "cache_usage_bytes", "Bytes of KV blocks held by each tier."),
             ("capacity_blocks", "cache_capacity_blocks", "KV blocks each tier can hold."),
             ("capacity_bytes", "cache_capacity_bytes", "Bytes of KV blocks each tier can hold."),
-            ("pinned_blocks", "cache_pinned_blocks", "KV blocks pinned documents keep in each tier (never on the device).")):
+            ("pinned_blocks", "cache_pinned_blocks",
+             "KV blocks pinned documents keep in each tier (none on the device).")):
         yield _per_tier(GaugeMetricFamily, metric, help_text, {n: tiers[n][field_name] for n in enabled}, enabled)
     yield _per_tier(CounterMetricFamily, "cache_evictions_blocks",
                     "Cached blocks each tier dropped by LRU to make room (device: slots reused).",
