@@ -324,3 +324,25 @@ def test_cache_documents_cli_without_a_server_is_one_line_error(tmp_path, capsys
     assert err.startswith("kvstrata: error: cannot reach the server at http://127.0.0.1:9") and err.count("\n") == 1
     assert main(["cache", "documents", "add", str(tmp_path / "none.txt"), "--url", "http://127.0.0.1:9"]) == 2
     assert "FILE: cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cache, message", [
+    (lambda doc: {"preload": [{"file": "/no/such/handbook.txt"}]},
+     "cache.preload.0.file: no such file '/no/such/handbook.txt'"),
+    (lambda doc: {"preload": [{"file": doc, "pinned": True}]}, "cache.preload.0.pinned: unknown key"),
+    (lambda doc: {"preload": [{"file": doc, "pin": "yes"}]}, "cache.preload.0.pin: expected true or false, got 'yes'"),
+    (lambda doc: {"preload": "handbook.txt"},
+     "cache.preload: expected a list of {file, cache_salt, pin}, got 'handbook.txt'"),
+    (lambda doc: {"preload": [{"file": doc}], "enable_prefix_caching": False},
+     "cache.preload: needs cache.enable_prefix_caching: true"),
+    (lambda doc: {"pin_share": 0}, "cache.pin_share: expected a fraction in (0, 1], got 0"),
+    (lambda doc: {"pin_share": 1.5}, "cache.pin_share: expected a fraction in (0, 1], got 1.5"),
+], ids=["missing file", "unknown key", "pin not a bool", "not a list", "caching off", "share 0", "share above 1"])
+def test_bad_preload_or_pin_share_is_one_line_naming_the_key(tmp_path, cache, message):
+    from kvstrata.engine.config import ConfigError, load_config
+
+    doc = tmp_path / "handbook.txt"
+    doc.write_text(HANDBOOK)
+    with pytest.raises(ConfigError) as exc:
+        load_config({"cache": cache(str(doc))})
+    assert str(exc.value) == message
