@@ -64,6 +64,10 @@ LLAMA_8B = Shape("Llama-3-8B", 32, 8, 128)
 # A question over a cached document: the shape split-KV is for (few query tiles, a long context).
 QUESTION_CASES = [Case(shape, 1, context, new) for shape in (SMOLLM2, LLAMA_8B) for context in (4096, 7087)
                   for new in (16, 1)]
+# On CUDA: a long prefill over a long context, and a decode batch over long contexts.
+CUDA_CASES = [Case(SMOLLM2, 1, 8192, 512), Case(LLAMA_8B, 1, 8192, 512),
+              Case(SMOLLM2, 32, 8192, 1), Case(LLAMA_8B, 32, 8192, 1)]
+CUDA_DTYPES = [torch.bfloat16, torch.float16]
 
 
 @dataclass
@@ -165,14 +169,15 @@ SDPA = "SDPA contiguous"
 
 def timing_table(cases: list[Case], dtypes: list[torch.dtype], kernels: dict[str, Callable[..., torch.Tensor]],
                  ratios: list[tuple[str, str, str]], timer, repeats: int, device: torch.device,
-                 splits_column: bool = False) -> None:
-    """Print one markdown row per case and dtype: the time of each of `kernels` (paged arguments, then scale) and
+                 splits_column: bool = False) -> list[str]:
+    """One markdown row per case and dtype: the time of each of `kernels` (paged arguments, then scale) and
     of SDPA on the contiguous problem, then each ratio (label, numerator, denominator) of those times; with
-    `splits_column`, the number of splits the Triton kernel chooses there."""
+    `splits_column`, the number of splits the Triton kernel chooses there. Each line is printed as it is
+    measured; the table's lines are returned."""
     header = ["case", "dtype", *(["splits"] if splits_column else []), *(f"{name} (ms)" for name in [*kernels, SDPA]),
               *(label for label, _, _ in ratios)]
-    print("| " + " | ".join(header) + " |")
-    print("|---|---|" + "---:|" * (len(header) - 2))
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+    print("\n".join(lines), flush=True)
     for case in cases:
         for dtype in dtypes:
             problem = make_problem(case, dtype, device)
@@ -185,9 +190,26 @@ def timing_table(cases: list[Case], dtypes: list[torch.dtype], kernels: dict[str
                      *([str(chosen_splits(case, problem))] if splits_column else []),
                      *(f"{seconds[name] * 1e3:.3f}" for name in [*kernels, SDPA]),
                      *(f"{seconds[a] / seconds[b]:.2f}" for _, a, b in ratios)]
-            print("| " + " | ".join(cells) + " |", flush=True)
+            lines.append("| " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
             del problem
             free_cached_memory(device)
+    return lines
+
+
+def paging_table(cases: list[Case], dtypes: list[torch.dtype], ours: Callable[..., torch.Tensor], timer,
+                 repeats: int, device: torch.device) -> list[str]:
+    """The cost of paging: `ours` on the paged problem against SDPA on the contiguous one."""
+    return timing_table(cases, dtypes, {"ours": ours}, [("ours / SDPA", "ours", SDPA)], timer, repeats, device)
+
+
+def split_kv_table(cases: list[Case], dtypes: list[torch.dtype], timer, repeats: int,
+                   device: torch.device) -> list[str]:
+    """What split-KV buys: the Triton kernel with its choice of splits against itself in one pass, and SDPA."""
+    return timing_table(cases, dtypes,
+                        {"split-KV": prefix_prefill, "single pass": functools.partial(prefix_prefill, num_splits=1)},
+                        [("single pass / split-KV", "single pass", "split-KV"), ("split-KV / SDPA", "split-KV", SDPA)],
+                        timer, repeats, device, splits_column=True)
 
 
 def free_cached_memory(device: torch.device) -> None:
@@ -204,9 +226,7 @@ def main() -> None:
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
     if on_cuda:
-        cases = [Case(SMOLLM2, 1, 8192, 512), Case(LLAMA_8B, 1, 8192, 512),
-                 Case(SMOLLM2, 32, 8192, 1), Case(LLAMA_8B, 32, 8192, 1)]
-        dtypes, ours, timer, name = [torch.bfloat16, torch.float16], prefix_prefill, time_cuda, "Triton prefix_prefill"
+        cases, dtypes, ours, timer, name = CUDA_CASES, CUDA_DTYPES, prefix_prefill, time_cuda, "Triton prefix_prefill"
         machine = f"{torch.cuda.get_device_name(device)} ({sm_count(device)} SMs)"
     else:
         torch.set_num_threads(1)
@@ -220,15 +240,12 @@ def main() -> None:
     if not on_cuda:
         print("(CPU run: the Triton kernel's figures, split-KV among them, need a GPU)")
     print()
-    timing_table(cases, dtypes, {"ours": ours}, [("ours / SDPA", "ours", SDPA)], timer, args.repeats, device)
+    paging_table(cases, dtypes, ours, timer, args.repeats, device)
     if on_cuda:
         print()
         print("Split-KV: a question over a cached document")
         print()
-        timing_table(QUESTION_CASES, [torch.bfloat16],
-                     {"split-KV": prefix_prefill, "single pass": functools.partial(prefix_prefill, num_splits=1)},
-                     [("single pass / split-KV", "single pass", "split-KV"), ("split-KV / SDPA", "split-KV", SDPA)],
-                     timer, args.repeats, device, splits_column=True)
+        split_kv_table(QUESTION_CASES, [torch.bfloat16], timer, args.repeats, device)
 
 
 if __name__ == "__main__":

@@ -49,13 +49,16 @@ def best_seconds(fn, repeats: int, sync) -> float:
     return min(times)
 
 
-def reference_bandwidth(device: torch.device, repeats: int, sync) -> tuple[float, str]:
-    """Bytes per second of the copy a promotion is measured against."""
-    nbytes = 1 << 30
+def reference_bandwidth(device: torch.device, repeats: int, sync, direction: str = "h2d",
+                        nbytes: int = 1 << 30) -> tuple[float, str]:
+    """Bytes per second of the copy a promotion is measured against: with CUDA a pinned host buffer
+    copied to the device (`direction` "h2d") or back ("d2h"); on a CPU-only machine host memcpy."""
+    size = f"{nbytes / (1 << 30):g} GiB" if nbytes >= 1 << 30 else f"{nbytes >> 20} MiB"
     if device.type == "cuda":
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        what = "pinned host-to-device copy of 1 GiB"
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        src, dst = (host, on_device) if direction == "h2d" else (on_device, host)
+        what = f"pinned {'host-to-device' if direction == 'h2d' else 'device-to-host'} copy of {size}"
         seconds = best_seconds(lambda: dst.copy_(src, non_blocking=True), repeats, sync)
         return nbytes / seconds, what
     # On the host, the faster of torch's (multi-threaded) copy and numpy's single memcpy: on a busy
@@ -64,23 +67,26 @@ def reference_bandwidth(device: torch.device, repeats: int, sync) -> tuple[float
     dst = torch.empty(nbytes, dtype=torch.uint8)
     torch_s = best_seconds(lambda: dst.copy_(src), repeats, sync)
     numpy_s = best_seconds(lambda: np.copyto(dst.numpy(), src.numpy()), repeats, sync)
-    return nbytes / min(torch_s, numpy_s), "host memcpy of 1 GiB (the faster of torch copy_ and numpy copyto)"
+    return nbytes / min(torch_s, numpy_s), f"host memcpy of {size} (the faster of torch copy_ and numpy copyto)"
 
 
-def block_ids(num_blocks: int) -> tuple[list[bytes], list[list[int]]]:
+def block_ids(num_blocks: int, layout: BlockLayout) -> tuple[list[bytes], list[list[int]]]:
     hashes = [i.to_bytes(16, "big") for i in range(num_blocks)]
-    tokens = [[(i * LAYOUT.block_size + t) % 49152 for t in range(LAYOUT.block_size)] for i in range(num_blocks)]
+    tokens = [[(i * layout.block_size + t) % 49152 for t in range(layout.block_size)] for i in range(num_blocks)]
     return hashes, tokens
 
 
-def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int, sync) -> dict:
-    num_blocks = num_tokens // LAYOUT.block_size
-    nbytes = num_blocks * LAYOUT.block_nbytes
-    hashes, tokens = block_ids(num_blocks)
-    source = LAYOUT.allocate(num_blocks)
+def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int, sync,
+            layout: BlockLayout = LAYOUT) -> dict:
+    """Promotion of `num_tokens` tokens of random blocks of `layout` from a pinned CPU tier and from a
+    warm disk tier, each checked to land the source's bytes, and the disk tier's write-down."""
+    num_blocks = num_tokens // layout.block_size
+    nbytes = num_blocks * layout.block_nbytes
+    hashes, tokens = block_ids(num_blocks, layout)
+    source = layout.allocate(num_blocks)
     source.view(torch.uint8).random_(0, 256)
     srcs = [as_bytes(source[i]) for i in range(num_blocks)]
-    kv = LAYOUT.allocate(num_blocks, device=device)
+    kv = layout.allocate(num_blocks, device=device)
     transfers = TransferEngine(kv)
     ids = list(range(num_blocks))
 
@@ -92,13 +98,13 @@ def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int,
         job.wait()
         assert all(job.served), f"the {tier.name} tier did not serve every block"
 
-    cpu = CpuTier(LAYOUT, num_blocks, pin_memory=True)
+    cpu = CpuTier(layout, num_blocks, pin_memory=True)
     cpu.put(hashes, tokens, srcs)
     cpu_s = best_seconds(lambda: promote(cpu), repeats, sync)
     assert torch.equal(kv.cpu().view(torch.uint8), source.view(torch.uint8)), "CPU tier promotion returned other bytes"
 
-    path = os.path.join(store_dir, f"store-{num_tokens}")
-    disk = DiskTier(LAYOUT, path, 2 * nbytes + (64 << 20), check_integrity=False)
+    path = os.path.join(store_dir, f"store-{num_tokens}-{layout.block_nbytes}")
+    disk = DiskTier(layout, path, 2 * nbytes + (64 << 20), check_integrity=False)
     start = time.perf_counter()
     disk.put(hashes, tokens, srcs)
     disk.flush()

@@ -67,7 +67,7 @@ from benchmarks.peers import LLAMA_CPP_MISSING, HFGeneratePeer, LlamaCppPeer, ll
 from benchmarks.ttft_stats import (MISS, TIERS, hit_tier, mean_cached_by_tier, percentile,  # noqa: E402
                                    summarize)
 from benchmarks.ttft_workload import (QAPrompt, blocks_for, build_workload, cut_document,  # noqa: E402
-                                      load_document, load_questions, working_set_blocks)
+                                      load_document, load_questions, qa_content, working_set_blocks)
 
 CONFIGURATIONS = ("recompute", "device_only", "device_cpu", "device_cpu_disk", "disk_after_restart")
 SWEEP_CONFIGURATIONS = ("device_only", "device_cpu", "device_cpu_disk")
@@ -284,7 +284,7 @@ def profile_request(engine, token_ids) -> dict:
 def profile_prompt(prompt: QAPrompt, render) -> tuple[int, ...]:
     """A prompt on `prompt`'s document with a question the workload never asks (its suffix is new)."""
     document = prompt.content.rsplit("\n\nQuestion: ", 1)[0]
-    return tuple(render(f"{document}\n\nQuestion: {PROFILE_QUESTION}"))
+    return tuple(render(qa_content(document, PROFILE_QUESTION)))
 
 
 def least_and_most_recent(prompts: list[QAPrompt]) -> tuple[QAPrompt, QAPrompt]:

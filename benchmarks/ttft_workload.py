@@ -85,6 +85,16 @@ def cut_document(text: str, max_tokens: int, encode: Callable[[str], list[int]],
     return text if len(ids) <= max_tokens else decode(ids[:max_tokens])
 
 
+def qa_content(document: str, question: str) -> str:
+    """The user message of a question on a document: the document first, so that it is the shared prefix."""
+    return f"{document}\n\nQuestion: {question}"
+
+
+def rephrased(question: str, round_: int) -> str:
+    """`question` asked again in other words (round 1, 2, ...), so that its prompt is new; round 0 is itself."""
+    return question if round_ == 0 else REPHRASINGS[(round_ - 1) % len(REPHRASINGS)].format(question=question)
+
+
 def round_robin_order(num_docs: int, num_questions: int) -> Order:
     """Every document's question 0, then every document's question 1, ..."""
     return [(d, q) for q in range(num_questions) for d in range(num_docs)]
@@ -145,9 +155,9 @@ def build_workload(documents: "OrderedDict[str, str]", questions: "OrderedDict[s
         for d, q in order:
             question = questions[names[d]][q]
             if phase == ZIPF:
-                question = REPHRASINGS[(zipf_draws[d] // num_questions) % len(REPHRASINGS)].format(question=question)
+                question = rephrased(question, zipf_draws[d] // num_questions + 1)
                 zipf_draws[d] += 1
-            content = f"{documents[names[d]]}\n\nQuestion: {question}"
+            content = qa_content(documents[names[d]], question)
             prompts.append(QAPrompt(phase, names[d], d, q, question, content, tuple(render(content)),
                                     repeat=d in seen_docs))
             seen_docs.add(d)
