@@ -1,0 +1,699 @@
+"""The GPU report: what the tiers cost and buy on one GPU, in one command anyone with a GPU can run, with
+every GPU goal of DESIGN.md (and of the GPU hit-path issue) met or not.
+
+    make gpu-report                                     # = python benchmarks/gpu_report.py
+    python benchmarks/gpu_report.py --sections bandwidth,ttft --models smollm2
+    python benchmarks/gpu_report.py --smoke --out /tmp/gpu-smoke.md   # every section on the CPU, tiny shapes
+
+Sections, in the order they run (all by default, `--sections` picks some):
+
+- tests: `pytest -m cuda` in a child process (the compiled kernels, the transfer engine's CUDA path, an
+  engine on the GPU), counted from its JUnit XML.
+- bandwidth: pinned host-to-device and device-to-host copies of 1 GiB, the limit; then promotion from a
+  pinned CPU tier and from a warm disk tier through the engine's transfer path (benchmarks/tiers.py's
+  `measure`: the tiers' `get` on the transfer engine's worker, pinned staging, one copy per run on a side
+  stream) as a share of the host-to-device figure, for SmolLM2's block and a Llama-3-8B-shaped one (32
+  layers, 8 KV heads, head_dim 128), random bytes.
+- kernels: the Triton prefix-prefill against SDPA on the same problem laid out contiguously, and split-KV
+  against the same kernel in one pass (benchmarks/kernels.py's tables).
+- ttft: single-request TTFT of long-document QA, a document of ~4k and ~7k tokens (`--doc-tokens`) plus a
+  question from benchmarks/data, for SmolLM2 and a Llama-3-8B-shaped model with random weights
+  (`load_format: dummy`), in bf16 and fp32: a miss, a device hit, a CPU-tier hit (the device's cached
+  blocks dropped) and a disk hit after a restart (a fresh engine, device and CPU tiers empty, on the disk
+  store the first engine closed; the same process, so the page cache is warm), each hit on a question the
+  document has not been asked yet, and a cold 64-token prompt. Median of `--repeats` passes after one
+  warm-up pass; each pass has its own `cache_salt`, so nothing carries over, and background write-downs
+  finish before each request (one request alone on the GPU).
+- gap: a greedy decode stream's inter-token gaps while a CPU-tier hit on the longest document is admitted
+  (loaded asynchronously, then its question prefilled beside the stream): the median gap and the longest
+  gap from the hit's arrival to its first token, per model in bf16; the second of two runs.
+
+The figures go to benchmarks/results/gpu.md (and gpu.json beside it). Without CUDA the script refuses to
+write any (exit 2); `--smoke` runs every section on the CPU with tiny shapes (a 2-layer random model for
+both models, short documents, small copies, the kernels under Triton's interpreter) into the file given
+with `--out`, so that CI exercises the code. No smoke figure is a GPU figure.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+SECTIONS = ("tests", "bandwidth", "kernels", "ttft", "gap")
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu.md"
+GPU_CONFIG = REPO_ROOT / "configs" / "gpu.yaml"
+DOCUMENT = "pydoc_data.topics:types"  # 8.9k tokens, cut to each prompt length
+KINDS = ("miss", "device", "cpu", "disk")  # how a pass serves its four questions, in order
+SHORT_PROMPT_TOKENS = 64
+GAP_DTYPE = "bfloat16"
+STATUS_WORDS = {"PASS": "met", "MISS": "not met", "N/A": "not measured"}
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    key: str          # what the goals call it
+    label: str
+    name: str         # model.name
+    load_format: str  # model.load_format
+
+
+MODELS = {"smollm2": ModelCase("smollm2", "SmolLM2-135M", "smollm2-135m-instruct", "auto"),
+          "llama-3-8b": ModelCase("llama-3-8b", "Llama-3-8B shape, random weights", "llama-3-8b", "dummy")}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures: the report's shapes on CUDA, tiny ones on the CPU (`--smoke`)."""
+
+    smoke: bool
+    device: str
+    sections: tuple[str, ...]
+    models: tuple[ModelCase, ...]
+    dtypes: tuple[str, ...]
+    doc_tokens: tuple[int, ...]
+    repeats: int
+    reference_bytes: int     # of the pinned copies the promotions are measured against
+    promotion_tokens: int
+    stream_tokens: int       # the decode stream's length in the gap section
+    stream_lead: int         # its tokens before the hit arrives
+    test_paths: tuple[str, ...]  # where `pytest -m cuda` looks
+
+
+def make_plan(args) -> Plan:
+    models = tuple(MODELS[key] for key in args.models)
+    if args.smoke:  # a 2-layer random model stands in for both: every code path, none of the cost
+        models = tuple(ModelCase(m.key, f"tiny-llama standing in for {m.label}", "tiny-llama", "dummy")
+                       for m in models)
+        # ... and one test file stands in for the suite: without CUDA every cuda test is skipped anyway
+        return Plan(True, "cpu", tuple(args.sections), models, tuple(args.dtypes), (48, 96), 1,
+                    16 << 20, 64, 8, 2, ("tests/test_transfer.py",))
+    return Plan(False, "cuda", tuple(args.sections), models, tuple(args.dtypes), tuple(args.doc_tokens),
+                args.repeats, 1 << 30, 8192, 64, 16, ("tests",))
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - STARTED:7.1f} s] {message}", flush=True)
+
+
+STARTED = time.perf_counter()
+
+
+# ---------------------------------------------------------------------------------------------- device
+
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    return out[0] if out else "unknown (no nvidia-smi)"
+
+
+def describe_device(plan: Plan) -> dict:
+    from benchmarks.ttft_pressure import machine_line
+
+    info = {"host": machine_line(), "torch": torch.__version__, "triton": package_version("triton"),
+            "transformers": package_version("transformers"), "python": platform.python_version()}
+    if plan.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(name=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+                    memory_gib=props.total_memory / (1 << 30), driver=driver_version(), cuda=torch.version.cuda)
+    else:
+        info.update(name="CPU (smoke run: tiny shapes, Triton interpreted; no figure here is a GPU figure)")
+    return info
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+def run_cuda_tests(plan: Plan) -> dict:
+    """`pytest -m cuda` in a child process; its JUnit XML says what passed."""
+    with tempfile.TemporaryDirectory(prefix="kvstrata-gpu-tests-") as tmp:
+        junit = Path(tmp) / "cuda.xml"
+        command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+                   f"--junitxml={junit}", *plan.test_paths]
+        started = time.perf_counter()
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
+        result = junit_counts(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 0, "skipped": 0,
+                                                             "not_passed": []}
+    result.update(seconds=time.perf_counter() - started, returncode=done.returncode,
+                  last_line=(done.stdout.strip().splitlines() or [""])[-1])
+    return result
+
+
+def junit_counts(path: Path) -> dict:
+    """Passed, failed, errors and skipped test cases of a JUnit XML file, and the names of those that did not pass."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "not_passed": []}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        key = {"failure": "failed", "error": "errors", "skipped": "skipped"}.get(outcome, "passed")
+        counts[key] += 1
+        if key in ("failed", "errors"):
+            counts["not_passed"].append(f"{case.get('classname')}::{case.get('name')}")
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------- bandwidth
+
+def promotion_layouts(plan: Plan) -> dict:
+    from kvstrata.tiers.base import BlockLayout
+
+    from benchmarks.tiers import LAYOUT
+
+    return {"SmolLM2-135M": LAYOUT,
+            "Llama-3-8B": BlockLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128,
+                                      dtype=torch.bfloat16)}
+
+
+def measure_bandwidth(plan: Plan) -> dict:
+    """The pinned copy limit both ways, then promotion per block layout through the transfer engine."""
+    from benchmarks.tiers import measure, reference_bandwidth
+
+    device = torch.device(plan.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    limits = {}
+    for direction in ("h2d", "d2h"):
+        gbps, what = reference_bandwidth(device, 5, sync, direction, plan.reference_bytes)
+        limits[direction] = {"gbps": gbps / 1e9, "what": what}
+        log(f"bandwidth: {what}: {gbps / 1e9:.2f} GB/s")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvstrata-gpu-stores-") as store_dir:
+        for name, layout in promotion_layouts(plan).items():
+            row = measure(plan.promotion_tokens, device, store_dir, 5, sync, layout)
+            rows.append({"block": name, "block_nbytes": layout.block_nbytes, **row})
+            log(f"bandwidth: {name} blocks: CPU tier {row['cpu_gbps']:.2f} GB/s, warm disk {row['disk_gbps']:.2f} GB/s")
+    return {"limits": limits, "rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+def measure_kernels(plan: Plan) -> dict:
+    """benchmarks/kernels.py's tables: on CUDA its own cases; in a smoke run one tiny case of each, interpreted."""
+    from benchmarks import kernels
+
+    device = torch.device(plan.device)
+    if plan.smoke:
+        paging_cases, dtypes = [kernels.Case(kernels.SMOLLM2, 1, 32, 16)], [torch.float32]
+        split_cases, split_dtypes, timer, repeats = [kernels.Case(kernels.SMOLLM2, 1, 64, 1)], dtypes, kernels.time_cpu, 1
+    else:
+        paging_cases, dtypes = kernels.CUDA_CASES, kernels.CUDA_DTYPES
+        split_cases, split_dtypes, timer, repeats = kernels.QUESTION_CASES, [torch.bfloat16], kernels.time_cuda, 5
+    log("kernels: prefix-prefill against SDPA")
+    paging = kernels.paging_table(paging_cases, dtypes, kernels.prefix_prefill, timer, repeats, device)
+    log("kernels: split-KV against one pass")
+    split = kernels.split_kv_table(split_cases, split_dtypes, timer, repeats, device)
+    return {"paging": paging, "split_kv": split}
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+def engine_config(plan: Plan, model: ModelCase, dtype: str, prompt_tokens: int, disk_path: Path):
+    """configs/gpu.yaml with the model, and tiers sized for one document: the device holds it twice over
+    (a hit, the stream and the next question), the CPU tier and the disk tier hold it."""
+    from kvstrata import load_config
+
+    from benchmarks.ttft_workload import blocks_for
+
+    blocks = blocks_for(prompt_tokens + plan.stream_tokens, 16)
+    return load_config(GPU_CONFIG, {
+        "model.name": model.name, "model.load_format": model.load_format, "model.dtype": dtype,
+        "model.device": plan.device, "cache.block_size": 16, "cache.offload": "write_through",
+        "cache.tiers.device.size": 3 * blocks, "cache.tiers.cpu.size": 2 * blocks,
+        "cache.tiers.disk.path": str(disk_path), "cache.tiers.disk.size": 2 * blocks})
+
+
+def settle(engine) -> None:
+    """Let background write-downs and queued GPU work finish: the next request runs alone."""
+    engine.hierarchy.wait_for_write_downs()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def drop_device_cache(engine) -> None:
+    """Leave the cached blocks in the lower tiers only, so that the next hit is served from below."""
+    settle(engine)
+    if not engine.hierarchy.clear_device_cache():
+        raise RuntimeError("the device cache could not be cleared: a block is still in use")
+
+
+def document_prompts(tokenizer, doc_tokens: int, count: int) -> list[list[int]]:
+    """`count` chat prompts on DOCUMENT cut to `doc_tokens` tokens, each with a question not asked before
+    (the development set's questions, then the same rephrased)."""
+    from benchmarks.ttft_pressure import DEFAULT_DATA, render_chat
+    from benchmarks.ttft_workload import cut_document, load_document, load_questions, qa_content, rephrased
+
+    questions = load_questions(DEFAULT_DATA)[DOCUMENT]
+    document = cut_document(load_document(DOCUMENT), doc_tokens,
+                            lambda text: tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.decode)
+    return [render_chat(tokenizer, qa_content(document, rephrased(questions[i % len(questions)],
+                                                                   i // len(questions))))
+            for i in range(count)]
+
+
+def with_engine(config, loaded, work):
+    """`work(engine)` on a fresh engine on the loaded model; then the engine is closed (everything cached
+    goes down to the disk tier) and freed, so that passes do not pile up device and pinned memory."""
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config, loaded=loaded)
+    try:
+        return work(engine)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()  # the engine's parts refer to each other: only a collection frees its KV cache
+
+
+def ttft_pass(plan: Plan, model: ModelCase, dtype: str, loaded, prompts: list[list[int]], disk_path: Path,
+              salt: str) -> dict:
+    """One pass: a cold short prompt, then the document asked four times: a miss, a device hit, a CPU-tier
+    hit, and a disk hit in a fresh engine on the store the first one closed. Each kind's `ask` record."""
+    from benchmarks.ttft_pressure import ask
+
+    def miss_device_cpu(engine) -> dict:
+        records = {"short": ask(engine, prompts[0][:SHORT_PROMPT_TOKENS], cache_salt=f"{salt}-short")}
+        settle(engine)
+        records["miss"] = ask(engine, prompts[0], cache_salt=salt)
+        settle(engine)
+        records["device"] = ask(engine, prompts[1], cache_salt=salt)
+        drop_device_cache(engine)
+        records["cpu"] = ask(engine, prompts[2], cache_salt=salt)
+        return records
+
+    config = engine_config(plan, model, dtype, max(map(len, prompts)), disk_path)
+    records = with_engine(config, loaded, miss_device_cpu)
+    # the restart: empty device and CPU tiers, the disk tier reopened
+    records["disk"] = with_engine(config, loaded, lambda engine: ask(engine, prompts[3], cache_salt=salt))
+    shutil.rmtree(disk_path, ignore_errors=True)
+    return records
+
+
+def measure_ttft_row(plan: Plan, model: ModelCase, dtype: str, loaded, doc_tokens: int, work_dir: Path) -> dict:
+    prompts = document_prompts(loaded.tokenizer, doc_tokens, len(KINDS))
+    passes = []
+    for index in range(-1, plan.repeats):  # pass -1 warms up (kernel compilation, allocator) and is dropped
+        records = ttft_pass(plan, model, dtype, loaded, prompts, work_dir / f"disk-{index + 1}",
+                            salt=f"gpu-report-{index + 1}-{time.time_ns()}")
+        if index >= 0:
+            passes.append(records)
+    median_s = {kind: statistics.median(p[kind]["ttft_s"] for p in passes) for kind in ("short", *KINDS)}
+    unexpected = [f"pass {i}: the {kind} request was served as {p[kind]['hit_tier']} "
+                  f"({p[kind]['cached_tokens_by_tier']})"
+                  for i, p in enumerate(passes) for kind in KINDS if p[kind]["hit_tier"] != kind]
+    return {"model": model.key, "label": model.label, "dtype": dtype, "doc_tokens": doc_tokens,
+            "prompt_tokens": len(prompts[0]), "median_s": median_s, "unexpected": unexpected,
+            "ttft_s": {kind: [p[kind]["ttft_s"] for p in passes] for kind in ("short", *KINDS)}}
+
+
+def gap_run(plan: Plan, model: ModelCase, dtype: str, loaded, prompts: list[list[int]], disk_path: Path,
+            salt: str) -> dict:
+    """A decode stream runs; after `stream_lead` tokens a question on a document the CPU tier holds arrives."""
+    from kvstrata.engine.sampling import SamplingParams
+
+    from benchmarks.ttft_pressure import ask
+
+    def stream_with_a_hit(engine):
+        ask(engine, prompts[0], cache_salt=salt)  # the document, computed once and written through
+        drop_device_cache(engine)
+        stream = engine.add_request("stream", prompts[1][:SHORT_PROMPT_TOKENS],
+                                    SamplingParams(max_tokens=plan.stream_tokens, temperature=0.0, ignore_eos=True),
+                                    cache_salt=f"{salt}-stream")
+        token_times, hit, hit_arrival = [], None, None
+        while engine.has_unfinished_requests():
+            got = engine.step()
+            if stream in got:
+                token_times.append(time.perf_counter())
+            if hit is None and len(token_times) >= plan.stream_lead:
+                hit_arrival = time.perf_counter()
+                hit = engine.add_request("hit", prompts[1], SamplingParams(max_tokens=1, temperature=0.0),
+                                         cache_salt=salt, arrival_time=hit_arrival)
+        return token_times, hit, hit_arrival
+
+    config = engine_config(plan, model, dtype, max(map(len, prompts)), disk_path)
+    token_times, hit, hit_arrival = with_engine(config, loaded, stream_with_a_hit)
+    shutil.rmtree(disk_path, ignore_errors=True)
+    gaps = [(start, end) for start, end in zip(token_times, token_times[1:])]
+    hit_first = hit.first_token_time if hit.first_token_time is not None else float("inf")
+    # the gaps that overlap the hit's stay: from its arrival to its first token (the step that prefilled it)
+    during = [end - start for start, end in gaps if end > hit_arrival and start < hit_first]
+    median_gap = statistics.median(end - start for start, end in gaps)
+    return {"model": model.key, "label": model.label, "dtype": dtype, "prompt_tokens": len(prompts[1]),
+            "stream_tokens": len(token_times), "median_gap_s": median_gap,
+            "max_gap_during_s": max(during) if during else None, "gaps_during": len(during),
+            "max_gap_s": max(end - start for start, end in gaps), "hit_ttft_s": hit.ttft_s,
+            "hit_cached_tokens_by_tier": dict(hit.cached_tokens_by_tier or {})}
+
+
+def measure_model(plan: Plan, model: ModelCase, work_dir: Path) -> tuple[list[dict], list[dict]]:
+    """The TTFT rows and the gap runs of one model, loading it once per dtype."""
+    from benchmarks.ttft_pressure import load
+
+    rows, gaps = [], []
+    for dtype in plan.dtypes:
+        run_gap = "gap" in plan.sections and (dtype == GAP_DTYPE or plan.dtypes == (dtype,))
+        if "ttft" not in plan.sections and not run_gap:
+            continue
+        config = engine_config(plan, model, dtype, max(plan.doc_tokens), work_dir / "probe")
+        loaded, load_s = load(config)
+        log(f"{model.label} {dtype}: loaded in {load_s:.1f} s")
+        try:
+            if "ttft" in plan.sections:
+                for doc_tokens in plan.doc_tokens:
+                    row = measure_ttft_row(plan, model, dtype, loaded, doc_tokens, work_dir)
+                    rows.append(row)
+                    m = row["median_s"]
+                    log(f"ttft {model.label} {dtype} {row['prompt_tokens']} tok: " + ", ".join(
+                        f"{kind} {m[kind] * 1e3:.1f} ms" for kind in ("short", *KINDS)))
+            if run_gap:
+                prompts = document_prompts(loaded.tokenizer, max(plan.doc_tokens), 2)
+                gap_run(plan, model, dtype, loaded, prompts, work_dir / "gap-warmup", f"gap-warmup-{time.time_ns()}")
+                gap = gap_run(plan, model, dtype, loaded, prompts, work_dir / "gap", f"gap-{time.time_ns()}")
+                gaps.append(gap)
+                log(f"gap {model.label} {dtype}: median {gap['median_gap_s'] * 1e3:.1f} ms, longest while the hit "
+                    f"was admitted {fmt_ms(gap['max_gap_during_s'])}")
+        finally:
+            del loaded
+            gc.collect()
+            if plan.device == "cuda":
+                torch.cuda.empty_cache()
+    return rows, gaps
+
+
+# ---------------------------------------------------------------------------------------------- goals
+
+def row_of(result: dict, model: str, dtype: str = "bfloat16") -> dict | None:
+    """The TTFT row of `model` in `dtype` on the longest document."""
+    rows = [r for r in result.get("ttft") or [] if r["model"] == model and r["dtype"] == dtype]
+    return max(rows, key=lambda r: r["doc_tokens"]) if rows else None
+
+
+def goals(result: dict) -> list:
+    """DESIGN.md's GPU figures and the GPU hit-path issue's, each as a measured ratio against its target."""
+    from benchmarks.ttft_stats import Goal, ratio
+
+    out = []
+    bandwidth = result.get("bandwidth") or {}
+    h2d = (bandwidth.get("limits") or {}).get("h2d", {}).get("gbps")
+    for row in bandwidth.get("rows") or [{"block": "Llama-3-8B"}]:
+        out += [Goal(f"promotion CPU tier -> device, {row['block']} block", ratio(row.get("cpu_gbps"), h2d), 0.80,
+                     ">=", "CPU-tier promotion GB/s", "pinned host-to-device GB/s"),
+                Goal(f"promotion warm disk -> device, {row['block']} block", ratio(row.get("disk_gbps"), h2d), 0.50,
+                     ">=", "warm-disk promotion GB/s", "pinned host-to-device GB/s")]
+    smol, llama = row_of(result, "smollm2"), row_of(result, "llama-3-8b")
+    m, where = (smol["median_s"], f"SmolLM2 bf16, {smol['prompt_tokens']} tokens") if smol else ({}, "SmolLM2 bf16, ~7k tokens")
+    out += [Goal(f"{where}: device hit vs a cold 64-token prompt", ratio(m.get("device"), m.get("short")), 1.5, "<=",
+                 "device-hit TTFT", "cold 64-token TTFT"),
+            Goal(f"{where}: CPU-tier hit vs device hit", ratio(m.get("cpu"), m.get("device")), 1.3, "<=",
+                 "CPU-hit TTFT", "device-hit TTFT"),
+            Goal(f"{where}: warm disk hit vs device hit", ratio(m.get("disk"), m.get("device")), 2.0, "<=",
+                 "disk-hit TTFT", "device-hit TTFT"),
+            Goal(f"{where}: miss vs CPU-tier hit", ratio(m.get("miss"), m.get("cpu")), 5.0, ">=",
+                 "miss TTFT", "CPU-hit TTFT")]
+    m, where = ((llama["median_s"], f"Llama-3-8B shape bf16, {llama['prompt_tokens']} tokens") if llama
+                else ({}, "Llama-3-8B shape bf16, ~7k tokens"))
+    out.append(Goal(f"{where}: miss vs CPU-tier hit", ratio(m.get("miss"), m.get("cpu")), 10.0, ">=",
+                    "miss TTFT", "CPU-hit TTFT"))
+    slowest = [r["median_s"][kind] / r["median_s"]["miss"] for r in result.get("ttft") or [] for kind in KINDS[1:]]
+    out.append(Goal("never slower than recomputing: the slowest hit vs the miss, worst row",
+                    max(slowest) if slowest else None, 1.0, "<=", "hit TTFT", "miss TTFT"))
+    for gap in result.get("gap") or [{"label": "any model"}]:
+        out.append(Goal(f"{gap['label']} {gap.get('dtype', 'bfloat16')}: decode gap while a CPU-tier hit is admitted",
+                        ratio(gap.get("max_gap_during_s"), gap.get("median_gap_s")), 1.5, "<=",
+                        "longest inter-token gap during admission", "median gap"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+def fmt_ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def fmt_x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def markdown(result: dict) -> str:
+    plan, info = result["plan"], result["device"]
+    lines = ["# kvstrata on a GPU", ""]
+    if plan["smoke"]:
+        lines += ["**Smoke run on the CPU with tiny shapes: it checks that the report runs; no figure below is a "
+                  "GPU figure.**", ""]
+    lines += [f"Command: `{result['command']}` ({result['duration_s']:.0f} s, {result['started_at']}); "
+              f"commit {result['source']['commit']}"
+              + (f", engine sources modified: {', '.join(result['source']['engine_sources_modified'])}"
+                 if result["source"]["engine_sources_modified"] else "") + ".", "",
+              "## Device", "", "| | |", "|---|---|", f"| device | {info['name']} |"]
+    if "sms" in info:
+        lines += [f"| compute capability, SMs, memory | {info['capability']}, {info['sms']} SMs, "
+                  f"{info['memory_gib']:.1f} GiB |", f"| driver / CUDA (torch's) | {info['driver']} / {info['cuda']} |"]
+    lines += [f"| torch / triton / transformers | {info['torch']} / {info['triton']} / {info['transformers']} |",
+              f"| host | {info['host']} |", ""]
+    lines += goals_section(result) + tests_section(result) + bandwidth_section(result) + kernels_section(result)
+    lines += ttft_section(result) + gap_section(result)
+    skipped = [s for s in SECTIONS if s not in plan["sections"]]
+    if skipped:
+        lines += [f"Not run this time (`--sections`): {', '.join(skipped)}.", ""]
+    return "\n".join(lines)
+
+
+def goals_section(result: dict) -> list[str]:
+    lines = ["## Goals", "", "| goal | measured | target | |", "|---|---:|---:|---|"]
+    for goal in result["goals"]:
+        value = "n/a" if goal["value"] is None else f"{goal['value']:.2f}"
+        lines.append(f"| {goal['name']} ({goal['numerator']} / {goal['denominator']}) | {value} | "
+                     f"{goal['direction']} {goal['target']:.2f} | {STATUS_WORDS[goal['status']]} |")
+    return lines + [""]
+
+
+def failure_lines(result: dict, section: str) -> list[str]:
+    error = result.get("errors", {}).get(section)
+    return [f"Failed: `{error}` (the traceback went to stderr).", ""] if error else []
+
+
+def tests_section(result: dict) -> list[str]:
+    if "tests" not in result["plan"]["sections"]:
+        return []
+    lines = ["## CUDA tests (`pytest -m cuda`)", ""] + failure_lines(result, "tests")
+    t = result.get("tests")
+    if t:
+        lines += [f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped in "
+                  f"{t['seconds']:.0f} s (pytest exit status {t['returncode']}: {t['last_line']})."]
+        lines += [f"- did not pass: `{name}`" for name in t["not_passed"]] + [""]
+    return lines
+
+
+def bandwidth_section(result: dict) -> list[str]:
+    if "bandwidth" not in result["plan"]["sections"]:
+        return []
+    lines = ["## Copy bandwidth and promotion", ""] + failure_lines(result, "bandwidth")
+    b = result.get("bandwidth")
+    if b:
+        h2d, d2h = b["limits"]["h2d"], b["limits"]["d2h"]
+        lines += [f"Limit, measured in this run (best of 5): {h2d['what']} **{h2d['gbps']:.2f} GB/s**; "
+                  f"{d2h['what']} **{d2h['gbps']:.2f} GB/s**.", "",
+                  "Promotion through the transfer engine (the tier's `get` on its worker thread, pinned staging, one "
+                  "host-to-device copy per run on a side stream), timed from submission until it has landed, best of "
+                  "5 after a warm-up; random bytes, bf16 blocks of 16 tokens.", "",
+                  "| block | bytes per block | tokens | MB | CPU tier -> device GB/s | % of H2D | warm disk -> device "
+                  "GB/s | % of H2D | disk write-down GB/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in b["rows"]:
+            lines.append(f"| {r['block']} | {r['block_nbytes']:,} | {r['tokens']} | {r['bytes'] / 1e6:.0f} | "
+                         f"{r['cpu_gbps']:.2f} | {100 * r['cpu_gbps'] / h2d['gbps']:.0f}% | {r['disk_gbps']:.2f} | "
+                         f"{100 * r['disk_gbps'] / h2d['gbps']:.0f}% | {r['disk_write_gbps']:.2f} |")
+        lines.append("")
+    return lines
+
+
+def kernels_section(result: dict) -> list[str]:
+    if "kernels" not in result["plan"]["sections"]:
+        return []
+    lines = ["## Prefix-prefill kernel", ""] + failure_lines(result, "kernels")
+    k = result.get("kernels")
+    if k:
+        lines += ["Paged prefix-prefill (Triton) against SDPA on the same problem laid out contiguously "
+                  "(benchmarks/kernels.py; `ours / SDPA` = 1.0: paging costs nothing):", "", *k["paging"], "",
+                  "Split-KV on a question over a cached document: the kernel with its choice of splits, the same "
+                  "kernel forced to one pass (the kernel before split-KV), and SDPA:", "", *k["split_kv"], ""]
+    return lines
+
+
+def ttft_section(result: dict) -> list[str]:
+    if "ttft" not in result["plan"]["sections"]:
+        return []
+    lines = ["## Single-request TTFT (long-document QA)", ""] + failure_lines(result, "ttft")
+    rows = result.get("ttft") or []
+    if rows:
+        lines += [f"Document `{DOCUMENT}` cut to each length, plus a question (benchmarks/data); configs/gpu.yaml "
+                  f"with tiers sized for one document; median of {result['plan']['repeats']} passes after a warm-up. "
+                  "Miss: nothing cached. Device hit: the document cached on the device. CPU-tier hit: the device's "
+                  "cached blocks dropped, the document written through to the CPU tier. Disk hit: a fresh engine "
+                  "(empty device and CPU tiers) on the disk store the first one closed, page cache warm. Every hit "
+                  "computes its own question. Cold 64-token prompt: the first 64 tokens, nothing cached.", "",
+                  "| model | dtype | prompt tokens | miss | device hit | CPU-tier hit | disk hit after restart | "
+                  "cold 64-token prompt | miss / CPU hit | CPU / device | disk / device | device / cold 64 |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            m = r["median_s"]
+            lines.append(f"| {r['label']} | {r['dtype']} | {r['prompt_tokens']} | {fmt_ms(m['miss'])} | "
+                         f"{fmt_ms(m['device'])} | {fmt_ms(m['cpu'])} | {fmt_ms(m['disk'])} | {fmt_ms(m['short'])} | "
+                         f"{fmt_x(m['miss'] / m['cpu'])} | {fmt_x(m['cpu'] / m['device'])} | "
+                         f"{fmt_x(m['disk'] / m['device'])} | {fmt_x(m['device'] / m['short'])} |")
+        unexpected = [f"- {r['label']} {r['dtype']} {r['prompt_tokens']} tokens, {u}" for r in rows
+                      for u in r["unexpected"]]
+        lines += ["", *(["Requests not served by the tier their column names:", *unexpected] if unexpected
+                        else ["Every request was served by the tier its column names (the engine's "
+                              "`cached_tokens_by_tier`)."]), ""]
+    return lines
+
+
+def gap_section(result: dict) -> list[str]:
+    if "gap" not in result["plan"]["sections"]:
+        return []
+    lines = ["## A decode stream while a CPU-tier hit is admitted", ""] + failure_lines(result, "gap")
+    gaps = result.get("gap") or []
+    if gaps:
+        lines += ["One greedy decode stream (a 64-token prompt); after its first tokens a question on the longest "
+                  "document arrives, the document in the CPU tier only. The longest gap is taken over the gaps that "
+                  "overlap the hit's stay, from its arrival to its first token (its promotion and the step that "
+                  "prefills its question beside the stream).", "",
+                  "| model | dtype | hit prompt tokens | stream tokens | median gap | longest gap during admission | "
+                  "longest / median | longest gap overall | hit TTFT | hit served from |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for g in gaps:
+            ratio = None if g["max_gap_during_s"] is None else g["max_gap_during_s"] / g["median_gap_s"]
+            served = ", ".join(f"{tier} {n}" for tier, n in g["hit_cached_tokens_by_tier"].items() if n) or "nothing"
+            lines.append(f"| {g['label']} | {g['dtype']} | {g['prompt_tokens']} | {g['stream_tokens']} | "
+                         f"{fmt_ms(g['median_gap_s'])} | {fmt_ms(g['max_gap_during_s'])} | {fmt_x(ratio)} | "
+                         f"{fmt_ms(g['max_gap_s'])} | {fmt_ms(g['hit_ttft_s'])} | {served} |")
+        lines.append("")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma separated, of {', '.join(SECTIONS)}")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma separated, of {', '.join(MODELS)}")
+    p.add_argument("--dtypes", default="bfloat16,float32", help="comma separated: bfloat16, float32, float16")
+    p.add_argument("--doc-tokens", default="3750,7050", help="document lengths in tokens, comma separated")
+    p.add_argument("--repeats", type=int, default=3, help="measured passes per TTFT row (after one warm-up)")
+    p.add_argument("--out", default=None, help=f"the report (default {DEFAULT_OUT.relative_to(REPO_ROOT)}); "
+                                               "a JSON of every figure goes beside it")
+    p.add_argument("--smoke", action="store_true",
+                   help="every section on the CPU with tiny shapes (needs --out): checks the report runs")
+    args = p.parse_args(argv)
+    for name, known in (("sections", SECTIONS), ("models", tuple(MODELS)),
+                        ("dtypes", ("bfloat16", "float32", "float16"))):
+        values = [v.strip() for v in getattr(args, name).split(",") if v.strip()]
+        unknown = [v for v in values if v not in known]
+        if unknown or not values:
+            p.error(f"--{name}: unknown or empty {', '.join(unknown)} (known: {', '.join(known)})")
+        setattr(args, name, values)
+    try:
+        args.doc_tokens = [int(v) for v in args.doc_tokens.split(",") if v.strip()]
+    except ValueError:
+        p.error("--doc-tokens: comma-separated whole numbers")
+    if not args.doc_tokens or min(args.doc_tokens) < 64 or args.repeats < 1:
+        p.error("--doc-tokens must be at least 64 each and --repeats at least 1")
+    if args.smoke and (args.out is None or Path(args.out).resolve() == DEFAULT_OUT):
+        p.error(f"--smoke needs --out FILE elsewhere than {DEFAULT_OUT.relative_to(REPO_ROOT)} "
+                "(its CPU figures are no GPU report)")
+    return args
+
+
+def run_sections(plan: Plan, result: dict) -> None:
+    """Each section in turn; one that fails is reported as failed and the others still run."""
+    steps = {"tests": lambda: run_cuda_tests(plan), "bandwidth": lambda: measure_bandwidth(plan),
+             "kernels": lambda: measure_kernels(plan)}
+    for section in ("tests", "bandwidth", "kernels"):
+        if section in plan.sections:
+            log(f"{section} ...")
+            guarded(result, section, steps[section])
+    if "ttft" in plan.sections or "gap" in plan.sections:
+        result["ttft"], result["gap"] = [], []
+        with tempfile.TemporaryDirectory(prefix="kvstrata-gpu-report-") as tmp:
+            for model in plan.models:
+                measured = guarded(result, "ttft" if "ttft" in plan.sections else "gap",
+                                   lambda: measure_model(plan, model, Path(tmp) / model.key))
+                if measured:
+                    result["ttft"] += measured[0]
+                    result["gap"] += measured[1]
+
+
+def guarded(result: dict, section: str, step):
+    try:
+        value = step()
+    except Exception as exc:  # the report says which section failed and goes on with the others
+        traceback.print_exc()
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        errors = result.setdefault("errors", {})
+        errors[section] = "; ".join(filter(None, [errors.get(section), f"{type(exc).__name__}: {first_line}"]))
+        log(f"{section} failed: {type(exc).__name__}: {first_line}")
+        return None
+    if section in SECTIONS[:3]:
+        result[section] = value
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpu_report: no CUDA device here, so no GPU figures; run it on a machine with one "
+              "(or `--smoke --out FILE` to check it runs on the CPU)", file=sys.stderr)
+        return 2
+    if args.smoke:  # the Triton kernels run on CPU tensors only through the interpreter (set before they load)
+        os.environ["TRITON_INTERPRET"] = "1"
+    from benchmarks.ttft_pressure import source_state
+
+    plan = make_plan(args)
+    out = Path(args.out) if args.out else DEFAULT_OUT
+    result = {"command": "python benchmarks/gpu_report.py" + "".join(f" {shlex.quote(a)}" for a in argv),
+              "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "source": source_state(),
+              "plan": {"smoke": plan.smoke, "sections": list(plan.sections), "models": [m.key for m in plan.models],
+                       "dtypes": list(plan.dtypes), "doc_tokens": list(plan.doc_tokens), "repeats": plan.repeats},
+              "device": describe_device(plan)}
+    log(f"device: {result['device']['name']}; sections: {', '.join(plan.sections)}")
+    started = time.perf_counter()
+    run_sections(plan, result)
+    result["duration_s"] = time.perf_counter() - started
+    result["goals"] = [g.as_dict() for g in goals(result)]
+    report = markdown(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(report)
+    log(f"wrote {out} and {out.with_suffix('.json').name}")
+    return 1 if result.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The GPU report (benchmarks/gpu_report.py): it refuses to write GPU figures without CUDA, counts the CUDA tests from
+their JUnit XML, judges each goal from measured ratios, and its `--smoke` run (every section on the CPU, tiny shapes)
+writes a report with every section (slow)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import gpu_report  # noqa: E402
+
+SECTION_HEADINGS = ("## Device", "## Goals", "## CUDA tests (`pytest -m cuda`)", "## Copy bandwidth and promotion",
+                    "## Prefix-prefill kernel", "## Single-request TTFT (long-document QA)",
+                    "## A decode stream while a CPU-tier hit is admitted")
+
+
+def test_without_cuda_the_report_refuses_in_one_line_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "gpu.md"
+    assert gpu_report.main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_smoke_run_must_not_replace_the_committed_gpu_report(capsys):
+    with pytest.raises(SystemExit):
+        gpu_report.main(["--smoke"])
+    with pytest.raises(SystemExit):
+        gpu_report.main(["--smoke", "--out", str(gpu_report.DEFAULT_OUT)])
+    assert "--smoke needs --out" in capsys.readouterr().err
+
+
+def test_unknown_sections_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu_report.main(["--sections", "ttft,bogus"])
+    assert "bogus" in capsys.readouterr().err
+
+
+def test_cuda_test_counts_come_from_the_junit_xml(tmp_path):
+    junit = tmp_path / "cuda.xml"
+    junit.write_text("""<?xml version="1.0"?><testsuites><testsuite name="pytest">
+        <testcase classname="tests.test_a" name="test_ok"/>
+        <testcase classname="tests.test_a" name="test_bad"><failure message="x"/></testcase>
+        <testcase classname="tests.test_b" name="test_broken"><error message="y"/></testcase>
+        <testcase classname="tests.test_b" name="test_gpu"><skipped message="z"/></testcase>
+        </testsuite></testsuites>""")
+    counts = gpu_report.junit_counts(junit)
+    assert (counts["passed"], counts["failed"], counts["errors"], counts["skipped"]) == (1, 1, 1, 1)
+    assert counts["not_passed"] == ["tests.test_a::test_bad", "tests.test_b::test_broken"]
+
+
+def ttft_row(model: str, miss: float, device: float, cpu: float, disk: float, short: float) -> dict:
+    return {"model": model, "dtype": "bfloat16", "doc_tokens": 7050, "prompt_tokens": 7087,
+            "median_s": {"miss": miss, "device": device, "cpu": cpu, "disk": disk, "short": short}}
+
+
+def test_goals_are_judged_from_the_measured_ratios_and_unmeasured_ones_say_so():
+    result = {"bandwidth": {"limits": {"h2d": {"gbps": 50.0}},
+                            "rows": [{"block": "Llama-3-8B", "cpu_gbps": 45.0, "disk_gbps": 20.0}]},
+              "ttft": [ttft_row("smollm2", miss=0.100, device=0.010, cpu=0.012, disk=0.025, short=0.008),
+                       ttft_row("smollm2", miss=0.040, device=0.009, cpu=0.010, disk=0.050, short=0.008) | {
+                           "doc_tokens": 3750}]}
+    by_name = {g.name: g for g in gpu_report.goals(result)}
+    assert by_name["promotion CPU tier -> device, Llama-3-8B block"].value == pytest.approx(0.9)
+    assert by_name["promotion CPU tier -> device, Llama-3-8B block"].status == "PASS"
+    assert by_name["promotion warm disk -> device, Llama-3-8B block"].status == "MISS"  # 40% < 50%
+    smol = "SmolLM2 bf16, 7087 tokens"  # the longest document's row
+    assert by_name[f"{smol}: device hit vs a cold 64-token prompt"].value == pytest.approx(1.25)
+    assert by_name[f"{smol}: CPU-tier hit vs device hit"].status == "PASS"
+    assert by_name[f"{smol}: warm disk hit vs device hit"].status == "MISS"  # 2.5x > 2x
+    assert by_name[f"{smol}: miss vs CPU-tier hit"].value == pytest.approx(0.100 / 0.012)
+    # the shorter row's disk hit (50 ms) is slower than its miss (40 ms)
+    assert by_name["never slower than recomputing: the slowest hit vs the miss, worst row"].value == pytest.approx(1.25)
+    assert by_name["Llama-3-8B shape bf16, ~7k tokens: miss vs CPU-tier hit"].status == "N/A"
+    assert any(g.status == "N/A" and "decode gap" in g.name for g in by_name.values())
+
+
+@pytest.mark.slow
+def test_a_smoke_run_writes_every_section_of_the_report(tmp_path):
+    out = tmp_path / "gpu.md"
+    assert gpu_report.main(["--smoke", "--out", str(out), "--dtypes", "bfloat16"]) == 0
+    report = out.read_text()
+    assert "Smoke run on the CPU" in report
+    positions = [report.index(heading) for heading in SECTION_HEADINGS]
+    assert positions == sorted(positions), "sections out of order"
+    assert "Failed:" not in report and "not measured" not in report  # every goal got a value
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["tests"]["failed"] == 0 and result["tests"]["errors"] == 0
+    assert result["tests"]["skipped"] > 0 if not torch.cuda.is_available() else result["tests"]["passed"] > 0
+    assert [r["block"] for r in result["bandwidth"]["rows"]] == ["SmolLM2-135M", "Llama-3-8B"]
+    assert len(result["kernels"]["paging"]) == 3 and len(result["kernels"]["split_kv"]) == 3  # header, rule, one row
+    rows = result["ttft"]
+    assert {(r["model"], r["doc_tokens"]) for r in rows} == {(m, n) for m in gpu_report.MODELS for n in (48, 96)}
+    assert all(r["unexpected"] == [] for r in rows), "a request was not served by the tier it was meant to test"
+    assert all(g["hit_cached_tokens_by_tier"]["cpu"] > 0 for g in result["gap"])
