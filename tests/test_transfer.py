@@ -2,10 +2,12 @@
 
 Loads and stores complete in the background and in submission order per direction, a failure is
 reported as unserved blocks (never raised on the caller's thread), and `wait_copied` is what makes
-a block safe to reuse.
+a block safe to reuse. On a GPU (`pytest -m cuda`, skipped without one) the same jobs go through
+pinned staging and a side stream per direction.
 """
 import threading
 
+import pytest
 import torch
 
 from kvstrata.tiers.base import BlockLayout, as_bytes
@@ -102,4 +104,55 @@ def test_an_empty_job_is_done_at_once():
     transfers = engine()
     assert transfers.load([], fill_with({})).done
     assert transfers.store([], lambda start, views: None).done
+    transfers.close()
+
+
+# -- on a GPU (`pytest -m cuda`): pinned staging, a side stream per direction, events -----------------------------
+
+CUDA_LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+
+
+def fill_from(source: torch.Tensor):
+    """A fill that writes row `start + i` of `source` (host bytes, one block a row) into view i."""
+    def fill(start, views):
+        for i, view in enumerate(views):
+            view.copy_(source[start + i])
+        return [True] * len(views)
+    return fill
+
+
+@pytest.mark.cuda
+def test_on_cuda_blocks_loaded_through_pinned_staging_and_stored_back_equal_the_source():
+    kv = CUDA_LAYOUT.allocate(16, device="cuda")
+    # three blocks per staging half: a run of seven moves in three chunks, through both halves
+    transfers = TransferEngine(kv, staging_bytes=6 * CUDA_LAYOUT.block_nbytes)
+    ids = [9, 2, 14, 5, 0, 11, 7]
+    source = torch.randint(0, 256, (len(ids), CUDA_LAYOUT.block_nbytes), dtype=torch.uint8)
+    load = transfers.load(ids, fill_from(source))
+    assert load.wait(60) and load.served == [True] * len(ids) and not load.failed
+    for i, block in enumerate(ids):
+        assert torch.equal(as_bytes(kv[block]).cpu(), source[i]), f"device block {block}"
+    assert all(bool((kv[b] == 0).all()) for b in set(range(16)) - set(ids)), "a load wrote outside its blocks"
+
+    stored = {}
+
+    def drain(start, views):
+        stored.update({start + i: view.clone() for i, view in enumerate(views)})
+
+    store = transfers.store(ids, drain)
+    assert store.wait(60) and not store.failed
+    assert all(torch.equal(stored[i], source[i]) for i in range(len(ids)))
+    transfers.close()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_store_copies_what_the_compute_stream_wrote_before_it_was_submitted():
+    kv = CUDA_LAYOUT.allocate(4, device="cuda")
+    transfers = TransferEngine(kv)
+    torch.cuda._sleep(100_000_000)  # the compute stream is busy: the write below lands long after it is queued
+    as_bytes(kv[1]).fill_(42)
+    stored = []
+    job = transfers.store([1], lambda start, views: stored.extend(v.clone() for v in views))
+    assert job.wait(60)
+    assert bool((stored[0] == 42).all()), "the store read the block before the step's write landed"
     transfers.close()
