@@ -4,9 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PORT   ?= 8000
+GPU_REPORT_ARGS ?=
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install test test-fast serve bench clean
+.PHONY: install test test-fast serve bench gpu-report clean
 
 install: $(STAMP)
 
@@ -34,6 +35,10 @@ serve: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvstrata bench ttft --config configs/pressure.yaml
+
+# On a machine with a CUDA GPU: the CUDA tests and the GPU figures, into benchmarks/results/gpu.md.
+gpu-report: $(STAMP)
+	$(PY) benchmarks/gpu_report.py $(GPU_REPORT_ARGS)
 
 clean:
 	rm -rf $(VENV) kvstore .pytest_cache
