@@ -111,11 +111,11 @@ def make_plan(args) -> Plan:
                 args.repeats, 1 << 30, 8192, 64, 16, ("tests",))
 
 
+STARTED = time.perf_counter()
+
+
 def log(message: str) -> None:
     print(f"[{time.perf_counter() - STARTED:7.1f} s] {message}", flush=True)
-
-
-STARTED = time.perf_counter()
 
 
 # ---------------------------------------------------------------------------------------------- device
@@ -370,39 +370,35 @@ def gap_run(plan: Plan, model: ModelCase, dtype: str, loaded, prompts: list[list
             "hit_cached_tokens_by_tier": dict(hit.cached_tokens_by_tier or {})}
 
 
-def measure_model(plan: Plan, model: ModelCase, work_dir: Path) -> tuple[list[dict], list[dict]]:
-    """The TTFT rows and the gap runs of one model, loading it once per dtype."""
+def measure_model(plan: Plan, model: ModelCase, dtype: str, work_dir: Path, result: dict) -> None:
+    """The TTFT rows and the gap run of one model in one dtype (loaded once), appended to `result` as they
+    are measured, so that a later failure loses none of them."""
     from benchmarks.ttft_pressure import load
 
-    rows, gaps = [], []
-    for dtype in plan.dtypes:
-        run_gap = "gap" in plan.sections and (dtype == GAP_DTYPE or plan.dtypes == (dtype,))
-        if "ttft" not in plan.sections and not run_gap:
-            continue
-        config = engine_config(plan, model, dtype, max(plan.doc_tokens), work_dir / "probe")
-        loaded, load_s = load(config)
-        log(f"{model.label} {dtype}: loaded in {load_s:.1f} s")
-        try:
-            if "ttft" in plan.sections:
-                for doc_tokens in plan.doc_tokens:
-                    row = measure_ttft_row(plan, model, dtype, loaded, doc_tokens, work_dir)
-                    rows.append(row)
-                    m = row["median_s"]
-                    log(f"ttft {model.label} {dtype} {row['prompt_tokens']} tok: " + ", ".join(
-                        f"{kind} {m[kind] * 1e3:.1f} ms" for kind in ("short", *KINDS)))
-            if run_gap:
-                prompts = document_prompts(loaded.tokenizer, max(plan.doc_tokens), 2)
-                gap_run(plan, model, dtype, loaded, prompts, work_dir / "gap-warmup", f"gap-warmup-{time.time_ns()}")
-                gap = gap_run(plan, model, dtype, loaded, prompts, work_dir / "gap", f"gap-{time.time_ns()}")
-                gaps.append(gap)
-                log(f"gap {model.label} {dtype}: median {gap['median_gap_s'] * 1e3:.1f} ms, longest while the hit "
-                    f"was admitted {fmt_ms(gap['max_gap_during_s'])}")
-        finally:
-            del loaded
-            gc.collect()
-            if plan.device == "cuda":
-                torch.cuda.empty_cache()
-    return rows, gaps
+    run_gap = "gap" in plan.sections and (dtype == GAP_DTYPE or GAP_DTYPE not in plan.dtypes)
+    if "ttft" not in plan.sections and not run_gap:
+        return
+    loaded, load_s = load(engine_config(plan, model, dtype, max(plan.doc_tokens), work_dir / "probe"))
+    log(f"{model.label} {dtype}: loaded in {load_s:.1f} s")
+    try:
+        if "ttft" in plan.sections:
+            for doc_tokens in plan.doc_tokens:
+                row = measure_ttft_row(plan, model, dtype, loaded, doc_tokens, work_dir)
+                result["ttft"].append(row)
+                log(f"ttft {model.label} {dtype} {row['prompt_tokens']} tok: " + ", ".join(
+                    f"{kind} {fmt_ms(row['median_s'][kind])}" for kind in ("short", *KINDS)))
+        if run_gap:
+            prompts = document_prompts(loaded.tokenizer, max(plan.doc_tokens), 2)
+            gap_run(plan, model, dtype, loaded, prompts, work_dir / "gap-warmup", f"gap-warmup-{time.time_ns()}")
+            gap = gap_run(plan, model, dtype, loaded, prompts, work_dir / "gap", f"gap-{time.time_ns()}")
+            result["gap"].append(gap)
+            log(f"gap {model.label} {dtype}: median {fmt_ms(gap['median_gap_s'])}, longest while the hit was "
+                f"admitted {fmt_ms(gap['max_gap_during_s'])}")
+    finally:
+        del loaded
+        gc.collect()
+        if plan.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------- goals
@@ -636,31 +632,29 @@ def run_sections(plan: Plan, result: dict) -> None:
     for section in ("tests", "bandwidth", "kernels"):
         if section in plan.sections:
             log(f"{section} ...")
-            guarded(result, section, steps[section])
+            result[section] = guarded(result, section, steps[section])
     if "ttft" in plan.sections or "gap" in plan.sections:
         result["ttft"], result["gap"] = [], []
+        section = "ttft" if "ttft" in plan.sections else "gap"
         with tempfile.TemporaryDirectory(prefix="kvstrata-gpu-report-") as tmp:
             for model in plan.models:
-                measured = guarded(result, "ttft" if "ttft" in plan.sections else "gap",
-                                   lambda: measure_model(plan, model, Path(tmp) / model.key))
-                if measured:
-                    result["ttft"] += measured[0]
-                    result["gap"] += measured[1]
+                for dtype in plan.dtypes:
+                    guarded(result, section, lambda: measure_model(plan, model, dtype, Path(tmp) / model.key, result),
+                            what=f"{model.label} {dtype}")
 
 
-def guarded(result: dict, section: str, step):
+def guarded(result: dict, section: str, step, what: str = ""):
+    """`step()`, or None when it raises: the failure goes into the report under `section` (and its
+    traceback to stderr), and the other sections still run."""
     try:
-        value = step()
-    except Exception as exc:  # the report says which section failed and goes on with the others
+        return step()
+    except Exception as exc:
         traceback.print_exc()
-        first_line = (str(exc).strip().splitlines() or [""])[0]
+        message = f"{what}{': ' if what else ''}{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
         errors = result.setdefault("errors", {})
-        errors[section] = "; ".join(filter(None, [errors.get(section), f"{type(exc).__name__}: {first_line}"]))
-        log(f"{section} failed: {type(exc).__name__}: {first_line}")
+        errors[section] = "; ".join(filter(None, [errors.get(section), message]))
+        log(f"{section} failed: {message}")
         return None
-    if section in SECTIONS[:3]:
-        result[section] = value
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -670,8 +664,12 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_report: no CUDA device here, so no GPU figures; run it on a machine with one "
               "(or `--smoke --out FILE` to check it runs on the CPU)", file=sys.stderr)
         return 2
-    if args.smoke:  # the Triton kernels run on CPU tensors only through the interpreter (set before they load)
+    # Set before the kernels load: in a smoke run they run on CPU tensors, which only the interpreter takes;
+    # on a GPU the report times compiled kernels, whatever the caller's environment says.
+    if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
+    elif os.environ.pop("TRITON_INTERPRET", "0") not in ("", "0"):
+        log("TRITON_INTERPRET was set: ignored, the report runs the compiled kernels")
     from benchmarks.ttft_pressure import source_state
 
     plan = make_plan(args)
@@ -692,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(report)
     log(f"wrote {out} and {out.with_suffix('.json').name}")
-    return 1 if result.get("errors") else 0
+    tests = result.get("tests") or {}
+    return 1 if result.get("errors") or tests.get("failed") or tests.get("errors") else 0
 
 
 if __name__ == "__main__":
