@@ -181,7 +181,7 @@ def junit_counts(path: Path) -> dict:
 
 # ---------------------------------------------------------------------------------------------- bandwidth
 
-def promotion_layouts(plan: Plan) -> dict:
+def promotion_layouts() -> dict:
     from kvstrata.tiers.base import BlockLayout
 
     from benchmarks.tiers import LAYOUT
@@ -204,7 +204,7 @@ def measure_bandwidth(plan: Plan) -> dict:
         log(f"bandwidth: {what}: {gbps / 1e9:.2f} GB/s")
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvstrata-gpu-stores-") as store_dir:
-        for name, layout in promotion_layouts(plan).items():
+        for name, layout in promotion_layouts().items():
             row = measure(plan.promotion_tokens, device, store_dir, 5, sync, layout)
             rows.append({"block": name, "block_nbytes": layout.block_nbytes, **row})
             log(f"bandwidth: {name} blocks: CPU tier {row['cpu_gbps']:.2f} GB/s, warm disk {row['disk_gbps']:.2f} GB/s")
@@ -234,8 +234,9 @@ def measure_kernels(plan: Plan) -> dict:
 # ---------------------------------------------------------------------------------------------- engines
 
 def engine_config(plan: Plan, model: ModelCase, dtype: str, prompt_tokens: int, disk_path: Path):
-    """configs/gpu.yaml with the model, and tiers sized for one document: the device holds it twice over
-    (a hit, the stream and the next question), the CPU tier and the disk tier hold it."""
+    """configs/gpu.yaml with the model, and tiers sized for one document and a decode stream: the device
+    holds them three times over (so that nothing a hit needs is evicted to make room), the CPU and disk
+    tiers twice."""
     from kvstrata import load_config
 
     from benchmarks.ttft_workload import blocks_for
