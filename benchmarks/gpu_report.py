@@ -472,8 +472,12 @@ def markdown(result: dict) -> str:
                   f"{info['memory_gib']:.1f} GiB |", f"| driver / CUDA (torch's) | {info['driver']} / {info['cuda']} |"]
     lines += [f"| torch / triton / transformers | {info['torch']} / {info['triton']} / {info['transformers']} |",
               f"| host | {info['host']} |", ""]
-    lines += goals_section(result) + tests_section(result) + bandwidth_section(result) + kernels_section(result)
-    lines += ttft_section(result) + gap_section(result)
+    lines += goals_section(result)
+    lines += section(result, "tests", "CUDA tests (`pytest -m cuda`)", tests_lines)
+    lines += section(result, "bandwidth", "Copy bandwidth and promotion", bandwidth_lines)
+    lines += section(result, "kernels", "Prefix-prefill kernel", kernels_lines)
+    lines += section(result, "ttft", "Single-request TTFT (long-document QA)", ttft_lines)
+    lines += section(result, "gap", "A decode stream while a CPU-tier hit is admitted", gap_lines)
     skipped = [s for s in SECTIONS if s not in plan["sections"]]
     if skipped:
         lines += [f"Not run this time (`--sections`): {', '.join(skipped)}.", ""]
@@ -489,108 +493,84 @@ def goals_section(result: dict) -> list[str]:
     return lines + [""]
 
 
-def failure_lines(result: dict, section: str) -> list[str]:
-    error = result.get("errors", {}).get(section)
-    return [f"Failed: `{error}` (the traceback went to stderr).", ""] if error else []
-
-
-def tests_section(result: dict) -> list[str]:
-    if "tests" not in result["plan"]["sections"]:
+def section(result: dict, name: str, heading: str, body) -> list[str]:
+    """A section that ran: its heading, its failure if it had one, then `body(its data, result)` if it
+    measured anything. Nothing for a section that did not run."""
+    if name not in result["plan"]["sections"]:
         return []
-    lines = ["## CUDA tests (`pytest -m cuda`)", ""] + failure_lines(result, "tests")
-    t = result.get("tests")
-    if t:
-        lines += [f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped in "
-                  f"{t['seconds']:.0f} s (pytest exit status {t['returncode']}: {t['last_line']})."]
-        lines += [f"- did not pass: `{name}`" for name in t["not_passed"]] + [""]
-    return lines
+    lines = [f"## {heading}", ""]
+    if result.get("errors", {}).get(name):
+        lines += [f"Failed: `{result['errors'][name]}` (the traceback went to stderr).", ""]
+    data = result.get(name)
+    return lines + (body(data, result) if data else [])
 
 
-def bandwidth_section(result: dict) -> list[str]:
-    if "bandwidth" not in result["plan"]["sections"]:
-        return []
-    lines = ["## Copy bandwidth and promotion", ""] + failure_lines(result, "bandwidth")
-    b = result.get("bandwidth")
-    if b:
-        h2d, d2h = b["limits"]["h2d"], b["limits"]["d2h"]
-        lines += [f"Limit, measured in this run (best of 5): {h2d['what']} **{h2d['gbps']:.2f} GB/s**; "
-                  f"{d2h['what']} **{d2h['gbps']:.2f} GB/s**.", "",
-                  "Promotion through the transfer engine (the tier's `get` on its worker thread, pinned staging, one "
-                  "host-to-device copy per run on a side stream), timed from submission until it has landed, best of "
-                  "5 after a warm-up; random bytes, bf16 blocks of 16 tokens.", "",
-                  "| block | bytes per block | tokens | MB | CPU tier -> device GB/s | % of H2D | warm disk -> device "
-                  "GB/s | % of H2D | disk write-down GB/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in b["rows"]:
-            lines.append(f"| {r['block']} | {r['block_nbytes']:,} | {r['tokens']} | {r['bytes'] / 1e6:.0f} | "
-                         f"{r['cpu_gbps']:.2f} | {100 * r['cpu_gbps'] / h2d['gbps']:.0f}% | {r['disk_gbps']:.2f} | "
-                         f"{100 * r['disk_gbps'] / h2d['gbps']:.0f}% | {r['disk_write_gbps']:.2f} |")
-        lines.append("")
-    return lines
+def tests_lines(t: dict, result: dict) -> list[str]:
+    return [f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped in "
+            f"{t['seconds']:.0f} s (pytest exit status {t['returncode']}: {t['last_line']}).",
+            *(f"- did not pass: `{name}`" for name in t["not_passed"]), ""]
 
 
-def kernels_section(result: dict) -> list[str]:
-    if "kernels" not in result["plan"]["sections"]:
-        return []
-    lines = ["## Prefix-prefill kernel", ""] + failure_lines(result, "kernels")
-    k = result.get("kernels")
-    if k:
-        lines += ["Paged prefix-prefill (Triton) against SDPA on the same problem laid out contiguously "
-                  "(benchmarks/kernels.py; `ours / SDPA` = 1.0: paging costs nothing):", "", *k["paging"], "",
-                  "Split-KV on a question over a cached document: the kernel with its choice of splits, the same "
-                  "kernel forced to one pass (the kernel before split-KV), and SDPA:", "", *k["split_kv"], ""]
-    return lines
+def bandwidth_lines(b: dict, result: dict) -> list[str]:
+    h2d, d2h = b["limits"]["h2d"], b["limits"]["d2h"]
+    lines = [f"Limit, measured in this run (best of 5): {h2d['what']} **{h2d['gbps']:.2f} GB/s**; "
+             f"{d2h['what']} **{d2h['gbps']:.2f} GB/s**.", "",
+             "Promotion through the transfer engine (the tier's `get` on its worker thread, pinned staging, one "
+             "host-to-device copy per run on a side stream), timed from submission until it has landed, best of "
+             "5 after a warm-up; random bytes, bf16 blocks of 16 tokens.", "",
+             "| block | bytes per block | tokens | MB | CPU tier -> device GB/s | % of H2D | warm disk -> device "
+             "GB/s | % of H2D | disk write-down GB/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in b["rows"]:
+        lines.append(f"| {r['block']} | {r['block_nbytes']:,} | {r['tokens']} | {r['bytes'] / 1e6:.0f} | "
+                     f"{r['cpu_gbps']:.2f} | {100 * r['cpu_gbps'] / h2d['gbps']:.0f}% | {r['disk_gbps']:.2f} | "
+                     f"{100 * r['disk_gbps'] / h2d['gbps']:.0f}% | {r['disk_write_gbps']:.2f} |")
+    return lines + [""]
 
 
-def ttft_section(result: dict) -> list[str]:
-    if "ttft" not in result["plan"]["sections"]:
-        return []
-    lines = ["## Single-request TTFT (long-document QA)", ""] + failure_lines(result, "ttft")
-    rows = result.get("ttft") or []
-    if rows:
-        lines += [f"Document `{DOCUMENT}` cut to each length, plus a question (benchmarks/data); configs/gpu.yaml "
-                  f"with tiers sized for one document; median of {result['plan']['repeats']} passes after a warm-up. "
-                  "Miss: nothing cached. Device hit: the document cached on the device. CPU-tier hit: the device's "
-                  "cached blocks dropped, the document written through to the CPU tier. Disk hit: a fresh engine "
-                  "(empty device and CPU tiers) on the disk store the first one closed, page cache warm. Every hit "
-                  "computes its own question. Cold 64-token prompt: the first 64 tokens, nothing cached.", "",
-                  "| model | dtype | prompt tokens | miss | device hit | CPU-tier hit | disk hit after restart | "
-                  "cold 64-token prompt | miss / CPU hit | CPU / device | disk / device | device / cold 64 |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in rows:
-            m = r["median_s"]
-            lines.append(f"| {r['label']} | {r['dtype']} | {r['prompt_tokens']} | {fmt_ms(m['miss'])} | "
-                         f"{fmt_ms(m['device'])} | {fmt_ms(m['cpu'])} | {fmt_ms(m['disk'])} | {fmt_ms(m['short'])} | "
-                         f"{fmt_x(m['miss'] / m['cpu'])} | {fmt_x(m['cpu'] / m['device'])} | "
-                         f"{fmt_x(m['disk'] / m['device'])} | {fmt_x(m['device'] / m['short'])} |")
-        unexpected = [f"- {r['label']} {r['dtype']} {r['prompt_tokens']} tokens, {u}" for r in rows
-                      for u in r["unexpected"]]
-        lines += ["", *(["Requests not served by the tier their column names:", *unexpected] if unexpected
-                        else ["Every request was served by the tier its column names (the engine's "
-                              "`cached_tokens_by_tier`)."]), ""]
-    return lines
+def kernels_lines(k: dict, result: dict) -> list[str]:
+    return ["Paged prefix-prefill (Triton) against SDPA on the same problem laid out contiguously "
+            "(benchmarks/kernels.py; `ours / SDPA` = 1.0: paging costs nothing):", "", *k["paging"], "",
+            "Split-KV on a question over a cached document: the kernel with its choice of splits, the same "
+            "kernel forced to one pass (the kernel before split-KV), and SDPA:", "", *k["split_kv"], ""]
 
 
-def gap_section(result: dict) -> list[str]:
-    if "gap" not in result["plan"]["sections"]:
-        return []
-    lines = ["## A decode stream while a CPU-tier hit is admitted", ""] + failure_lines(result, "gap")
-    gaps = result.get("gap") or []
-    if gaps:
-        lines += ["One greedy decode stream (a 64-token prompt); after its first tokens a question on the longest "
-                  "document arrives, the document in the CPU tier only. The longest gap is taken over the gaps that "
-                  "overlap the hit's stay, from its arrival to its first token (its promotion and the step that "
-                  "prefills its question beside the stream).", "",
-                  "| model | dtype | hit prompt tokens | stream tokens | median gap | longest gap during admission | "
-                  "longest / median | longest gap overall | hit TTFT | hit served from |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for g in gaps:
-            ratio = None if g["max_gap_during_s"] is None else g["max_gap_during_s"] / g["median_gap_s"]
-            served = ", ".join(f"{tier} {n}" for tier, n in g["hit_cached_tokens_by_tier"].items() if n) or "nothing"
-            lines.append(f"| {g['label']} | {g['dtype']} | {g['prompt_tokens']} | {g['stream_tokens']} | "
-                         f"{fmt_ms(g['median_gap_s'])} | {fmt_ms(g['max_gap_during_s'])} | {fmt_x(ratio)} | "
-                         f"{fmt_ms(g['max_gap_s'])} | {fmt_ms(g['hit_ttft_s'])} | {served} |")
-        lines.append("")
-    return lines
+def ttft_lines(rows: list[dict], result: dict) -> list[str]:
+    lines = [f"Document `{DOCUMENT}` cut to each length, plus a question (benchmarks/data); configs/gpu.yaml "
+             f"with tiers sized for one document; median of {result['plan']['repeats']} passes after a warm-up. "
+             "Miss: nothing cached. Device hit: the document cached on the device. CPU-tier hit: the device's "
+             "cached blocks dropped, the document written through to the CPU tier. Disk hit: a fresh engine "
+             "(empty device and CPU tiers) on the disk store the first one closed, page cache warm. Every hit "
+             "computes its own question. Cold 64-token prompt: the first 64 tokens, nothing cached.", "",
+             "| model | dtype | prompt tokens | miss | device hit | CPU-tier hit | disk hit after restart | "
+             "cold 64-token prompt | miss / CPU hit | CPU / device | disk / device | device / cold 64 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        m = r["median_s"]
+        lines.append(f"| {r['label']} | {r['dtype']} | {r['prompt_tokens']} | {fmt_ms(m['miss'])} | "
+                     f"{fmt_ms(m['device'])} | {fmt_ms(m['cpu'])} | {fmt_ms(m['disk'])} | {fmt_ms(m['short'])} | "
+                     f"{fmt_x(m['miss'] / m['cpu'])} | {fmt_x(m['cpu'] / m['device'])} | "
+                     f"{fmt_x(m['disk'] / m['device'])} | {fmt_x(m['device'] / m['short'])} |")
+    unexpected = [f"- {r['label']} {r['dtype']} {r['prompt_tokens']} tokens, {u}" for r in rows for u in r["unexpected"]]
+    return lines + ["", *(["Requests not served by the tier their column names:", *unexpected] if unexpected
+                          else ["Every request was served by the tier its column names (the engine's "
+                                "`cached_tokens_by_tier`)."]), ""]
+
+
+def gap_lines(gaps: list[dict], result: dict) -> list[str]:
+    lines = ["One greedy decode stream (a 64-token prompt); after its first tokens a question on the longest "
+             "document arrives, the document in the CPU tier only. The longest gap is taken over the gaps that "
+             "overlap the hit's stay, from its arrival to its first token (its promotion and the step that "
+             "prefills its question beside the stream).", "",
+             "| model | dtype | hit prompt tokens | stream tokens | median gap | longest gap during admission | "
+             "longest / median | longest gap overall | hit TTFT | hit served from |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for g in gaps:
+        ratio = None if g["max_gap_during_s"] is None else g["max_gap_during_s"] / g["median_gap_s"]
+        served = ", ".join(f"{tier} {n}" for tier, n in g["hit_cached_tokens_by_tier"].items() if n) or "nothing"
+        lines.append(f"| {g['label']} | {g['dtype']} | {g['prompt_tokens']} | {g['stream_tokens']} | "
+                     f"{fmt_ms(g['median_gap_s'])} | {fmt_ms(g['max_gap_during_s'])} | {fmt_x(ratio)} | "
+                     f"{fmt_ms(g['max_gap_s'])} | {fmt_ms(g['hit_ttft_s'])} | {served} |")
+    return lines + [""]
 
 
 # ---------------------------------------------------------------------------------------------- main
