@@ -30,6 +30,7 @@ from kvstrata.engine.documents import Document
 from kvstrata.engine.llm import RequestOutput
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import RenderedDocument
+from kvstrata.engine.receipt import CacheReceipt
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams
 
@@ -53,13 +54,13 @@ class EngineSnapshot:
 class RequestListener(Protocol):
     """Hears of request events as they happen, on the engine thread (so it must be quick)."""
 
-    def on_first_token(self, ttft_s: float) -> None: ...
+    def on_first_token(self, receipt: CacheReceipt) -> None: ...
 
     def on_finished(self, finish_reason: str) -> None: ...
 
 
 class _NoListener:
-    def on_first_token(self, ttft_s: float) -> None:
+    def on_first_token(self, receipt: CacheReceipt) -> None:
         pass
 
     def on_finished(self, finish_reason: str) -> None:
@@ -309,10 +310,11 @@ class AsyncEngine:
             stream = self._streams.get(request.request_id)
             if stream is None:
                 continue
-            if not stream.saw_first_token and request.ttft_s is not None:
+            output = RequestOutput.from_request(request)
+            if not stream.saw_first_token and output.receipt is not None:
                 stream.saw_first_token = True
-                self.listener.on_first_token(request.ttft_s)
-            stream.put(RequestOutput.from_request(request))
+                self.listener.on_first_token(output.receipt)
+            stream.put(output)
             if request.is_finished:
                 self.listener.on_finished(request.status.value)
                 del self._streams[request.request_id]

@@ -74,7 +74,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks | None:
         """The longest cached prefix of the request in any tier, held on the device, or None while
-        the part found below the device is loading (ask again once `prefix_ready`).
+        the part found below the device is loading (ask again once `prefix_ready`). Moves the
+        request into its lookup phase, then its load phase if there is a load (engine/receipt.py).
 
         Returns (blocks, num_computed_tokens, tokens per tier). The hit is capped so that at least
         the last token is computed (its logits are needed). The blocks are ref-counted for the
@@ -84,16 +85,26 @@ class KVCacheManager:
             return [], 0, {t: 0 for t in TIER_NAMES}
         load = self.prefix_loads.get(request.request_id)
         if load is None:
+            request.enter_phase("lookup")
             self._update_hashes(request)
             max_blocks = (request.num_tokens - 1) // self.block_size
             hashes = request.block_hashes[:max_blocks]
             load = self.hierarchy.acquire_prefix(hashes, self._block_tokens(request, 0, len(hashes)))
             self.prefix_loads[request.request_id] = load
+            if load.transfer is not None:  # submitted: the load phase starts, landed or not
+                request.enter_phase("load")
         if not load.ready:
             return None
         del self.prefix_loads[request.request_id]
         hit = self.hierarchy.finish_prefix(load)
         self._measure_load(load)
+        if load.transfer is not None:
+            # The request's load phase is split among the tiers that served it by the worker's read
+            # time for each (a tier asked first that held none of them adds to the others' share);
+            # if none served, by the blocks the walk found in each.
+            served = {t for t in load.served_from if t is not None}
+            read_s = {t: s for t, s in load.read_s_by_tier.items() if t in served and s > 0}
+            request.phases.load_split = read_s or load.found_below_by_tier
         by_tier = {t: hit.blocks_by_tier.get(t, 0) * self.block_size for t in TIER_NAMES}
         return hit.blocks, hit.num_blocks * self.block_size, by_tier
 

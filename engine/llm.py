@@ -11,6 +11,7 @@ from kvstrata.engine.config import Config, load_config
 from kvstrata.engine.documents import Document
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import render_document
+from kvstrata.engine.receipt import CacheReceipt
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
 
@@ -34,6 +35,7 @@ class RequestOutput:
     finished: bool = False
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per token in `token_ids`, if the params asked for them
+    receipt: CacheReceipt | None = None      # where the TTFT went (engine/receipt.py); None before the first token
 
     @classmethod
     def from_request(cls, r: Request) -> "RequestOutput":
@@ -43,7 +45,8 @@ class RequestOutput:
                    cached_tokens_by_tier=by_tier, ttft_s=r.ttft_s,
                    finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason,
                    finished=r.is_finished, num_preemptions=r.num_preemptions,
-                   logprobs=None if r.sampling_params.logprobs is None else list(r.output_logprobs))
+                   logprobs=None if r.sampling_params.logprobs is None else list(r.output_logprobs),
+                   receipt=r.receipt)
 
 
 class LLM:

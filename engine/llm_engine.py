@@ -282,7 +282,7 @@ class LLMEngine:
 
     def _append_token(self, request: Request, token_id: int, now: float) -> None:
         if request.first_token_time is None:
-            request.first_token_time = now
+            request.set_first_token_time(now)
         request.output_token_ids.append(token_id)
         params = request.sampling_params
         detok = self._detokenizers[request.request_id]

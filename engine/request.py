@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvstrata.engine.receipt import CacheReceipt, PhaseTimes
 from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
 
 
@@ -51,6 +52,10 @@ class Request:
     cached_tokens_by_tier: dict[str, int] | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # Where the time to first token goes (engine/receipt.py), and the prefill time its cached tokens
+    # saved at the measured prefill cost (an estimate, set at its first admission).
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
+    prefill_saved_s_estimate: float = 0.0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -75,3 +80,19 @@ class Request:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def enter_phase(self, phase: str, now: float | None = None) -> None:
+        """The request moves to `phase` (queue, lookup, load, prefill) now; no-op after its first token."""
+        self.phases.enter(phase, time.perf_counter() if now is None else now, self.arrival_time)
+
+    def set_first_token_time(self, now: float) -> None:
+        self.first_token_time = now
+        self.phases.finish(now, self.arrival_time)
+
+    @property
+    def receipt(self) -> CacheReceipt | None:
+        """The measured receipt, once the first token is out."""
+        if self.first_token_time is None:
+            return None
+        return CacheReceipt.measured(self.ttft_s, self.phases, self.cached_tokens_by_tier or {},
+                                     self.prefill_saved_s_estimate)

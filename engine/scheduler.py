@@ -204,12 +204,13 @@ class Scheduler:
             landed = request.status == RequestStatus.LOADING  # its prefix is held already
             if not landed and num_seqs >= self.max_num_seqs:
                 break
-            computed = self.kv.get_computed_blocks(request)
+            computed = self.kv.get_computed_blocks(request)  # the lookup and load phases start there
             if computed is None:  # found below the device: it waits while its blocks are copied up
                 request.status = RequestStatus.LOADING
                 num_seqs += 1
                 continue
             if not self._admit(request, computed, budget, long_chunk, out):
+                request.enter_phase("queue")
                 if landed:  # its prefix was just released (still cached on the device): retried later
                     request.status = RequestStatus.WAITING
                     num_seqs -= 1
@@ -227,12 +228,15 @@ class Scheduler:
         self.waiting.remove(request)
         if request.cached_tokens_by_tier is None:  # first admission: what the user is told, and counted
             request.cached_tokens_by_tier = by_tier
+            request.prefill_saved_s_estimate = num_cached * self.cost.per_token_s
             self.kv.record_admission(request, by_tier)
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.RUNNING
+        request.enter_phase("prefill")
         self.running.append(request)
         out.scheduled.append(self._scheduled(request, num_new))
         return True
+
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(request, num_new,
                                 samples=request.num_computed_tokens + num_new == request.num_tokens)
@@ -240,6 +244,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
+        request.enter_phase("queue")
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -5,7 +5,9 @@ queue lengths) after each step and every second while idle; a scrape reads the l
 here ever reads engine state, so a scrape never races a step. Cumulative engine counters are exposed
 as Prometheus counters straight from the snapshot (they only grow); observations that the snapshot
 cannot carry (each request's time to first token, each finish) arrive as they happen: this object
-is the `AsyncEngine`'s `RequestListener`.
+is the `AsyncEngine`'s `RequestListener`. Each request's cache receipt, at its first token, feeds a
+histogram per part of its TTFT (queue, lookup, load per tier, prefill) and the per-tier counters of
+receipts, so each series' sum is the sum of the receipts the server has handed out.
 
 Every metric lives in this object's own `CollectorRegistry`: two servers in one process (tests)
 never collide, and the process-wide default registry stays untouched.
@@ -20,12 +22,15 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:  # the engine imports torch: `kvstrata serve` reports a port in use before that
     from kvstrata.engine.async_engine import EngineSnapshot
+    from kvstrata.engine.receipt import CacheReceipt
 
 PREFIX = "kvstrata"
 TIERS = ("device", "cpu", "disk")
 LOWER_TIERS = ("cpu", "disk")
 # From a device hit on a small model (milliseconds) to a cold multi-thousand-token CPU prefill (a minute).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# The parts of a TTFT go lower: a lookup or a load from the CPU tier takes well under a millisecond.
+PART_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *TTFT_BUCKETS)
 
 
 class ServingMetrics:
@@ -42,11 +47,41 @@ class ServingMetrics:
         self.requests_finished = Counter(
             f"{PREFIX}_requests_finished_total", "Requests that ended, by why they ended (stop, length, abort).",
             ["finish_reason"], registry=self.registry)
+        self.queue_time = self._part("queue", "queue (arrival to lookup)")
+        self.lookup_time = self._part("lookup", "lookup (the tier walk)")
+        self.load_time = self._part("load", "load, by the tier read (observed for the tiers that served it),",
+                                    ["tier"])
+        self.prefill_time = self._part("prefill", "prefill (admission to first token)")
+        self.receipt_cached_tokens = Counter(
+            f"{PREFIX}_request_cached_tokens", "Prompt tokens served from each tier, summed over the receipts of "
+                                               "requests that got a first token.", ["tier"], registry=self.registry)
+        self.prefill_saved_estimate = Counter(
+            f"{PREFIX}_request_prefill_saved_seconds_estimate", "Prefill time the cached tokens saved, estimated "
+                                                                "at the measured cost per token, summed over receipts.",
+            registry=self.registry)
+        for tier in TIERS:  # every tier's series from the start, at 0
+            self.receipt_cached_tokens.labels(tier=tier)
+        for tier in LOWER_TIERS:
+            self.load_time.labels(tier=tier)
         self.registry.register(_SnapshotCollector(self))
 
+    def _part(self, part: str, what: str, labels: tuple[str, ...] | list[str] = ()) -> Histogram:
+        return Histogram(f"{PREFIX}_request_{part}_time_seconds",
+                         f"The {what} part of each request's time to first token (its cache receipt).",
+                         labels, buckets=PART_BUCKETS, registry=self.registry)
+
     # The RequestListener side, called from the engine thread.
-    def on_first_token(self, ttft_s: float) -> None:
-        self.time_to_first_token.observe(ttft_s)
+    def on_first_token(self, receipt: CacheReceipt) -> None:
+        self.time_to_first_token.observe(receipt.ttft_ms / 1e3)
+        self.queue_time.observe(receipt.queue_ms / 1e3)
+        self.lookup_time.observe(receipt.lookup_ms / 1e3)
+        self.prefill_time.observe(receipt.prefill_ms / 1e3)
+        for tier, load_ms in receipt.load_ms_by_tier.items():
+            if load_ms > 0 or receipt.cached_tokens_by_tier.get(tier):
+                self.load_time.labels(tier=tier).observe(load_ms / 1e3)
+        for tier, tokens in receipt.cached_tokens_by_tier.items():
+            self.receipt_cached_tokens.labels(tier=tier).inc(tokens)
+        self.prefill_saved_estimate.inc(receipt.prefill_saved_ms_estimate / 1e3)
 
     def on_finished(self, finish_reason: str) -> None:
         self.requests_finished.labels(finish_reason=finish_reason).inc()

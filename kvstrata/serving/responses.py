@@ -35,6 +35,9 @@ def usage(output: RequestOutput) -> Usage:
 
 
 def kvstrata_info(output: RequestOutput) -> KvstrataInfo:
+    """The receipt, to the microsecond; without one (no token generated) the tokens per tier and TTFT only."""
+    if output.receipt is not None:
+        return KvstrataInfo(**output.receipt.to_dict(decimals=3))
     ttft_ms = None if output.ttft_s is None else round(output.ttft_s * 1000.0, 3)
     return KvstrataInfo(cached_tokens_by_tier=dict(output.cached_tokens_by_tier), ttft_ms=ttft_ms)
 

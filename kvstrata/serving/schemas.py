@@ -192,8 +192,16 @@ class Usage(BaseModel):
 
 
 class KvstrataInfo(BaseModel):
+    """The request's cache receipt (engine/receipt.py; README, "Cache receipts"): measured milliseconds,
+    queue + lookup + load + prefill = ttft. The parts are null only if no token was generated."""
+
     cached_tokens_by_tier: dict[str, int]
     ttft_ms: float | None
+    queue_ms: float | None = None
+    lookup_ms: float | None = None
+    load_ms_by_tier: dict[str, float] | None = None
+    prefill_ms: float | None = None
+    prefill_saved_ms_estimate: float | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -1,0 +1,117 @@
+"""A request's cache receipt: where its time to first token went, measured, and what the cache saved it.
+
+Four phases partition the time from a request's arrival to its first token. At every moment until
+then the request is in exactly one of them, and each boundary is one timestamp that ends a phase
+and starts the next, so queue + lookup + load + prefill is the TTFT (up to rounding):
+
+- queue: from arrival until the scheduler starts looking its prefix up. It includes the wait for
+  earlier steps (the server's inbox, other requests' model steps) and the scheduler's ordering of
+  the waiting queue, which prices every waiting request with a lookup that holds nothing.
+- lookup: the tier walk: hashing the prompt's blocks, walking device, CPU and disk, holding the
+  hits and, for hits below the device, allocating device blocks and submitting their load. For a
+  prefix on the device (or a miss) it ends when the request is admitted (its slots allocated).
+- load: from the load's submission until the request is admitted with its landed blocks. It
+  includes waiting behind other loads on the transfer worker and, once the blocks have landed,
+  waiting for the step in progress (other requests' work) to end, since only the next step admits
+  it. Split among the lower tiers in proportion to the time the transfer worker spent reading each
+  tier's blocks for this request.
+- prefill: from admission until the first token is sampled: every step that computes the request's
+  uncached tokens (chunked prefill takes several), including the other requests' tokens computed
+  in the same steps and any step in between that gives it no tokens.
+
+A request that is sent back (an admission that found the device full, a preemption before its
+first token) returns to the queue phase; its phases add up over each pass.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from kvstrata.tiers.base import TIER_NAMES
+
+PHASES = ("queue", "lookup", "load", "prefill")
+LOWER_TIERS = tuple(t for t in TIER_NAMES if t != "device")
+
+
+@dataclass
+class PhaseTimes:
+    """A request's phases as they go (see the module doc); `finish` at the first token freezes them."""
+
+    phase: str = "queue"
+    since: float | None = None  # when `phase` began; None: at the request's arrival
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    load_s_by_tier: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOWER_TIERS, 0.0))
+    # How the load in progress is split among tiers (relative weights), set when it lands.
+    load_split: dict[str, float] = field(default_factory=dict)
+    finished: bool = False
+
+    def enter(self, phase: str, now: float, arrival: float) -> None:
+        """End the current phase at `now` and start `phase`; nothing changes once finished."""
+        assert phase in PHASES, phase
+        if self.finished:
+            return
+        elapsed = now - (arrival if self.since is None else self.since)
+        self.seconds[self.phase] += elapsed
+        if self.phase == "load":
+            self._split_load(elapsed)
+        self.phase, self.since = phase, now
+
+    def finish(self, now: float, arrival: float) -> None:
+        """The first token is sampled at `now`: the phase in progress (prefill) ends there."""
+        self.enter(self.phase, now, arrival)
+        self.finished = True
+
+    def _split_load(self, elapsed: float) -> None:
+        total = sum(self.load_split.values())
+        assert total > 0, "a load ended without saying which tiers it read"
+        for tier, weight in self.load_split.items():
+            self.load_s_by_tier[tier] += elapsed * weight / total
+        self.load_split = {}
+
+
+@dataclass(frozen=True)
+class CacheReceipt:
+    """Measured, in milliseconds: the request's TTFT and the phases it went to (they add up to it),
+    the prompt tokens each tier served, and an estimate of the prefill time those tokens saved."""
+
+    ttft_ms: float
+    queue_ms: float
+    lookup_ms: float
+    load_ms_by_tier: dict[str, float]   # lower tiers only: the device needs no load
+    prefill_ms: float
+    cached_tokens_by_tier: dict[str, int]
+    # The cached tokens at the engine's measured prefill cost per token when the request was admitted:
+    # an estimate (a linear cost model), not a measurement; the net saving subtracts lookup and load.
+    prefill_saved_ms_estimate: float
+
+    @property
+    def load_ms(self) -> float:
+        return sum(self.load_ms_by_tier.values())
+
+    @property
+    def parts_ms(self) -> float:
+        """queue + lookup + load + prefill: the TTFT, up to rounding."""
+        return self.queue_ms + self.lookup_ms + self.load_ms + self.prefill_ms
+
+    @classmethod
+    def measured(cls, ttft_s: float, phases: PhaseTimes, cached_tokens_by_tier: dict[str, int],
+                 prefill_saved_s_estimate: float) -> "CacheReceipt":
+        assert phases.finished, "a receipt is written at the first token"
+        ms = {phase: s * 1e3 for phase, s in phases.seconds.items()}
+        return cls(ttft_ms=ttft_s * 1e3, queue_ms=ms["queue"], lookup_ms=ms["lookup"],
+                   load_ms_by_tier={t: s * 1e3 for t, s in phases.load_s_by_tier.items()},
+                   prefill_ms=ms["prefill"], cached_tokens_by_tier=dict(cached_tokens_by_tier),
+                   prefill_saved_ms_estimate=prefill_saved_s_estimate * 1e3)
+
+    def to_dict(self, decimals: int | None = None) -> dict:
+        """The receipt as plain data; with `decimals`, every time rounded to that many decimals of a ms."""
+        data = asdict(self)
+        if decimals is not None:
+            data = {k: _rounded(v, decimals) for k, v in data.items()}
+            data["cached_tokens_by_tier"] = dict(self.cached_tokens_by_tier)
+        return data
+
+
+def _rounded(value, decimals: int):
+    if isinstance(value, dict):
+        return {k: round(v, decimals) for k, v in value.items()}
+    return round(value, decimals)

@@ -1,0 +1,87 @@
+"""Cache receipts on real requests (the embedded model, fp32, CPU): queue + lookup + load + prefill is the
+measured TTFT, whichever tier served the prefix, however the prefill was chunked or shared."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstrata import LLM, SamplingParams, load_config
+
+pytestmark = pytest.mark.slow
+
+ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def document(name: str, chars: int = 900) -> str:
+    from pydoc_data.topics import topics
+    return topics[name][:chars]
+
+
+def config(tmp_path: Path, **scheduler) -> dict:
+    return {"model": {"dtype": "float32", "device": "cpu"},
+            "cache": {"block_size": 16, "tiers": {"device": {"size": 64}, "cpu": {"size": 64},
+                                                 "disk": {"path": str(tmp_path / "kv"), "size": "64MiB"}}},
+            "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 8, **scheduler}}
+
+
+def assert_adds_up(out) -> None:
+    receipt = out.receipt
+    assert receipt is not None
+    assert receipt.ttft_ms == pytest.approx(out.ttft_s * 1e3)
+    parts = (receipt.queue_ms, receipt.lookup_ms, *receipt.load_ms_by_tier.values(), receipt.prefill_ms)
+    assert all(p >= 0 for p in parts), receipt
+    assert abs(receipt.parts_ms - receipt.ttft_ms) <= 0.05 * receipt.ttft_ms, receipt
+    assert receipt.prefill_ms > 0, "the last prompt token is always computed"
+    assert receipt.cached_tokens_by_tier == out.cached_tokens_by_tier
+
+
+def test_receipts_add_up_for_a_miss_and_device_cpu_and_disk_hits(embedded_model_fp32, tmp_path):
+    llm = LLM(load_config(config(tmp_path)), loaded_model=embedded_model_fp32)
+    hierarchy = llm.engine.hierarchy
+    prompt = document("try") + "\n\nWhat is this section about?"
+
+    def ask():
+        out = llm.generate(prompt, ONE_TOKEN)[0]
+        assert_adds_up(out)
+        return out, out.receipt
+
+    _, miss = ask()
+    assert miss.lookup_ms > 0 and miss.load_ms == 0 and miss.prefill_saved_ms_estimate == 0
+    _, device_hit = ask()
+    assert device_hit.cached_tokens_by_tier["device"] > 0 and device_hit.load_ms == 0
+    assert device_hit.prefill_saved_ms_estimate > 0
+
+    assert hierarchy.clear_device_cache()  # write-through put the blocks in the CPU tier
+    _, cpu_hit = ask()
+    assert cpu_hit.cached_tokens_by_tier["cpu"] > 0
+    assert cpu_hit.load_ms_by_tier["cpu"] > 0 and cpu_hit.load_ms_by_tier["disk"] == 0
+
+    hierarchy.persist()  # everything on disk, then nothing above it
+    hierarchy.cpu.clear()
+    assert hierarchy.clear_device_cache()
+    _, disk_hit = ask()
+    assert disk_hit.cached_tokens_by_tier["disk"] > 0
+    assert disk_hit.load_ms_by_tier["disk"] > 0 and disk_hit.load_ms_by_tier["cpu"] == 0
+    assert disk_hit.prefill_saved_ms_estimate > 0
+    llm.close()
+
+
+def test_receipts_add_up_for_a_chunked_prefill_and_concurrent_preempted_requests(embedded_model_fp32, tmp_path):
+    # 64-token chunks, and a device pool so small that three running requests preempt each other
+    cfg = config(tmp_path, max_num_batched_tokens=64, max_num_seqs=3)
+    cfg["cache"]["tiers"]["device"]["size"] = 30
+    llm = LLM(load_config(cfg), loaded_model=embedded_model_fp32)
+    long_prompt = document("import", 1400)
+    (alone,) = llm.generate(long_prompt, ONE_TOKEN)
+    assert len(alone.prompt_token_ids) > 4 * 64, "meant to take several chunks"
+    assert_adds_up(alone)
+
+    # three at once, in a pool too small for all three: they share steps and preempt each other (as in
+    # test_engine_outputs), each receipt still partitions its own TTFT
+    prompts = [document(n, 1100) + "\n\nWhy?" for n in ("try", "import", "execmodel")]
+    concurrent = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), cache_salt="concurrent")
+    assert any(o.num_preemptions for o in concurrent), "the pool was meant to be too small for all three at once"
+    for out in concurrent:
+        assert_adds_up(out)
+    llm.close()
