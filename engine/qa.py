@@ -3,12 +3,13 @@
 Each question becomes one chat prompt with the document first and the question after it, so every
 question shares the document as its prefix: the first question computes the document's KV blocks,
 the later ones find them in the cache (and a later run finds them in the disk tier). Answers stream
-to stdout as they are generated, each followed by its measured TTFT and the tiers that served the
-document:
+to stdout as they are generated, each followed by its measured TTFT, the tiers that served the
+document, and its cache receipt (where the TTFT went, engine/receipt.py):
 
     Q: Who wrote the report?
     A: The report was written by ...
        [ttft 0.21 s · cached 2032/2061 tokens: device 0, cpu 2032, disk 0]
+       [ttft 209.3 ms = queue 0.1 + lookup 0.4 + load 11.8 (cpu 11.8) + prefill 197.0 · prefill saved ≈ 3.90 s (estimate)]
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kvstrata.engine.config import Config
 from kvstrata.engine.llm import LLM, RequestOutput
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import document_messages
+from kvstrata.engine.receipt import CacheReceipt
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams
 
@@ -93,7 +95,10 @@ def _answer(engine: LLMEngine, request_id: str, question: str, prompt_token_ids:
             progress.close()
         engine.release(request_id)
     answer = RequestOutput.from_request(request)
-    out.write(f"\n   {cache_summary(answer)}\n\n")
+    out.write(f"\n   {cache_summary(answer)}\n")
+    if answer.receipt is not None:
+        out.write(f"   {receipt_summary(answer.receipt)}\n")
+    out.write("\n")
     out.flush()
     return answer
 
@@ -117,3 +122,13 @@ def cache_summary(answer: RequestOutput) -> str:
     ttft = "ttft n/a" if answer.ttft_s is None else f"ttft {answer.ttft_s:.2f} s"
     by_tier = ", ".join(f"{tier} {n}" for tier, n in answer.cached_tokens_by_tier.items())
     return f"[{ttft} · cached {answer.cached_tokens}/{len(answer.prompt_token_ids)} tokens: {by_tier}]"
+
+
+def receipt_summary(receipt: CacheReceipt) -> str:
+    """`[ttft 209.3 ms = queue 0.1 + lookup 0.4 + load 11.8 (cpu 11.8) + prefill 197.0 · prefill saved ≈ 3.90 s
+    (estimate)]`: the load's tiers are those it read from."""
+    tiers = ", ".join(f"{tier} {ms:.1f}" for tier, ms in receipt.load_ms_by_tier.items() if ms > 0)
+    load = f"load {receipt.load_ms:.1f}" + (f" ({tiers})" if tiers else "")
+    return (f"[ttft {receipt.ttft_ms:.1f} ms = queue {receipt.queue_ms:.1f} + lookup {receipt.lookup_ms:.1f} + {load} "
+            f"+ prefill {receipt.prefill_ms:.1f} · prefill saved ≈ {receipt.prefill_saved_ms_estimate / 1e3:.2f} s "
+            f"(estimate)]")

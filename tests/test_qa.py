@@ -16,6 +16,8 @@ DOCUMENT = (
     "started a Saturday reading club for children in 2004.\n"
 )
 SUMMARY = re.compile(r"\[ttft (\d+\.\d+) s · cached (\d+)/(\d+) tokens: device (\d+), cpu (\d+), disk (\d+)\]")
+RECEIPT = re.compile(r"\[ttft (\S+) ms = queue (\S+) \+ lookup (\S+) \+ load (\S+)(?: \([^)]*\))? \+ prefill (\S+) "
+                     r"· prefill saved ≈ (\S+) s \(estimate\)\]")
 
 
 def ask(*args: str, tmp_path) -> subprocess.CompletedProcess:
@@ -42,6 +44,11 @@ def test_ask_answers_each_question_and_the_second_reuses_the_cached_document(tmp
     assert prompt_1 > 64 and prompt_2 > 64
     assert cached_2 >= prompt_2 / 2  # the document, shared by both questions
     assert device + cpu + disk == cached_2
+    receipts = [tuple(map(float, m.groups())) for m in RECEIPT.finditer(out)]
+    assert len(receipts) == 2
+    for ttft, queue, lookup, load, prefill, _ in receipts:
+        assert abs(queue + lookup + load + prefill - ttft) <= 0.05 * ttft
+    assert receipts[0][-1] == 0 and receipts[1][-1] > 0  # the second question's cached document saved prefill
     answers = re.findall(r"^A: (.*)$", out, re.MULTILINE)
     assert all(answer.strip() for answer in answers)
 

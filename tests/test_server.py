@@ -121,6 +121,60 @@ def test_completion_with_openai_client_reports_usage_and_cache_tiers(client):
     assert kv["ttft_ms"] > 0
 
 
+RECEIPT_PARTS = ("queue", "lookup", "prefill")
+
+
+def _receipt_series(metrics_text: str) -> dict[str, float]:
+    """The Prometheus series fed by receipts: each part's histogram sum, the per-tier ones, the counters."""
+    series = {part: metric_value(metrics_text, f"kvstrata_request_{part}_time_seconds_sum") for part in RECEIPT_PARTS}
+    series["count"] = metric_value(metrics_text, "kvstrata_request_queue_time_seconds_count")
+    for tier in ("cpu", "disk"):
+        series[f"load {tier}"] = metric_value(metrics_text, "kvstrata_request_load_time_seconds_sum", f'tier="{tier}"')
+    for tier in ("device", "cpu", "disk"):
+        series[f"tokens {tier}"] = metric_value(metrics_text, "kvstrata_request_cached_tokens_total", f'tier="{tier}"')
+    series["saved"] = metric_value(metrics_text, "kvstrata_request_prefill_saved_seconds_estimate_total")
+    return series
+
+
+def _streamed_receipt(http, path: str, body: dict) -> dict:
+    """The `kvstrata` object of a stream's last chunk (the one with the finish reason)."""
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        events = [e for e in response.read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: "):])
+    assert last["choices"][0]["finish_reason"] is not None
+    return last["kvstrata"]
+
+
+@pytest.mark.slow
+def test_responses_and_streams_carry_a_receipt_that_adds_up_and_metrics_sum_the_receipts(http):
+    before = _receipt_series(http.get("/metrics").text)
+    prompt = f"Receipt {uuid.uuid4().hex}: which two primary colours make green, and which make orange?"
+    receipts = [http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0}).json()["kvstrata"],
+                _streamed_receipt(http, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0}),
+                _streamed_receipt(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
+                                                                 "max_tokens": 2, "temperature": 0})]
+    for receipt in receipts:
+        parts = receipt["queue_ms"] + receipt["lookup_ms"] + sum(receipt["load_ms_by_tier"].values()) + receipt["prefill_ms"]
+        assert abs(parts - receipt["ttft_ms"]) <= 0.05 * receipt["ttft_ms"], receipt
+        assert receipt["prefill_ms"] > 0
+    assert receipts[0]["prefill_saved_ms_estimate"] == 0 and receipts[1]["cached_tokens_by_tier"]["device"] > 0
+    assert receipts[1]["prefill_saved_ms_estimate"] > 0  # the same prompt again: its blocks were on the device
+
+    after = _receipt_series(http.get("/metrics").text)
+    delta = {name: after[name] - before[name] for name in after}
+    tolerance = len(receipts) * 1e-6  # the responses round each part to the microsecond
+    assert delta["count"] == len(receipts)
+    for part in RECEIPT_PARTS:
+        assert delta[part] == pytest.approx(sum(r[f"{part}_ms"] for r in receipts) / 1e3, abs=tolerance), part
+    for tier in ("cpu", "disk"):
+        assert delta[f"load {tier}"] == pytest.approx(sum(r["load_ms_by_tier"][tier] for r in receipts) / 1e3,
+                                                      abs=tolerance)
+    for tier in ("device", "cpu", "disk"):
+        assert delta[f"tokens {tier}"] == sum(r["cached_tokens_by_tier"][tier] for r in receipts)
+    assert delta["saved"] == pytest.approx(sum(r["prefill_saved_ms_estimate"] for r in receipts) / 1e3, abs=tolerance)
+
+
 @pytest.mark.slow
 def test_completion_logprobs_name_each_token_and_its_likeliest_alternatives(client):
     completion = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
