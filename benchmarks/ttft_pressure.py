@@ -65,7 +65,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
 from benchmarks import ttft_report  # noqa: E402
 from benchmarks.peers import LLAMA_CPP_MISSING, HFGeneratePeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
 from benchmarks.ttft_stats import (MISS, TIERS, hit_tier, mean_cached_by_tier, percentile,  # noqa: E402
-                                   summarize)
+                                   summarize, worst_receipt_error)
 from benchmarks.ttft_workload import (QAPrompt, blocks_for, build_workload, cut_document,  # noqa: E402
                                       load_document, load_questions, qa_content, working_set_blocks)
 
@@ -225,7 +225,7 @@ def ask(engine, token_ids, cache_salt: str | None = None) -> dict:
     return {"ttft_s": out.ttft_s, "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": sum(by_tier.values()),
             "computed_tokens": len(out.prompt_token_ids) - sum(by_tier.values()),
             "cached_tokens_by_tier": by_tier, "hit_tier": hit_tier(by_tier, len(out.prompt_token_ids)),
-            "text": out.text}
+            "receipt": out.receipt.to_dict(), "text": out.text}
 
 
 def run_prompts(engine, prompts: list[QAPrompt]) -> list[dict]:
@@ -359,7 +359,8 @@ def summarise_configuration(result: dict) -> dict:
                 for ph in sorted({r["phase"] for r in records})}
     by_hit = {t: summarize([r["ttft_s"] for r in records if r["hit_tier"] == t]) for t in (*TIERS, MISS)}
     return {"summary": summarize(ttfts), "by_phase": by_phase, "by_hit_tier": {k: v for k, v in by_hit.items() if v},
-            "mean_cached_tokens_by_tier": mean_cached_by_tier(records), "cold_ttft_s": result["cold"]["ttft_s"]}
+            "mean_cached_tokens_by_tier": mean_cached_by_tier(records), "cold_ttft_s": result["cold"]["ttft_s"],
+            "receipt_worst_error": worst_receipt_error([*records, result["cold"]])}
 
 
 # ---------------------------------------------------------------------------------------------- cold slowdown
@@ -635,8 +636,8 @@ def run_configurations(names: list[str], args, base, loaded, prompts: list[QAPro
         profiles.update({f"{name}:{k}": v for k, v in result.pop("profiles", {}).items()})
         configurations[name] = {**result, **summarise_configuration(result)}
         s = configurations[name]["summary"]
-        print(f"  p50 {s['p50']:.3f} s  p90 {s['p90']:.3f} s  cold {configurations[name]['cold_ttft_s']:.3f} s",
-              flush=True)
+        print(f"  p50 {s['p50']:.3f} s  p90 {s['p90']:.3f} s  cold {configurations[name]['cold_ttft_s']:.3f} s  "
+              f"receipts: worst |sum - ttft| / ttft {configurations[name]['receipt_worst_error']:.2%}", flush=True)
     return configurations, profiles
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.ttft_stats import MISS, TIERS, Goal, p50_of, ratio
+from benchmarks.ttft_stats import MISS, TIERS, Goal, p50_of, ratio, worst_receipt_error
 
 ROUND_ROBIN = "round_robin"
 
@@ -55,12 +55,19 @@ def goals(result: dict) -> list[Goal]:
              10.0, ">=", "device_only round-robin p50", "device_cpu round-robin p50"),
         Goal("cold slowdown with CPU + disk tiers on", cold.get("slowdown"), 0.10, "<",
              "median cold TTFT, tiers on", "tiers off, minus 1"),
+        Goal("receipts add up: worst relative gap, queue + lookup + load + prefill vs TTFT", _worst_receipt_error(result),
+             0.05, "<", "the worst request's abs(sum of parts - TTFT)", "its TTFT, over every configuration"),
         Goal("kvstrata CPU-tier hit / llama.cpp RAM-cache hit", ratio(cpu_hit, _peer_repeat_p50(result, "llama_cpp_ram_cache")),
              1.0, "<=", "device_cpu CPU-hit p50", "llama_cpp_ram_cache repeat-document p50"),
         Goal("kvstrata disk hit after restart / llama.cpp disk-cache hit",
              ratio(disk_hit, _peer_repeat_p50(result, "llama_cpp_disk_cache")), 1.0, "<=",
              "disk_after_restart disk-hit p50", "llama_cpp_disk_cache repeat-document p50"),
     ]
+
+
+def _worst_receipt_error(result: dict) -> float | None:
+    records = [r for c in result["configurations"].values() for r in (*c["records"], c.get("cold") or {})]
+    return worst_receipt_error(records)
 
 
 # ---------------------------------------------------------------------------------------------- markdown
@@ -182,6 +189,26 @@ def _source_line(result: dict) -> list[str]:
                                                   if modified else "") + "  "]
 
 
+def _receipt_table(result: dict) -> list[str]:
+    """Mean receipt parts per configuration and hit tier: where each kind of request's TTFT went."""
+    lines = ["| configuration | hit | n | queue | lookup | load cpu / disk | prefill | TTFT | prefill saved (estimate) | "
+             "worst \\|sum - TTFT\\| / TTFT |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, c in result["configurations"].items():
+        for hit in (*TIERS, MISS):
+            receipts = [r["receipt"] for r in c["records"] if r["hit_tier"] == hit and r.get("receipt")]
+            if not receipts:
+                continue
+            means = {key: sum(r[key] for r in receipts) / len(receipts)
+                     for key in ("queue_ms", "lookup_ms", "prefill_ms", "ttft_ms", "prefill_saved_ms_estimate")}
+            load = " / ".join(f"{sum(r['load_ms_by_tier'].get(t, 0.0) for r in receipts) / len(receipts):.1f} ms"
+                              for t in ("cpu", "disk"))
+            worst = worst_receipt_error([{"receipt": r} for r in receipts])
+            lines.append(f"| {name} | {hit} | {len(receipts)} | {means['queue_ms']:.1f} ms | {means['lookup_ms']:.1f} ms | "
+                         f"{load} | {means['prefill_ms']:.1f} ms | {means['ttft_ms']:.1f} ms | "
+                         f"{means['prefill_saved_ms_estimate']:.1f} ms | {worst:.2%} |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     w = result["workload"]
     load = result["load_average"]
@@ -208,6 +235,10 @@ def markdown(result: dict) -> str:
         "## kvstrata configurations", "",
         *_configuration_table(result), "",
         *_hit_tier_table(result), "",
+        "## Where the TTFT went (cache receipts)", "",
+        "Each request's receipt partitions its TTFT (README, \"Cache receipts\"); means per kind of request. "
+        "The prefill saved is an estimate at the engine's measured cost per token.", "",
+        *_receipt_table(result), "",
         "## By dtype", "",
         "The same prompts and tier sizes (in blocks) with the model loaded in each dtype"
         + (" (`--dtype`); the dtypes after the first ran recompute, device_cpu and device_cpu_disk only."

@@ -48,6 +48,18 @@ def mean_cached_by_tier(records: Iterable[Mapping]) -> dict[str, float]:
     return {t: sum(r["cached_tokens_by_tier"].get(t, 0) for r in rows) / len(rows) for t in TIERS}
 
 
+def receipt_error(receipt: Mapping) -> float:
+    """|queue + lookup + load + prefill - ttft| / ttft of one receipt (engine/receipt.py, as a dict)."""
+    parts = receipt["queue_ms"] + receipt["lookup_ms"] + sum(receipt["load_ms_by_tier"].values()) + receipt["prefill_ms"]
+    return abs(parts - receipt["ttft_ms"]) / receipt["ttft_ms"]
+
+
+def worst_receipt_error(records: Iterable[Mapping]) -> float | None:
+    """The largest `receipt_error` among records that carry a receipt (None when none does)."""
+    errors = [receipt_error(r["receipt"]) for r in records if r.get("receipt")]
+    return max(errors) if errors else None
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     """numerator / denominator, or None when either is missing or the denominator is not positive."""
     if numerator is None or denominator is None or denominator <= 0:
