@@ -204,6 +204,21 @@ def test_goals_are_computed_from_the_right_requests():
     assert by_name["kvstrata disk hit after restart / llama.cpp disk-cache hit"].status == "N/A"
 
 
+def _receipt(queue, lookup, load, prefill, ttft):
+    return {"queue_ms": queue, "lookup_ms": lookup, "load_ms_by_tier": {"cpu": load, "disk": 0.0},
+            "prefill_ms": prefill, "ttft_ms": ttft}
+
+
+def test_receipts_goal_is_the_worst_gap_between_parts_and_ttft_of_any_request():
+    result = synthetic_result()
+    result["configurations"]["device_cpu"]["records"][1]["receipt"] = _receipt(1, 1, 10, 88, 100)  # adds up
+    result["configurations"]["device_cpu_disk"]["records"][0]["receipt"] = _receipt(2, 1, 30, 57, 100)  # 10% short
+    result["configurations"]["recompute"]["cold"] = {"receipt": _receipt(0, 0, 0, 196, 200)}  # 2% short
+    goal = next(g for g in goals(result) if g.name.startswith("receipts add up"))
+    assert goal.value == pytest.approx(0.10) and goal.status == "MISS"
+    assert next(g for g in goals(synthetic_result()) if g.name.startswith("receipts add up")).status == "N/A"
+
+
 def test_device_hit_falls_back_to_every_configurations_device_hits_when_device_cpu_has_none():
     result = synthetic_result()
     result["configurations"]["device_cpu"]["records"] = [_record(0.12, "cpu")]
@@ -253,8 +268,11 @@ def test_bench_ttft_cli_measures_every_configuration_in_each_dtype(tmp_path):
     by_name = {g["name"]: g for g in result["goals"]}
     assert by_name["recompute / CPU-tier hit"]["value"] == pytest.approx(ratio(*(
         tier_p50s(result)[k] for k in ("miss", "cpu_hit"))))
+    receipts_goal = next(g for name, g in by_name.items() if name.startswith("receipts add up"))
+    assert receipts_goal["status"] == "PASS" and receipts_goal["value"] < 0.05
     report = (out_dir / "ttft_pressure.md").read_text()
     assert "| disk_after_restart |" in report and "## Goals" in report
+    assert "| device_cpu | cpu |" in report.split("## Where the TTFT went")[1].split("##")[0]
     by_dtype = report.split("## By dtype")[1].split("##")[0]
     for dtype in ("float32", "bfloat16"):
         row = next(line for line in by_dtype.splitlines() if line.startswith(f"| {dtype} |"))
@@ -270,6 +288,8 @@ def assert_each_configuration_is_what_it_claims(configurations: dict, num_reques
         assert c["cold_ttft_s"] > 0 and c["cold"]["cached_tokens"] == 0, name
         for r in c["records"]:
             assert 0 <= r["cached_tokens"] < r["prompt_tokens"], name
+            assert r["receipt"]["ttft_ms"] == pytest.approx(r["ttft_s"] * 1e3), name
+            assert r["receipt"]["cached_tokens_by_tier"] == r["cached_tokens_by_tier"], name
 
     def tokens(name, tier):
         return sum(r["cached_tokens_by_tier"][tier] for r in configurations[name]["records"])

@@ -1,5 +1,5 @@
-"""Cache receipts on real requests (the embedded model, fp32, CPU): queue + lookup + load + prefill is the
-measured TTFT, whichever tier served the prefix, however the prefill was chunked or shared."""
+"""Cache receipts: queue + lookup + load + prefill is the measured TTFT, whichever tier served the prefix,
+however the prefill was chunked, shared or sent back (real requests on the embedded model, fp32, CPU)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata import LLM, SamplingParams, load_config
-
-pytestmark = pytest.mark.slow
+from kvstrata.engine.receipt import CacheReceipt, PhaseTimes
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -34,6 +33,24 @@ def assert_adds_up(out) -> None:
     assert abs(receipt.parts_ms - receipt.ttft_ms) <= 0.05 * receipt.ttft_ms, receipt
     assert receipt.prefill_ms > 0, "the last prompt token is always computed"
     assert receipt.cached_tokens_by_tier == out.cached_tokens_by_tier
+
+
+@pytest.mark.slow
+def test_a_request_sent_back_adds_up_its_phases_over_every_pass_and_splits_its_loads_by_tier():
+    phases, arrival = PhaseTimes(), 100.0
+    phases.enter("lookup", 101.0, arrival)         # queued 1 s
+    phases.enter("load", 101.5, arrival)           # the walk: 0.5 s
+    phases.load_split = {"cpu": 1.0, "disk": 3.0}  # the worker read disk three times as long
+    phases.enter("queue", 103.5, arrival)          # landed, but the device was full: 2 s of load
+    phases.enter("lookup", 104.0, arrival)
+    phases.enter("prefill", 104.25, arrival)       # on the device now: admitted
+    phases.finish(106.0, arrival)
+    phases.enter("queue", 107.0, arrival)          # a preemption after the first token changes nothing
+    receipt = CacheReceipt.measured(6.0, phases, {"device": 32, "cpu": 0, "disk": 0}, 0.5)
+    assert (receipt.queue_ms, receipt.lookup_ms, receipt.prefill_ms) == pytest.approx((1500, 750, 1750))
+    assert receipt.load_ms_by_tier == pytest.approx({"cpu": 500, "disk": 1500})
+    assert receipt.parts_ms == pytest.approx(receipt.ttft_ms) and receipt.prefill_saved_ms_estimate == 500
+    assert receipt.to_dict(decimals=0)["load_ms_by_tier"] == {"cpu": 500, "disk": 1500}
 
 
 def test_receipts_add_up_for_a_miss_and_device_cpu_and_disk_hits(embedded_model_fp32, tmp_path):
@@ -67,6 +84,7 @@ def test_receipts_add_up_for_a_miss_and_device_cpu_and_disk_hits(embedded_model_
     llm.close()
 
 
+@pytest.mark.slow
 def test_receipts_add_up_for_a_chunked_prefill_and_concurrent_preempted_requests(embedded_model_fp32, tmp_path):
     # 64-token chunks, and a device pool so small that three running requests preempt each other
     cfg = config(tmp_path, max_num_batched_tokens=64, max_num_seqs=3)
