@@ -29,6 +29,10 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     step), a long prefill in progress (one the step cannot finish) gets at most
     `long_prefill_share` of the step's budget and the rest goes to the short work. With nothing
     short waiting, long prefills get the whole budget. Several requests may be mid-prefill at once.
+
+Receipts (engine/receipt.py): the KV manager's lookup starts a request's lookup phase (and its load
+phase, when it loads); admission here starts its prefill phase; a request sent back (its admission
+found the device full, or it was preempted) returns to the queue phase.
 """
 from __future__ import annotations
 
