@@ -103,8 +103,8 @@ class KVCacheManager:
             # time for each (a tier asked first that held none of them adds to the others' share);
             # if none served, by the blocks the walk found in each.
             served = {t for t in load.served_from if t is not None}
-            read_s = {t: s for t, s in load.read_s_by_tier.items() if t in served and s > 0}
-            request.phases.load_split = read_s or load.found_below_by_tier
+            read_s = {t: s for t, s in load.read_s.items() if t in served and s > 0}
+            request.phases.load_split = read_s or {t: load.found_in.count(t) for t in set(load.found_in) - {"device"}}
         by_tier = {t: hit.blocks_by_tier.get(t, 0) * self.block_size for t in TIER_NAMES}
         return hit.blocks, hit.num_blocks * self.block_size, by_tier
 

@@ -74,13 +74,8 @@ class PrefixLoad:
     below: list[int]                    # positions of the blocks found below the device
     served_from: list[str | None]       # per position in `below`: the tier that served it (set by the load)
     transfer: Transfer | None = None
-    # Seconds the load worker spent reading each lower tier for this prefix (set by the load).
-    read_s_by_tier: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def found_below_by_tier(self) -> dict[str, int]:
-        """How many of the blocks to load the walk found in each lower tier."""
-        return {t: self.found_in.count(t) for t in dict.fromkeys(self.found_in) if t != "device"}
+    # seconds each lower tier spent in its reads for this load (set by the load; splits the request's load time)
+    read_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
@@ -214,15 +209,13 @@ class TierHierarchy:
                 break
             started = time.perf_counter()
             ok = tier.get([hashes[m] for m in missing], [tokens[m] for m in missing], [dests[m] for m in missing])
+            load.read_s[tier.name] = load.read_s.get(tier.name, 0.0) + time.perf_counter() - started
             for m, served in zip(missing, ok):
                 if served:
                     served_from[m] = tier.name
-            _add_seconds(load.read_s_by_tier, tier.name, started)
         from_disk = [m for m, s in enumerate(served_from) if s == "disk"]
         if from_disk and self.cpu is not None:
-            started = time.perf_counter()  # keeping disk hits in the CPU tier is part of loading from disk
             self.cpu.put([hashes[m] for m in from_disk], [tokens[m] for m in from_disk], [dests[m] for m in from_disk])
-            _add_seconds(load.read_s_by_tier, "disk", started)
         load.served_from[start:start + len(dests)] = served_from
         return [s is not None for s in served_from]
 
@@ -472,7 +465,3 @@ def _put_run(tier: LowerTier, hashes: list[bytes], tokens: list[tuple[int, ...]]
     """A store job's drain: put the blocks `start, start + 1, ...` of the job into `tier`."""
     stop = start + len(srcs)
     tier.put(hashes[start:stop], tokens[start:stop], srcs)
-
-
-def _add_seconds(seconds: dict[str, float], key: str, started: float) -> None:
-    seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - started
