@@ -13,6 +13,7 @@
       offload: write_through    # or on_evict
       pin_share: 0.5            # the most of each lower tier that pinned documents may take
       preload: [{file: handbook.txt, cache_salt: null, pin: true}]   # documents cached at start-up
+      load_policy: auto         # or always_load, always_recompute
     scheduler: {max_num_batched_tokens: 2048, max_num_seqs: 32}
     server: {host: 127.0.0.1, port: 8000, model_alias: null, api_key: null, max_request_body: 32MiB}
 
@@ -306,6 +307,8 @@ class CacheConfig(_Section):
     offload: Literal["write_through", "on_evict"] = "write_through"
     pin_share: Fraction = 0.5
     preload: tuple[PreloadConfig, ...] = ()
+    # whether a prefix found below the device is loaded or recomputed (engine/load_policy.py)
+    load_policy: Literal["auto", "always_load", "always_recompute"] = "auto"
 
     @field_validator("tiers", mode="before")
     @classmethod

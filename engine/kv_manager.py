@@ -3,7 +3,8 @@
 The scheduler asks it three things: how much of a request's prefix is cached anywhere
 (`get_computed_blocks`, which starts loading lower-tier hits to the device and answers None while
 they load), for device slots for the tokens it is about to compute (`allocate_slots`), and to let a
-request go (`free`).
+request go (`free`). How much of a prefix found below the device is worth loading rather than
+recomputing is `cache.load_policy`'s choice (engine/load_policy.py), from the measured speeds kept here.
 
 A request's prefix is held from its lookup until it is admitted or let go: device hits by their
 ref count, lower-tier hits in their tier and by the device blocks they are being copied into.
@@ -12,14 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvstrata.engine.costs import ReadCost, StepCost
 from kvstrata.engine.hashing import BlockHasher
+from kvstrata.engine.load_policy import LOAD_POLICIES, choose_cut, recomputed_by_tier
 from kvstrata.engine.request import Request
 from kvstrata.tiers.base import TIER_NAMES
 from kvstrata.tiers.block_pool import KVCacheBlock
 from kvstrata.tiers.hierarchy import PrefixLoad, TierHierarchy
 
 ComputedBlocks = tuple[list[KVCacheBlock], int, dict[str, int]]
-LOAD_SMOOTHING = 0.3  # weight of the newest load in the per-tier load-time averages
+PROBE_BLOCKS = (1, 4)  # the loads timed per lower tier at start-up: a latency and a per-block cost
 
 
 @dataclass
@@ -32,11 +35,16 @@ class PrefixCacheStats:
     query_tokens: int = 0            # their prompt tokens
     query_blocks: int = 0            # their blocks that could hit (full blocks before the last prompt token)
     hit_blocks: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIER_NAMES})  # served, per tier
+    # found in each tier at lookup but recomputed, by the load policy's choice (`recomputed_tokens_by_tier`)
+    recomputed_blocks: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIER_NAMES})
 
 
 class KVCacheManager:
     def __init__(self, hierarchy: TierHierarchy, hasher: BlockHasher, block_size: int,
-                 enable_caching: bool = True):
+                 enable_caching: bool = True, load_policy: str = "auto"):
+        if load_policy not in LOAD_POLICIES:
+            raise ValueError(f"cache.load_policy: unknown policy {load_policy!r} (use one of {', '.join(LOAD_POLICIES)})")
+        self.load_policy = load_policy
         self.hierarchy = hierarchy
         self.pool = hierarchy.pool
         self.hasher = hasher
@@ -51,8 +59,11 @@ class KVCacheManager:
         # Prefixes of requests let go while their load was in flight: released once it lands.
         self._abandoned: list[PrefixLoad] = []
         self.prefix_stats = PrefixCacheStats()
-        # Measured seconds to load one block from each lower tier (moving averages; 0 until seen).
-        self.load_s_per_block: dict[str, float] = {t: 0.0 for t in TIER_NAMES if t != "device"}
+        # Measured speeds (engine/costs.py): each lower tier's loads, and the engine's steps (reported
+        # through the scheduler, which prices waiting work with the same estimates).
+        block_nbytes = hierarchy.kv_cache[0].numel() * hierarchy.kv_cache.element_size()
+        self.read_costs: dict[str, ReadCost] = {t: ReadCost(block_nbytes) for t in TIER_NAMES if t != "device"}
+        self.step_cost = StepCost()
 
     # ----------------------------------------------------------------- hashing
 
@@ -86,10 +97,12 @@ class KVCacheManager:
         load = self.prefix_loads.get(request.request_id)
         if load is None:
             request.enter_phase("lookup")
-            self._update_hashes(request)
-            max_blocks = (request.num_tokens - 1) // self.block_size
-            hashes = request.block_hashes[:max_blocks]
-            load = self.hierarchy.acquire_prefix(hashes, self._block_tokens(request, 0, len(hashes)))
+            hashes = self._prefix_hashes(request)
+            found_in = self.hierarchy.locate(hashes)
+            cut = self._choose_cut(request, found_in)
+            if request.cached_tokens_by_tier is None:  # not admitted yet: what it will report, and be counted
+                request.recomputed_tokens_by_tier = recomputed_by_tier(found_in, cut, self.block_size, TIER_NAMES)
+            load = self.hierarchy.acquire_prefix(hashes[:cut], self._block_tokens(request, 0, cut), found_in[:cut])
             self.prefix_loads[request.request_id] = load
             if load.transfer is not None:  # submitted: the load phase starts, landed or not
                 request.enter_phase("load")
@@ -108,26 +121,45 @@ class KVCacheManager:
         by_tier = {t: hit.blocks_by_tier.get(t, 0) * self.block_size for t in TIER_NAMES}
         return hit.blocks, hit.num_blocks * self.block_size, by_tier
 
+    def _prefix_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the blocks that may hit: full blocks before the last token (whose logits are needed)."""
+        self._update_hashes(request)
+        return request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+
+    def _choose_cut(self, request: Request, found_in: list[str]) -> int:
+        """How many leading blocks of the found prefix to use (`cache.load_policy`, engine/load_policy.py)."""
+        return choose_cut(self.load_policy, found_in, request.num_tokens, self.block_size, self.step_cost,
+                          self.read_costs)
+
     def _measure_load(self, load: PrefixLoad) -> None:
-        """Fold a landed load's time per block into the estimate for the tier that served most of it."""
-        served = [t for t in load.served_from if t is not None]
-        if load.transfer is None or not served:
+        """Fold a landed load into each serving tier's read cost: the job's time, shared between the
+        tiers that served it in proportion to the time their reads took."""
+        if load.transfer is None or load.transfer.failed:
             return
-        tier = max(set(served), key=served.count)
-        per_block = load.transfer.seconds / len(load.below)
-        self.load_s_per_block[tier] += LOAD_SMOOTHING * (per_block - self.load_s_per_block[tier])
+        read_s = sum(load.read_s.values())
+        for tier, seconds in load.read_s.items():
+            served = sum(1 for t in load.served_from if t == tier)
+            if served and read_s > 0:
+                self.read_costs[tier].observe(served, load.transfer.seconds * seconds / read_s)
+
+    def probe_lower_tiers(self) -> None:
+        """Seed each lower tier's read cost with a few timed loads of throwaway blocks (start-up)."""
+        for tier in self.hierarchy.lower_tiers:
+            for num_blocks, seconds in self.hierarchy.probe_loads(tier, PROBE_BLOCKS):
+                self.read_costs[tier.name].observe(num_blocks, seconds)
 
     def estimate_uncached(self, request: Request) -> tuple[int, dict[str, int]]:
-        """(tokens left to compute, cached blocks per tier) for a waiting request, from a lookup that
-        holds nothing (one `count_prefix` per tier): for ordering admissions, not for admitting."""
+        """(tokens left to compute, cached blocks per tier to use) for a waiting request, from a lookup
+        that holds nothing (one `count_prefix` per tier) cut where the load policy would cut it: for
+        ordering admissions, not for admitting."""
         load = self.prefix_loads.get(request.request_id)
         if not self.enable_caching:
             found: list[str] = []
         elif load is not None:
             found = load.found_in
         else:
-            self._update_hashes(request)
-            found = self.hierarchy.locate(request.block_hashes[:(request.num_tokens - 1) // self.block_size])
+            found = self.hierarchy.locate(self._prefix_hashes(request))
+            found = found[:self._choose_cut(request, found)]
         hit_blocks = {t: found.count(t) for t in TIER_NAMES}
         return request.num_tokens - len(found) * self.block_size, hit_blocks
 
@@ -160,8 +192,10 @@ class KVCacheManager:
         stats.queries += 1
         stats.query_tokens += request.num_prompt_tokens
         stats.query_blocks += (request.num_prompt_tokens - 1) // self.block_size
+        recomputed = request.recomputed_tokens_by_tier or {}
         for t in TIER_NAMES:
             stats.hit_blocks[t] += cached_tokens_by_tier.get(t, 0) // self.block_size
+            stats.recomputed_blocks[t] += recomputed.get(t, 0) // self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
@@ -225,4 +259,5 @@ class KVCacheManager:
 
     def stats(self) -> PrefixCacheStats:
         s = self.prefix_stats
-        return PrefixCacheStats(s.queries, s.query_tokens, s.query_blocks, dict(s.hit_blocks))
+        return PrefixCacheStats(s.queries, s.query_tokens, s.query_blocks, dict(s.hit_blocks),
+                                dict(s.recomputed_blocks))

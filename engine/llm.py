@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, Union
 
@@ -11,6 +11,7 @@ from kvstrata.engine.config import Config, load_config
 from kvstrata.engine.documents import Document
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import render_document
+from kvstrata.tiers.base import TIER_NAMES
 from kvstrata.engine.receipt import CacheReceipt
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
@@ -36,17 +37,20 @@ class RequestOutput:
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per token in `token_ids`, if the params asked for them
     receipt: CacheReceipt | None = None      # where the TTFT went (engine/receipt.py); None before the first token
+    # prompt tokens found in a tier but recomputed instead, by `cache.load_policy`'s choice (measured speeds)
+    recomputed_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
 
     @classmethod
     def from_request(cls, r: Request) -> "RequestOutput":
-        by_tier = dict(r.cached_tokens_by_tier or {"device": 0, "cpu": 0, "disk": 0})
+        by_tier = dict(r.cached_tokens_by_tier or dict.fromkeys(TIER_NAMES, 0))
         return cls(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
                    text=r.output_text, token_ids=list(r.output_token_ids), cached_tokens=sum(by_tier.values()),
                    cached_tokens_by_tier=by_tier, ttft_s=r.ttft_s,
                    finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason,
                    finished=r.is_finished, num_preemptions=r.num_preemptions,
                    logprobs=None if r.sampling_params.logprobs is None else list(r.output_logprobs),
-                   receipt=r.receipt)
+                   receipt=r.receipt,
+                   recomputed_tokens_by_tier=dict(r.recomputed_tokens_by_tier or dict.fromkeys(by_tier, 0)))
 
 
 class LLM:

@@ -56,7 +56,8 @@ class LLMEngine:
                                    batch_invariant=config.model.batch_invariant)
         hasher = BlockHasher(cache.block_size, namespace, cache.hash)
         self.kv_manager = KVCacheManager(self.hierarchy, hasher, cache.block_size,
-                                         enable_caching=cache.enable_prefix_caching)
+                                         enable_caching=cache.enable_prefix_caching, load_policy=cache.load_policy)
+        self.kv_manager.probe_lower_tiers()  # seeds the load policy's read costs before any request
         self.documents = DocumentRegistry(self.hierarchy, hasher, cache.block_size, cache.pin_share)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_batched_tokens, sc.max_num_seqs, policy=sc.policy,
@@ -248,7 +249,7 @@ class LLMEngine:
         # The step's measured cost prices waiting work and caps later steps (scheduler.step_target).
         # On a GPU only a sampling step has waited for the device (`sample` reads the tokens back).
         if sampling or self.device.type == "cpu":
-            self.scheduler.observe_step(out.num_tokens, time.perf_counter() - started)
+            self.scheduler.observe_step(out, time.perf_counter() - started)
         # The step computed the K/V of the blocks cached at allocation: now they can go down (the
         # transfer engine copies them in the background). A block reused before its copy is done is
         # waited for by the pool's eviction hook, so nothing is lost.
@@ -316,6 +317,13 @@ class LLMEngine:
         - `prefix_cache.query_tokens`: prompt tokens of admitted requests; `prefix_cache.hit_tokens[tier]`:
           those served from each tier. Both are counted once per request, at its first admission
           (what the request reports as `cached_tokens_by_tier`): a retried admission is not counted again.
+        - `prefix_cache.recomputed_tokens[tier]`: prompt tokens found in each tier at lookup that the load
+          policy chose to recompute rather than load (what requests report as `recomputed_tokens_by_tier`),
+          counted the same way.
+        - `load_policy`: `cache.load_policy` and the estimates it decides with, all measured: each lower
+          tier's delivered read bandwidth and per-load latency (seeded by a probe at start-up, then from
+          promotions), and the step cost fit (`overhead_s + per_token_s * tokens + per_pair_s * attention
+          pairs`, engine/costs.py).
         - `tiers.device.hits` / `misses`: the same hits in blocks; misses are the admitted requests'
           blocks that could have hit (full blocks before the last prompt token) and the device did
           not serve. `tiers.cpu|disk.hits|misses|corrupt`: blocks each lower tier's reads served,
@@ -337,7 +345,9 @@ class LLMEngine:
         return {
             "tiers": tiers,
             "prefix_cache": {"query_tokens": prefix.query_tokens,
-                             "hit_tokens": {t: n * self.block_size for t, n in prefix.hit_blocks.items()}},
+                             "hit_tokens": {t: n * self.block_size for t, n in prefix.hit_blocks.items()},
+                             "recomputed_tokens": {t: n * self.block_size for t, n in prefix.recomputed_blocks.items()}},
+            "load_policy": self._load_policy_stats(),
             "promotions": counters["promotions"],
             "promotion_failures": counters["promotion_failures"],
             "write_downs": counters["write_downs"],
@@ -350,6 +360,15 @@ class LLMEngine:
             "threads": torch.get_num_threads(),
             "attention_backend": self.attention_backend,
         }
+
+    def _load_policy_stats(self) -> dict:
+        kv = self.kv_manager
+        step = kv.step_cost
+        return {"policy": kv.load_policy,
+                "read_bytes_per_s": {t: c.bytes_per_s for t, c in kv.read_costs.items()},
+                "read_latency_s": {t: c.latency_s for t, c in kv.read_costs.items()},
+                "step_cost": {"overhead_s": step.overhead_s, "per_token_s": step.per_token_s,
+                              "per_pair_s": step.per_pair_s}}
 
     def write_down_idle(self, max_blocks: int = 64) -> int:
         """While idle, write up to `max_blocks` cached blocks the disk tier lacks down to it, so a

@@ -50,6 +50,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # Prompt tokens served from the cache at the request's first scheduling, per tier (measured).
     cached_tokens_by_tier: dict[str, int] | None = None
+    # Prompt tokens found in each tier at that lookup but recomputed by the load policy's choice.
+    recomputed_tokens_by_tier: dict[str, int] | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
     # Where the time to first token goes (engine/receipt.py), and the prefill time its cached tokens

@@ -41,14 +41,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvstrata.engine.costs import StepCost, attention_pairs
 from kvstrata.engine.kv_manager import KVCacheManager
 from kvstrata.engine.request import Request, RequestStatus
 
 POLICIES = ("fcfs", "uncached_first")
 AGING = 4.0              # a request is overdue once it has waited this many times its own estimated cost
 MIN_AGE_S = 1.0          # ... and at least this long: a near-free request is not overdue at once
-MIN_STEP_TOKENS = 32     # the step cap never goes below this many tokens ...
-MAX_OVERHEAD_SHARE = 0.1  # ... nor so low that the fixed cost of a step exceeds this share of it
 
 
 @dataclass
@@ -57,6 +56,7 @@ class ScheduledRequest:
     num_new_tokens: int
     # True when this step reaches the end of the request's known tokens: a token is sampled.
     samples: bool
+    context: int = 0  # the request's computed tokens before this step (its new tokens attend to them)
 
 
 @dataclass
@@ -68,35 +68,9 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
-
-@dataclass
-class StepCost:
-    """The engine's measured step time, `overhead_s + per_token_s * tokens`, as moving averages.
-
-    Steps of a few tokens (decodes) measure the overhead; larger ones the cost per token. Before
-    any measurement the per-token cost is a CPU-sized guess, replaced after the first steps.
-    """
-
-    per_token_s: float = 2e-3
-    overhead_s: float = 0.0
-    smoothing: float = 0.3
-    SMALL_STEP_TOKENS = 8
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0:
-            return
-        a = self.smoothing
-        if num_tokens <= self.SMALL_STEP_TOKENS:
-            self.overhead_s += a * (seconds - self.overhead_s)
-        else:
-            marginal = max(seconds - self.overhead_s, 0.0) / num_tokens
-            self.per_token_s += a * (marginal - self.per_token_s)
-
-    def tokens_within(self, seconds: float) -> int:
-        """The tokens a step may take to last `seconds`, within the floors of the step cap."""
-        per_token = max(self.per_token_s, 1e-9)
-        overhead_floor = self.overhead_s * (1 - MAX_OVERHEAD_SHARE) / MAX_OVERHEAD_SHARE / per_token
-        return max(MIN_STEP_TOKENS, int(overhead_floor), int((seconds - self.overhead_s) / per_token))
+    @property
+    def num_attention_pairs(self) -> int:
+        return sum(attention_pairs(s.num_new_tokens, s.context) for s in self.scheduled)
 
 
 class Scheduler:
@@ -112,7 +86,6 @@ class Scheduler:
         self.step_target = step_target
         self.long_prefill_share = long_prefill_share
         self.clock = clock
-        self.cost = StepCost()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -127,9 +100,18 @@ class Scheduler:
     def num_loading(self) -> int:
         return sum(1 for r in self.waiting if r.status == RequestStatus.LOADING)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The engine reports how long a step of `num_tokens` took (it prices work and caps steps)."""
-        self.cost.observe(num_tokens, seconds)
+    @property
+    def cost(self) -> StepCost:
+        """The engine's measured step cost: kept by the KV manager, whose load policy prices recomputing with it."""
+        return self.kv.step_cost
+
+    @cost.setter
+    def cost(self, cost: StepCost) -> None:
+        self.kv.step_cost = cost
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine reports how long a scheduled step took (it prices work and caps steps)."""
+        self.cost.observe(out.num_tokens, seconds, out.num_attention_pairs)
 
     # ------------------------------------------------------------------ one step
 
@@ -166,7 +148,7 @@ class Scheduler:
     def _uncached_work(self, request: Request) -> float:
         """Tokens left to compute after a lookup, plus lower-tier hits priced at their load time."""
         tokens, hit_blocks = self.kv.estimate_uncached(request)
-        load_s = sum(n * self.kv.load_s_per_block.get(t, 0.0) for t, n in hit_blocks.items() if t != "device")
+        load_s = sum(self.kv.read_costs[t].load_s(n) for t, n in hit_blocks.items() if t != "device")
         return tokens + load_s / max(self.cost.per_token_s, 1e-9)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, long_chunk: int) -> int:
@@ -242,8 +224,8 @@ class Scheduler:
         return True
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new,
-                                samples=request.num_computed_tokens + num_new == request.num_tokens)
+        return ScheduledRequest(request, num_new, samples=request.num_computed_tokens + num_new == request.num_tokens,
+                                context=request.num_computed_tokens)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -7,8 +7,9 @@ import pytest
 from test_admission import fake_step, new_request
 from test_hierarchy import BS, doc, make_stack, run_request
 
+from kvstrata.engine.costs import MIN_STEP_TOKENS, StepCost, attention_pairs
 from kvstrata.engine.request import RequestStatus
-from kvstrata.engine.scheduler import AGING, MIN_AGE_S, MIN_STEP_TOKENS, Scheduler, StepCost
+from kvstrata.engine.scheduler import AGING, MIN_AGE_S, Scheduler
 
 
 class FakeClock:
@@ -143,15 +144,28 @@ def test_fcfs_keeps_the_whole_budget_for_the_request_that_came_first():
     assert step(kv, scheduler, clock)[long_request] == 60 * BS  # no step cap, no share
 
 
-def test_step_cost_learns_overhead_from_small_steps_and_per_token_cost_from_large_ones():
-    cost = StepCost(per_token_s=1.0, smoothing=1.0)
-    cost.observe(2, 1 / 64)                # a decode step: the overhead
-    cost.observe(64, 1 / 64 + 64 / 1024)   # a prefill step: the overhead plus 1/1024 s a token
-    assert cost.overhead_s == 1 / 64
-    assert cost.per_token_s == 1 / 1024
-    assert cost.tokens_within(1 / 64 + 256 / 1024) == 256
+def test_step_cost_learns_overhead_per_token_and_attention_costs_from_measured_steps():
+    cost = StepCost(per_token_s=0.1)  # a prior 100x off: measurements replace it
+    overhead, per_token, per_pair = 1 / 64, 1 / 1024, 1 / 2 ** 20
+
+    def seconds(tokens: int, context: int) -> float:
+        return overhead + per_token * tokens + per_pair * attention_pairs(tokens, context)
+
+    for tokens, context in [(1, 100), (1, 900), (2, 300), (64, 0), (256, 0), (256, 512), (128, 1024)]:
+        cost.observe(tokens, seconds(tokens, context), attention_pairs(tokens, context))
+    assert cost.overhead_s == pytest.approx(overhead, rel=1e-2)
+    assert cost.per_token_s == pytest.approx(per_token, rel=1e-2)
+    assert cost.per_pair_s == pytest.approx(per_pair, rel=1e-2)
+    # a prefill costs the same in one step or in chunks (without the steps' overheads)
+    chunked = cost.prefill_s(100, 500) + cost.prefill_s(100, 600)
+    assert cost.prefill_s(200, 500) == pytest.approx(chunked)
+    # a long run of decodes does not make it forget what the prefills taught it
+    for _ in range(200):
+        cost.observe(1, seconds(1, 2000), attention_pairs(1, 2000))
+    assert cost.per_token_s == pytest.approx(per_token, rel=1e-2)
+    assert cost.tokens_within(overhead + 256 * per_token) == pytest.approx(256, abs=1)
     # a short target would spend most of each step on its fixed cost: at most a tenth of it
-    assert cost.tokens_within(1 / 64 + 48 / 1024) == 144 == 9 * 16
+    assert cost.tokens_within(overhead + 48 * per_token) == pytest.approx(144, abs=1)
 
 
 def test_unknown_policy_is_a_one_line_error():

@@ -35,6 +35,8 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ from kvstrata.tiers.base import TIER_NAMES, LowerTier, Pin, TierStats, as_bytes
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
 from kvstrata.tiers.transfer import Transfer, TransferEngine
 
+logger = logging.getLogger("kvstrata")
 OFFLOAD_POLICIES = ("write_through", "on_evict")
 PERSIST_BATCH_BLOCKS = 64
 
@@ -74,7 +77,8 @@ class PrefixLoad:
     below: list[int]                    # positions of the blocks found below the device
     served_from: list[str | None]       # per position in `below`: the tier that served it (set by the load)
     transfer: Transfer | None = None
-    # seconds each lower tier spent in its reads for this load (set by the load; splits the request's load time)
+    # seconds each lower tier spent in its reads for this load (set by the load; splits the request's load
+    # time in its receipt and prices later loads)
     read_s: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -157,16 +161,18 @@ class TierHierarchy:
                 break
         return found
 
-    def acquire_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]]) -> PrefixLoad:
+    def acquire_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]],
+                       found_in: Sequence[str] | None = None) -> PrefixLoad:
         """Find the longest cached prefix of the chain in any tier, hold all of it and start loading
         the part found below the device. Call `finish_prefix` once the result is `ready`.
+        `found_in` is a `locate` of the same chain just made (the caller chose where to cut it), or None.
 
         Order of operations: device hits are held first and lower-tier hits are held in their tier,
         so that the allocation for the load (which may evict device blocks and write them down,
         which may evict CPU blocks) can take neither. A prefix needing more device blocks than are
         free ends where the room ends.
         """
-        found_in = self.locate(block_hashes)
+        found_in = list(self.locate(block_hashes) if found_in is None else found_in)
         blocks: list[KVCacheBlock | None] = [
             self.pool.get_cached_block(h) if t == "device" else None for h, t in zip(block_hashes, found_in)]
         self.pool.touch([b for b in blocks if b is not None])
@@ -186,6 +192,41 @@ class TierHierarchy:
         load.transfer = self.transfers.load([load.blocks[k].block_id for k in below],
                                             functools.partial(self._read_below, load))
         return load
+
+    def probe_loads(self, tier: LowerTier, sizes: Sequence[int]) -> list[tuple[int, float]]:
+        """(blocks, seconds) of one load per size in `sizes` from `tier` to the device, timed as a
+        promotion moves them: throwaway blocks (random keys) are put into the tier, loaded into free
+        device blocks and dropped again. A size that cannot be measured (too few free device blocks,
+        blocks the tier does not serve back, a fault) is left out. For start-up: the probe's puts may
+        evict a few least recently used blocks from a full tier."""
+        num_blocks = min(max(sizes, default=0), self.pool.num_free_blocks)
+        if num_blocks < 1:
+            return []
+        device_blocks = self.pool.get_new_blocks(num_blocks)
+        block_ids = [b.block_id for b in device_blocks]
+        hashes = [os.urandom(16) for _ in block_ids]
+        tokens = [tuple(range(self.kv_cache.shape[3]))] * num_blocks  # [blocks, layers, 2, block_size, ...]
+
+        def fill(start: int, dests: list[torch.Tensor]) -> list[bool]:
+            return tier.get(hashes[start:start + len(dests)], tokens[start:start + len(dests)], dests)
+
+        timed = []
+        try:
+            tier.put(hashes, tokens, [as_bytes(self.kv_cache[b]) for b in block_ids])
+            tier.flush()
+            for n in sorted(s for s in sizes if s <= num_blocks):
+                job = self.transfers.load(block_ids[:n], fill)
+                job.wait()
+                if job.failed or not all(job.served):
+                    break
+                timed.append((n, job.seconds))
+        except Exception:  # noqa: BLE001 - a tier that cannot be probed is priced when it is used
+            logger.warning("kvstrata: could not time reads from the %s tier at start-up", tier.name, exc_info=True)
+        finally:
+            for h in hashes:
+                tier.discard(h)
+            self.pool.free_blocks(device_blocks)
+        return timed
 
     def _hold_below(self, load: PrefixLoad, hold: bool) -> None:
         for tier in self.lower_tiers:

@@ -120,6 +120,13 @@ def _cache_metrics(stats: dict) -> Iterator[Metric]:
                    prefix["query_tokens"])
     yield _per_tier(CounterMetricFamily, "prefix_cache_hits_tokens",
                     "Prompt tokens served from the cache, by the tier that held them.", prefix["hit_tokens"], TIERS)
+    yield _per_tier(CounterMetricFamily, "prefix_cache_recomputed_tokens",
+                    "Prompt tokens found in a tier but recomputed, by the load policy's choice (cache.load_policy).",
+                    prefix["recomputed_tokens"], TIERS)
+    yield _per_tier(GaugeMetricFamily, "cache_read_bandwidth_bytes_per_second",
+                    "Each lower tier's delivered read bandwidth to the device as the load policy estimates it "
+                    "(measured: a start-up probe, then promotions; 0 until measured).",
+                    stats["load_policy"]["read_bytes_per_s"], LOWER_TIERS)
     tiers = stats["tiers"]
     enabled = [name for name in TIERS if name in tiers]
     for field_name, metric, help_text in (

@@ -1,0 +1,168 @@
+"""Measured costs: how long the engine takes to compute tokens and each lower tier to deliver blocks.
+
+Two small linear models, each fitted to recent measurements by least squares:
+
+- `StepCost`, one engine step: `overhead_s + per_token_s * tokens + per_pair_s * pairs`, where
+  `pairs` counts the (query, key) pairs the step's attention scores, summed over its sequences: a
+  sequence computing `n` new tokens after `context` computed ones scores `n * context + n * (n + 1) / 2`.
+  That count adds up over chunks, so the same model prices a prefill done in one step or in many.
+  It prices waiting work and caps steps (the scheduler) and prices recomputing a prefix (the load policy).
+- `ReadCost`, one load from a lower tier to the device: `latency_s + per_block_s * blocks`, seeded
+  by a probe at start-up and refined by every promotion.
+
+Each model keeps its recent measurements in a few windows (small and large steps or loads apart, so a
+long run of decodes cannot push out what the prefills taught it) and is refitted when asked after a
+new measurement. A weak prior (the values it was built with) holds each coefficient until measurements
+say otherwise, and keeps a coefficient that recent measurements cannot tell apart from another where it was.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+MIN_STEP_TOKENS = 32     # the step cap never goes below this many tokens ...
+MAX_OVERHEAD_SHARE = 0.1  # ... nor so low that the fixed cost of a step exceeds this share of it
+WINDOW = 32              # measurements kept per window
+PRIOR_WEIGHT = 1e-6      # the prior counts as this many measurements at each coefficient's typical scale
+
+
+def attention_pairs(num_new_tokens: int, context: int) -> int:
+    """(query, key) pairs scored when `num_new_tokens` tokens follow `context` computed ones, causally."""
+    return num_new_tokens * context + num_new_tokens * (num_new_tokens + 1) // 2
+
+
+class LinearFit:
+    """`y = sum(coef[j] * x[j])`, least squares over the windows' measurements, ridge towards a prior.
+
+    `scales[j]` is a typical size of feature `j`: the prior on `coef[j]` weighs as much as
+    `PRIOR_WEIGHT` measurements whose feature `j` has that size. Coefficients are kept non-negative
+    (a cost never falls as work grows; a negative fit is noise).
+    """
+
+    def __init__(self, prior: tuple[float, ...], scales: tuple[float, ...], num_windows: int = 2):
+        assert len(prior) == len(scales)
+        self.prior = tuple(float(p) for p in prior)
+        self.scales = scales
+        self.windows: list[deque] = [deque(maxlen=WINDOW) for _ in range(num_windows)]
+        self._coef: tuple[float, ...] | None = self.prior
+
+    def observe(self, x: tuple[float, ...], y: float, window: int = 0) -> None:
+        self.windows[window].append((tuple(float(v) for v in x), float(y)))
+        self._coef = None
+
+    @property
+    def coef(self) -> tuple[float, ...]:
+        if self._coef is None:
+            self._coef = self._solve()
+        return self._coef
+
+    @property
+    def num_observations(self) -> int:
+        return sum(len(w) for w in self.windows)
+
+    def predict(self, x: tuple[float, ...]) -> float:
+        return sum(c * v for c, v in zip(self.coef, x))
+
+    def _solve(self) -> tuple[float, ...]:
+        n = len(self.prior)
+        # normal equations (X^T X + L) c = X^T y + L prior, with L diagonal
+        a = [[0.0] * n for _ in range(n)]
+        b = [0.0] * n
+        for j in range(n):
+            a[j][j] = PRIOR_WEIGHT * self.scales[j] ** 2
+            b[j] = a[j][j] * self.prior[j]
+        for window in self.windows:
+            for x, y in window:
+                for i in range(n):
+                    b[i] += x[i] * y
+                    for j in range(n):
+                        a[i][j] += x[i] * x[j]
+        return tuple(max(c, 0.0) for c in _solve_linear(a, b))
+
+
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (the systems here are 2x2 and 3x3, positive definite)."""
+    n = len(b)
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
+
+
+class StepCost:
+    """The engine's measured step time (see the module doc). Before any measurement the per-token
+    cost is a CPU-sized guess and attention is free; the first steps replace both."""
+
+    SMALL_STEP_TOKENS = 8  # steps of at most this many tokens (decodes) go in their own window
+
+    def __init__(self, per_token_s: float = 2e-3, overhead_s: float = 0.0, per_pair_s: float = 0.0):
+        self.fit = LinearFit(prior=(overhead_s, per_token_s, per_pair_s), scales=(1.0, 512.0, 512.0 * 1024))
+
+    @property
+    def overhead_s(self) -> float:
+        return self.fit.coef[0]
+
+    @property
+    def per_token_s(self) -> float:
+        return self.fit.coef[1]
+
+    @property
+    def per_pair_s(self) -> float:
+        return self.fit.coef[2]
+
+    def observe(self, num_tokens: int, seconds: float, num_pairs: int = 0) -> None:
+        """A step computed `num_tokens` tokens, scoring `num_pairs` attention pairs, in `seconds`."""
+        if num_tokens <= 0:
+            return
+        self.fit.observe((1.0, num_tokens, num_pairs), seconds, window=int(num_tokens > self.SMALL_STEP_TOKENS))
+
+    def prefill_s(self, num_new_tokens: int, context: int) -> float:
+        """Seconds of compute for `num_new_tokens` after `context` computed ones, without step overheads
+        (the same whether the prefill takes one step or several)."""
+        if num_new_tokens <= 0:
+            return 0.0
+        return self.per_token_s * num_new_tokens + self.per_pair_s * attention_pairs(num_new_tokens, context)
+
+    def tokens_within(self, seconds: float) -> int:
+        """The tokens a step may take to last `seconds`, within the floors of the step cap."""
+        per_token = max(self.per_token_s, 1e-9)
+        overhead_floor = self.overhead_s * (1 - MAX_OVERHEAD_SHARE) / MAX_OVERHEAD_SHARE / per_token
+        return max(MIN_STEP_TOKENS, int(overhead_floor), int((seconds - self.overhead_s) / per_token))
+
+
+class ReadCost:
+    """One lower tier's measured load time: `latency_s + per_block_s * blocks` (see the module doc).
+    Until measured, loads are free: a tier nobody has timed is always loaded from."""
+
+    SMALL_LOAD_BLOCKS = 2  # loads of at most this many blocks go in their own window
+
+    def __init__(self, block_nbytes: int, latency_s: float = 0.0, per_block_s: float = 0.0):
+        self.block_nbytes = block_nbytes
+        self.fit = LinearFit(prior=(latency_s, per_block_s), scales=(1.0, 16.0))
+
+    @property
+    def latency_s(self) -> float:
+        return self.fit.coef[0]
+
+    @property
+    def per_block_s(self) -> float:
+        return self.fit.coef[1]
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Delivered read bandwidth (0 until measured)."""
+        return self.block_nbytes / self.per_block_s if self.per_block_s > 0 else 0.0
+
+    def observe(self, num_blocks: int, seconds: float) -> None:
+        if num_blocks > 0:
+            self.fit.observe((1.0, num_blocks), seconds, window=int(num_blocks > self.SMALL_LOAD_BLOCKS))
+
+    def load_s(self, num_blocks: int) -> float:
+        return self.latency_s + self.per_block_s * num_blocks if num_blocks > 0 else 0.0
