@@ -11,8 +11,8 @@ Two small linear models, each fitted to recent measurements by least squares:
   by a probe at start-up and refined by every promotion.
 
 Each model keeps its recent measurements in a few windows (small and large steps or loads apart, so a
-long run of decodes cannot push out what the prefills taught it) and is refitted when asked after a
-new measurement. A weak prior (the values it was built with) holds each coefficient until measurements
+long run of decodes cannot push out what the prefills taught it), the newer weighing more, and is
+refitted when asked after a new measurement. A weak prior (the values it was built with) holds each coefficient until measurements
 say otherwise, and keeps a coefficient that recent measurements cannot tell apart from another where it was.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections import deque
 MIN_STEP_TOKENS = 32     # the step cap never goes below this many tokens ...
 MAX_OVERHEAD_SHARE = 0.1  # ... nor so low that the fixed cost of a step exceeds this share of it
 WINDOW = 32              # measurements kept per window
+DECAY = 0.8              # each older measurement in a window weighs this much less: speeds that change are followed
 PRIOR_WEIGHT = 1e-6      # the prior counts as this many measurements at each coefficient's typical scale
 
 
@@ -71,11 +72,13 @@ class LinearFit:
             a[j][j] = PRIOR_WEIGHT * self.scales[j] ** 2
             b[j] = a[j][j] * self.prior[j]
         for window in self.windows:
-            for x, y in window:
+            weight = 1.0
+            for x, y in reversed(window):  # newest first
                 for i in range(n):
-                    b[i] += x[i] * y
+                    b[i] += weight * x[i] * y
                     for j in range(n):
-                        a[i][j] += x[i] * x[j]
+                        a[i][j] += weight * x[i] * x[j]
+                weight *= DECAY
         return tuple(max(c, 0.0) for c in _solve_linear(a, b))
 
 

@@ -330,6 +330,7 @@ def test_size_converts_to_blocks_of_a_given_byte_size():
     ({"cache": "big"}, "cache", "expected a mapping"),
     ({"cache": {"hash": "md5"}}, "cache.hash", "unknown value 'md5'"),
     ({"cache": {"offload": "lazy"}}, "cache.offload", "unknown value 'lazy'"),
+    ({"cache": {"load_policy": "sometimes"}}, "cache.load_policy", "unknown value 'sometimes'"),
     ({"cache": {"block_size": 12}}, "cache.block_size", "unknown value 12"),
     ({"model": {"dtype": "fp8"}}, "model.dtype", "unknown value 'fp8'"),
     ({"model": {"threads": 0}}, "model.threads", "positive"),

@@ -1,5 +1,6 @@
 """Small blocks for the lower-tier tests: two layouts, keys, token ids and payloads derived from an id."""
 import threading
+import time
 
 import torch
 
@@ -26,7 +27,9 @@ def tokens(i: int, layout: BlockLayout = BF16) -> list[int]:
 class GatedTier(LowerTier):
     """A lower tier whose reads wait until `gate` is set, so a test can act while a load is in flight.
 
-    Everything else goes straight to the wrapped tier. `fail_reads` makes reads raise instead.
+    Everything else goes straight to the wrapped tier. `fail_reads` makes reads raise instead;
+    `read_s_per_block` makes every read take that much longer per block (a slow tier, for the load
+    policy: a test's knob, never the engine's).
     """
 
     def __init__(self, inner: LowerTier):
@@ -36,6 +39,7 @@ class GatedTier(LowerTier):
         self.gate = threading.Event()
         self.gate.set()
         self.fail_reads = False
+        self.read_s_per_block = 0.0
 
     @property
     def on_evict(self):
@@ -49,6 +53,7 @@ class GatedTier(LowerTier):
         assert self.gate.wait(30), "the test never opened the gate"
         if self.fail_reads:
             raise OSError("the tier failed mid-transfer")
+        time.sleep(self.read_s_per_block * len(block_hashes))
         return self.inner.get(block_hashes, token_ids, dests)
 
     def contains(self, block_hash):
@@ -86,6 +91,9 @@ class GatedTier(LowerTier):
 
     def blocks(self):
         return self.inner.blocks()
+
+    def flush(self):
+        self.inner.flush()
 
     def close(self):
         self.inner.close()

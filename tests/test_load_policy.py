@@ -1,0 +1,201 @@
+"""Load or recompute (`cache.load_policy`): a prefix found below the device is loaded only as far as
+loading beats recomputing at the measured speeds; `always_load` and `always_recompute` do what they
+say; whatever is recomputed instead of loaded is counted per tier; and outputs never change.
+
+The unit tests fix the estimates (a tier's read cost, the engine's step cost) so every choice is
+deterministic; the model-level tests slow a tier down with a test wrapper (`GatedTier`) and let the
+engine measure it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from pydoc_data.topics import topics
+from test_admission import hashes_of
+from test_hierarchy import BS, computed_blocks, content_for, doc, make_stack
+from tier_cases import GatedTier
+
+from kvstrata.engine.costs import ReadCost, StepCost
+from kvstrata.engine.load_policy import choose_cut
+from kvstrata.engine.request import Request
+from kvstrata.engine.sampling import SamplingParams
+
+
+
+def fast() -> ReadCost:
+    return ReadCost(1024, latency_s=1e-4, per_block_s=1e-5)  # 400x faster than computing a block
+
+
+def slow() -> ReadCost:
+    return ReadCost(1024, latency_s=0.05, per_block_s=1.0)   # 250x slower than computing a block
+
+
+def compute() -> StepCost:
+    return StepCost(per_token_s=1e-3, per_pair_s=1e-7)      # ~4 ms a block of BS=4 tokens
+
+
+def cut(policy: str, found_in: list[str], cpu: ReadCost | None = None, disk: ReadCost | None = None) -> int:
+    num_tokens = len(found_in) * BS + 1
+    return choose_cut(policy, found_in, num_tokens, BS, compute(), {"cpu": cpu or fast(), "disk": disk or fast()})
+
+
+def test_auto_loads_from_a_fast_tier_and_recomputes_from_a_slow_one():
+    found = ["device"] * 2 + ["cpu"] * 6
+    assert cut("auto", found, cpu=fast()) == 8
+    assert cut("auto", found, cpu=slow()) == 2  # the device hits are kept either way
+
+
+def test_auto_splits_a_prefix_at_the_boundary_between_a_fast_and_a_slow_tier():
+    found = ["cpu"] * 4 + ["disk"] * 4
+    assert cut("auto", found, cpu=fast(), disk=slow()) == 4
+    assert cut("auto", found, cpu=slow(), disk=fast()) == 0  # the cut is a prefix: nothing past a recomputed block
+
+
+def test_auto_weighs_a_tier_latency_against_the_compute_it_saves():
+    high_latency = ReadCost(1024, latency_s=0.5, per_block_s=1e-5)
+    assert cut("auto", ["cpu"] * 4, cpu=high_latency) == 0      # 4 blocks compute in ~20 ms
+    assert cut("auto", ["cpu"] * 256, cpu=high_latency) == 256  # 256 blocks in ~1 s
+
+
+def test_always_load_and_always_recompute_ignore_the_estimates():
+    found = ["device"] + ["cpu"] * 3 + ["device"] * 2
+    assert cut("always_load", found, cpu=slow()) == 6
+    assert cut("always_recompute", found, cpu=fast()) == 1
+    assert cut("always_recompute", ["device"] * 3) == 3
+
+
+def new_request(tokens: list[int]) -> Request:
+    return Request(f"lp-{tokens[0]}-{len(tokens)}", list(tokens), SamplingParams(max_tokens=1, temperature=0))
+
+
+def put_in(tier, tokens: list[int], first: int, stop: int) -> None:
+    """Store blocks `first..stop-1` of `tokens` in `tier` only (as if long evicted from the device)."""
+    hashes = hashes_of(tokens)[first:stop]
+    tier.put(hashes, [tokens[i * BS:(i + 1) * BS] for i in range(first, stop)], [content_for(h) for h in hashes])
+    tier.flush()
+
+
+def admit(kv, request: Request):
+    blocks, num_cached, by_tier = computed_blocks(kv, request)
+    kv.record_admission(request, by_tier)
+    return blocks, num_cached, by_tier
+
+
+@pytest.mark.parametrize("policy,cpu,cached_cpu,recomputed_cpu", [
+    ("auto", fast, 6, 0), ("auto", slow, 0, 6), ("always_load", slow, 6, 0), ("always_recompute", fast, 0, 6)])
+def test_the_policy_decides_what_a_request_loads_and_reports_and_counts_the_rest(policy, cpu, cached_cpu,
+                                                                                 recomputed_cpu):
+    kv = make_stack(device_blocks=32, cpu_blocks=16)
+    kv.load_policy, kv.read_costs["cpu"], kv.step_cost = policy, cpu(), compute()
+    document = doc(1, 6 * BS + 1)
+    put_in(kv.hierarchy.cpu, document, 0, 6)
+    request = new_request(document)
+    blocks, num_cached, by_tier = admit(kv, request)
+    assert by_tier == {"device": 0, "cpu": cached_cpu * BS, "disk": 0} and num_cached == len(blocks) * BS
+    assert request.recomputed_tokens_by_tier == {"device": 0, "cpu": recomputed_cpu * BS, "disk": 0}
+    assert kv.stats().recomputed_blocks == {"device": 0, "cpu": recomputed_cpu, "disk": 0}
+    assert kv.hierarchy.counters.promotions["cpu"] == cached_cpu  # nothing past the cut was read
+    assert kv.hierarchy.cpu.stats().hits == cached_cpu
+
+
+def test_a_fast_cpu_tier_is_loaded_and_a_slow_disk_past_it_is_recomputed(tmp_path):
+    kv = make_stack(device_blocks=32, cpu_blocks=16, disk_path=tmp_path / "kv", disk_blocks=16)
+    kv.read_costs["cpu"], kv.read_costs["disk"], kv.step_cost = fast(), slow(), compute()
+    document = doc(2, 8 * BS + 1)
+    put_in(kv.hierarchy.cpu, document, 0, 4)
+    put_in(kv.hierarchy.disk, document, 4, 8)
+    request = new_request(document)
+    assert kv.estimate_uncached(request) == (4 * BS + 1, {"device": 0, "cpu": 4, "disk": 0})  # priced as admitted
+    _, num_cached, by_tier = admit(kv, request)
+    assert by_tier == {"device": 0, "cpu": 4 * BS, "disk": 0}
+    assert request.recomputed_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 4 * BS}
+    assert kv.hierarchy.disk.stats().hits == 0
+    kv.hierarchy.close()
+
+
+def test_read_costs_are_probed_at_start_up_and_refined_by_promotions():
+    kv = make_stack(device_blocks=32, cpu_blocks=16, gate_cpu=True)
+    cpu = kv.hierarchy.cpu
+    cpu.read_s_per_block = 0.01
+    kv.probe_lower_tiers()
+    probed_s = kv.read_costs["cpu"].load_s(6)
+    assert probed_s >= 0.9 * 6 * 0.01 and kv.read_costs["cpu"].bytes_per_s > 0
+    assert cpu.stats().used_blocks == 0 and kv.pool.num_free_blocks == 32  # the probe leaves nothing behind
+    cpu.read_s_per_block = 0.05  # the tier slows down: the next promotion shows it
+    kv.load_policy = "always_load"  # (auto would recompute rather than promote from a tier this slow)
+    document = doc(3, 6 * BS + 1)
+    put_in(cpu, document, 0, 6)
+    admit(kv, new_request(document))
+    assert kv.read_costs["cpu"].load_s(6) > 2 * probed_s
+
+
+# ---------------------------------------------------------------------------------------- the model
+
+
+def engine_config(tmp_path, policy: str) -> dict:
+    return {"model": {"dtype": "float32", "device": "cpu"},
+            "cache": {"tiers": {"device": {"size": 48}, "cpu": {"size": 48}}, "load_policy": policy},
+            "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 4}}
+
+
+PROMPT = [{"role": "user", "content": topics["try"][:900] + "\n\nAnswer briefly. What is this section about?"}]
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def uncached(embedded_model_fp32, tmp_path_factory):
+    from kvstrata import LLM, load_config
+    config = engine_config(tmp_path_factory.mktemp("off"), "auto")
+    config["cache"]["enable_prefix_caching"] = False
+    with LLM(load_config(config), loaded_model=embedded_model_fp32) as llm:
+        return llm.chat(PROMPT, GREEDY)[0].token_ids
+
+
+def ask_twice(llm):
+    """Ask, drop the device's cached blocks (the CPU tier holds them), ask again: the second one's output."""
+    first = llm.chat(PROMPT, GREEDY)[0]
+    assert first.cached_tokens == 0
+    assert llm.engine.hierarchy.clear_device_cache()
+    return llm.chat(PROMPT, GREEDY)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,loads", [("auto", True), ("always_load", True), ("always_recompute", False)])
+def test_every_policy_gives_the_uncached_outputs_and_a_fast_cpu_tier_is_loaded(policy, loads, embedded_model_fp32,
+                                                                               uncached, tmp_path):
+    from kvstrata import LLM, load_config
+    with LLM(load_config(engine_config(tmp_path, policy)), loaded_model=embedded_model_fp32) as llm:
+        out = ask_twice(llm)
+        found = out.cached_tokens_by_tier["cpu"] + out.recomputed_tokens_by_tier["cpu"]
+        assert found > 0 and out.token_ids == uncached
+        assert out.cached_tokens_by_tier["cpu"] == (found if loads else 0)
+        assert llm.stats()["prefix_cache"]["recomputed_tokens"]["cpu"] == (0 if loads else found)
+
+
+@pytest.mark.slow
+def test_auto_recomputes_what_a_slow_tier_holds_and_counts_it(embedded_model_fp32, uncached, tmp_path, monkeypatch):
+    """The CPU tier is made 100x slower to read than computing (0.2 s a block): the engine's probe and
+    its first prefill measure both, and the repeated prompt is recomputed, not loaded."""
+    from kvstrata import LLM, load_config
+    from kvstrata.engine import llm_engine
+    from kvstrata.serving.metrics import _cache_metrics
+
+    real_cpu_tier = llm_engine.CpuTier
+
+    def slow_cpu_tier(*args, **kwargs):
+        tier = GatedTier(real_cpu_tier(*args, **kwargs))
+        tier.read_s_per_block = 0.2
+        return tier
+
+    monkeypatch.setattr(llm_engine, "CpuTier", slow_cpu_tier)
+    with LLM(load_config(engine_config(tmp_path, "auto")), loaded_model=embedded_model_fp32) as llm:
+        assert llm.stats()["load_policy"]["read_bytes_per_s"]["cpu"] > 0  # probed at start-up
+        out = ask_twice(llm)
+        assert out.token_ids == uncached
+        assert out.cached_tokens_by_tier["cpu"] == 0 and out.recomputed_tokens_by_tier["cpu"] > 0
+        stats = llm.stats()
+        assert stats["prefix_cache"]["recomputed_tokens"]["cpu"] == out.recomputed_tokens_by_tier["cpu"]
+        assert stats["promotions"]["cpu"] == 0
+        exported = {m.name: m for m in _cache_metrics(stats)}["kvstrata_prefix_cache_recomputed_tokens"]
+        assert {s.labels["tier"]: s.value for s in exported.samples if s.name.endswith("_total")}["cpu"] == \
+            out.recomputed_tokens_by_tier["cpu"]
