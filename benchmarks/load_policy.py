@@ -1,0 +1,166 @@
+"""Load or recompute: TTFT of a repeated document under each `cache.load_policy`, with a tier slowed down.
+
+A document is asked about once (computed, written down), then about other questions, each after the
+device tier has dropped its cached blocks, so the document comes from below the device every time.
+Three scenarios, each on fresh engines sharing one loaded model:
+
+- `fast`: the document in the CPU tier as it is (loading wins);
+- `slow`: the CPU tier's reads slowed by `--slow-ms-per-block` (recomputing wins);
+- `split`: the first half of the document in the CPU tier, the second half only on a disk tier slowed
+  the same way (loading the first half and recomputing the second wins).
+
+Each scenario runs `always_load`, `always_recompute` and `auto`. The slowing is the tests' tier wrapper
+(`tests/tier_cases.py`), not an engine setting. Reported per scenario and policy: TTFT p50 over
+`--rounds` questions, the tokens loaded and recomputed, and auto's p50 against the faster of the other two
+(the goal: within 10%).
+
+    python benchmarks/load_policy.py [--doc-tokens 1000] [--rounds 3] [--slow-ms-per-block 500] [--set key=value ...]
+
+Writes `<out-dir>/load_policy.json` and `load_policy.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.ttft_pressure import (DEFAULT_DATA, _set_tiers, ask, command_line, load, machine_line,  # noqa: E402
+                                      render_chat, save_result)
+from benchmarks.ttft_stats import percentile  # noqa: E402
+from benchmarks.ttft_workload import cut_document, load_document, load_questions  # noqa: E402
+
+SCENARIOS = ("fast", "slow", "split")
+POLICIES = ("always_load", "always_recompute", "auto")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "default.yaml"))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--doc-tokens", type=int, default=1000, help="length of the document (tokens)")
+    p.add_argument("--rounds", type=int, default=3, help="questions per scenario and policy")
+    p.add_argument("--slow-ms-per-block", type=float, default=500.0, help="added to each block read of a slowed tier")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def slowed(tier_class_name: str, seconds_per_block: float):
+    """Engines built inside wrap that lower tier in the tests' `GatedTier`, its reads slowed."""
+    from kvstrata.engine import llm_engine
+    from tests.tier_cases import GatedTier
+
+    real = getattr(llm_engine, tier_class_name)
+
+    def build(*args, **kwargs):
+        tier = GatedTier(real(*args, **kwargs))
+        tier.read_s_per_block = seconds_per_block
+        return tier
+
+    setattr(llm_engine, tier_class_name, build)
+    try:
+        yield
+    finally:
+        setattr(llm_engine, tier_class_name, real)
+
+
+def run_policy(scenario: str, policy: str, base, loaded, document: str, questions: list[str], args,
+               work_dir: Path) -> dict:
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    overrides = {"cache.load_policy": policy, "cache.offload": "write_through", "cache.tiers.device.size": "256MiB",
+                 "cache.tiers.cpu": None, "cache.tiers.disk": None, "cache.tiers.cpu.size": "1GiB"}
+    if scenario == "split":
+        overrides.update({"cache.tiers.disk.path": str(work_dir / f"kv-{policy}"), "cache.tiers.disk.size": "1GiB"})
+    config = _set_tiers(base, overrides)
+    slow_s = args.slow_ms_per_block / 1000
+    wrap = {"fast": contextlib.nullcontext(), "slow": slowed("CpuTier", slow_s),
+            "split": slowed("DiskTier", slow_s)}[scenario]
+    with wrap:
+        engine = LLMEngine(config, loaded=loaded)
+    tokenizer = engine.tokenizer
+    ask(engine, render_chat(tokenizer, f"{document}\n\nQuestion: what is this about?"))  # computes the document
+    engine.hierarchy.persist()  # everything below the device on disk too (the split's second half lives there)
+    doc_blocks = len(render_chat(tokenizer, document)) // engine.block_size
+    records = []
+    for question in questions[:args.rounds]:
+        prompt = render_chat(tokenizer, f"{document}\n\nQuestion: {question}")
+        engine.hierarchy.wait_for_write_downs()
+        assert engine.hierarchy.clear_device_cache()
+        if scenario == "split":  # the second half of the document only on (slowed) disk
+            for block_hash in engine.kv_manager.hasher.hash(prompt)[doc_blocks // 2:]:
+                engine.hierarchy.cpu.discard(block_hash)
+        before = engine.stats()["prefix_cache"]["recomputed_tokens"]
+        record = ask(engine, prompt)
+        after = engine.stats()["prefix_cache"]["recomputed_tokens"]
+        record["recomputed_tokens_by_tier"] = {t: after[t] - before[t] for t in after}
+        records.append(record)
+    estimates = engine.stats()["load_policy"]
+    engine.close()
+    ttfts = [r["ttft_s"] for r in records]
+    return {"ttft_s": ttfts, "p50_s": percentile(ttfts, 50), "records": records, "estimates": estimates,
+            "loaded_tokens": records[-1]["cached_tokens_by_tier"],
+            "recomputed_tokens": records[-1]["recomputed_tokens_by_tier"]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from kvstrata import load_config
+
+    base = load_config(args.config, args.overrides)
+    loaded, _ = load(base)
+    tokenizer = loaded.tokenizer
+
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    document = cut_document(load_document("pydoc_data.topics:try"), args.doc_tokens, encode, tokenizer.decode)
+    questions = [q for qs in load_questions(DEFAULT_DATA).values() for q in qs]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="kvstrata-load-policy-") as tmp:
+        for scenario in [s for s in args.scenarios.split(",") if s]:
+            results[scenario] = {}
+            for policy in POLICIES:
+                started = time.perf_counter()
+                results[scenario][policy] = run_policy(scenario, policy, base, loaded, document, questions, args,
+                                                       Path(tmp))
+                print(f"{scenario} {policy}: p50 {results[scenario][policy]['p50_s'] * 1000:.0f} ms "
+                      f"({time.perf_counter() - started:.0f} s)", flush=True)
+    result = {"benchmark": "load_policy", "command": command_line(), "machine": machine_line(),
+              "dtype": base.resolved_dtype(), "doc_tokens": args.doc_tokens, "rounds": args.rounds,
+              "slow_ms_per_block": args.slow_ms_per_block, "scenarios": results}
+    save_result(args.out_dir, "load_policy", result, markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Load or recompute: TTFT with a slowed tier", "",
+             f"Machine: {result['machine']}.  ",
+             f"Command: `{result['command']}`; {result['dtype']}, a {result['doc_tokens']}-token document, "
+             f"{result['rounds']} questions per row; slowed tiers take {result['slow_ms_per_block']:g} ms more "
+             "per block read.", "",
+             "| scenario | policy | TTFT p50 | loaded tokens (cpu / disk) | recomputed tokens (cpu / disk) |",
+             "|---|---|---|---|---|"]
+    verdicts = []
+    for scenario, policies in result["scenarios"].items():
+        for policy, r in policies.items():
+            lo, re_ = r["loaded_tokens"], r["recomputed_tokens"]
+            lines.append(f"| {scenario} | {policy} | {r['p50_s'] * 1000:.0f} ms | {lo['cpu']} / {lo['disk']} | "
+                         f"{re_['cpu']} / {re_['disk']} |")
+        best = min(policies["always_load"]["p50_s"], policies["always_recompute"]["p50_s"])
+        ratio = policies["auto"]["p50_s"] / best
+        verdicts.append(f"- {scenario}: auto / faster of load and recompute = {ratio:.2f} "
+                        f"({'within' if ratio <= 1.1 else 'NOT within'} 10%)")
+    return "\n".join(lines + ["", *verdicts]) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
