@@ -9,7 +9,7 @@ Three scenarios, each on fresh engines sharing one loaded model:
 - `split`: the first half of the document in the CPU tier, the second half only on a disk tier slowed
   the same way (loading the first half and recomputing the second wins).
 
-Each scenario runs `always_load`, `always_recompute` and `auto`. The slowing is the tests' tier wrapper
+Each scenario runs `always_load`, `always_recompute` and `auto`, one engine each, taking turns. The slowing is the tests' tier wrapper
 (`tests/tier_cases.py`), not an engine setting. Reported per scenario and policy: TTFT p50 over
 `--rounds` questions, the tokens loaded and recomputed, and auto's p50 against the faster of the other two
 (the goal: within 10%).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -72,43 +73,61 @@ def slowed(tier_class_name: str, seconds_per_block: float):
         setattr(llm_engine, tier_class_name, real)
 
 
-def run_policy(scenario: str, policy: str, base, loaded, document: str, questions: list[str], args,
-               work_dir: Path) -> dict:
+def build_engine(scenario: str, policy: str, base, loaded, doc_blocks: int, slow_s: float, work_dir: Path):
+    """An engine whose tiers hold the document a few times over; in `slow` its CPU tier, in `split` its
+    disk tier, read through the tests' slowing wrapper."""
     from kvstrata.engine.llm_engine import LLMEngine
 
-    overrides = {"cache.load_policy": policy, "cache.offload": "write_through", "cache.tiers.device.size": "256MiB",
-                 "cache.tiers.cpu": None, "cache.tiers.disk": None, "cache.tiers.cpu.size": "1GiB"}
+    overrides = {"cache.load_policy": policy, "cache.offload": "write_through",
+                 "cache.tiers.device.size": 2 * doc_blocks + 16, "cache.tiers.cpu": None, "cache.tiers.disk": None,
+                 "cache.tiers.cpu.size": 4 * doc_blocks + 16}
     if scenario == "split":
-        overrides.update({"cache.tiers.disk.path": str(work_dir / f"kv-{policy}"), "cache.tiers.disk.size": "1GiB"})
-    config = _set_tiers(base, overrides)
-    slow_s = args.slow_ms_per_block / 1000
+        overrides.update({"cache.tiers.disk.path": str(work_dir / f"kv-{policy}"),
+                          "cache.tiers.disk.size": 4 * doc_blocks + 16})
     wrap = {"fast": contextlib.nullcontext(), "slow": slowed("CpuTier", slow_s),
             "split": slowed("DiskTier", slow_s)}[scenario]
     with wrap:
-        engine = LLMEngine(config, loaded=loaded)
-    tokenizer = engine.tokenizer
-    ask(engine, render_chat(tokenizer, f"{document}\n\nQuestion: what is this about?"))  # computes the document
-    engine.hierarchy.persist()  # everything below the device on disk too (the split's second half lives there)
-    doc_blocks = len(render_chat(tokenizer, document)) // engine.block_size
-    records = []
-    for question in questions[:args.rounds]:
+        return LLMEngine(_set_tiers(base, overrides), loaded=loaded)
+
+
+def ask_from_below(engine, scenario: str, prompt: list[int], doc_blocks: int) -> dict:
+    """Ask with the document only below the device (in `split`, its second half only on disk)."""
+    engine.hierarchy.wait_for_write_downs()
+    assert engine.hierarchy.clear_device_cache()
+    if scenario == "split":
+        for block_hash in engine.kv_manager.hasher.hash(prompt)[doc_blocks // 2:]:
+            engine.hierarchy.cpu.discard(block_hash)
+    before = engine.stats()["prefix_cache"]["recomputed_tokens"]
+    record = ask(engine, prompt)
+    after = engine.stats()["prefix_cache"]["recomputed_tokens"]
+    record["recomputed_tokens_by_tier"] = {t: after[t] - before[t] for t in after}
+    return record
+
+
+def run_scenario(scenario: str, base, loaded, document: str, questions: list[str], args, work_dir: Path) -> dict:
+    """One engine per policy, the policies taking turns within each round (a change in the machine's
+    load falls on all of them alike)."""
+    tokenizer = loaded.tokenizer
+    doc_blocks = len(render_chat(tokenizer, document)) // base.cache.block_size
+    engines = {p: build_engine(scenario, p, base, loaded, doc_blocks, args.slow_ms_per_block / 1000, work_dir)
+               for p in POLICIES}
+    for engine in engines.values():
+        ask(engine, render_chat(tokenizer, f"{document}\n\nQuestion: what is this about?"))  # computes the document
+        engine.hierarchy.persist()  # and writes it down to every lower tier
+    records = {p: [] for p in POLICIES}
+    for i, question in enumerate(questions[:args.rounds]):
         prompt = render_chat(tokenizer, f"{document}\n\nQuestion: {question}")
-        engine.hierarchy.wait_for_write_downs()
-        assert engine.hierarchy.clear_device_cache()
-        if scenario == "split":  # the second half of the document only on (slowed) disk
-            for block_hash in engine.kv_manager.hasher.hash(prompt)[doc_blocks // 2:]:
-                engine.hierarchy.cpu.discard(block_hash)
-        before = engine.stats()["prefix_cache"]["recomputed_tokens"]
-        record = ask(engine, prompt)
-        after = engine.stats()["prefix_cache"]["recomputed_tokens"]
-        record["recomputed_tokens_by_tier"] = {t: after[t] - before[t] for t in after}
-        records.append(record)
-    estimates = engine.stats()["load_policy"]
-    engine.close()
-    ttfts = [r["ttft_s"] for r in records]
-    return {"ttft_s": ttfts, "p50_s": percentile(ttfts, 50), "records": records, "estimates": estimates,
-            "loaded_tokens": records[-1]["cached_tokens_by_tier"],
-            "recomputed_tokens": records[-1]["recomputed_tokens_by_tier"]}
+        for policy in POLICIES[i % len(POLICIES):] + POLICIES[:i % len(POLICIES)]:
+            records[policy].append(ask_from_below(engines[policy], scenario, prompt, doc_blocks))
+    results = {}
+    for policy, engine in engines.items():
+        ttfts = [r["ttft_s"] for r in records[policy]]
+        results[policy] = {"ttft_s": ttfts, "p50_s": percentile(ttfts, 50), "records": records[policy],
+                           "estimates": engine.stats()["load_policy"],
+                           "loaded_tokens": records[policy][-1]["cached_tokens_by_tier"],
+                           "recomputed_tokens": records[policy][-1]["recomputed_tokens_by_tier"]}
+        engine.close()
+    return results
 
 
 def main(argv=None) -> int:
@@ -127,16 +146,14 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="kvstrata-load-policy-") as tmp:
         for scenario in [s for s in args.scenarios.split(",") if s]:
-            results[scenario] = {}
-            for policy in POLICIES:
-                started = time.perf_counter()
-                results[scenario][policy] = run_policy(scenario, policy, base, loaded, document, questions, args,
-                                                       Path(tmp))
-                print(f"{scenario} {policy}: p50 {results[scenario][policy]['p50_s'] * 1000:.0f} ms "
-                      f"({time.perf_counter() - started:.0f} s)", flush=True)
+            started = time.perf_counter()
+            results[scenario] = run_scenario(scenario, base, loaded, document, questions, args, Path(tmp))
+            print(f"{scenario}: " + ", ".join(f"{p} p50 {r['p50_s'] * 1000:.0f} ms" for p, r in results[scenario].items())
+                  + f" ({time.perf_counter() - started:.0f} s)", flush=True)
     result = {"benchmark": "load_policy", "command": command_line(), "machine": machine_line(),
               "dtype": base.resolved_dtype(), "doc_tokens": args.doc_tokens, "rounds": args.rounds,
-              "slow_ms_per_block": args.slow_ms_per_block, "scenarios": results}
+              "slow_ms_per_block": args.slow_ms_per_block, "load_average_1min": os.getloadavg()[0],
+              "scenarios": results}
     save_result(args.out_dir, "load_policy", result, markdown(result))
     return 0
 
@@ -145,8 +162,9 @@ def markdown(result: dict) -> str:
     lines = ["# Load or recompute: TTFT with a slowed tier", "",
              f"Machine: {result['machine']}.  ",
              f"Command: `{result['command']}`; {result['dtype']}, a {result['doc_tokens']}-token document, "
-             f"{result['rounds']} questions per row; slowed tiers take {result['slow_ms_per_block']:g} ms more "
-             "per block read.", "",
+             f"{result['rounds']} questions per row, the policies taking turns within each round; slowed tiers "
+             f"take {result['slow_ms_per_block']:g} ms more per block read. Load average (1 min) at the end: "
+             f"{result['load_average_1min']:.2f}.", "",
              "| scenario | policy | TTFT p50 | loaded tokens (cpu / disk) | recomputed tokens (cpu / disk) |",
              "|---|---|---|---|---|"]
     verdicts = []
