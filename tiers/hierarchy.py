@@ -212,7 +212,9 @@ class TierHierarchy:
 
         timed = []
         try:
-            tier.put(hashes, tokens, [as_bytes(self.kv_cache[b]) for b in block_ids])
+            # tiers are given host payloads, as write-downs give them (the KV cache may be on a GPU)
+            payload = torch.zeros(self.kv_cache[0].numel() * self.kv_cache.element_size(), dtype=torch.uint8)
+            tier.put(hashes, tokens, [payload] * num_blocks)
             tier.flush()
             for n in sorted(s for s in sizes if s <= num_blocks):
                 job = self.transfers.load(block_ids[:n], fill)
