@@ -79,8 +79,10 @@ class CacheReceipt:
     load_ms_by_tier: dict[str, float]   # lower tiers only: the device needs no load
     prefill_ms: float
     cached_tokens_by_tier: dict[str, int]
-    # The cached tokens at the engine's measured prefill cost per token when the request was admitted:
-    # an estimate (a linear cost model), not a measurement; the net saving subtracts lookup and load.
+    recomputed_tokens_by_tier: dict[str, int]  # found in a tier, recomputed by the load policy's choice
+    # What computing the cached tokens from scratch would cost by the engine's fitted step-cost model
+    # (engine/costs.py) when the request was admitted: an estimate, not a measurement; the net saving
+    # subtracts lookup and load.
     prefill_saved_ms_estimate: float
 
     @property
@@ -94,12 +96,13 @@ class CacheReceipt:
 
     @classmethod
     def measured(cls, ttft_s: float, phases: PhaseTimes, cached_tokens_by_tier: dict[str, int],
-                 prefill_saved_s_estimate: float) -> "CacheReceipt":
+                 recomputed_tokens_by_tier: dict[str, int], prefill_saved_s_estimate: float) -> "CacheReceipt":
         assert phases.finished, "a receipt is written at the first token"
         ms = {phase: s * 1e3 for phase, s in phases.seconds.items()}
         return cls(ttft_ms=ttft_s * 1e3, queue_ms=ms["queue"], lookup_ms=ms["lookup"],
                    load_ms_by_tier={t: s * 1e3 for t, s in phases.load_s_by_tier.items()},
                    prefill_ms=ms["prefill"], cached_tokens_by_tier=dict(cached_tokens_by_tier),
+                   recomputed_tokens_by_tier=dict(recomputed_tokens_by_tier),
                    prefill_saved_ms_estimate=prefill_saved_s_estimate * 1e3)
 
     def to_dict(self, decimals: int | None = None) -> dict:
@@ -108,6 +111,7 @@ class CacheReceipt:
         if decimals is not None:
             data = {k: _rounded(v, decimals) for k, v in data.items()}
             data["cached_tokens_by_tier"] = dict(self.cached_tokens_by_tier)
+            data["recomputed_tokens_by_tier"] = dict(self.recomputed_tokens_by_tier)
         return data
 
 

@@ -97,4 +97,4 @@ class Request:
         if self.first_token_time is None:
             return None
         return CacheReceipt.measured(self.ttft_s, self.phases, self.cached_tokens_by_tier or {},
-                                     self.prefill_saved_s_estimate)
+                                     self.recomputed_tokens_by_tier or {}, self.prefill_saved_s_estimate)

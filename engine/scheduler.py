@@ -214,7 +214,7 @@ class Scheduler:
         self.waiting.remove(request)
         if request.cached_tokens_by_tier is None:  # first admission: what the user is told, and counted
             request.cached_tokens_by_tier = by_tier
-            request.prefill_saved_s_estimate = num_cached * self.cost.per_token_s
+            request.prefill_saved_s_estimate = self.cost.prefill_s(num_cached, 0)  # computing them from scratch
             self.kv.record_admission(request, by_tier)
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.RUNNING

@@ -170,6 +170,7 @@ def test_every_policy_gives_the_uncached_outputs_and_a_fast_cpu_tier_is_loaded(p
         assert found > 0 and out.token_ids == uncached
         assert out.cached_tokens_by_tier["cpu"] == (found if loads else 0)
         assert llm.stats()["prefix_cache"]["recomputed_tokens"]["cpu"] == (0 if loads else found)
+        assert out.receipt.recomputed_tokens_by_tier == out.recomputed_tokens_by_tier  # the user is told
 
 
 @pytest.mark.slow

@@ -197,6 +197,7 @@ class KvstrataInfo(BaseModel):
 
     cached_tokens_by_tier: dict[str, int]
     ttft_ms: float | None
+    recomputed_tokens_by_tier: dict[str, int] | None = None  # found in a tier, recomputed (cache.load_policy)
     queue_ms: float | None = None
     lookup_ms: float | None = None
     load_ms_by_tier: dict[str, float] | None = None
