@@ -16,6 +16,8 @@
       load_policy: auto         # or always_load, always_recompute
     scheduler: {max_num_batched_tokens: 2048, max_num_seqs: 32}
     server: {host: 127.0.0.1, port: 8000, model_alias: null, api_key: null, max_request_body: 32MiB}
+    events: {endpoint: "tcp://127.0.0.1:5557", replay_endpoint: null, replay_buffer: 10000,
+             queue_size: 100000, topic: ""}     # KV events; off when left out
 
 The config is validated once, here, at the edge; inside the engine the types are trusted. Every
 problem becomes one `ConfigError` whose message is a single line naming the dotted key
@@ -397,11 +399,71 @@ class ServerConfig(_Section):
         return _check_host(host)
 
 
+_ENDPOINT_RE = re.compile(r"^tcp://(\*|\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(\d{1,5})$")
+
+
+def _zmq_endpoint(value: Any) -> str:
+    """`tcp://HOST:PORT` (HOST an address of this machine, a host name that resolves, or `*` for
+    every interface) or `ipc://PATH`: what a ZMQ socket can bind."""
+    if not isinstance(value, str):
+        raise ValueError(f"expected tcp://host:port or ipc://path, got {_short_repr(value)}")
+    value = value.strip()
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return value
+    match = _ENDPOINT_RE.match(value)
+    if match is None:
+        raise ValueError(f"expected tcp://host:port or ipc://path, got {_short_repr(value)}")
+    host, port = match.group(1), int(match.group(2))
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port must be in 1..65535, got {port}")
+    if host != "*":
+        _check_host(host.strip("[]"))
+    return value
+
+
+ZmqEndpoint = Annotated[str, PlainValidator(_zmq_endpoint)]
+
+
+def next_endpoint(endpoint: str) -> str:
+    """The replay endpoint that goes with `endpoint` by default: the next port, or `PATH.replay`."""
+    if endpoint.startswith("ipc://"):
+        return endpoint + ".replay"
+    base, _, port = endpoint.rpartition(":")
+    if int(port) >= 65535:
+        raise ValueError(f"{endpoint} leaves no next port for replay: set events.replay_endpoint")
+    return f"{base}:{int(port) + 1}"
+
+
+class EventsConfig(_Section):
+    """KV events (README, "KV events"): the tiers' BlockStored / BlockRemoved / AllBlocksCleared,
+    published as vLLM does, msgpack over a ZMQ PUB socket bound at `endpoint`, with a ROUTER socket
+    at `replay_endpoint` (default: the next port) that resends the last `replay_buffer` batches.
+    At most `queue_size` events wait for the publisher thread; more are dropped and counted."""
+
+    endpoint: ZmqEndpoint
+    replay_endpoint: ZmqEndpoint | None = None  # None: `next_endpoint(endpoint)`, filled in at load
+    replay_buffer: PositiveInt = 10_000
+    queue_size: PositiveInt = 100_000
+    topic: str = ""
+
+    @model_validator(mode="after")
+    def _replay_beside(self) -> EventsConfig:
+        if self.replay_endpoint is None:
+            try:  # frozen: the default is filled in once, here, so the resolved config shows it
+                object.__setattr__(self, "replay_endpoint", next_endpoint(self.endpoint))
+            except ValueError as exc:
+                raise _FieldError("replay_endpoint", str(exc)) from None
+        if self.replay_endpoint == self.endpoint:
+            raise _FieldError("replay_endpoint", "must differ from events.endpoint")
+        return self
+
+
 class Config(_Section):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
+    events: EventsConfig | None = None  # off when left out
 
     @field_validator("model", "cache", "scheduler", "server", mode="before")
     @classmethod

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,9 @@ from kvstrata.tiers.base import TIER_NAMES
 from kvstrata.engine.receipt import CacheReceipt
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
+from kvstrata.tiers.block_events import BlockEventListener
+
+logger = logging.getLogger("kvstrata")
 
 Prompt = Union[str, Sequence[int]]
 
@@ -61,11 +65,17 @@ class LLM:
     """
 
     def __init__(self, config: Union[str, Path, dict, Config, None] = None, *,
-                 loaded_model: Any = None):
+                 loaded_model: Any = None, events: BlockEventListener | None = None):
         """`config`: a YAML path, a dict, a Config, or None (defaults). `loaded_model` lets several
-        engines in one process share one loaded model (same dtype and device)."""
+        engines in one process share one loaded model (same dtype and device). `events` hears every
+        block the tiers store, evict and clear; to publish them as vLLM does, pass
+        `kvstrata.serving.events.KVEventPublisher(config.events)` (this API knows nothing of ZMQ, so
+        the config's `events` section alone publishes nothing here)."""
         self.config = config if isinstance(config, Config) else load_config(config)
-        self.engine = LLMEngine(self.config, loaded=loaded_model)
+        if self.config.events is not None and events is None:
+            logger.warning("events: the Python API publishes KV events only when given a publisher: "
+                           "LLM(config, events=KVEventPublisher(config.events))")
+        self.engine = LLMEngine(self.config, loaded=loaded_model, block_events=events)
         self._ids = itertools.count()
 
     @property
@@ -141,6 +151,10 @@ class LLM:
     def unpin_document(self, document_id: str) -> Document:
         """Forget a document: its blocks become ordinary cached blocks, evictable again. KeyError if unknown."""
         return self.engine.documents.unpin(document_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every block cached on the device, if no request is running (the lower tiers keep theirs)."""
+        return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict:
         """Per-tier blocks, bytes, hits, misses, evictions; prefix-cache query and hit tokens; moves."""

@@ -2,6 +2,9 @@
 
 The engine is single-threaded by design: `add_request`, `abort_request` and `step` are called from
 one thread (the LLM API's loop, or the server's engine thread).
+
+`block_events`, if given, hears every block the tiers store, evict and clear (tiers/block_events.py);
+the serving layer publishes them. Without it no event is built.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from kvstrata.engine.sampling import SamplingParams, compute_logprobs, make_gene
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
 from kvstrata.kernels import get_ops, resolve_backend
 from kvstrata.tiers.base import KV_LAYOUT_VERSION, BlockLayout
+from kvstrata.tiers.block_events import BlockEventListener
 from kvstrata.tiers.block_pool import BlockPool
 from kvstrata.tiers.cpu import CpuTier
 from kvstrata.tiers.disk import DiskTier
@@ -36,8 +40,10 @@ logger = logging.getLogger("kvstrata")
 LOAD_WAIT_S = 0.05  # the longest an otherwise idle step waits for a prefix load to land
 
 class LLMEngine:
-    def __init__(self, config: Config, loaded: LoadedModel | None = None):
+    def __init__(self, config: Config, loaded: LoadedModel | None = None,
+                 block_events: BlockEventListener | None = None):
         self.config = config
+        self.block_events = block_events
         # Process-wide, so set here, where every entry point (LLM, serve, ask, benchmarks) passes.
         torch.set_num_threads(config.resolved_threads())
         self.device = torch.device(config.resolved_device())
@@ -101,7 +107,7 @@ class LLMEngine:
                 # a block count means that many stored blocks, each a record: a small header and the payload
                 capacity = tiers.disk.size.to_bytes(RecordCodec(self.layout).record_nbytes)
                 disk = DiskTier(self.layout, str(tiers.disk.path), capacity)
-        return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload)
+        return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload, event_listener=self.block_events)
 
     def _allocate(self, key: str, num_blocks: int, allocate):
         """Run `allocate`; memory the config check saw free but that is gone by now (another process
@@ -369,6 +375,11 @@ class LLMEngine:
                 "read_latency_s": {t: c.latency_s for t, c in kv.read_costs.items()},
                 "step_cost": {"overhead_s": step.overhead_s, "per_token_s": step.per_token_s,
                               "per_pair_s": step.per_pair_s}}
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every block cached on the device (vLLM's name), if no request holds one; the lower
+        tiers keep theirs. False, with nothing changed, while requests run."""
+        return self.hierarchy.clear_device_cache()
 
     def write_down_idle(self, max_blocks: int = 64) -> int:
         """While idle, write up to `max_blocks` cached blocks the disk tier lacks down to it, so a

@@ -13,6 +13,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from kvstrata.tiers.block_events import BlockEventListener, TierEvents
+
 KV_LAYOUT_VERSION = 1  # bump when the block layout changes: it is folded into every hash namespace
 TIER_NAMES = ("device", "cpu", "disk")  # top down: the order in which a prefix is looked up
 
@@ -96,10 +98,18 @@ class LowerTier(abc.ABC):
     expected ones (and, where the tier keeps one, the checksum verifies); otherwise it is a miss,
     counted in `corrupt`, and the entry is dropped. Methods are batched: the hierarchy moves
     many blocks per call.
+
+    A tier reports what it stores, evicts, drops and clears to `event_listener` (set by the
+    hierarchy; None, the default, means no event is built at all): see tiers/block_events.py.
     """
 
     name: str
     layout: BlockLayout
+    event_listener: BlockEventListener | None = None
+
+    def _events(self) -> TierEvents | None:
+        """A collector for one operation's events, or None when nobody listens."""
+        return None if self.event_listener is None else TierEvents(self.name, self.layout.block_size)
 
     @abc.abstractmethod
     def contains(self, block_hash: bytes) -> bool:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, token_tuple
+from kvstrata.tiers.block_events import TierEvents
 
 # on_evict(block_hash, token_ids, payload_view): the view aliases the slot about to be reused, so
 # the callback must copy what it keeps before returning. It runs under the tier's lock and must not
@@ -87,6 +88,7 @@ class CpuTier(LowerTier):
         """Copy payloads into host tensors `dests` (the transfer engine moves them on to a GPU)."""
         assert len(block_hashes) == len(token_ids) == len(dests)
         served = [False] * len(block_hashes)
+        events = self._events()
         # The copies happen under the lock: a concurrent put must not reuse a slot mid-copy.
         with self._lock:
             for i, (h, expected, dest) in enumerate(zip(block_hashes, token_ids, dests)):
@@ -97,12 +99,14 @@ class CpuTier(LowerTier):
                 if self._token_ids[slot] != token_tuple(expected):
                     self._stats.misses += 1
                     self._stats.corrupt += 1
-                    self._drop(h)
+                    self._drop(h, events)
                     continue
                 np.copyto(dest.numpy(), self._slab_np[slot])
                 self._slot_of.move_to_end(h)
                 self._stats.hits += 1
                 served[i] = True
+            if events is not None:
+                events.emit(self.event_listener)
         return served
 
     def hold(self, block_hashes: Sequence[bytes]) -> None:
@@ -148,6 +152,8 @@ class CpuTier(LowerTier):
     def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             srcs: Sequence[torch.Tensor]) -> None:
         assert len(block_hashes) == len(token_ids) == len(srcs)
+        events = self._events()
+        # Events are handed over under the lock, so that they reach the listener in the order of the changes.
         with self._lock:
             for h, ids, src in zip(block_hashes, token_ids, srcs):
                 if h in self._slot_of:
@@ -155,7 +161,7 @@ class CpuTier(LowerTier):
                     continue
                 assert src.numel() == self.layout.block_nbytes and src.dtype == torch.uint8, \
                     "a payload is a flat uint8 tensor of layout.block_nbytes bytes"
-                slot = self._free_slots.pop() if self._free_slots else self._evict_lru()
+                slot = self._free_slots.pop() if self._free_slots else self._evict_lru(events)
                 if slot is None:
                     self._rejected_puts += 1  # every slot is held by a promotion in flight
                     continue
@@ -163,8 +169,12 @@ class CpuTier(LowerTier):
                 self._token_ids[slot] = token_tuple(ids)
                 self._slot_of[h] = slot
                 self._stats.puts += 1
+                if events is not None:
+                    events.stored(h, self._token_ids[slot])
+            if events is not None:
+                events.emit(self.event_listener)
 
-    def _evict_lru(self) -> int | None:
+    def _evict_lru(self, events: TierEvents | None) -> int | None:
         """Free the least recently used slot that no promotion holds and no owner pins, handing its
         block to `on_evict` first; returns the slot, or None when every block is held or pinned."""
         h, pinned = None, []
@@ -183,27 +193,38 @@ class CpuTier(LowerTier):
             self.on_evict(h, self._token_ids[slot], self._slab[slot])
         self._token_ids[slot] = None
         self._stats.evictions += 1
+        if events is not None:
+            events.removed(h)
         return slot
 
-    def _drop(self, block_hash: bytes) -> None:
+    def _drop(self, block_hash: bytes, events: TierEvents | None) -> None:
         slot = self._slot_of.pop(block_hash)
         self._token_ids[slot] = None
         self._free_slots.append(slot)
+        if events is not None:
+            events.removed(block_hash)
 
     def discard(self, block_hash: bytes) -> bool:
+        events = self._events()
         with self._lock:
             if block_hash not in self._slot_of:
                 return False
-            self._drop(block_hash)
+            self._drop(block_hash, events)
+            if events is not None:
+                events.emit(self.event_listener)
             return True
 
     def clear(self) -> None:
         """Drop every block and every pin."""
+        events = self._events()
         with self._lock:
             for h in list(self._slot_of):
-                self._drop(h)
+                self._drop(h, None)
             self._pins.clear()
             self._pin_count.clear()
+            if events is not None:
+                events.cleared()
+                events.emit(self.event_listener)
 
     def blocks(self) -> list[tuple[bytes, tuple[int, ...], torch.Tensor]]:
         """A snapshot of every held block as (hash, token ids, payload view), least recently used first.

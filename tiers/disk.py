@@ -36,6 +36,7 @@ import lmdb
 import torch
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats
+from kvstrata.tiers.block_events import AllBlocksCleared
 from kvstrata.tiers.lmdb_store import DAMAGE_ERRORS, LmdbStore, Meta, StoreDamaged, data_file_bytes, quarantine, read_u64
 from kvstrata.tiers.record import RecordCodec, RecordError
 from kvstrata.tiers.storage import check_room, format_bytes, prepare_private_dir
@@ -114,6 +115,7 @@ class _Op:
     value: Optional[bytearray] = None
     owner: str = ""                 # "pin", "unpin": whose pin
     pin: Optional[Pin] = None
+    token_ids: Sequence[int] = ()       # "put": the block's tokens, for its BlockStored event
     damaged: Optional[LmdbStore] = None  # "replace": the store a reader found damaged, and why
     reason: str = ""
 
@@ -300,7 +302,7 @@ class DiskTier(LowerTier):
             if is_held:
                 ops.append(_Op("touch", h))
             else:
-                ops.append(_Op("put", h, self.codec.encode(ids, src)))
+                ops.append(_Op("put", h, self.codec.encode(ids, src), token_ids=ids))
         self._enqueue(ops)
 
     def _held(self, block_hashes: Sequence[bytes]) -> list[bool]:
@@ -475,18 +477,28 @@ class DiskTier(LowerTier):
         return error
 
     def _apply(self, ops: list[_Op]) -> None:
+        """Apply `ops` in one transaction; their events are reported once it has committed."""
         store = self._store
         evictions_before = store.evictions
+        events = self._events()
+        evicted: list[bytes] | None = None if events is None else []
         try:  # one transaction: all of the batch commits, or none of it
             with self._gate.shared, store.begin(write=True) as txn:
                 meta = Meta.read(txn, store.meta)
                 for op in ops:
                     if op.kind == "put":
-                        store.insert(txn, meta, op.block_hash, op.value, self.capacity_bytes)
+                        stored = store.insert(txn, meta, op.block_hash, op.value, self.capacity_bytes, evicted)
+                        if events is not None:
+                            for h in evicted:
+                                events.removed(h)
+                            evicted.clear()
+                            if stored:
+                                events.stored(op.block_hash, op.token_ids)
                     elif op.kind == "touch":
                         store.touch(txn, meta, op.block_hash)
                     elif op.kind == "delete":
-                        store.delete(txn, meta, op.block_hash)
+                        if store.delete(txn, meta, op.block_hash) and events is not None:
+                            events.removed(op.block_hash)
                     elif op.kind == "pin":
                         store.pin(txn, meta, op.owner, op.pin.block_hashes, op.pin.info)
                     elif op.kind == "unpin":
@@ -494,11 +506,15 @@ class DiskTier(LowerTier):
                     elif op.kind == "clear":
                         store.clear(txn)
                         meta = Meta.read(txn, store.meta)
+                        if events is not None:
+                            events.cleared()
                 meta.write(txn, store.meta)
         except BaseException:
             store.evictions = evictions_before  # the transaction was aborted: nothing was evicted
             raise
         self._stats.evictions += store.evictions - evictions_before
+        if events is not None:
+            events.emit(self.event_listener)
 
     def _make_room(self, keep_bytes: int) -> None:
         """Evict the oldest blocks down to `keep_bytes` after LMDB's map filled up (pages pinned by
@@ -506,16 +522,23 @@ class DiskTier(LowerTier):
         logger.debug("disk tier: LMDB map full; evicting down to %s", format_bytes(keep_bytes))
         store = self._store
         before = store.evictions
+        events = self._events()
         try:
             with self._gate.shared, store.begin(write=True) as txn:
                 meta = Meta.read(txn, store.meta)
-                while meta.used_bytes > keep_bytes and store.evict_oldest(txn, meta):
-                    pass
+                while meta.used_bytes > keep_bytes:
+                    oldest = store.evict_oldest(txn, meta)
+                    if oldest is None:
+                        break
+                    if events is not None:
+                        events.removed(oldest)
                 meta.write(txn, store.meta)
         except lmdb.Error:
             store.evictions = before
             return
         self._stats.evictions += store.evictions - before
+        if events is not None:
+            events.emit(self.event_listener)
 
     def _replace_store(self, reason: str) -> None:
         """Move the damaged store aside and start a fresh one at the same path (in the writer thread,
@@ -531,6 +554,8 @@ class DiskTier(LowerTier):
                 if ours:
                     quarantine(self.path, reason)
                 self._store = LmdbStore.open(self.path, self._map_size, self.capacity_bytes)
+                if self.event_listener is not None:  # what the damaged store held is gone
+                    self.event_listener(AllBlocksCleared(self.name))
             except (OSError, ValueError) as e:
                 logger.error("disk tier: could not start a fresh store at '%s' (%s); the disk tier holds "
                              "nothing until restarted", self.path, e)

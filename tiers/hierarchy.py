@@ -29,6 +29,9 @@ step thread); this file holds the policy:
   pins them there, so no LRU eviction below the device drops them; on the device they stay ordinary
   cached blocks (evicted down to the CPU tier, which keeps them). What may be pinned is the
   caller's policy (engine/documents.py).
+- Block events (tiers/block_events.py), when a listener is given: the hierarchy reports the device
+  tier's (a block cached, a cached block's slot reused, the device cache cleared) and hands the
+  listener to each lower tier, which reports its own puts, evictions, drops and clears.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from typing import Iterator, Sequence
 import torch
 
 from kvstrata.tiers.base import TIER_NAMES, LowerTier, Pin, TierStats, as_bytes
+from kvstrata.tiers.block_events import AllBlocksCleared, BlockEventListener, BlockRemoved, BlockStored
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
 from kvstrata.tiers.transfer import Transfer, TransferEngine
 
@@ -106,12 +110,13 @@ class TierHierarchy:
 
     def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, cpu: LowerTier | None = None,
                  disk: LowerTier | None = None, offload: str = "write_through",
-                 transfers: TransferEngine | None = None):
+                 transfers: TransferEngine | None = None, event_listener: BlockEventListener | None = None):
         if offload not in OFFLOAD_POLICIES:
             raise ValueError(f"cache.offload: unknown policy {offload!r} (use one of {', '.join(OFFLOAD_POLICIES)})")
         assert kv_cache.shape[0] == pool.num_blocks
         self.pool = pool
         self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]  # block-major: [num_blocks, num_layers, 2, block_size, heads, head_dim]
         self.cpu = cpu
         self.disk = disk
         self.offload = offload
@@ -130,6 +135,9 @@ class TierHierarchy:
         pool.on_evict = self._on_device_evict
         if cpu is not None and disk is not None:
             cpu.on_evict = self._on_cpu_evict
+        self.event_listener = event_listener
+        for tier in self.lower_tiers:
+            tier.event_listener = event_listener
 
     # ------------------------------------------------------------------ lookup and promotion
 
@@ -273,7 +281,8 @@ class TierHierarchy:
         end = next((k for k in load.below if served[k] is None), len(load.found_in))
         arrived = [k for k in load.below if served[k] is not None]
         self._cache_on_device([load.blocks[k] for k in arrived], [load.block_hashes[k] for k in arrived],
-                              [load.block_tokens[k] for k in arrived])
+                              [load.block_tokens[k] for k in arrived],
+                              [load.block_hashes[k - 1] if k else None for k in arrived])
         self._hold_below(load, hold=False)
         self.pool.free_blocks(list(reversed(load.blocks[end:])))
         by_tier = {t: 0 for t in TIER_NAMES}
@@ -297,6 +306,7 @@ class TierHierarchy:
         newly = self.pool.cache_full_blocks(list(blocks), list(block_hashes), num_cached_blocks, num_full_blocks)
         newly_ids = {b.block_id for b in newly}
         self._unpersisted |= bool(newly)
+        stored = []
         for k in range(num_cached_blocks, num_full_blocks):
             block = blocks[k]
             if block.block_id not in newly_ids:
@@ -304,16 +314,38 @@ class TierHierarchy:
             self._block_tokens[block.block_id] = tuple(block_tokens[k - num_cached_blocks])
             if self.offload == "write_through" and self.lower_tiers:
                 self._pending[block.block_id] = block.block_hash
+            if self.event_listener is not None:
+                stored.append((block_hashes[k], block_hashes[k - 1] if k else None, block_tokens[k - num_cached_blocks]))
+        if stored:
+            self._report_device_stored(stored)
         return newly
 
     def _cache_on_device(self, blocks: list[KVCacheBlock], hashes: Sequence[bytes],
-                         tokens: Sequence[Sequence[int]]) -> None:
+                         tokens: Sequence[Sequence[int]], parents: Sequence[bytes | None]) -> None:
         """Promoted blocks are already below: cache them without queueing a write-down."""
         newly = {b.block_id for b in self.pool.cache_full_blocks(blocks, list(hashes), 0, len(blocks))}
         self._unpersisted |= bool(newly)
-        for block, toks in zip(blocks, tokens):
+        stored = []
+        for block, h, toks, parent in zip(blocks, hashes, tokens, parents):
             if block.block_id in newly:
                 self._block_tokens[block.block_id] = tuple(toks)
+                if self.event_listener is not None:
+                    stored.append((h, parent, toks))
+        if stored:
+            self._report_device_stored(stored)
+
+    def _report_device_stored(self, stored: list[tuple[bytes, bytes | None, Sequence[int]]]) -> None:
+        """One BlockStored per run of (hash, parent hash, tokens) in which each block's parent is the
+        block before it, as vLLM reports a request's newly cached blocks."""
+        run: BlockStored | None = None
+        for block_hash, parent, tokens in stored:
+            if run is None or parent != run.block_hashes[-1]:
+                if run is not None:
+                    self.event_listener(run)
+                run = BlockStored([], parent, [], self.block_size, "device")
+            run.block_hashes.append(block_hash)
+            run.token_ids.extend(tokens)
+        self.event_listener(run)
 
     def flush_pending(self) -> int:
         """Hand the queued write-through blocks to the transfer engine in one batch (call after the
@@ -347,6 +379,8 @@ class TierHierarchy:
         """The pool is about to hand out a cached block: its content must be safe below first, and
         no copy may still be reading it when the slot is overwritten."""
         self.counters.device_evictions += 1
+        if self.event_listener is not None:
+            self.event_listener(BlockRemoved([block_hash], "device"))
         if self._pending.pop(block_id, None) is not None or self.offload == "on_evict":
             self._write_down([block_id], [block_hash])
         job = self._stores_in_flight.pop(block_id, None)
@@ -478,6 +512,8 @@ class TierHierarchy:
             self._block_tokens.clear()
             self._pending.clear()
             self._stores_in_flight.clear()
+            if self.event_listener is not None:
+                self.event_listener(AllBlocksCleared("device"))
         return ok
 
     def stats(self) -> dict:

@@ -289,7 +289,7 @@ class LmdbStore:
                 txn.put(b"format", STORE_FORMAT, db=store.meta)
                 txn.put(b"capacity_bytes", _U64.pack(capacity_bytes), db=store.meta)
                 meta = Meta.read(txn, store.meta)
-                while meta.used_bytes > capacity_bytes and store.evict_oldest(txn, meta):
+                while meta.used_bytes > capacity_bytes and store.evict_oldest(txn, meta) is not None:
                     pass
                 meta.write(txn, store.meta)
             return store
@@ -368,13 +368,19 @@ class LmdbStore:
 
     # -- LRU bookkeeping, inside a write transaction --------------------------------------------
 
-    def insert(self, txn, meta: Meta, block_hash: bytes, value, capacity_bytes: int) -> bool:
-        """Store a value, evicting least recently used ones to stay within capacity. False if already held."""
+    def insert(self, txn, meta: Meta, block_hash: bytes, value, capacity_bytes: int,
+               evicted: list[bytes] | None = None) -> bool:
+        """Store a value, evicting least recently used ones to stay within capacity (their hashes are
+        appended to `evicted`, if given). False if already held."""
         if txn.get(block_hash, db=self.atime) is not None:
             self.touch(txn, meta, block_hash)
             return False
-        while meta.used_bytes + len(value) > capacity_bytes and self.evict_oldest(txn, meta):
-            pass
+        while meta.used_bytes + len(value) > capacity_bytes:
+            oldest = self.evict_oldest(txn, meta)
+            if oldest is None:
+                break
+            if evicted is not None:
+                evicted.append(oldest)
         txn.put(block_hash, value, db=self.blocks)
         self._record_use(txn, meta, block_hash, len(value))
         meta.used_bytes += len(value)
@@ -404,18 +410,18 @@ class LmdbStore:
         txn.delete(block_hash, db=self.atime)
         return txn.delete(block_hash, db=self.blocks)
 
-    def evict_oldest(self, txn, meta: Meta) -> bool:
-        """Drop the least recently used block; False when nothing is left to drop."""
+    def evict_oldest(self, txn, meta: Meta) -> bytes | None:
+        """Drop the least recently used block and return its hash; None when nothing is left to drop."""
         cursor = txn.cursor(db=self.lru)
         if not cursor.first():
             if not txn.stat(self.atime)["entries"]:
                 meta.used_bytes = 0  # nothing is held: whatever the counter said, nothing is used
-            return False  # (or every block left is pinned)
+            return None  # (or every block left is pinned)
         block_hash = bytes(cursor.key())[_U64.size:]
         cursor.delete()
         self.delete(txn, meta, block_hash)
         self.evictions += 1
-        return True
+        return block_hash
 
     # -- pins, inside a write transaction ------------------------------------------------------
 

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:  # the engine imports torch: `kvstrata serve` reports a port in use before that
     from kvstrata.engine.async_engine import EngineSnapshot
     from kvstrata.engine.receipt import CacheReceipt
+    from kvstrata.serving.events import KVEventPublisher
 
 PREFIX = "kvstrata"
 TIERS = ("device", "cpu", "disk")
@@ -38,9 +39,10 @@ class ServingMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot | None]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot | None], events: KVEventPublisher | None = None) -> None:
         self.registry = CollectorRegistry()
         self.snapshot = snapshot
+        self.events = events
         self.time_to_first_token = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Time from a request's arrival to its first token.",
             buckets=TTFT_BUCKETS, registry=self.registry)
@@ -105,6 +107,11 @@ class _SnapshotCollector(Collector):
         yield from _cache_metrics(snapshot.stats)
         yield _gauge("requests_running", "Requests scheduled on the engine now.", snapshot.num_running)
         yield _gauge("requests_waiting", "Requests queued for admission (or preempted).", snapshot.num_waiting)
+        events = self.metrics.events
+        if events is not None:
+            yield _counter("kv_events_published_batches", "KV event batches published.", events.published_batches)
+            yield _counter("kv_events_dropped", "KV events dropped because the publisher's queue was full.",
+                           events.dropped_events)
 
 
 def _engine_info(stats: dict) -> Metric:

@@ -97,15 +97,18 @@ def serve(config: Config) -> None:
     the cache down to disk. Ctrl-C raises KeyboardInterrupt at the end (the CLI exits 130); SIGTERM
     returns normally (exit 0)."""
     sock = bind_socket(config.server.host, config.server.port)
-    async_engine = tokenizers = server = None
+    async_engine = tokenizers = server = publisher = None
     try:
         from kvstrata.engine.async_engine import AsyncEngine
         from kvstrata.engine.llm_engine import LLMEngine
 
-        llm_engine = LLMEngine(config)
+        if config.events is not None:  # bound before the model loads: an endpoint in use is reported at once
+            from kvstrata.serving.events import KVEventPublisher
+            publisher = KVEventPublisher(config.events)
+        llm_engine = LLMEngine(config, block_events=publisher)
         tokenizers = TokenizerPool(llm_engine.tokenizer)  # copied before the engine thread uses the original
         async_engine = AsyncEngine(llm_engine)
-        metrics = ServingMetrics(lambda: async_engine.snapshot)
+        metrics = ServingMetrics(lambda: async_engine.snapshot, events=publisher)
         async_engine.listener = metrics  # set before any request: the engine thread reads it for requests only
         model_id = config.server.model_alias or config.model.name
         drain = DrainState()
@@ -121,6 +124,8 @@ def serve(config: Config) -> None:
             tokenizers.close()
         if async_engine is not None:
             async_engine.shutdown()
+        if publisher is not None:  # after the engine's close, whose write-down to disk it reports
+            publisher.close()
     print(stopped_message(config, async_engine.final_stats), flush=True)
     if server.received_signal == signal.SIGINT:
         raise KeyboardInterrupt
@@ -156,6 +161,8 @@ def _banner(config: Config, async_engine: AsyncEngine, model_id: str, sock: sock
              f"thread{'s' if stats['threads'] != 1 else ''}, attention: {stats['attention_backend']}, "
              f"context {engine.max_model_len} tokens)",
              f"  listening on http://{url_host}:{port}  (OpenAI API under /v1, {auth}; Prometheus at /metrics)"]
+    if config.events is not None:
+        lines.append(f"  KV events:   {config.events.endpoint} (replay at {config.events.replay_endpoint})")
     for name in ("device", "cpu", "disk"):
         tier = tiers.get(name)
         if tier is None:

@@ -1,0 +1,323 @@
+"""KV events on the wire, as vLLM publishes them, so that routers written for vLLM can read ours.
+
+The engine's tiers report BlockStored / BlockRemoved / AllBlocksCleared (tiers/block_events.py) to a
+listener; `KVEventPublisher` is that listener. It only queues (a bounded queue: when it is full the
+event is dropped and counted, and the step thread never waits), and its own thread batches what is
+queued, encodes it and sends it:
+
+- PUB socket, bound at `events.endpoint`: one multipart message per batch,
+  `[topic, sequence number as 8-byte big-endian unsigned, msgpack payload]`; sequence numbers start
+  at 0 and grow by 1, so a subscriber sees a gap when it missed some.
+- ROUTER socket, bound at `events.replay_endpoint`: a client (REQ or DEALER) sends a start sequence
+  number (8 bytes, big-endian); it gets back, one message each, `[seq, payload]` for every batch
+  still kept (the last `events.replay_buffer`) from that number on, then `[-1 as 8 signed bytes, b""]`.
+
+The payload is vLLM's `KVEventBatch` with msgspec's array-like, tagged encoding:
+
+    [ts, [event, ...]]                     ts: the batch's wall-clock time (seconds since the epoch)
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+    ["BlockRemoved", block_hashes, medium]
+    ["AllBlocksCleared", medium]
+
+Block hashes are the engine's chain hashes as raw bytes (msgpack bin: 16 bytes with xxh3_128, 32 with
+sha256); `lora_id` is always nil; `medium` is the tier's name (device, cpu, disk, ...). vLLM's
+AllBlocksCleared has no fields: a decoder typed after it ignores the trailing medium.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import msgpack
+import zmq
+
+from kvstrata.engine.config import EventsConfig
+from kvstrata.tiers.block_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+
+logger = logging.getLogger("kvstrata")
+
+MAX_BATCH_EVENTS = 1024        # events per published batch, at most
+IDLE_POLL_S = 0.02             # how often an idle publisher looks for replay requests
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+CLOSE_TIMEOUT_S = 2.0
+
+
+def encode_event(event: BlockEvent) -> list:
+    """One event in vLLM's array-like, tagged form."""
+    if isinstance(event, BlockStored):
+        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                None, event.medium]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", event.block_hashes, event.medium]
+    if isinstance(event, AllBlocksCleared):
+        return ["AllBlocksCleared", event.medium]
+    raise TypeError(f"not a block event: {event!r}")
+
+
+def encode_batch(events: list[BlockEvent], ts: float) -> bytes:
+    return msgpack.packb([ts, [encode_event(e) for e in events]], use_bin_type=True)
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[BlockEvent]]:
+    """The inverse of `encode_batch` (what `kvstrata route` reads); ValueError on anything else."""
+    try:
+        ts, raw_events = msgpack.unpackb(payload, raw=False)
+        return float(ts), [_decode_event(e) for e in raw_events]
+    except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+        raise ValueError(f"not a KV event batch: {exc}") from None
+
+
+def _decode_event(raw: list) -> BlockEvent:
+    tag = raw[0]
+    if tag == "BlockStored":
+        return BlockStored(list(raw[1]), raw[2], list(raw[3]), int(raw[4]), raw[6] if len(raw) > 6 else None)
+    if tag == "BlockRemoved":
+        return BlockRemoved(list(raw[1]), raw[2])
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared(raw[1] if len(raw) > 1 else None)
+    raise ValueError(f"unknown event {tag!r}")
+
+
+class KVEventPublisher:
+    """Publishes block events over ZMQ on its own thread; call it with an event (the engine's
+    `block_events` listener). `close()` sends what is queued (for at most CLOSE_TIMEOUT_S) and unbinds.
+
+    Both sockets are bound here, in the caller's thread, so that an endpoint in use is one line at
+    start-up; from then on only the publisher thread touches them (ZMQ sockets are not thread-safe).
+    """
+
+    def __init__(self, config: EventsConfig, context: zmq.Context | None = None):
+        self.config = config
+        self._context = context or zmq.Context.instance()
+        self._topic = config.topic.encode()
+        self._queue: queue.Queue[BlockEvent] = queue.Queue(maxsize=config.queue_size)
+        self._drop_lock = threading.Lock()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.replay_buffer)
+        self.published_batches = 0
+        self.dropped_events = 0
+        self._overflowing = False
+        self._pub = self._bind(zmq.PUB, config.endpoint, "events.endpoint")
+        try:
+            self._replay = self._bind(zmq.ROUTER, config.replay_endpoint, "events.replay_endpoint")
+        except ValueError:
+            self._pub.close(linger=0)
+            raise
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-kv-events", daemon=True)
+        self._thread.start()
+
+    def _bind(self, kind: int, endpoint: str, key: str) -> zmq.Socket:
+        sock = self._context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.PUB:
+            sock.setsockopt(zmq.SNDHWM, self.config.replay_buffer)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)  # pyzmq's strerror repeats the address
+            raise ValueError(f"{key}: cannot bind {endpoint}: {reason}") from None
+        return sock
+
+    # -- the listener side: any thread, never blocks ----------------------------------------
+
+    def __call__(self, event: BlockEvent) -> None:
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            with self._drop_lock:
+                self.dropped_events += 1
+                if self._overflowing:
+                    return
+                self._overflowing = True
+            logger.warning("KV events: the publisher's queue is full (%d events); dropping events until it "
+                           "drains (counted in kvstrata_kv_events_dropped_total)", self.config.queue_size)
+
+    # -- the publisher thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            if self._replay.poll(0):
+                self._serve_replay()
+            events = self._take_batch()
+            if events:
+                self._publish(events)
+            elif self._stopping.is_set():
+                return
+
+    def _take_batch(self) -> list[BlockEvent]:
+        try:
+            events = [self._queue.get(timeout=IDLE_POLL_S)]
+        except queue.Empty:
+            return []
+        while len(events) < MAX_BATCH_EVENTS:
+            try:
+                events.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        if self._overflowing and self._queue.empty():
+            with self._drop_lock:
+                self._overflowing = False
+        return events
+
+    def _publish(self, events: list[BlockEvent]) -> None:
+        seq = self.published_batches
+        payload = encode_batch(events, time.time())
+        try:
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no subscriber can keep up: the batch stays in the replay buffer
+        self._buffer.append((seq, payload))
+        self.published_batches += 1
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        # From a REQ client: [identity, b"", start]; from a DEALER: [identity, start].
+        if len(frames) not in (2, 3) or len(frames[-1]) != 8:
+            logger.debug("KV events: ignoring a malformed replay request of %d frames", len(frames))
+            return
+        identity, envelope, start = frames[0], frames[1:-1], int.from_bytes(frames[-1], "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                self._replay.send_multipart((identity, *envelope, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((identity, *envelope, END_OF_REPLAY, b""))
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Publish what is queued, then stop and unbind. Safe to call twice."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._thread.join(CLOSE_TIMEOUT_S)
+        if not self._thread.is_alive():
+            self._pub.close(linger=0)
+            self._replay.close(linger=0)
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- the reading side (what `kvstrata route` uses) ----------------------------------------------
+
+REPLAY_TIMEOUT_MS = 1000
+
+
+@dataclass
+class ReceivedBatch:
+    seq: int
+    ts: float
+    events: list[BlockEvent]
+
+
+class KVEventSubscriber:
+    """Reads one publisher's batches in sequence order, recovering missed ones through its replay socket.
+
+    `poll` returns the batches that arrived, in order and without gaps where the replay buffer
+    still had them. A subscriber that starts late asks for everything still buffered. A sequence
+    number lower than expected means the publisher restarted (a new process starts again at 0):
+    `poll` then sets `restarted`, and what the caller knew of the publisher's blocks is stale.
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str, topic: str = "", context: zmq.Context | None = None):
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self._context = context or zmq.Context.instance()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.connect(endpoint)
+        self.next_seq = 0
+        self.restarted = False
+        self.missed_batches = 0  # gaps the replay buffer no longer covered
+
+    def poll(self, timeout_ms: int = 0) -> list[ReceivedBatch]:
+        batches: list[ReceivedBatch] = []
+        wait = timeout_ms
+        while self._sub.poll(wait):
+            wait = 0
+            frames = self._sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                continue
+            seq = int.from_bytes(frames[1], "big")
+            if seq < self.next_seq:
+                self.restarted, batches = True, []
+                self.next_seq = 0
+            if seq > self.next_seq:
+                batches += self._replay(self.next_seq, seq)
+            if seq >= self.next_seq:
+                batches += self._decoded(seq, frames[2])
+                self.next_seq = seq + 1
+        return batches
+
+    def _replay(self, start: int, stop: int) -> list[ReceivedBatch]:
+        """Batches start..stop-1 from the replay socket (a fresh DEALER each time, so that a reply to
+        an abandoned request can never be taken for the answer to this one)."""
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        got: list[ReceivedBatch] = []
+        try:
+            dealer.connect(self.replay_endpoint)
+            dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while dealer.poll(REPLAY_TIMEOUT_MS):
+                frames = dealer.recv_multipart()
+                if len(frames) != 3 or frames[1] == END_OF_REPLAY:
+                    break
+                seq = int.from_bytes(frames[1], "big")
+                if start + len(got) <= seq < stop:
+                    got += self._decoded(seq, frames[2])
+        finally:
+            dealer.close(linger=0)
+        first = got[0].seq if got else stop
+        self.missed_batches += first - start
+        return got
+
+    @staticmethod
+    def _decoded(seq: int, payload: bytes) -> list[ReceivedBatch]:
+        try:
+            ts, events = decode_batch(payload)
+        except ValueError as exc:
+            logger.warning("KV events: skipping batch %d: %s", seq, exc)
+            return []
+        return [ReceivedBatch(seq, ts, events)]
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+
+
+class BlockIndex:
+    """Which blocks one publisher holds, per medium, as its events tell."""
+
+    def __init__(self) -> None:
+        self.by_medium: dict[str, set[bytes]] = {}
+
+    def apply(self, event: BlockEvent) -> None:
+        if isinstance(event, BlockStored):
+            self.by_medium.setdefault(event.medium, set()).update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            self.by_medium.get(event.medium, set()).difference_update(event.block_hashes)
+        elif event.medium is None:  # AllBlocksCleared from a publisher that does not say which tier
+            self.by_medium.clear()
+        else:
+            self.by_medium.pop(event.medium, None)
+
+    def clear(self) -> None:
+        self.by_medium.clear()
+
+    def prefix_length(self, block_hashes: list[bytes], media: tuple[str, ...]) -> int:
+        """How many leading blocks of a chain are held in any of `media`."""
+        held = [self.by_medium.get(m, ()) for m in media]
+        n = 0
+        for h in block_hashes:
+            if not any(h in s for s in held):
+                break
+            n += 1
+        return n

@@ -1,0 +1,262 @@
+"""KV events: what the tiers report, and the wire a router reads (vLLM's: ZMQ PUB + replay, msgpack)."""
+from __future__ import annotations
+
+import socket
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvstrata.cli import main
+from kvstrata.engine.config import ConfigError, load_config
+from kvstrata.serving.events import BlockIndex, KVEventPublisher, KVEventSubscriber
+from kvstrata.tiers.block_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvstrata.tiers.cpu import CpuTier
+from kvstrata.tiers.disk import DiskTier
+from tier_cases import BF16, key, payload, tokens
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def events_config(**extra):
+    pub, replay = free_ports(2)
+    return load_config({"events": {"endpoint": f"tcp://127.0.0.1:{pub}",
+                                   "replay_endpoint": f"tcp://127.0.0.1:{replay}", **extra}}).events
+
+
+def put(tier, ids):
+    tier.put([key(i) for i in ids], [tokens(i) for i in ids], [payload(BF16, i) for i in ids])
+
+
+# -- what the lower tiers report ----------------------------------------------------------------
+
+def test_cpu_tier_reports_puts_evictions_drops_and_clear_in_order():
+    seen = []
+    tier = CpuTier(BF16, capacity_blocks=2)
+    tier.event_listener = seen.append
+    put(tier, [1, 2])
+    put(tier, [3])         # evicts 1
+    tier.discard(key(2))
+    tier.clear()
+    assert seen == [BlockStored([key(1), key(2)], None, tokens(1) + tokens(2), BF16.block_size, "cpu"),
+                    BlockRemoved([key(1)], "cpu"), BlockStored([key(3)], None, tokens(3), BF16.block_size, "cpu"),
+                    BlockRemoved([key(2)], "cpu"), AllBlocksCleared("cpu")]
+
+
+def test_disk_tier_reports_what_it_committed_and_what_its_lru_evicted(tmp_path):
+    seen = []
+    record_nbytes = DiskTier(BF16, str(tmp_path / "probe"), 1 << 20).codec.record_nbytes
+    tier = DiskTier(BF16, str(tmp_path / "kv"), 2 * record_nbytes, check_integrity=False)
+    tier.event_listener = seen.append
+    put(tier, [1, 2])
+    tier.flush()
+    put(tier, [3])
+    tier.flush()
+    tier.clear()
+    tier.close()
+    assert seen == [BlockStored([key(1), key(2)], None, tokens(1) + tokens(2), BF16.block_size, "disk"),
+                    BlockRemoved([key(1)], "disk"), BlockStored([key(3)], None, tokens(3), BF16.block_size, "disk"),
+                    AllBlocksCleared("disk")]
+
+
+def test_a_tier_without_a_listener_builds_no_event():
+    tier = CpuTier(BF16, capacity_blocks=1)
+    assert tier.event_listener is None and tier._events() is None
+    put(tier, [1, 2])  # nothing to report to, nothing fails
+
+
+# -- the wire -----------------------------------------------------------------------------------
+
+class VllmBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class VllmBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[bytes]
+    medium: str | None
+
+
+class VllmAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class VllmEventBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+
+
+def subscribe(config) -> zmq.Socket:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(config.endpoint)
+    return sub
+
+
+def publish_until_heard(publisher, sub, event) -> list[bytes]:
+    """PUB drops what it sends before a subscriber's connection is up: send until one arrives."""
+    for _ in range(100):
+        publisher(event)
+        if sub.poll(100):
+            return sub.recv_multipart()
+    raise AssertionError("no batch reached the subscriber")
+
+
+def test_a_router_reading_vllm_events_decodes_ours():
+    with KVEventPublisher(events_config()) as publisher:
+        sub = subscribe(publisher.config)
+        topic, seq, payload_bytes = publish_until_heard(
+            publisher, sub, BlockStored([b"\x01" * 16, b"\x02" * 16], None, list(range(32)), 16, "cpu"))
+        sub.close()
+    batch = msgspec.msgpack.Decoder(VllmEventBatch).decode(payload_bytes)
+    assert topic == b"" and len(seq) == 8 and batch.ts == pytest.approx(time.time(), abs=60)
+    stored = batch.events[0]
+    assert isinstance(stored, VllmBlockStored)
+    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size, stored.lora_id,
+            stored.medium) == ([b"\x01" * 16, b"\x02" * 16], None, list(range(32)), 16, None, "cpu")
+
+
+def test_a_subscriber_that_missed_batches_recovers_them_through_replay():
+    with KVEventPublisher(events_config()) as publisher:
+        probe = subscribe(publisher.config)
+        publish_until_heard(publisher, probe, BlockRemoved([b"warm-up"], "device"))  # the sockets are up
+        probe.close()
+        subscriber = KVEventSubscriber(publisher.config.endpoint, publisher.config.replay_endpoint)
+        first = []
+        while not first:  # joins late: everything published so far comes through replay
+            publisher(BlockStored([b"a"], None, [1], 1, "device"))
+            first = subscriber.poll(200)
+        assert [b.seq for b in first] == list(range(len(first)))
+        lost = []
+        for n in range(2):  # the network loses the next two batches
+            publisher(BlockStored([bytes([n])], None, [n], 1, "cpu"))
+            assert subscriber._sub.poll(2000)
+            lost.append(subscriber._sub.recv_multipart())
+        publisher(AllBlocksCleared("cpu"))
+        recovered = subscriber.poll(2000)
+        subscriber.close()
+    assert [b.seq for b in recovered] == [int.from_bytes(m[1], "big") for m in lost] + [lost[-1][1][-1] + 1]
+    assert [b.events for b in recovered] == [[BlockStored([b"\x00"], None, [0], 1, "cpu")],
+                                             [BlockStored([b"\x01"], None, [1], 1, "cpu")],
+                                             [AllBlocksCleared("cpu")]]
+    assert subscriber.missed_batches == 0
+
+
+def test_a_full_queue_drops_events_and_counts_them_without_blocking():
+    publisher = KVEventPublisher(events_config(queue_size=1))
+    publisher._stopping.set()  # the thread stops taking: the queue fills
+    publisher._thread.join()
+    for _ in range(3):
+        publisher(BlockRemoved([b"x"], "device"))
+    assert publisher.dropped_events >= 2
+    publisher._pub.close(linger=0)
+    publisher._replay.close(linger=0)
+
+
+def test_block_index_follows_stored_removed_and_cleared_per_medium():
+    index = BlockIndex()
+    for event in (BlockStored([b"a", b"b", b"c"], None, [], 1, "device"), BlockStored([b"a", b"b"], None, [], 1, "cpu"),
+                  BlockRemoved([b"b"], "device")):
+        index.apply(event)
+    assert index.prefix_length([b"a", b"b", b"c"], ("device",)) == 1
+    assert index.prefix_length([b"a", b"b", b"c"], ("device", "cpu")) == 3
+    index.apply(AllBlocksCleared("cpu"))
+    assert index.prefix_length([b"a", b"b", b"c"], ("device", "cpu")) == 1
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("endpoint, message", [
+    ("udp://127.0.0.1:5557", "events.endpoint: expected tcp://host:port or ipc://path, got 'udp://127.0.0.1:5557'"),
+    ("tcp://127.0.0.1:99999", "events.endpoint: port must be in 1..65535, got 99999"),
+    ("tcp://*:65535", "events.replay_endpoint: tcp://*:65535 leaves no next port for replay: set "
+                      "events.replay_endpoint"),
+])
+def test_a_bad_events_endpoint_is_a_one_line_config_error(endpoint, message):
+    with pytest.raises(ConfigError) as error:
+        load_config({"events": {"endpoint": endpoint}})
+    assert str(error.value) == message
+
+
+def test_the_replay_endpoint_defaults_to_the_next_port():
+    assert load_config({"events": {"endpoint": "tcp://127.0.0.1:5557"}}).events.replay_endpoint == "tcp://127.0.0.1:5558"
+
+
+def test_serve_with_an_events_endpoint_in_use_says_so_in_one_line(capsys):
+    busy = zmq.Context.instance().socket(zmq.PUB)
+    port = busy.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        code = main(["serve", "--port", "0", "--set", f"events.endpoint=tcp://127.0.0.1:{port}"])
+    finally:
+        busy.close(linger=0)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == f"kvstrata: error: events.endpoint: cannot bind tcp://127.0.0.1:{port}: Address already in use"
+
+
+# -- the engine's events, end to end ------------------------------------------------------------
+
+def collect_until(subscriber: KVEventSubscriber, done, timeout: float = 60.0) -> list:
+    events, deadline = [], time.monotonic() + timeout
+    while not (events and done(events)):
+        assert time.monotonic() < deadline, f"events so far: {events}"
+        for batch in subscriber.poll(100):
+            events += batch.events
+    return events
+
+
+@pytest.mark.slow
+def test_a_subscriber_sees_device_cpu_and_disk_blocks_come_and_go(tmp_path, embedded_model_fp32):
+    from kvstrata import LLM, SamplingParams
+
+    config = {"model": {"dtype": "float32", "device": "cpu"},
+              "cache": {"tiers": {"device": {"size": 4}, "cpu": {"size": 4},
+                                  "disk": {"path": str(tmp_path / "kv"), "size": "64MiB"}}}}
+    publisher = KVEventPublisher(events_config())
+    subscriber = KVEventSubscriber(publisher.config.endpoint, publisher.config.replay_endpoint)
+    llm = LLM(load_config(config), loaded_model=embedded_model_fp32, events=publisher)
+    one_token = SamplingParams(max_tokens=1, temperature=0.0)
+    doc_a, doc_b = list(range(1000, 1050)), list(range(2000, 2050))  # 3 full blocks each, 4 device blocks a request
+    hashes_a, hashes_b = (llm.engine.kv_manager.hasher.hash(doc)[:3] for doc in (doc_a, doc_b))
+    llm.generate(doc_a, one_token)
+    llm.generate(doc_b, one_token)  # reuses A's device slots; B's blocks push two of A's out of the CPU tier to disk
+    llm.engine.hierarchy.wait_for_write_downs()
+    llm.engine.hierarchy.disk.flush()
+    assert llm.reset_prefix_cache()
+    events = collect_until(subscriber, lambda seen: isinstance(seen[-1], AllBlocksCleared))
+    llm.close()
+    publisher.close()
+    subscriber.close()
+
+    def where(kind, medium):
+        return [(k, h) for k, e in enumerate(events) if isinstance(e, kind) and e.medium == medium
+                for h in e.block_hashes]
+
+    assert events[0] == BlockStored(hashes_a, None, doc_a[:48], 16, "device")
+    device_stored_b = next(k for k, e in enumerate(events) if e == BlockStored(hashes_b, None, doc_b[:48], 16, "device"))
+    assert sorted(h for _, h in where(BlockRemoved, "device")) == sorted(hashes_a)
+    assert all(k < device_stored_b for k, _ in where(BlockRemoved, "device"))
+    assert [h for _, h in where(BlockStored, "cpu")] == hashes_a + hashes_b  # write-through, in order
+    cascaded = [h for _, h in where(BlockStored, "disk")]
+    assert cascaded and set(cascaded) <= set(hashes_a)
+    removed_from_cpu = dict((h, k) for k, h in where(BlockRemoved, "cpu"))
+    assert set(removed_from_cpu) == set(cascaded)
+    assert events[-1] == AllBlocksCleared("device")
+    index = BlockIndex()
+    for event in events:
+        index.apply(event)
+    assert index.prefix_length(hashes_b, ("device",)) == 0 and index.prefix_length(hashes_b, ("cpu",)) == 3

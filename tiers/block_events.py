@@ -1,0 +1,86 @@
+"""What the tiers report as blocks come and go: stored, removed, cleared, each with its medium.
+
+The names and fields are vLLM's KV events (BlockStored, BlockRemoved, AllBlocksCleared), so the
+serving layer can put them on the wire as vLLM does; the medium is the tier's name (one of
+`TIER_NAMES`), so a new tier reports under its own name with nothing added here.
+
+Reporting is off unless someone listens: every producer holds an `event_listener` that is None by
+default and builds no event while it is. A listener is called from several threads (the step
+thread for the device tier, the transfer workers and the disk writer for the lower tiers), in the
+order in which each thread changed its tier; it must be thread-safe, must not block and must not
+call back into a tier.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
+
+
+@dataclass(slots=True)
+class BlockStored:
+    """Blocks now held in `medium`. `token_ids` are the blocks' tokens, concatenated in order
+    (`block_size` per block). `parent_block_hash` is the hash of the block before the first one
+    where the producer knows the chain (the device tier), else None: a lower tier stores blocks,
+    not chains."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    medium: str
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    """Blocks no longer held in `medium` (evicted, discarded, or found corrupt and dropped)."""
+
+    block_hashes: list[bytes]
+    medium: str
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    """Every block of `medium` is gone."""
+
+    medium: str
+
+
+BlockEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+BlockEventListener = Callable[[BlockEvent], None]
+
+
+class TierEvents:
+    """The events of one batched tier operation, in the order they happened, neighbours of one kind
+    merged into one event (a put of 64 blocks is one BlockStored, unless an eviction came between).
+    Build one only when a listener is set; `emit` hands the events over."""
+
+    __slots__ = ("medium", "block_size", "events")
+
+    def __init__(self, medium: str, block_size: int):
+        self.medium = medium
+        self.block_size = block_size
+        self.events: list[BlockEvent] = []
+
+    def stored(self, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockStored):
+            last.block_hashes.append(block_hash)
+            last.token_ids.extend(token_ids)
+        else:
+            self.events.append(BlockStored([block_hash], None, list(token_ids), self.block_size, self.medium))
+
+    def removed(self, block_hash: bytes) -> None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(block_hash)
+        else:
+            self.events.append(BlockRemoved([block_hash], self.medium))
+
+    def cleared(self) -> None:
+        self.events.append(AllBlocksCleared(self.medium))
+
+    def emit(self, listener: BlockEventListener | None) -> None:
+        if listener is not None:
+            for event in self.events:
+                listener(event)
+        self.events = []
