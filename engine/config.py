@@ -18,6 +18,8 @@
     server: {host: 127.0.0.1, port: 8000, model_alias: null, api_key: null, max_request_body: 32MiB}
     events: {endpoint: "tcp://127.0.0.1:5557", replay_endpoint: null, replay_buffer: 10000,
              queue_size: 100000, topic: ""}     # KV events; off when left out
+    router: {host: 127.0.0.1, port: 8080, health_interval: 1s, request_timeout: 600s,
+             replicas: [{url: "http://127.0.0.1:8001", events: "tcp://127.0.0.1:5557", replay: null}]}
 
 The config is validated once, here, at the edge; inside the engine the types are trusted. Every
 problem becomes one `ConfigError` whose message is a single line naming the dotted key
@@ -351,17 +353,21 @@ class SchedulerConfig(_Section):
     @field_validator("step_target", mode="before")
     @classmethod
     def _duration(cls, value: Any) -> float:
-        """A positive duration: "50ms", "0.2s", or a number of seconds."""
-        text = str(value).strip().lower() if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
-        match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)?", text)
-        seconds = float(match.group(1)) / (1000 if match.group(2) == "ms" else 1) if match else 0.0
-        if seconds <= 0:
-            raise ValueError(f"expected a positive duration such as 50ms or 0.2s, got {_short_repr(value)}")
-        return seconds
+        return _positive_duration(value)
 
     @field_serializer("step_target")
     def _duration_text(self, seconds: float) -> str:
         return f"{seconds * 1000:g}ms"
+
+
+def _positive_duration(value: Any) -> float:
+    """A positive duration in seconds, from "50ms", "0.2s", or a number of seconds."""
+    text = str(value).strip().lower() if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)?", text)
+    seconds = float(match.group(1)) / (1000 if match.group(2) == "ms" else 1) if match else 0.0
+    if seconds <= 0:
+        raise ValueError(f"expected a positive duration such as 50ms or 0.2s, got {_short_repr(value)}")
+    return seconds
 
 
 def _request_body_limit(value: Any) -> int:
@@ -458,12 +464,63 @@ class EventsConfig(_Section):
         return self
 
 
+def _http_url(value: Any) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?/?", value.strip()):
+        raise ValueError(f"expected http://host:port, got {_short_repr(value)}")
+    return value.strip().rstrip("/")
+
+
+class ReplicaConfig(_Section):
+    """One `kvstrata serve` behind the router: its HTTP base URL and, to be routed to by what it
+    caches, its KV events endpoint (its `events.endpoint`; replay: its `events.replay_endpoint`)."""
+
+    url: Annotated[str, PlainValidator(_http_url)]
+    events: ZmqEndpoint | None = None  # None: routed by load alone
+    replay: ZmqEndpoint | None = None  # None: `next_endpoint(events)`, filled in at load
+
+    @model_validator(mode="after")
+    def _replay_beside(self) -> ReplicaConfig:
+        if self.events is not None and self.replay is None:
+            try:
+                object.__setattr__(self, "replay", next_endpoint(self.events))
+            except ValueError as exc:
+                raise _FieldError("replay", str(exc)) from None
+        return self
+
+
+class RouterConfig(_Section):
+    """`kvstrata route` (README, "Cache-aware routing"): where it listens and the replicas it sends to.
+    The config's `model` and `cache` sections must be the replicas' (same model, dtype, block size
+    and hash), so that the router names blocks as they do."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    replicas: Annotated[list[ReplicaConfig], Field(min_length=1)]
+    health_interval: float = 1.0   # seconds between health checks of each replica
+    request_timeout: float = 600.0  # the longest a replica may take to answer (a long prefill on a CPU)
+
+    @field_validator("health_interval", "request_timeout", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> float:
+        return _positive_duration(value)
+
+    @field_validator("host")
+    @classmethod
+    def _listenable_host(cls, host: str) -> str:
+        return _check_host(host)
+
+    @field_serializer("health_interval", "request_timeout")
+    def _duration_text(self, seconds: float) -> str:
+        return f"{seconds:g}s"
+
+
 class Config(_Section):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     server: ServerConfig = ServerConfig()
     events: EventsConfig | None = None  # off when left out
+    router: RouterConfig | None = None  # only `kvstrata route` reads it
 
     @field_validator("model", "cache", "scheduler", "server", mode="before")
     @classmethod

@@ -158,6 +158,16 @@ class BlockHasher:
     became full since, chaining on the last known hash. `extend` then equals a full recompute.
     """
 
+    @classmethod
+    def for_model(cls, model_identity: str, dtype: str, block_size: int, algo: str,
+                  batch_invariant: bool = False) -> BlockHasher:
+        """The hasher of an engine running `model_identity` in `dtype`: the engine and `kvstrata route`
+        both build theirs here, so that they name every block alike."""
+        from kvstrata.tiers.base import KV_LAYOUT_VERSION
+        namespace = make_namespace(model_identity, dtype, block_size, KV_LAYOUT_VERSION, algo,
+                                   batch_invariant=batch_invariant)
+        return cls(block_size, namespace, algo)
+
     def __init__(self, block_size: int, namespace: bytes, algo: str = "xxh3_128") -> None:
         get_digest_fn(algo)
         _check_block_size(block_size)

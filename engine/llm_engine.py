@@ -18,7 +18,7 @@ import torch
 from kvstrata.engine.config import Config
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.documents import Document, DocumentPlan, DocumentRegistry
-from kvstrata.engine.hashing import BlockHasher, make_namespace
+from kvstrata.engine.hashing import BlockHasher
 from kvstrata.engine.kv_manager import KVCacheManager
 from kvstrata.engine.model_loader import LoadedModel, load_model, resolve_model
 from kvstrata.engine.model_runner import ModelRunner, StepInput
@@ -28,7 +28,7 @@ from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.sampling import SamplingParams, compute_logprobs, make_generator, sample
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
 from kvstrata.kernels import get_ops, resolve_backend
-from kvstrata.tiers.base import KV_LAYOUT_VERSION, BlockLayout
+from kvstrata.tiers.base import BlockLayout
 from kvstrata.tiers.block_events import BlockEventListener
 from kvstrata.tiers.block_pool import BlockPool
 from kvstrata.tiers.cpu import CpuTier
@@ -58,9 +58,8 @@ class LLMEngine:
         self.block_size = cache.block_size
         self.layout = BlockLayout(mc.num_layers, cache.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.hierarchy = self._build_tiers()
-        namespace = make_namespace(mc.identity, self.dtype_name, cache.block_size, KV_LAYOUT_VERSION, cache.hash,
-                                   batch_invariant=config.model.batch_invariant)
-        hasher = BlockHasher(cache.block_size, namespace, cache.hash)
+        hasher = BlockHasher.for_model(mc.identity, self.dtype_name, cache.block_size, cache.hash,
+                                       batch_invariant=config.model.batch_invariant)
         self.kv_manager = KVCacheManager(self.hierarchy, hasher, cache.block_size,
                                          enable_caching=cache.enable_prefix_caching, load_policy=cache.load_policy)
         self.kv_manager.probe_lower_tiers()  # seeds the load policy's read costs before any request

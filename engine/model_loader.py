@@ -124,13 +124,23 @@ def model_identity(source: ModelSource) -> str:
     return directory_identity(source.display_name, source.directory)
 
 
-def _from_pretrained(source: ModelSource, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(source: ModelSource):
+    """The model's tokenizer (with its chat template) alone, without its weights (`kvstrata route`)."""
+    from transformers import AutoTokenizer
 
     files = {"local_files_only": True}
     if source.gguf_file:
         files["gguf_file"] = source.gguf_file
-    tokenizer = AutoTokenizer.from_pretrained(source.directory, **files)
+    return AutoTokenizer.from_pretrained(source.directory, **files)
+
+
+def _from_pretrained(source: ModelSource, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    files = {"local_files_only": True}
+    if source.gguf_file:
+        files["gguf_file"] = source.gguf_file
+    tokenizer = load_tokenizer(source)
     with _quiet_gguf_dtype_warning():
         model = AutoModelForCausalLM.from_pretrained(
             source.directory, dtype=dtype, attn_implementation=ATTENTION_NAME, **files
@@ -174,10 +184,7 @@ def build_dummy_model(source: ModelSource, dtype: torch.dtype, device: torch.dev
 @lru_cache(maxsize=1)
 def embedded_tokenizer():
     """The embedded model's tokenizer (with its chat template), read from its GGUF."""
-    from transformers import AutoTokenizer
-
-    source = _embedded_source()
-    return AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file, local_files_only=True)
+    return load_tokenizer(_embedded_source())
 
 
 def _check_runnable(source: ModelSource) -> dict:

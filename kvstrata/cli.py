@@ -1,6 +1,7 @@
 """`kvstrata`, the command line (DESIGN.md, "CLI").
 
     kvstrata serve  --config F [--host H] [--port P] [--api-key KEY] [--set key=value ...]
+    kvstrata route  --config F [--host H] [--port P] [--replica URL[,EVENTS] ...]
     kvstrata ask    --config F --doc FILE [--question Q ...] [QUESTION ...] [--max-tokens N]
     kvstrata bench  ttft --config F [benchmark options ...]
     kvstrata bench  concurrency --config F [benchmark options ...]
@@ -60,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (overrides server.api_key; "
                                          "$KVSTRATA_API_KEY keeps it out of the process list)")
     serve.set_defaults(run=_serve)
+
+    route = commands.add_parser("route", help="route OpenAI API requests to the replica holding their prefix")
+    _add_config_arguments(route)
+    route.add_argument("--host", help="address to listen on (overrides router.host)")
+    route.add_argument("--port", type=int, help="port to listen on (overrides router.port)")
+    route.add_argument("--replica", action="append", default=[], metavar="URL[,EVENTS]",
+                       help="a replica's base URL and, after a comma, its KV events endpoint, e.g. "
+                            "http://127.0.0.1:8001,tcp://127.0.0.1:5557 (repeatable; replaces router.replicas)")
+    route.set_defaults(run=_route)
 
     ask = commands.add_parser("ask", help="answer questions about a long document")
     _add_config_arguments(ask)
@@ -156,6 +166,15 @@ def _serve(args: argparse.Namespace) -> int:
     from kvstrata.serving.server import serve
 
     serve(config)
+    return EXIT_OK
+
+
+def _route(args: argparse.Namespace) -> int:
+    replicas = [dict(zip(("url", "events"), spec.split(",", 1))) for spec in args.replica] or None
+    config = _load(args, **{"router.host": args.host, "router.port": args.port, "router.replicas": replicas})
+    from kvstrata.serving.router import route
+
+    route(config)
     return EXIT_OK
 
 

@@ -260,3 +260,4 @@ def test_a_subscriber_sees_device_cpu_and_disk_blocks_come_and_go(tmp_path, embe
     for event in events:
         index.apply(event)
     assert index.prefix_length(hashes_b, ("device",)) == 0 and index.prefix_length(hashes_b, ("cpu",)) == 3
+

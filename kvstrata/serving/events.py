@@ -222,9 +222,10 @@ class KVEventSubscriber:
     """Reads one publisher's batches in sequence order, recovering missed ones through its replay socket.
 
     `poll` returns the batches that arrived, in order and without gaps where the replay buffer
-    still had them. A subscriber that starts late asks for everything still buffered. A sequence
-    number lower than expected means the publisher restarted (a new process starts again at 0):
-    `poll` then sets `restarted`, and what the caller knew of the publisher's blocks is stale.
+    still had them (a subscriber that starts late asks for everything still buffered); a batch seen
+    twice is returned once. A publisher that restarted (a new process numbers from 0 again) cannot
+    be told from duplicates by sequence numbers alone: whoever knows it restarted (`kvstrata route`
+    does, from its health checks) calls `resync`, which starts over from what it still buffers.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str, topic: str = "", context: zmq.Context | None = None):
@@ -236,8 +237,12 @@ class KVEventSubscriber:
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self.next_seq = 0
-        self.restarted = False
-        self.missed_batches = 0  # gaps the replay buffer no longer covered
+        self.missed_batches = 0  # batches neither received nor still buffered for replay
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The SUB socket, for a poller that waits on several subscribers."""
+        return self._sub
 
     def poll(self, timeout_ms: int = 0) -> list[ReceivedBatch]:
         batches: list[ReceivedBatch] = []
@@ -249,18 +254,25 @@ class KVEventSubscriber:
                 continue
             seq = int.from_bytes(frames[1], "big")
             if seq < self.next_seq:
-                self.restarted, batches = True, []
-                self.next_seq = 0
+                continue  # already had it (through replay)
             if seq > self.next_seq:
-                batches += self._replay(self.next_seq, seq)
-            if seq >= self.next_seq:
-                batches += self._decoded(seq, frames[2])
-                self.next_seq = seq + 1
+                replayed = self._replay(self.next_seq, seq)
+                self.missed_batches += (replayed[0].seq if replayed else seq) - self.next_seq
+                batches += replayed
+            batches += self._decoded(seq, frames[2])
+            self.next_seq = seq + 1
         return batches
 
-    def _replay(self, start: int, stop: int) -> list[ReceivedBatch]:
-        """Batches start..stop-1 from the replay socket (a fresh DEALER each time, so that a reply to
-        an abandoned request can never be taken for the answer to this one)."""
+    def resync(self) -> list[ReceivedBatch]:
+        """Every batch the publisher still buffers, from the first; later `poll`s continue from there."""
+        batches = self._replay(0, None)
+        self.next_seq = batches[-1].seq + 1 if batches else 0
+        return batches
+
+    def _replay(self, start: int, stop: int | None) -> list[ReceivedBatch]:
+        """Batches start..stop-1 (None: to the last) from the replay socket, in order, where the
+        publisher still has them. A fresh DEALER each time, so that a reply to an abandoned request
+        can never be taken for the answer to this one."""
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         got: list[ReceivedBatch] = []
@@ -272,12 +284,10 @@ class KVEventSubscriber:
                 if len(frames) != 3 or frames[1] == END_OF_REPLAY:
                     break
                 seq = int.from_bytes(frames[1], "big")
-                if start + len(got) <= seq < stop:
+                if seq >= start and (stop is None or seq < stop) and (not got or seq > got[-1].seq):
                     got += self._decoded(seq, frames[2])
         finally:
             dealer.close(linger=0)
-        first = got[0].seq if got else stop
-        self.missed_batches += first - start
         return got
 
     @staticmethod

@@ -73,13 +73,14 @@ class _Server(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to (host, port), so a port in use is reported before the model loads."""
+def bind_socket(host: str, port: int, key: str = "server") -> socket.socket:
+    """A socket bound to (host, port), so a port in use is reported before the model loads. Errors
+    name `key.host` / `key.port`."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
-        raise ValueError(f"server.host: cannot resolve {host!r}: {exc.strerror}") from None
+        raise ValueError(f"{key}.host: cannot resolve {host!r}: {exc.strerror}") from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -87,8 +88,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise ValueError(f"server.port: {host}:{port} is already in use (choose another with --port)") from None
-        raise ValueError(f"server.host: cannot listen on {host}:{port}: {exc.strerror}") from None
+            raise ValueError(f"{key}.port: {host}:{port} is already in use (choose another with --port)") from None
+        raise ValueError(f"{key}.host: cannot listen on {host}:{port}: {exc.strerror}") from None
     return sock
 
 

@@ -1,0 +1,355 @@
+"""`kvstrata route`: one OpenAI-compatible address in front of several `kvstrata serve` replicas,
+sending each request to the replica that already holds the longest prefix of its prompt.
+
+How a request is placed:
+
+1. The router follows every replica's KV events (serving/events.py) into one `BlockIndex` per
+   replica: which block hashes each holds in each tier.
+2. It renders and tokenizes the prompt as the replicas do (engine/prompts.py, the same tokenizer
+   and chat template) and hashes it with the replicas' hasher (`BlockHasher.for_model`: same model
+   identity, dtype, block size and hash, so the same names; `cache_salt` too).
+3. Among the healthy replicas, the one holding the most leading blocks in its device or CPU tier
+   wins (`ROUTING_MEDIA`; a disk hit is not worth a detour), provided it holds at least
+   `MIN_HELD_SHARE` of the prompt's blocks: every replica that has answered anything holds the chat
+   template's first block, and that alone must not draw every new document to one replica. Ties,
+   and prompts nobody holds enough of, go to the replica with the fewest requests in flight (then
+   in turn).
+4. The request is forwarded as it came (body, API key) and the answer passed back as it comes,
+   streams included, with an `x-kvstrata-replica` header naming the replica. A replica that cannot
+   be reached, or answers 502/503/504, is tried no more for this request: the next best one is.
+
+A health check (`GET /health` every `router.health_interval`) takes a replica out when it fails and
+puts it back when it answers again; then the router rebuilds that replica's index from its replay
+buffer, since a replica that restarted holds other blocks (and numbers its events from 0 again).
+Bodies the router cannot read are forwarded all the same, by load: the replica answers the error.
+A replica that dies in the middle of a streamed answer ends that stream early: what was sent
+cannot be taken back.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import httpx
+import uvicorn
+import zmq
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvstrata import __version__
+from kvstrata.engine.config import Config, ReplicaConfig
+from kvstrata.engine.hashing import BlockHasher
+from kvstrata.engine.prompts import render_chat, tokenize_text
+from kvstrata.serving.events import BlockIndex, KVEventSubscriber, ReceivedBatch
+from kvstrata.serving.tokenizer_pool import TokenizerPool
+
+logger = logging.getLogger("kvstrata")
+
+ROUTING_MEDIA = ("device", "cpu")
+MIN_HELD_SHARE = 0.5  # of a prompt's cacheable blocks, for a replica's prefix to decide where the prompt goes
+RETRY_STATUSES = frozenset({502, 503, 504})
+HEALTH_TIMEOUT_S = 2.0
+EVENT_POLL_MS = 100
+FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+
+
+@dataclass(eq=False)
+class Replica:
+    config: ReplicaConfig
+    subscriber: KVEventSubscriber | None
+    index: BlockIndex = field(default_factory=BlockIndex)
+    healthy: bool = True        # until a health check says otherwise (a request that fails says so too)
+    in_flight: int = 0          # requests forwarded and not yet answered in full
+    needs_resync: bool = True   # the index is to be rebuilt from the replica's replay buffer
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+
+class ReplicaSet:
+    """The replicas, their indexes and their load; `choose` is the routing policy."""
+
+    def __init__(self, replicas: list[Replica]):
+        self.replicas = replicas
+        self.lock = threading.Lock()  # the event thread writes the indexes while requests read them
+        self._turn = itertools.count()
+
+    def choose(self, block_hashes: list[bytes], tried: set[Replica]) -> tuple[Replica | None, int]:
+        """The replica for a request whose prompt has `block_hashes`, and how many of them it holds
+        in `ROUTING_MEDIA`. Untried healthy replicas first; when none is left, untried unhealthy ones
+        (a health check may lag a recovery). None when every replica has been tried."""
+        untried = [r for r in self.replicas if r not in tried]
+        candidates = [r for r in untried if r.healthy] or untried
+        if not candidates:
+            return None, 0
+        with self.lock:
+            held = {r: r.index.prefix_length(block_hashes, ROUTING_MEDIA) for r in candidates}
+        enough = MIN_HELD_SHARE * len(block_hashes)
+        worth = {r: held[r] if held[r] and held[r] >= enough else 0 for r in candidates}
+        turn = next(self._turn)
+        order = {r: (i - turn) % len(self.replicas) for i, r in enumerate(self.replicas)}
+        best = max(candidates, key=lambda r: (worth[r], -r.in_flight, -order[r]))
+        return best, held[best]
+
+    def apply(self, replica: Replica, batches: list[ReceivedBatch], reset: bool = False) -> None:
+        with self.lock:
+            if reset:
+                replica.index.clear()
+            for batch in batches:
+                for event in batch.events:
+                    replica.index.apply(event)
+
+
+class EventFeed:
+    """A thread that keeps each replica's index current from its KV events."""
+
+    def __init__(self, replicas: ReplicaSet):
+        self.replicas = replicas
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-router-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        subscribed = [r for r in self.replicas.replicas if r.subscriber is not None]
+        poller = zmq.Poller()
+        for replica in subscribed:
+            poller.register(replica.subscriber.socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            for replica in subscribed:
+                if replica.needs_resync and replica.healthy:
+                    replica.needs_resync = False
+                    self.replicas.apply(replica, replica.subscriber.resync(), reset=True)
+            ready = dict(poller.poll(EVENT_POLL_MS))
+            for replica in subscribed:
+                if replica.subscriber.socket in ready:
+                    self.replicas.apply(replica, replica.subscriber.poll(0))
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            for replica in self.replicas.replicas:
+                if replica.subscriber is not None:
+                    replica.subscriber.close()
+
+
+class HealthChecks:
+    """A thread that asks each replica's `/health` every `interval` seconds."""
+
+    def __init__(self, replicas: ReplicaSet, interval: float):
+        self.replicas = replicas
+        self.interval = interval
+        self._stopping = threading.Event()
+        self._client = httpx.Client(timeout=HEALTH_TIMEOUT_S)
+        self._thread = threading.Thread(target=self._run, name="kvstrata-router-health", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            for replica in self.replicas.replicas:
+                try:
+                    ok = self._client.get(f"{replica.url}/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                set_health(replica, ok)
+            self._stopping.wait(self.interval)
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(HEALTH_TIMEOUT_S * len(self.replicas.replicas) + self.interval)
+        self._client.close()
+
+
+def set_health(replica: Replica, ok: bool) -> None:
+    if ok == replica.healthy:
+        return
+    replica.healthy = ok
+    if ok:
+        replica.needs_resync = True  # it may have restarted: what it holds now, its replay buffer says
+    logger.warning("router: replica %s is %s", replica.url, "back" if ok else "out (unreachable or unhealthy)")
+
+
+def prompt_token_ids(tokenizer, path: str, payload: Any) -> list[int] | None:
+    """The prompt's token ids as the replica will compute them, or None when the body is not one the
+    router can read (the replica will say what is wrong with it)."""
+    try:
+        if path == "/v1/chat/completions":
+            return render_chat(tokenizer, payload["messages"])
+        prompt = payload["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tokenize_text(tokenizer, prompt)
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt
+    except (ValueError, TypeError, KeyError):
+        pass
+    return None
+
+
+class Router:
+    """The routing state and the HTTP face; `close()` stops its threads."""
+
+    def __init__(self, config: Config, tokenizer, hasher: BlockHasher):
+        rc = config.router
+        assert rc is not None
+        self.config = config
+        self.hasher = hasher
+        self.tokenizer = tokenizer  # the pool's threads tokenize with copies of it
+        self.tokenizers = TokenizerPool(tokenizer)
+        self.replicas = ReplicaSet([
+            Replica(r, KVEventSubscriber(r.events, r.replay) if r.events is not None else None) for r in rc.replicas])
+        self.events = EventFeed(self.replicas)
+        self.health = HealthChecks(self.replicas, rc.health_interval)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(rc.request_timeout, connect=HEALTH_TIMEOUT_S))
+        self.app = self._build_app()
+
+    async def prompt_hashes(self, path: str, body: bytes) -> list[bytes]:
+        """The hashes of the blocks of this prompt that a replica could serve from its cache; none
+        when the body is not a request the router can read."""
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            return []
+        if not isinstance(payload, dict):
+            return []
+        token_ids = await self.tokenizers.run(prompt_token_ids, path, payload)
+        salt = payload.get("cache_salt")
+        if token_ids is None or not (salt is None or isinstance(salt, str)):
+            return []
+        hittable = (len(token_ids) - 1) // self.hasher.block_size  # the last token is always computed
+        return self.hasher.hash(token_ids[:hittable * self.hasher.block_size], cache_salt=salt)
+
+    async def forward(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        hashes = await self.prompt_hashes(path, body) if request.method == "POST" else []
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        tried: set[Replica] = set()
+        last_error = "no replica is configured"
+        while True:
+            replica, held = self.replicas.choose(hashes, tried)
+            if replica is None:
+                return _error(503, f"no replica could take the request ({last_error})")
+            tried.add(replica)
+            replica.in_flight += 1
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request(request.method, replica.url + path, content=body, headers=headers),
+                    stream=True)
+            except httpx.TransportError as exc:
+                replica.in_flight -= 1
+                set_health(replica, False)
+                last_error = f"{replica.url}: {type(exc).__name__}"
+                continue
+            if upstream.status_code in RETRY_STATUSES and len(tried) < len(self.replicas.replicas):
+                replica.in_flight -= 1
+                await upstream.aclose()
+                last_error = f"{replica.url}: HTTP {upstream.status_code}"
+                continue
+            logger.debug("router: %s -> %s (%d of %d blocks held)", path, replica.url, held, len(hashes))
+            passed = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")}
+            passed["x-kvstrata-replica"] = replica.url
+            return StreamingResponse(_pass_through(upstream, replica), status_code=upstream.status_code,
+                                     headers=passed)
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="kvstrata route", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self.forward(request, "/v1/completions")
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await self.forward(request, "/v1/chat/completions")
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> Response:
+            return await self.forward(request, "/v1/models")
+
+        @app.get("/health")
+        async def health() -> Response:
+            states = {r.url: {"healthy": r.healthy, "in_flight": r.in_flight,
+                              "blocks": {m: len(s) for m, s in r.index.by_medium.items()}}
+                      for r in self.replicas.replicas}
+            ok = any(r.healthy for r in self.replicas.replicas)
+            return JSONResponse({"status": "ok" if ok else "no healthy replica", "replicas": states},
+                                status_code=200 if ok else 503)
+
+        return app
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    def close(self) -> None:
+        self.health.close()
+        self.events.close()
+        self.tokenizers.close()
+
+
+async def _pass_through(upstream: httpx.Response, replica: Replica) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.TransportError:
+        set_health(replica, False)  # the replica went away mid-answer: the answer ends here
+    finally:
+        replica.in_flight -= 1
+        await upstream.aclose()
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    """An error in OpenAI's shape, like the replicas'."""
+    return JSONResponse({"error": {"message": message, "type": "service_unavailable", "param": None,
+                                   "code": None}}, status_code=status)
+
+
+def load_router(config: Config) -> Router:
+    """The router for `config`: the replicas' model's tokenizer and block hasher, without its weights."""
+    from kvstrata.engine.model_loader import load_tokenizer, model_identity, resolve_model
+
+    if config.router is None:
+        raise ValueError("router.replicas: missing (list the replicas in the config's router section or with --replica)")
+    if config.model.load_format == "dummy":
+        raise ValueError("model.load_format: the router needs the replicas' real model (dummy weights have no "
+                         "identity outside the process that drew them)")
+    source = resolve_model(config.model.name, config.model.load_format)
+    try:
+        tokenizer = load_tokenizer(source)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise ValueError(f"model.name: cannot load the tokenizer of {source.directory}: "
+                         f"{' '.join(str(exc).split())[:200]}") from None
+    cache = config.cache
+    hasher = BlockHasher.for_model(model_identity(source), config.resolved_dtype(), cache.block_size, cache.hash,
+                                   batch_invariant=config.model.batch_invariant)
+    return Router(config, tokenizer, hasher)
+
+
+def route(config: Config) -> None:
+    """`kvstrata route`: bind, load the tokenizer, serve until SIGTERM/SIGINT."""
+    from kvstrata.serving.server import bind_socket
+
+    rc = config.router
+    if rc is None:
+        raise ValueError("router.replicas: missing (list the replicas in the config's router section or with --replica)")
+    sock = bind_socket(rc.host, rc.port, key="router")
+    router = None
+    try:
+        router = load_router(config)
+        host, port = sock.getsockname()[:2]
+        lines = [f"kvstrata {__version__} routing on http://{host}:{port} (OpenAI API under /v1) to "
+                 f"{len(rc.replicas)} replica{'s' if len(rc.replicas) != 1 else ''}, by the prefixes they hold"]
+        lines += [f"  {r.url}  events: {r.events or 'none (routed by load)'}" for r in rc.replicas]
+        print("\n".join(lines), flush=True)
+        server = uvicorn.Server(uvicorn.Config(router.app, log_level="warning", access_log=False, lifespan="off"))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        if router is not None:
+            router.close()
+    print("kvstrata route: stopped", flush=True)

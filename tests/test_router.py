@@ -1,0 +1,211 @@
+"""`kvstrata route` in front of two replicas: questions on a document go where the document is cached,
+and a replica that goes away costs no request.
+
+The replicas are real HTTP servers (the app `kvstrata serve` runs, on loopback ports) around two
+engines in this process that share the session's loaded model, each publishing its KV events over
+ZMQ; the router is the one `kvstrata route` runs, built by `load_router` from the same config.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from kvstrata.engine.async_engine import AsyncEngine
+from kvstrata.engine.config import ReplicaConfig, load_config
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.serving.app import build_app
+from kvstrata.serving.events import KVEventPublisher
+from kvstrata.serving.metrics import ServingMetrics
+from kvstrata.serving.router import Replica as RoutedReplica, ReplicaSet, load_router, prompt_token_ids
+from kvstrata.tiers.block_events import BlockRemoved, BlockStored
+from kvstrata.serving.server import bind_socket
+from kvstrata.serving.tokenizer_pool import TokenizerPool
+from test_kv_events import free_ports
+
+MODEL = "smollm2-135m-instruct"
+ENGINE = {"model": {"dtype": "float32", "device": "cpu"},
+          "cache": {"tiers": {"device": {"size": 96}, "cpu": {"size": 96}}}}
+
+
+class HTTPServer:
+    """An ASGI app served by uvicorn on a thread, on a given loopback port; stop and start again at will."""
+
+    def __init__(self, app, port: int):
+        self.app, self.port = app, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.start()
+
+    def start(self) -> None:
+        sock = bind_socket("127.0.0.1", self.port)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the HTTP server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+class Replica:
+    """What `kvstrata serve` runs, with KV events, around an engine on the shared loaded model."""
+
+    def __init__(self, loaded):
+        http_port, events_port, replay_port = free_ports(3)
+        self.config = load_config({**ENGINE, "events": {"endpoint": f"tcp://127.0.0.1:{events_port}",
+                                                        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}})
+        self.publisher = KVEventPublisher(self.config.events)
+        engine = LLMEngine(self.config, loaded=loaded, block_events=self.publisher)
+        self.tokenizers = TokenizerPool(engine.tokenizer, 1)
+        self.async_engine = AsyncEngine(engine)
+        app = build_app(self.async_engine, MODEL, metrics=ServingMetrics(lambda: self.async_engine.snapshot),
+                        tokenizers=self.tokenizers, max_request_body=1 << 20)
+        self.http = HTTPServer(app, http_port)
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    def close(self) -> None:
+        self.http.stop()
+        self.tokenizers.close()
+        self.async_engine.shutdown()
+        self.publisher.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(embedded_model_fp32):
+    replicas = [Replica(embedded_model_fp32) for _ in range(2)]
+    (router_port,) = free_ports(1)
+    config = load_config({**ENGINE, "router": {
+        "port": router_port, "health_interval": "1s",
+        "replicas": [{"url": r.url, "events": r.config.events.endpoint, "replay": r.config.events.replay_endpoint}
+                     for r in replicas]}})
+    router = load_router(config)
+    front = HTTPServer(router.app, router_port)
+    yield replicas, front.url, router
+    front.stop()
+    router.close()
+    for replica in replicas:
+        replica.close()
+
+
+def test_the_router_prefers_the_replica_holding_the_prefix_else_the_least_loaded():
+    a, b = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None) for port in (1, 2))
+    replicas = ReplicaSet([a, b])
+    doc = [bytes([i]) for i in range(8)]
+    a.index.apply(BlockStored(doc[:1], None, [], 16, "device"))   # the chat template's block, say
+    b.index.apply(BlockStored(doc[:6], None, [], 16, "cpu"))
+    assert replicas.choose(doc, set()) == (b, 6)
+    b.index.apply(BlockRemoved(doc[2:], "cpu"))  # 2 of 8: not enough to decide; the less loaded wins
+    a.in_flight = 1
+    assert replicas.choose(doc, set()) == (b, 2)
+    a.in_flight, b.in_flight = 0, 3
+    assert replicas.choose(doc, set()) == (a, 1)
+    b.in_flight = 0
+    assert {replicas.choose(doc[6:], set())[0] for _ in range(2)} == {a, b}  # nobody holds it: in turn
+    b.healthy = False
+    assert replicas.choose(doc, set())[0] is a and replicas.choose(doc, {a})[0] is b
+    assert replicas.choose(doc, {a, b}) == (None, 0)
+
+
+def document(name: str) -> str:
+    from pydoc_data.topics import topics
+    return topics[name][:700]
+
+
+def ask(base_url: str, doc: str, question: str, **extra) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": 1, "temperature": 0.0,
+            "messages": [{"role": "user", "content": f"{doc}\n\nAnswer briefly. {question}"}], **extra}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def is_document_hit(response: httpx.Response) -> bool:
+    """The document came from the replica's device or CPU tier (not just the chat template's first block)."""
+    body = response.json()
+    by_tier = body["kvstrata"]["cached_tokens_by_tier"]
+    return by_tier["device"] + by_tier["cpu"] >= body["usage"]["prompt_tokens"] // 2
+
+
+def repeated_hit_rate(send, docs: list[str]) -> float:
+    """Three questions on each document, interleaved; the share of the repeated ones that were hits."""
+    hits = []
+    for q, question in enumerate(("What is this about?", "Name one keyword.", "Give an example.")):
+        for d, doc in enumerate(docs):
+            response = send(q * len(docs) + d, doc, question)
+            if q > 0:
+                hits.append(is_document_hit(response))
+    return sum(hits) / len(hits)
+
+
+@pytest.mark.slow
+def test_repeated_documents_go_to_the_replica_that_holds_them(cluster):
+    replicas, router_url, _ = cluster
+    round_robin = repeated_hit_rate(lambda i, doc, q: ask(replicas[i % 2].url, doc, q),
+                                    [document(name) for name in ("try", "import", "execmodel")])
+    routed = repeated_hit_rate(lambda i, doc, q: ask(router_url, doc, q),
+                               [document(name) for name in ("for", "while", "with")])
+    print(f"repeated-document hits: round robin {round_robin:.0%}, routed {routed:.0%}")
+    assert round_robin <= 0.6, round_robin
+    assert routed >= 0.9, routed
+
+
+@pytest.mark.slow
+def test_the_router_hashes_a_prompt_as_the_replicas_do(cluster):
+    replicas, _, router = cluster
+    engine = replicas[0].async_engine.engine
+    messages = [{"role": "user", "content": document("if")}]
+    token_ids = prompt_token_ids(router.tokenizer, "/v1/chat/completions", {"messages": messages})
+    assert token_ids == engine.apply_chat_template(messages)
+    assert router.hasher.hash(token_ids, cache_salt="t") == engine.kv_manager.hasher.hash(token_ids, cache_salt="t")
+
+
+@pytest.mark.slow
+def test_a_streamed_answer_passes_through_the_router(cluster):
+    replicas, router_url, _ = cluster
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0.0, "stream": True,
+            "messages": [{"role": "user", "content": f"{document('try')}\n\nAnswer briefly. What is this about?"}]}
+    with httpx.stream("POST", f"{router_url}/v1/chat/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-kvstrata-replica"] in [r.url for r in replicas]
+        data = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert "".join(json.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1] if
+                   json.loads(d)["choices"])
+
+
+def wait_for_health(router_url: str, replica_url: str, healthy: bool) -> None:
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{router_url}/health", timeout=10).json()["replicas"][replica_url]["healthy"] != healthy:
+        assert time.monotonic() < deadline, f"{replica_url} never became {'healthy' if healthy else 'unhealthy'}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_replica_that_goes_away_costs_no_request_and_comes_back(cluster):
+    replicas, router_url, _ = cluster
+    docs = [document(name) for name in ("assert", "del", "pass", "return")]
+    holders = {doc: ask(router_url, doc, "What is this about?").headers["x-kvstrata-replica"] for doc in docs}
+    gone = replicas[1]
+    assert gone.url in holders.values()
+    gone.http.stop()  # connections to it are refused from now on; the router has not noticed yet
+    for doc in (document("raise"), document("break")):  # new documents: one of them is tried on it first
+        response = ask(router_url, doc, "Name one keyword.")
+        assert response.headers["x-kvstrata-replica"] == replicas[0].url
+    wait_for_health(router_url, gone.url, healthy=False)
+    gone.http.start()
+    wait_for_health(router_url, gone.url, healthy=True)
+    back = [doc for doc, holder in holders.items() if holder == gone.url][0]
+    response = ask(router_url, back, "Give an example.")
+    assert response.headers["x-kvstrata-replica"] == gone.url and is_document_hit(response)
