@@ -25,6 +25,7 @@ from kvstrata.serving.router import Replica as RoutedReplica, ReplicaSet, load_r
 from kvstrata.tiers.block_events import BlockRemoved, BlockStored
 from kvstrata.serving.server import bind_socket
 from kvstrata.serving.tokenizer_pool import TokenizerPool
+from server_process import metric_value
 from test_kv_events import free_ports
 
 MODEL = "smollm2-135m-instruct"
@@ -66,7 +67,8 @@ class Replica:
         engine = LLMEngine(self.config, loaded=loaded, block_events=self.publisher)
         self.tokenizers = TokenizerPool(engine.tokenizer, 1)
         self.async_engine = AsyncEngine(engine)
-        app = build_app(self.async_engine, MODEL, metrics=ServingMetrics(lambda: self.async_engine.snapshot),
+        metrics = ServingMetrics(lambda: self.async_engine.snapshot, events=self.publisher)
+        app = build_app(self.async_engine, MODEL, metrics=metrics,
                         tokenizers=self.tokenizers, max_request_body=1 << 20)
         self.http = HTTPServer(app, http_port)
 
@@ -158,6 +160,14 @@ def test_repeated_documents_go_to_the_replica_that_holds_them(cluster):
     print(f"repeated-document hits: round robin {round_robin:.0%}, routed {routed:.0%}")
     assert round_robin <= 0.6, round_robin
     assert routed >= 0.9, routed
+
+
+@pytest.mark.slow
+def test_a_replica_counts_its_published_and_dropped_event_batches_in_metrics(cluster):
+    replicas, _, _ = cluster
+    text = httpx.get(f"{replicas[0].url}/metrics", timeout=30).text
+    assert metric_value(text, "kvstrata_kv_events_published_batches_total") > 0
+    assert metric_value(text, "kvstrata_kv_events_dropped_total") == 0
 
 
 @pytest.mark.slow
