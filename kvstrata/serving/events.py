@@ -114,7 +114,7 @@ class KVEventPublisher:
     def _bind(self, kind: int, endpoint: str, key: str) -> zmq.Socket:
         sock = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        if kind == zmq.PUB:
+        if kind == zmq.PUB:  # a subscriber further behind than the replay buffer could not catch up anyway
             sock.setsockopt(zmq.SNDHWM, self.config.replay_buffer)
         try:
             sock.bind(endpoint)
