@@ -5,7 +5,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-TIERS = ("device", "cpu", "disk")
+from kvstrata.tiers import TIER_NAMES as TIERS  # re-exported for the benchmark and its report
+
 MISS = "miss"
 # A request counts as a hit when at least this share of its prompt came from the cache; the tier
 # that served most of the cached tokens names the hit.
@@ -34,7 +35,7 @@ def summarize(values: Sequence[float]) -> dict | None:
 
 
 def hit_tier(cached_tokens_by_tier: Mapping[str, int], prompt_tokens: int) -> str:
-    """"device" | "cpu" | "disk" for a hit (most cached tokens from that tier), else "miss"."""
+    """A tier name ("device", "cpu", "disk", "remote") for a hit (most cached tokens from that tier), else "miss"."""
     cached = sum(cached_tokens_by_tier.get(t, 0) for t in TIERS)
     if prompt_tokens <= 0 or cached < HIT_SHARE * prompt_tokens:
         return MISS

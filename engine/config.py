@@ -10,6 +10,7 @@
         device: {size: 1GiB}
         cpu:    {size: 4GiB, pinned: true}
         disk:   {path: ./kvstore, size: 32GiB}
+        remote: {url: "redis://127.0.0.1:6379/0", cluster: false, key_prefix: kvstrata, timeout: 50ms, ttl: 0}
       offload: write_through    # or on_evict
       pin_share: 0.5            # the most of each lower tier that pinned documents may take
       preload: [{file: handbook.txt, cache_salt: null, pin: true}]   # documents cached at start-up
@@ -30,7 +31,8 @@ limit, a CUDA device must exist, the disk path must be writable (its directory i
 to its owner), and every tier size, in bytes or in blocks, must fit in the memory or disk that would hold it.
 
 Invariants of a `Config`: the device tier is on; `cache.tiers.cpu` / `cache.tiers.disk` are None
-exactly when that tier is off (left out, null, or sized 0); paths (the disk tier's, a model
+exactly when that tier is off (left out, null, or sized 0), `cache.tiers.remote` when it is left out
+or null; paths (the disk tier's, a model
 directory) are absolute, relative ones having been resolved against the current directory at load
 time; dtype and device are spelled canonically (`bfloat16`, `cuda:0`). `auto` values stay `auto` in
 the config (it describes what was asked); `resolved_device()`, `resolved_dtype()` and
@@ -41,6 +43,7 @@ This module must stay cheap to import: `kvstrata config check` uses it without t
 from __future__ import annotations
 
 import copy
+import importlib.util
 import ipaddress
 import os
 import re
@@ -55,10 +58,11 @@ from typing import Annotated, Any, Literal
 import psutil
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator,
-                      ValidationError, ValidationInfo, field_serializer, field_validator, model_validator)
+                      ValidationError, ValidationInfo, field_validator, model_validator)
 
 from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, ModelShape, model_shape
 from kvstrata.engine.sizes import Size, format_size
+from kvstrata.tiers.remote_url import SECRET_MASK, check_url, masked_url
 from kvstrata.tiers.storage import check_room, format_bytes, prepare_private_dir
 
 DEFAULT_DEVICE_TIER_SIZE = Size(nbytes=1024**3)
@@ -67,7 +71,6 @@ DTYPE_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # threads and a busy machine's scheduling noise grows (see `default_threads`).
 MAX_AUTO_THREADS = 16
 DEFAULT_MAX_REQUEST_BODY = 32 * 1024**2  # a 2k-token document is ~10 KB of JSON; a 128k-token one ~0.6 MB
-SECRET_MASK = "********"
 
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -87,6 +90,7 @@ ENV_OVERRIDES = (
     ("KVSTRATA_DISK_SIZE", "cache.tiers.disk.size", True),
     ("KVSTRATA_DISK_PATH", "cache.tiers.disk.path", False),
     ("KVSTRATA_API_KEY", "server.api_key", False),
+    ("KVSTRATA_REMOTE_URL", "cache.tiers.remote.url", False),
 )
 
 
@@ -143,6 +147,30 @@ def _threads(value: Any) -> int | str:
 
 
 Threads = Annotated[int | str, PlainValidator(_threads)]
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _seconds(value: Any, allow_zero: bool) -> float:
+    """A duration: "50ms", "0.2s", "10m", "1h", or a number of seconds."""
+    text = str(value).strip().lower() if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?", text)
+    seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"] if match else -1.0
+    if seconds < 0 or (seconds == 0 and not allow_zero):
+        kind = "a duration" if allow_zero else "a positive duration"
+        raise ValueError(f"expected {kind} such as 50ms or 0.2s, got {_short_repr(value)}")
+    return seconds
+
+
+def _duration_text(seconds: float) -> str:
+    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
+
+
+# Seconds, written "50ms", "0.2s", "1h" or as a number; printed back in the same form.
+Duration = Annotated[float, BeforeValidator(lambda value: _seconds(value, allow_zero=False)),
+                     PlainSerializer(_duration_text)]
+DurationOrZero = Annotated[float, BeforeValidator(lambda value: _seconds(value, allow_zero=True)),
+                           PlainSerializer(_duration_text)]
 
 
 def _fraction(value: Any) -> float:
@@ -264,10 +292,49 @@ class DiskTierConfig(_Section):
         return self
 
 
+def _remote_url(value: Any) -> Any:
+    # Never echo a value here: a URL carries the password.
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("expected a URL such as redis://127.0.0.1:6379/0")
+    return value.strip()
+
+
+class RemoteTierConfig(_Section):
+    """A Valkey or Redis server (or cluster) shared by replicas; its own eviction (`maxmemory`,
+    `allkeys-lru`) bounds it, so it has no size here. `ttl` 0: blocks never expire."""
+
+    url: Annotated[str, BeforeValidator(_remote_url)] = Field(repr=False)  # may carry a password: masked when shown
+    cluster: bool = False
+    key_prefix: str = "kvstrata"
+    timeout: Duration = 0.05
+    ttl: DurationOrZero = 0.0
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _plain_prefix(cls, prefix: str) -> str:
+        if not prefix or any(c.isspace() for c in prefix):
+            raise ValueError(f"expected a non-empty prefix without spaces, got {_short_repr(prefix)}")
+        return prefix
+
+    @model_validator(mode="after")
+    def _usable_url(self) -> RemoteTierConfig:
+        try:
+            check_url(self.url, self.cluster)
+        except ValueError as exc:
+            raise _FieldError("url", str(exc)) from None
+        if importlib.util.find_spec("redis") is None:
+            raise ValueError("the remote tier needs the redis client: pip install 'kvstrata[remote]'")
+        return self
+
+    def __repr__(self) -> str:
+        return f"RemoteTierConfig(url={masked_url(self.url)!r}, cluster={self.cluster}, key_prefix={self.key_prefix!r})"
+
+
 class TiersConfig(_Section):
     device: DeviceTierConfig = DeviceTierConfig()
     cpu: CpuTierConfig | None = None   # None: off
     disk: DiskTierConfig | None = None  # None: off
+    remote: RemoteTierConfig | None = None  # None: off
 
     @field_validator("device", mode="before")
     @classmethod
@@ -347,17 +414,8 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: PositiveInt = 2048
     max_num_seqs: PositiveInt = 32
     policy: Literal["fcfs", "uncached_first"] = "uncached_first"
-    step_target: float = 0.25
+    step_target: Duration = 0.25
     long_prefill_share: Fraction = 0.25
-
-    @field_validator("step_target", mode="before")
-    @classmethod
-    def _duration(cls, value: Any) -> float:
-        return _positive_duration(value)
-
-    @field_serializer("step_target")
-    def _duration_text(self, seconds: float) -> str:
-        return f"{seconds * 1000:g}ms"
 
 
 def _positive_duration(value: Any) -> float:
@@ -580,10 +638,12 @@ class Config(_Section):
         return self.model_dump(mode="json")
 
     def to_yaml(self) -> str:
-        """The config as YAML for people to read: secrets (the API key) are masked."""
+        """The config as YAML for people to read: secrets (the API key, the remote tier's password) are masked."""
         data = self.to_dict()
         if data["server"]["api_key"] is not None:
             data["server"]["api_key"] = SECRET_MASK
+        if data["cache"]["tiers"]["remote"] is not None:
+            data["cache"]["tiers"]["remote"]["url"] = masked_url(self.cache.tiers.remote.url)
         return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 

@@ -12,7 +12,7 @@ from kvstrata.engine.config import Config, load_config
 from kvstrata.engine.documents import Document
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import render_document
-from kvstrata.tiers.base import TIER_NAMES
+from kvstrata.tiers import TIER_NAMES
 from kvstrata.engine.receipt import CacheReceipt
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
@@ -33,7 +33,7 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     cached_tokens: int                       # prompt tokens served from any tier (measured)
-    cached_tokens_by_tier: dict[str, int]    # {"device": n, "cpu": n, "disk": n}
+    cached_tokens_by_tier: dict[str, int]    # {"device": n, "cpu": n, "disk": n, "remote": n}
     ttft_s: float | None                     # arrival to first token, measured
     finish_reason: str | None                # "stop" | "length" | "abort" | None while running
     stop_reason: str | None = None           # the stop string that ended it, if any

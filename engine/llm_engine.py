@@ -93,7 +93,7 @@ class LLMEngine:
         kv_cache = self._allocate("cache.tiers.device.size", num_device_blocks,
                                   lambda: self.layout.allocate(num_device_blocks, self.device))
         pool = BlockPool(num_device_blocks, enable_caching=self.config.cache.enable_prefix_caching)
-        cpu = disk = None
+        cpu = disk = remote = None
         if self.config.cache.enable_prefix_caching:
             if tiers.cpu is not None and not tiers.cpu.size.is_off:
                 num_cpu_blocks = tiers.cpu.size.to_blocks(nbytes)
@@ -106,7 +106,14 @@ class LLMEngine:
                 # a block count means that many stored blocks, each a record: a small header and the payload
                 capacity = tiers.disk.size.to_bytes(RecordCodec(self.layout).record_nbytes)
                 disk = DiskTier(self.layout, str(tiers.disk.path), capacity)
-        return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload, event_listener=self.block_events)
+            if tiers.remote is not None:
+                # Connects on first use: a server that is down now is a run of misses, not a failed start.
+                from kvstrata.tiers.remote import RemoteTier  # the `remote` extra: imported only when used
+                r = tiers.remote
+                remote = RemoteTier(self.layout, r.url, cluster=r.cluster, key_prefix=r.key_prefix,
+                                    timeout=r.timeout, ttl=r.ttl)
+        return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload, remote=remote,
+                             event_listener=self.block_events)
 
     def _allocate(self, key: str, num_blocks: int, allocate):
         """Run `allocate`; memory the config check saw free but that is gone by now (another process
@@ -331,7 +338,7 @@ class LLMEngine:
           pairs`, engine/costs.py).
         - `tiers.device.hits` / `misses`: the same hits in blocks; misses are the admitted requests'
           blocks that could have hit (full blocks before the last prompt token) and the device did
-          not serve. `tiers.cpu|disk.hits|misses|corrupt`: blocks each lower tier's reads served,
+          not serve. `tiers.cpu|disk|remote.hits|misses|corrupt`: blocks each lower tier's reads served,
           missed, or found corrupt, counted by the tier itself.
         - `promotions[tier]`: blocks copied up to the device from each lower tier and used in a prefix.
         - `promotion_failures`: blocks found below the device at lookup that could not be served when

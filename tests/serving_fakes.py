@@ -62,7 +62,7 @@ class FakeAsyncEngine:
                             for t in reply[:n]]
             yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=token_ids,
                                 text=bytes(reply[:n]).decode(), token_ids=reply[:n], cached_tokens=0,
-                                cached_tokens_by_tier={"device": 0, "cpu": 0, "disk": 0}, ttft_s=0.001,
+                                cached_tokens_by_tier={"device": 0, "cpu": 0, "disk": 0, "remote": 0}, ttft_s=0.001,
                                 finish_reason=("length" if n == params.max_tokens else "stop") if finished else None,
                                 finished=finished, logprobs=logprobs)
 

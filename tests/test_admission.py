@@ -74,7 +74,7 @@ def test_a_loading_request_waits_while_another_keeps_decoding(offload):
     kv.wait_for_loads(timeout=10)
     sampled = fake_step(kv, scheduler)
     assert loading in sampled and decoding in sampled
-    assert loading.cached_tokens_by_tier == {"device": 0, "cpu": 6 * BS, "disk": 0}
+    assert loading.cached_tokens_by_tier == {"device": 0, "cpu": 6 * BS, "disk": 0, "remote": 0}
     assert_prefix_bytes(kv, kv.req_to_blocks[loading.request_id][:6], loading.block_hashes)
 
 
@@ -137,7 +137,7 @@ def test_a_tier_failing_mid_transfer_is_a_miss_not_a_crash():
     scheduler.add_request(req)
     while not fake_step(kv, scheduler):
         kv.wait_for_loads(timeout=10)
-    assert req.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 0}  # recomputed whole
+    assert req.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 0, "remote": 0}  # recomputed whole
     assert kv.hierarchy.counters.promotion_failures == 6
     assert kv.pool.num_free_blocks == kv.pool.num_blocks - len(kv.req_to_blocks[req.request_id])
 
@@ -185,7 +185,7 @@ def test_hit_counters_count_each_admitted_request_once_even_when_its_admission_i
     assert admissions_tried >= 2, "the scenario must retry the admission"
     stats = kv.stats()
     assert stats.queries == 3
-    assert stats.hit_blocks == {"device": 4, "cpu": 0, "disk": 0}  # second's 4 shared blocks, once
+    assert stats.hit_blocks == {"device": 4, "cpu": 0, "disk": 0, "remote": 0}  # second's 4 shared blocks, once
     assert stats.query_tokens == sum(r.num_prompt_tokens for r in (first, hog, second))
     assert second.cached_tokens_by_tier["device"] == 4 * BS
 
@@ -195,14 +195,14 @@ def test_promotion_write_down_and_eviction_counters_count_blocks():
     h = kv.hierarchy
     a, b = doc(12, 6 * BS + 1), doc(13, 6 * BS + 1)
     run_request(kv, a)
-    assert h.counters.write_downs == {"cpu": 6, "disk": 0}
+    assert h.counters.write_downs == {"cpu": 6, "disk": 0, "remote": 0}
     run_request(kv, b)
-    assert h.counters.write_downs == {"cpu": 12, "disk": 0}
+    assert h.counters.write_downs == {"cpu": 12, "disk": 0, "remote": 0}
     # b's 7 blocks took the one never used, a's uncached tail and 5 of a's 6 cached blocks
     assert h.counters.device_evictions == 5
     again = run_request(kv, a)
-    assert again.cached_tokens_by_tier == {"device": BS, "cpu": 5 * BS, "disk": 0}
-    assert h.counters.promotions == {"cpu": 5, "disk": 0}
+    assert again.cached_tokens_by_tier == {"device": BS, "cpu": 5 * BS, "disk": 0, "remote": 0}
+    assert h.counters.promotions == {"cpu": 5, "disk": 0, "remote": 0}
     assert h.counters.promotion_failures == 0
 
 

@@ -150,7 +150,7 @@ def test_hit_tier_names_the_tier_that_served_most_of_a_mostly_cached_prompt():
 def test_mean_cached_tokens_by_tier():
     rows = [{"cached_tokens_by_tier": {"device": 10, "cpu": 0, "disk": 0}},
             {"cached_tokens_by_tier": {"device": 0, "cpu": 30, "disk": 2}}]
-    assert mean_cached_by_tier(rows) == {"device": 5.0, "cpu": 15.0, "disk": 1.0}
+    assert mean_cached_by_tier(rows) == {"device": 5.0, "cpu": 15.0, "disk": 1.0, "remote": 0.0}
 
 
 def test_ratio_and_goal_status():

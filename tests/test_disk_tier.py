@@ -13,7 +13,7 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
-from tier_cases import BF16, FP32, key, payload, tokens
+from tier_cases import BF16, FP32, get_blocks, key, payload, put_blocks, tokens
 
 from kvstrata.tiers.base import BlockLayout
 from kvstrata.tiers.disk import DiskTier
@@ -21,20 +21,6 @@ from kvstrata.tiers.lmdb_store import clear_store, read_store_stats
 from kvstrata.tiers.record import RecordCodec
 
 MiB = 1 << 20
-
-
-def put_blocks(tier: DiskTier, ids, layout=BF16) -> None:
-    tier.put([key(i) for i in ids], [tokens(i, layout) for i in ids], [payload(layout, i) for i in ids])
-
-
-def get_blocks(tier: DiskTier, ids, layout=BF16, toks=None) -> list[bool]:
-    """Read blocks and check every served one is byte-exact; returns which were served."""
-    dests = [torch.empty(layout.block_nbytes, dtype=torch.uint8) for _ in ids]
-    served = tier.get([key(i) for i in ids], toks or [tokens(i, layout) for i in ids], dests)
-    for i, ok, dest in zip(ids, served, dests):
-        if ok:
-            assert torch.equal(dest, payload(layout, i)), f"block {i} served with wrong bytes"
-    return served
 
 
 def run_python(code: str) -> str:

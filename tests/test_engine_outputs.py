@@ -141,7 +141,7 @@ def test_hits_from_device_cpu_and_disk_give_the_uncached_outputs(loaded, referen
     assert stats["prefix_cache"]["hit_tokens"] == served
     assert stats["prefix_cache"]["query_tokens"] == sum(len(o.prompt_token_ids) for o in outs)
     assert stats["tiers"]["device"]["hits"] == served["device"] // 16
-    assert stats["promotions"] == {"cpu": served["cpu"] // 16, "disk": served["disk"] // 16}
+    assert stats["promotions"] == {"cpu": served["cpu"] // 16, "disk": served["disk"] // 16, "remote": 0}
     assert stats["promotions"]["disk"] > 0 and stats["promotions"]["cpu"] > 0
     assert stats["promotion_failures"] == 0
     llm.close()

@@ -90,10 +90,10 @@ def test_repeat_request_hits_device_and_caps_at_last_token():
     kv = make_stack(device_blocks=16)
     tokens = doc(1, 4 * BS)  # exactly 4 full blocks
     first = run_request(kv, tokens)
-    assert first.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 0}
+    assert first.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 0, "remote": 0}
     second = run_request(kv, tokens)
     # the last token is always computed, so the 4th block cannot be a hit
-    assert second.cached_tokens_by_tier == {"device": 3 * BS, "cpu": 0, "disk": 0}
+    assert second.cached_tokens_by_tier == {"device": 3 * BS, "cpu": 0, "disk": 0, "remote": 0}
 
 
 def test_write_through_serves_an_evicted_document_from_cpu():
@@ -257,7 +257,7 @@ def test_blocks_persisted_on_close_are_disk_hits_in_a_new_process(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip().splitlines()[-1]) == 5 * BS
-    assert req.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 0}  # the first process computed it
+    assert req.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 0, "remote": 0}  # the first process computed it
 
 
 def test_idle_write_down_in_chunks_puts_every_cached_block_on_disk(tmp_path):
@@ -290,7 +290,7 @@ def test_a_promotion_never_evicts_a_device_hit_later_in_the_same_prefix():
         block.block_hash = None
     assert h.locate(first.block_hashes[:6]) == ["device", "cpu", "cpu", "device", "device", "device"]
     again = run_request(kv, tokens)  # checks every served block's bytes
-    assert again.cached_tokens_by_tier == {"device": 4 * BS, "cpu": 2 * BS, "disk": 0}
+    assert again.cached_tokens_by_tier == {"device": 4 * BS, "cpu": 2 * BS, "disk": 0, "remote": 0}
 
     # the same layout with block 1 corrupt in the CPU tier: the prefix ends after block 0 and the
     # device hits further along are not left held

@@ -108,7 +108,7 @@ def test_long_prefill_shows_progress_from_the_cached_tokens_until_the_first_toke
     from kvstrata.engine.sampling import SamplingParams
 
     request = Request("r", list(range(1000)), SamplingParams(max_tokens=4))
-    request.cached_tokens_by_tier = {"device": 0, "cpu": 256, "disk": 0}
+    request.cached_tokens_by_tier = {"device": 0, "cpu": 256, "disk": 0, "remote": 0}
     request.num_computed_tokens = 256 + 300  # one 300-token chunk computed after the cached prefix
     bar = prefill_progress(None, request)
     assert bar is not None and (bar.n, bar.total) == (556, 1000)

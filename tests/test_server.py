@@ -117,7 +117,7 @@ def test_completion_with_openai_client_reports_usage_and_cache_tiers(client):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert usage.prompt_tokens_details.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16
     kv = second.model_extra["kvstrata"]
-    assert kv["cached_tokens_by_tier"] == {"device": usage.prompt_tokens_details.cached_tokens, "cpu": 0, "disk": 0}
+    assert kv["cached_tokens_by_tier"] == {"device": usage.prompt_tokens_details.cached_tokens, "cpu": 0, "disk": 0, "remote": 0}
     assert kv["ttft_ms"] > 0
 
 

@@ -24,6 +24,20 @@ def tokens(i: int, layout: BlockLayout = BF16) -> list[int]:
     return [1000 * i + t for t in range(layout.block_size)]
 
 
+def put_blocks(tier: LowerTier, ids, layout: BlockLayout = BF16) -> None:
+    tier.put([key(i) for i in ids], [tokens(i, layout) for i in ids], [payload(layout, i) for i in ids])
+
+
+def get_blocks(tier: LowerTier, ids, layout: BlockLayout = BF16, toks=None) -> list[bool]:
+    """Read blocks and check every served one is byte-exact; returns which were served."""
+    dests = [torch.empty(layout.block_nbytes, dtype=torch.uint8) for _ in ids]
+    served = tier.get([key(i) for i in ids], toks or [tokens(i, layout) for i in ids], dests)
+    for i, ok, dest in zip(ids, served, dests):
+        if ok:
+            assert torch.equal(dest, payload(layout, i)), f"block {i} served with wrong bytes"
+    return served
+
+
 class GatedTier(LowerTier):
     """A lower tier whose reads wait until `gate` is set, so a test can act while a load is in flight.
 

@@ -13,10 +13,10 @@ from typing import Iterator, Sequence
 
 import torch
 
+from kvstrata.tiers import LOWER_TIER_NAMES, TIER_NAMES  # noqa: F401 - re-exported: the tiers' names, in order
 from kvstrata.tiers.block_events import BlockEventListener, TierEvents
 
 KV_LAYOUT_VERSION = 1  # bump when the block layout changes: it is folded into every hash namespace
-TIER_NAMES = ("device", "cpu", "disk")  # top down: the order in which a prefix is looked up
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class Pin:
 
 
 class LowerTier(abc.ABC):
-    """The interface of every tier below the device pool (CPU, disk).
+    """The interface of every tier below the device pool (CPU, disk, remote).
 
     Keys are chain hashes (bytes). A value is one block's payload plus the block's token ids,
     which are checked on every read: a hit is served only if the stored token ids equal the

@@ -1,4 +1,4 @@
-"""The tier hierarchy: walks a hash chain across device, CPU and disk, promotes hits, writes blocks down.
+"""The tier hierarchy: walks a hash chain across device, CPU, disk and remote, promotes hits, writes blocks down.
 
 Mechanism lives in the tiers (how bytes are stored) and the transfer engine (how bytes move, off the
 step thread); this file holds the policy:
@@ -11,15 +11,16 @@ step thread); this file holds the policy:
   allocates device blocks for the lower-tier hits and starts one load of all of them. The request
   waits; `finish_prefix`, called once the load has landed, caches the arrived blocks on the device,
   releases the holds and returns the prefix, which ends at the first block that could not be
-  served (gone or failing verification): the rest is recomputed. A block that arrives from disk is
-  also put in the CPU tier, so the next miss on the device is a cheap one.
+  served (gone or failing verification): the rest is recomputed. A block that arrives from disk or
+  the remote tier is also put in the CPU tier, so the next miss on the device is a cheap, local one.
 - Write-down, chosen in config:
   * `write_through`: a block that becomes full and cached on the device is queued for the CPU tier
-    (or disk when there is no CPU tier). The queue is handed to the transfer engine in one batch
-    after the model step that computed those blocks (`flush_pending`), never before: the K/V do not
-    exist until then. CPU-tier LRU evictions cascade to disk.
+    (or disk when there is no CPU tier), and to the remote tier, so that other replicas find it.
+    The queue is handed to the transfer engine in one batch after the model step that computed those
+    blocks (`flush_pending`), never before: the K/V do not exist until then. CPU-tier LRU evictions
+    cascade to disk (the remote tier has them already).
   * `on_evict`: nothing is copied until the device pool is about to reuse a cached block; the block
-    is then copied down before its slot is handed out.
+    is then copied down (to the same tiers) before its slot is handed out.
   Either way a block is never overwritten while a copy from it is in flight: the pool calls
   `_on_device_evict` before it returns a reused block, and that waits for the block's copy. A block
   being loaded into is held by its request until the load has landed, so it is never reused either.
@@ -47,7 +48,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from kvstrata.tiers.base import TIER_NAMES, LowerTier, Pin, TierStats, as_bytes
+from kvstrata.tiers.base import LOWER_TIER_NAMES, TIER_NAMES, LowerTier, Pin, TierStats, as_bytes
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockEventListener, BlockRemoved, BlockStored
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
 from kvstrata.tiers.transfer import Transfer, TransferEngine
@@ -96,21 +97,22 @@ class HierarchyCounters:
     """Blocks, each; see `LLMEngine.stats` for what the engine exports."""
 
     # Blocks copied up to the device from each lower tier, and used in a request's prefix.
-    promotions: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
+    promotions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOWER_TIER_NAMES, 0))
     # Blocks found below the device at lookup that could not be served at load (gone, corrupt, a fault).
     promotion_failures: int = 0
     # Blocks handed down to each lower tier (write-through, on_evict, CPU-tier cascade, persist).
-    write_downs: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
+    write_downs: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOWER_TIER_NAMES, 0))
     # Cached device blocks whose slot was reused for other content.
     device_evictions: int = 0
 
 
 class TierHierarchy:
-    """Composes the device block pool and its KV tensor with the optional CPU and disk tiers."""
+    """Composes the device block pool and its KV tensor with the optional CPU, disk and remote tiers."""
 
     def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, cpu: LowerTier | None = None,
                  disk: LowerTier | None = None, offload: str = "write_through",
-                 transfers: TransferEngine | None = None, event_listener: BlockEventListener | None = None):
+                 transfers: TransferEngine | None = None, remote: LowerTier | None = None,
+                 event_listener: BlockEventListener | None = None):
         if offload not in OFFLOAD_POLICIES:
             raise ValueError(f"cache.offload: unknown policy {offload!r} (use one of {', '.join(OFFLOAD_POLICIES)})")
         assert kv_cache.shape[0] == pool.num_blocks
@@ -119,6 +121,7 @@ class TierHierarchy:
         self.block_size = kv_cache.shape[3]  # block-major: [num_blocks, num_layers, 2, block_size, heads, head_dim]
         self.cpu = cpu
         self.disk = disk
+        self.remote = remote
         self.offload = offload
         self.transfers = transfers or TransferEngine(kv_cache)
         self.counters = HierarchyCounters()
@@ -143,7 +146,7 @@ class TierHierarchy:
 
     @property
     def lower_tiers(self) -> list[LowerTier]:
-        return [t for t in (self.cpu, self.disk) if t is not None]
+        return [t for t in (self.cpu, self.disk, self.remote) if t is not None]
 
     def locate(self, block_hashes: Sequence[bytes]) -> list[str]:
         """For each leading block of the chain, the first tier that holds it; stops at the first
@@ -264,9 +267,10 @@ class TierHierarchy:
             for m, served in zip(missing, ok):
                 if served:
                     served_from[m] = tier.name
-        from_disk = [m for m, s in enumerate(served_from) if s == "disk"]
-        if from_disk and self.cpu is not None:
-            self.cpu.put([hashes[m] for m in from_disk], [tokens[m] for m in from_disk], [dests[m] for m in from_disk])
+        from_below_cpu = [m for m, s in enumerate(served_from) if s in ("disk", "remote")]
+        if from_below_cpu and self.cpu is not None:
+            self.cpu.put([hashes[m] for m in from_below_cpu], [tokens[m] for m in from_below_cpu],
+                         [dests[m] for m in from_below_cpu])
         load.served_from[start:start + len(dests)] = served_from
         return [s is not None for s in served_from]
 
@@ -289,7 +293,7 @@ class TierHierarchy:
         for k in range(end):
             by_tier[served.get(k) or "device"] += 1
         with self._counters_lock:
-            for name in ("cpu", "disk"):
+            for name in LOWER_TIER_NAMES:
                 self.counters.promotions[name] += by_tier[name]
             self.counters.promotion_failures += len(load.below) - len(arrived)
         return PrefixHit(blocks=load.blocks[:end], blocks_by_tier=by_tier)
@@ -361,15 +365,18 @@ class TierHierarchy:
         return len(block_ids)
 
     def _write_down(self, block_ids: list[int], hashes: list[bytes]) -> None:
-        target = self.cpu if self.cpu is not None else self.disk
-        if target is None:
+        """Copy device blocks down, in one store job, to the CPU tier (or disk without one) and to the
+        remote tier: the write-through that shares them with other replicas."""
+        targets = [t for t in (self.cpu if self.cpu is not None else self.disk, self.remote) if t is not None]
+        if not targets:
             return
         tokens = [self._block_tokens[b] for b in block_ids]
-        job = self.transfers.store(block_ids, functools.partial(_put_run, target, hashes, tokens))
+        job = self.transfers.store(block_ids, functools.partial(_put_run, targets, hashes, tokens))
         for b in block_ids:
             self._stores_in_flight[b] = job
         with self._counters_lock:
-            self.counters.write_downs[target.name] += len(block_ids)
+            for target in targets:
+                self.counters.write_downs[target.name] += len(block_ids)
 
     def wait_for_write_downs(self) -> None:
         """Wait until every block handed down so far is in its lower tier."""
@@ -539,8 +546,10 @@ class TierHierarchy:
             tier.close()
 
 
-def _put_run(tier: LowerTier, hashes: list[bytes], tokens: list[tuple[int, ...]], start: int,
+def _put_run(tiers: list[LowerTier], hashes: list[bytes], tokens: list[tuple[int, ...]], start: int,
              srcs: list[torch.Tensor]) -> None:
-    """A store job's drain: put the blocks `start, start + 1, ...` of the job into `tier`."""
+    """A store job's drain: put the blocks `start, start + 1, ...` of the job into each of `tiers`
+    (each copies the payloads before returning)."""
     stop = start + len(srcs)
-    tier.put(hashes[start:stop], tokens[start:stop], srcs)
+    for tier in tiers:
+        tier.put(hashes[start:stop], tokens[start:stop], srcs)

@@ -10,8 +10,8 @@
     DELETE /v1/cache/documents/{id}   unpin and forget a document (its blocks become evictable again)
 
 Responses carry OpenAI's `usage` (with `prompt_tokens_details.cached_tokens`) and a `kvstrata`
-object, the request's cache receipt: `cached_tokens_by_tier`, `ttft_ms` and its measured parts
-(`queue_ms`, `lookup_ms`, `load_ms_by_tier`, `prefill_ms`), and `prefill_saved_ms_estimate`
+object, the request's cache receipt: `cached_tokens_by_tier` (device, cpu, disk, remote), `ttft_ms` and its
+measured parts (`queue_ms`, `lookup_ms`, `load_ms_by_tier`, `prefill_ms`), and `prefill_saved_ms_estimate`
 (engine/receipt.py). Every error is OpenAI's shape (`errors.py`).
 
 The routes never touch the engine: requests go through `AsyncEngine`, metrics come from the

@@ -20,14 +20,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstrata.tiers import LOWER_TIER_NAMES as LOWER_TIERS
+from kvstrata.tiers import TIER_NAMES as TIERS
+
 if TYPE_CHECKING:  # the engine imports torch: `kvstrata serve` reports a port in use before that
     from kvstrata.engine.async_engine import EngineSnapshot
     from kvstrata.engine.receipt import CacheReceipt
     from kvstrata.serving.events import KVEventPublisher
 
 PREFIX = "kvstrata"
-TIERS = ("device", "cpu", "disk")
-LOWER_TIERS = ("cpu", "disk")
 # From a device hit on a small model (milliseconds) to a cold multi-thousand-token CPU prefill (a minute).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 # The parts of a TTFT go lower: a lookup or a load from the CPU tier takes well under a millisecond.

@@ -20,6 +20,7 @@ import uvicorn
 
 from kvstrata import __version__
 from kvstrata.engine.config import Config
+from kvstrata.tiers import TIER_NAMES
 from kvstrata.tiers.storage import format_bytes
 from kvstrata.serving.app import build_app
 from kvstrata.serving.metrics import ServingMetrics
@@ -164,10 +165,14 @@ def _banner(config: Config, async_engine: AsyncEngine, model_id: str, sock: sock
              f"  listening on http://{url_host}:{port}  (OpenAI API under /v1, {auth}; Prometheus at /metrics)"]
     if config.events is not None:
         lines.append(f"  KV events:   {config.events.endpoint} (replay at {config.events.replay_endpoint})")
-    for name in ("device", "cpu", "disk"):
+    for name in TIER_NAMES:
         tier = tiers.get(name)
         if tier is None:
             lines.append(f"  {name + ' tier:':<13}off")
+            continue
+        if name == "remote":  # sized by the server's maxmemory, not here
+            lines.append(f"  {'remote tier:':<13}{tier['extra']['url']} (key prefix {tier['extra']['key_prefix']}"
+                         f"{', cluster' if tier['extra']['cluster'] else ''})")
             continue
         where = f" at {config.cache.tiers.disk.path}" if name == "disk" else ""
         lines.append(f"  {name + ' tier:':<13}{format_bytes(tier['capacity_bytes'])} "

@@ -1,0 +1,208 @@
+"""The remote tier, against real valkey-server processes on loopback ports: what one replica puts another
+serves back byte-exact, on a single node and on a 3-node cluster; every fault (a killed or hung
+server, a damaged or foreign value, a full server) is a counted miss or a counted dropped write,
+never an exception; a restarted server is used again by the same tier; tenants never share blocks;
+and the URL's password never shows."""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import pytest
+import torch
+from tier_cases import BF16, FP32, get_blocks, key, payload, put_blocks, tokens
+from valkey_server import ValkeyServer, valkey_cluster
+
+from kvstrata import load_config
+from kvstrata.engine.config import ConfigError
+from kvstrata.engine.hashing import BlockHasher, make_namespace
+from kvstrata.tiers.base import BlockLayout
+from kvstrata.tiers.remote import RemoteTier
+
+PASSWORD = "pa55-w0rd-never-shown"
+
+
+def wait_until(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def server():
+    with ValkeyServer() as s:
+        yield s
+
+
+def tier_on(url: str, layout: BlockLayout = BF16, **options) -> RemoteTier:
+    options.setdefault("timeout", 0.5)  # generous on a busy 2-core machine; faults still end as misses
+    return RemoteTier(layout, url, **options)
+
+
+def written(tier: RemoteTier, ids, layout: BlockLayout = BF16) -> None:
+    put_blocks(tier, ids, layout)
+    tier.flush()
+
+
+def test_blocks_one_replica_puts_are_served_to_another(server):
+    a, b = tier_on(server.url), tier_on(server.url)
+    written(a, range(6))
+    assert b.count_prefix([key(i) for i in range(6)]) == 6
+    assert b.count_prefix([key(0), key(1), key(99), key(2)]) == 2  # stops at the first block not held
+    assert get_blocks(b, range(6)) == [True] * 6
+    assert get_blocks(b, [7]) == [False]
+    stats = b.stats()
+    assert (stats.hits, stats.misses, a.stats().puts) == (6, 1, 6)
+    a.close()
+    b.close()
+
+
+def test_cluster_spreads_blocks_over_its_nodes_and_serves_them_all():
+    with valkey_cluster(3) as nodes:
+        a, b = tier_on(nodes[0].url, cluster=True), tier_on(nodes[2].url, cluster=True)
+        written(a, range(24))
+        assert all(n.client().dbsize() > 0 for n in nodes), "every node holds some of the blocks"
+        assert b.count_prefix([key(i) for i in range(24)]) == 24
+        assert get_blocks(b, range(24)) == [True] * 24
+
+        nodes[1].kill()  # a node gone: the pipelined read that needs it fails whole, as misses
+        assert get_blocks(b, range(24)) == [False] * 24
+        assert b.count_prefix([key(i) for i in range(24)]) == 0
+        assert b.stats().extra["faults"] >= 1
+        nodes[1].start()  # back on its port with its nodes.conf: the cluster and the tier take it again
+        wait_until(lambda: b"cluster_state:ok" in nodes[1].client().execute_command("CLUSTER", "INFO"))
+        written(a, range(24))
+        wait_until(lambda: b.count_prefix([key(i) for i in range(24)]) == 24)
+        assert get_blocks(b, range(24)) == [True] * 24
+        a.close()
+        b.close()
+
+
+def test_killed_server_gives_misses_and_a_restarted_one_is_used_again(server, caplog):
+    tier = tier_on(server.url, timeout=0.2)
+    written(tier, range(4))
+    server.kill()
+    with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.remote"):
+        for _ in range(3):
+            assert tier.count_prefix([key(i) for i in range(4)]) == 0
+            assert get_blocks(tier, range(4)) == [False] * 4
+            put_blocks(tier, [10])
+        tier.flush()
+    stats = tier.stats()
+    assert stats.extra["faults"] >= 1 and stats.extra["outages"] == 1 and not stats.extra["reachable"]
+    assert stats.extra["dropped_puts"] >= 1
+    failures = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failures) == 1, "an outage is logged once"
+
+    server.start()  # an empty server on the same port: the same tier object reconnects after its backoff
+    wait_until(lambda: (put_blocks(tier, range(4)), tier.flush(), tier.count_prefix([key(0)]))[-1] == 1)
+    assert get_blocks(tier, range(4)) == [True] * 4
+    assert tier.stats().extra["reachable"]
+    tier.close()
+
+
+def test_hung_server_lookup_is_abandoned_as_a_miss(server):
+    tier = tier_on(server.url, timeout=0.1)
+    written(tier, range(2))
+    server.process.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+    try:
+        assert tier.count_prefix([key(0), key(1)]) == 0
+        assert tier.stats().extra["faults"] >= 1
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+    tier.close()
+
+
+def test_full_write_queue_drops_puts_instead_of_waiting(server):
+    tier = tier_on(server.url, timeout=1.0, queue_blocks=2)
+    server.process.send_signal(signal.SIGSTOP)  # the writer's first batch now waits for its timeout
+    try:
+        put_blocks(tier, [0])
+        time.sleep(0.2)  # the writer has taken block 0 and is waiting on the server
+        put_blocks(tier, range(1, 11))
+        assert tier.stats().extra["dropped_puts"] >= 8
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+    tier.close()
+
+
+def test_damaged_value_is_a_counted_miss_and_is_deleted(server):
+    tier = tier_on(server.url)
+    written(tier, range(3))
+    raw = server.client()
+    stored = bytearray(raw.get(tier._key(key(1))))
+    stored[-1] ^= 0xFF  # one payload bit flipped
+    raw.set(tier._key(key(1)), bytes(stored))
+    raw.set(tier._key(key(2)), b"not a block record at all")
+    assert get_blocks(tier, range(3)) == [True, False, False]
+    tier.flush()
+    assert tier.stats().corrupt == 2
+    assert raw.exists(tier._key(key(1)), tier._key(key(2))) == 0
+    tier.close()
+
+
+def test_value_written_for_another_layout_or_tokens_is_a_miss(server):
+    fp32, bf16 = tier_on(server.url, FP32), tier_on(server.url, BF16)
+    written(fp32, [0], FP32)
+    assert get_blocks(bf16, [0]) == [False]
+    written(bf16, [1])
+    assert get_blocks(bf16, [1], toks=[tokens(2)]) == [False]  # the same key, other token ids
+    assert bf16.stats().corrupt == 2
+    fp32.close()
+    bf16.close()
+
+
+def test_full_server_refuses_writes_which_are_counted_not_raised():
+    with ValkeyServer("--maxmemory-policy", "noeviction") as server:
+        raw = server.client()
+        raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) + 64 * 1024)
+        big = BlockLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32)  # 32 KiB
+        tier = tier_on(server.url, big)
+        written(tier, range(12), big)
+        stats = tier.stats()
+        assert stats.extra["write_errors"] > 0 and stats.puts == 12 - stats.extra["write_errors"]
+        served = get_blocks(tier, range(12), big)
+        assert sum(served) == stats.puts
+        tier.close()
+
+
+def test_cache_salt_keeps_tenants_apart(server):
+    namespace = make_namespace("some-model", "bfloat16", BF16.block_size, 1, "xxh3_128")
+    hasher = BlockHasher(BF16.block_size, namespace, "xxh3_128")
+    prompt = list(range(3 * BF16.block_size))
+    tenant = {salt: hasher.hash(prompt, cache_salt=salt) for salt in ("alice", "bob", None)}
+    tier = tier_on(server.url)
+    blocks = [prompt[k * BF16.block_size:(k + 1) * BF16.block_size] for k in range(3)]
+    tier.put(tenant["alice"], blocks, [payload(BF16, k) for k in range(3)])
+    tier.flush()
+    assert tier.count_prefix(tenant["alice"]) == 3
+    assert tier.count_prefix(tenant["bob"]) == 0 and tier.count_prefix(tenant[None]) == 0
+    other_model = BlockHasher(BF16.block_size, make_namespace("other-model", "bfloat16", BF16.block_size, 1,
+                                                              "xxh3_128"), "xxh3_128")
+    assert tier.count_prefix(other_model.hash(prompt, cache_salt="alice")) == 0
+    tier.close()
+
+
+def test_password_is_used_but_never_shown(caplog, capsys):
+    with ValkeyServer(password=PASSWORD) as server:
+        tier = tier_on(server.url, timeout=0.2)
+        written(tier, range(2))
+        assert get_blocks(tier, range(2)) == [True, True]
+        wrong = tier_on(server.url.replace(PASSWORD, PASSWORD + "x"), timeout=0.2)
+        with caplog.at_level(logging.DEBUG):
+            assert wrong.count_prefix([key(0)]) == 0  # refused: a fault, logged without the password
+            server.kill()
+            assert get_blocks(tier, range(2)) == [False, False]
+        assert any("remote tier" in r.getMessage() for r in caplog.records)
+        shown = [r.getMessage() for r in caplog.records] + [str(tier.stats()), str(wrong.stats())]
+        config = load_config({"cache": {"tiers": {"remote": {"url": server.url}}}})
+        shown += [config.to_yaml(), repr(config), str(config.cache.tiers)]
+        with pytest.raises(ConfigError) as bad:
+            load_config({"cache": {"tiers": {"remote": {"url": server.url.replace("redis:", "http:")}}}})
+        shown.append(str(bad.value))
+        assert all(PASSWORD not in text for text in shown)
+        assert "********" in config.to_yaml()
+        tier.close()
+        wrong.close()

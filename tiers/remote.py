@@ -1,0 +1,440 @@
+"""The remote tier: block records (tiers/record.py) in a Valkey or Redis server, or a cluster of them,
+shared by every replica that names the same server and key prefix.
+
+Keys are `<key_prefix>:<chain hash in hex>`. The chain hash already folds in the model identity,
+dtype, block size, KV layout version and `cache_salt`, so two models, two dtypes or two tenants never
+share a key; the prefix only keeps kvstrata's keys apart from anything else stored on the server.
+Values are the same self-verifying records the disk tier stores: a value that does not verify (damaged,
+written for another layout, another token sequence, or not ours at all) is a miss, counted as
+corrupt, and deleted.
+
+Eviction is the server's own: run it with `maxmemory` and `maxmemory-policy allkeys-lru` (README,
+"Replicas sharing a remote tier"); with `ttl` every stored block also expires that long after it
+was last written or read. The tier therefore keeps no capacity and holds nothing against eviction:
+a block found at lookup and gone at load is a miss, and the prefix ends there.
+
+Round trips: a lookup (`count_prefix`) is one pipelined round trip for the whole run of hashes (in a
+cluster, one per node holding some of them), and so is a read (`get`). Writes leave the caller at
+once: `put` encodes the records and queues them for a writer thread that sends them in pipelined
+batches. The queue is bounded: a put that finds it full is dropped and counted (a block not shared
+is only a recompute for another replica), never waited for.
+
+Faults are misses. The server down or restarting, a timeout, a reset connection, a cluster node
+failing over, a full server refusing writes (OOM with `noeviction`): the operation answers "not
+held", the fault is counted and logged once per outage (the URL's password masked), and the tier
+waits a growing backoff before it tries the server again, reconnecting then. No caller waits longer
+than `timeout` for a lookup: `count_prefix` runs on a lookup thread and is abandoned (a miss) past it.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats
+from kvstrata.tiers.record import RecordCodec, RecordError
+from kvstrata.tiers.remote_url import check_url, masked_url, scrub
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_QUEUE_BLOCKS = 128        # records waiting for the writer; beyond this, puts are dropped
+WRITE_BATCH_BYTES = 8 << 20       # records per pipelined write: about this many bytes
+DRAIN_S = 2.0                     # the longest close() spends sending what is still queued
+BACKOFF_FIRST_S = 0.25            # after a fault, the server is left alone this long, doubling ...
+BACKOFF_MAX_S = 8.0               # ... up to this
+# What the client raises for a server that cannot answer now (down, timeout, reset, failover,
+# loading, a cluster without a slot's owner): every one is a miss, never an error for a request.
+FAULTS = (redis.RedisError, OSError)
+
+
+def _is_full(error: BaseException) -> bool:
+    """The server refused a write because it is at `maxmemory` and may not evict (OOM)."""
+    return isinstance(error, redis.ResponseError) and str(error).startswith("OOM")
+
+
+class _Health:
+    """Whether the server may be asked now. A fault starts an outage (logged once) and a backoff;
+    the first success after it ends the outage (logged once). Thread-safe."""
+
+    def __init__(self, shown_url: str):
+        self.shown_url = shown_url
+        self.faults = 0          # operations that failed on a fault
+        self.outages = 0
+        self._lock = threading.Lock()
+        self._down = False
+        self._backoff_s = BACKOFF_FIRST_S
+        self._retry_at = 0.0
+
+    @property
+    def down(self) -> bool:
+        return self._down
+
+    def usable(self) -> bool:
+        """Not in a backoff: the next operation may try the server (and is the probe, in an outage)."""
+        return time.monotonic() >= self._retry_at
+
+    def fault(self, what: str, message: str) -> None:
+        with self._lock:
+            self.faults += 1
+            if not self._down:
+                self._down = True
+                self.outages += 1
+                self._backoff_s = BACKOFF_FIRST_S
+                logger.warning("remote tier: %s on %s failed (%s); serving misses and retrying with backoff",
+                               what, self.shown_url, message)
+            else:
+                self._backoff_s = min(2 * self._backoff_s, BACKOFF_MAX_S)
+            self._retry_at = time.monotonic() + self._backoff_s
+
+    def ok(self) -> None:
+        if not self._down:
+            return
+        with self._lock:
+            if self._down:
+                self._down = False
+                self._retry_at = 0.0
+                logger.warning("remote tier: %s answers again", self.shown_url)
+
+
+@dataclass
+class _Op:
+    kind: str                       # "put" | "delete"
+    key: bytes
+    value: Optional[bytearray] = None
+
+
+class RemoteTier(LowerTier):
+    """Blocks of `layout` on the Valkey/Redis server (or cluster, `cluster=True`) at `url`.
+
+    `timeout` (seconds) bounds every round trip and every lookup; `ttl` (seconds, 0: none) makes
+    stored blocks expire that long after their last write or read. Thread-safe.
+    """
+
+    name = "remote"
+
+    def __init__(self, layout: BlockLayout, url: str, *, cluster: bool = False, key_prefix: str = "kvstrata",
+                 timeout: float = 0.05, ttl: float = 0.0, queue_blocks: int = DEFAULT_QUEUE_BLOCKS):
+        try:
+            self.url = check_url(url, cluster)
+        except ValueError as e:
+            raise ValueError(f"cache.tiers.remote.url: {e}") from None
+        if timeout <= 0:
+            raise ValueError(f"cache.tiers.remote.timeout: must be positive, got {timeout}")
+        self.layout = layout
+        self.codec = RecordCodec(layout)
+        self.cluster = cluster
+        self.key_prefix = key_prefix
+        self.timeout = float(timeout)
+        self.ttl_ms = int(ttl * 1000) or None
+        self.shown_url = masked_url(self.url)
+        self.health = _Health(self.shown_url)
+        self._client_lock = threading.Lock()
+        self._client: redis.Redis | redis.RedisCluster | None = None
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-lookup")
+
+        self._cond = threading.Condition()
+        self._ops: deque[_Op] = deque()
+        self._max_queued = queue_blocks
+        self._enqueued = 0                    # ops ever queued
+        self._finished = 0                    # ops ever sent or given up on
+        self._stopping = False
+        self._closed = False
+        self._drain_deadline = float("inf")
+        self._writes_refused = False          # since the last write the server took (log once)
+        self._stats = TierStats(name=self.name)
+        self._dropped_puts = 0                # queue full, or the server unreachable
+        self._write_errors = 0                # the server refused them (full: OOM)
+        self._writer = threading.Thread(target=self._writer_loop, name="kvstrata-remote-writer", daemon=True)
+        self._writer.start()
+
+    # -- the connection ----------------------------------------------------------------------
+
+    def _connection(self) -> redis.Redis | redis.RedisCluster | None:
+        """The client, created on first use and again after a fault; None while backing off."""
+        if not self.health.usable():
+            return None
+        with self._client_lock:
+            if self._client is None:
+                options = dict(socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+                               retry=Retry(NoBackoff(), 0))  # our backoff, not the client's retries
+                try:
+                    if self.cluster:
+                        self._client = redis.RedisCluster.from_url(self.url, **options)
+                    else:
+                        self._client = redis.Redis.from_url(self.url, health_check_interval=0, **options)
+                except FAULTS as e:
+                    self._fault("connecting", e)
+                    return None
+            return self._client
+
+    def _fault(self, what: str, error: BaseException) -> None:
+        """Count and (once per outage) log a fault; drop the client so that the next try reconnects
+        (a cluster relearns which node holds which slots)."""
+        self.health.fault(what, scrub(f"{type(error).__name__}: {error}", self.url))
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except FAULTS:
+                pass
+
+    def _key(self, block_hash: bytes) -> bytes:
+        return f"{self.key_prefix}:{block_hash.hex()}".encode()
+
+    def _pipeline(self, client):
+        return client.pipeline(transaction=False)  # a cluster splits it by node; no MULTI across slots
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def contains(self, block_hash: bytes) -> bool:
+        return self.count_prefix([block_hash]) == 1
+
+    def count_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        """One pipelined EXISTS per hash, in one round trip; 0 when the answer does not come within
+        `timeout` (the lookup is then abandoned and the fault counted)."""
+        self._check_open()
+        if not block_hashes or not self.health.usable():
+            return 0
+        future = self._lookups.submit(self._count_prefix, list(block_hashes))
+        try:
+            return future.result(timeout=self.timeout)
+        except FutureTimeout:
+            future.cancel()
+            self._fault("a lookup", TimeoutError(f"no answer within {self.timeout * 1000:g} ms"))
+            return 0
+
+    def _count_prefix(self, block_hashes: list[bytes]) -> int:
+        client = self._connection()
+        if client is None:
+            return 0
+        pipe = self._pipeline(client)
+        for h in block_hashes:
+            pipe.exists(self._key(h))
+        try:
+            found = pipe.execute()
+        except FAULTS as e:
+            self._fault("a lookup", e)
+            return 0
+        self.health.ok()
+        return next((k for k, n in enumerate(found) if not n), len(found))
+
+    def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
+            dests: Sequence[torch.Tensor]) -> list[bool]:
+        """One pipelined GET (GETEX with a ttl, which restarts it) for all the blocks; each value is
+        verified as it is copied into its destination."""
+        self._check_open()
+        assert len(block_hashes) == len(token_ids) == len(dests)
+        served = [False] * len(block_hashes)
+        records = self._read([self._key(h) for h in block_hashes])
+        corrupt = []
+        for i, record in enumerate(records):
+            if record is None:
+                continue
+            try:
+                self.codec.decode_into(record, token_ids[i], dests[i])
+                served[i] = True
+            except RecordError as e:  # a cache never serves what it cannot verify
+                logger.debug("remote tier: block %s does not verify: %s", block_hashes[i].hex(), e)
+                corrupt.append(_Op("delete", self._key(block_hashes[i])))
+        hits = sum(served)
+        self._stats.hits += hits
+        self._stats.misses += len(served) - hits
+        self._stats.corrupt += len(corrupt)
+        self._enqueue(corrupt)
+        return served
+
+    def _read(self, keys: list[bytes]) -> list[bytes | None]:
+        client = self._connection()
+        if client is None:
+            return [None] * len(keys)
+        pipe = self._pipeline(client)
+        for key in keys:
+            if self.ttl_ms:
+                pipe.getex(key, px=self.ttl_ms)
+            else:
+                pipe.get(key)
+        try:
+            values = pipe.execute(raise_on_error=False)
+        except FAULTS as e:
+            self._fault("a read", e)
+            return [None] * len(keys)
+        self.health.ok()
+        return [v if isinstance(v, bytes) else None for v in values]
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
+            srcs: Sequence[torch.Tensor]) -> None:
+        """Queue the blocks' records for the writer; what does not fit in the queue, or arrives while
+        the server is unreachable, is dropped and counted in `dropped_puts`."""
+        self._check_open()
+        assert len(block_hashes) == len(token_ids) == len(srcs)
+        if not self.health.usable():
+            self._dropped_puts += len(block_hashes)
+            return
+        with self._cond:
+            room = max(0, self._max_queued - len(self._ops))
+        self._dropped_puts += max(0, len(block_hashes) - room)
+        ops = [_Op("put", self._key(h), self.codec.encode(ids, src))
+               for h, ids, src in zip(block_hashes[:room], token_ids[:room], srcs[:room])]
+        self._enqueue(ops)
+
+    def _enqueue(self, ops: list[_Op]) -> None:
+        if not ops:
+            return
+        with self._cond:
+            if self._stopping:
+                self._dropped_puts += sum(op.kind == "put" for op in ops)
+                return
+            for op in ops:
+                if op.kind == "put" and len(self._ops) >= self._max_queued:
+                    self._dropped_puts += 1  # a racing put took the room: dropped, never waited for
+                    continue
+                self._ops.append(op)
+                self._enqueued += 1
+            self._cond.notify_all()
+
+    def discard(self, block_hash: bytes) -> bool:
+        client = self._connection()
+        if client is None:
+            return False
+        try:
+            return bool(client.delete(self._key(block_hash)))
+        except FAULTS as e:
+            self._fault("a delete", e)
+            return False
+
+    def clear(self) -> None:
+        """Delete every key under this tier's prefix (every replica's blocks, every model's)."""
+        self._check_open()
+        self.flush()
+        client = self._connection()
+        if client is None:
+            return
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.key_prefix) + ":*"
+        try:
+            pipe = self._pipeline(client)
+            for n, key in enumerate(client.scan_iter(match=pattern, count=1000), 1):
+                pipe.unlink(key)
+                if n % 1000 == 0:
+                    pipe.execute()
+            pipe.execute()
+        except FAULTS as e:
+            self._fault("clearing", e)
+
+    def flush(self) -> None:
+        """Wait until every record queued so far has been sent (or dropped and counted)."""
+        with self._cond:
+            target = self._enqueued
+            while self._finished < target and self._writer.is_alive():
+                self._cond.wait(0.1)
+
+    def close(self) -> None:
+        """Send what is queued, for at most `DRAIN_S` (what is left then is dropped and counted), stop
+        the writer and disconnect. Safe to call twice."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._stopping = True
+            self._drain_deadline = time.monotonic() + DRAIN_S
+            self._cond.notify_all()
+        self._writer.join(DRAIN_S + 2 * self.timeout + 1.0)
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except FAULTS:
+                pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"remote tier at {self.shown_url} is closed")
+
+    # -- the writer thread -------------------------------------------------------------------
+
+    def _writer_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._ops and not self._stopping:
+                    self._cond.wait()
+                if not self._ops:
+                    return  # stopping and drained
+                late = self._stopping and time.monotonic() > self._drain_deadline
+                batch = self._take_batch()
+            if late:
+                self._dropped_puts += sum(op.kind == "put" for op in batch)
+            else:
+                self._send(batch)
+            with self._cond:
+                self._finished += len(batch)
+                self._cond.notify_all()
+
+    def _take_batch(self) -> list[_Op]:
+        batch, nbytes = [], 0
+        while self._ops and nbytes < WRITE_BATCH_BYTES:
+            op = self._ops.popleft()
+            batch.append(op)
+            nbytes += len(op.value) if op.value is not None else 0
+        return batch
+
+    def _send(self, batch: list[_Op]) -> None:
+        """One pipelined round trip; a fault drops the batch (counted), a full server refuses some puts."""
+        num_puts = sum(op.kind == "put" for op in batch)
+        client = self._connection()
+        if client is None:
+            self._dropped_puts += num_puts
+            return
+        pipe = self._pipeline(client)
+        for op in batch:
+            if op.kind == "put":
+                pipe.set(op.key, bytes(op.value), px=self.ttl_ms)
+            else:
+                pipe.unlink(op.key)
+        try:
+            results = pipe.execute(raise_on_error=False)
+        except FAULTS as e:
+            self._fault("a write", e)
+            self._dropped_puts += num_puts
+            return
+        self.health.ok()
+        refused = [r for op, r in zip(batch, results) if op.kind == "put" and isinstance(r, Exception)]
+        self._stats.puts += num_puts - len(refused)
+        if refused:
+            self._write_errors += len(refused)
+            if not self._writes_refused:
+                self._writes_refused = True
+                full = " (the server is full and may not evict: see maxmemory-policy)" if _is_full(refused[0]) else ""
+                logger.warning("remote tier: %s refused %d of %d writes%s: %s; counting the ones that follow in "
+                               "write_errors", self.shown_url, len(refused), num_puts, full,
+                               scrub(str(refused[0]), self.url))
+        elif num_puts and self._writes_refused:
+            self._writes_refused = False
+            logger.warning("remote tier: %s takes writes again", self.shown_url)
+
+    # -- stats -------------------------------------------------------------------------------
+
+    def stats(self) -> TierStats:
+        """Counters only, never a round trip (the server's own usage: `INFO memory` on it)."""
+        with self._cond:
+            queued = len(self._ops)
+        stats = TierStats(**{**self._stats.__dict__, "extra": {}})
+        stats.extra = {"url": self.shown_url, "cluster": self.cluster, "key_prefix": self.key_prefix,
+                       "reachable": not self.health.down, "faults": self.health.faults,
+                       "outages": self.health.outages, "queued_puts": queued,
+                       "dropped_puts": self._dropped_puts, "write_errors": self._write_errors}
+        return stats

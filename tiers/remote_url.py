@@ -1,0 +1,64 @@
+"""The remote tier's server address: checked and shown without its password.
+
+A URL is `redis://[[user]:password@]host[:port][/db]` or `rediss://...` (TLS), as the `redis` client
+reads it; Valkey answers both. The password (an ACL user's, or the default user's) must never reach
+a log line, an error message, `/metrics` or `kvstrata config check`: everything that shows a URL
+shows `masked_url(url)`, and `check_url` never echoes the URL it refuses.
+
+Cheap to import (no torch, no client library): config validation uses it.
+"""
+from __future__ import annotations
+
+from urllib.parse import SplitResult, unquote, urlsplit
+
+SECRET_MASK = "********"
+URL_SCHEMES = ("redis", "rediss")
+
+
+def masked_url(url: str) -> str:
+    """`url` with its password (if any) replaced by `SECRET_MASK`; anything unparsable is masked whole."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        return parts._replace(netloc=f"{user}:{SECRET_MASK}@{host}").geturl()
+    except ValueError:
+        return SECRET_MASK
+
+
+def scrub(text: str, url: str) -> str:
+    """`text` (an error message from the client, say) with the URL's password masked out of it."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return text
+    for spelled in {password, unquote(password)} if password else ():
+        text = text.replace(spelled, SECRET_MASK)
+    return text
+
+
+def check_url(url: str, cluster: bool = False) -> str:
+    """Raise ValueError (one line, the URL masked) unless `url` is one the remote tier can use.
+
+    A cluster has a single database, 0: a URL naming another one is refused for it.
+    """
+    shown = masked_url(url)
+    try:
+        parts: SplitResult = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"cannot parse {shown!r}: {exc}") from None
+    if parts.scheme not in URL_SCHEMES:
+        raise ValueError(f"{shown!r}: expected a redis:// or rediss:// (TLS) URL")
+    if not parts.hostname:
+        raise ValueError(f"{shown!r}: no host")
+    if port == 0:
+        raise ValueError(f"{shown!r}: port 0 is no server's port")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"{shown!r}: the path must be a database number such as /0, got /{db}")
+    if cluster and db not in ("", "0"):
+        raise ValueError(f"{shown!r}: a cluster has only database 0")
+    return url.strip()
