@@ -35,9 +35,9 @@ def content_for(block_hash: bytes) -> torch.Tensor:
 
 
 def make_stack(device_blocks: int, cpu_blocks: int = 0, disk_path=None, disk_blocks: int = 0,
-               offload: str = "write_through", gate_cpu: bool = False):
+               offload: str = "write_through", gate_cpu: bool = False, remote_url: str | None = None):
     """A KV manager over a device pool and the lower tiers asked for; `gate_cpu` wraps the CPU tier
-    in a `GatedTier` (its reads wait for `hierarchy.cpu.gate`)."""
+    in a `GatedTier` (its reads wait for `hierarchy.cpu.gate`); `remote_url` adds a remote tier."""
     pool = BlockPool(device_blocks)
     kv = LAYOUT.allocate(device_blocks)
     cpu = CpuTier(LAYOUT, cpu_blocks) if cpu_blocks else None
@@ -47,7 +47,11 @@ def make_stack(device_blocks: int, cpu_blocks: int = 0, disk_path=None, disk_blo
     if disk_path is not None:
         from kvstrata.tiers.disk import DiskTier
         disk = DiskTier(LAYOUT, str(disk_path), disk_blocks * LAYOUT.block_nbytes * 2)
-    hierarchy = TierHierarchy(pool, kv, cpu, disk, offload)
+    remote = None
+    if remote_url is not None:
+        from kvstrata.tiers.remote import RemoteTier
+        remote = RemoteTier(LAYOUT, remote_url, timeout=0.5)
+    hierarchy = TierHierarchy(pool, kv, cpu, disk, offload, remote=remote)
     return KVCacheManager(hierarchy, HASHER, BS)
 
 
@@ -133,6 +137,27 @@ def test_cpu_evictions_cascade_to_disk_and_disk_hits_refill_cpu(tmp_path):
     assert again.num_cached_tokens == 6 * BS
     # blocks that came up from disk were put in the CPU tier too (it holds exactly these 6 now)
     assert all(h.cpu.contains(x) for x in again.block_hashes[:6])
+
+
+@pytest.mark.parametrize("replica_a_cpu_blocks", [32, 0], ids=["through-cpu", "no-cpu-tier"])
+def test_a_document_one_replica_computed_is_a_remote_hit_on_another_and_lands_in_its_cpu_tier(replica_a_cpu_blocks):
+    from valkey_server import ValkeyServer
+    with ValkeyServer() as server:
+        a = make_stack(device_blocks=16, cpu_blocks=replica_a_cpu_blocks, remote_url=server.url)
+        b = make_stack(device_blocks=16, cpu_blocks=32, remote_url=server.url)
+        document = doc(5, 6 * BS + 1)
+        run_request(a, document)
+        a.hierarchy.remote.flush()
+        assert a.hierarchy.counters.write_downs["remote"] == 6
+        again = run_request(b, document)  # run_request checks every served block byte for byte
+        assert again.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 0, "remote": 6 * BS}
+        assert b.hierarchy.counters.promotions["remote"] == 6
+        assert all(b.hierarchy.cpu.contains(h) for h in again.block_hashes[:6])  # the next miss is local
+        server.kill()  # the server gone: a new document is recomputed, nothing raises
+        other = run_request(b, doc(6, 6 * BS + 1))
+        assert other.num_cached_tokens == 0
+        for stack in (a, b):
+            stack.hierarchy.close()
 
 
 def test_lookup_stops_at_the_first_block_no_tier_holds():
