@@ -68,6 +68,18 @@ def test_config_check_masks_the_api_key_and_never_echoes_a_bad_one(tmp_path):
     assert "987654321" not in result.stderr
 
 
+def test_config_check_masks_the_remote_tier_password(tmp_path):
+    url = "rediss://app:s3cret-do-not-print@127.0.0.1:6380/0"
+    path = write_yaml(tmp_path / "remote.yaml", {"cache": {"tiers": {"remote": {"url": url}}}})
+    result = kvstrata("config", "check", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["cache"]["tiers"]["remote"]["url"] == "rediss://app:********@127.0.0.1:6380/0"
+    bad = write_yaml(tmp_path / "bad.yaml", {"cache": {"tiers": {"remote": {"url": url.replace("rediss", "https")}}}})
+    result = kvstrata("config", "check", str(bad), cwd=tmp_path)
+    assert_one_line_error(result, "cache.tiers.remote.url:")
+    assert "s3cret-do-not-print" not in result.stdout + result.stderr
+
+
 def test_config_check_of_a_bad_key_is_one_line_and_exit_2(tmp_path):
     path = write_yaml(tmp_path / "bad.yaml", {"cache": {"tiers": {"dsk": {"size": "1GiB"}}}})
     assert_one_line_error(kvstrata("config", "check", str(path), cwd=tmp_path), "cache.tiers.dsk: unknown key")

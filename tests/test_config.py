@@ -11,7 +11,7 @@ import pytest
 from kvstrata.engine import config as config_module
 from kvstrata.engine.config import ENV_OVERRIDES, ConfigError, load_config
 from kvstrata.engine.sizes import Size
-from kvstrata.tiers import storage
+from kvstrata.tiers import TIER_NAMES, storage
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SMOLLM2_BF16_BLOCK_NBYTES = 368_640  # 30 layers x 2 x 16 tokens x 3 KV heads x 64 dims x 2 bytes
@@ -28,7 +28,7 @@ def _clean_environment(monkeypatch, tmp_path):
 
 def enabled_tiers(config) -> tuple[str, ...]:
     tiers = config.cache.tiers
-    return ("device",) + (("cpu",) if tiers.cpu else ()) + (("disk",) if tiers.disk else ())
+    return tuple(name for name in TIER_NAMES if getattr(tiers, name) is not None)
 
 
 def write_model_dir(path: Path, **fields) -> Path:
@@ -86,6 +86,14 @@ def test_pressure_config_spills_a_few_2k_token_documents_to_cpu_and_disk():
     assert 4 * blocks_per_document <= cpu_blocks < 8 * blocks_per_document
     assert disk_blocks >= 32 * blocks_per_document
     assert tiers.disk.path.name == "kvstore-pressure"
+
+
+def test_replicas_config_shares_a_remote_tier_and_keeps_no_disk_tier():
+    config = load_config(CONFIGS / "replicas.yaml")
+    assert enabled_tiers(config) == ("device", "cpu", "remote")
+    remote = config.cache.tiers.remote
+    assert (remote.url, remote.cluster, remote.key_prefix, remote.timeout, remote.ttl) == \
+        ("redis://127.0.0.1:6379/0", False, "kvstrata", 0.05, 0.0)
 
 
 def test_default_config_is_laptop_sized():
@@ -630,3 +638,43 @@ def test_step_target_takes_milliseconds_seconds_or_a_number_and_round_trips():
         assert load_config(config.to_dict()) == config
     default = load_config().scheduler
     assert (default.policy, default.step_target, default.long_prefill_share) == ("uncached_first", 0.25, 0.25)
+
+
+# ------------------------------------------------------------------------------------- remote tier
+
+SECRET = "hunter2-do-not-print"
+
+
+def remote(**fields) -> dict:
+    return {"cache": {"tiers": {"remote": {"url": f"redis://app:{SECRET}@127.0.0.1:6379/0", **fields}}}}
+
+
+def test_remote_tier_takes_tls_and_an_acl_user_and_round_trips_with_its_password_masked_when_shown():
+    config = load_config(remote(url=f"rediss://app:{SECRET}@cache.internal:6380/2", timeout="20ms", ttl="24h"))
+    tier = config.cache.tiers.remote
+    assert (tier.url, tier.timeout, tier.ttl) == (f"rediss://app:{SECRET}@cache.internal:6380/2", 0.02, 86400.0)
+    assert load_config(config.to_dict()) == config
+    shown = config.to_yaml() + repr(config) + str(config)
+    assert SECRET not in shown and "rediss://app:********@cache.internal:6380/2" in config.to_yaml()
+
+
+def test_remote_url_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KVSTRATA_REMOTE_URL", "redis://10.0.0.5:6379/0")
+    assert load_config(CONFIGS / "replicas.yaml").cache.tiers.remote.url == "redis://10.0.0.5:6379/0"
+
+
+@pytest.mark.parametrize("fields, key, fragment", [
+    ({"url": f"http://app:{SECRET}@host/0"}, "cache.tiers.remote.url", "expected a redis:// or rediss://"),
+    ({"url": f"redis://app:{SECRET}@host/zero"}, "cache.tiers.remote.url", "database number"),
+    ({"url": f"redis://app:{SECRET}@host:99999/0"}, "cache.tiers.remote.url", "cannot parse"),
+    ({"url": f"redis://app:{SECRET}@host/3", "cluster": True}, "cache.tiers.remote.url", "only database 0"),
+    ({"url": 12345}, "cache.tiers.remote.url", "expected a URL"),
+    ({"timeout": 0}, "cache.tiers.remote.timeout", "positive duration"),
+    ({"ttl": "-1s"}, "cache.tiers.remote.ttl", "expected a duration"),
+    ({"key_prefix": "two words"}, "cache.tiers.remote.key_prefix", "without spaces"),
+    ({"size": "1GiB"}, "cache.tiers.remote.size", "unknown key"),
+])
+def test_remote_tier_errors_are_one_line_and_never_show_the_password(fields, key, fragment):
+    error = config_error(remote(**fields))
+    assert error.key == key and fragment in str(error), str(error)
+    assert SECRET not in str(error)
