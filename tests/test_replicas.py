@@ -1,16 +1,19 @@
 """Two replicas (two engines, each with its own device and CPU tiers) sharing one valkey-server: a
 document asked on replica A is served to replica B from the remote tier, and B's answer is the one
-an engine with caching off gives (float32: identical tokens)."""
+an engine with caching off gives (float32: identical tokens). The server's password shows nowhere."""
 from __future__ import annotations
 
 import pytest
 from valkey_server import ValkeyServer
 
 from kvstrata import LLM, SamplingParams, load_config
+from kvstrata.engine.async_engine import EngineSnapshot
+from kvstrata.serving.metrics import ServingMetrics
 
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+PASSWORD = "replica-secret-never-shown"
 
 
 def replica_config(remote_url: str | None, caching: bool = True) -> dict:
@@ -26,7 +29,7 @@ def test_a_document_asked_on_one_replica_is_a_remote_hit_on_the_other(embedded_m
     messages = [{"role": "user", "content": f"{topics['try'][:900]}\n\nAnswer briefly. What is this about?"}]
     with LLM(load_config(replica_config(None, caching=False)), loaded_model=embedded_model_fp32) as plain:
         expected = plain.chat(messages, GREEDY)[0]
-    with ValkeyServer() as server:
+    with ValkeyServer(password=PASSWORD) as server:
         with LLM(load_config(replica_config(server.url)), loaded_model=embedded_model_fp32) as a, \
                 LLM(load_config(replica_config(server.url)), loaded_model=embedded_model_fp32) as b:
             on_a = a.chat(messages, GREEDY)[0]
@@ -39,3 +42,7 @@ def test_a_document_asked_on_one_replica_is_a_remote_hit_on_the_other(embedded_m
         assert on_b.token_ids == on_a.token_ids == expected.token_ids
         assert b_stats["tiers"]["remote"]["hits"] == cacheable // 16
         assert b_stats["promotions"]["remote"] == cacheable // 16
+        metrics = ServingMetrics(lambda: EngineSnapshot(stats=b_stats, num_running=0, num_waiting=0)).render().decode()
+        assert f'kvstrata_prefix_cache_hits_tokens_total{{tier="remote"}} {float(cacheable)}' in metrics
+        assert "kvstrata_cache_remote_faults_total 0.0" in metrics
+        assert PASSWORD not in metrics and PASSWORD not in str(b_stats)

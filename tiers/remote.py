@@ -182,6 +182,9 @@ class RemoteTier(LowerTier):
         """Count and (once per outage) log a fault; drop the client so that the next try reconnects
         (a cluster relearns which node holds which slots)."""
         self.health.fault(what, scrub(f"{type(error).__name__}: {error}", self.url))
+        self._disconnect()
+
+    def _disconnect(self) -> None:
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:
@@ -353,13 +356,7 @@ class RemoteTier(LowerTier):
             self._cond.notify_all()
         self._writer.join(DRAIN_S + 2 * self.timeout + 1.0)
         self._lookups.shutdown(wait=False, cancel_futures=True)
-        with self._client_lock:
-            client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except FAULTS:
-                pass
+        self._disconnect()
 
     def _check_open(self) -> None:
         if self._closed:

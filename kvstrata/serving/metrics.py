@@ -158,6 +158,14 @@ def _cache_metrics(stats: dict) -> Iterator[Metric]:
     yield _per_tier(CounterMetricFamily, "cache_corrupt_blocks",
                     "Stored blocks that failed verification (served as misses, never as output).",
                     stats["corrupt"], enabled)
+    remote = tiers.get("remote")
+    if remote is not None:  # the server's address is not exported: it may carry a password
+        extra = remote["extra"]
+        yield _counter("cache_remote_faults", "Remote-tier operations that failed (server down, timeout, reset, "
+                                              "failover): served as misses.", extra["faults"])
+        yield _counter("cache_remote_dropped_writes_blocks", "Blocks not written to the remote tier: the write "
+                                                             "queue full, the server unreachable or full.",
+                       extra["dropped_puts"] + extra["write_errors"])
 
 
 def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
