@@ -480,6 +480,8 @@ def measure_remote_read(url: str, layout, prompts: list[QAPrompt], repeats: int 
     return {"blocks": num_blocks, "bytes": nbytes, "seconds": seconds, "remote_gbps": nbytes / seconds / 1e9,
             "memcpy_gbps": memcpy_bps / 1e9, "memcpy": memcpy_what, "fraction_of_memcpy": nbytes / seconds / memcpy_bps}
 
+
+def summarise_configuration(result: dict) -> dict:
     records = result["records"]
     ttfts = [r["ttft_s"] for r in records]
     by_phase = {ph: summarize([r["ttft_s"] for r in records if r["phase"] == ph])

@@ -6,8 +6,8 @@ Reads open one short read transaction per batch with zero-copy buffers and decod
 straight into the caller's tensor inside the transaction, verifying it on the way. Anything that
 does not verify is a miss, counted as corrupt, and deleted; nothing unverified is ever served.
 
-Writes go through ONE background writer thread that applies many queued operations (puts, touches
-from reads, deletes) in one write transaction. A put is visible at once: until its transaction
+Writes go through ONE background writer thread (tiers/batch_writer.py) that applies many queued
+operations (puts, touches from reads, deletes) in one write transaction. A put is visible at once: until its transaction
 commits, the encoded record is served from the pending map. Crash safety is LMDB's: a transaction
 is all or nothing, so after kill -9 a reader sees the last committed state and never a torn value.
 
@@ -36,6 +36,7 @@ import lmdb
 import torch
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats
+from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.block_events import AllBlocksCleared
 from kvstrata.tiers.lmdb_store import DAMAGE_ERRORS, LmdbStore, Meta, StoreDamaged, data_file_bytes, quarantine, read_u64
 from kvstrata.tiers.record import RecordCodec, RecordError
@@ -157,21 +158,17 @@ class DiskTier(LowerTier):
                                                           check_integrity)
         self._gate = _EnvGate()
 
-        self._cond = threading.Condition()
-        self._ops: deque[_Op] = deque()
         self._pending: dict[bytes, bytearray] = {}    # queued puts not yet committed, servable
-        self._enqueued = 0                            # ops ever queued
-        self._committed = 0                           # ops ever applied (committed or given up on)
         self._max_pending = 4 * writer_batch
-        self._stopping = False
         self._closed = False
         self._damage_reported = False                 # since the store was last (re)opened
         self._writes_failing = False                  # since the last batch that committed
         self._stats = TierStats(name=self.name, capacity_bytes=self.capacity_bytes,
                                 capacity_blocks=self.capacity_bytes // record_nbytes)
         self._write_errors = 0
-        self._writer = threading.Thread(target=self._writer_loop, name="kvstrata-disk-writer", daemon=True)
-        self._writer.start()
+        self._writer: BatchWriter[_Op] = BatchWriter("kvstrata-disk-writer", self._take_batch, self._write,
+                                                     on_finished=self._forget_committed)
+        self._cond = self._writer.cond  # guards the pending map too, so that it always matches the queue
         self._atexit = _close_at_exit(weakref.ref(self))
         atexit.register(self._atexit)
 
@@ -323,7 +320,7 @@ class DiskTier(LowerTier):
         with self._cond:
             for op in ops:
                 if op.kind == "put":
-                    while len(self._pending) >= self._max_pending and not self._stopping:
+                    while len(self._pending) >= self._max_pending and not self._writer.stopping:
                         self._cond.notify_all()  # the writer must see what is queued so far
                         self._cond.wait()
                     self._pending[op.block_hash] = op.value
@@ -332,8 +329,7 @@ class DiskTier(LowerTier):
                     self._pending.pop(op.block_hash, None)
                 elif op.kind == "clear":
                     self._pending.clear()
-                self._ops.append(op)
-                self._enqueued += 1
+                self._writer.append_locked(op)
             self._cond.notify_all()
 
     def pin(self, owner: str, block_hashes: Sequence[bytes], info: dict | None = None) -> None:
@@ -368,10 +364,7 @@ class DiskTier(LowerTier):
 
     def flush(self) -> None:
         """Wait until every operation queued so far is committed (or given up on, and counted)."""
-        with self._cond:
-            target = self._enqueued
-            while self._committed < target and self._writer.is_alive():
-                self._cond.wait()
+        self._writer.flush()
 
     def close(self) -> None:
         """Flush, stop the writer and close the store. Safe to call twice and at interpreter exit."""
@@ -379,9 +372,7 @@ class DiskTier(LowerTier):
             if self._closed:
                 return
             self._closed = True
-            self._stopping = True
-            self._cond.notify_all()
-        self._writer.join()
+        self._writer.stop()
         if self._store is not None:
             self._store.close()
         atexit.unregister(self._atexit)
@@ -392,30 +383,23 @@ class DiskTier(LowerTier):
 
     # -- the writer thread -------------------------------------------------------------------
 
-    def _writer_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._ops and not self._stopping:
-                    self._cond.wait()
-                if not self._ops:
-                    return  # stopping and drained
-                batch = self._take_batch()
-            try:
-                self._commit(batch)
-            except Exception as e:  # never let the writer die: dropped writes are only lost cache
-                self._count_dropped(len(batch), len(batch), e)
-            with self._cond:
-                for op in batch:
-                    if op.kind == "put" and self._pending.get(op.block_hash) is op.value:
-                        del self._pending[op.block_hash]
-                self._committed += len(batch)
-                self._cond.notify_all()
+    def _write(self, batch: list[_Op]) -> None:
+        try:
+            self._commit(batch)
+        except Exception as e:  # never let the writer die: dropped writes are only lost cache
+            self._count_dropped(len(batch), len(batch), e)
 
-    def _take_batch(self) -> list[_Op]:
+    def _forget_committed(self, batch: list[_Op]) -> None:
+        """Under the lock, once a batch is committed: its records are served from the store now."""
+        for op in batch:
+            if op.kind == "put" and self._pending.get(op.block_hash) is op.value:
+                del self._pending[op.block_hash]
+
+    def _take_batch(self, ops: deque[_Op]) -> list[_Op]:
         """Up to `writer_batch` puts and whatever cheap ops sit between them, in queue order."""
         batch, puts = [], 0
-        while self._ops and puts < self.writer_batch:
-            op = self._ops.popleft()
+        while ops and puts < self.writer_batch:
+            op = ops.popleft()
             batch.append(op)
             puts += op.kind == "put"
         return batch

@@ -27,6 +27,7 @@ than `timeout` for a lookup: `count_prefix` runs on a lookup thread and is aband
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -43,6 +44,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats
+from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.record import RecordCodec, RecordError
 from kvstrata.tiers.remote_url import check_url, masked_url, scrub
 
@@ -143,20 +145,15 @@ class RemoteTier(LowerTier):
         self._client: redis.Redis | redis.RedisCluster | None = None
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-lookup")
 
-        self._cond = threading.Condition()
-        self._ops: deque[_Op] = deque()
         self._max_queued = queue_blocks
-        self._enqueued = 0                    # ops ever queued
-        self._finished = 0                    # ops ever sent or given up on
-        self._stopping = False
         self._closed = False
         self._drain_deadline = float("inf")
         self._writes_refused = False          # since the last write the server took (log once)
         self._stats = TierStats(name=self.name)
         self._dropped_puts = 0                # queue full, or the server unreachable
         self._write_errors = 0                # the server refused them (full: OOM)
-        self._writer = threading.Thread(target=self._writer_loop, name="kvstrata-remote-writer", daemon=True)
-        self._writer.start()
+        self._writer: BatchWriter[_Op] = BatchWriter("kvstrata-remote-writer", _take_batch, self._send)
+        self._cond = self._writer.cond
 
     # -- the connection ----------------------------------------------------------------------
 
@@ -288,7 +285,7 @@ class RemoteTier(LowerTier):
             self._dropped_puts += len(block_hashes)
             return
         with self._cond:
-            room = max(0, self._max_queued - len(self._ops))
+            room = max(0, self._max_queued - len(self._writer.ops))
         self._dropped_puts += max(0, len(block_hashes) - room)
         ops = [_Op("put", self._key(h), self.codec.encode(ids, src))
                for h, ids, src in zip(block_hashes[:room], token_ids[:room], srcs[:room])]
@@ -298,15 +295,14 @@ class RemoteTier(LowerTier):
         if not ops:
             return
         with self._cond:
-            if self._stopping:
+            if self._writer.stopping:
                 self._dropped_puts += sum(op.kind == "put" for op in ops)
                 return
             for op in ops:
-                if op.kind == "put" and len(self._ops) >= self._max_queued:
+                if op.kind == "put" and len(self._writer.ops) >= self._max_queued:
                     self._dropped_puts += 1  # a racing put took the room: dropped, never waited for
                     continue
-                self._ops.append(op)
-                self._enqueued += 1
+                self._writer.append_locked(op)
             self._cond.notify_all()
 
     def discard(self, block_hash: bytes) -> bool:
@@ -339,10 +335,7 @@ class RemoteTier(LowerTier):
 
     def flush(self) -> None:
         """Wait until every record queued so far has been sent (or dropped and counted)."""
-        with self._cond:
-            target = self._enqueued
-            while self._finished < target and self._writer.is_alive():
-                self._cond.wait(0.1)
+        self._writer.flush()
 
     def close(self) -> None:
         """Send what is queued, for at most `DRAIN_S` (what is left then is dropped and counted), stop
@@ -351,10 +344,8 @@ class RemoteTier(LowerTier):
             if self._closed:
                 return
             self._closed = True
-            self._stopping = True
             self._drain_deadline = time.monotonic() + DRAIN_S
-            self._cond.notify_all()
-        self._writer.join(DRAIN_S + 2 * self.timeout + 1.0)
+        self._writer.stop(timeout=DRAIN_S + 2 * self.timeout + 1.0)
         self._lookups.shutdown(wait=False, cancel_futures=True)
         self._disconnect()
 
@@ -364,35 +355,11 @@ class RemoteTier(LowerTier):
 
     # -- the writer thread -------------------------------------------------------------------
 
-    def _writer_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._ops and not self._stopping:
-                    self._cond.wait()
-                if not self._ops:
-                    return  # stopping and drained
-                late = self._stopping and time.monotonic() > self._drain_deadline
-                batch = self._take_batch()
-            if late:
-                self._dropped_puts += sum(op.kind == "put" for op in batch)
-            else:
-                self._send(batch)
-            with self._cond:
-                self._finished += len(batch)
-                self._cond.notify_all()
-
-    def _take_batch(self) -> list[_Op]:
-        batch, nbytes = [], 0
-        while self._ops and nbytes < WRITE_BATCH_BYTES:
-            op = self._ops.popleft()
-            batch.append(op)
-            nbytes += len(op.value) if op.value is not None else 0
-        return batch
-
     def _send(self, batch: list[_Op]) -> None:
-        """One pipelined round trip; a fault drops the batch (counted), a full server refuses some puts."""
+        """One pipelined round trip; a fault drops the batch (counted), a full server refuses some puts.
+        Past close()'s drain deadline, what is left is dropped without trying."""
         num_puts = sum(op.kind == "put" for op in batch)
-        client = self._connection()
+        client = None if time.monotonic() > self._drain_deadline else self._connection()
         if client is None:
             self._dropped_puts += num_puts
             return
@@ -428,10 +395,18 @@ class RemoteTier(LowerTier):
     def stats(self) -> TierStats:
         """Counters only, never a round trip (the server's own usage: `INFO memory` on it)."""
         with self._cond:
-            queued = len(self._ops)
-        stats = TierStats(**{**self._stats.__dict__, "extra": {}})
-        stats.extra = {"url": self.shown_url, "cluster": self.cluster, "key_prefix": self.key_prefix,
-                       "reachable": not self.health.down, "faults": self.health.faults,
-                       "outages": self.health.outages, "queued_puts": queued,
-                       "dropped_puts": self._dropped_puts, "write_errors": self._write_errors}
-        return stats
+            queued = len(self._writer.ops)
+        extra = {"url": self.shown_url, "cluster": self.cluster, "key_prefix": self.key_prefix,
+                 "reachable": not self.health.down, "faults": self.health.faults, "outages": self.health.outages,
+                 "queued_puts": queued, "dropped_puts": self._dropped_puts, "write_errors": self._write_errors}
+        return dataclasses.replace(self._stats, extra=extra)
+
+
+def _take_batch(ops: deque[_Op]) -> list[_Op]:
+    """Records for one pipelined write: about `WRITE_BATCH_BYTES` of them, in queue order."""
+    batch, nbytes = [], 0
+    while ops and nbytes < WRITE_BATCH_BYTES:
+        op = ops.popleft()
+        batch.append(op)
+        nbytes += len(op.value) if op.value is not None else 0
+    return batch
