@@ -154,6 +154,8 @@ class RemoteTier(LowerTier):
         self._write_errors = 0                # the server refused them (full: OOM)
         self._writer: BatchWriter[_Op] = BatchWriter("kvstrata-remote-writer", _take_batch, self._send)
         self._cond = self._writer.cond
+        # Connect now, in the background: the first lookup then pays one round trip, not a connection.
+        self._lookups.submit(self._warm_up)
 
     # -- the connection ----------------------------------------------------------------------
 
@@ -175,11 +177,20 @@ class RemoteTier(LowerTier):
                     return None
             return self._client
 
-    def _fault(self, what: str, error: BaseException) -> None:
-        """Count and (once per outage) log a fault; drop the client so that the next try reconnects
-        (a cluster relearns which node holds which slots)."""
+    def _warm_up(self) -> None:
+        client = self._connection()
+        if client is not None:
+            try:
+                client.ping()
+            except FAULTS as e:
+                self._fault("connecting", e)
+
+    def _fault(self, what: str, error: BaseException, reconnect: bool = True) -> None:
+        """Count and (once per outage) log a fault; unless the client is only slow (`reconnect`
+        False), drop it so that the next try reconnects (a cluster relearns its slots)."""
         self.health.fault(what, scrub(f"{type(error).__name__}: {error}", self.url))
-        self._disconnect()
+        if reconnect:
+            self._disconnect()
 
     def _disconnect(self) -> None:
         with self._client_lock:
@@ -211,8 +222,9 @@ class RemoteTier(LowerTier):
         try:
             return future.result(timeout=self.timeout)
         except FutureTimeout:
+            # The lookup thread goes on and leaves its connection usable: only slow, not broken.
             future.cancel()
-            self._fault("a lookup", TimeoutError(f"no answer within {self.timeout * 1000:g} ms"))
+            self._fault("a lookup", TimeoutError(f"no answer within {self.timeout * 1000:g} ms"), reconnect=False)
             return 0
 
     def _count_prefix(self, block_hashes: list[bytes]) -> int:
