@@ -79,6 +79,14 @@ def test_cluster_spreads_blocks_over_its_nodes_and_serves_them_all():
         a.close()
         b.close()
 
+        for node in nodes:
+            node.kill()  # the whole cluster down, even before a tier first connects: misses, drops
+        late = tier_on(nodes[0].url, cluster=True, timeout=0.2)
+        assert late.count_prefix([key(0)]) == 0 and get_blocks(late, [0]) == [False]
+        written(late, [0])
+        assert late.stats().extra["faults"] >= 1 and late.stats().extra["dropped_puts"] == 1
+        late.close()
+
 
 def test_killed_server_gives_misses_and_a_restarted_one_is_used_again(server, caplog):
     tier = tier_on(server.url, timeout=0.2)

@@ -57,7 +57,7 @@ BACKOFF_FIRST_S = 0.25            # after a fault, the server is left alone this
 BACKOFF_MAX_S = 8.0               # ... up to this
 # What the client raises for a server that cannot answer now (down, timeout, reset, failover,
 # loading, a cluster without a slot's owner): every one is a miss, never an error for a request.
-FAULTS = (redis.RedisError, OSError)
+FAULTS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 
 def _is_full(error: BaseException) -> bool:
@@ -164,18 +164,20 @@ class RemoteTier(LowerTier):
         if not self.health.usable():
             return None
         with self._client_lock:
-            if self._client is None:
-                options = dict(socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-                               retry=Retry(NoBackoff(), 0))  # our backoff, not the client's retries
-                try:
-                    if self.cluster:
-                        self._client = redis.RedisCluster.from_url(self.url, **options)
-                    else:
-                        self._client = redis.Redis.from_url(self.url, health_check_interval=0, **options)
-                except FAULTS as e:
-                    self._fault("connecting", e)
-                    return None
-            return self._client
+            if self._client is not None:
+                return self._client
+            options = dict(socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+                           retry=Retry(NoBackoff(), 0))  # our backoff, not the client's retries
+            try:
+                if self.cluster:  # connects now, to learn which node serves which slots
+                    self._client = redis.RedisCluster.from_url(self.url, **options)
+                else:
+                    self._client = redis.Redis.from_url(self.url, health_check_interval=0, **options)
+                return self._client
+            except FAULTS as e:
+                error = e
+        self._fault("connecting", error)  # outside the lock: a fault takes it to drop the client
+        return None
 
     def _warm_up(self) -> None:
         client = self._connection()
