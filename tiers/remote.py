@@ -57,6 +57,7 @@ BACKOFF_FIRST_S = 0.25            # after a fault, the server is left alone this
 BACKOFF_MAX_S = 8.0               # ... up to this
 # What the client raises for a server that cannot answer now (down, timeout, reset, failover,
 # loading, a cluster without a slot's owner): every one is a miss, never an error for a request.
+# Where a round trip runs (lookup, read, write), anything else the client raises is taken as one too.
 FAULTS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 
@@ -238,7 +239,7 @@ class RemoteTier(LowerTier):
             pipe.exists(self._key(h))
         try:
             found = pipe.execute()
-        except FAULTS as e:
+        except Exception as e:  # whatever the client raises is a miss, never the caller's error
             self._fault("a lookup", e)
             return 0
         self.health.ok()
@@ -281,7 +282,7 @@ class RemoteTier(LowerTier):
                 pipe.get(key)
         try:
             values = pipe.execute(raise_on_error=False)
-        except FAULTS as e:
+        except Exception as e:  # likewise
             self._fault("a read", e)
             return [None] * len(keys)
         self.health.ok()
@@ -385,7 +386,7 @@ class RemoteTier(LowerTier):
                 pipe.unlink(op.key)
         try:
             results = pipe.execute(raise_on_error=False)
-        except FAULTS as e:
+        except Exception as e:  # likewise: the writer thread never dies
             self._fault("a write", e)
             self._dropped_puts += num_puts
             return
