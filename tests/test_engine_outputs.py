@@ -17,6 +17,7 @@ import torch
 from kvstrata import LLM, SamplingParams, load_config
 from kvstrata.engine import llm_engine
 from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
+from kvstrata.tiers import TIER_NAMES
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +138,7 @@ def test_hits_from_device_cpu_and_disk_give_the_uncached_outputs(loaded, referen
     assert_same_as_reference(reference, key, out, logits)
     # every counter counts what the requests were told, once per request, in its unit
     stats = llm.stats()
-    served = {t: sum(o.cached_tokens_by_tier[t] for o in outs) for t in ("device", "cpu", "disk")}
+    served = {t: sum(o.cached_tokens_by_tier[t] for o in outs) for t in TIER_NAMES}
     assert stats["prefix_cache"]["hit_tokens"] == served
     assert stats["prefix_cache"]["query_tokens"] == sum(len(o.prompt_token_ids) for o in outs)
     assert stats["tiers"]["device"]["hits"] == served["device"] // 16
