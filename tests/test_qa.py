@@ -15,7 +15,7 @@ DOCUMENT = (
     "the east wing, which was rebuilt two years later with a glass roof. The head librarian, Tomas Reyl, "
     "started a Saturday reading club for children in 2004.\n"
 )
-SUMMARY = re.compile(r"\[ttft (\d+\.\d+) s · cached (\d+)/(\d+) tokens: device (\d+), cpu (\d+), disk (\d+)\]")
+SUMMARY = re.compile(r"\[ttft (\d+\.\d+) s · cached (\d+)/(\d+) tokens: device (\d+), cpu (\d+), disk (\d+), remote (\d+)\]")
 RECEIPT = re.compile(r"\[ttft (\S+) ms = queue (\S+) \+ lookup (\S+) \+ load (\S+)(?: \([^)]*\))? \+ prefill (\S+) "
                      r"· prefill saved ≈ (\S+) s \(estimate\)\]")
 
@@ -40,10 +40,10 @@ def test_ask_answers_each_question_and_the_second_reuses_the_cached_document(tmp
     assert out.index("Who designed the library?") < out.index("When was the fire?")
     summaries = [tuple(map(float, m.groups())) for m in SUMMARY.finditer(out)]
     assert len(summaries) == 2
-    (_, cached_1, prompt_1, *_), (_, cached_2, prompt_2, device, cpu, disk) = summaries
+    (_, cached_1, prompt_1, *_), (_, cached_2, prompt_2, device, cpu, disk, remote) = summaries
     assert prompt_1 > 64 and prompt_2 > 64
     assert cached_2 >= prompt_2 / 2  # the document, shared by both questions
-    assert device + cpu + disk == cached_2
+    assert device + cpu + disk + remote == cached_2
     receipts = [tuple(map(float, m.groups())) for m in RECEIPT.finditer(out)]
     assert len(receipts) == 2
     for ttft, queue, lookup, load, prefill, _ in receipts:
