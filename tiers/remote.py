@@ -155,6 +155,7 @@ class RemoteTier(LowerTier):
         self._write_errors = 0                # the server refused them (full: OOM)
         self._writer: BatchWriter[_Op] = BatchWriter("kvstrata-remote-writer", _take_batch, self._send)
         self._cond = self._writer.cond
+        self._pins: dict[str, Pin] = {}
         # Connect now, in the background: the first lookup then pays one round trip, not a connection.
         self._lookups.submit(self._warm_up)
 
@@ -209,6 +210,19 @@ class RemoteTier(LowerTier):
 
     def _pipeline(self, client):
         return client.pipeline(transaction=False)  # a cluster splits it by node; no MULTI across slots
+
+    # -- pins --------------------------------------------------------------------------------
+    # The server evicts by its own policy, which a client cannot suspend per key: a pin is only
+    # remembered here (so that `pins()` answers), and the blocks stay pinned in the tiers above.
+
+    def pin(self, owner: str, block_hashes: Sequence[bytes], info: dict | None = None) -> None:
+        self._pins[owner] = Pin(tuple(block_hashes), dict(info or {}))
+
+    def unpin(self, owner: str) -> bool:
+        return self._pins.pop(owner, None) is not None
+
+    def pins(self) -> dict[str, Pin]:
+        return dict(self._pins)
 
     # -- reads -------------------------------------------------------------------------------
 
