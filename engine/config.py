@@ -418,16 +418,6 @@ class SchedulerConfig(_Section):
     long_prefill_share: Fraction = 0.25
 
 
-def _positive_duration(value: Any) -> float:
-    """A positive duration in seconds, from "50ms", "0.2s", or a number of seconds."""
-    text = str(value).strip().lower() if isinstance(value, (str, int, float)) and not isinstance(value, bool) else ""
-    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s)?", text)
-    seconds = float(match.group(1)) / (1000 if match.group(2) == "ms" else 1) if match else 0.0
-    if seconds <= 0:
-        raise ValueError(f"expected a positive duration such as 50ms or 0.2s, got {_short_repr(value)}")
-    return seconds
-
-
 def _request_body_limit(value: Any) -> int:
     """A byte size: "32MiB", "1.5MB", or a plain number of bytes (not blocks: nothing here is a block)."""
     try:
@@ -554,22 +544,13 @@ class RouterConfig(_Section):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
     replicas: Annotated[list[ReplicaConfig], Field(min_length=1)]
-    health_interval: float = 1.0   # seconds between health checks of each replica
-    request_timeout: float = 600.0  # the longest a replica may take to answer (a long prefill on a CPU)
-
-    @field_validator("health_interval", "request_timeout", mode="before")
-    @classmethod
-    def _duration(cls, value: Any) -> float:
-        return _positive_duration(value)
+    health_interval: Duration = 1.0   # seconds between health checks of each replica
+    request_timeout: Duration = 600.0  # the longest a replica may take to answer (a long prefill on a CPU)
 
     @field_validator("host")
     @classmethod
     def _listenable_host(cls, host: str) -> str:
         return _check_host(host)
-
-    @field_serializer("health_interval", "request_timeout")
-    def _duration_text(self, seconds: float) -> str:
-        return f"{seconds:g}s"
 
 
 class Config(_Section):

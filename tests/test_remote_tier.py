@@ -59,6 +59,22 @@ def test_blocks_one_replica_puts_are_served_to_another(server):
     b.close()
 
 
+def test_writes_deletes_and_clears_are_reported_as_block_events_with_the_remote_medium(server):
+    from kvstrata.tiers.block_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    events = []
+    tier = tier_on(server.url)
+    tier.event_listener = events.append
+    written(tier, range(3))
+    assert [type(e) for e in events] == [BlockStored]  # one batch, one event, once the server took it
+    assert events[0].medium == "remote" and events[0].block_hashes == [key(i) for i in range(3)]
+    assert events[0].token_ids == [t for i in range(3) for t in tokens(i)]
+    assert tier.discard(key(1)) and not tier.discard(key(1))  # a key already gone is no event
+    tier.clear()
+    assert events[1:] == [BlockRemoved([key(1)], "remote"), AllBlocksCleared("remote")]
+    tier.close()
+
+
 def test_cluster_spreads_blocks_over_its_nodes_and_serves_them_all():
     with valkey_cluster(3) as nodes:
         a, b = tier_on(nodes[0].url, cluster=True), tier_on(nodes[2].url, cluster=True)

@@ -45,6 +45,7 @@ from redis.retry import Retry
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats
 from kvstrata.tiers.batch_writer import BatchWriter
+from kvstrata.tiers.block_events import AllBlocksCleared, BlockRemoved
 from kvstrata.tiers.record import RecordCodec, RecordError
 from kvstrata.tiers.remote_url import check_url, masked_url, scrub
 
@@ -115,6 +116,8 @@ class _Op:
     kind: str                       # "put" | "delete"
     key: bytes
     value: Optional[bytearray] = None
+    block_hash: bytes = b""         # for its block event, when a listener is set
+    token_ids: Sequence[int] = ()   # "put": the block's tokens, for its BlockStored event
 
 
 class RemoteTier(LowerTier):
@@ -276,7 +279,7 @@ class RemoteTier(LowerTier):
                 served[i] = True
             except RecordError as e:  # a cache never serves what it cannot verify
                 logger.debug("remote tier: block %s does not verify: %s", block_hashes[i].hex(), e)
-                corrupt.append(_Op("delete", self._key(block_hashes[i])))
+                corrupt.append(_Op("delete", self._key(block_hashes[i]), block_hash=block_hashes[i]))
         hits = sum(served)
         self._stats.hits += hits
         self._stats.misses += len(served) - hits
@@ -316,7 +319,8 @@ class RemoteTier(LowerTier):
         with self._cond:
             room = max(0, self._max_queued - len(self._writer.ops))
         self._dropped_puts += max(0, len(block_hashes) - room)
-        ops = [_Op("put", self._key(h), self.codec.encode(ids, src))
+        listening = self.event_listener is not None
+        ops = [_Op("put", self._key(h), self.codec.encode(ids, src), h, tuple(ids) if listening else ())
                for h, ids, src in zip(block_hashes[:room], token_ids[:room], srcs[:room])]
         self._enqueue(ops)
 
@@ -339,10 +343,13 @@ class RemoteTier(LowerTier):
         if client is None:
             return False
         try:
-            return bool(client.delete(self._key(block_hash)))
+            deleted = bool(client.delete(self._key(block_hash)))
         except FAULTS as e:
             self._fault("a delete", e)
             return False
+        if deleted and self.event_listener is not None:
+            self.event_listener(BlockRemoved([block_hash], self.name))
+        return deleted
 
     def clear(self) -> None:
         """Delete every key under this tier's prefix (every replica's blocks, every model's)."""
@@ -361,6 +368,9 @@ class RemoteTier(LowerTier):
             pipe.execute()
         except FAULTS as e:
             self._fault("clearing", e)
+            return
+        if self.event_listener is not None:
+            self.event_listener(AllBlocksCleared(self.name))
 
     def flush(self) -> None:
         """Wait until every record queued so far has been sent (or dropped and counted)."""
@@ -406,6 +416,7 @@ class RemoteTier(LowerTier):
             return
         self.health.ok()
         refused = [r for op, r in zip(batch, results) if op.kind == "put" and isinstance(r, Exception)]
+        self._report_events(batch, results)
         self._stats.puts += num_puts - len(refused)
         if refused:
             self._write_errors += len(refused)
@@ -418,6 +429,21 @@ class RemoteTier(LowerTier):
         elif num_puts and self._writes_refused:
             self._writes_refused = False
             logger.warning("remote tier: %s takes writes again", self.shown_url)
+
+    def _report_events(self, batch: list[_Op], results: list) -> None:
+        """What the server took: BlockStored for each record written, BlockRemoved for each key deleted
+        (what the server evicts itself is never seen: its maxmemory policy does not tell)."""
+        events = self._events()
+        if events is None:
+            return
+        for op, result in zip(batch, results):
+            if isinstance(result, Exception):
+                continue
+            if op.kind == "put":
+                events.stored(op.block_hash, op.token_ids)
+            elif result:
+                events.removed(op.block_hash)
+        events.emit(self.event_listener)
 
     # -- stats -------------------------------------------------------------------------------
 
