@@ -157,7 +157,7 @@ def test_pinned_document_survives_a_working_set_ten_times_the_tiers_and_a_restar
         out = llm.chat(question(HANDBOOK, "Who signs in at the desk?"), ONE_TOKEN)[0]
         # the document's blocks, and the block after them that the first question cached (the
         # document's last tokens and the start of "Question: ..."), all from disk
-        assert out.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 64}
+        assert out.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 64, "remote": 0}
         # After the restart the CPU tier pins the document's blocks as they come up from disk.
         fill(llm, 60, seed=1)
         assert llm.list_documents()[0].blocks_by_tier["cpu"] == 3

@@ -91,9 +91,9 @@ def test_the_policy_decides_what_a_request_loads_and_reports_and_counts_the_rest
     put_in(kv.hierarchy.cpu, document, 0, 6)
     request = new_request(document)
     blocks, num_cached, by_tier = admit(kv, request)
-    assert by_tier == {"device": 0, "cpu": cached_cpu * BS, "disk": 0} and num_cached == len(blocks) * BS
-    assert request.recomputed_tokens_by_tier == {"device": 0, "cpu": recomputed_cpu * BS, "disk": 0}
-    assert kv.stats().recomputed_blocks == {"device": 0, "cpu": recomputed_cpu, "disk": 0}
+    assert by_tier == {"device": 0, "cpu": cached_cpu * BS, "disk": 0, "remote": 0} and num_cached == len(blocks) * BS
+    assert request.recomputed_tokens_by_tier == {"device": 0, "cpu": recomputed_cpu * BS, "disk": 0, "remote": 0}
+    assert kv.stats().recomputed_blocks == {"device": 0, "cpu": recomputed_cpu, "disk": 0, "remote": 0}
     assert kv.hierarchy.counters.promotions["cpu"] == cached_cpu  # nothing past the cut was read
     assert kv.hierarchy.cpu.stats().hits == cached_cpu
 
@@ -105,10 +105,11 @@ def test_a_fast_cpu_tier_is_loaded_and_a_slow_disk_past_it_is_recomputed(tmp_pat
     put_in(kv.hierarchy.cpu, document, 0, 4)
     put_in(kv.hierarchy.disk, document, 4, 8)
     request = new_request(document)
-    assert kv.estimate_uncached(request) == (4 * BS + 1, {"device": 0, "cpu": 4, "disk": 0})  # priced as admitted
+    # priced as admitted
+    assert kv.estimate_uncached(request) == (4 * BS + 1, {"device": 0, "cpu": 4, "disk": 0, "remote": 0})
     _, num_cached, by_tier = admit(kv, request)
-    assert by_tier == {"device": 0, "cpu": 4 * BS, "disk": 0}
-    assert request.recomputed_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 4 * BS}
+    assert by_tier == {"device": 0, "cpu": 4 * BS, "disk": 0, "remote": 0}
+    assert request.recomputed_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 4 * BS, "remote": 0}
     assert kv.hierarchy.disk.stats().hits == 0
     kv.hierarchy.close()
 
@@ -127,6 +128,22 @@ def test_read_costs_are_probed_at_start_up_and_refined_by_promotions():
     put_in(cpu, document, 0, 6)
     admit(kv, new_request(document))
     assert kv.read_costs["cpu"].load_s(6) > 2 * probed_s
+
+
+def test_the_probe_never_evicts_a_block_and_is_no_block_event():
+    kv = make_stack(device_blocks=32, cpu_blocks=8, gate_cpu=True)
+    cpu, events = kv.hierarchy.cpu, []
+    cpu.event_listener = events.append
+    kv.probe_lower_tiers()
+    assert events == [] and cpu.stats().evictions == 0
+    assert kv.read_costs["cpu"].fit.num_observations > 0  # an empty tier with room is probed
+    full = doc(4, 8 * BS + 1)
+    put_in(cpu, full, 0, 8)
+    events.clear()
+    before = kv.read_costs["cpu"].fit.num_observations
+    kv.probe_lower_tiers()  # a full tier is not: the probe would push out the user's blocks
+    assert kv.read_costs["cpu"].fit.num_observations == before
+    assert cpu.stats().used_blocks == 8 and cpu.stats().evictions == 0 and events == []
 
 
 # ---------------------------------------------------------------------------------------- the model

@@ -48,9 +48,9 @@ def test_a_request_sent_back_adds_up_its_phases_over_every_pass_and_splits_its_l
     phases.enter("queue", 107.0, arrival)          # a preemption after the first token changes nothing
     receipt = CacheReceipt.measured(6.0, phases, {"device": 32, "cpu": 0, "disk": 0}, {"cpu": 16}, 0.5)
     assert (receipt.queue_ms, receipt.lookup_ms, receipt.prefill_ms) == pytest.approx((1500, 750, 1750))
-    assert receipt.load_ms_by_tier == pytest.approx({"cpu": 500, "disk": 1500})
+    assert receipt.load_ms_by_tier == pytest.approx({"cpu": 500, "disk": 1500, "remote": 0})
     assert receipt.parts_ms == pytest.approx(receipt.ttft_ms) and receipt.prefill_saved_ms_estimate == 500
-    assert receipt.to_dict(decimals=0)["load_ms_by_tier"] == {"cpu": 500, "disk": 1500}
+    assert receipt.to_dict(decimals=0)["load_ms_by_tier"] == {"cpu": 500, "disk": 1500, "remote": 0}
 
 
 def test_receipts_add_up_for_a_miss_and_device_cpu_and_disk_hits(embedded_model_fp32, tmp_path):

@@ -208,10 +208,12 @@ class TierHierarchy:
         """(blocks, seconds) of one load per size in `sizes` from `tier` to the device, timed as a
         promotion moves them: throwaway blocks (random keys) are put into the tier, loaded into free
         device blocks and dropped again. A size that cannot be measured (too few free device blocks,
-        blocks the tier does not serve back, a fault) is left out. For start-up: the probe's puts may
-        evict a few least recently used blocks from a full tier."""
+        blocks the tier does not serve back, a fault) is left out. The probe never costs the tier a
+        block of the user's: a tier without the free room (a full tier, or one sized by its server, as
+        the remote tier is) is not probed, and the throwaway blocks are no block events."""
         num_blocks = min(max(sizes, default=0), self.pool.num_free_blocks)
-        if num_blocks < 1:
+        stats = tier.stats()
+        if num_blocks < 1 or stats.capacity_blocks - stats.used_blocks < num_blocks:
             return []
         device_blocks = self.pool.get_new_blocks(num_blocks)
         block_ids = [b.block_id for b in device_blocks]
@@ -222,6 +224,7 @@ class TierHierarchy:
             return tier.get(hashes[start:start + len(dests)], tokens[start:start + len(dests)], dests)
 
         timed = []
+        listener, tier.event_listener = tier.event_listener, None
         try:
             # tiers are given host payloads, as write-downs give them (the KV cache may be on a GPU)
             payload = torch.zeros(self.kv_cache[0].numel() * self.kv_cache.element_size(), dtype=torch.uint8)
@@ -238,6 +241,8 @@ class TierHierarchy:
         finally:
             for h in hashes:
                 tier.discard(h)
+            tier.flush()  # the discards are done before anyone listens again
+            tier.event_listener = listener
             self.pool.free_blocks(device_blocks)
         return timed
 
