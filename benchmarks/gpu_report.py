@@ -137,7 +137,7 @@ def driver_version() -> str:
 
 
 def describe_device(plan: Plan) -> dict:
-    from benchmarks.ttft_pressure import machine_line
+    from benchmarks.machine import machine_line
 
     info = {"host": machine_line(), "torch": torch.__version__, "triton": package_version("triton"),
             "transformers": package_version("transformers"), "python": platform.python_version()}

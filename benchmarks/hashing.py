@@ -22,7 +22,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -35,7 +34,12 @@ import cbor2
 import numpy as np
 import xxhash
 
-from kvstrata.engine.hashing import block_hashes, make_namespace
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.machine import machine_line  # noqa: E402
+from kvstrata.engine.hashing import block_hashes, make_namespace  # noqa: E402
 
 BLOCK_SIZE = 16
 INPUT_LENGTHS = (2048, 8192, 32768)
@@ -128,20 +132,6 @@ def measure(num_tokens: int, repeats: int, rng: random.Random) -> Row:
                best(xxh3.wall_ns), best(baseline.wall_ns))
 
 
-def machine_description() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return (f"{model}, {os.cpu_count()} cores; Python {platform.python_version()}, "
-            f"xxhash {xxhash.VERSION}, cbor2 {importlib.metadata.version('cbor2')}, numpy {np.__version__}")
-
-
 def markdown_table(rows: list[Row]) -> str:
     lines = [
         "| tokens | ours xxh3_128 (list) | ours xxh3_128 (numpy) | ours sha256 (list) | baseline sha256+cbor2 "
@@ -217,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(n, args.repeats, rng) for n in INPUT_LENGTHS]
     command = "python benchmarks/hashing.py" + ("" if argv is None and len(sys.argv) == 1 else
                                                 " " + " ".join(sys.argv[1:] if argv is None else argv))
-    machine = machine_description()
+    machine = machine_line(xxhash=xxhash.VERSION, cbor2=importlib.metadata.version("cbor2"), numpy=np.__version__)
     load_average = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(markdown_table(rows))
     print()

@@ -24,16 +24,21 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import platform
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kvstrata.kernels.prefix_prefill import (choose_num_splits, prefix_prefill, reference_prefix_prefill,
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.machine import machine_line  # noqa: E402
+from kvstrata.kernels.prefix_prefill import (choose_num_splits, prefix_prefill, reference_prefix_prefill,  # noqa: E402
                                              sm_count)
 
 BLOCK_SIZE = 16
@@ -119,17 +124,6 @@ def sdpa_baseline(problem: Problem) -> Callable[[], torch.Tensor]:
     value = problem.value_dense.repeat_interleave(group, dim=1)
     return lambda: F.scaled_dot_product_attention(problem.query_dense, key, value, attn_mask=problem.mask,
                                                   is_causal=problem.is_causal, scale=problem.scale)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def check_agreement(problem: Problem, ours: Callable[..., torch.Tensor]) -> None:
@@ -227,7 +221,7 @@ def main() -> None:
     on_cuda = device.type == "cuda"
     if on_cuda:
         cases, dtypes, ours, timer, name = CUDA_CASES, CUDA_DTYPES, prefix_prefill, time_cuda, "Triton prefix_prefill"
-        machine = f"{torch.cuda.get_device_name(device)} ({sm_count(device)} SMs)"
+        machine = f"{machine_line()}; {sm_count(device)} SMs"
     else:
         torch.set_num_threads(1)
         # (48 cached + 2000 new): a shared system prompt cached before a new document, the common miss
@@ -235,8 +229,8 @@ def main() -> None:
                  Case(SMOLLM2, 16, 2048, 1), *QUESTION_CASES]
         dtypes, ours, timer, name = [torch.float32, torch.bfloat16], reference_prefix_prefill, time_cpu, \
             "torch reference_prefix_prefill"
-        machine = f"{cpu_name()} ({os.cpu_count()} cores), timed on {torch.get_num_threads()} thread"
-    print(f"machine: {machine}; torch {torch.__version__}; ours = {name}; block size {BLOCK_SIZE}")
+        machine = machine_line()
+    print(f"machine: {machine}; ours = {name}; block size {BLOCK_SIZE}")
     if not on_cuda:
         print("(CPU run: the Triton kernel's figures, split-KV among them, need a GPU)")
     print()

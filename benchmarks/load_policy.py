@@ -32,8 +32,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.ttft_pressure import (DEFAULT_DATA, _set_tiers, ask, command_line, load, machine_line,  # noqa: E402
-                                      render_chat, save_result)
+from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.ttft_pressure import (DEFAULT_DATA, _set_tiers, ask, command_line, load, render_chat,  # noqa: E402
+                                      save_result)
 from benchmarks.ttft_stats import percentile  # noqa: E402
 from benchmarks.ttft_workload import cut_document, load_document, load_questions  # noqa: E402
 

@@ -17,19 +17,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvstrata.tiers.base import BlockLayout, as_bytes
-from kvstrata.tiers.cpu import CpuTier
-from kvstrata.tiers.disk import DiskTier
-from kvstrata.tiers.transfer import TransferEngine
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.machine import machine_line  # noqa: E402
+from kvstrata.tiers.base import BlockLayout, as_bytes  # noqa: E402
+from kvstrata.tiers.cpu import CpuTier  # noqa: E402
+from kvstrata.tiers.disk import DiskTier  # noqa: E402
+from kvstrata.tiers.transfer import TransferEngine  # noqa: E402
 
 LAYOUT = BlockLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
 TOKEN_COUNTS = (1024, 4096, 8192)
@@ -119,20 +124,6 @@ def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int,
             "disk_write_gbps": nbytes / write_s / 1e9}
 
 
-def machine_description(device: torch.device) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    desc = f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB RAM, torch {torch.__version__}"
-    if device.type == "cuda":
-        desc += f", {torch.cuda.get_device_name(device)}"
-    return desc
-
-
 def markdown(results: dict) -> str:
     ref = results["reference_gbps"]
     lines = [
@@ -186,7 +177,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
     reference = max(reference, reference_bandwidth(device, args.repeats, sync)[0])
-    results = {"machine": machine_description(device), "device": str(device), "reference": what,
+    results = {"machine": machine_line(), "device": str(device), "reference": what,
                "reference_gbps": reference / 1e9, "repeats": args.repeats, "rows": rows,
                "command": " ".join(["python", "benchmarks/tiers.py", *(sys.argv[1:] if argv is None else argv)])}
     table = markdown(results)

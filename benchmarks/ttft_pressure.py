@@ -53,7 +53,6 @@ import io
 import itertools
 import json
 import os
-import platform
 import pstats
 import shlex
 import shutil
@@ -71,6 +70,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import ttft_report  # noqa: E402
+from benchmarks.machine import machine_line  # noqa: E402
 from benchmarks.peers import LLAMA_CPP_MISSING, HFGeneratePeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
 from benchmarks.ttft_stats import (MISS, TIERS, hit_tier, mean_cached_by_tier, percentile,  # noqa: E402
                                    summarize, worst_receipt_error)
@@ -179,16 +179,6 @@ class LoadSampler:
     def summary(self) -> dict:
         s = self.samples or [os.getloadavg()[0]]
         return {"min": min(s), "mean": sum(s) / len(s), "max": max(s), "samples": len(s)}
-
-
-def machine_line() -> str:
-    import torch
-
-    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.machine()}, {os.cpu_count()} CPU cores, {memory_gib:.0f} GiB RAM, {accelerator}; "
-            f"{platform.system()} {platform.release()}; Python {platform.python_version()}; "
-            f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
 
 
 def source_state() -> dict:
