@@ -1,0 +1,31 @@
+"""What every benchmark report says about the machine it ran on: one line, the same in each report,
+so that figures from different benchmarks can be set side by side."""
+from __future__ import annotations
+
+import os
+import platform
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), or what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(**versions: str) -> str:
+    """CPU, cores, memory, accelerator, OS, Python and torch (with its thread count), then `versions`
+    (the packages a benchmark's figures also depend on, e.g. xxhash for hashing)."""
+    import torch
+
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    line = (f"{cpu_name()} ({platform.machine()}), {os.cpu_count()} CPU cores, {memory_gib:.0f} GiB RAM, "
+            f"{accelerator}; {platform.system()} {platform.release()}; Python {platform.python_version()}; "
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    return "; ".join([line, *(f"{name} {version}" for name, version in versions.items())])
