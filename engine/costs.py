@@ -79,7 +79,19 @@ class LinearFit:
                     for j in range(n):
                         a[i][j] += weight * x[i] * x[j]
                 weight *= DECAY
-        return tuple(max(c, 0.0) for c in _solve_linear(a, b))
+        # Non-negative: a coefficient the fit wants below 0 is held at 0 and the others are fitted again
+        # without it. (Clamping it after the solve would keep the others' values, which made up for the
+        # negative one, and overprice work.)
+        free = list(range(n))
+        while True:
+            solved = _solve_linear([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+            if all(c >= 0 for c in solved):
+                break
+            free = [j for j, c in zip(free, solved) if c > 0]
+        coef = [0.0] * n
+        for j, c in zip(free, solved):
+            coef[j] = c
+        return tuple(coef)
 
 
 def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:

@@ -168,6 +168,16 @@ def test_step_cost_learns_overhead_per_token_and_attention_costs_from_measured_s
     assert cost.tokens_within(overhead + 48 * per_token) == pytest.approx(144, abs=1)
 
 
+def test_step_cost_stays_non_negative_by_fitting_again_not_by_clamping():
+    # Whole documents and short questions after them: the unconstrained fit wants a negative cost per
+    # attention pair. Held at 0, the others must be fitted again, or a whole prefill is overpriced.
+    cost = StepCost()
+    for tokens, context, seconds in [(2000, 0, 11.4), (48, 2000, 0.38), (48, 2000, 0.40), (20, 2040, 0.30)]:
+        cost.observe(tokens, seconds, attention_pairs(tokens, context))
+    assert min(cost.overhead_s, cost.per_token_s, cost.per_pair_s) >= 0
+    assert cost.prefill_s(2000, 0) == pytest.approx(11.4 - cost.overhead_s, rel=0.05)
+
+
 def test_unknown_policy_is_a_one_line_error():
     kv = make_stack(device_blocks=8)
     with pytest.raises(ValueError, match="scheduler.policy"):
