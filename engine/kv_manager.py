@@ -8,6 +8,12 @@ recomputing is `cache.load_policy`'s choice (engine/load_policy.py), from the me
 
 A request's prefix is held from its lookup until it is admitted or let go: device hits by their
 ref count, lower-tier hits in their tier and by the device blocks they are being copied into.
+
+A request that loads holds device blocks while it is not running, where preemption cannot take them
+back. So that concurrent loads can never take the room each other's prefill needs (and evict each
+other's landed prefixes, for ever), a load starts only when the device can hold the request's whole
+prompt, and the blocks for the rest of its prompt are reserved with it: once landed, its prefill
+always completes. A request whose load finds no such room stays waiting and is looked up again later.
 """
 from __future__ import annotations
 
@@ -58,6 +64,8 @@ class KVCacheManager:
         self.prefix_loads: dict[str, PrefixLoad] = {}
         # Prefixes of requests let go while their load was in flight: released once it lands.
         self._abandoned: list[PrefixLoad] = []
+        # request_id -> fresh device blocks reserved, at the start of its load, for the rest of its prompt.
+        self.reserved: dict[str, list[KVCacheBlock]] = {}
         self.prefix_stats = PrefixCacheStats()
         # Measured speeds (engine/costs.py): each lower tier's loads, and the engine's steps (reported
         # through the scheduler, which prices waiting work with the same estimates).
@@ -85,7 +93,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks | None:
         """The longest cached prefix of the request in any tier, held on the device, or None while
-        the part found below the device is loading (ask again once `prefix_ready`). Moves the
+        the part found below the device is loading (`holds_prefix`: ask again once it lands) or has
+        no room to load into yet (nothing held: ask again when requests have finished). Moves the
         request into its lookup phase, then its load phase if there is a load (engine/receipt.py).
 
         Returns (blocks, num_computed_tokens, tokens per tier). The hit is capped so that at least
@@ -100,10 +109,15 @@ class KVCacheManager:
             hashes = self._prefix_hashes(request)
             found_in = self.hierarchy.locate(hashes)
             cut = self._choose_cut(request, found_in)
+            rest = -(-request.num_tokens // self.block_size) - cut  # blocks for the prompt after the prefix
+            if not self._room_for_load(hashes[:cut], found_in[:cut], rest):
+                return None
             if request.cached_tokens_by_tier is None:  # not admitted yet: what it will report, and be counted
                 request.recomputed_tokens_by_tier = recomputed_by_tier(found_in, cut, self.block_size, TIER_NAMES)
             load = self.hierarchy.acquire_prefix(hashes[:cut], self._block_tokens(request, 0, cut), found_in[:cut])
             self.prefix_loads[request.request_id] = load
+            if load.transfer is not None:
+                self.reserved[request.request_id] = self.pool.get_new_blocks(rest)
             if load.transfer is not None:  # submitted: the load phase starts, landed or not
                 request.enter_phase("load")
         if not load.ready:
@@ -120,6 +134,17 @@ class KVCacheManager:
             request.phases.load_split = read_s or {t: load.found_in.count(t) for t in set(load.found_in) - {"device"}}
         by_tier = {t: hit.blocks_by_tier.get(t, 0) * self.block_size for t in TIER_NAMES}
         return hit.blocks, hit.num_blocks * self.block_size, by_tier
+
+    def _room_for_load(self, hashes: list[bytes], found_in: list[str], rest: int) -> bool:
+        """Whether a prefix laid out as `found_in` can start loading: the device can take its blocks
+        found below it and `rest` more, once its device hits (some now free and cached) are held.
+        Trivially so for a prefix all on the device: it loads nothing."""
+        below = sum(1 for t in found_in if t != "device")
+        if not below:
+            return True
+        device_hits = (self.pool.get_cached_block(h) for h, t in zip(hashes, found_in) if t == "device")
+        free_hits = sum(1 for b in device_hits if b is not None and b.ref_cnt == 0)
+        return self.pool.num_free_blocks - free_hits >= below + rest
 
     def _prefix_hashes(self, request: Request) -> list[bytes]:
         """The hashes of the blocks that may hit: full blocks before the last token (whose logits are needed)."""
@@ -210,19 +235,25 @@ class KVCacheManager:
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        reserved = self.reserved.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         num_needed = -(-total // self.block_size) - len(blocks) - len(new_computed_blocks)
-        if num_needed > self.pool.num_free_blocks:
+        if num_needed > len(reserved) + self.pool.num_free_blocks:
             if new_computed_blocks:
                 self.pool.free_blocks(list(reversed(new_computed_blocks)))
+                self._release_reserved(request)  # it is looked up again, and reserves again, later
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return None
         blocks.extend(new_computed_blocks)
         # prefix blocks come only at a request's first scheduling, and they are all cached already
         self.num_cached_block.setdefault(request.request_id, len(new_computed_blocks))
-        new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []
+        from_reserve = min(num_needed, len(reserved))
+        new_blocks = reserved[:from_reserve]
+        del reserved[:from_reserve]
+        if num_needed > from_reserve:
+            new_blocks += self.pool.get_new_blocks(num_needed - from_reserve)
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, total)
         return new_blocks
@@ -253,6 +284,16 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         if blocks:
             self.pool.free_blocks(list(reversed(blocks)))
+        self._release_reserved(request)
+
+    def _release_reserved(self, request: Request) -> None:
+        reserved = self.reserved.pop(request.request_id, [])
+        if reserved:
+            self.pool.free_blocks(reserved)
+
+    def holds_prefix(self, request: Request) -> bool:
+        """The request has been looked up and holds its prefix (loading, or landed and not yet admitted)."""
+        return request.request_id in self.prefix_loads
 
     def get_block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]

@@ -191,6 +191,9 @@ class Scheduler:
             if not landed and num_seqs >= self.max_num_seqs:
                 break
             computed = self.kv.get_computed_blocks(request)  # the lookup and load phases start there
+            if computed is None and not self.kv.holds_prefix(request):
+                request.enter_phase("queue")
+                break  # found below the device, which cannot hold its prompt now: wait for requests to finish
             if computed is None:  # found below the device: it waits while its blocks are copied up
                 request.status = RequestStatus.LOADING
                 num_seqs += 1

@@ -206,9 +206,10 @@ def test_promotion_write_down_and_eviction_counters_count_blocks():
     assert h.counters.promotion_failures == 0
 
 
-def test_a_prefix_needing_more_device_blocks_than_are_free_ends_where_the_room_ends():
-    """Laid out cpu, cpu, cpu, device, device with room for two blocks: the prefix is the first
-    two, and the device hits past the end are let go again."""
+def test_a_load_waits_until_the_device_can_hold_the_whole_prompt_and_holds_nothing_meanwhile():
+    """Laid out cpu, cpu, cpu, device, device plus one block to compute, with room for two blocks
+    beside the two free device hits: nothing is loaded or held until requests free enough blocks
+    for the load and the rest of the prompt; then the whole prefix is loaded."""
     kv = make_stack(device_blocks=12, cpu_blocks=32)
     pool = kv.pool
     document = doc(14, 5 * BS + 1)
@@ -221,8 +222,44 @@ def test_a_prefix_needing_more_device_blocks_than_are_free_ends_where_the_room_e
     pool.free_blocks(hits)  # now last in the free queue: the next allocation takes an empty block
     pool.get_new_blocks(1)
     assert pool.num_free_blocks == 4 and kv.hierarchy.locate(first.block_hashes[:5]) == ["cpu"] * 3 + ["device"] * 2
-    blocks, num_cached, by_tier = computed_blocks(kv, new_request(document))
-    assert num_cached == 2 * BS and by_tier["cpu"] == 2 * BS
-    assert_prefix_bytes(kv, blocks, first.block_hashes)
-    assert pool.num_free_blocks == 2  # the two device hits went back to the free queue
+    request = new_request(document)
+    assert kv.get_computed_blocks(request) is None and not kv.holds_prefix(request)
+    assert pool.num_free_blocks == 4 and kv.hierarchy.locate(first.block_hashes[:5]) == ["cpu"] * 3 + ["device"] * 2
     pool.free_blocks(hog)
+    blocks, num_cached, by_tier = computed_blocks(kv, request)
+    assert num_cached == 5 * BS and by_tier == {"device": 2 * BS, "cpu": 3 * BS, "disk": 0, "remote": 0}
+    assert_prefix_bytes(kv, blocks, first.block_hashes)
+    assert kv.allocate_slots(request, 1, blocks) is not None  # its last block was reserved with the load
+    kv.free(request)
+    assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+# ---------------------------------------------------------------------------------------- progress
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
+def test_concurrent_lower_tier_hits_larger_together_than_the_device_all_finish(policy):
+    """Four documents found only in the CPU tier arrive at once; the device pool holds two of them with
+    their outputs, not four. Loads hold device blocks while their request is not running, so without a
+    rule they can take the room each other's prefill needs and evict each other's landed prefixes
+    for ever. Every request must finish, each with its document loaded, not recomputed."""
+    kv = make_stack(device_blocks=24, cpu_blocks=64)
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=8, policy=policy)
+    documents = [doc(20 + d, 9 * BS + 3) for d in range(4)]
+    for document in documents:
+        put_below(kv, document, 9)
+    requests = [new_request(document, max_tokens=6) for document in documents]
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        sampled = fake_step(kv, scheduler)
+        if not sampled:
+            kv.wait_for_loads(timeout=5.0)
+        for request in sampled:
+            if len(request.output_token_ids) >= request.sampling_params.max_tokens:
+                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in requests), [r.status for r in requests]
+    assert all(r.cached_tokens_by_tier["cpu"] == 9 * BS for r in requests)
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks

@@ -327,4 +327,6 @@ def test_a_promotion_never_evicts_a_device_hit_later_in_the_same_prefix():
     probe = Request("probe", list(tokens), SamplingParams(max_tokens=1))
     blocks, num_cached, _ = computed_blocks(kv, probe)
     assert num_cached == BS and len(blocks) == 1
-    assert h.pool.num_free_blocks == h.pool.num_blocks - 1
+    assert all(h.pool.get_cached_block(x).ref_cnt == 0 for x in first.block_hashes[3:6])
+    # held: block 0, and the block reserved for the prompt's last token when the load started
+    assert h.pool.num_free_blocks == h.pool.num_blocks - 1 - len(kv.reserved[probe.request_id])

@@ -1,0 +1,61 @@
+"""The TTFT-under-concurrency benchmark: its goals (fast), and one tiny end-to-end run through
+`kvstrata bench concurrency` that must measure both policies, the hits alone, and write its report (slow)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.ttft_concurrency import goals  # noqa: E402
+
+
+def policy(hit_p50: float, hit_p90: float, miss_p50: float, throughput: float) -> dict:
+    return {"hit": {"n": 4, "p50": hit_p50, "p90": hit_p90}, "miss": {"n": 2, "p50": miss_p50},
+            "throughput_tok_s": throughput}
+
+
+def test_goals_compare_hits_with_hits_alone_and_misses_and_throughput_with_fcfs():
+    results = {"fcfs": policy(9.0, 12.0, 10.0, 100.0), "uncached_first": policy(0.3, 1.0, 12.0, 95.0)}
+    alone = {"p50": 0.2, "p90": 0.3}
+    rows = dict(goals(results, alone))
+    assert rows["uncached_first hit p50 / alone hit p50, at most 2x"] == "1.50x (PASS)"
+    assert rows["uncached_first hit p90 / alone hit p90, at most 4x"] == "3.33x (PASS)"
+    assert rows["uncached_first miss p50 / fcfs miss p50, at most 1.25x"] == "1.20x (PASS)"
+    assert rows["uncached_first throughput / fcfs throughput, at least 0.9x"] == "0.95x (PASS)"
+    results["uncached_first"] = policy(0.5, 1.5, 13.0, 80.0)
+    assert [status.endswith("(MISS)") for _, status in goals(results, alone)] == [True, True, True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_concurrency_cli_measures_both_policies_and_the_hits_alone(tmp_path):
+    out_dir = tmp_path / "results"
+    command = [sys.executable, "-c", "from kvstrata.cli import main; raise SystemExit(main())",
+               "bench", "concurrency", "--config", "configs/pressure.yaml",
+               # random weights of a tiny shape: the benchmark's logic does not depend on the model
+               "--set", "model.load_format=dummy", "--set", "model.name=tiny-llama", "--set", "model.dtype=float32",
+               "--docs", "2", "--doc-tokens", "120", "--requests", "6", "--streams", "2", "--max-tokens", "2",
+               "--threads", "1", "--out-dir", str(out_dir)]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    result = json.loads((out_dir / "ttft_concurrency.json").read_text())
+    assert set(result["policies"]) == {"fcfs", "uncached_first"}
+    for name, records in result["records"].items():
+        assert len(records) == 6, name
+        assert sorted(r["index"] for r in records) == list(range(6)), name
+        hits = [r for r in records if r["hit_tier"] != "miss"]
+        assert 0 < len(hits) < 6, name  # the first question on each document computes it, later ones hit
+    assert result["outputs_equal"] is True  # reordering admissions never changes a greedy float32 answer
+    assert result["hits_alone"]["n"] > 0
+    assert len(result["goals"]) == 4
+    report = (out_dir / "ttft_concurrency.md").read_text()
+    assert "| uncached_first |" in report and "| fcfs |" in report
+    assert "Machine:" in report and "Code: commit" in report and "float32" in report
