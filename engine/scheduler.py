@@ -20,15 +20,17 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     others, in arrival order. Bound: a request's wait exceeds max(AGING x its cost, MIN_AGE_S) by at
     most the time the engine takes to admit the overdue requests that arrived before it, which is
     the wait first-come-first-served would give it.
-  * Step cap. While more than one request is in the engine, a step computes at most the tokens that
-    `step_target` allows at the measured prefill speed, so no request waits long for a step shared
-    with others (a lone request keeps the whole budget); but at least `MIN_STEP_TOKENS`, and
-    enough that the step's fixed cost stays under `MAX_OVERHEAD_SHARE` of it (throughput first
-    where a step's overhead is large against the target).
-  * Bounded share. While short work waits (a waiting request whose uncached work fits in one
-    step), a long prefill in progress (one the step cannot finish) gets at most
-    `long_prefill_share` of the step's budget and the rest goes to the short work. With nothing
-    short waiting, long prefills get the whole budget. Several requests may be mid-prefill at once.
+  * Step cap. While short work is in the engine (a waiting request whose uncached work fits in one
+    step, a decode, a prefill the step finishes), a step computes at most the tokens that
+    `step_target` allows at the measured prefill speed, so short work never waits long for a step;
+    but at least `MIN_STEP_TOKENS`, and enough that the step's fixed cost stays under
+    `MAX_OVERHEAD_SHARE` of it (throughput first where a step's overhead is large against the
+    target). With only long prefills in the engine the step keeps the whole budget.
+  * Bounded share. While short work waits, the long prefills in progress (those the step cannot
+    finish) get at most `long_prefill_share` of the step's budget between them and the rest goes to
+    the short work. With nothing short waiting, long prefills get the whole budget. Several requests
+    may be mid-prefill at once; the long ones are given the budget least work left first, so that one
+    finishes before the next instead of all finishing late.
 
 Receipts (engine/receipt.py): the KV manager's lookup starts a request's lookup phase (and its load
 phase, when it loads); admission here starts its prefill phase; a request sent back (its admission
@@ -121,14 +123,29 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         candidates = [r for r in self.waiting if not self.kv.is_loading(r)]
         long_chunk = budget
+        running = self.running
         if self.policy == "uncached_first":
-            if len(self.running) + len(self.waiting) > 1:  # a lone request keeps the whole budget
-                budget = min(budget, self.cost.tokens_within(self.step_target))
-            candidates, short_waiting = self._order(candidates, budget)
-            long_chunk = max(1, int(self.long_prefill_share * budget)) if short_waiting else budget
-        budget = self._schedule_running(out, budget, long_chunk)
+            capped = min(budget, self.cost.tokens_within(self.step_target))
+            candidates, short_waiting = self._order(candidates, capped)
+            running = sorted(running, key=lambda r: self._running_key(r, capped))
+            short_running = any(self._remaining(r) <= capped for r in running)
+            if short_waiting or short_running:  # short work shares the step: it must not wait long for it
+                budget = capped
+                long_chunk = max(1, int(self.long_prefill_share * budget)) if short_waiting else budget
+        budget, long_chunk = self._schedule_running(out, running, budget, long_chunk)
         self._admit_waiting(out, candidates, budget, long_chunk)
         return out
+
+    @staticmethod
+    def _remaining(request: Request) -> int:
+        return request.num_tokens - request.num_computed_tokens
+
+    def _running_key(self, request: Request, budget: int) -> tuple:
+        """Short work (decodes, prefills this step finishes) first, in admission order; then long
+        prefills, least work left first: finishing one before the next gives each the TTFT it would
+        have had first come first served, or better, where sharing the step evenly would delay them all."""
+        remaining = self._remaining(request)
+        return (0, 0) if remaining <= budget else (1, remaining)
 
     def _order(self, candidates: list[Request], budget: int) -> tuple[list[Request], bool]:
         """Landed loads first, then overdue requests in arrival order, then the rest by uncached work;
@@ -151,33 +168,46 @@ class Scheduler:
         load_s = sum(self.kv.read_costs[t].load_s(n) for t, n in hit_blocks.items() if t != "device")
         return tokens + load_s / max(self.cost.per_token_s, 1e-9)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, long_chunk: int) -> int:
-        """Running requests, oldest first; a long prefill gets at most `long_chunk`. Returns the budget left."""
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget, long_chunk)
+    def _schedule_running(self, out: SchedulerOutput, running: list[Request], budget: int,
+                          long_chunk: int) -> tuple[int, int]:
+        """Running requests in `running` order; long prefills (those the step cannot finish) get at most
+        `long_chunk` between them. When the device cannot hold a request's next tokens, the newest
+        running request not yet scheduled this step gives way. Returns the budget and long chunk left."""
+        scheduled: set[str] = set()
+        for request in running:
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted to make room earlier in this step
+                continue
+            num_new = self._chunk(self._remaining(request), budget, long_chunk)
             if num_new <= 0:
-                i += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()  # the newest request gives way
+                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
                 out.scheduled.append(self._scheduled(request, num_new))
-                budget -= num_new
-                i += 1
+                scheduled.add(request.request_id)
+                budget, long_chunk = self._spend(out.scheduled[-1], budget, long_chunk)
                 continue
-            break  # the request itself was preempted: nothing after it can run either
-        return budget
+            break  # the request itself was preempted: the device is full
+        return budget, long_chunk
+
+    @staticmethod
+    def _spend(scheduled: ScheduledRequest, budget: int, long_chunk: int) -> tuple[int, int]:
+        """The budget and long chunk left after `scheduled`: a chunk that does not reach the end of its
+        request's tokens (a long prefill's) comes out of both."""
+        n = scheduled.num_new_tokens
+        return budget - n, long_chunk - (0 if scheduled.samples else n)
 
     @staticmethod
     def _chunk(remaining: int, budget: int, long_chunk: int) -> int:
         """A request's tokens this step: all that fit, but a prefill this step cannot finish (a long
-        one) gets at most `long_chunk`."""
+        one) gets at most what is left of `long_chunk`."""
         return min(remaining, budget) if remaining <= budget else min(long_chunk, budget)
 
     def _admit_waiting(self, out: SchedulerOutput, candidates: list[Request], budget: int, long_chunk: int) -> None:
@@ -205,13 +235,14 @@ class Scheduler:
                     num_seqs -= 1
                     continue
                 break  # the device pool is full: wait for running requests to finish
-            budget -= out.scheduled[-1].num_new_tokens
+            budget, long_chunk = self._spend(out.scheduled[-1], budget, long_chunk)
             num_seqs += not landed
 
     def _admit(self, request: Request, computed, budget: int, long_chunk: int, out: SchedulerOutput) -> bool:
         """Give a looked-up request device slots for its first chunk and start it running."""
         blocks, num_cached, by_tier = computed
-        num_new = self._chunk(request.num_tokens - num_cached, budget, long_chunk)
+        # at least a token: a long request admitted when the long prefills have used their share starts small
+        num_new = self._chunk(request.num_tokens - num_cached, budget, max(long_chunk, 1))
         if self.kv.allocate_slots(request, num_new, blocks) is None:
             return False
         self.waiting.remove(request)

@@ -120,15 +120,43 @@ def test_several_prefills_run_at_once():
     assert first.num_computed_tokens < first.num_tokens  # still mid-prefill alongside the other
 
 
-def test_the_step_is_capped_by_its_target_time_at_the_measured_speed_when_requests_share_it():
-    kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=0.5,
+def test_the_step_is_capped_by_its_target_time_at_the_measured_speed_while_short_work_waits():
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=0.5, share=1.0,
                                           seconds_per_token=1 / 128)
+    question = cached_question(kv, 12)
     first = add(scheduler, clock, doc(8, 960))
     add(scheduler, clock, doc(10, 960))
+    add(scheduler, clock, question)
     assert sum(step(kv, scheduler, clock).values()) == 64  # 0.5 s at 128 tokens a second
+    add(scheduler, clock, cached_question(kv, 13))
     scheduler.cost = StepCost(per_token_s=1.0)  # a very slow engine: never below the floor
     assert sum(step(kv, scheduler, clock).values()) == MIN_STEP_TOKENS
     assert first.num_computed_tokens > 0
+
+
+def test_with_only_long_prefills_in_the_engine_the_step_is_not_capped():
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=512, step_target=0.5,
+                                          seconds_per_token=1 / 128)
+    add(scheduler, clock, doc(8, 960))
+    add(scheduler, clock, doc(10, 960))
+    assert sum(step(kv, scheduler, clock).values()) == 512  # not the 64 tokens of the step target
+
+
+def test_long_prefills_share_one_bounded_chunk_and_the_one_with_least_work_left_goes_first():
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=64, share=0.25)
+    long_a = add(scheduler, clock, doc(14, 480))
+    assert step(kv, scheduler, clock) == {long_a: 64}  # alone: the whole budget
+    long_b = add(scheduler, clock, doc(15, 200))
+    short = add(scheduler, clock, cached_question(kv, 16))
+    scheduled = step(kv, scheduler, clock)
+    assert scheduled[short] == 5  # short work is not kept waiting ...
+    assert scheduled[long_a] + scheduled.get(long_b, 0) <= 16 + 1  # ... and the long ones share a quarter
+    assert long_b.status == RequestStatus.RUNNING  # several prefills in flight at once
+    scheduled = step(kv, scheduler, clock)  # nothing short left: the one with least work left takes it all
+    assert scheduled == {long_b: 64}
+    short = add(scheduler, clock, cached_question(kv, 17))
+    scheduled = step(kv, scheduler, clock)
+    assert scheduled[short] == 5 and scheduled[long_b] == 16 and long_a not in scheduled
 
 
 def test_a_lone_request_keeps_the_whole_budget():
