@@ -149,10 +149,19 @@ class Driver:
                 self.records[request.request_id].update(
                     ttft_s=request.ttft_s, prompt_tokens=request.num_prompt_tokens,
                     output_tokens=len(request.output_token_ids), cached_tokens_by_tier=by_tier,
-                    hit_tier=hit_tier(by_tier, request.num_prompt_tokens), token_ids=list(request.output_token_ids))
+                    hit_tier=hit_tier(by_tier, request.num_prompt_tokens), token_ids=list(request.output_token_ids),
+                    receipt=_receipt_ms(request.receipt))
                 self.engine.release(request.request_id)
                 finished.append(request.request_id)
         return finished
+
+
+def _receipt_ms(receipt) -> dict | None:
+    """Where a request's TTFT went (queue, lookup, load, prefill), in ms, for the JSON."""
+    if receipt is None:
+        return None
+    return {"queue_ms": receipt.queue_ms, "lookup_ms": receipt.lookup_ms, "load_ms": receipt.load_ms,
+            "prefill_ms": receipt.prefill_ms}
 
 
 def run_streams(driver: Driver, requests: list[dict], streams: int) -> None:

@@ -53,6 +53,9 @@ def test_bench_concurrency_cli_measures_both_policies_and_the_hits_alone(tmp_pat
         assert sorted(r["index"] for r in records) == list(range(6)), name
         hits = [r for r in records if r["hit_tier"] != "miss"]
         assert 0 < len(hits) < 6, name  # the first question on each document computes it, later ones hit
+        for r in records:  # where each TTFT went: the receipt's parts add up to it
+            parts = sum(r["receipt"][k] for k in ("queue_ms", "lookup_ms", "load_ms", "prefill_ms"))
+            assert parts == pytest.approx(1000 * r["ttft_s"], rel=0.05), (name, r)
     assert result["outputs_equal"] is True  # reordering admissions never changes a greedy float32 answer
     assert result["hits_alone"]["n"] > 0
     assert len(result["goals"]) == 4
