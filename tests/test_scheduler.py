@@ -206,6 +206,33 @@ def test_step_cost_stays_non_negative_by_fitting_again_not_by_clamping():
     assert cost.prefill_s(2000, 0) == pytest.approx(11.4 - cost.overhead_s, rel=0.05)
 
 
+def test_a_whole_prefill_is_still_priced_right_after_a_long_run_of_hits():
+    """What receipts report as prefill saved: a few whole documents computed, then many questions whose
+    documents are cached (a few new tokens over a long context, and their decodes). The steps' true cost
+    has a part the fit does not model (reading the context, linear in it); the price of computing a whole
+    document must stay within 20% of its true cost."""
+    import random
+
+    def true_s(tokens: int, context: int) -> float:
+        return 0.02 + 4e-3 * tokens + 1e-6 * attention_pairs(tokens, context) + 1e-4 * (context + tokens)
+
+    def observe(tokens: int, context: int) -> None:
+        cost.observe(tokens, true_s(tokens, context), attention_pairs(tokens, context))
+
+    cost = StepCost()
+    rng = random.Random(0)
+    for _ in range(3):
+        observe(2040, 0)
+        for k in range(8):
+            observe(1, 2040 + k)
+    for _ in range(40):
+        question = rng.randint(20, 30)
+        observe(question, 2016)
+        for k in range(8):
+            observe(1, 2016 + question + k)
+    assert cost.prefill_s(2016, 0) == pytest.approx(true_s(2016, 0) - 0.02, rel=0.2)
+
+
 def test_unknown_policy_is_a_one_line_error():
     kv = make_stack(device_blocks=8)
     with pytest.raises(ValueError, match="scheduler.policy"):
