@@ -7,7 +7,10 @@ Three scenarios, each on fresh engines sharing one loaded model:
 - `fast`: the document in the CPU tier as it is (loading wins);
 - `slow`: the CPU tier's reads slowed by `--slow-ms-per-block` (recomputing wins);
 - `split`: the first half of the document in the CPU tier, the second half only on a disk tier slowed
-  the same way (loading the first half and recomputing the second wins).
+  the same way (loading the first half and recomputing the second wins);
+- `overlap`: the CPU tier's reads slowed by `--overlap-ms-per-block`, about what computing a block
+  costs, so loading the document takes about as long as recomputing it (recomputing its first part
+  while the rest loads wins).
 
 Each scenario runs `always_load`, `always_recompute` and `auto`, one engine each, taking turns. The slowing is the tests' tier wrapper
 (`tests/tier_cases.py`), not an engine setting. Reported per scenario and policy: TTFT p50 over
@@ -38,7 +41,7 @@ from benchmarks.ttft_pressure import (DEFAULT_DATA, _set_tiers, ask, command_lin
 from benchmarks.ttft_stats import percentile  # noqa: E402
 from benchmarks.ttft_workload import cut_document, load_document, load_questions  # noqa: E402
 
-SCENARIOS = ("fast", "slow", "split")
+SCENARIOS = ("fast", "slow", "split", "overlap")
 POLICIES = ("always_load", "always_recompute", "auto")
 
 
@@ -49,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--doc-tokens", type=int, default=1000, help="length of the document (tokens)")
     p.add_argument("--rounds", type=int, default=3, help="questions per scenario and policy")
     p.add_argument("--slow-ms-per-block", type=float, default=500.0, help="added to each block read of a slowed tier")
+    p.add_argument("--overlap-ms-per-block", type=float, default=60.0,
+                   help="added to each CPU-tier block read in `overlap` (about a block's compute time)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
     return p.parse_args(argv)
@@ -74,9 +79,9 @@ def slowed(tier_class_name: str, seconds_per_block: float):
         setattr(llm_engine, tier_class_name, real)
 
 
-def build_engine(scenario: str, policy: str, base, loaded, doc_blocks: int, slow_s: float, work_dir: Path):
-    """An engine whose tiers hold the document a few times over; in `slow` its CPU tier, in `split` its
-    disk tier, read through the tests' slowing wrapper."""
+def build_engine(scenario: str, policy: str, base, loaded, doc_blocks: int, args, work_dir: Path):
+    """An engine whose tiers hold the document a few times over; in `slow` and `overlap` its CPU tier,
+    in `split` its disk tier, read through the tests' slowing wrapper."""
     from kvstrata.engine.llm_engine import LLMEngine
 
     overrides = {"cache.load_policy": policy, "cache.offload": "write_through",
@@ -85,8 +90,9 @@ def build_engine(scenario: str, policy: str, base, loaded, doc_blocks: int, slow
     if scenario == "split":
         overrides.update({"cache.tiers.disk.path": str(work_dir / f"kv-{policy}"),
                           "cache.tiers.disk.size": 4 * doc_blocks + 16})
-    wrap = {"fast": contextlib.nullcontext(), "slow": slowed("CpuTier", slow_s),
-            "split": slowed("DiskTier", slow_s)}[scenario]
+    slow_s, overlap_s = args.slow_ms_per_block / 1000, args.overlap_ms_per_block / 1000
+    wrap = {"fast": contextlib.nullcontext, "slow": lambda: slowed("CpuTier", slow_s),
+            "split": lambda: slowed("DiskTier", slow_s), "overlap": lambda: slowed("CpuTier", overlap_s)}[scenario]()
     with wrap:
         return LLMEngine(_set_tiers(base, overrides), loaded=loaded)
 
@@ -110,7 +116,7 @@ def run_scenario(scenario: str, base, loaded, document: str, questions: list[str
     load falls on all of them alike)."""
     tokenizer = loaded.tokenizer
     doc_blocks = len(render_chat(tokenizer, document)) // base.cache.block_size
-    engines = {p: build_engine(scenario, p, base, loaded, doc_blocks, args.slow_ms_per_block / 1000, work_dir)
+    engines = {p: build_engine(scenario, p, base, loaded, doc_blocks, args, work_dir)
                for p in POLICIES}
     for engine in engines.values():
         ask(engine, render_chat(tokenizer, f"{document}\n\nQuestion: what is this about?"))  # computes the document
@@ -153,7 +159,8 @@ def main(argv=None) -> int:
                   + f" ({time.perf_counter() - started:.0f} s)", flush=True)
     result = {"benchmark": "load_policy", "command": command_line(), "machine": machine_line(),
               "dtype": base.resolved_dtype(), "doc_tokens": args.doc_tokens, "rounds": args.rounds,
-              "slow_ms_per_block": args.slow_ms_per_block, "load_average_1min": os.getloadavg()[0],
+              "slow_ms_per_block": args.slow_ms_per_block, "overlap_ms_per_block": args.overlap_ms_per_block,
+              "load_average_1min": os.getloadavg()[0],
               "scenarios": results}
     save_result(args.out_dir, "load_policy", result, markdown(result))
     return 0
@@ -164,7 +171,8 @@ def markdown(result: dict) -> str:
              f"Machine: {result['machine']}.  ",
              f"Command: `{result['command']}`; {result['dtype']}, a {result['doc_tokens']}-token document, "
              f"{result['rounds']} questions per row, the policies taking turns within each round; slowed tiers "
-             f"take {result['slow_ms_per_block']:g} ms more per block read. Load average (1 min) at the end: "
+             f"take {result['slow_ms_per_block']:g} ms more per block read (`overlap`: "
+             f"{result.get('overlap_ms_per_block', 0):g} ms). Load average (1 min) at the end: "
              f"{result['load_average_1min']:.2f}.", "",
              "| scenario | policy | TTFT p50 | loaded tokens (cpu / disk) | recomputed tokens (cpu / disk) |",
              "|---|---|---|---|---|"]

@@ -14,6 +14,11 @@ back. So that concurrent loads can never take the room each other's prefill need
 other's landed prefixes, for ever), a load starts only when the device can hold the request's whole
 prompt, and the blocks for the rest of its prompt are reserved with it: once landed, its prefill
 always completes. A request whose load finds no such room stays waiting and is looked up again later.
+
+When the load policy overlaps (engine/load_policy.py), the request is admitted at once with its device
+hits, computes the head of its lower-tier run as an ordinary prefill up to a barrier (`barrier`), while
+the tail after it loads; once both are done, `land_tail` appends the tail's blocks and its computed
+tokens jump over them.
 """
 from __future__ import annotations
 
@@ -21,13 +26,21 @@ from dataclasses import dataclass, field
 
 from kvstrata.engine.costs import ReadCost, StepCost
 from kvstrata.engine.hashing import BlockHasher
-from kvstrata.engine.load_policy import LOAD_POLICIES, choose_cut, recomputed_by_tier
+from kvstrata.engine.load_policy import LOAD_POLICIES, LoadPlan, choose_plan, recomputed_by_tier
 from kvstrata.engine.request import Request
 from kvstrata.tiers.base import TIER_NAMES
 from kvstrata.tiers.block_pool import KVCacheBlock
 from kvstrata.tiers.hierarchy import PrefixLoad, TierHierarchy
 
 ComputedBlocks = tuple[list[KVCacheBlock], int, dict[str, int]]
+
+
+@dataclass
+class Tail:
+    """Blocks `start..` of a request's prefix, loading while the request computes the blocks before them."""
+
+    load: PrefixLoad
+    start: int
 PROBE_BLOCKS = (1, 4)  # the loads timed per lower tier at start-up: a latency and a per-block cost
 
 
@@ -66,6 +79,8 @@ class KVCacheManager:
         self._abandoned: list[PrefixLoad] = []
         # request_id -> fresh device blocks reserved, at the start of its load, for the rest of its prompt.
         self.reserved: dict[str, list[KVCacheBlock]] = {}
+        # request_id -> the tail of its prefix, loading while the request computes the head before it.
+        self.tails: dict[str, Tail] = {}
         self.prefix_stats = PrefixCacheStats()
         # Measured speeds (engine/costs.py): each lower tier's loads, and the engine's steps (reported
         # through the scheduler, which prices waiting work with the same estimates).
@@ -106,39 +121,87 @@ class KVCacheManager:
         load = self.prefix_loads.get(request.request_id)
         if load is None:
             request.enter_phase("lookup")
-            hashes = self._prefix_hashes(request)
-            found_in = self.hierarchy.locate(hashes)
-            cut = self._choose_cut(request, found_in)
-            rest = -(-request.num_tokens // self.block_size) - cut  # blocks for the prompt after the prefix
-            if not self._room_for_load(hashes[:cut], found_in[:cut], rest):
+            load = self._start_prefix(request)
+            if load is None:
                 return None
-            if request.cached_tokens_by_tier is None:  # not admitted yet: what it will report, and be counted
-                request.recomputed_tokens_by_tier = recomputed_by_tier(found_in, cut, self.block_size, TIER_NAMES)
-            load = self.hierarchy.acquire_prefix(hashes[:cut], self._block_tokens(request, 0, cut), found_in[:cut])
-            self.prefix_loads[request.request_id] = load
-            if load.transfer is not None:
-                self.reserved[request.request_id] = self.pool.get_new_blocks(rest)
-            if load.transfer is not None:  # submitted: the load phase starts, landed or not
-                request.enter_phase("load")
         if not load.ready:
             return None
         del self.prefix_loads[request.request_id]
         hit = self.hierarchy.finish_prefix(load)
-        self._measure_load(load)
-        if load.transfer is not None:
-            # The request's load phase is split among the tiers that served it by the worker's read
-            # time for each (a tier asked first that held none of them adds to the others' share);
-            # if none served, by the blocks the walk found in each.
-            served = {t for t in load.served_from if t is not None}
-            read_s = {t: s for t, s in load.read_s.items() if t in served and s > 0}
-            request.phases.load_split = read_s or {t: load.found_in.count(t) for t in set(load.found_in) - {"device"}}
+        self._account_load(request, load)
         by_tier = {t: hit.blocks_by_tier.get(t, 0) * self.block_size for t in TIER_NAMES}
         return hit.blocks, hit.num_blocks * self.block_size, by_tier
 
+    def _start_prefix(self, request: Request) -> PrefixLoad | None:
+        """Look the request up, plan what to load (`cache.load_policy`), hold it and start loading; None
+        (and nothing held) when the device has no room for the request's prompt now."""
+        hashes = self._prefix_hashes(request)
+        found_in = self.hierarchy.locate(hashes)
+        plan = self._choose_plan(request, found_in)
+        # blocks to compute: the head (while the tail loads) and the prompt after the cut
+        fresh = plan.head_end - plan.device_run + -(-request.num_tokens // self.block_size) - plan.cut
+        used = [*range(plan.device_run), *range(plan.head_end, plan.cut)]
+        if not self._room_for_load([hashes[k] for k in used], [found_in[k] for k in used], fresh):
+            return None
+        if request.cached_tokens_by_tier is None:  # not admitted yet: what it will report, and be counted
+            request.recomputed_tokens_by_tier = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES)
+        first = plan.device_run if plan.overlaps else plan.cut  # the prefix the request starts from
+        load = self.hierarchy.acquire_prefix(hashes[:first], self._block_tokens(request, 0, first), found_in[:first])
+        self.prefix_loads[request.request_id] = load
+        if plan.overlaps:  # the tail loads while the request computes the head
+            tail = self.hierarchy.acquire_prefix(hashes[plan.head_end:plan.cut],
+                                                 self._block_tokens(request, plan.head_end, plan.cut),
+                                                 found_in[plan.head_end:plan.cut])
+            self.tails[request.request_id] = Tail(tail, plan.head_end)
+        if load.transfer is not None or plan.overlaps:
+            self.reserved[request.request_id] = self.pool.get_new_blocks(fresh)
+        if load.transfer is not None:  # submitted: the load phase starts, landed or not
+            request.enter_phase("load")
+        return load
+
+    def _account_load(self, request: Request, load: PrefixLoad) -> None:
+        """A landed load: its time prices later loads, and splits the request's load phase among the
+        tiers that served it by the worker's read time for each (a tier asked first that held none of
+        them adds to the others' share); if none served, by the blocks the walk found in each."""
+        self._measure_load(load)
+        if load.transfer is not None:
+            served = {t for t in load.served_from if t is not None}
+            read_s = {t: s for t, s in load.read_s.items() if t in served and s > 0}
+            request.phases.load_split = read_s or {t: load.found_in.count(t) for t in set(load.found_in) - {"device"}}
+
+    # ----------------------------------------------------------------- a tail loading while the head computes
+
+    def barrier(self, request: Request) -> int | None:
+        """The token the request's computing must stop at until its tail has landed (None: no tail)."""
+        tail = self.tails.get(request.request_id)
+        return None if tail is None else tail.start * self.block_size
+
+    def tail_ready(self, request: Request) -> bool:
+        tail = self.tails.get(request.request_id)
+        return tail is not None and tail.load.ready
+
+    def land_tail(self, request: Request) -> None:
+        """The head is computed and the tail has landed: its blocks follow the head's, and the request's
+        computed tokens jump over them (to where the tail ends, or to its first block not served)."""
+        tail = self.tails.pop(request.request_id)
+        hit = self.hierarchy.finish_prefix(tail.load)
+        self._account_load(request, tail.load)
+        blocks = self.req_to_blocks[request.request_id]
+        assert len(blocks) == tail.start and request.num_computed_tokens == tail.start * self.block_size
+        blocks.extend(hit.blocks)
+        self.num_cached_block[request.request_id] = tail.start + hit.num_blocks
+        request.num_computed_tokens += hit.num_blocks * self.block_size
+        request.prefill_saved_s_estimate += self.step_cost.prefill_s(hit.num_blocks * self.block_size,
+                                                                     tail.start * self.block_size)
+        if request.num_preemptions == 0:  # counted once, as at admission (a retried tail is not counted)
+            for t, n in hit.blocks_by_tier.items():
+                request.cached_tokens_by_tier[t] = request.cached_tokens_by_tier.get(t, 0) + n * self.block_size
+                self.prefix_stats.hit_blocks[t] += n
+
     def _room_for_load(self, hashes: list[bytes], found_in: list[str], rest: int) -> bool:
-        """Whether a prefix laid out as `found_in` can start loading: the device can take its blocks
-        found below it and `rest` more, once its device hits (some now free and cached) are held.
-        Trivially so for a prefix all on the device: it loads nothing."""
+        """Whether the blocks `hashes`, laid out as `found_in`, can start loading: the device can take
+        those found below it and `rest` more, once its device hits (some now free and cached) are held.
+        Trivially so when all are on the device: nothing loads."""
         below = sum(1 for t in found_in if t != "device")
         if not below:
             return True
@@ -151,10 +214,10 @@ class KVCacheManager:
         self._update_hashes(request)
         return request.block_hashes[:(request.num_tokens - 1) // self.block_size]
 
-    def _choose_cut(self, request: Request, found_in: list[str]) -> int:
-        """How many leading blocks of the found prefix to use (`cache.load_policy`, engine/load_policy.py)."""
-        return choose_cut(self.load_policy, found_in, request.num_tokens, self.block_size, self.step_cost,
-                          self.read_costs)
+    def _choose_plan(self, request: Request, found_in: list[str]) -> LoadPlan:
+        """What of the found prefix to use, load and recompute (`cache.load_policy`, engine/load_policy.py)."""
+        return choose_plan(self.load_policy, found_in, request.num_tokens, self.block_size, self.step_cost,
+                           self.read_costs)
 
     def _measure_load(self, load: PrefixLoad) -> None:
         """Fold a landed load into each serving tier's read cost: the job's time, shared between the
@@ -179,14 +242,15 @@ class KVCacheManager:
         ordering admissions, not for admitting."""
         load = self.prefix_loads.get(request.request_id)
         if not self.enable_caching:
-            found: list[str] = []
+            used: list[str] = []
         elif load is not None:
-            found = load.found_in
+            used = load.found_in
         else:
             found = self.hierarchy.locate(self._prefix_hashes(request))
-            found = found[:self._choose_cut(request, found)]
-        hit_blocks = {t: found.count(t) for t in TIER_NAMES}
-        return request.num_tokens - len(found) * self.block_size, hit_blocks
+            plan = self._choose_plan(request, found)
+            used = found[:plan.device_run] + found[plan.head_end:plan.cut]
+        hit_blocks = {t: used.count(t) for t in TIER_NAMES}
+        return request.num_tokens - len(used) * self.block_size, hit_blocks
 
     def is_loading(self, request: Request) -> bool:
         """The request's prefix is being copied up from a lower tier."""
@@ -196,7 +260,8 @@ class KVCacheManager:
     def wait_for_loads(self, timeout: float) -> bool:
         """Wait until some prefix load lands (True) or `timeout` seconds pass: for a step with nothing
         else to do. Also releases the prefixes of requests let go while loading."""
-        transfers = [x.transfer for x in self.prefix_loads.values() if x.transfer is not None]
+        loads = [*self.prefix_loads.values(), *(tail.load for tail in self.tails.values())]
+        transfers = [x.transfer for x in loads if x.transfer is not None]
         landed = bool(transfers) and self.hierarchy.transfers.wait_any(transfers, timeout)
         self.release_abandoned()
         return landed
@@ -276,9 +341,10 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its unique suffix is evicted before shared roots.
         A prefix still loading is released once it lands (its device blocks are being written)."""
-        load = self.prefix_loads.pop(request.request_id, None)
-        if load is not None:
-            self._abandoned.append(load)
+        tail = self.tails.pop(request.request_id, None)
+        loads = [x for x in (self.prefix_loads.pop(request.request_id, None), tail and tail.load) if x is not None]
+        if loads:
+            self._abandoned.extend(loads)
             self.release_abandoned()
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)

@@ -1,23 +1,33 @@
-"""Load or recompute: where a cached prefix found below the device should end (`cache.load_policy`).
+"""Load or recompute: which blocks of a cached prefix found below the device to load, which to compute
+again (`cache.load_policy`).
 
 A lookup finds, for each leading block of a request, the tier that holds it. Loading a block from a
 slow tier can take longer than computing it again (a remote or network-disk tier, a fast GPU), so the
-policy chooses a cut: the blocks before it are used (device hits as they are, lower-tier hits loaded),
-the blocks after it are recomputed with the rest of the prompt. The cut is a prefix boundary: a
-block's K/V depend on every token before it, so nothing past the cut can be used.
+policy makes a plan of three parts after the device hits (the first `device_run` blocks, used as they are):
 
-- `always_load`: use every block found (the cut is the end of the prefix).
-- `always_recompute`: use the device hits before the first lower-tier block; recompute from there.
-- `auto`: the cut with the smallest estimated time to the prompt's end, load plus compute:
-  sum over tiers of `ReadCost.load_s(blocks loaded from it)` plus `StepCost.prefill_s(tokens after
-  the cut, context = tokens before it)`, both from measured speeds. Ties go to loading.
+- the head, blocks `[device_run, head_end)`: computed again, *while* the tail loads (they attend only
+  to what comes before them, so they need nothing that is still loading);
+- the tail, blocks `[head_end, cut)`: loaded from their tiers in the background;
+- everything from `cut` on: computed once head and tail are in place.
 
-Only cuts at the ends of runs (maximal stretches of blocks held by one tier) need pricing: within a
-run, each further block adds the same load time, while the compute it saves grows with its position
-(its tokens attend to more context), so the total is concave along a run and least at one of its ends.
+A block's K/V depend on every token before it, so nothing past a recomputed block can be loaded: the
+cut is a prefix boundary, and so is the end of the head.
+
+- `always_load`: no head, the cut at the end of the prefix.
+- `always_recompute`: no tail; the device hits are kept and everything after them is computed.
+- `auto`: the plan with the smallest estimated time to the prompt's end:
+  `max(compute(head), load(tail)) + compute(rest)`, the load a sum over tiers of `ReadCost.load_s` and
+  each compute `StepCost.prefill_s` at its context, all from measured speeds. Ties go to loading more.
+
+Only cuts at the ends of runs (maximal stretches of blocks held by one tier) need pricing: within a run,
+each further block adds the same load time, while the compute it saves grows with its position (its
+tokens attend to more context), so the total is concave along a run and least at one of its ends. For
+a cut, the head's compute grows and the tail's load shrinks as the head grows, so their maximum is least
+where they cross: found by bisection.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from kvstrata.engine.costs import ReadCost, StepCost
@@ -25,35 +35,71 @@ from kvstrata.engine.costs import ReadCost, StepCost
 LOAD_POLICIES = ("auto", "always_load", "always_recompute")
 
 
-def choose_cut(policy: str, found_in: Sequence[str], num_tokens: int, block_size: int,
-               step_cost: StepCost, read_costs: Mapping[str, ReadCost]) -> int:
-    """How many leading blocks of the prefix `found_in` (the tier of each) to use; the rest is recomputed.
+@dataclass(frozen=True)
+class LoadPlan:
+    """Blocks `[0, device_run)` used on the device, `[device_run, head_end)` recomputed while
+    `[head_end, cut)` load, and everything from `cut` computed after."""
 
-    `num_tokens` is the request's length: every token after the cut is computed.
-    """
+    device_run: int
+    head_end: int
+    cut: int
+
+    @property
+    def overlaps(self) -> bool:
+        """Some blocks are recomputed while others load."""
+        return self.device_run < self.head_end < self.cut
+
+
+def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_size: int,
+                step_cost: StepCost, read_costs: Mapping[str, ReadCost]) -> LoadPlan:
+    """The plan for the prefix `found_in` (the tier of each leading block) of a `num_tokens`-token request."""
     n = len(found_in)
     device_run = next((k for k, tier in enumerate(found_in) if tier != "device"), n)
     if policy == "always_load" or device_run == n:
-        return n
+        return LoadPlan(device_run, device_run, n)
     if policy == "always_recompute":
-        return device_run
+        return LoadPlan(device_run, device_run, device_run)
     assert policy == "auto", policy
+    tiers = sorted(set(found_in[device_run:]) - {"device"})
+    # blocks of each tier among the first k: a tail's load is priced in O(tiers)
+    counts = {t: [0] * (n + 1) for t in tiers}
+    for k, tier in enumerate(found_in):
+        for t in tiers:
+            counts[t][k + 1] = counts[t][k] + (tier == t)
+
+    def compute_s(start: int, stop: int) -> float:  # blocks start..stop-1, after `start` blocks of context
+        return step_cost.prefill_s((stop - start) * block_size, start * block_size)
+
+    def load_s(start: int, stop: int) -> float:
+        return sum(read_costs[t].load_s(counts[t][stop] - counts[t][start]) for t in tiers)
+
+    def estimated_s(head_end: int, cut: int) -> float:
+        rest = step_cost.prefill_s(num_tokens - cut * block_size, cut * block_size)
+        return max(compute_s(device_run, head_end), load_s(head_end, cut)) + rest
+
+    def best_head_end(cut: int) -> int:
+        """The head end where computing the head and loading the tail take the same time (or the
+        nearest block boundary on either side of it, whichever is faster)."""
+        lo, hi = device_run, cut  # the crossing lies in (lo, hi]: the head is free at lo and the tail at hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if compute_s(device_run, mid) >= load_s(mid, cut):
+                hi = mid
+            else:
+                lo = mid
+        return min((lo, hi), key=lambda h: (estimated_s(h, cut), h))
+
     cuts = [k for k in range(device_run, n + 1) if k == n or k == device_run or found_in[k] != found_in[k - 1]]
-
-    def estimated_s(cut: int) -> float:
-        loaded: dict[str, int] = {}
-        for tier in found_in[device_run:cut]:
-            loaded[tier] = loaded.get(tier, 0) + 1
-        load_s = sum(read_costs[t].load_s(k) for t, k in loaded.items() if t != "device")
-        context = cut * block_size
-        return load_s + step_cost.prefill_s(num_tokens - context, context)
-
-    return min(cuts, key=lambda cut: (estimated_s(cut), -cut))
+    plans = [LoadPlan(device_run, best_head_end(cut) if cut > device_run else device_run, cut) for cut in cuts]
+    # a head reaching the cut loads nothing: that is computing everything after the device hits
+    plans = [LoadPlan(device_run, device_run, device_run) if p.head_end == p.cut else p for p in plans]
+    return min(plans, key=lambda p: (estimated_s(p.head_end, p.cut), p.head_end - p.device_run, -p.cut))
 
 
-def recomputed_by_tier(found_in: Sequence[str], cut: int, block_size: int, tiers: Sequence[str]) -> dict[str, int]:
-    """Tokens found in each tier but past the cut: recomputed instead of loaded (or reused)."""
+def recomputed_by_tier(found_in: Sequence[str], plan: LoadPlan, block_size: int,
+                       tiers: Sequence[str]) -> dict[str, int]:
+    """Tokens found in each tier but computed again (the head, and everything past the cut)."""
     counts = {t: 0 for t in tiers}
-    for tier in found_in[cut:]:
+    for tier in [*found_in[plan.device_run:plan.head_end], *found_in[plan.cut:]]:
         counts[tier] += block_size
     return counts

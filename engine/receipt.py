@@ -21,6 +21,10 @@ and starts the next, so queue + lookup + load + prefill is the TTFT (up to round
 
 A request that is sent back (an admission that found the device full, a preemption before its
 first token) returns to the queue phase; its phases add up over each pass.
+
+A request that recomputes the head of its prefix while the tail loads (engine/load_policy.py) is
+admitted at once: the load overlapping its head's steps counts as prefill, and only what is left of
+the load once the head is computed counts as load (each moment is counted once).
 """
 from __future__ import annotations
 

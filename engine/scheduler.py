@@ -120,6 +120,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.kv.release_abandoned()
+        self._land_tails()
         budget = self.max_num_batched_tokens
         candidates = [r for r in self.waiting if not self.kv.is_loading(r)]
         long_chunk = budget
@@ -128,7 +129,7 @@ class Scheduler:
             capped = min(budget, self.cost.tokens_within(self.step_target))
             candidates, short_waiting = self._order(candidates, capped)
             running = sorted(running, key=lambda r: self._running_key(r, capped))
-            short_running = any(self._remaining(r) <= capped for r in running)
+            short_running = any(0 < self._remaining(r) <= capped for r in running)
             if short_waiting or short_running:  # short work shares the step: it must not wait long for it
                 budget = capped
                 long_chunk = max(1, int(self.long_prefill_share * budget)) if short_waiting else budget
@@ -136,9 +137,23 @@ class Scheduler:
         self._admit_waiting(out, candidates, budget, long_chunk)
         return out
 
-    @staticmethod
-    def _remaining(request: Request) -> int:
-        return request.num_tokens - request.num_computed_tokens
+    def _land_tails(self) -> None:
+        """Running requests that computed the head of their prefix while its tail loaded: the tail's
+        blocks join them once it has landed; until then they wait in their load phase."""
+        for request in self.running:
+            barrier = self.kv.barrier(request)
+            if barrier is None or request.num_computed_tokens < barrier:
+                continue
+            if self.kv.tail_ready(request):
+                self.kv.land_tail(request)
+                request.enter_phase("prefill")
+            elif request.phases.phase != "load":
+                request.enter_phase("load")
+
+    def _remaining(self, request: Request) -> int:
+        """Tokens the request can compute now: up to the end of its prompt, or to its barrier."""
+        barrier = self.kv.barrier(request)
+        return (request.num_tokens if barrier is None else barrier) - request.num_computed_tokens
 
     def _running_key(self, request: Request, budget: int) -> tuple:
         """Short work (decodes, prefills this step finishes) first, in admission order; then long
@@ -242,7 +257,9 @@ class Scheduler:
         """Give a looked-up request device slots for its first chunk and start it running."""
         blocks, num_cached, by_tier = computed
         # at least a token: a long request admitted when the long prefills have used their share starts small
-        num_new = self._chunk(request.num_tokens - num_cached, budget, max(long_chunk, 1))
+        barrier = self.kv.barrier(request)
+        end = request.num_tokens if barrier is None else barrier
+        num_new = self._chunk(end - num_cached, budget, max(long_chunk, 1))
         if self.kv.allocate_slots(request, num_new, blocks) is None:
             return False
         self.waiting.remove(request)

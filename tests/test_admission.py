@@ -263,3 +263,58 @@ def test_concurrent_lower_tier_hits_larger_together_than_the_device_all_finish(p
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in requests), [r.status for r in requests]
     assert all(r.cached_tokens_by_tier["cpu"] == 9 * BS for r in requests)
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+# ---------------------------------------------------------------------------------------- overlap
+
+
+def overlapping_stack(policy: str = "uncached_first"):
+    """A CPU tier whose reads cost about twice a block's compute (as measured): `auto` recomputes the
+    head of a CPU-tier prefix while its tail loads. The tier is gated: its reads wait for the test."""
+    from kvstrata.engine.costs import ReadCost, StepCost
+
+    kv = make_stack(device_blocks=64, cpu_blocks=64, gate_cpu=True)
+    kv.step_cost = StepCost(per_token_s=1e-3)
+    kv.read_costs["cpu"] = ReadCost(1024, latency_s=0.0, per_block_s=8e-3)
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4, policy=policy)
+    document = doc(40, 12 * BS + 1)
+    put_below(kv, document, 12)
+    kv.hierarchy.cpu.gate.clear()
+    request = new_request(document)
+    scheduler.add_request(request)
+    return kv, scheduler, request
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
+def test_the_head_of_a_lower_tier_prefix_is_computed_while_its_tail_loads(policy):
+    kv, scheduler, request = overlapping_stack(policy)
+    assert fake_step(kv, scheduler) == []  # it computed its head at once, without waiting for the load
+    head = kv.barrier(request) // BS
+    assert 0 < head < 12 and request.num_computed_tokens == head * BS
+    assert request.status == RequestStatus.RUNNING and not kv.tail_ready(request)
+    assert fake_step(kv, scheduler) == [] and request.phases.phase == "load"  # the head is done: it waits
+    kv.hierarchy.cpu.gate.set()
+    kv.wait_for_loads(timeout=10)
+    assert fake_step(kv, scheduler) == [request]  # the tail joined and the last token was computed
+    assert kv.barrier(request) is None
+    assert request.cached_tokens_by_tier == {"device": 0, "cpu": (12 - head) * BS, "disk": 0, "remote": 0}
+    assert request.recomputed_tokens_by_tier["cpu"] == head * BS
+    assert_prefix_bytes(kv, kv.req_to_blocks[request.request_id][:12], request.block_hashes)
+    assert all(kv.pool.get_cached_block(h) is not None for h in request.block_hashes[:12])  # head cached too
+    scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    stats = kv.stats()
+    assert stats.hit_blocks["cpu"] == 12 - head and stats.recomputed_blocks["cpu"] == head
+
+
+def test_a_request_aborted_while_its_tail_loads_releases_everything_once_the_tail_lands():
+    kv, scheduler, request = overlapping_stack()
+    fake_step(kv, scheduler)
+    assert kv.barrier(request) is not None
+    scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+    kv.hierarchy.cpu.gate.set()
+    kv.wait_for_loads(timeout=10)
+    kv.hierarchy.transfers.wait_idle()
+    kv.release_abandoned()
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    assert not kv.hierarchy.cpu.inner._holds  # the tail's blocks are no longer held in the CPU tier

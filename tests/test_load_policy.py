@@ -16,7 +16,7 @@ from test_hierarchy import BS, computed_blocks, content_for, doc, make_stack
 from tier_cases import GatedTier
 
 from kvstrata.engine.costs import ReadCost, StepCost
-from kvstrata.engine.load_policy import choose_cut
+from kvstrata.engine.load_policy import LoadPlan, choose_plan
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams
 
@@ -36,7 +36,12 @@ def compute() -> StepCost:
 
 def cut(policy: str, found_in: list[str], cpu: ReadCost | None = None, disk: ReadCost | None = None) -> int:
     num_tokens = len(found_in) * BS + 1
-    return choose_cut(policy, found_in, num_tokens, BS, compute(), {"cpu": cpu or fast(), "disk": disk or fast()})
+    return plan(policy, found_in, cpu, disk).cut
+
+
+def plan(policy: str, found_in: list[str], cpu: ReadCost | None = None, disk: ReadCost | None = None) -> LoadPlan:
+    num_tokens = len(found_in) * BS + 1
+    return choose_plan(policy, found_in, num_tokens, BS, compute(), {"cpu": cpu or fast(), "disk": disk or fast()})
 
 
 def test_auto_loads_from_a_fast_tier_and_recomputes_from_a_slow_one():
@@ -48,7 +53,8 @@ def test_auto_loads_from_a_fast_tier_and_recomputes_from_a_slow_one():
 def test_auto_splits_a_prefix_at_the_boundary_between_a_fast_and_a_slow_tier():
     found = ["cpu"] * 4 + ["disk"] * 4
     assert cut("auto", found, cpu=fast(), disk=slow()) == 4
-    assert cut("auto", found, cpu=slow(), disk=fast()) == 0  # the cut is a prefix: nothing past a recomputed block
+    # a slow tier first: its blocks are recomputed while the fast tier's after them load
+    assert plan("auto", found, cpu=slow(), disk=fast()) == LoadPlan(0, 4, 8)
 
 
 def test_auto_weighs_a_tier_latency_against_the_compute_it_saves():
@@ -62,6 +68,22 @@ def test_always_load_and_always_recompute_ignore_the_estimates():
     assert cut("always_load", found, cpu=slow()) == 6
     assert cut("always_recompute", found, cpu=fast()) == 1
     assert cut("always_recompute", ["device"] * 3) == 3
+
+
+def test_auto_recomputes_the_head_of_a_run_while_its_tail_loads_when_both_take_about_as_long():
+    # 64 blocks of 4 tokens: computing all takes ~0.28 s, loading all 0.64 s; each alone is slower than
+    # computing the first blocks while the later ones load
+    found = ["device"] * 2 + ["cpu"] * 64
+    medium = ReadCost(1024, latency_s=0.0, per_block_s=0.01)
+    p = plan("auto", found, cpu=medium)
+    assert p.overlaps and p.device_run == 2 and p.cut == 66 and 2 < p.head_end < 66
+    head_s = compute().prefill_s((p.head_end - 2) * BS, 2 * BS)
+    tail_s = medium.load_s(66 - p.head_end)
+    assert abs(head_s - tail_s) <= compute().prefill_s(BS, p.head_end * BS) + medium.load_s(1)  # they meet
+    assert plan("auto", found, cpu=fast()) == LoadPlan(2, 2, 66)   # loading is far faster: no head
+    assert plan("auto", found, cpu=slow()) == LoadPlan(2, 2, 2)    # loading is far slower: no tail
+    assert plan("always_load", found, cpu=medium) == LoadPlan(2, 2, 66)
+    assert plan("always_recompute", found, cpu=medium) == LoadPlan(2, 2, 2)
 
 
 def new_request(tokens: list[int]) -> Request:
@@ -218,3 +240,35 @@ def test_auto_recomputes_what_a_slow_tier_holds_and_counts_it(embedded_model_fp3
         exported = {m.name: m for m in _cache_metrics(stats)}["kvstrata_prefix_cache_recomputed_tokens"]
         assert {s.labels["tier"]: s.value for s in exported.samples if s.name.endswith("_total")}["cpu"] == \
             out.recomputed_tokens_by_tier["cpu"]
+
+
+@pytest.mark.slow
+def test_a_head_recomputed_while_the_tail_loads_gives_the_uncached_outputs(embedded_model_fp32, uncached, tmp_path,
+                                                                           monkeypatch):
+    """Prices fixed so that `auto` recomputes the first third of the prompt while the rest loads from a
+    slowed CPU tier: the answer is the uncached one, and the receipt says what was loaded and recomputed."""
+    from kvstrata import LLM, load_config
+    from kvstrata.engine import llm_engine
+
+    real_cpu_tier = llm_engine.CpuTier
+
+    def slowed_cpu_tier(*args, **kwargs):
+        tier = GatedTier(real_cpu_tier(*args, **kwargs))
+        tier.read_s_per_block = 0.02  # the tail is still loading when the head's step ends
+        return tier
+
+    monkeypatch.setattr(llm_engine, "CpuTier", slowed_cpu_tier)
+    with LLM(load_config(engine_config(tmp_path, "auto")), loaded_model=embedded_model_fp32) as llm:
+        first = llm.chat(PROMPT, GREEDY)[0]
+        assert first.cached_tokens == 0
+        assert llm.engine.hierarchy.clear_device_cache()
+        kv = llm.engine.kv_manager
+        kv.step_cost = StepCost(per_token_s=1e-3)  # a block (16 tokens) computes in 16 ms, loads in 8 ms
+        kv.read_costs["cpu"] = ReadCost(kv.read_costs["cpu"].block_nbytes, latency_s=0.0, per_block_s=8e-3)
+        out = llm.chat(PROMPT, GREEDY)[0]
+        assert out.token_ids == uncached
+        loaded, recomputed = out.cached_tokens_by_tier["cpu"], out.recomputed_tokens_by_tier["cpu"]
+        assert loaded > 0 and recomputed > 0 and loaded > recomputed  # the head is about a third
+        assert out.receipt.cached_tokens_by_tier["cpu"] == loaded
+        assert abs(out.receipt.ttft_ms - sum((out.receipt.queue_ms, out.receipt.lookup_ms, out.receipt.load_ms,
+                                              out.receipt.prefill_ms))) <= 0.05 * out.receipt.ttft_ms
