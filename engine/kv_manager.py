@@ -33,6 +33,7 @@ from kvstrata.tiers.block_pool import KVCacheBlock
 from kvstrata.tiers.hierarchy import PrefixLoad, TierHierarchy
 
 ComputedBlocks = tuple[list[KVCacheBlock], int, dict[str, int]]
+PROBE_BLOCKS = (1, 4)  # the loads timed per lower tier at start-up: a latency and a per-block cost
 
 
 @dataclass
@@ -41,7 +42,6 @@ class Tail:
 
     load: PrefixLoad
     start: int
-PROBE_BLOCKS = (1, 4)  # the loads timed per lower tier at start-up: a latency and a per-block cost
 
 
 @dataclass
