@@ -17,6 +17,7 @@ say otherwise, and keeps a coefficient that recent measurements cannot tell apar
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 MIN_STEP_TOKENS = 32     # the step cap never goes below this many tokens ...
@@ -145,11 +146,17 @@ class StepCost:
             return 0.0
         return self.per_token_s * num_new_tokens + self.per_pair_s * attention_pairs(num_new_tokens, context)
 
-    def tokens_within(self, seconds: float) -> int:
-        """The tokens a step may take to last `seconds`, within the floors of the step cap."""
+    def tokens_within(self, seconds: float, context: int = 0) -> int:
+        """The tokens a step may take to last `seconds` when they follow `context` computed ones (their
+        attention grows with it), within the floors of the step cap."""
         per_token = max(self.per_token_s, 1e-9)
         overhead_floor = self.overhead_s * (1 - MAX_OVERHEAD_SHARE) / MAX_OVERHEAD_SHARE / per_token
-        return max(MIN_STEP_TOKENS, int(overhead_floor), int((seconds - self.overhead_s) / per_token))
+        # per_token * n + per_pair * (n * context + n * (n + 1) / 2) = seconds - overhead, solved for n
+        a = self.per_pair_s / 2
+        b = per_token + self.per_pair_s * (context + 0.5)
+        c = max(seconds - self.overhead_s, 0.0)
+        n = c / b if a <= 0 else (math.sqrt(b * b + 4 * a * c) - b) / (2 * a)
+        return max(MIN_STEP_TOKENS, int(overhead_floor), int(n))
 
 
 class ReadCost:

@@ -22,7 +22,8 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     the wait first-come-first-served would give it.
   * Step cap. While short work is in the engine (a waiting request whose uncached work fits in one
     step, a decode, a prefill the step finishes), a step computes at most the tokens that
-    `step_target` allows at the measured prefill speed, so short work never waits long for a step;
+    `step_target` allows at the measured prefill speed (at the context of the furthest running prefill:
+    a token costs more the more it attends to), so short work never waits long for a step;
     but at least `MIN_STEP_TOKENS`, and enough that the step's fixed cost stays under
     `MAX_OVERHEAD_SHARE` of it (throughput first where a step's overhead is large against the
     target). With only long prefills in the engine the step keeps the whole budget.
@@ -126,7 +127,7 @@ class Scheduler:
         long_chunk = budget
         running = self.running
         if self.policy == "uncached_first":
-            capped = min(budget, self.cost.tokens_within(self.step_target))
+            capped = min(budget, self.cost.tokens_within(self.step_target, self._prefill_context()))
             candidates, short_waiting = self._order(candidates, capped)
             running = sorted(running, key=lambda r: self._running_key(r, capped))
             short_running = any(0 < self._remaining(r) <= capped for r in running)
@@ -136,6 +137,12 @@ class Scheduler:
         budget, long_chunk = self._schedule_running(out, running, budget, long_chunk)
         self._admit_waiting(out, candidates, budget, long_chunk)
         return out
+
+    def _prefill_context(self) -> int:
+        """The context the step's long prefill chunk follows (the furthest running prefill): its tokens
+        cost more the more they attend to, and the step cap must price them so."""
+        return max((r.num_computed_tokens for r in self.running if r.num_computed_tokens < r.num_prompt_tokens),
+                   default=0)
 
     def _land_tails(self) -> None:
         """Running requests that computed the head of their prefix while its tail loaded: the tail's

@@ -191,9 +191,11 @@ def test_step_cost_learns_overhead_per_token_and_attention_costs_from_measured_s
     for _ in range(200):
         cost.observe(1, seconds(1, 2000), attention_pairs(1, 2000))
     assert cost.per_token_s == pytest.approx(per_token, rel=1e-2)
-    assert cost.tokens_within(overhead + 256 * per_token) == pytest.approx(256, abs=1)
+    assert cost.tokens_within(seconds(256, 0)) == pytest.approx(256, abs=1)
     # a short target would spend most of each step on its fixed cost: at most a tenth of it
     assert cost.tokens_within(overhead + 48 * per_token) == pytest.approx(144, abs=1)
+    # after a long context each token costs more: the step takes fewer to last as long
+    assert cost.tokens_within(seconds(256, 1024), context=1024) == pytest.approx(256, abs=1)
 
 
 def test_step_cost_stays_non_negative_by_fitting_again_not_by_clamping():
