@@ -45,6 +45,15 @@ class Tail:
 
 
 @dataclass
+class UncachedEstimate:
+    """A waiting request's work left after a lookup (`KVCacheManager.estimate_uncached`)."""
+
+    tokens: int                  # tokens to compute
+    hit_blocks: dict[str, int]   # cached blocks it would use, per tier
+    next_hash: bytes | None      # its first full block found in no tier (None: none left, or held already)
+
+
+@dataclass
 class PrefixCacheStats:
     """The prefix cache's hit counters: one definition, counted once per request at its first
     admission (what the request reports as `cached_tokens_by_tier`), so an admission retried
@@ -236,21 +245,24 @@ class KVCacheManager:
             for num_blocks, seconds in self.hierarchy.probe_loads(tier, PROBE_BLOCKS):
                 self.read_costs[tier.name].observe(num_blocks, seconds)
 
-    def estimate_uncached(self, request: Request) -> tuple[int, dict[str, int]]:
-        """(tokens left to compute, cached blocks per tier to use) for a waiting request, from a lookup
-        that holds nothing (one `count_prefix` per tier) cut where the load policy would cut it: for
-        ordering admissions, not for admitting."""
+    def estimate_uncached(self, request: Request) -> UncachedEstimate:
+        """What a waiting request has left to compute, from a lookup that holds nothing (one
+        `count_prefix` per tier) cut where the load policy would cut it: for ordering admissions,
+        not for admitting."""
         load = self.prefix_loads.get(request.request_id)
+        next_hash = None
         if not self.enable_caching:
             used: list[str] = []
         elif load is not None:
             used = load.found_in
         else:
-            found = self.hierarchy.locate(self._prefix_hashes(request))
+            hashes = self._prefix_hashes(request)
+            found = self.hierarchy.locate(hashes)
             plan = self._choose_plan(request, found)
             used = found[:plan.device_run] + found[plan.head_end:plan.cut]
+            next_hash = hashes[len(found)] if len(found) < len(hashes) else None
         hit_blocks = {t: used.count(t) for t in TIER_NAMES}
-        return request.num_tokens - len(used) * self.block_size, hit_blocks
+        return UncachedEstimate(request.num_tokens - len(used) * self.block_size, hit_blocks, next_hash)
 
     def is_loading(self, request: Request) -> bool:
         """The request's prefix is being copied up from a lower tier."""
@@ -356,6 +368,16 @@ class KVCacheManager:
         reserved = self.reserved.pop(request.request_id, [])
         if reserved:
             self.pool.free_blocks(reserved)
+
+    def blocks_to_come(self, requests: list[Request]) -> set[bytes]:
+        """The hashes of the full prompt blocks these (running) requests have yet to compute or land:
+        a waiting request whose next uncached block is one of them waits for it rather than
+        computing it a second time beside them."""
+        to_come: set[bytes] = set()
+        for request in requests:
+            first = self.num_cached_block.get(request.request_id, 0)
+            to_come.update(request.block_hashes[first:request.num_prompt_tokens // self.block_size])
+        return to_come
 
     def holds_prefix(self, request: Request) -> bool:
         """The request has been looked up and holds its prefix (loading, or landed and not yet admitted)."""

@@ -4,7 +4,10 @@ Each step has a token budget. Running requests go first (decodes and the rest of
 prefills), then waiting requests are admitted: at admission a request's prefix is looked up across
 every tier, and only the uncached suffix is scheduled. A request whose prefix was found below the
 device waits in the loading state (vLLM's WAITING_FOR_REMOTE_KVS) while its blocks are copied up,
-and the scheduler admits the requests behind it meanwhile; a landed request is admitted first. When
+and the scheduler admits the requests behind it meanwhile; a landed request is admitted first. A
+request whose next uncached block is one a running prefill is about to compute (a second question
+on a document still being read) waits for it, under either policy, rather than computing the same
+K/V a second time beside it; the others go ahead of it. When
 the device pool cannot hold a running request's next tokens, the newest running request is
 preempted (its blocks freed, to be recomputed later, mostly from the cache).
 
@@ -20,13 +23,16 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     others, in arrival order. Bound: a request's wait exceeds max(AGING x its cost, MIN_AGE_S) by at
     most the time the engine takes to admit the overdue requests that arrived before it, which is
     the wait first-come-first-served would give it.
-  * Step cap. While short work is in the engine (a waiting request whose uncached work fits in one
-    step, a decode, a prefill the step finishes), a step computes at most the tokens that
+  * Step cap. While a first token is at stake (a waiting request whose uncached work fits in one
+    step, or a prefill in progress that the step finishes), a step computes at most the tokens that
     `step_target` allows at the measured prefill speed (at the context of the furthest running prefill:
     a token costs more the more it attends to), so short work never waits long for a step;
     but at least `MIN_STEP_TOKENS`, and enough that the step's fixed cost stays under
     `MAX_OVERHEAD_SHARE` of it (throughput first where a step's overhead is large against the
-    target). With only long prefills in the engine the step keeps the whole budget.
+    target). Otherwise (long prefills and decodes) a step may last `LONG_STEP_TARGETS` step targets:
+    long prefills lose little to step overheads, and a decode's next token, or a request that
+    arrives mid-step, still waits a bounded time. (Capping every step at the target made a document
+    beside a few streaming answers 1.2-2x slower than first come first served.)
   * Bounded share. While short work waits, the long prefills in progress (those the step cannot
     finish) get at most `long_prefill_share` of the step's budget between them and the rest goes to
     the short work. With nothing short waiting, long prefills get the whole budget. Several requests
@@ -45,12 +51,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvstrata.engine.costs import StepCost, attention_pairs
-from kvstrata.engine.kv_manager import KVCacheManager
+from kvstrata.engine.kv_manager import KVCacheManager, UncachedEstimate
 from kvstrata.engine.request import Request, RequestStatus
 
 POLICIES = ("fcfs", "uncached_first")
 AGING = 4.0              # a request is overdue once it has waited this many times its own estimated cost
 MIN_AGE_S = 1.0          # ... and at least this long: a near-free request is not overdue at once
+LONG_STEP_TARGETS = 8    # with no first token at stake a step may last this many step targets (see the module doc)
 
 
 @dataclass
@@ -91,6 +98,7 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._estimates: dict[str, UncachedEstimate] = {}  # this step's lookups of waiting requests
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -122,18 +130,24 @@ class Scheduler:
         out = SchedulerOutput()
         self.kv.release_abandoned()
         self._land_tails()
+        self._estimates = {}
         budget = self.max_num_batched_tokens
-        candidates = [r for r in self.waiting if not self.kv.is_loading(r)]
+        to_come = self.kv.blocks_to_come([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens])
+        candidates = [r for r in self.waiting if not self.kv.is_loading(r) and not self._waits_for(r, to_come)]
         long_chunk = budget
         running = self.running
         if self.policy == "uncached_first":
-            capped = min(budget, self.cost.tokens_within(self.step_target, self._prefill_context()))
+            context = self._prefill_context()
+            capped = min(budget, self.cost.tokens_within(self.step_target, context))
             candidates, short_waiting = self._order(candidates, capped)
             running = sorted(running, key=lambda r: self._running_key(r, capped))
-            short_running = any(0 < self._remaining(r) <= capped for r in running)
-            if short_waiting or short_running:  # short work shares the step: it must not wait long for it
+            short_prefill = any(r.num_computed_tokens < r.num_prompt_tokens and 0 < self._remaining(r) <= capped
+                                for r in running)
+            if short_waiting or short_prefill:  # a first token this step can give must not wait long for it
                 budget = capped
                 long_chunk = max(1, int(self.long_prefill_share * budget)) if short_waiting else budget
+            else:  # long steps, but a decode's next token, or a request arriving mid-step, waits a bounded time
+                budget = long_chunk = min(budget, self.cost.tokens_within(LONG_STEP_TARGETS * self.step_target, context))
         budget, long_chunk = self._schedule_running(out, running, budget, long_chunk)
         self._admit_waiting(out, candidates, budget, long_chunk)
         return out
@@ -184,11 +198,23 @@ class Scheduler:
         short = any(w <= budget for w in work.values())
         return sorted(candidates, key=key), short
 
+    def _estimate(self, request: Request) -> UncachedEstimate:
+        """The request's work left after a lookup, looked up once per step."""
+        estimate = self._estimates.get(request.request_id)
+        if estimate is None:
+            estimate = self._estimates[request.request_id] = self.kv.estimate_uncached(request)
+        return estimate
+
+    def _waits_for(self, request: Request, to_come: set[bytes]) -> bool:
+        """The first block the request would compute is one a running prefill is computing: it waits
+        for it (then finds it cached) rather than computing the same K/V a second time beside it."""
+        return bool(to_come) and self._estimate(request).next_hash in to_come
+
     def _uncached_work(self, request: Request) -> float:
         """Tokens left to compute after a lookup, plus lower-tier hits priced at their load time."""
-        tokens, hit_blocks = self.kv.estimate_uncached(request)
-        load_s = sum(self.kv.read_costs[t].load_s(n) for t, n in hit_blocks.items() if t != "device")
-        return tokens + load_s / max(self.cost.per_token_s, 1e-9)
+        estimate = self._estimate(request)
+        load_s = sum(self.kv.read_costs[t].load_s(n) for t, n in estimate.hit_blocks.items() if t != "device")
+        return estimate.tokens + load_s / max(self.cost.per_token_s, 1e-9)
 
     def _schedule_running(self, out: SchedulerOutput, running: list[Request], budget: int,
                           long_chunk: int) -> tuple[int, int]:

@@ -128,7 +128,8 @@ def test_a_fast_cpu_tier_is_loaded_and_a_slow_disk_past_it_is_recomputed(tmp_pat
     put_in(kv.hierarchy.disk, document, 4, 8)
     request = new_request(document)
     # priced as admitted
-    assert kv.estimate_uncached(request) == (4 * BS + 1, {"device": 0, "cpu": 4, "disk": 0, "remote": 0})
+    estimate = kv.estimate_uncached(request)
+    assert (estimate.tokens, estimate.hit_blocks) == (4 * BS + 1, {"device": 0, "cpu": 4, "disk": 0, "remote": 0})
     _, num_cached, by_tier = admit(kv, request)
     assert by_tier == {"device": 0, "cpu": 4 * BS, "disk": 0, "remote": 0}
     assert request.recomputed_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 4 * BS, "remote": 0}

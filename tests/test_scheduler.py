@@ -9,7 +9,7 @@ from test_hierarchy import BS, doc, make_stack, run_request
 
 from kvstrata.engine.costs import MIN_STEP_TOKENS, StepCost, attention_pairs
 from kvstrata.engine.request import RequestStatus
-from kvstrata.engine.scheduler import AGING, MIN_AGE_S, Scheduler
+from kvstrata.engine.scheduler import AGING, LONG_STEP_TARGETS, MIN_AGE_S, Scheduler
 
 
 class FakeClock:
@@ -134,12 +134,23 @@ def test_the_step_is_capped_by_its_target_time_at_the_measured_speed_while_short
     assert first.num_computed_tokens > 0
 
 
-def test_with_only_long_prefills_in_the_engine_the_step_is_not_capped():
-    kv, scheduler, clock = make_scheduler("uncached_first", budget=512, step_target=0.5,
+@pytest.mark.parametrize("others", ["none", "long", "decode"])
+def test_with_no_first_token_at_stake_a_step_lasts_at_most_long_step_targets(others):
+    """A lone document, documents side by side, or a document beside a streaming answer: steps far
+    longer than the target (little lost to step overheads), yet bounded, so that a decode's next
+    token or a request arriving mid-step waits at most LONG_STEP_TARGETS step targets."""
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=0.5,
                                           seconds_per_token=1 / 128)
-    add(scheduler, clock, doc(8, 960))
-    add(scheduler, clock, doc(10, 960))
-    assert sum(step(kv, scheduler, clock).values()) == 512  # not the 64 tokens of the step target
+    if others == "decode":
+        decoding = add(scheduler, clock, cached_question(kv, 18), max_tokens=5)
+        step(kv, scheduler, clock)  # its prefill and first token
+    first = add(scheduler, clock, doc(8, 960))
+    if others == "long":
+        add(scheduler, clock, doc(10, 960))
+    scheduled = step(kv, scheduler, clock)
+    long_step = LONG_STEP_TARGETS * 64  # 0.5 s at 128 tokens a second is 64 tokens
+    assert scheduled[first] + (scheduled[decoding] if others == "decode" else 0) == long_step
+    assert sum(scheduled.values()) == long_step  # not the 64 of one target, nor the 2048 of the budget
 
 
 def test_long_prefills_share_one_bounded_chunk_and_the_one_with_least_work_left_goes_first():
@@ -157,13 +168,6 @@ def test_long_prefills_share_one_bounded_chunk_and_the_one_with_least_work_left_
     short = add(scheduler, clock, cached_question(kv, 17))
     scheduled = step(kv, scheduler, clock)
     assert scheduled[short] == 5 and scheduled[long_b] == 16 and long_a not in scheduled
-
-
-def test_a_lone_request_keeps_the_whole_budget():
-    kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=0.5,
-                                          seconds_per_token=1 / 128)
-    lone = add(scheduler, clock, doc(11, 960))
-    assert step(kv, scheduler, clock)[lone] == 960
 
 
 def test_fcfs_keeps_the_whole_budget_for_the_request_that_came_first():
@@ -239,3 +243,20 @@ def test_unknown_policy_is_a_one_line_error():
     kv = make_stack(device_blocks=8)
     with pytest.raises(ValueError, match="scheduler.policy"):
         Scheduler(kv, 64, 4, policy="lifo")
+
+
+def test_a_second_question_on_a_document_being_read_waits_for_it_instead_of_computing_it_twice():
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=64, share=0.25)
+    document = doc(20, 40 * BS)
+    first = add(scheduler, clock, document + doc(21, 3))
+    assert step(kv, scheduler, clock) == {first: 64}
+    second = add(scheduler, clock, document + doc(22, 3))  # the same document, another question
+    other = add(scheduler, clock, cached_question(kv, 23))  # short work: leaves room in the step
+    scheduled = step(kv, scheduler, clock)
+    assert scheduled[other] == 5 and scheduled[first] == 16  # budget left over, yet ...
+    assert second not in scheduled  # ... the second question does not read the document beside the first
+    while first.num_computed_tokens < len(document):
+        assert second not in step(kv, scheduler, clock)
+    step(kv, scheduler, clock)
+    assert second.cached_tokens_by_tier["device"] == len(document)  # it found the whole document cached
+    assert second.num_computed_tokens == second.num_prompt_tokens  # and computed only its question
