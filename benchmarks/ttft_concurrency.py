@@ -133,10 +133,12 @@ class Driver:
         self.records: dict[str, dict] = {}
         self._ids = 0
 
-    def submit(self, spec: dict, stream: int | None = None) -> str:
+    def submit(self, spec: dict, stream: int | None = None, arrival_time: float | None = None) -> str:
+        """Send one request; `arrival_time` (perf_counter seconds) when it was due earlier than now."""
         request_id = f"c{self._ids}"
         self._ids += 1
-        self.engine.add_request(request_id, spec["token_ids"], self.params, arrival_time=time.perf_counter())
+        arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.engine.add_request(request_id, spec["token_ids"], self.params, arrival_time=arrival_time)
         self.records[request_id] = {"index": spec["index"], "doc": spec["doc"], "stream": stream}
         return request_id
 
@@ -183,7 +185,9 @@ def run_poisson(driver: Driver, requests: list[dict], plan: list[float]) -> None
     while pending or driver.engine.has_unfinished_requests():
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
-            driver.submit(pending.popleft()[1])
+            # due while the last step ran: its TTFT counts from when it was due, as a server's would
+            due, spec = pending.popleft()
+            driver.submit(spec, arrival_time=start + due)
         if driver.engine.has_unfinished_requests():
             driver.step()
         elif pending:

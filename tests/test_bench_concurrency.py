@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.ttft_concurrency import goals  # noqa: E402
+from benchmarks.ttft_concurrency import Driver, goals, run_poisson  # noqa: E402
 
 
 def policy(hit_p50: float, hit_p90: float, miss_p50: float, throughput: float) -> dict:
@@ -31,6 +32,34 @@ def test_goals_compare_hits_with_hits_alone_and_misses_and_throughput_with_fcfs(
     assert rows["uncached_first throughput / fcfs throughput, at least 0.9x"] == "0.95x (PASS)"
     results["uncached_first"] = policy(0.5, 1.5, 13.0, 80.0)
     assert [status.endswith("(MISS)") for _, status in goals(results, alone)] == [True, True, True, True]
+
+
+class SlowStepEngine:
+    """An engine stand-in whose every step takes 0.2 s and finishes what it was given."""
+
+    def __init__(self):
+        self.arrivals: dict[str, float] = {}
+        self.pending: list[str] = []
+
+    def add_request(self, request_id, token_ids, params, arrival_time):
+        self.arrivals[request_id] = arrival_time
+        self.pending.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.pending)
+
+    def step(self):
+        time.sleep(0.2)
+        self.pending.clear()
+        return []
+
+
+def test_a_poisson_arrival_due_during_a_step_counts_its_ttft_from_when_it_was_due():
+    engine = SlowStepEngine()
+    specs = [{"index": i, "doc": 0, "token_ids": [1, 2, 3]} for i in range(2)]
+    run_poisson(Driver(engine, params=None), specs, plan=[0.0, 0.05])  # the second is due mid-step
+    first, second = engine.arrivals["c0"], engine.arrivals["c1"]
+    assert second - first == pytest.approx(0.05, abs=0.01)  # not the 0.2 s step it was sent after
 
 
 @pytest.mark.slow
