@@ -187,7 +187,7 @@ def source_state() -> dict:
     def git(*argv: str) -> str:
         try:
             return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+                                  timeout=10).stdout.rstrip()  # porcelain lines start with a space
         except (OSError, subprocess.SubprocessError):
             return ""
     changed = git("status", "--porcelain", "--", "engine", "tiers", "kernels", "kvstrata")

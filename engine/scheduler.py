@@ -35,7 +35,7 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     beside a few streaming answers 1.2-2x slower than first come first served.)
   * Bounded share. While short work waits, the long prefills in progress (those the step cannot
     finish) get at most `long_prefill_share` of the step's budget between them and the rest goes to
-    the short work. With nothing short waiting, long prefills get the whole budget. Several requests
+    the short work. With nothing short waiting, long prefills get the whole step. Several requests
     may be mid-prefill at once; the long ones are given the budget least work left first, so that one
     finishes before the next instead of all finishing late.
 

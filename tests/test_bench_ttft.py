@@ -308,3 +308,20 @@ def assert_each_configuration_is_what_it_claims(configurations: dict, num_reques
     assert tokens("device_cpu_disk", "disk") > 0
     if "disk_after_restart" in configurations:  # the fresh process finds the first document on disk
         assert configurations["disk_after_restart"]["records"][0]["cached_tokens_by_tier"]["disk"] > 0
+
+
+def test_the_report_names_the_engine_sources_modified_since_the_commit_measured(tmp_path, monkeypatch):
+    import benchmarks.ttft_pressure as pressure
+
+    def git(*argv):
+        subprocess.run(["git", *argv], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "scheduler.py").write_text("a = 1\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    (tmp_path / "engine" / "scheduler.py").write_text("a = 2\n")
+    monkeypatch.setattr(pressure, "REPO_ROOT", tmp_path)
+    state = pressure.source_state()
+    assert state["commit"] and state["engine_sources_modified"] == ["engine/scheduler.py"]
