@@ -406,9 +406,10 @@ class SchedulerConfig(_Section):
     """How requests share the engine's steps (README, "Scheduling under concurrency").
 
     `policy`: `uncached_first` admits waiting requests by the work left after the cache lookup,
-    short first, with aging; `fcfs` in arrival order. Under `uncached_first` each step computes at
-    most what `step_target` (seconds; YAML takes "50ms" or "0.2s") allows at the engine's measured
-    prefill speed, and while short work waits a long prefill gets at most `long_prefill_share` of it.
+    short first, with aging; `fcfs` in arrival order. Under `uncached_first`, while a first token is at
+    stake a step computes at most what `step_target` (seconds; YAML takes "50ms" or "0.2s") allows at
+    the engine's measured prefill speed, of which the long prefills get at most `long_prefill_share`
+    while short work waits; otherwise a step lasts at most 8 step targets.
     """
 
     max_num_batched_tokens: PositiveInt = 2048

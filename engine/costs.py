@@ -149,14 +149,17 @@ class StepCost:
     def tokens_within(self, seconds: float, context: int = 0) -> int:
         """The tokens a step may take to last `seconds` when they follow `context` computed ones (their
         attention grows with it), within the floors of the step cap."""
-        per_token = max(self.per_token_s, 1e-9)
-        overhead_floor = self.overhead_s * (1 - MAX_OVERHEAD_SHARE) / MAX_OVERHEAD_SHARE / per_token
-        # per_token * n + per_pair * (n * context + n * (n + 1) / 2) = seconds - overhead, solved for n
+        overhead_floor = self.overhead_s * (1 - MAX_OVERHEAD_SHARE) / MAX_OVERHEAD_SHARE / max(self.per_token_s, 1e-9)
+        return max(MIN_STEP_TOKENS, int(overhead_floor), self.tokens_for(seconds - self.overhead_s, context))
+
+    def tokens_for(self, compute_s: float, context: int = 0) -> int:
+        """The tokens whose compute (a step's fixed cost aside) takes `compute_s` seconds when they
+        follow `context` computed ones."""
+        # per_token * n + per_pair * (n * context + n * (n + 1) / 2) = compute_s, solved for n
         a = self.per_pair_s / 2
-        b = per_token + self.per_pair_s * (context + 0.5)
-        c = max(seconds - self.overhead_s, 0.0)
-        n = c / b if a <= 0 else (math.sqrt(b * b + 4 * a * c) - b) / (2 * a)
-        return max(MIN_STEP_TOKENS, int(overhead_floor), int(n))
+        b = max(self.per_token_s, 1e-9) + self.per_pair_s * (context + 0.5)
+        c = max(compute_s, 0.0)
+        return int(c / b if a <= 0 else (math.sqrt(b * b + 4 * a * c) - b) / (2 * a))
 
 
 class ReadCost:

@@ -34,8 +34,9 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     arrives mid-step, still waits a bounded time. (Capping every step at the target made a document
     beside a few streaming answers 1.2-2x slower than first come first served.)
   * Bounded share. While short work waits, the long prefills in progress (those the step cannot
-    finish) get at most `long_prefill_share` of the step's budget between them and the rest goes to
-    the short work. With nothing short waiting, long prefills get the whole step. Several requests
+    finish) get at most `long_prefill_share` of what the step target buys (priced as the cap is, but
+    without the overhead floor: a step that serves short work stays near its target) between them,
+    and the rest of the step goes to the short work. With nothing short waiting, long prefills get the whole step. Several requests
     may be mid-prefill at once; the long ones are given the budget least work left first, so that one
     finishes before the next instead of all finishing late.
 
@@ -50,7 +51,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvstrata.engine.costs import StepCost, attention_pairs
+from kvstrata.engine.costs import MIN_STEP_TOKENS, StepCost, attention_pairs
 from kvstrata.engine.kv_manager import KVCacheManager, UncachedEstimate
 from kvstrata.engine.request import Request, RequestStatus
 
@@ -134,23 +135,30 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         to_come = self.kv.blocks_to_come([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens])
         candidates = [r for r in self.waiting if not self.kv.is_loading(r) and not self._waits_for(r, to_come)]
-        long_chunk = budget
-        running = self.running
+        running, long_chunk = self.running, budget
         if self.policy == "uncached_first":
-            context = self._prefill_context()
-            capped = min(budget, self.cost.tokens_within(self.step_target, context))
-            candidates, short_waiting = self._order(candidates, capped)
-            running = sorted(running, key=lambda r: self._running_key(r, capped))
-            short_prefill = any(r.num_computed_tokens < r.num_prompt_tokens and 0 < self._remaining(r) <= capped
-                                for r in running)
-            if short_waiting or short_prefill:  # a first token this step can give must not wait long for it
-                budget = capped
-                long_chunk = max(1, int(self.long_prefill_share * budget)) if short_waiting else budget
-            else:  # long steps, but a decode's next token, or a request arriving mid-step, waits a bounded time
-                budget = long_chunk = min(budget, self.cost.tokens_within(LONG_STEP_TARGETS * self.step_target, context))
+            candidates, running, budget, long_chunk = self._uncached_first_step(candidates)
         budget, long_chunk = self._schedule_running(out, running, budget, long_chunk)
         self._admit_waiting(out, candidates, budget, long_chunk)
         return out
+
+    def _uncached_first_step(self, candidates: list[Request]) -> tuple[list[Request], list[Request], int, int]:
+        """`uncached_first`'s order and budgets (see the module doc): the candidates and the running
+        requests in order, the step's token budget, and the chunk the long prefills share."""
+        context = self._prefill_context()
+        capped = min(self.max_num_batched_tokens, self.cost.tokens_within(self.step_target, context))
+        candidates, short_waiting = self._order(candidates, capped)
+        running = sorted(self.running, key=lambda r: self._running_key(r, capped))
+        if short_waiting:
+            # The long prefills' share is of the step's target time: the cap's floor that keeps step
+            # overheads small is for throughput, and would make every step that serves short work long.
+            target = max(MIN_STEP_TOKENS, self.cost.tokens_for(self.step_target - self.cost.overhead_s, context))
+            return candidates, running, capped, max(1, int(self.long_prefill_share * min(capped, target)))
+        if any(r.num_computed_tokens < r.num_prompt_tokens and 0 < self._remaining(r) <= capped for r in running):
+            return candidates, running, capped, capped  # a prefill this step finishes: its first token
+        long_step = min(self.max_num_batched_tokens,
+                        self.cost.tokens_within(LONG_STEP_TARGETS * self.step_target, context))
+        return candidates, running, long_step, long_step
 
     def _prefill_context(self) -> int:
         """The context the step's long prefill chunk follows (the furthest running prefill): its tokens

@@ -110,6 +110,19 @@ def test_a_long_prefill_gets_its_share_while_short_work_waits_and_the_whole_budg
     assert step(kv, scheduler, clock)[long_request] == 64  # short work done: the whole budget again
 
 
+def test_a_long_prefills_share_is_of_the_step_target_even_where_step_overheads_raise_the_cap():
+    """A step's fixed cost of 0.5 s raises the cap to 450 tokens (overheads under a tenth of a step),
+    but while a short request waits the long prefill keeps half of the 1 s target's compute, 25 tokens,
+    not half of 450: the short request's step stays near its target."""
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=1.0, share=0.5)
+    scheduler.cost = StepCost(per_token_s=0.01, overhead_s=0.5)
+    long_request = add(scheduler, clock, doc(24, 2000))
+    step(kv, scheduler, clock)
+    short = add(scheduler, clock, cached_question(kv, 25))
+    scheduled = step(kv, scheduler, clock)
+    assert scheduled == {short: 5, long_request: 25}
+
+
 def test_several_prefills_run_at_once():
     kv, scheduler, clock = make_scheduler("uncached_first", budget=64, share=0.25)
     first = add(scheduler, clock, doc(6, 480))
