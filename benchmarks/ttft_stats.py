@@ -27,11 +27,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(values: Sequence[float]) -> dict | None:
-    """n, p50, p90, p99, mean and min of a list of seconds; None for an empty list."""
+    """n, p50, p90, p99, mean, min and max of a list of seconds; None for an empty list."""
     if not values:
         return None
     return {"n": len(values), "p50": percentile(values, 50), "p90": percentile(values, 90),
-            "p99": percentile(values, 99), "mean": sum(values) / len(values), "min": min(values)}
+            "p99": percentile(values, 99), "mean": sum(values) / len(values), "min": min(values),
+            "max": max(values)}
 
 
 def hit_tier(cached_tokens_by_tier: Mapping[str, int], prompt_tokens: int) -> str:

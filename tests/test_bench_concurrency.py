@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.ttft_concurrency import Driver, goals, run_poisson  # noqa: E402
+from benchmarks.ttft_concurrency import Driver, goals, mark_joined, run_poisson  # noqa: E402
 
 
 def policy(hit_p50: float, hit_p90: float, miss_p50: float, throughput: float) -> dict:
@@ -32,6 +33,18 @@ def test_goals_compare_hits_with_hits_alone_and_misses_and_throughput_with_fcfs(
     assert rows["uncached_first throughput / fcfs throughput, at least 0.9x"] == "0.95x (PASS)"
     results["uncached_first"] = policy(0.5, 1.5, 13.0, 80.0)
     assert [status.endswith("(MISS)") for _, status in goals(results, alone)] == [True, True, True, True]
+
+
+def test_a_question_that_arrived_while_its_document_was_being_read_is_neither_hit_nor_miss():
+    def record(doc, tier, arrival_s, ttft_s):
+        return {"doc": doc, "hit_tier": tier, "arrival_s": arrival_s, "ttft_s": ttft_s}
+
+    records = mark_joined([record(0, "miss", 0.0, 6.0),     # reads document 0 from 0 s to 6 s
+                           record(0, "device", 1.0, 5.5),   # came while it was read: joined it
+                           record(0, "device", 7.0, 0.2),   # came once it was cached: a hit
+                           record(1, "device", 2.0, 0.2),   # another document, cached already: a hit
+                           record(1, "miss", 0.5, 1.0)])
+    assert [r["joined"] for r in records] == [False, True, False, False, False]
 
 
 class SlowStepEngine:
@@ -62,6 +75,37 @@ def test_a_poisson_arrival_due_during_a_step_counts_its_ttft_from_when_it_was_du
     assert second - first == pytest.approx(0.05, abs=0.01)  # not the 0.2 s step it was sent after
 
 
+class StreamingEngine:
+    """An engine stand-in: one request, a token every step, steps of 0.05 s and then one of 0.3 s."""
+
+    def __init__(self, step_seconds: list[float]):
+        self.step_seconds = list(step_seconds)
+        self.request = None
+
+    def add_request(self, request_id, token_ids, params, arrival_time):
+        self.request = SimpleNamespace(request_id=request_id, is_finished=False, cached_tokens_by_tier={},
+                                       ttft_s=0.0, num_prompt_tokens=len(token_ids), output_token_ids=[],
+                                       receipt=None)
+
+    def step(self):
+        time.sleep(self.step_seconds.pop(0))
+        self.request.output_token_ids.append(1)
+        self.request.is_finished = not self.step_seconds
+        return [self.request]
+
+    def release(self, request_id):
+        pass
+
+
+def test_the_driver_records_how_long_each_streaming_answer_stalled_between_tokens():
+    driver = Driver(StreamingEngine([0.0, 0.05, 0.3]), params=None)
+    request_id = driver.submit({"index": 0, "doc": 0, "token_ids": [1, 2, 3]})
+    while not driver.step():
+        pass
+    gaps = driver.records[request_id]["token_gaps_s"]
+    assert len(gaps) == 2 and gaps[0] < 0.25 <= gaps[1]  # the long step shows as a stall
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_concurrency_cli_measures_both_policies_and_the_hits_alone(tmp_path):
@@ -85,6 +129,7 @@ def test_bench_concurrency_cli_measures_both_policies_and_the_hits_alone(tmp_pat
         for r in records:  # where each TTFT went: the receipt's parts add up to it
             parts = sum(r["receipt"][k] for k in ("queue_ms", "lookup_ms", "load_ms", "prefill_ms"))
             assert parts == pytest.approx(1000 * r["ttft_s"], rel=0.05), (name, r)
+            assert len(r["token_gaps_s"]) == r["output_tokens"] - 1  # how long the answer stalled between tokens
     assert result["outputs_equal"] is True  # reordering admissions never changes a greedy float32 answer
     assert result["hits_alone"]["n"] > 0
     assert len(result["goals"]) == 4
