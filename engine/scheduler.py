@@ -33,10 +33,12 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     long prefills lose little to step overheads, and a decode's next token, or a request that
     arrives mid-step, still waits a bounded time. (Capping every step at the target made a document
     beside a few streaming answers 1.2-2x slower than first come first served.)
-  * Bounded share. While short work waits, the long prefills in progress (those the step cannot
-    finish) get at most `long_prefill_share` of what the step target buys (priced as the cap is, but
-    without the overhead floor: a step that serves short work stays near its target) between them,
-    and the rest of the step goes to the short work. With nothing short waiting, long prefills get the whole step. Several requests
+  * Bounded share. While short work waits, the step holds the short work (the waiting requests
+    that fit in a step, and the running prefills and decodes whose rest fits in what the step target
+    buys) and, between the long prefills in progress, at most `long_prefill_share` of what the
+    target buys (priced as the cap is, without its overhead floor), within the cap: a step that
+    serves a question stays near its target instead of finishing a document's last few hundred
+    tokens beside it. With nothing short waiting, long prefills get the whole step. Several requests
     may be mid-prefill at once; the long ones are given the budget least work left first, so that one
     finishes before the next instead of all finishing late.
 
@@ -150,10 +152,13 @@ class Scheduler:
         candidates, short_waiting = self._order(candidates, capped)
         running = sorted(self.running, key=lambda r: self._running_key(r, capped))
         if short_waiting:
-            # The long prefills' share is of the step's target time: the cap's floor that keeps step
-            # overheads small is for throughput, and would make every step that serves short work long.
+            # The step holds the short work and the long prefills' share of what the step target buys
+            # (without the cap's overhead floor, which is for throughput): padded to the cap, a step
+            # that serves a question would run long, e.g. finishing a document beside it.
             target = max(MIN_STEP_TOKENS, self.cost.tokens_for(self.step_target - self.cost.overhead_s, context))
-            return candidates, running, capped, max(1, int(self.long_prefill_share * min(capped, target)))
+            long_chunk = max(1, int(self.long_prefill_share * min(capped, target)))
+            short_running = sum(n for n in map(self._remaining, running) if n <= target)
+            return candidates, running, min(capped, short_waiting + short_running + long_chunk), long_chunk
         if any(r.num_computed_tokens < r.num_prompt_tokens and 0 < self._remaining(r) <= capped for r in running):
             return candidates, running, capped, capped  # a prefill this step finishes: its first token
         long_step = min(self.max_num_batched_tokens,
@@ -191,9 +196,9 @@ class Scheduler:
         remaining = self._remaining(request)
         return (0, 0) if remaining <= budget else (1, remaining)
 
-    def _order(self, candidates: list[Request], budget: int) -> tuple[list[Request], bool]:
+    def _order(self, candidates: list[Request], budget: int) -> tuple[list[Request], int]:
         """Landed loads first, then overdue requests in arrival order, then the rest by uncached work;
-        and whether any candidate is short (its uncached work fits in one step)."""
+        and the tokens the short candidates (their uncached work fits in one step) have to compute."""
         now = self.clock()
         work = {r.request_id: self._uncached_work(r) for r in candidates}
 
@@ -203,8 +208,8 @@ class Scheduler:
             overdue = now - r.arrival_time >= max(AGING * cost_s, MIN_AGE_S)
             return (not landed, not overdue, 0 if overdue else work[r.request_id], r.arrival_time)
 
-        short = any(w <= budget for w in work.values())
-        return sorted(candidates, key=key), short
+        short_tokens = sum(self._estimate(r).tokens for r in candidates if work[r.request_id] <= budget)
+        return sorted(candidates, key=key), short_tokens
 
     def _estimate(self, request: Request) -> UncachedEstimate:
         """The request's work left after a lookup, looked up once per step."""

@@ -123,6 +123,20 @@ def test_a_long_prefills_share_is_of_the_step_target_even_where_step_overheads_r
     assert scheduled == {short: 5, long_request: 25}
 
 
+def test_a_question_does_not_wait_for_the_end_of_a_document_that_would_overrun_its_step():
+    """A document's last 100 tokens fit under the cap that step overheads raise (450 tokens) but not in
+    the 1 s target (50): while a question waits, the document keeps its share (25) and finishes after."""
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=1.0, share=0.5,
+                                          device_blocks=1024)
+    scheduler.cost = StepCost(per_token_s=0.01, overhead_s=0.5)
+    document = add(scheduler, clock, doc(26, 1600))
+    step(kv, scheduler, clock)
+    step(kv, scheduler, clock)  # two long steps of 750 tokens: 100 left
+    short = add(scheduler, clock, cached_question(kv, 27))
+    assert step(kv, scheduler, clock) == {short: 5, document: 25}
+    assert step(kv, scheduler, clock) == {document: 75}  # the question answered, the document finishes
+
+
 def test_several_prefills_run_at_once():
     kv, scheduler, clock = make_scheduler("uncached_first", budget=64, share=0.25)
     first = add(scheduler, clock, doc(6, 480))
