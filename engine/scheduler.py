@@ -149,16 +149,18 @@ class Scheduler:
         requests in order, the step's token budget, and the chunk the long prefills share."""
         context = self._prefill_context()
         capped = min(self.max_num_batched_tokens, self.cost.tokens_within(self.step_target, context))
-        candidates, short_waiting = self._order(candidates, capped)
+        candidates, short_tokens = self._order(candidates, capped)
         running = sorted(self.running, key=lambda r: self._running_key(r, capped))
-        if short_waiting:
+        if len(self.running) + self.num_loading >= self.max_num_seqs:
+            short_tokens = 0  # short requests wait for a sequence slot, not for this step: none holds long ones back
+        if short_tokens:
             # The step holds the short work and the long prefills' share of what the step target buys
             # (without the cap's overhead floor, which is for throughput): padded to the cap, a step
             # that serves a question would run long, e.g. finishing a document beside it.
             target = max(MIN_STEP_TOKENS, self.cost.tokens_for(self.step_target - self.cost.overhead_s, context))
             long_chunk = max(1, int(self.long_prefill_share * min(capped, target)))
             short_running = sum(n for n in map(self._remaining, running) if n <= target)
-            return candidates, running, min(capped, short_waiting + short_running + long_chunk), long_chunk
+            return candidates, running, min(capped, short_tokens + short_running + long_chunk), long_chunk
         if any(r.num_computed_tokens < r.num_prompt_tokens and 0 < self._remaining(r) <= capped for r in running):
             return candidates, running, capped, capped  # a prefill this step finishes: its first token
         long_step = min(self.max_num_batched_tokens,

@@ -137,6 +137,16 @@ def test_a_question_does_not_wait_for_the_end_of_a_document_that_would_overrun_i
     assert step(kv, scheduler, clock) == {document: 75}  # the question answered, the document finishes
 
 
+def test_a_short_request_waiting_for_a_sequence_slot_does_not_hold_a_long_prefill_back():
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=64, share=0.25)
+    long_request = add(scheduler, clock, doc(28, 480))
+    step(kv, scheduler, clock)
+    scheduler.max_num_seqs = 1  # the long prefill holds the only slot
+    short = add(scheduler, clock, cached_question(kv, 29))
+    assert step(kv, scheduler, clock) == {long_request: 64}  # not a quarter: the question cannot come in anyway
+    assert short.status == RequestStatus.WAITING
+
+
 def test_several_prefills_run_at_once():
     kv, scheduler, clock = make_scheduler("uncached_first", budget=64, share=0.25)
     first = add(scheduler, clock, doc(6, 480))
