@@ -50,7 +50,7 @@ class UncachedEstimate:
 
     tokens: int                  # tokens to compute
     hit_blocks: dict[str, int]   # cached blocks it would use, per tier
-    next_hash: bytes | None      # its first full block found in no tier (None: none left, or held already)
+    next_hash: bytes | None      # its first full block not on the device (None: none, or its prefix is held)
 
 
 @dataclass
@@ -260,7 +260,8 @@ class KVCacheManager:
             found = self.hierarchy.locate(hashes)
             plan = self._choose_plan(request, found)
             used = found[:plan.device_run] + found[plan.head_end:plan.cut]
-            next_hash = hashes[len(found)] if len(found) < len(hashes) else None
+            first_off_device = next((k for k, tier in enumerate(found) if tier != "device"), len(found))
+            next_hash = hashes[first_off_device] if first_off_device < len(hashes) else None
         hit_blocks = {t: used.count(t) for t in TIER_NAMES}
         return UncachedEstimate(request.num_tokens - len(used) * self.block_size, hit_blocks, next_hash)
 
@@ -369,15 +370,22 @@ class KVCacheManager:
         if reserved:
             self.pool.free_blocks(reserved)
 
-    def blocks_to_come(self, requests: list[Request]) -> set[bytes]:
-        """The hashes of the full prompt blocks these (running) requests have yet to compute or land:
-        a waiting request whose next uncached block is one of them waits for it rather than
-        computing it a second time beside them."""
-        to_come: set[bytes] = set()
-        for request in requests:
+    def blocks_to_come(self, running: list[Request]) -> set[bytes]:
+        """The hashes of blocks on their way to the device: the full prompt blocks these running
+        requests have yet to compute (a tail loading among them), and those in flight for a waiting
+        request (`blocks_loading`). A waiting request whose next block is one of them waits for it
+        rather than computing or loading it a second time beside them."""
+        to_come = self.blocks_loading()
+        for request in running:
             first = self.num_cached_block.get(request.request_id, 0)
             to_come.update(request.block_hashes[first:request.num_prompt_tokens // self.block_size])
         return to_come
+
+    def blocks_loading(self) -> set[bytes]:
+        """The hashes of the blocks in flight to the device for a waiting request's prefix. (A landed
+        prefix's request is admitted first, which caches them on the device; a running request's tail
+        is among its prompt blocks to come.)"""
+        return {load.block_hashes[k] for load in self.prefix_loads.values() if not load.ready for k in load.below}
 
     def holds_prefix(self, request: Request) -> bool:
         """The request has been looked up and holds its prefix (loading, or landed and not yet admitted)."""

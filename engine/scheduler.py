@@ -5,9 +5,10 @@ prefills), then waiting requests are admitted: at admission a request's prefix i
 every tier, and only the uncached suffix is scheduled. A request whose prefix was found below the
 device waits in the loading state (vLLM's WAITING_FOR_REMOTE_KVS) while its blocks are copied up,
 and the scheduler admits the requests behind it meanwhile; a landed request is admitted first. A
-request whose next uncached block is one a running prefill is about to compute (a second question
-on a document still being read) waits for it, under either policy, rather than computing the same
-K/V a second time beside it; the others go ahead of it. When
+request whose next block not on the device is one a running prefill is about to compute (a second
+question on a document still being read), or one another request is loading, waits for it, under
+either policy, rather than computing or loading the same K/V a second time; the others go ahead of
+it. When
 the device pool cannot hold a running request's next tokens, the newest running request is
 preempted (its blocks freed, to be recomputed later, mostly from the cache).
 
@@ -141,7 +142,7 @@ class Scheduler:
         if self.policy == "uncached_first":
             candidates, running, budget, long_chunk = self._uncached_first_step(candidates)
         budget, long_chunk = self._schedule_running(out, running, budget, long_chunk)
-        self._admit_waiting(out, candidates, budget, long_chunk)
+        self._admit_waiting(out, candidates, budget, long_chunk, to_come)
         return out
 
     def _uncached_first_step(self, candidates: list[Request]) -> tuple[list[Request], list[Request], int, int]:
@@ -221,8 +222,9 @@ class Scheduler:
         return estimate
 
     def _waits_for(self, request: Request, to_come: set[bytes]) -> bool:
-        """The first block the request would compute is one a running prefill is computing: it waits
-        for it (then finds it cached) rather than computing the same K/V a second time beside it."""
+        """The first block the request would compute or load is one a running prefill is computing or
+        another request's load is bringing up: it waits for it (then finds it on the device) rather
+        than computing or loading the same K/V a second time."""
         return bool(to_come) and self._estimate(request).next_hash in to_come
 
     def _uncached_work(self, request: Request) -> float:
@@ -273,9 +275,11 @@ class Scheduler:
         one) gets at most what is left of `long_chunk`."""
         return min(remaining, budget) if remaining <= budget else min(long_chunk, budget)
 
-    def _admit_waiting(self, out: SchedulerOutput, candidates: list[Request], budget: int, long_chunk: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, candidates: list[Request], budget: int, long_chunk: int,
+                       to_come: set[bytes]) -> None:
         """Admit waiting requests in `candidates` order while budget and sequence slots last. Loading
-        ones count towards the sequence slots (they hold device blocks)."""
+        ones count towards the sequence slots (they hold device blocks); a request that waits for
+        blocks a load started here brings up is passed over (`_waits_for`)."""
         num_seqs = len(self.running) + self.num_loading
         for request in candidates:
             if budget <= 0 or out.preempted:
@@ -283,6 +287,8 @@ class Scheduler:
             landed = request.status == RequestStatus.LOADING  # its prefix is held already
             if not landed and num_seqs >= self.max_num_seqs:
                 break
+            if self._waits_for(request, to_come):
+                continue
             computed = self.kv.get_computed_blocks(request)  # the lookup and load phases start there
             if computed is None and not self.kv.holds_prefix(request):
                 request.enter_phase("queue")
@@ -290,6 +296,7 @@ class Scheduler:
             if computed is None:  # found below the device: it waits while its blocks are copied up
                 request.status = RequestStatus.LOADING
                 num_seqs += 1
+                to_come |= self.kv.blocks_loading()
                 continue
             if not self._admit(request, computed, budget, long_chunk, out):
                 request.enter_phase("queue")

@@ -318,3 +318,28 @@ def test_a_request_aborted_while_its_tail_loads_releases_everything_once_the_tai
     kv.release_abandoned()
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert not kv.hierarchy.cpu.inner._holds  # the tail's blocks are no longer held in the CPU tier
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
+def test_two_questions_on_a_document_below_the_device_load_it_once(policy):
+    """The second question waits for the first one's load instead of loading the same blocks again
+    (into device blocks of its own), then finds them on the device."""
+    kv = make_stack(device_blocks=48, cpu_blocks=16, gate_cpu=True)
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4, policy=policy)
+    document = doc(6, 6 * BS)
+    put_below(kv, document, 6)
+    kv.hierarchy.cpu.gate.clear()
+    first, second = new_request(document + [7, 8]), new_request(document + [9, 10, 11])  # ids differ by length
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    fake_step(kv, scheduler)
+    assert first.status == RequestStatus.LOADING
+    assert second.status == RequestStatus.WAITING and not kv.holds_prefix(second)  # no load of its own
+    kv.hierarchy.cpu.gate.set()
+    kv.wait_for_loads(timeout=10)
+    sampled = fake_step(kv, scheduler)
+    assert first in sampled and second in sampled
+    assert first.cached_tokens_by_tier["cpu"] == 6 * BS
+    assert second.cached_tokens_by_tier["device"] == 6 * BS  # the blocks the first one loaded
+    assert kv.hierarchy.counters.promotions["cpu"] == 6
+    assert_prefix_bytes(kv, kv.req_to_blocks[second.request_id][:6], second.block_hashes)
