@@ -225,6 +225,7 @@ def ask(engine, token_ids, cache_salt: str | None = None) -> dict:
     return {"ttft_s": out.ttft_s, "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": sum(by_tier.values()),
             "computed_tokens": len(out.prompt_token_ids) - sum(by_tier.values()),
             "cached_tokens_by_tier": by_tier, "hit_tier": hit_tier(by_tier, len(out.prompt_token_ids)),
+            "recomputed_tokens_by_tier": {t: int(out.recomputed_tokens_by_tier.get(t, 0)) for t in TIERS},
             "receipt": out.receipt.to_dict(), "text": out.text}
 
 

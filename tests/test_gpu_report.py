@@ -101,3 +101,16 @@ def test_a_smoke_run_writes_every_section_of_the_report(tmp_path):
     assert {(r["model"], r["doc_tokens"]) for r in rows} == {(m, n) for m in gpu_report.MODELS for n in (48, 96)}
     assert all(r["unexpected"] == [] for r in rows), "a request was not served by the tier it was meant to test"
     assert all(g["hit_cached_tokens_by_tier"]["cpu"] > 0 for g in result["gap"])
+
+
+def test_a_hit_is_named_by_the_tier_its_prefix_was_found_in_even_when_the_load_policy_recomputed_part():
+    def record(cached: dict, recomputed: dict) -> dict:
+        tiers = ("device", "cpu", "disk", "remote")
+        return {"prompt_tokens": 135, "cached_tokens_by_tier": {t: cached.get(t, 0) for t in tiers},
+                "recomputed_tokens_by_tier": {t: recomputed.get(t, 0) for t in tiers}}
+
+    # 64 tokens loaded from the CPU tier and 32 recomputed beside the load: a CPU-tier hit, not a miss
+    assert gpu_report.found_tier(record({"cpu": 64}, {"cpu": 32})) == "cpu"
+    assert gpu_report.found_tier(record({"cpu": 96}, {})) == "cpu"
+    assert gpu_report.found_tier(record({"device": 16}, {"cpu": 16})) == "miss"  # too little found to be a hit
+    assert gpu_report.found_tier(record({}, {})) == "miss"
