@@ -30,10 +30,13 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     a token costs more the more it attends to), so short work never waits long for a step;
     but at least `MIN_STEP_TOKENS`, and enough that the step's fixed cost stays under
     `MAX_OVERHEAD_SHARE` of it (throughput first where a step's overhead is large against the
-    target). Otherwise (long prefills and decodes) a step may last `LONG_STEP_TARGETS` step targets:
-    long prefills lose little to step overheads, and a decode's next token, or a request that
-    arrives mid-step, still waits a bounded time. (Capping every step at the target made a document
-    beside a few streaming answers 1.2-2x slower than first come first served.)
+    target). Otherwise (long prefills and decodes) a step may last `LONG_STEP_TARGETS` step targets,
+    so that long prefills lose little to step overheads, but only while nobody arrives during steps:
+    once a request has arrived while a step was running (it had to wait for that step) within the
+    last `ARRIVALS_MEMORY_S`, every step keeps to the cap. Online serving, where requests come at
+    any moment, thus gets steps near the target (a question arriving mid-step waits for one of
+    them, not for eight); a batch given at once, or clients that send between steps, gets long
+    steps, as nobody waits for them.
   * Bounded share. While short work waits, the step holds the short work (the waiting requests
     that fit in a step, and the running prefills and decodes whose rest fits in what the step target
     buys) and, between the long prefills in progress, at most `long_prefill_share` of what the
@@ -62,6 +65,7 @@ POLICIES = ("fcfs", "uncached_first")
 AGING = 4.0              # a request is overdue once it has waited this many times its own estimated cost
 MIN_AGE_S = 1.0          # ... and at least this long: a near-free request is not overdue at once
 LONG_STEP_TARGETS = 8    # with no first token at stake a step may last this many step targets (see the module doc)
+ARRIVALS_MEMORY_S = 10.0  # ... unless a request arrived while a step was running within this many seconds
 
 
 @dataclass
@@ -103,6 +107,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._estimates: dict[str, UncachedEstimate] = {}  # this step's lookups of waiting requests
+        self._step_span = (0.0, 0.0)  # when the last step was scheduled and when its compute ended
+        self._last_waiting_arrival = -float("inf")  # the latest arrival that found a step running
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -135,6 +141,7 @@ class Scheduler:
         self.kv.release_abandoned()
         self._land_tails()
         self._estimates = {}
+        self._note_arrivals_during_last_step()
         budget = self.max_num_batched_tokens
         to_come = self.kv.blocks_to_come([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens])
         candidates = [r for r in self.waiting if not self.kv.is_loading(r) and not self._waits_for(r, to_come)]
@@ -164,9 +171,19 @@ class Scheduler:
             return candidates, running, min(capped, short_tokens + short_running + long_chunk), long_chunk
         if any(r.num_computed_tokens < r.num_prompt_tokens and 0 < self._remaining(r) <= capped for r in running):
             return candidates, running, capped, capped  # a prefill this step finishes: its first token
+        if self.clock() - self._last_waiting_arrival < ARRIVALS_MEMORY_S:
+            return candidates, running, capped, capped  # requests arrive mid-step: they would wait for a long one
         long_step = min(self.max_num_batched_tokens,
                         self.cost.tokens_within(LONG_STEP_TARGETS * self.step_target, context))
         return candidates, running, long_step, long_step
+
+    def _note_arrivals_during_last_step(self) -> None:
+        """Remember when a waiting request last arrived while a step was running (see the module doc).
+        A request added between steps (a batch, or a client answered at a step's end) waited for none."""
+        started, ended = self._step_span
+        arrived = [r.arrival_time for r in self.waiting if started < r.arrival_time < ended]
+        self._last_waiting_arrival = max([self._last_waiting_arrival, *arrived])
+        self._step_span = (self.clock(), self._step_span[1])
 
     def _prefill_context(self) -> int:
         """The context the step's long prefill chunk follows (the furthest running prefill): its tokens
@@ -343,6 +360,7 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance every scheduled request by the tokens this step computed."""
+        self._step_span = (self._step_span[0], self.clock())
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
 

@@ -9,7 +9,7 @@ from test_hierarchy import BS, doc, make_stack, run_request
 
 from kvstrata.engine.costs import MIN_STEP_TOKENS, StepCost, attention_pairs
 from kvstrata.engine.request import RequestStatus
-from kvstrata.engine.scheduler import AGING, LONG_STEP_TARGETS, MIN_AGE_S, Scheduler
+from kvstrata.engine.scheduler import AGING, ARRIVALS_MEMORY_S, LONG_STEP_TARGETS, MIN_AGE_S, Scheduler
 
 
 class FakeClock:
@@ -37,24 +37,33 @@ def add(scheduler: Scheduler, clock: FakeClock, tokens: list[int], max_tokens: i
     return request
 
 
-def step(kv, scheduler: Scheduler, clock: FakeClock) -> dict:
-    """One fake step; finishes requests that reached max_tokens; returns {request: tokens scheduled}."""
+def step(kv, scheduler: Scheduler, clock: FakeClock, arrive_mid_step: list[int] | None = None) -> dict:
+    """One fake step, whose compute takes a second; finishes requests that reached max_tokens; returns
+    {request: tokens scheduled}. `arrive_mid_step`: a prompt that arrives while the step computes
+    (and is added after it, as the engine adds what came during a step)."""
     out_tokens = {}
-    original = scheduler.schedule
+    original_schedule, original_update = scheduler.schedule, scheduler.update_after_step
 
     def recording_schedule():
-        out = original()
+        out = original_schedule()
         out_tokens.update({s.request: s.num_new_tokens for s in out.scheduled})
         return out
 
-    scheduler.schedule = recording_schedule
+    def timed_update(out):
+        clock.now += 1.0
+        original_update(out)
+
+    scheduler.schedule, scheduler.update_after_step = recording_schedule, timed_update
     try:
         for req in fake_step(kv, scheduler):
             if len(req.output_token_ids) >= req.sampling_params.max_tokens:
                 scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
     finally:
-        scheduler.schedule = original
-    clock.now += 1.0
+        scheduler.schedule, scheduler.update_after_step = original_schedule, original_update
+    if arrive_mid_step is not None:
+        request = new_request(arrive_mid_step)
+        request.arrival_time = clock.now - 0.5
+        scheduler.add_request(request)
     return out_tokens
 
 
@@ -175,7 +184,7 @@ def test_the_step_is_capped_by_its_target_time_at_the_measured_speed_while_short
 def test_with_no_first_token_at_stake_a_step_lasts_at_most_long_step_targets(others):
     """A lone document, documents side by side, or a document beside a streaming answer: steps far
     longer than the target (little lost to step overheads), yet bounded, so that a decode's next
-    token or a request arriving mid-step waits at most LONG_STEP_TARGETS step targets."""
+    token waits at most LONG_STEP_TARGETS step targets (requests here are added between steps)."""
     kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=0.5,
                                           seconds_per_token=1 / 128)
     if others == "decode":
@@ -188,6 +197,26 @@ def test_with_no_first_token_at_stake_a_step_lasts_at_most_long_step_targets(oth
     long_step = LONG_STEP_TARGETS * 64  # 0.5 s at 128 tokens a second is 64 tokens
     assert scheduled[first] + (scheduled[decoding] if others == "decode" else 0) == long_step
     assert sum(scheduled.values()) == long_step  # not the 64 of one target, nor the 2048 of the budget
+
+
+def test_once_requests_arrive_while_steps_run_every_step_keeps_to_the_target_for_a_while():
+    """Online serving: a request that arrived mid-step waited for that step, so steps stop running
+    long (a question arriving next would wait for eight targets); after ARRIVALS_MEMORY_S with none,
+    they run long again. Requests added between steps (a batch, or the test above) leave them long."""
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=0.5,
+                                          seconds_per_token=1 / 128, device_blocks=1024)
+    first = add(scheduler, clock, doc(30, 2400))
+    long_step, one_target = LONG_STEP_TARGETS * 64, 64  # 0.5 s at 128 tokens a second is 64 tokens
+    assert step(kv, scheduler, clock) == {first: long_step}
+    assert step(kv, scheduler, clock, arrive_mid_step=doc(31, 400)) == {first: long_step}
+    arrived = clock.now - 0.5
+    # the second document arrived during that step: from now on steps keep to the target ...
+    assert sum(step(kv, scheduler, clock).values()) == one_target
+    while clock.now - arrived < ARRIVALS_MEMORY_S:
+        assert sum(step(kv, scheduler, clock).values()) == one_target
+    # ... until none has for ARRIVALS_MEMORY_S; a request added between steps waited for none
+    add(scheduler, clock, doc(32, 320))
+    assert sum(step(kv, scheduler, clock).values()) == long_step
 
 
 def test_long_prefills_share_one_bounded_chunk_and_the_one_with_least_work_left_goes_first():
