@@ -148,9 +148,10 @@ class StepCost:
 
     def tokens_within(self, seconds: float, context: int = 0) -> int:
         """The tokens a step may take to last `seconds` when they follow `context` computed ones (their
-        attention grows with it), within the floors of the step cap."""
-        overhead_floor = self.overhead_s * (1 - MAX_OVERHEAD_SHARE) / MAX_OVERHEAD_SHARE / max(self.per_token_s, 1e-9)
-        return max(MIN_STEP_TOKENS, int(overhead_floor), self.tokens_for(seconds - self.overhead_s, context))
+        attention grows with it), within the floors of the step cap. The overhead floor is in time, so
+        it is priced at the context too: after a long context fewer tokens make the step long enough."""
+        overhead_floor = self.tokens_for(self.overhead_s * (1 - MAX_OVERHEAD_SHARE) / MAX_OVERHEAD_SHARE, context)
+        return max(MIN_STEP_TOKENS, overhead_floor, self.tokens_for(seconds - self.overhead_s, context))
 
     def tokens_for(self, compute_s: float, context: int = 0) -> int:
         """The tokens whose compute (a step's fixed cost aside) takes `compute_s` seconds when they

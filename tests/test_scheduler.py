@@ -263,9 +263,14 @@ def test_step_cost_learns_overhead_per_token_and_attention_costs_from_measured_s
     assert cost.per_token_s == pytest.approx(per_token, rel=1e-2)
     assert cost.tokens_within(seconds(256, 0)) == pytest.approx(256, abs=1)
     # a short target would spend most of each step on its fixed cost: at most a tenth of it
-    assert cost.tokens_within(overhead + 48 * per_token) == pytest.approx(144, abs=1)
+    floor = cost.tokens_within(overhead + 48 * per_token)
+    assert floor > 48 and seconds(floor, 0) == pytest.approx(10 * overhead, rel=0.02)
     # after a long context each token costs more: the step takes fewer to last as long
     assert cost.tokens_within(seconds(256, 1024), context=1024) == pytest.approx(256, abs=1)
+    # ... and so does the overhead floor, which is a time: a step of its tokens lasts ten overheads
+    floor_at_context = cost.tokens_within(overhead + 48 * per_token, context=1024)
+    assert floor_at_context < floor
+    assert seconds(floor_at_context, 1024) == pytest.approx(10 * overhead, rel=0.02)
 
 
 def test_step_cost_stays_non_negative_by_fitting_again_not_by_clamping():
