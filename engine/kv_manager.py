@@ -160,7 +160,7 @@ class KVCacheManager:
         if plan.overlaps:  # the tail loads while the request computes the head
             tail = self.hierarchy.acquire_prefix(hashes[plan.head_end:plan.cut],
                                                  self._block_tokens(request, plan.head_end, plan.cut),
-                                                 found_in[plan.head_end:plan.cut])
+                                                 found_in[plan.head_end:plan.cut], parent=hashes[plan.head_end - 1])
             self.tails[request.request_id] = Tail(tail, plan.head_end)
         if load.transfer is not None or plan.overlaps:
             self.reserved[request.request_id] = self.pool.get_new_blocks(fresh)

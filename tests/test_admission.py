@@ -307,6 +307,28 @@ def test_the_head_of_a_lower_tier_prefix_is_computed_while_its_tail_loads(policy
     assert stats.hit_blocks["cpu"] == 12 - head and stats.recomputed_blocks["cpu"] == head
 
 
+def test_a_landed_tail_is_reported_as_the_continuation_of_its_head():
+    """A router rebuilds chains from BlockStored events: the tail's first block names the head's last
+    block as its parent, as if the whole prefix had been computed in one pass."""
+    from kvstrata.tiers.block_events import BlockStored
+
+    kv, scheduler, request = overlapping_stack()
+    events: list = []
+    kv.hierarchy.event_listener = events.append
+    fake_step(kv, scheduler)
+    kv.hierarchy.cpu.gate.set()
+    kv.wait_for_loads(timeout=10)
+    fake_step(kv, scheduler)
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "device"]
+    parents = {}
+    for event in stored:
+        for k, h in enumerate(event.block_hashes):
+            parents[h] = event.parent_block_hash if k == 0 else event.block_hashes[k - 1]
+    hashes = request.block_hashes[:12]
+    assert kv.barrier(request) is None and set(hashes) <= set(parents)  # the tail has landed
+    assert [parents[h] for h in hashes] == [None, *hashes[:-1]]
+
+
 def test_a_request_aborted_while_its_tail_loads_releases_everything_once_the_tail_lands():
     kv, scheduler, request = overlapping_stack()
     fake_step(kv, scheduler)

@@ -85,6 +85,8 @@ class PrefixLoad:
     # seconds each lower tier spent in its reads for this load (set by the load; splits the request's load
     # time in its receipt and prices later loads)
     read_s: dict[str, float] = field(default_factory=dict)
+    # the hash of the block before the first one (a tail's head ends there): its KV events' parent
+    parent: bytes | None = None
 
     @property
     def ready(self) -> bool:
@@ -173,10 +175,11 @@ class TierHierarchy:
         return found
 
     def acquire_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]],
-                       found_in: Sequence[str] | None = None) -> PrefixLoad:
+                       found_in: Sequence[str] | None = None, parent: bytes | None = None) -> PrefixLoad:
         """Find the longest cached prefix of the chain in any tier, hold all of it and start loading
         the part found below the device. Call `finish_prefix` once the result is `ready`.
         `found_in` is a `locate` of the same chain just made (the caller chose where to cut it), or None.
+        `parent` is the hash of the block before the chain's first when it does not start the chain.
 
         Order of operations: device hits are held first and lower-tier hits are held in their tier,
         so that the allocation for the load (which may evict device blocks and write them down,
@@ -194,7 +197,7 @@ class TierHierarchy:
             self.pool.free_blocks(list(reversed([b for b in blocks[end:] if b is not None])))
             found_in, blocks, below = found_in[:end], blocks[:end], below[:room]
         load = PrefixLoad(list(block_hashes[:len(found_in)]), list(block_tokens[:len(found_in)]), found_in,
-                          blocks, below, [None] * len(below))  # type: ignore[arg-type]
+                          blocks, below, [None] * len(below), parent=parent)  # type: ignore[arg-type]
         if not below:
             return load
         self._hold_below(load, hold=True)
@@ -291,7 +294,7 @@ class TierHierarchy:
         arrived = [k for k in load.below if served[k] is not None]
         self._cache_on_device([load.blocks[k] for k in arrived], [load.block_hashes[k] for k in arrived],
                               [load.block_tokens[k] for k in arrived],
-                              [load.block_hashes[k - 1] if k else None for k in arrived])
+                              [load.block_hashes[k - 1] if k else load.parent for k in arrived])
         self._hold_below(load, hold=False)
         self.pool.free_blocks(list(reversed(load.blocks[end:])))
         by_tier = {t: 0 for t in TIER_NAMES}
