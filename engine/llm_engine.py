@@ -35,6 +35,7 @@ from kvstrata.tiers.cpu import CpuTier
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.hierarchy import TierHierarchy
 from kvstrata.tiers.record import RecordCodec
+from kvstrata.tiers.storage import format_bytes
 
 logger = logging.getLogger("kvstrata")
 LOAD_WAIT_S = 0.05  # the longest an otherwise idle step waits for a prefix load to land
@@ -58,6 +59,8 @@ class LLMEngine:
         self.block_size = cache.block_size
         self.layout = BlockLayout(mc.num_layers, cache.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.hierarchy = self._build_tiers()
+        if self.device_capacity_warning:
+            logger.warning("kvstrata: %s", self.device_capacity_warning)
         hasher = BlockHasher.for_model(mc.identity, self.dtype_name, cache.block_size, cache.hash,
                                        batch_invariant=config.model.batch_invariant)
         self.kv_manager = KVCacheManager(self.hierarchy, hasher, cache.block_size,
@@ -114,6 +117,18 @@ class LLMEngine:
                                     timeout=r.timeout, ttl=r.ttl)
         return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload, remote=remote,
                              event_listener=self.block_events)
+
+    @property
+    def device_capacity_warning(self) -> str | None:
+        """What a user must hear at start-up when the device tier cannot hold one request of the full
+        context (a request must fit on the device, so longer ones are refused), else None."""
+        tokens = self.hierarchy.pool.num_blocks * self.block_size
+        if tokens >= self.max_model_len:
+            return None
+        needed = -(-self.max_model_len // self.block_size) * self.layout.block_nbytes
+        return (f"the device tier holds {tokens} tokens, less than the {self.max_model_len}-token context: longer "
+                f"requests are refused (cache.tiers.device.size of at least {format_bytes(needed)} holds one, or "
+                f"lower model.max_model_len)")
 
     def _allocate(self, key: str, num_blocks: int, allocate):
         """Run `allocate`; memory the config check saw free but that is gone by now (another process

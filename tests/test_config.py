@@ -7,6 +7,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvstrata.engine import config as config_module
 from kvstrata.engine.config import ENV_OVERRIDES, ConfigError, load_config
@@ -96,9 +97,15 @@ def test_replicas_config_shares_a_remote_tier_and_keeps_no_disk_tier():
         ("redis://127.0.0.1:6379/0", False, "kvstrata", 0.05, 0.0)
 
 
-def test_default_config_is_laptop_sized():
+def test_default_config_is_laptop_sized_and_its_device_tier_holds_a_full_context():
+    from kvstrata.tiers.base import BlockLayout
+
     config = load_config(CONFIGS / "default.yaml")
-    assert config.cache.tiers.device.size == Size.parse("256MiB")
+    assert config.cache.tiers.device.size == Size.parse("512MiB")
+    # the embedded model (30 layers, 3 KV heads, d64, 8192-token context) in float32, `auto` on a CPU
+    layout = BlockLayout(30, config.cache.block_size, 3, 64, torch.float32)
+    device_tokens = config.cache.tiers.device.size.to_blocks(layout.block_nbytes) * config.cache.block_size
+    assert device_tokens >= 8192 and device_tokens >= 4 * 2048
     assert config.cache.tiers.cpu.size == Size.parse("1GiB")
     assert config.cache.tiers.disk.size == Size.parse("4GiB")
     assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs) == (2048, 16)

@@ -218,3 +218,20 @@ def test_memory_gone_between_config_check_and_start_is_one_line_naming_the_tier(
         LLM(load_config(tiny_dummy(tmp_path)))
     message = str(info.value)
     assert message.startswith("cache.tiers.device.size: cannot allocate 64 blocks of ") and "\n" not in message
+
+
+def test_a_device_tier_smaller_than_the_context_is_said_at_start_and_longer_prompts_are_refused(tmp_path, caplog):
+    """64 blocks of 16 tokens hold 1024 tokens of tiny-llama's 2048: the start says so in one line,
+    with the size that would hold a full context; a prompt beyond the device is a clear error."""
+    with caplog.at_level(logging.WARNING, logger="kvstrata"), LLM(load_config(tiny_dummy(tmp_path))) as llm:
+        warnings = [r.getMessage() for r in caplog.records if "device tier holds" in r.getMessage()]
+        assert warnings == [f"kvstrata: {llm.engine.device_capacity_warning}"]
+        assert "holds 1024 tokens, less than the 2048-token context" in warnings[0] and "\n" not in warnings[0]
+        assert "cache.tiers.device.size of at least" in warnings[0]
+        with pytest.raises(ValueError, match="needs 65 blocks but the device tier holds 64"):
+            llm.generate([list(range(1030))], GREEDY)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvstrata"), \
+            LLM(load_config(tiny_dummy(tmp_path, max_model_len=1024))) as fits:
+        assert fits.engine.device_capacity_warning is None
+    assert "device tier holds" not in caplog.text
