@@ -548,6 +548,9 @@ class RouterConfig(_Section):
     replicas: Annotated[list[ReplicaConfig], Field(min_length=1)]
     health_interval: Duration = 1.0   # seconds between health checks of each replica
     request_timeout: Duration = 600.0  # the longest a replica may take to answer (a long prefill on a CPU)
+    # a replica holding the prompt's prefix with this many more requests in flight than the least loaded
+    # one gives the request up to it: a hot document does not pile every request onto one replica
+    max_load_gap: Annotated[int, Field(ge=1)] = 16
 
     @field_validator("host")
     @classmethod

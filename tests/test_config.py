@@ -353,6 +353,8 @@ def test_size_converts_to_blocks_of_a_given_byte_size():
     ({"model": {"device": "mps"}}, "model.device", "unknown device 'mps'"),
     ({"model": {"attention_backend": "flash"}}, "model.attention_backend", "unknown value 'flash'"),
     ({"model": {"name": "no-such-model"}}, "model.name", "neither the embedded model"),
+    ({"router": {"replicas": [{"url": "http://127.0.0.1:8001"}], "max_load_gap": 0}}, "router.max_load_gap",
+     "at least 1"),
 ])
 def test_each_config_error_is_one_line_naming_the_key(source, key, fragment):
     error = config_error(source)

@@ -119,6 +119,23 @@ def test_the_router_prefers_the_replica_holding_the_prefix_else_the_least_loaded
     assert replicas.choose(doc, {a, b}) == (None, 0)
 
 
+def test_a_replica_holding_the_prefix_gives_requests_up_once_it_is_max_load_gap_ahead_of_the_least_loaded():
+    """A hot document must not queue every question behind one replica while the others idle."""
+    a, b, c = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None) for port in (1, 2, 3))
+    replicas = ReplicaSet([a, b, c], max_load_gap=4)
+    doc = [bytes([i]) for i in range(8)]
+    a.index.apply(BlockStored(doc, None, [], 16, "device"))
+    b.index.apply(BlockStored(doc[:5], None, [], 16, "cpu"))
+    a.in_flight, b.in_flight, c.in_flight = 3, 0, 0
+    assert replicas.choose(doc, set()) == (a, 8)  # 3 ahead: the prefix still decides
+    a.in_flight = 4
+    assert replicas.choose(doc, set()) == (b, 5)  # 4 ahead: the next holder of enough of it
+    b.in_flight = 4
+    assert replicas.choose(doc, set()) == (c, 0)  # both holders 4 ahead of c: by load
+    c.in_flight = 1
+    assert replicas.choose(doc, set()) == (a, 8)  # c caught up: back to the longest prefix
+
+
 def document(name: str) -> str:
     from pydoc_data.topics import topics
     return topics[name][:700]

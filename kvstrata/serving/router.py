@@ -13,7 +13,10 @@ How a request is placed:
    `MIN_HELD_SHARE` of the prompt's blocks: every replica that has answered anything holds the chat
    template's first block, and that alone must not draw every new document to one replica. Ties,
    and prompts nobody holds enough of, go to the replica with the fewest requests in flight (then
-   in turn).
+   in turn). Affinity is bounded: when the holder has `router.max_load_gap` or more requests in
+   flight beyond the least loaded candidate, the request goes by load instead, so a hot document
+   does not queue every question behind one replica while others idle (SGLang's router guards its
+   cache-aware policy the same way).
 4. The request is forwarded as it came (body, API key) and the answer passed back as it comes,
    streams included, with an `x-kvstrata-replica` header naming the replica. A replica that cannot
    be reached, or answers 502/503/504, is tried no more for this request: the next best one is.
@@ -74,8 +77,9 @@ class Replica:
 class ReplicaSet:
     """The replicas, their indexes and their load; `choose` is the routing policy."""
 
-    def __init__(self, replicas: list[Replica]):
+    def __init__(self, replicas: list[Replica], max_load_gap: int = 16):
         self.replicas = replicas
+        self.max_load_gap = max_load_gap
         self.lock = threading.Lock()  # the event thread writes the indexes while requests read them
         self._turn = itertools.count()
 
@@ -91,6 +95,8 @@ class ReplicaSet:
             held = {r: r.index.prefix_length(block_hashes, ROUTING_MEDIA) for r in candidates}
         enough = MIN_HELD_SHARE * len(block_hashes)
         worth = {r: held[r] if held[r] and held[r] >= enough else 0 for r in candidates}
+        least_loaded = min(r.in_flight for r in candidates)
+        worth = {r: 0 if r.in_flight - least_loaded >= self.max_load_gap else w for r, w in worth.items()}
         turn = next(self._turn)
         order = {r: (i - turn) % len(self.replicas) for i, r in enumerate(self.replicas)}
         best = max(candidates, key=lambda r: (worth[r], -r.in_flight, -order[r]))
@@ -203,7 +209,8 @@ class Router:
         self.tokenizer = tokenizer  # the pool's threads tokenize with copies of it
         self.tokenizers = TokenizerPool(tokenizer)
         self.replicas = ReplicaSet([
-            Replica(r, KVEventSubscriber(r.events, r.replay) if r.events is not None else None) for r in rc.replicas])
+            Replica(r, KVEventSubscriber(r.events, r.replay) if r.events is not None else None) for r in rc.replicas],
+            max_load_gap=rc.max_load_gap)
         self.events = EventFeed(self.replicas)
         self.health = HealthChecks(self.replicas, rc.health_interval)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(rc.request_timeout, connect=HEALTH_TIMEOUT_S))
