@@ -294,6 +294,7 @@ def test_idle_write_down_in_chunks_puts_every_cached_block_on_disk(tmp_path):
     while (n := h.persist(max_blocks=3, wait=False)) > 0:
         assert n <= 3
         chunks.append(n)
+    h.wait_for_write_downs()  # device blocks go down in store jobs, off the caller's thread
     h.disk.flush()
     assert len(chunks) >= 2  # (some blocks already cascaded to disk through the small CPU tier)
     for x in ra.block_hashes[:5] + rb.block_hashes[:5]:
@@ -301,6 +302,22 @@ def test_idle_write_down_in_chunks_puts_every_cached_block_on_disk(tmp_path):
     assert h.persist(max_blocks=3) == 0  # nothing new cached: nothing to do
     run_request(kv, doc(23, 3 * BS + 1))
     assert h.persist() == 3  # only the new blocks
+
+
+def test_persist_copies_device_blocks_off_the_device_in_one_store_job_per_batch(tmp_path):
+    """A write-down at close or when idle moves device blocks as write-through does: one batched copy
+    per batch on the transfer worker (on a GPU, not a copy and a sync per block on the step thread)."""
+    kv = make_stack(device_blocks=16, disk_path=tmp_path / "kv", disk_blocks=64, offload="on_evict")
+    h = kv.hierarchy  # on_evict: nothing was written down, every cached block is on the device only
+    req = run_request(kv, doc(31, 5 * BS + 1))
+    jobs = []
+    store = h.transfers.store
+    h.transfers.store = lambda block_ids, drain: jobs.append(list(block_ids)) or store(block_ids, drain)
+    assert h.persist() == 5
+    assert len(jobs) == 1 and len(jobs[0]) == 5
+    for block_hash in req.block_hashes[:5]:
+        assert h.disk.contains(block_hash)
+    assert h.counters.write_downs["disk"] == 5
 
 
 def test_a_promotion_never_evicts_a_device_hit_later_in_the_same_prefix():

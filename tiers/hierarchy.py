@@ -372,10 +372,11 @@ class TierHierarchy:
         self._write_down(block_ids, hashes)
         return len(block_ids)
 
-    def _write_down(self, block_ids: list[int], hashes: list[bytes]) -> None:
-        """Copy device blocks down, in one store job, to the CPU tier (or disk without one) and to the
-        remote tier: the write-through that shares them with other replicas."""
-        targets = [t for t in (self.cpu if self.cpu is not None else self.disk, self.remote) if t is not None]
+    def _write_down(self, block_ids: list[int], hashes: list[bytes], targets: list[LowerTier] | None = None) -> None:
+        """Copy device blocks down, in one store job, to `targets`: by default the CPU tier (or disk
+        without one) and the remote tier, the write-through that shares them with other replicas."""
+        if targets is None:
+            targets = [t for t in (self.cpu if self.cpu is not None else self.disk, self.remote) if t is not None]
         if not targets:
             return
         tokens = [self._block_tokens[b] for b in block_ids]
@@ -427,23 +428,31 @@ class TierHierarchy:
         written = 0
         # batches of a bounded size: the disk tier encodes a whole batch before queueing it
         while batch := list(itertools.islice(missing, PERSIST_BATCH_BLOCKS)):
-            hashes, tokens, payloads = zip(*batch)
-            self.disk.put(hashes, tokens, payloads)
+            on_device = [(h, src) for h, _, src in batch if isinstance(src, int)]
+            if on_device:  # one store job: a batched copy off the device, on the transfer worker
+                self._write_down([b for _, b in on_device], [h for h, _ in on_device], targets=[self.disk])
+            in_host = [item for item in batch if not isinstance(item[2], int)]
+            if in_host:
+                hashes, tokens, payloads = zip(*in_host)
+                self.disk.put(hashes, tokens, payloads)
+                with self._counters_lock:
+                    self.counters.write_downs["disk"] += len(in_host)
             written += len(batch)
-        with self._counters_lock:
-            self.counters.write_downs["disk"] += written
         if not written:
             self._unpersisted = False  # everything cached is on disk now
         if wait:
+            self.wait_for_write_downs()
             self.disk.flush()
         return written
 
-    def _blocks_missing_on_disk(self) -> Iterator[tuple[bytes, tuple[int, ...], torch.Tensor]]:
-        """(hash, token ids, payload) of cached blocks the disk tier lacks: device first, then CPU.
-        Lazy, so that a small chunk stops asking the disk tier as soon as it is full."""
+    def _blocks_missing_on_disk(self) -> Iterator[tuple[bytes, tuple[int, ...], int | torch.Tensor]]:
+        """(hash, token ids, device block id or host payload) of cached blocks the disk tier lacks:
+        device first, then CPU. Lazy, so that a small chunk stops asking the disk tier as soon as it
+        is full."""
         seen: set[bytes] = set()
-        device = ((h, self._block_tokens[b.block_id], as_bytes(self.kv_cache[b.block_id]))
-                  for h, b in list(self.pool.cached_block_hash_to_block.items()) if b.block_id in self._block_tokens)
+        device = ((h, self._block_tokens[b.block_id], b.block_id)
+                  for h, b in list(self.pool.cached_block_hash_to_block.items())
+                  if b.block_id in self._block_tokens)
         cpu = self.cpu.blocks() if self.cpu is not None else ()
         for h, t, p in itertools.chain(device, cpu):
             if h not in seen and not self.disk.contains(h):
