@@ -142,6 +142,7 @@ class Scheduler:
         self._land_tails()
         self._estimates = {}
         self._note_arrivals_during_last_step()
+        self._step_span = (self.clock(), self._step_span[1])  # this step starts; update_after_step ends it
         budget = self.max_num_batched_tokens
         to_come = self.kv.blocks_to_come([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens])
         candidates = [r for r in self.waiting if not self.kv.is_loading(r) and not self._waits_for(r, to_come)]
@@ -183,7 +184,6 @@ class Scheduler:
         started, ended = self._step_span
         arrived = [r.arrival_time for r in self.waiting if started < r.arrival_time < ended]
         self._last_waiting_arrival = max([self._last_waiting_arrival, *arrived])
-        self._step_span = (self.clock(), self._step_span[1])
 
     def _prefill_context(self) -> int:
         """The context the step's long prefill chunk follows (the furthest running prefill): its tokens
