@@ -320,6 +320,38 @@ def test_persist_copies_device_blocks_off_the_device_in_one_store_job_per_batch(
     assert h.counters.write_downs["disk"] == 5
 
 
+def test_pin_copies_device_blocks_in_one_store_job_and_reads_another_tier_once(tmp_path):
+    """Pinning a document copies what each lower tier lacks in batches: the device's blocks in one
+    store job per tier (not a copy and a sync per block on the caller's thread), another tier's in
+    one read; the pinned blocks then hold exactly their content."""
+    kv = make_stack(device_blocks=16, cpu_blocks=12, disk_path=tmp_path / "kv", disk_blocks=64, offload="on_evict")
+    h = kv.hierarchy  # on_evict: every cached block is on the device only
+    tokens = doc(41, 5 * BS + 1)
+    req = run_request(kv, tokens)
+    hashes, block_tokens = req.block_hashes[:5], [tokens[k * BS:(k + 1) * BS] for k in range(5)]
+    jobs, disk_reads = [], []
+    store, disk_get = h.transfers.store, h.disk.get
+    h.transfers.store = lambda block_ids, drain: jobs.append(list(block_ids)) or store(block_ids, drain)
+    h.disk.get = lambda *args: disk_reads.append(len(args[0])) or disk_get(*args)
+    h.pin("doc", hashes, block_tokens, {})
+    assert [len(job) for job in jobs] == [5, 5]  # one job for the CPU tier, one for the disk tier
+    assert disk_reads == []
+    for tier in (h.cpu, h.disk):
+        assert set(tier.pins()["doc"].block_hashes) == set(hashes)
+        for block_hash, toks in zip(hashes, block_tokens):
+            dest = torch.empty(LAYOUT.block_nbytes, dtype=torch.uint8)
+            assert tier.get([block_hash], [toks], [dest]) == [True]
+            assert torch.equal(dest, content_for(block_hash))
+
+    h.cpu.clear()
+    assert h.clear_device_cache()  # the blocks are on disk only now
+    jobs.clear(), disk_reads.clear()
+    h.pin("doc2", hashes, block_tokens, {})
+    assert jobs == [] and disk_reads == [5]  # the CPU tier's copies come from disk in one read
+    for block_hash in hashes:
+        assert h.cpu.contains(block_hash)
+
+
 def test_a_promotion_never_evicts_a_device_hit_later_in_the_same_prefix():
     """Prefix laid out device, cpu, cpu, device, device, device: the promotions' allocations must not
     take the later device hits' blocks (they are held before anything is allocated)."""

@@ -473,31 +473,40 @@ class TierHierarchy:
         for tier in self.lower_tiers:
             tier.pin(owner, block_hashes, info)  # first, so that the copies below cannot evict each other
             missing = [k for k, h in enumerate(block_hashes) if not tier.contains(h)]
-            found = self._read_blocks([block_hashes[k] for k in missing], [block_tokens[k] for k in missing], tier)
-            if found:
-                hashes, tokens, payloads = zip(*found)
-                tier.put(list(hashes), list(tokens), list(payloads))
-                with self._counters_lock:
-                    self.counters.write_downs[tier.name] += len(found)
+            self._copy_into(tier, [block_hashes[k] for k in missing], [block_tokens[k] for k in missing])
             tier.flush()
             if owner not in tier.pins():
                 raise ValueError(f"the {tier.name} tier could not record the pin of {owner} (see its write errors)")
 
-    def _read_blocks(self, hashes: list[bytes], tokens: list[Sequence[int]],
-                     exclude: LowerTier) -> list[tuple[bytes, Sequence[int], torch.Tensor]]:
-        """(hash, tokens, host payload) of each block found on the device or in a lower tier other than `exclude`."""
-        found = []
+    def _copy_into(self, tier: LowerTier, hashes: list[bytes], tokens: list[Sequence[int]]) -> None:
+        """Copy blocks into `tier` from wherever they are: device blocks in one store job (a batched
+        copy on the transfer worker, as persist does), the rest in one read per other lower tier.
+        Returns once they are in; a block no tier holds is left out."""
+        on_device, elsewhere = [], []
         for h, toks in zip(hashes, tokens):
             block = self.pool.get_cached_block(h)
             if block is not None and block.block_id in self._block_tokens:
-                found.append((h, toks, as_bytes(self.kv_cache[block.block_id]).cpu().clone()))
+                on_device.append((block.block_id, h))
+            else:
+                elsewhere.append((h, toks))
+        if on_device:
+            block_ids, device_hashes = zip(*on_device)
+            self._write_down(list(block_ids), list(device_hashes), targets=[tier])
+        for source in self.lower_tiers:
+            held = [(h, toks) for h, toks in elsewhere if source is not tier and source.contains(h)]
+            if not held:
                 continue
-            for tier in self.lower_tiers:
-                dest = torch.empty(tier.layout.block_nbytes, dtype=torch.uint8)
-                if tier is not exclude and tier.contains(h) and tier.get([h], [toks], [dest])[0]:
-                    found.append((h, toks, dest))
-                    break
-        return found
+            dests = [torch.empty(source.layout.block_nbytes, dtype=torch.uint8) for _ in held]
+            served = source.get([h for h, _ in held], [t for _, t in held], dests)
+            found = [(h, toks, dest) for (h, toks), dest, ok in zip(held, dests, served) if ok]
+            if found:
+                found_hashes, found_tokens, payloads = zip(*found)
+                tier.put(list(found_hashes), list(found_tokens), list(payloads))
+                with self._counters_lock:
+                    self.counters.write_downs[tier.name] += len(found)
+            copied = {h for h, _, _ in found}
+            elsewhere = [(h, toks) for h, toks in elsewhere if h not in copied]
+        self.wait_for_write_downs()
 
     def unpin(self, owner: str) -> bool:
         """Drop the owner's pin in every lower tier; True if any tier had it."""
