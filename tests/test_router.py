@@ -7,6 +7,7 @@ ZMQ; the router is the one `kvstrata route` runs, built by `load_router` from th
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -21,7 +22,7 @@ from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.serving.app import build_app
 from kvstrata.serving.events import KVEventPublisher
 from kvstrata.serving.metrics import ServingMetrics
-from kvstrata.serving.router import Replica as RoutedReplica, ReplicaSet, load_router, prompt_token_ids
+from kvstrata.serving.router import Replica as RoutedReplica, ReplicaSet, _pass_through, load_router, prompt_token_ids
 from kvstrata.tiers.block_events import BlockRemoved, BlockStored
 from kvstrata.serving.server import bind_socket
 from kvstrata.serving.tokenizer_pool import TokenizerPool
@@ -134,6 +135,47 @@ def test_a_replica_holding_the_prefix_gives_requests_up_once_it_is_max_load_gap_
     assert replicas.choose(doc, set()) == (c, 0)  # both holders 4 ahead of c: by load
     c.in_flight = 1
     assert replicas.choose(doc, set()) == (a, 8)  # c caught up: back to the longest prefix
+
+
+class CutStream(httpx.AsyncByteStream):
+    """A replica's streamed answer that arrives in `chunks` and then, with `cut`, breaks off as a
+    replica that dies mid-answer does."""
+
+    def __init__(self, chunks: list[bytes], cut: bool):
+        self.chunks, self.cut = chunks, cut
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            yield chunk
+        if self.cut:
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+def passed_through(chunks: list[bytes], cut: bool, content_type: str = "text/event-stream") -> tuple[bytes, RoutedReplica]:
+    replica = RoutedReplica(ReplicaConfig(url="http://127.0.0.1:1"), None, in_flight=1)
+    upstream = httpx.Response(200, headers={"content-type": content_type}, stream=CutStream(chunks, cut))
+
+    async def collect() -> bytes:
+        return b"".join([chunk async for chunk in _pass_through(upstream, replica)])
+    return asyncio.run(collect()), replica
+
+
+def test_a_stream_whose_replica_dies_mid_answer_ends_with_an_error_event_not_half_an_event():
+    first = b'data: {"choices": [{"delta": {"content": "A"}}]}\n\n'
+    body, replica = passed_through([first[:10], first[10:] + b'data: {"choices": [{"del'], cut=True)
+    events = body.decode().split("\n\n")
+    assert events[0] == first.decode().strip() and events[-1] == ""
+    error = json.loads(events[1][len("data: "):])["error"]
+    assert error["type"] == "service_unavailable" and "incomplete" in error["message"]
+    assert events[2] == "data: [DONE]" and len(events) == 4
+    assert not replica.healthy and replica.in_flight == 0
+
+
+def test_a_whole_stream_passes_through_unchanged_even_if_the_connection_breaks_after_its_end():
+    whole = b'data: {"choices": []}\n\ndata: [DONE]\n\n'
+    assert passed_through([whole[:7], whole[7:]], cut=False)[0] == whole
+    assert passed_through([whole], cut=True)[0] == whole  # every event arrived: nothing to add
+    assert passed_through([b'{"id": 1', b"}"], cut=False, content_type="application/json")[0] == b'{"id": 1}'
 
 
 def document(name: str) -> str:

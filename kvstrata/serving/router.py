@@ -25,8 +25,8 @@ A health check (`GET /health` every `router.health_interval`) takes a replica ou
 puts it back when it answers again; then the router rebuilds that replica's index from its replay
 buffer, since a replica that restarted holds other blocks (and numbers its events from 0 again).
 Bodies the router cannot read are forwarded all the same, by load: the replica answers the error.
-A replica that dies in the middle of a streamed answer ends that stream early: what was sent
-cannot be taken back.
+A replica that dies in the middle of a streamed answer cannot be replaced (what was sent cannot be
+taken back): the stream ends with an error event saying so, then `data: [DONE]`, never a half event.
 """
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 HEALTH_TIMEOUT_S = 2.0
 EVENT_POLL_MS = 100
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+SSE_SEPARATOR = b"\n\n"  # between server-sent events, as the replicas write them
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(eq=False)
@@ -300,14 +302,37 @@ class Router:
 
 
 async def _pass_through(upstream: httpx.Response, replica: Replica) -> AsyncIterator[bytes]:
+    """The replica's answer as it comes. A stream of server-sent events is passed on whole events at a
+    time, so that if the replica goes away mid-answer the client gets no half event but an error
+    event and the stream's end, as the replica itself reports an error it meets mid-stream."""
+    events = upstream.headers.get("content-type", "").startswith("text/event-stream")
+    partial = b""   # the bytes of an event not yet complete
+    last = b""      # the last complete event passed on
     try:
         async for chunk in upstream.aiter_raw():
-            yield chunk
+            if not events:
+                yield chunk
+                continue
+            complete, separator, partial = (partial + chunk).rpartition(SSE_SEPARATOR)
+            if separator:
+                last = (complete + separator)[-len(SSE_DONE):]
+                yield complete + separator
+        if partial:
+            yield partial
     except httpx.TransportError:
         set_health(replica, False)  # the replica went away mid-answer: the answer ends here
+        if events and last != SSE_DONE:
+            yield _sse_cut_error(replica)
     finally:
         replica.in_flight -= 1
         await upstream.aclose()
+
+
+def _sse_cut_error(replica: Replica) -> bytes:
+    """The error event and end of a stream whose replica went away before finishing it."""
+    error = {"message": f"replica {replica.url} went away mid-answer; the answer is incomplete",
+             "type": "service_unavailable", "param": None, "code": None}
+    return f"data: {json.dumps({'error': error})}".encode() + SSE_SEPARATOR + SSE_DONE
 
 
 def _error(status: int, message: str) -> JSONResponse:
