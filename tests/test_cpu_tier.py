@@ -1,5 +1,7 @@
 """The CPU tier serves back exactly what was put, evicts least recently used blocks through
 `on_evict` before reusing their slots, and never serves a block stored under other tokens."""
+import threading
+
 import pytest
 import torch
 from tier_cases import BF16, FP32, key, payload, tokens
@@ -165,3 +167,43 @@ def test_a_held_block_is_never_evicted_and_a_full_tier_of_held_blocks_rejects_pu
     tier.release([key(1), key(3)])
     put_blocks(tier, [4])
     assert tier.contains(key(4))
+
+
+class PausedReads:
+    """Stands in for numpy in the CPU tier: a copy made on the `reader` thread waits for `go`, so a
+    test can act on the tier while a read is copying out of a slot (copies run outside the lock)."""
+
+    def __init__(self, np_module):
+        self.np, self.reading, self.go = np_module, threading.Event(), threading.Event()
+
+    def copyto(self, dst, src):
+        if threading.current_thread().name == "reader":
+            self.reading.set()
+            assert self.go.wait(10)
+        self.np.copyto(dst, src)
+
+    def __getattr__(self, name):
+        return getattr(self.np, name)
+
+
+def test_a_slot_being_read_is_neither_evicted_nor_reused_until_the_read_ends(monkeypatch):
+    import kvstrata.tiers.cpu as cpu_module
+    paused = PausedReads(cpu_module.np)
+    monkeypatch.setattr(cpu_module, "np", paused)
+    tier = CpuTier(BF16, capacity_blocks=2)
+    blocks = put_blocks(tier, [1, 2])
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(block=get_one(tier, 1)), name="reader")
+    reader.start()
+    assert paused.reading.wait(10)  # block 1 is being copied out, and is the most recently used
+    put_blocks(tier, [3])           # evicts block 2, the least recently used
+    put_blocks(tier, [4])           # block 1 is now the oldest, but being read: block 3 goes instead
+    assert tier.contains(key(1)) and not tier.contains(key(3))
+    assert tier.discard(key(1))     # dropped mid-read: its slot stays out of use until the read ends
+    put_blocks(tier, [5])           # so this evicts block 4 rather than taking block 1's slot
+    assert not tier.contains(key(4))
+    paused.go.set()
+    reader.join(10)
+    assert torch.equal(got["block"], blocks[1])
+    put_blocks(tier, [6])           # the read is over: block 1's slot is free again, nothing is evicted
+    assert tier.contains(key(5)) and tier.contains(key(6)) and tier.stats().evictions == 3

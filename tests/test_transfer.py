@@ -6,6 +6,7 @@ a block safe to reuse. On a GPU (`pytest -m cuda`, skipped without one) the same
 pinned staging and a side stream per direction.
 """
 import threading
+import time
 
 import pytest
 import torch
@@ -104,6 +105,52 @@ def test_an_empty_job_is_done_at_once():
     transfers = engine()
     assert transfers.load([], fill_with({})).done
     assert transfers.store([], lambda start, views: None).done
+    transfers.close()
+
+
+# A layout of 1 MiB blocks: a load of 12 is filled in 3 parts of 4 MiB (`MIN_FILL_PART_BYTES`) by 3 threads.
+BIG = BlockLayout(num_layers=16, block_size=16, num_kv_heads=8, head_dim=64, dtype=torch.float32)
+
+
+def test_a_large_load_is_filled_in_parts_by_several_threads_at_once():
+    transfers = TransferEngine(BIG.allocate(12), fill_threads=3)
+    all_parts_at_once = threading.Barrier(3, timeout=10)  # passes only if 3 parts are filled together
+    parts = []
+
+    def fill(start, views):
+        parts.append((start, len(views)))
+        all_parts_at_once.wait()
+        for i, view in enumerate(views):
+            view.fill_(start + i)
+        return [True] * len(views)
+
+    job = transfers.load(list(range(11, -1, -1)), fill)  # block ids in reverse: part k fills blocks 11-4k..
+    assert job.wait(10) and not job.failed and job.served == [True] * 12
+    assert sorted(parts) == [(0, 4), (4, 4), (8, 4)]
+    for position, block_id in enumerate(range(11, -1, -1)):
+        assert bool((as_bytes(transfers.kv_cache[block_id]) == position).all())
+    small = transfers.load([0, 1], fill_with({0: 5, 1: 6}))  # below one part's size: one fill call
+    assert small.wait(10) and small.served == [True, True]
+    transfers.close()
+
+
+def test_a_failing_part_fails_the_load_only_once_every_part_has_stopped_writing():
+    transfers = TransferEngine(BIG.allocate(12), fill_threads=3)
+    finished = []
+
+    def fill(start, views):
+        if start == 4:
+            raise OSError("disk went away")
+        time.sleep(0.2)  # the other parts are still writing when the failure is raised
+        for view in views:
+            view.fill_(1)
+        finished.append(start)
+        return [True] * len(views)
+
+    job = transfers.load(list(range(12)), fill)
+    assert job.wait(10)
+    assert job.failed and job.served == [False] * 12
+    assert sorted(finished) == [0, 8]  # both were done before the job was
     transfers.close()
 
 

@@ -28,11 +28,13 @@ EvictCallback = Callable[[bytes, tuple, torch.Tensor], None]
 class CpuTier(LowerTier):
     """Host-memory tier of `capacity_blocks` block slots.
 
-    Invariants (all under `_lock`): every slot is either in `_free_slots` or the value of exactly
-    one entry of `_slot_of`; `_token_ids[slot]` is the token tuple of the block in that slot; a held
-    or pinned block is never evicted by LRU (a put that finds every slot held or pinned stores
-    nothing, counted in `stats().extra['rejected_puts']`); `_pin_count[h]` is the number of owners in
-    `_pins` whose pin names `h`. Pins live in memory only: this tier starts empty.
+    Invariants (all under `_lock`): every slot is either in `_free_slots`, the value of exactly one
+    entry of `_slot_of`, or dropped while a `get` copies out of it (`_dropped_while_read`);
+    `_token_ids[slot]` is the token tuple of the block in that slot; a held or pinned block is never
+    evicted by LRU (a put that finds every slot held or pinned stores nothing, counted in
+    `stats().extra['rejected_puts']`); a slot in `_readers` is neither evicted nor reused;
+    `_pin_count[h]` is the number of owners in `_pins` whose pin names `h`. Pins live in memory
+    only: this tier starts empty.
     Payloads are host tensors on both sides: a GPU is reached through the transfer engine.
     A read that finds a block whose token ids differ from the expected ones counts it as a miss
     *and* as corrupt, and drops the entry.
@@ -62,6 +64,9 @@ class CpuTier(LowerTier):
         self._lock = threading.Lock()
         # hash -> how many promotions in flight will read it: never evicted while held (see `hold`).
         self._holds: dict[bytes, int] = {}
+        # slot -> how many `get` calls are copying out of it now (outside the lock): never reused meanwhile
+        self._readers: dict[int, int] = {}
+        self._dropped_while_read: set[int] = set()  # dropped slots that return to the free stack once read
         self._pins: dict[str, Pin] = {}
         self._pin_count: dict[bytes, int] = {}
         self._rejected_puts = 0
@@ -85,29 +90,50 @@ class CpuTier(LowerTier):
 
     def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             dests: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy payloads into host tensors `dests` (the transfer engine moves them on to a GPU)."""
+        """Copy payloads into host tensors `dests` (the transfer engine moves them on to a GPU).
+
+        The copies run outside the lock, so that the parts of one load are copied by several threads
+        at once; a slot being read is neither evicted nor reused until its reads end."""
         assert len(block_hashes) == len(token_ids) == len(dests)
-        served = [False] * len(block_hashes)
         events = self._events()
-        # The copies happen under the lock: a concurrent put must not reuse a slot mid-copy.
         with self._lock:
-            for i, (h, expected, dest) in enumerate(zip(block_hashes, token_ids, dests)):
-                slot = self._slot_of.get(h)
-                if slot is None:
-                    self._stats.misses += 1
-                    continue
-                if self._token_ids[slot] != token_tuple(expected):
-                    self._stats.misses += 1
-                    self._stats.corrupt += 1
-                    self._drop(h, events)
-                    continue
-                np.copyto(dest.numpy(), self._slab_np[slot])
-                self._slot_of.move_to_end(h)
-                self._stats.hits += 1
-                served[i] = True
+            slots = [self._start_read(h, expected, events) for h, expected in zip(block_hashes, token_ids)]
             if events is not None:
                 events.emit(self.event_listener)
-        return served
+        try:
+            for slot, dest in zip(slots, dests):
+                if slot is not None:
+                    np.copyto(dest.numpy(), self._slab_np[slot])
+        finally:
+            with self._lock:
+                for slot in slots:
+                    if slot is not None:
+                        self._end_read(slot)
+        return [slot is not None for slot in slots]
+
+    def _start_read(self, block_hash: bytes, expected: Sequence[int], events: TierEvents | None) -> int | None:
+        """The slot of a block to be read (now counted as read), or None for a miss."""
+        slot = self._slot_of.get(block_hash)
+        if slot is None:
+            self._stats.misses += 1
+            return None
+        if self._token_ids[slot] != token_tuple(expected):
+            self._stats.misses += 1
+            self._stats.corrupt += 1
+            self._drop(block_hash, events)
+            return None
+        self._slot_of.move_to_end(block_hash)
+        self._stats.hits += 1
+        self._readers[slot] = self._readers.get(slot, 0) + 1
+        return slot
+
+    def _end_read(self, slot: int) -> None:
+        n = self._readers.pop(slot) - 1
+        if n > 0:
+            self._readers[slot] = n
+        elif slot in self._dropped_while_read:  # dropped mid-read: free for reuse only now
+            self._dropped_while_read.remove(slot)
+            self._free_slots.append(slot)
 
     def hold(self, block_hashes: Sequence[bytes]) -> None:
         with self._lock:
@@ -181,7 +207,7 @@ class CpuTier(LowerTier):
         for candidate in self._slot_of:
             if candidate in self._pin_count:
                 pinned.append(candidate)
-            elif candidate not in self._holds:
+            elif candidate not in self._holds and self._slot_of[candidate] not in self._readers:
                 h = candidate
                 break
         for p in pinned:  # never evicted, so their place in the order does not matter: out of the next scan's way
@@ -200,7 +226,10 @@ class CpuTier(LowerTier):
     def _drop(self, block_hash: bytes, events: TierEvents | None) -> None:
         slot = self._slot_of.pop(block_hash)
         self._token_ids[slot] = None
-        self._free_slots.append(slot)
+        if slot in self._readers:
+            self._dropped_while_read.add(slot)
+        else:
+            self._free_slots.append(slot)
         if events is not None:
             events.removed(block_hash)
 

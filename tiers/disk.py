@@ -208,9 +208,10 @@ class DiskTier(LowerTier):
         while from_store:
             from_store = self._read_from_store(from_store, block_hashes, token_ids, dests, served, corrupt)
         hits = sum(served)
-        self._stats.hits += hits
-        self._stats.misses += len(served) - hits
-        self._stats.corrupt += len(corrupt)
+        with self._cond:  # reads of one load may run on several threads at once
+            self._stats.hits += hits
+            self._stats.misses += len(served) - hits
+            self._stats.corrupt += len(corrupt)
         self._enqueue([_Op("touch", h) for h, ok in zip(block_hashes, served) if ok]
                       + [_Op("delete", h) for h in corrupt])
         return served

@@ -271,7 +271,8 @@ class TierHierarchy:
                 break
             started = time.perf_counter()
             ok = tier.get([hashes[m] for m in missing], [tokens[m] for m in missing], [dests[m] for m in missing])
-            load.read_s[tier.name] = load.read_s.get(tier.name, 0.0) + time.perf_counter() - started
+            with self._counters_lock:  # the parts of one load are read on several threads at once
+                load.read_s[tier.name] = load.read_s.get(tier.name, 0.0) + time.perf_counter() - started
             for m, served in zip(missing, ok):
                 if served:
                     served_from[m] = tier.name

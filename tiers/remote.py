@@ -281,9 +281,10 @@ class RemoteTier(LowerTier):
                 logger.debug("remote tier: block %s does not verify: %s", block_hashes[i].hex(), e)
                 corrupt.append(_Op("delete", self._key(block_hashes[i]), block_hash=block_hashes[i]))
         hits = sum(served)
-        self._stats.hits += hits
-        self._stats.misses += len(served) - hits
-        self._stats.corrupt += len(corrupt)
+        with self._cond:  # reads of one load may run on several threads at once
+            self._stats.hits += hits
+            self._stats.misses += len(served) - hits
+            self._stats.corrupt += len(corrupt)
         self._enqueue(corrupt)
         return served
 

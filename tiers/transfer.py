@@ -5,7 +5,9 @@ module supplies host buffers, worker threads and (on CUDA) streams and events. T
 with its own worker thread (and CUDA stream), each running its jobs in submission order:
 
 - load: `fill(start, host_views)` (the hierarchy's reads from the CPU slab or the disk tier) writes each
-  block's payload into a host buffer; the run is then copied to the device blocks. On CUDA the
+  block's payload into a host buffer; the run is then copied to the device blocks. A large run is
+  filled in contiguous parts by several threads at once (`fill_threads`): one core's memcpy, and the
+  disk tier's copy plus checksum, move fewer bytes a second than a host-to-device link does. On CUDA the
   buffer is a bounded pinned staging area, split in two halves so that filling one overlaps the
   copy of the other, and a run moves as one host-to-device copy into a device staging area plus one
   scatter into the KV cache. With the KV cache in host memory the views are the device blocks
@@ -22,14 +24,18 @@ Invariants the caller relies on:
   `wait_copied()` returns;
 - a load job writes only its own device blocks, and nothing after `done` is set;
 - a failure inside `fill` or `drain` is logged and ends the job: a load then reports the failed
-  chunk's blocks and every later one as not served; nothing is raised on the step thread.
+  chunk's blocks and every later one as not served; nothing is raised on the step thread;
+- `fill` may run on several threads at once, for disjoint parts of a job (the tiers' reads are
+  thread-safe); a job ends only when all of its parts have returned.
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -46,6 +52,8 @@ Fill = Callable[[int, list[torch.Tensor]], list[bool]]
 Drain = Callable[[int, list[torch.Tensor]], None]
 
 DEFAULT_STAGING_BYTES = 64 << 20  # per direction, on CUDA only
+DEFAULT_FILL_THREADS = min(4, os.cpu_count() or 1)
+MIN_FILL_PART_BYTES = 4 << 20  # a part read by another thread: large enough to outweigh the handoff
 
 
 @dataclass(eq=False)
@@ -79,19 +87,21 @@ class Transfer:
 class TransferEngine:
     """Asynchronous batched block copies between the KV cache and host memory (see module doc)."""
 
-    def __init__(self, kv_cache: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES):
+    def __init__(self, kv_cache: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 fill_threads: int = DEFAULT_FILL_THREADS):
         self.kv_cache = kv_cache
         self.on_cuda = kv_cache.device.type == "cuda"
         block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         # Completions wake `wait_any`; one condition for both directions.
         self._completed = threading.Condition()
         self._closed = False
+        filler = _Filler(fill_threads, max(1, MIN_FILL_PART_BYTES // block_nbytes))
         if self.on_cuda:
             chunk = max(1, staging_bytes // (2 * block_nbytes))  # blocks per half of a staging area
-            self._loads = _CudaDirection("load", kv_cache, chunk, self._completed)
+            self._loads = _CudaDirection("load", kv_cache, chunk, self._completed, filler)
             self._stores = _CudaDirection("store", kv_cache, chunk, self._completed)
         else:
-            self._loads = _HostDirection("load", kv_cache, self._completed)
+            self._loads = _HostDirection("load", kv_cache, self._completed, filler)
             self._stores = _HostDirection("store", kv_cache, self._completed)
 
     def load(self, block_ids: Sequence[int], fill: Fill) -> Transfer:
@@ -124,13 +134,45 @@ class TransferEngine:
         self._stores.stop()
 
 
-class _Direction:
-    """A worker thread running one direction's jobs in submission order."""
+class _Filler:
+    """Runs a load's `fill` over contiguous parts of its views on several threads at once: the
+    calling worker reads the first part, helper threads the others."""
 
-    def __init__(self, name: str, kv_cache: torch.Tensor, completed: threading.Condition):
+    def __init__(self, threads: int, min_part_blocks: int):
+        self.threads = max(1, threads)
+        self.min_part_blocks = min_part_blocks
+        self._helpers: ThreadPoolExecutor | None = None  # started by the first load large enough
+
+    def __call__(self, fill: Fill, start: int, views: list[torch.Tensor]) -> list[bool]:
+        parts = min(self.threads, len(views) // self.min_part_blocks)
+        if parts <= 1:
+            return list(fill(start, views))
+        if self._helpers is None:
+            self._helpers = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstrata-fill")
+        bounds = [len(views) * k // parts for k in range(parts + 1)]
+        helped = [self._helpers.submit(fill, start + a, views[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])]
+        try:
+            served = list(fill(start, views[:bounds[1]]))
+        finally:
+            wait(helped)  # every part has stopped writing before the job may end, even on a failure
+        for part in helped:
+            served += part.result()  # raises a part's failure: the job's chunk is then unserved
+        return served
+
+    def close(self) -> None:
+        if self._helpers is not None:
+            self._helpers.shutdown()
+
+
+class _Direction:
+    """A worker thread running one direction's jobs in submission order (loads: filled by `filler`)."""
+
+    def __init__(self, name: str, kv_cache: torch.Tensor, completed: threading.Condition,
+                 filler: _Filler | None = None):
         self.name = name
         self.kv_cache = kv_cache
         self._completed = completed
+        self._fill = filler or _Filler(1, 1)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._last: Transfer | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvstrata-{name}", daemon=True)
@@ -154,6 +196,7 @@ class _Direction:
         self.wait_idle()
         self._jobs.put(None)
         self._thread.join()
+        self._fill.close()
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -195,7 +238,7 @@ class _HostDirection(_Direction):
         return [as_bytes(self.kv_cache[b]) for b in transfer.block_ids]
 
     def _load(self, transfer: Transfer, fill: Fill) -> None:
-        transfer.served = list(fill(0, self._views(transfer)))
+        transfer.served = self._fill(fill, 0, self._views(transfer))
 
     def _store(self, transfer: Transfer, drain: Drain) -> None:
         drain(0, self._views(transfer))  # the tier copies the payloads before returning
@@ -204,7 +247,8 @@ class _HostDirection(_Direction):
 class _CudaDirection(_Direction):
     """Pinned host staging in two halves, a device staging area, a side stream and events."""
 
-    def __init__(self, name: str, kv_cache: torch.Tensor, chunk_blocks: int, completed: threading.Condition):
+    def __init__(self, name: str, kv_cache: torch.Tensor, chunk_blocks: int, completed: threading.Condition,
+                 filler: _Filler | None = None):
         self.chunk = chunk_blocks
         self.stream = torch.cuda.Stream(device=kv_cache.device)
         # Staging is allocated by the first job (an engine without lower tiers never pins any).
@@ -212,7 +256,7 @@ class _CudaDirection(_Direction):
         self.device: torch.Tensor | None = None
         # An event per host half: recorded after the last copy that read or wrote it.
         self.host_free: list[torch.cuda.Event | None] = [None, None]
-        super().__init__(name, kv_cache, completed)
+        super().__init__(name, kv_cache, completed, filler)
 
     def _allocate_staging(self) -> None:
         shape = (self.chunk, *self.kv_cache.shape[1:])
@@ -240,7 +284,7 @@ class _CudaDirection(_Direction):
     def _load(self, transfer: Transfer, fill: Fill) -> None:
         self.stream.wait_event(transfer._after)
         for half, start, ids in self._chunks(transfer):
-            transfer.served += list(fill(start, self._host_views(half, len(ids))))
+            transfer.served += self._fill(fill, start, self._host_views(half, len(ids)))
             with torch.cuda.stream(self.stream):
                 index = torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)
                 staged = self.device[:len(ids)]
