@@ -534,15 +534,23 @@ def bandwidth_lines(b: dict, result: dict) -> list[str]:
     h2d, d2h = b["limits"]["h2d"], b["limits"]["d2h"]
     lines = [f"Limit, measured in this run (best of 5): {h2d['what']} **{h2d['gbps']:.2f} GB/s**; "
              f"{d2h['what']} **{d2h['gbps']:.2f} GB/s**.", "",
-             "Promotion through the transfer engine (the tier's `get` on its worker thread, pinned staging, one "
+             "Promotion through the transfer engine (the tier's `get` on its fill threads, pinned staging, one "
              "host-to-device copy per run on a side stream), timed from submission until it has landed, best of "
-             "5 after a warm-up; random bytes, bf16 blocks of 16 tokens.", "",
+             "5 after a warm-up; random bytes, bf16 blocks of 16 tokens. In parentheses: the same with one fill "
+             "thread, measured in turn.", "",
              "| block | bytes per block | tokens | MB | CPU tier -> device GB/s | % of H2D | warm disk -> device "
              "GB/s | % of H2D | disk write-down GB/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in b["rows"]:
+        def gbps(key: str) -> str:
+            one = r.get(f"{key}_one_thread")
+            return f"{r[key]:.2f}" + (f" ({one:.2f})" if one is not None else "")
+
+        def share(key: str) -> str:
+            one = r.get(f"{key}_one_thread")
+            return f"{100 * r[key] / h2d['gbps']:.0f}%" + (f" ({100 * one / h2d['gbps']:.0f}%)" if one is not None else "")
         lines.append(f"| {r['block']} | {r['block_nbytes']:,} | {r['tokens']} | {r['bytes'] / 1e6:.0f} | "
-                     f"{r['cpu_gbps']:.2f} | {100 * r['cpu_gbps'] / h2d['gbps']:.0f}% | {r['disk_gbps']:.2f} | "
-                     f"{100 * r['disk_gbps'] / h2d['gbps']:.0f}% | {r['disk_write_gbps']:.2f} |")
+                     f"{gbps('cpu_gbps')} | {share('cpu_gbps')} | {gbps('disk_gbps')} | {share('disk_gbps')} | "
+                     f"{r['disk_write_gbps']:.2f} |")
     return lines + [""]
 
 

@@ -95,7 +95,8 @@ class TransferEngine:
         # Completions wake `wait_any`; one condition for both directions.
         self._completed = threading.Condition()
         self._closed = False
-        filler = _Filler(fill_threads, max(1, MIN_FILL_PART_BYTES // block_nbytes))
+        self.fill_threads = max(1, fill_threads)
+        filler = _Filler(self.fill_threads, max(1, MIN_FILL_PART_BYTES // block_nbytes))
         if self.on_cuda:
             chunk = max(1, staging_bytes // (2 * block_nbytes))  # blocks per half of a staging area
             self._loads = _CudaDirection("load", kv_cache, chunk, self._completed, filler)
