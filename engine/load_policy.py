@@ -16,8 +16,11 @@ cut is a prefix boundary, and so is the end of the head.
 - `always_load`: no head, the cut at the end of the prefix.
 - `always_recompute`: no tail; the device hits are kept and everything after them is computed.
 - `auto`: the plan with the smallest estimated time to the prompt's end:
-  `max(compute(head), load(tail)) + compute(rest)`, the load a sum over tiers of `ReadCost.load_s` and
-  each compute `StepCost.prefill_s` at its context, all from measured speeds. Ties go to loading more.
+  `max(head_step, load(tail)) + compute(rest)`, the load a sum over tiers of `ReadCost.load_s` and
+  each compute `StepCost.prefill_s` at its context, all from measured speeds. A head is a step of its
+  own before the one that computes the rest, so it costs the step's fixed cost too
+  (`head_step = StepCost.overhead_s + compute(head)`): where a step's fixed cost exceeds a load, a
+  head never pays. Ties go to loading more.
 
 Only cuts at the ends of runs (maximal stretches of blocks held by one tier) need pricing: within a run,
 each further block adds the same load time, while the compute it saves grows with its position (its
@@ -73,9 +76,12 @@ def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_siz
     def load_s(start: int, stop: int) -> float:
         return sum(read_costs[t].load_s(counts[t][stop] - counts[t][start]) for t in tiers)
 
+    def head_step_s(head_end: int) -> float:  # a head is computed in a step of its own
+        return step_cost.overhead_s + compute_s(device_run, head_end) if head_end > device_run else 0.0
+
     def estimated_s(head_end: int, cut: int) -> float:
         rest = step_cost.prefill_s(num_tokens - cut * block_size, cut * block_size)
-        return max(compute_s(device_run, head_end), load_s(head_end, cut)) + rest
+        return max(head_step_s(head_end), load_s(head_end, cut)) + rest
 
     def best_head_end(cut: int) -> int:
         """The head end where computing the head and loading the tail take the same time (or the
@@ -83,7 +89,7 @@ def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_siz
         lo, hi = device_run, cut  # the crossing lies in (lo, hi]: the head is free at lo and the tail at hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if compute_s(device_run, mid) >= load_s(mid, cut):
+            if head_step_s(mid) >= load_s(mid, cut):
                 hi = mid
             else:
                 lo = mid

@@ -86,6 +86,24 @@ def test_auto_recomputes_the_head_of_a_run_while_its_tail_loads_when_both_take_a
     assert plan("always_recompute", found, cpu=medium) == LoadPlan(2, 2, 2)
 
 
+def test_auto_computes_no_head_where_a_step_of_its_own_costs_more_than_the_load():
+    """A head is computed in a step before the one that computes the rest: on a machine whose steps
+    have a fixed cost above the whole load (a CPU, ~40 ms, against a few ms from a local disk), the
+    head only adds that cost, so everything found is loaded."""
+    found = ["device"] + ["disk"] * 125
+    disk = ReadCost(1024, latency_s=1e-5, per_block_s=1e-4)                # 125 blocks in ~13 ms
+    no_overhead = StepCost(per_token_s=1e-4, per_pair_s=1e-6)
+    with_overhead = StepCost(per_token_s=1e-4, per_pair_s=1e-6, overhead_s=0.04)
+
+    def auto(step_cost: StepCost) -> LoadPlan:
+        return choose_plan("auto", found, len(found) * BS + 1, BS, step_cost, {"disk": disk})
+    assert auto(no_overhead).overlaps  # priced as free, the first blocks (little context) look worth computing
+    assert auto(with_overhead) == LoadPlan(1, 1, 126)
+    slow_disk = ReadCost(1024, latency_s=1e-5, per_block_s=1e-3)           # 125 blocks in ~125 ms
+    overlapped = choose_plan("auto", found, len(found) * BS + 1, BS, with_overhead, {"disk": slow_disk})
+    assert overlapped.overlaps  # a load longer than a step: computing the head while it loads still pays
+
+
 def new_request(tokens: list[int]) -> Request:
     return Request(f"lp-{tokens[0]}-{len(tokens)}", list(tokens), SamplingParams(max_tokens=1, temperature=0))
 
