@@ -48,7 +48,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from kvstrata.tiers.base import LOWER_TIER_NAMES, TIER_NAMES, LowerTier, Pin, TierStats, as_bytes
+from kvstrata.tiers.base import LOWER_TIER_NAMES, TIER_NAMES, LowerTier, Pin, TierStats
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockEventListener, BlockRemoved, BlockStored
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
 from kvstrata.tiers.transfer import Transfer, TransferEngine
