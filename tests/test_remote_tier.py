@@ -104,6 +104,25 @@ def test_cluster_spreads_blocks_over_its_nodes_and_serves_them_all():
         late.close()
 
 
+def test_a_cluster_that_fails_over_from_the_node_in_the_url_is_served_again_without_it():
+    """Replicas name one node of a cluster in their URL. When that primary dies and its replica takes
+    its slots, the tier must find the cluster through the nodes it learned, not wait for the dead one."""
+    with valkey_cluster(3, replicas=1) as nodes:
+        tier = tier_on(nodes[0].url, cluster=True)
+        written(tier, range(24))
+        nodes[0].client().execute_command("WAIT", 1, 5000)  # its replica has every block before it dies
+        nodes[0].kill()
+        start = time.monotonic()
+        assert get_blocks(tier, range(24)) == [False] * 24  # a dead primary: misses, at once
+        assert time.monotonic() - start < 5 * tier.timeout
+        wait_until(lambda: b"cluster_state:ok" in nodes[1].client().execute_command("CLUSTER", "INFO"), timeout=30)
+        wait_until(lambda: tier.count_prefix([key(i) for i in range(24)]) == 24, timeout=30)
+        assert get_blocks(tier, range(24)) == [True] * 24
+        written(tier, range(24, 30))  # and writes go to the new primary
+        assert tier_on(nodes[1].url, cluster=True).count_prefix([key(i) for i in range(24, 30)]) == 6
+        tier.close()
+
+
 def test_killed_server_gives_misses_and_a_restarted_one_is_used_again(server, caplog):
     tier = tier_on(server.url, timeout=0.2)
     written(tier, range(4))

@@ -7,6 +7,8 @@ for the remote-tier tests and the replicas benchmark (no network, nothing instal
 
     with valkey_cluster(3) as nodes:        # a cluster formed with CLUSTER MEET / ADDSLOTSRANGE
         RemoteTier(layout, nodes[0].url, cluster=True)
+
+    with valkey_cluster(3, replicas=1) as nodes:  # nodes[3:] replicate nodes[:3]: a killed primary fails over
 """
 from __future__ import annotations
 
@@ -138,24 +140,38 @@ class ValkeyServer:
 
 
 @contextlib.contextmanager
-def valkey_cluster(num_nodes: int = 3) -> Iterator[list[ValkeyServer]]:
-    """`num_nodes` primaries, the slots split evenly between them, met through the first node."""
+def valkey_cluster(num_nodes: int = 3, replicas: int = 0) -> Iterator[list[ValkeyServer]]:
+    """`num_nodes` primaries, the slots split evenly between them, met through the first node; then
+    `replicas` replicas of each primary (nodes[num_nodes + k * replicas + r] replicates primary k), so
+    that the cluster fails over when a primary dies."""
     nodes: list[ValkeyServer] = []
     try:
-        for _ in range(num_nodes):
+        for _ in range(num_nodes * (1 + replicas)):
             nodes.append(ValkeyServer(cluster=True))
         clients = [n.client() for n in nodes]
-        for k, client in enumerate(clients):
+        for k, client in enumerate(clients[:num_nodes]):
             first, last = k * NUM_SLOTS // num_nodes, (k + 1) * NUM_SLOTS // num_nodes - 1
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
         for node in nodes[1:]:
             clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, node.bus_port)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not all(b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO") for c in clients):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the valkey cluster did not reach cluster_state:ok")
-            time.sleep(0.1)
+        _wait_for(lambda: all(b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO") for c in clients),
+                  "the valkey cluster did not reach cluster_state:ok")
+        for r, client in enumerate(clients[num_nodes:]):
+            primary_id = clients[r // replicas].execute_command("CLUSTER", "MYID")
+            # a node learns of the others through the bus: it may not know its primary yet
+            _wait_for(lambda: primary_id in client.execute_command("CLUSTER", "NODES"), "a replica never met its primary")
+            client.execute_command("CLUSTER", "REPLICATE", primary_id)
+        _wait_for(lambda: all(c.info("replication").get("master_link_status") == "up" for c in clients[num_nodes:]),
+                  "the replicas did not catch up with their primaries")
         yield nodes
     finally:
         for node in nodes:
             node.close()
+
+
+def _wait_for(condition, failure: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        time.sleep(0.1)

@@ -41,6 +41,7 @@ from typing import Optional, Sequence
 import redis
 import torch
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode
 from redis.retry import Retry
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats
@@ -147,6 +148,7 @@ class RemoteTier(LowerTier):
         self.health = _Health(self.shown_url)
         self._client_lock = threading.Lock()
         self._client: redis.Redis | redis.RedisCluster | None = None
+        self._known_nodes: list[tuple[str, int]] = []  # a cluster's nodes, as last learned: where to reconnect
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-lookup")
 
         self._max_queued = queue_blocks
@@ -175,7 +177,10 @@ class RemoteTier(LowerTier):
                            retry=Retry(NoBackoff(), 0))  # our backoff, not the client's retries
             try:
                 if self.cluster:  # connects now, to learn which node serves which slots
-                    self._client = redis.RedisCluster.from_url(self.url, **options)
+                    # through the URL's node or any other node it has learned: the URL's may be dead
+                    known = [ClusterNode(host, port) for host, port in self._known_nodes]
+                    self._client = redis.RedisCluster.from_url(self.url, startup_nodes=known, **options)
+                    self._known_nodes = [(n.host, n.port) for n in self._client.get_nodes()]
                 else:
                     self._client = redis.Redis.from_url(self.url, health_check_interval=0, **options)
                 return self._client
@@ -202,6 +207,8 @@ class RemoteTier(LowerTier):
     def _disconnect(self) -> None:
         with self._client_lock:
             client, self._client = self._client, None
+            if isinstance(client, redis.RedisCluster):  # the nodes it knows now, failed-over ones included
+                self._known_nodes = [(n.host, n.port) for n in client.get_nodes()] or self._known_nodes
         if client is not None:
             try:
                 client.close()
