@@ -52,7 +52,8 @@ Fill = Callable[[int, list[torch.Tensor]], list[bool]]
 Drain = Callable[[int, list[torch.Tensor]], None]
 
 DEFAULT_STAGING_BYTES = 64 << 20  # per direction, on CUDA only
-DEFAULT_FILL_THREADS = min(4, os.cpu_count() or 1)
+# the cores this process may run on (a container's CPU set, not the machine's count), at most 4
+DEFAULT_FILL_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 MIN_FILL_PART_BYTES = 4 << 20  # a part read by another thread: large enough to outweigh the handoff
 
 
