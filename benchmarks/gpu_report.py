@@ -536,8 +536,8 @@ def bandwidth_lines(b: dict, result: dict) -> list[str]:
              f"{d2h['what']} **{d2h['gbps']:.2f} GB/s**.", "",
              "Promotion through the transfer engine (the tier's `get` on its fill threads, pinned staging, one "
              "host-to-device copy per run on a side stream), timed from submission until it has landed, best of "
-             "5 after a warm-up; random bytes, bf16 blocks of 16 tokens. In parentheses: the same with one fill "
-             "thread, measured in turn.", "",
+             f"5 after a warm-up; random bytes, bf16 blocks of 16 tokens; {b['rows'][0].get('fill_threads', '?')} fill "
+             "threads. In parentheses: the same with one fill thread, measured in turn.", "",
              "| block | bytes per block | tokens | MB | CPU tier -> device GB/s | % of H2D | warm disk -> device "
              "GB/s | % of H2D | disk write-down GB/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in b["rows"]:
