@@ -6,7 +6,7 @@
     kvstrata bench  ttft --config F [benchmark options ...]
     kvstrata bench  concurrency --config F [benchmark options ...]
     kvstrata config check FILE [--set key=value ...]
-    kvstrata cache  stats|clear --config F
+    kvstrata cache  stats|clear --config F [--tier disk|remote]
     kvstrata cache  documents add FILE [--prompt] [--cache-salt S] [--no-pin] | list | unpin ID  [--url U | --config F]
 
 Every command takes `--set dotted.key=value` (repeatable) on top of its config file. A bad config
@@ -29,6 +29,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2          # bad config or arguments (argparse uses 2 too)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+PERSISTENT_TIERS = ("disk", "remote")  # the tiers `kvstrata cache` reaches: the others live in a process
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,12 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_override_argument(check)
     check.set_defaults(run=_config_check)
 
-    cache = commands.add_parser("cache", help="inspect or empty the persistent (disk) tier")
+    cache = commands.add_parser("cache", help="inspect or empty the lower tiers that outlive a process (disk, remote)")
     cache_commands = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
-    for name, run, help_text in (("stats", _cache_stats, "print the disk tier's contents and size"),
-                                 ("clear", _cache_clear, "drop every block from the disk tier")):
+    for name, run, help_text in (("stats", _cache_stats, "print what the disk and remote tiers hold"),
+                                 ("clear", _cache_clear, "drop every block from the disk and remote tiers")):
         action = cache_commands.add_parser(name, help=help_text)
         _add_config_arguments(action)
+        action.add_argument("--tier", choices=PERSISTENT_TIERS, action="append",
+                            help="only this tier (repeatable; default: every one the config has)")
         action.set_defaults(run=run)
     _add_documents_parser(cache_commands)
     return parser
@@ -237,25 +240,59 @@ def _config_check(args: argparse.Namespace) -> int:
 def _cache_stats(args: argparse.Namespace) -> int:
     import yaml
 
-    disk = _disk_store(_load(args, disk_read_only=True), if_off="only the disk tier persists between runs",
-                       if_missing="nothing has been written")
-    if disk is None:
-        return EXIT_OK
+    config = _load(args, disk_read_only=True)
+    tiers = args.tier or PERSISTENT_TIERS
+    report = {}
+    if "disk" in tiers:
+        disk = _disk_store(config, if_off="it keeps nothing between runs", if_missing="nothing has been written")
+        if disk is not None:
+            report["disk"] = _disk_stats(disk)
+    if "remote" in tiers:
+        remote = _remote_tier(config, say_if_off=bool(args.tier))
+        if remote is not None:
+            report["remote"] = _remote_stats(remote)
+    if report:
+        sys.stdout.write(yaml.safe_dump(report, sort_keys=False))
+    return EXIT_OK
+
+
+def _disk_stats(disk) -> dict:
     from kvstrata.tiers.lmdb_store import StoreDamaged, read_store_stats
 
     try:
         stats = read_store_stats(str(disk.path))
     except StoreDamaged as exc:
         raise ValueError(f"{exc}; `kvstrata cache clear` removes it") from None
-    report = {"path": str(disk.path), "configured_size": disk.size.to_yaml_value(), **_plain(stats)}
-    sys.stdout.write(yaml.safe_dump({"disk": report}, sort_keys=False))
-    return EXIT_OK
+    return {"path": str(disk.path), "configured_size": disk.size.to_yaml_value(), **_plain(stats)}
+
+
+def _remote_stats(remote) -> dict:
+    """The blocks under the tier's key prefix; an unreachable server is reported, not raised."""
+    from kvstrata.tiers.remote import prefix_usage
+    from kvstrata.tiers.remote_url import masked_url
+
+    report = {"url": masked_url(remote.url), "cluster": remote.cluster, "key_prefix": remote.key_prefix}
+    try:
+        usage = prefix_usage(remote.url, cluster=remote.cluster, key_prefix=remote.key_prefix)
+    except ValueError as exc:
+        return {**report, "reachable": False, "error": str(exc)}
+    return {**report, "reachable": True, "blocks": usage.blocks, "used_bytes": usage.bytes}
 
 
 def _cache_clear(args: argparse.Namespace) -> int:
-    disk = _disk_store(_load(args), if_off="nothing to clear", if_missing="nothing to clear")
+    config = _load(args)
+    tiers = args.tier or PERSISTENT_TIERS
+    if "disk" in tiers:
+        _clear_disk(config)
+    if "remote" in tiers:
+        _clear_remote(config, say_if_off=bool(args.tier))
+    return EXIT_OK
+
+
+def _clear_disk(config) -> None:
+    disk = _disk_store(config, if_off="nothing to clear", if_missing="nothing to clear")
     if disk is None:
-        return EXIT_OK
+        return
     from kvstrata.tiers.lmdb_store import clear_store
 
     cleared = clear_store(str(disk.path))
@@ -263,7 +300,18 @@ def _cache_clear(args: argparse.Namespace) -> int:
         print(f"{cleared.damage}; removed its files")
     else:
         print(f"cleared {cleared.blocks} blocks from {disk.path}")
-    return EXIT_OK
+
+
+def _clear_remote(config, say_if_off: bool) -> None:
+    """Only the keys under the tier's prefix go: every replica sharing the server loses them."""
+    remote = _remote_tier(config, say_if_off)
+    if remote is None:
+        return
+    from kvstrata.tiers.remote import clear_prefix
+    from kvstrata.tiers.remote_url import masked_url
+
+    removed = clear_prefix(remote.url, cluster=remote.cluster, key_prefix=remote.key_prefix)
+    print(f"cleared {removed} blocks from {masked_url(remote.url)} (key prefix {remote.key_prefix})")
 
 
 def _documents_add(args: argparse.Namespace) -> int:
@@ -339,6 +387,14 @@ def _server_call(args: argparse.Namespace, method: str, path: str, body: dict | 
         raise ValueError(message) from None
     except urllib.error.URLError as exc:
         raise OSError(f"cannot reach the server at {url}: {exc.reason}") from None
+
+
+def _remote_tier(config, say_if_off: bool):
+    """The config's remote tier, or None when it is off (saying so if the user asked for it by name)."""
+    remote = config.cache.tiers.remote
+    if remote is None and say_if_off:
+        print("remote tier: off in this config")
+    return remote
 
 
 def _disk_store(config, if_off: str, if_missing: str):

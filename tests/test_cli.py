@@ -1,6 +1,7 @@
 """The `kvstrata` command line: config check, cache stats/clear, and one-line errors with exit code 2."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -296,3 +297,60 @@ def test_cache_stats_works_on_a_read_only_store(tmp_path):
         assert_one_line_error(cleared, "cache.tiers.disk.path: cannot write to")
     finally:
         store.chmod(0o700)
+
+
+def remote_config(tmp_path: Path, url: str, cluster: bool = False) -> str:
+    return str(write_yaml(tmp_path / "remote.yaml", {"cache": {"tiers": {
+        "remote": {"url": url, "cluster": cluster, "key_prefix": "team-a"}}}}))
+
+
+def put_remote_blocks(url: str, cluster: bool, num_blocks: int) -> None:
+    import torch
+
+    from kvstrata.tiers.base import BlockLayout, as_bytes
+    from kvstrata.tiers.remote import RemoteTier
+
+    layout = BlockLayout(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    tier = RemoteTier(layout, url, cluster=cluster, key_prefix="team-a", timeout=2.0)
+    blocks = layout.allocate(num_blocks)
+    tier.put([bytes([i]) * 16 for i in range(num_blocks)], [[i, i, i, i] for i in range(num_blocks)],
+             [as_bytes(blocks[i]) for i in range(num_blocks)])
+    tier.flush()
+    tier.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
+def test_cache_stats_and_clear_reach_the_remote_tier_and_only_its_key_prefix(tmp_path, capsys, cluster):
+    import redis
+    from valkey_server import ValkeyServer, valkey_cluster
+
+    with (valkey_cluster(3) if cluster else contextlib.nullcontext([ValkeyServer()])) as nodes:
+        url = nodes[0].url
+        put_remote_blocks(url, cluster, num_blocks=5)
+        other = redis.RedisCluster.from_url(url) if cluster else nodes[0].client()
+        other.set("team-b:x", b"another tenant's key")  # not under the config's prefix
+        config = remote_config(tmp_path, url, cluster)
+
+        assert cli.main(["cache", "stats", "--config", config]) == 0
+        report = yaml.safe_load(capsys.readouterr().out.split("\n", 1)[1])["remote"]  # after "disk tier: off"
+        assert report["reachable"] and report["blocks"] == 5 and report["used_bytes"] > 5 * 2 * 2 * 4 * 8 * 4
+        assert report["key_prefix"] == "team-a" and report["cluster"] == cluster
+
+        assert cli.main(["cache", "clear", "--tier", "remote", "--config", config]) == 0
+        assert capsys.readouterr().out.strip() == f"cleared 5 blocks from {url} (key prefix team-a)"
+        assert cli.main(["cache", "stats", "--tier", "remote", "--config", config]) == 0
+        assert yaml.safe_load(capsys.readouterr().out)["remote"]["blocks"] == 0
+        assert other.get("team-b:x") == b"another tenant's key"
+        other.close()
+
+
+def test_cache_commands_on_an_unreachable_remote_tier(tmp_path, capsys):
+    from valkey_server import free_port
+
+    config = remote_config(tmp_path, f"redis://:hunter2@127.0.0.1:{free_port()}/0")
+    assert cli.main(["cache", "stats", "--tier", "remote", "--config", config]) == 0  # reported, not raised
+    report = yaml.safe_load(capsys.readouterr().out)["remote"]
+    assert report["reachable"] is False and "hunter2" not in str(report)
+    result = kvstrata("cache", "clear", "--tier", "remote", "--config", config, cwd=tmp_path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "remote tier redis://" in result.stderr and "hunter2" not in result.stderr + result.stdout

@@ -473,3 +473,73 @@ def _take_batch(ops: deque[_Op]) -> list[_Op]:
         batch.append(op)
         nbytes += len(op.value) if op.value is not None else 0
     return batch
+
+
+# -- administration (`kvstrata cache stats|clear`): the blocks under a key prefix, on every node ---------------
+
+ADMIN_TIMEOUT_S = 5.0   # a command-line scan waits longer than a serving lookup may
+SCAN_BATCH = 1000       # keys per SCAN step and per pipelined round trip
+
+
+@dataclass
+class PrefixUsage:
+    """The blocks a server (every primary of a cluster) holds under a key prefix."""
+
+    blocks: int
+    bytes: int
+
+
+def prefix_usage(url: str, *, cluster: bool, key_prefix: str, timeout: float = ADMIN_TIMEOUT_S) -> PrefixUsage:
+    """Count the keys under `key_prefix` and their value bytes (SCAN, then pipelined STRLEN). Raises
+    ValueError, in one line with the password masked, if the server cannot be asked."""
+    usage = PrefixUsage(0, 0)
+
+    def count(client, keys: list[bytes]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.strlen(k)
+        usage.bytes += sum(pipe.execute())
+        usage.blocks += len(keys)
+
+    _scan_prefix(url, cluster, key_prefix, timeout, count)
+    return usage
+
+
+def clear_prefix(url: str, *, cluster: bool, key_prefix: str, timeout: float = ADMIN_TIMEOUT_S) -> int:
+    """Unlink every key under `key_prefix` (only those: the server may hold others'); returns how many.
+    Raises ValueError, in one line with the password masked, if the server cannot be asked."""
+    removed = 0
+
+    def unlink(client, keys: list[bytes]) -> None:
+        nonlocal removed
+        pipe = client.pipeline(transaction=False)  # a cluster splits it by node
+        for k in keys:
+            pipe.unlink(k)
+        removed += sum(pipe.execute())
+
+    _scan_prefix(url, cluster, key_prefix, timeout, unlink)
+    return removed
+
+
+def _scan_prefix(url: str, cluster: bool, key_prefix: str, timeout: float, each_batch) -> None:
+    """`each_batch(client, keys)` for the keys under `key_prefix`, `SCAN_BATCH` at a time (a cluster's
+    SCAN visits every primary)."""
+    url = check_url(url, cluster)
+    options = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
+    pattern = re.sub(r"([*?\[\]\\])", r"\\\1", key_prefix) + ":*"  # the prefix matched literally
+    try:
+        client = (redis.RedisCluster if cluster else redis.Redis).from_url(url, **options)
+        try:
+            batch = []
+            for key in client.scan_iter(match=pattern, count=SCAN_BATCH):
+                batch.append(key)
+                if len(batch) == SCAN_BATCH:
+                    each_batch(client, batch)
+                    batch = []
+            if batch:
+                each_batch(client, batch)
+        finally:
+            client.close()
+    except FAULTS as e:
+        message = " ".join(scrub(f"{type(e).__name__}: {e}", url).split())
+        raise ValueError(f"remote tier {masked_url(url)}: {message}") from None
