@@ -388,6 +388,13 @@ class TierHierarchy:
             for target in targets:
                 self.counters.write_downs[target.name] += len(block_ids)
 
+    def _put_down(self, tier: LowerTier, hashes: list[bytes], tokens: list[Sequence[int]],
+                  payloads: list[torch.Tensor]) -> None:
+        """Put host payloads into a lower tier (it copies them before returning), counted as write-downs."""
+        tier.put(hashes, tokens, payloads)
+        with self._counters_lock:
+            self.counters.write_downs[tier.name] += len(hashes)
+
     def wait_for_write_downs(self) -> None:
         """Wait until every block handed down so far is in its lower tier."""
         self.transfers.wait_stores()
@@ -410,9 +417,7 @@ class TierHierarchy:
         Runs on whichever thread put into the CPU tier (a transfer worker, mostly)."""
         assert self.disk is not None
         if not self.disk.contains(block_hash):
-            self.disk.put([block_hash], [token_ids], [payload])
-            with self._counters_lock:
-                self.counters.write_downs["disk"] += 1
+            self._put_down(self.disk, [block_hash], [token_ids], [payload])
 
     def persist(self, max_blocks: int | None = None, wait: bool = True) -> int:
         """Write cached blocks that the disk tier lacks down to it, device first, then CPU.
@@ -434,10 +439,8 @@ class TierHierarchy:
                 self._write_down([b for _, b in on_device], [h for h, _ in on_device], targets=[self.disk])
             in_host = [item for item in batch if not isinstance(item[2], int)]
             if in_host:
-                hashes, tokens, payloads = zip(*in_host)
-                self.disk.put(hashes, tokens, payloads)
-                with self._counters_lock:
-                    self.counters.write_downs["disk"] += len(in_host)
+                hashes, tokens, payloads = map(list, zip(*in_host))
+                self._put_down(self.disk, hashes, tokens, payloads)
             written += len(batch)
         if not written:
             self._unpersisted = False  # everything cached is on disk now
@@ -501,10 +504,8 @@ class TierHierarchy:
             served = source.get([h for h, _ in held], [t for _, t in held], dests)
             found = [(h, toks, dest) for (h, toks), dest, ok in zip(held, dests, served) if ok]
             if found:
-                found_hashes, found_tokens, payloads = zip(*found)
-                tier.put(list(found_hashes), list(found_tokens), list(payloads))
-                with self._counters_lock:
-                    self.counters.write_downs[tier.name] += len(found)
+                found_hashes, found_tokens, payloads = map(list, zip(*found))
+                self._put_down(tier, found_hashes, found_tokens, payloads)
             copied = {h for h, _, _ in found}
             elsewhere = [(h, toks) for h, toks in elsewhere if h not in copied]
         self.wait_for_write_downs()

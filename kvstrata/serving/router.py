@@ -307,7 +307,7 @@ async def _pass_through(upstream: httpx.Response, replica: Replica) -> AsyncIter
     event and the stream's end, as the replica itself reports an error it meets mid-stream."""
     events = upstream.headers.get("content-type", "").startswith("text/event-stream")
     partial = b""   # the bytes of an event not yet complete
-    last = b""      # the last complete event passed on
+    last = b""      # the end of what was passed on (is it `data: [DONE]`?)
     try:
         async for chunk in upstream.aiter_raw():
             if not events:
@@ -330,15 +330,17 @@ async def _pass_through(upstream: httpx.Response, replica: Replica) -> AsyncIter
 
 def _sse_cut_error(replica: Replica) -> bytes:
     """The error event and end of a stream whose replica went away before finishing it."""
-    error = {"message": f"replica {replica.url} went away mid-answer; the answer is incomplete",
-             "type": "service_unavailable", "param": None, "code": None}
-    return f"data: {json.dumps({'error': error})}".encode() + SSE_SEPARATOR + SSE_DONE
+    body = _error_body(f"replica {replica.url} went away mid-answer; the answer is incomplete")
+    return f"data: {json.dumps(body)}".encode() + SSE_SEPARATOR + SSE_DONE
 
 
 def _error(status: int, message: str) -> JSONResponse:
     """An error in OpenAI's shape, like the replicas'."""
-    return JSONResponse({"error": {"message": message, "type": "service_unavailable", "param": None,
-                                   "code": None}}, status_code=status)
+    return JSONResponse(_error_body(message), status_code=status)
+
+
+def _error_body(message: str) -> dict:
+    return {"error": {"message": message, "type": "service_unavailable", "param": None, "code": None}}
 
 
 def load_router(config: Config) -> Router:
