@@ -33,7 +33,6 @@ from kvstrata.tiers.block_pool import KVCacheBlock
 from kvstrata.tiers.hierarchy import PrefixLoad, TierHierarchy
 
 ComputedBlocks = tuple[list[KVCacheBlock], int, dict[str, int]]
-PROBE_BLOCKS = (1, 4)  # the loads timed per lower tier at start-up: a latency and a per-block cost
 
 
 @dataclass
@@ -241,9 +240,18 @@ class KVCacheManager:
 
     def probe_lower_tiers(self) -> None:
         """Seed each lower tier's read cost with a few timed loads of throwaway blocks (start-up)."""
+        sizes = self._probe_sizes()
         for tier in self.hierarchy.lower_tiers:
-            for num_blocks, seconds in self.hierarchy.probe_loads(tier, PROBE_BLOCKS):
+            for num_blocks, seconds in self.hierarchy.probe_loads(tier, sizes):
                 self.read_costs[tier.name].observe(num_blocks, seconds)
+
+    def _probe_sizes(self) -> tuple[int, ...]:
+        """The loads the probe times: one block and four (a latency and a per-block cost), and loads
+        large enough to be read by every fill thread at once, which read at their combined rate: timed
+        on small loads only, every document's load would be priced slower than it is until promotions
+        taught the fit otherwise. (Sizes the tier or the device has no room for are left out.)"""
+        parallel = self.hierarchy.transfers.parallel_load_blocks
+        return (1, 4, parallel, 2 * parallel) if parallel > 4 else (1, 4)
 
     def estimate_uncached(self, request: Request) -> UncachedEstimate:
         """What a waiting request has left to compute, from a lookup that holds nothing (one

@@ -12,13 +12,19 @@ import pytest
 import torch
 from pydoc_data.topics import topics
 from test_admission import hashes_of
-from test_hierarchy import BS, computed_blocks, content_for, doc, make_stack
+from test_hierarchy import BS, HASHER, computed_blocks, content_for, doc, make_stack
 from tier_cases import GatedTier
 
 from kvstrata.engine.costs import ReadCost, StepCost
+from kvstrata.engine.kv_manager import KVCacheManager
 from kvstrata.engine.load_policy import LoadPlan, choose_plan
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams
+from kvstrata.tiers.base import BlockLayout
+from kvstrata.tiers.block_pool import BlockPool
+from kvstrata.tiers.cpu import CpuTier
+from kvstrata.tiers.hierarchy import TierHierarchy
+from kvstrata.tiers.transfer import TransferEngine
 
 
 
@@ -169,6 +175,33 @@ def test_read_costs_are_probed_at_start_up_and_refined_by_promotions():
     put_in(cpu, document, 0, 6)
     admit(kv, new_request(document))
     assert kv.read_costs["cpu"].load_s(6) > 2 * probed_s
+
+
+def big_block_stack(cpu_blocks: int, fill_threads: int) -> KVCacheManager:
+    """A KV manager over 1 MiB blocks (a load of 4 is one part read by one fill thread) and a CPU tier
+    whose reads sleep per block (as a slow copy would, but without the GIL: the threads do overlap)."""
+    layout = BlockLayout(num_layers=16, block_size=BS, num_kv_heads=32, head_dim=64, dtype=torch.float32)
+    kv_cache = layout.allocate(40)
+    cpu = GatedTier(CpuTier(layout, cpu_blocks))
+    cpu.read_s_per_block = 0.02
+    transfers = TransferEngine(kv_cache, fill_threads=fill_threads)
+    return KVCacheManager(TierHierarchy(BlockPool(40), kv_cache, cpu, transfers=transfers), HASHER, BS)
+
+
+def test_the_probe_prices_a_large_load_at_the_rate_of_the_fill_threads_that_read_it():
+    one, four = big_block_stack(64, fill_threads=1), big_block_stack(64, fill_threads=4)
+    one.probe_lower_tiers()
+    four.probe_lower_tiers()
+    # a document's load of 64 blocks: 1.28 s read by one thread, a quarter of that by four (the line
+    # through small and large loads prices it a little under that: it is a line)
+    assert one.read_costs["cpu"].load_s(64) >= 0.9 * 64 * 0.02
+    assert 0.7 * 64 * 0.02 / 4 <= four.read_costs["cpu"].load_s(64) <= 0.6 * 64 * 0.02
+    small_tier = big_block_stack(20, fill_threads=4)  # no room for the largest load: the others are timed
+    small_tier.probe_lower_tiers()
+    assert small_tier.read_costs["cpu"].fit.num_observations == 3
+    for kv in (one, four, small_tier):
+        assert kv.hierarchy.cpu.stats().used_blocks == 0 and kv.pool.num_free_blocks == 40
+        kv.hierarchy.close()
 
 
 def test_the_probe_never_evicts_a_block_and_is_no_block_event():

@@ -210,13 +210,14 @@ class TierHierarchy:
     def probe_loads(self, tier: LowerTier, sizes: Sequence[int]) -> list[tuple[int, float]]:
         """(blocks, seconds) of one load per size in `sizes` from `tier` to the device, timed as a
         promotion moves them: throwaway blocks (random keys) are put into the tier, loaded into free
-        device blocks and dropped again. A size that cannot be measured (too few free device blocks,
-        blocks the tier does not serve back, a fault) is left out. The probe never costs the tier a
-        block of the user's: a tier without the free room (a full tier, or one sized by its server, as
-        the remote tier is) is not probed, and the throwaway blocks are no block events."""
-        num_blocks = min(max(sizes, default=0), self.pool.num_free_blocks)
+        device blocks and dropped again. A size that cannot be measured (more blocks than the device
+        or the tier has free, blocks the tier does not serve back, a fault) is left out. The probe
+        never costs the tier a block of the user's: only free room is used (a full tier, or one sized
+        by its server, as the remote tier is, is not probed), and the throwaway blocks are no block events."""
         stats = tier.stats()
-        if num_blocks < 1 or stats.capacity_blocks - stats.used_blocks < num_blocks:
+        room = min(self.pool.num_free_blocks, stats.capacity_blocks - stats.used_blocks)
+        num_blocks = max((s for s in sizes if s <= room), default=0)
+        if num_blocks < 1:
             return []
         device_blocks = self.pool.get_new_blocks(num_blocks)
         block_ids = [b.block_id for b in device_blocks]
