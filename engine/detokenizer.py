@@ -12,10 +12,16 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    """`min_tokens`: a stop string ends generation only once that many tokens are out, and only where
+    it ends after the text of the ones before the last of them (vLLM's rule: a stop string is looked
+    for in each token's new text, from the `min_tokens`-th token on)."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._stops_after: int | None = 0 if min_tokens <= 1 else None  # text before min_tokens - 1 tokens
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
@@ -24,10 +30,13 @@ class IncrementalDetokenizer:
         """(text safe to show, the stop string that ended generation or None). `final`: this is the
         last token, so nothing is held back."""
         text = self._decode(token_ids)
-        for stop in self.stop:
-            idx = text.find(stop)
-            if idx >= 0:
-                return text[:idx], stop
+        if len(token_ids) >= self.min_tokens:
+            if self._stops_after is None:
+                self._stops_after = len(self._decode(token_ids[:self.min_tokens - 1]))
+            for stop in self.stop:
+                idx = text.find(stop, max(0, self._stops_after - len(stop) + 1))
+                if idx >= 0:
+                    return text[:idx], stop
         if final:
             return text, None
         if text.endswith(REPLACEMENT_CHAR):

@@ -36,7 +36,7 @@ class RequestOutput:
     cached_tokens_by_tier: dict[str, int]    # {"device": n, "cpu": n, "disk": n, "remote": n}
     ttft_s: float | None                     # arrival to first token, measured
     finish_reason: str | None                # "stop" | "length" | "abort" | None while running
-    stop_reason: str | None = None           # the stop string that ended it, if any
+    stop_reason: str | int | None = None     # the stop string or stop token id that ended it, if any
     finished: bool = False
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per token in `token_ids`, if the params asked for them

@@ -25,7 +25,7 @@ from kvstrata.engine.model_runner import ModelRunner, StepInput
 from kvstrata.engine.prompts import (RenderedDocument, document_prefix_messages, render_chat, render_document,
                                     tokenize_text)
 from kvstrata.engine.request import Request, RequestStatus
-from kvstrata.engine.sampling import SamplingParams, compute_logprobs, make_generator, sample
+from kvstrata.engine.sampling import SamplingParams, adjust_logits, compute_logprobs, make_generator, sample
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
 from kvstrata.kernels import get_ops, resolve_backend
 from kvstrata.tiers.base import BlockLayout
@@ -156,6 +156,10 @@ class LLMEngine:
         vocab = self.loaded.model_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        outside = [t for t in params.token_ids_named if t >= vocab]
+        if outside:
+            field = "stop_token_ids" if outside[0] in params.stop_token_ids else "logit_bias"
+            raise ValueError(f"{field} names token id {outside[0]}, which is not in the model's vocabulary [0, {vocab})")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt has {n} tokens and max_tokens is {params.max_tokens}: "
                              f"{n + params.max_tokens} exceeds the model's context of {self.max_model_len} tokens")
@@ -177,7 +181,7 @@ class LLMEngine:
             request.arrival_time = arrival_time
         # Everything that can fail comes first: a refused request leaves nothing behind.
         generator = make_generator(params, self.device)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens)
         self.requests[request_id] = request
         self._generators[request_id] = generator
         self._detokenizers[request_id] = detokenizer
@@ -266,7 +270,9 @@ class LLMEngine:
         sampling = [s.request for s in out.scheduled if s.samples and not s.request.prefill_only]
         if sampling:
             params = [r.sampling_params for r in sampling]
-            token_ids = sample(logits, params, [self._generators[r.request_id] for r in sampling])
+            adjusted = adjust_logits(logits, params, [r.prompt_token_ids for r in sampling],
+                                     [r.output_token_ids for r in sampling], self.loaded.model_config.eos_token_ids)
+            token_ids = sample(adjusted, params, [self._generators[r.request_id] for r in sampling])
             logprobs = compute_logprobs(logits, token_ids, params)
             now = time.perf_counter()
             for request, token_id, token_logprobs in zip(sampling, token_ids.tolist(), logprobs):
@@ -315,10 +321,17 @@ class LLMEngine:
         params = request.sampling_params
         detok = self._detokenizers[request.request_id]
         is_eos = token_id in self.loaded.model_config.eos_token_ids and not params.ignore_eos
+        # (the sampler keeps both out of the first min_tokens tokens)
+        is_stop_token = token_id in params.stop_token_ids
         at_limit = len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len
-        request.output_text, hit_stop = detok.update(request.output_token_ids, final=is_eos or at_limit)
+        # a stop token's own text is not part of the answer (an end of sequence has none)
+        shown = request.output_token_ids[:-1] if is_stop_token else request.output_token_ids
+        request.output_text, hit_stop = detok.update(shown, final=is_eos or is_stop_token or at_limit)
         if hit_stop is not None:
             request.stop_reason = hit_stop
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+        elif is_stop_token:
+            request.stop_reason = token_id
             self._finish(request, RequestStatus.FINISHED_STOPPED)
         elif is_eos:
             self._finish(request, RequestStatus.FINISHED_STOPPED)

@@ -43,7 +43,7 @@ class Request:
     output_text: str = ""
     # One entry per output token when the request asks for logprobs (sampling_params.logprobs).
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Tokens whose K/V are in the device cache (computed or served from a tier).
     num_computed_tokens: int = 0
     # Chain hashes of the request's full blocks (prompt + output so far), extended as tokens arrive.

@@ -1,13 +1,17 @@
 """Sampling parameters and the sampler: logits of a batch in, one token id per row out (and, for
 the rows that ask, the log-probabilities of what was sampled and of the most likely tokens).
 
+Order (vLLM's): `adjust_logits` first (min_tokens keeps the stop tokens out, then logit_bias, then
+the repetition, frequency and presence penalties), then greedy argmax, or temperature, min_p, top-k
+and top-p and a draw. Log-probabilities are taken from the logits before any of it.
+
 Stop strings are matched by the detokenizing layer, not here: the sampler sees only logits.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Collection, Sequence
 
 import torch
 
@@ -22,20 +26,34 @@ _SEED_RANGE = (-2**63, 2**63)  # a 64-bit signed integer, as vLLM and most clien
 class SamplingParams:
     """What a request asks of generation (vLLM's names and defaults where they exist).
 
-    temperature 0 (or below GREEDY_TEMPERATURE) means greedy. top_k -1 or 0 means off. `seed` makes a
-    request reproducible on its own, whatever else shares its batch. `stop` is normalised to a list.
+    temperature 0 (or below GREEDY_TEMPERATURE) means greedy. top_k -1 or 0 means off. `min_p` drops
+    the tokens less likely than that fraction of the most likely one (after temperature). `seed` makes
+    a request reproducible on its own, whatever else shares its batch. `stop` is normalised to a list;
+    `stop_token_ids` end generation too (the token is not part of the text, as an end of sequence is
+    not); `min_tokens` tokens are generated before either, or the end of sequence, may end it.
+    Penalties (OpenAI's and vLLM's meanings): `presence_penalty` is subtracted from the logit of every
+    token generated so far, `frequency_penalty` once per time it was generated; `repetition_penalty`
+    divides the positive logits (and multiplies the negative ones) of every token in the prompt or
+    generated so far. `logit_bias` adds a value from -100 to 100 to a token id's logit.
     `logprobs`: None, or how many of the most likely alternatives to report with each generated
     token's log-probability (0: the token's own only). Log-probabilities are those of the model's
-    distribution before temperature, top-k and top-p (vLLM's default, "raw" log-probabilities).
+    distribution before any of the above (vLLM's default, "raw" log-probabilities).
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
@@ -52,11 +70,39 @@ class SamplingParams:
                              f"got {self.seed!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} or None, got {self.logprobs!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) and t >= 0
+                                                                         for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.logit_bias, dict) or not all(
+                _is_int(t) and t >= 0 and _is_real(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+            raise ValueError(f"logit_bias must map token ids (integers >= 0) to numbers from -100 to 100, "
+                             f"got {self.logit_bias!r}")
         self.stop = _normalise_stop(self.stop)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def token_ids_named(self) -> list[int]:
+        """The token ids the request names (`stop_token_ids`, `logit_bias`): each must be in the vocabulary."""
+        return [*self.stop_token_ids, *self.logit_bias]
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 def _is_int(x) -> bool:
@@ -89,7 +135,7 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
 def sample(logits: torch.Tensor, params_list: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token id per row of `logits [B, V]` (int64 `[B]`): argmax for greedy rows; for the others,
-    temperature, then top-k, then top-p, then one draw from the row's own generator.
+    temperature, then min_p, top-k and top-p, then one draw from the row's own generator.
 
     Invariant: a row's draw depends only on its logits, its params and its generator, never on the
     other rows, so a seeded request gives the same tokens whatever it is batched with.
@@ -103,10 +149,62 @@ def sample(logits: torch.Tensor, params_list: Sequence[SamplingParams],
     rows = torch.tensor(random_rows, device=logits.device)
     params = [params_list[i] for i in random_rows]
     temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
-    probs = _filter_top_k_top_p(logits[rows] / temperatures[:, None], params).softmax(dim=-1)
+    scaled = _filter_min_p(logits[rows] / temperatures[:, None], params)
+    probs = _filter_top_k_top_p(scaled, params).softmax(dim=-1)
     for probs_row, i in zip(probs, random_rows):
         token_ids[i] = _draw(probs_row, generators[i])
     return token_ids
+
+
+def adjust_logits(logits: torch.Tensor, params_list: Sequence[SamplingParams],
+                  prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
+                  eos_token_ids: Collection[int]) -> torch.Tensor:
+    """The logits `sample` draws from: each row's min_tokens, logit_bias and penalties applied (see
+    the module doc), given the row's prompt and the tokens it has generated so far. Rows that ask for
+    none of them keep their logits; `logits` itself is left as it is (log-probabilities come from it)."""
+    rows = [i for i, p in enumerate(params_list)
+            if len(output_ids[i]) < p.min_tokens or p.logit_bias or p.penalised]
+    if not rows:
+        return logits
+    logits = logits.float().clone()
+    for i in rows:
+        params, row = params_list[i], logits[i]
+        if len(output_ids[i]) < params.min_tokens:  # nothing may end the answer yet
+            stops = [*params.stop_token_ids, *([] if params.ignore_eos else eos_token_ids)]
+            row[_ids(stops, row.device)] = -math.inf
+        if params.logit_bias:
+            row[_ids(params.logit_bias, row.device)] += torch.tensor(list(params.logit_bias.values()),
+                                                                     dtype=row.dtype, device=row.device)
+        if params.penalised:
+            _penalise(row, params, prompt_ids[i], output_ids[i])
+    return logits
+
+
+def _ids(token_ids, device) -> torch.Tensor:
+    return torch.tensor(list(token_ids), dtype=torch.int64, device=device)
+
+
+def _penalise(row: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+    """The repetition penalty on every token of the prompt and the output so far, then the frequency
+    and presence penalties on those of the output (in place, on one row of logits)."""
+    counts = torch.bincount(_ids(output_ids, row.device), minlength=row.shape[0]).to(row.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[_ids(prompt_ids, row.device)] = True
+        penalised = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
+        row.copy_(torch.where(seen, penalised, row))
+    row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _filter_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Set to -inf the logits of the tokens whose probability is below each row's min_p times that of
+    its most likely token (the most likely token always stays)."""
+    if all(p.min_p <= 0.0 for p in params):
+        return logits
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=logits.device)
+    too_unlikely = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(too_unlikely, -math.inf)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -49,3 +49,37 @@ def test_stats_after_close_report_what_writing_down_did(llm):
     disk = llm.stats()["tiers"]["disk"]
     assert disk["used_blocks"] > 0 and disk["extra"]["pending_puts"] == 0
     assert disk["extra"]["write_errors"] == 0
+
+
+def test_stop_token_ids_min_tokens_and_logit_bias_steer_generation(llm):
+    greedy = dict(max_tokens=8, temperature=0.0)
+    full, = llm.generate(PROMPT, SamplingParams(**greedy))
+    stop = full.token_ids[2]
+    cut, = llm.generate(PROMPT, SamplingParams(**greedy, stop_token_ids=[stop]))
+    end = full.token_ids.index(stop)
+    assert cut.token_ids == full.token_ids[:end + 1] and cut.finish_reason == "stop" and cut.stop_reason == stop
+    before_stop, = llm.generate(PROMPT, SamplingParams(max_tokens=end, temperature=0.0))
+    assert cut.text == before_stop.text  # the stop token's own text is not in the answer
+    # min_tokens: a stop token cannot end (or start) the answer before that many tokens are out
+    first = full.token_ids[0]
+    held, = llm.generate(PROMPT, SamplingParams(**greedy, stop_token_ids=[first], min_tokens=3))
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
+    # logit_bias makes the end of sequence the likeliest token: it ends the answer right after min_tokens
+    eos = min(llm.engine.loaded.model_config.eos_token_ids)
+    ended, = llm.generate(PROMPT, SamplingParams(**greedy, logit_bias={eos: 100}, min_tokens=4))
+    assert len(ended.token_ids) == 5 and ended.token_ids[-1] == eos and ended.finish_reason == "stop"
+    assert eos not in ended.token_ids[:4]
+
+
+def test_presence_and_frequency_penalties_see_the_tokens_generated_so_far(llm):
+    # Both penalties shift a row's logits per token, so the greedy choice they make can be checked
+    # against the raw log-probabilities reported with each token.
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=20, presence_penalty=0.5, frequency_penalty=1.0)
+    out, = llm.generate(PROMPT, params)
+    plain, = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0))
+    assert out.token_ids != plain.token_ids  # the penalties changed the answer
+    counts: dict[int, int] = {}
+    for entry in out.logprobs:
+        penalised = {t: lp - (0.5 + 1.0 * counts[t] if t in counts else 0.0) for t, lp in entry.top}
+        assert entry.token_id == max(penalised, key=penalised.get)
+        counts[entry.token_id] = counts.get(entry.token_id, 0) + 1

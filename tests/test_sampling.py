@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from kvstrata.engine.sampling import MAX_LOGPROBS, SamplingParams, compute_logprobs, make_generator, sample
+from kvstrata.engine.sampling import (MAX_LOGPROBS, SamplingParams, adjust_logits, compute_logprobs, make_generator,
+                                      sample)
 
 VOCAB = 1000
 
@@ -21,6 +22,12 @@ def _sample_seeded(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 1.5),
     ("seed", "abc"), ("seed", 2**63), ("seed", -2**63 - 1), ("stop", ""), ("stop", ["ok", 3]),
     ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 1.0),
+    ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")), ("min_tokens", -1), ("min_tokens", 17),
+    ("min_tokens", 1.0), ("presence_penalty", 2.5), ("presence_penalty", float("nan")),
+    ("frequency_penalty", -3), ("repetition_penalty", 0), ("repetition_penalty", 2.5),
+    ("repetition_penalty", float("inf")), ("stop_token_ids", [-1]), ("stop_token_ids", [1.5]),
+    ("stop_token_ids", 2), ("logit_bias", {3: 101}), ("logit_bias", {-1: 5}), ("logit_bias", {"3": 5}),
+    ("logit_bias", {3: float("nan")}), ("logit_bias", [3]),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -141,3 +148,68 @@ def test_sampling_follows_the_distribution():
     counts = torch.bincount(torch.stack([sample(logits, params, [generator])[0] for _ in range(3000)]),
                             minlength=3)
     assert torch.allclose(counts / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+
+
+# -- min_tokens, logit_bias, penalties (`adjust_logits`), min_p ------------------------------------------------
+
+EOS = [7]
+
+
+def adjusted(params: SamplingParams, prompt=(), output=(), logits=None) -> torch.Tensor:
+    logits = torch.zeros(1, 10) if logits is None else logits
+    return adjust_logits(logits, [params], [list(prompt)], [list(output)], EOS)[0]
+
+
+def test_rows_that_ask_for_nothing_keep_their_logits():
+    logits = _logits(2)
+    params = [SamplingParams(), SamplingParams(min_tokens=0, presence_penalty=0.0, repetition_penalty=1.0)]
+    assert adjust_logits(logits, params, [[1, 2], [3]], [[4], []], EOS) is logits
+
+
+def test_min_tokens_keeps_the_end_of_sequence_and_stop_tokens_out_until_enough_are_out():
+    params = SamplingParams(min_tokens=3, stop_token_ids=[2, 4])
+    row = adjusted(params, output=[1, 1])
+    assert row[[2, 4, 7]].tolist() == [float("-inf")] * 3 and row[[0, 1, 3]].tolist() == [0.0] * 3
+    assert torch.equal(adjusted(params, output=[1, 1, 1]), torch.zeros(10))  # the third token is out: anything goes
+    ignoring = adjusted(SamplingParams(min_tokens=3, ignore_eos=True), output=[])
+    assert ignoring[7] == 0.0  # an end of sequence that ends nothing is not held back
+    logits = torch.zeros(1, 10)
+    logits[0, 7] = 50.0  # the model wants to stop: greedy takes the next best instead
+    assert sample(adjust_logits(logits, [params], [[]], [[]], EOS), [SamplingParams(temperature=0.0)], [None]) != 7
+
+
+def test_logit_bias_adds_to_the_named_tokens_only():
+    row = adjusted(SamplingParams(logit_bias={3: 100, 5: -2.5}))
+    assert row.tolist() == [0, 0, 0, 100, 0, -2.5, 0, 0, 0, 0]
+
+
+def test_presence_and_frequency_penalties_count_the_generated_tokens_only():
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    row = adjusted(params, prompt=[1, 1, 9], output=[2, 2, 2, 3])
+    expected = torch.zeros(10)
+    expected[2] = -(0.5 + 3 * 0.25)
+    expected[3] = -(0.5 + 0.25)
+    assert torch.equal(row, expected)  # the prompt's tokens 1 and 9 are not penalised
+    assert adjusted(SamplingParams(presence_penalty=-1.0), output=[4])[4] == 1.0  # a negative penalty favours
+
+
+def test_repetition_penalty_shrinks_the_logits_of_tokens_in_the_prompt_or_the_output():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 2.0]])
+    row = adjusted(SamplingParams(repetition_penalty=2.0), prompt=[0, 1], output=[3], logits=logits)
+    assert row.tolist() == [1.0, -4.0, 2.0, -4.0, 2.0]  # positive ones divided, negative ones multiplied
+
+
+def test_adjusting_leaves_the_logits_the_log_probabilities_come_from():
+    logits = _logits(1)
+    before = logits.clone()
+    adjust_logits(logits, [SamplingParams(logit_bias={0: 100}, repetition_penalty=1.5)], [[1]], [[2]], EOS)
+    assert torch.equal(logits, before)
+
+
+def test_min_p_only_ever_samples_tokens_at_least_that_share_of_the_most_likely():
+    # probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.25 keeps those >= 0.125
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    params = [SamplingParams(min_p=0.25, seed=5)]
+    generator = make_generator(params[0], "cpu")
+    drawn = {sample(logits, params, [generator]).item() for _ in range(300)}
+    assert drawn == {0, 1, 2}

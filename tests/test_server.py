@@ -349,8 +349,11 @@ BAD_REQUESTS = [
     ("lone surrogate in a prompt", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt"),
     ("lone surrogate in a message", "/v1/chat/completions",
      b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages.0.content"),
-    ("a penalty the server does not implement", "/v1/completions", {"prompt": "hi", "presence_penalty": 0.5},
-     400, "presence_penalty"),
+    ("a penalty out of range", "/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("a stop token outside the vocabulary", "/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]},
+     400, "stop_token_ids"),
+    ("a biased token outside the vocabulary", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
 ]
 
 

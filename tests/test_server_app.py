@@ -116,16 +116,18 @@ def test_streamed_body_without_a_length_is_counted_and_refused_with_413():
 
 BAD_FIELDS = [
     ("/v1/completions", "best_of", 2), ("/v1/completions", "echo", True), ("/v1/completions", "suffix", "end"),
-    ("/v1/completions", "n", 2), ("/v1/completions", "presence_penalty", 0.5),
-    ("/v1/completions", "frequency_penalty", -0.5), ("/v1/completions", "repetition_penalty", 1.2),
-    ("/v1/completions", "logit_bias", {"42": -100}), ("/v1/completions", "min_p", 0.1),
-    ("/v1/completions", "stop_token_ids", [2]), ("/v1/completions", "no_such_field", 1),
+    ("/v1/completions", "n", 2), ("/v1/completions", "presence_penalty", 2.5),
+    ("/v1/completions", "frequency_penalty", -3), ("/v1/completions", "repetition_penalty", 0),
+    ("/v1/completions", "logit_bias", {"42": -101}), ("/v1/completions", "logit_bias", {"-1": 5}),
+    ("/v1/completions", "min_p", 1.5),
+    ("/v1/completions", "min_tokens", 17), ("/v1/completions", "stop_token_ids", [-2]),
+    ("/v1/completions", "stop_token_ids", "2"), ("/v1/completions", "no_such_field", 1),
     ("/v1/completions", "logprobs", 21), ("/v1/completions", "seed", 2**63), ("/v1/completions", "seed", -2**63 - 1),
     ("/v1/completions", "temperature", "hot"), ("/v1/completions", "max_tokens", 0),
     ("/v1/completions", "stop", 3), ("/v1/completions", "prompt", 3),
     ("/v1/chat/completions", "echo", True), ("/v1/chat/completions", "tools", [{"type": "function"}]),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "frequency_penalty", 1), ("/v1/chat/completions", "top_logprobs", 30),
+    ("/v1/chat/completions", "frequency_penalty", 2.01), ("/v1/chat/completions", "top_logprobs", 30),
     ("/v1/chat/completions", "max_completion_tokens", -1),
 ]
 
@@ -169,6 +171,21 @@ def test_fields_clients_send_at_their_no_op_values_are_accepted():
             "store": False, "metadata": None, "service_tier": "auto", "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     assert run(post(fake_app(), "/v1/chat/completions", chat)).status_code == 200
+
+
+def test_penalties_min_p_min_tokens_stop_token_ids_and_logit_bias_reach_the_engine():
+    fields = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_p": 0.1,
+              "min_tokens": 2, "stop_token_ids": [2, 5], "logit_bias": {"42": -100, "7": 2.5}}
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 4}),
+                       ("/v1/chat/completions", {**CHAT, "max_tokens": 4})):
+        engine = FakeAsyncEngine()
+        assert run(post(fake_app(engine), path, {**body, **fields})).status_code == 200
+        (_, params), = engine.received
+        assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.2)
+        assert (params.min_p, params.min_tokens, params.stop_token_ids) == (0.1, 2, [2, 5])
+        assert params.logit_bias == {42: -100.0, 7: 2.5}  # JSON's string keys are token ids
+    not_an_id = run(post(fake_app(), "/v1/completions", {"prompt": "x", "logit_bias": {"the": 5}}))
+    assert "integer" in assert_openai_error(not_an_id, 400, param="logit_bias.the")["message"]
 
 
 def test_an_engine_refusal_is_400_and_a_stopped_engine_503():

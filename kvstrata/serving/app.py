@@ -56,7 +56,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/compl
 
 # The SamplingParams fields whose names start their error messages ("max_tokens must be ..."),
 # which are the request fields of the same name unless a route says otherwise.
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                    "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                    "logprobs")
 
 
 def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, tokenizers: TokenizerPool,
@@ -90,8 +92,14 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
                         field_names: dict[str, str]) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=_given(body.temperature, 1.0),
-                                  top_p=_given(body.top_p, 1.0), top_k=_given(body.top_k, -1), seed=body.seed,
-                                  stop=body.stop, ignore_eos=bool(body.ignore_eos), logprobs=logprobs)
+                                  top_p=_given(body.top_p, 1.0), top_k=_given(body.top_k, -1),
+                                  min_p=_given(body.min_p, 0.0), seed=body.seed, stop=body.stop,
+                                  stop_token_ids=_given(body.stop_token_ids, []), ignore_eos=bool(body.ignore_eos),
+                                  min_tokens=_given(body.min_tokens, 0),
+                                  presence_penalty=_given(body.presence_penalty, 0.0),
+                                  frequency_penalty=_given(body.frequency_penalty, 0.0),
+                                  repetition_penalty=_given(body.repetition_penalty, 1.0),
+                                  logit_bias=_given(body.logit_bias, {}), logprobs=logprobs)
         except ValueError as exc:
             raise _bad_request(exc, field_names) from None
 

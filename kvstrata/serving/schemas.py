@@ -66,13 +66,13 @@ class SamplingRequest(_Request):
     cache_salt: Text | None = None  # isolates this request's cache entries from requests without the same salt
     ignore_eos: bool | None = False
     user: Text | None = None  # the caller's name for its end user: nothing for the server to do
-    presence_penalty: _no_op_only(0, 0.0) = None
-    frequency_penalty: _no_op_only(0, 0.0) = None
-    repetition_penalty: _no_op_only(1, 1.0) = None
-    logit_bias: _no_op_only({}) = None
-    min_p: _no_op_only(0, 0.0) = None
-    min_tokens: _no_op_only(0) = None
-    stop_token_ids: _no_op_only([]) = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token ids (as JSON keys, strings) to a bias
+    min_p: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
 
     @field_validator("stop")
     @classmethod
