@@ -541,17 +541,17 @@ def bandwidth_lines(b: dict, result: dict) -> list[str]:
              "| block | bytes per block | tokens | MB | CPU tier -> device GB/s | % of H2D | warm disk -> device "
              "GB/s | % of H2D | disk write-down GB/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in b["rows"]:
-        def gbps(key: str) -> str:
-            one = r.get(f"{key}_one_thread")
-            return f"{r[key]:.2f}" + (f" ({one:.2f})" if one is not None else "")
-
-        def share(key: str) -> str:
-            one = r.get(f"{key}_one_thread")
-            return f"{100 * r[key] / h2d['gbps']:.0f}%" + (f" ({100 * one / h2d['gbps']:.0f}%)" if one is not None else "")
+        cells = [_with_one_thread(r, key, lambda v: f"{v:.2f}") for key in ("cpu_gbps", "disk_gbps")]
+        shares = [_with_one_thread(r, key, lambda v: f"{100 * v / h2d['gbps']:.0f}%") for key in ("cpu_gbps", "disk_gbps")]
         lines.append(f"| {r['block']} | {r['block_nbytes']:,} | {r['tokens']} | {r['bytes'] / 1e6:.0f} | "
-                     f"{gbps('cpu_gbps')} | {share('cpu_gbps')} | {gbps('disk_gbps')} | {share('disk_gbps')} | "
-                     f"{r['disk_write_gbps']:.2f} |")
+                     f"{cells[0]} | {shares[0]} | {cells[1]} | {shares[1]} | {r['disk_write_gbps']:.2f} |")
     return lines + [""]
+
+
+def _with_one_thread(row: dict, key: str, shown) -> str:
+    """`row[key]` as `shown` writes it, followed by the one-fill-thread figure in parentheses when measured."""
+    one = row.get(f"{key}_one_thread")
+    return shown(row[key]) + (f" ({shown(one)})" if one is not None else "")
 
 
 def kernels_lines(k: dict, result: dict) -> list[str]:
