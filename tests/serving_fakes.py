@@ -53,18 +53,24 @@ class FakeAsyncEngine:
 
     async def _outputs(self, request_id: str, token_ids: list[int], params: SamplingParams):
         reply = list(self.REPLY.encode())[:params.max_tokens]
+        # a stop token ends the reply, its text left out (as the engine does)
+        stop_token = next((t for t in reply if t in params.stop_token_ids), None)
+        if stop_token is not None:
+            reply = reply[:reply.index(stop_token) + 1]
         for n in range(1, len(reply) + 1):
             await asyncio.sleep(0)
             finished = n == len(reply)
+            stopped = finished and stop_token is not None
             logprobs = None
             if params.logprobs is not None:
                 logprobs = [TokenLogprobs(t, -0.5, tuple(((t + i) % VOCAB, -0.5 - i) for i in range(params.logprobs)))
                             for t in reply[:n]]
             yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=token_ids,
-                                text=bytes(reply[:n]).decode(), token_ids=reply[:n], cached_tokens=0,
+                                text=bytes(reply[:n - stopped]).decode(), token_ids=reply[:n], cached_tokens=0,
                                 cached_tokens_by_tier={"device": 0, "cpu": 0, "disk": 0, "remote": 0}, ttft_s=0.001,
-                                finish_reason=("length" if n == params.max_tokens else "stop") if finished else None,
-                                finished=finished, logprobs=logprobs)
+                                finish_reason=("length" if n == params.max_tokens and not stopped else "stop")
+                                if finished else None,
+                                finished=finished, logprobs=logprobs, stop_reason=stop_token if stopped else None)
 
 
 def fake_app(engine: FakeAsyncEngine | None = None, *, api_key: str | None = None, max_request_body: int = 1 << 20,

@@ -188,6 +188,20 @@ def test_penalties_min_p_min_tokens_stop_token_ids_and_logit_bias_reach_the_engi
     assert "integer" in assert_openai_error(not_an_id, 400, param="logit_bias.the")["message"]
 
 
+def test_the_stop_token_that_ended_an_answer_is_its_stop_reason_whole_or_streamed():
+    stop = {"stop_token_ids": [ord("i")]}  # the reply is "hi!": it ends at "i", which is not shown
+    whole = run(post(fake_app(), "/v1/completions", {"prompt": "x", **stop})).json()["choices"][0]
+    assert (whole["text"], whole["finish_reason"], whole["stop_reason"]) == ("h", "stop", ord("i"))
+    chat = run(post(fake_app(), "/v1/chat/completions", {**CHAT, **stop})).json()["choices"][0]
+    assert (chat["message"]["content"], chat["stop_reason"]) == ("h", ord("i"))
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", CHAT)):
+        chunks = sse_chunks(run(post(fake_app(), path, {**body, **stop, "stream": True})))
+        last = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]][-1]
+        assert (last["finish_reason"], last["stop_reason"]) == ("stop", ord("i"))
+    plain = run(post(fake_app(), "/v1/completions", {"prompt": "x"})).json()["choices"][0]
+    assert plain["stop_reason"] is None and plain["text"] == "hi!"
+
+
 def test_an_engine_refusal_is_400_and_a_stopped_engine_503():
     from kvstrata.engine.async_engine import EngineStoppedError
 

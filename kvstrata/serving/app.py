@@ -168,7 +168,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
 
         async def whole(final: RequestOutput) -> CompletionResponse:
             choice = CompletionChoice(text=final.text, logprobs=await shaped_logprobs(final, completion_logprobs),
-                                      finish_reason=final.finish_reason)
+                                      finish_reason=final.finish_reason, stop_reason=final.stop_reason)
             return CompletionResponse(id=request_id, created=int(time.time()), model=model_id, choices=[choice],
                                       usage=usage(final), kvstrata=kvstrata_info(final))
 
@@ -195,7 +195,8 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
 
         async def whole(final: RequestOutput) -> ChatCompletionResponse:
             choice = ChatChoice(message=AssistantMessage(content=final.text),
-                                logprobs=await shaped_logprobs(final, chat_logprobs), finish_reason=final.finish_reason)
+                                logprobs=await shaped_logprobs(final, chat_logprobs), finish_reason=final.finish_reason,
+                                stop_reason=final.stop_reason)
             return ChatCompletionResponse(id=request_id, created=int(time.time()), model=model_id, choices=[choice],
                                           usage=usage(final), kvstrata=kvstrata_info(final))
 

@@ -164,7 +164,8 @@ async def completion_events(outputs: AsyncIterator[RequestOutput], settings: Str
                 if settings.logprobs and delta.logprobs:
                     texts = await token_texts(settings.tokenizers, delta.logprobs)
                     logprobs = completion_logprobs(delta.logprobs, texts, delta.text_offset)
-                choice = CompletionChoice(text=delta.text, logprobs=logprobs, finish_reason=final.finish_reason)
+                choice = CompletionChoice(text=delta.text, logprobs=logprobs, finish_reason=final.finish_reason,
+                                          stop_reason=final.stop_reason)
                 if final.finished:
                     yield _sse(chunk([choice], final, kvstrata=kvstrata_info(final)))
                 elif delta.text or logprobs is not None:
@@ -198,7 +199,8 @@ async def chat_events(outputs: AsyncIterator[RequestOutput], settings: StreamSet
                     content = ChatStreamChoice(delta=DeltaMessage(content=delta.text), logprobs=logprobs)
                     yield _sse(chunk([content], final))
                 if final.finished:
-                    finish = ChatStreamChoice(delta=DeltaMessage(), finish_reason=final.finish_reason)
+                    finish = ChatStreamChoice(delta=DeltaMessage(), finish_reason=final.finish_reason,
+                                              stop_reason=final.stop_reason)
                     yield _sse(chunk([finish], final, kvstrata=kvstrata_info(final)))
             if settings.include_usage:
                 yield _sse(chunk([], final, usage=usage(final), kvstrata=kvstrata_info(final)))

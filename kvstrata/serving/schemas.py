@@ -219,6 +219,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    # vLLM's: the stop string or stop token id that ended the answer (None: the end of sequence or a limit)
+    stop_reason: str | int | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -255,6 +257,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    # vLLM's: the stop string or stop token id that ended the answer (None: the end of sequence or a limit)
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -283,6 +287,8 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the answer (None: the end of sequence or a limit)
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(BaseModel):
