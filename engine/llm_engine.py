@@ -76,6 +76,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # The prompt's token ids on the device, for requests with a repetition penalty (it reads them at
+        # every sampled token: made once, not from the list at each step).
+        self._penalised_prompts: dict[str, torch.Tensor] = {}
         self._closed = False
         self._final_stats: dict | None = None  # stats() once closed
         try:
@@ -185,6 +188,8 @@ class LLMEngine:
         self.requests[request_id] = request
         self._generators[request_id] = generator
         self._detokenizers[request_id] = detokenizer
+        if params.repetition_penalty != 1.0:
+            self._penalised_prompts[request_id] = torch.tensor(prompt_token_ids, dtype=torch.int64, device=self.device)
         self.scheduler.add_request(request)
         return request
 
@@ -270,8 +275,9 @@ class LLMEngine:
         sampling = [s.request for s in out.scheduled if s.samples and not s.request.prefill_only]
         if sampling:
             params = [r.sampling_params for r in sampling]
-            adjusted = adjust_logits(logits, params, [r.prompt_token_ids for r in sampling],
-                                     [r.output_token_ids for r in sampling], self.loaded.model_config.eos_token_ids)
+            prompts = [self._penalised_prompts.get(r.request_id, r.prompt_token_ids) for r in sampling]
+            adjusted = adjust_logits(logits, params, prompts, [r.output_token_ids for r in sampling],
+                                     self.loaded.model_config.eos_token_ids)
             token_ids = sample(adjusted, params, [self._generators[r.request_id] for r in sampling])
             logprobs = compute_logprobs(logits, token_ids, params)
             now = time.perf_counter()
@@ -342,6 +348,7 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         self._generators.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)
+        self._penalised_prompts.pop(request.request_id, None)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (its outputs have been taken)."""

@@ -157,11 +157,12 @@ def sample(logits: torch.Tensor, params_list: Sequence[SamplingParams],
 
 
 def adjust_logits(logits: torch.Tensor, params_list: Sequence[SamplingParams],
-                  prompt_ids: Sequence[Sequence[int]], output_ids: Sequence[Sequence[int]],
+                  prompt_ids: Sequence[Sequence[int] | torch.Tensor], output_ids: Sequence[Sequence[int]],
                   eos_token_ids: Collection[int]) -> torch.Tensor:
     """The logits `sample` draws from: each row's min_tokens, logit_bias and penalties applied (see
-    the module doc), given the row's prompt and the tokens it has generated so far. Rows that ask for
-    none of them keep their logits; `logits` itself is left as it is (log-probabilities come from it)."""
+    the module doc), given the row's prompt (token ids, or a tensor of them, on the logits' device
+    for speed) and the tokens it has generated so far. Rows that ask for none of them keep their
+    logits; `logits` itself is left as it is (log-probabilities come from it)."""
     rows = [i for i, p in enumerate(params_list)
             if len(output_ids[i]) < p.min_tokens or p.logit_bias or p.penalised]
     if not rows:
@@ -181,10 +182,13 @@ def adjust_logits(logits: torch.Tensor, params_list: Sequence[SamplingParams],
 
 
 def _ids(token_ids, device) -> torch.Tensor:
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.to(device)
     return torch.tensor(list(token_ids), dtype=torch.int64, device=device)
 
 
-def _penalise(row: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+def _penalise(row: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int] | torch.Tensor,
+              output_ids: Sequence[int]) -> None:
     """The repetition penalty on every token of the prompt and the output so far, then the frequency
     and presence penalties on those of the output (in place, on one row of logits)."""
     counts = torch.bincount(_ids(output_ids, row.device), minlength=row.shape[0]).to(row.dtype)

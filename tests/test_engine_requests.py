@@ -83,3 +83,11 @@ def test_presence_and_frequency_penalties_see_the_tokens_generated_so_far(llm):
         penalised = {t: lp - (0.5 + 1.0 * counts[t] if t in counts else 0.0) for t, lp in entry.top}
         assert entry.token_id == max(penalised, key=penalised.get)
         counts[entry.token_id] = counts.get(entry.token_id, 0) + 1
+
+
+def test_a_repetition_penalty_steers_away_from_the_prompt_and_leaves_nothing_behind(llm):
+    prompt = "red green blue red green blue red green blue red green"
+    plain, = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0))
+    penalised, = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=2.0))
+    assert penalised.token_ids != plain.token_ids
+    assert llm.engine._penalised_prompts == {}  # the prompt kept for the penalty went with the request

@@ -213,3 +213,11 @@ def test_min_p_only_ever_samples_tokens_at_least_that_share_of_the_most_likely()
     generator = make_generator(params[0], "cpu")
     drawn = {sample(logits, params, [generator]).item() for _ in range(300)}
     assert drawn == {0, 1, 2}
+
+
+def test_a_prompt_given_as_a_tensor_is_penalised_as_the_same_token_list():
+    logits, params = _logits(2), [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.2)] * 2
+    prompts, outputs = [[1, 5, 5, 9], [2, 3]], [[5, 7], []]
+    as_lists = adjust_logits(logits, params, prompts, outputs, EOS)
+    as_tensors = adjust_logits(logits, params, [torch.tensor(p) for p in prompts], outputs, EOS)
+    assert torch.equal(as_lists, as_tensors) and not torch.equal(as_lists, logits)
