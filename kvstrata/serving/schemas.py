@@ -205,6 +205,11 @@ class KvstrataInfo(BaseModel):
     prefill_saved_ms_estimate: float | None = None
 
 
+# vLLM's `stop_reason` of a choice: the stop string or stop token id that ended the answer (None: the
+# end of sequence or a length limit)
+StopReason = str | int | None
+
+
 class CompletionLogprobs(BaseModel):
     """The legacy completions shape: parallel lists, one entry per generated token."""
 
@@ -219,8 +224,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
-    # vLLM's: the stop string or stop token id that ended the answer (None: the end of sequence or a limit)
-    stop_reason: str | int | None = None
+    stop_reason: StopReason = None
 
 
 class CompletionResponse(BaseModel):
@@ -257,8 +261,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
-    # vLLM's: the stop string or stop token id that ended the answer (None: the end of sequence or a limit)
-    stop_reason: str | int | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -287,8 +290,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    # vLLM's: the stop string or stop token id that ended the answer (None: the end of sequence or a limit)
-    stop_reason: str | int | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(BaseModel):
