@@ -96,9 +96,7 @@ class TransferEngine:
         # Completions wake `wait_any`; one condition for both directions.
         self._completed = threading.Condition()
         self._closed = False
-        self.fill_threads = max(1, fill_threads)
-        self.min_fill_part_blocks = max(1, MIN_FILL_PART_BYTES // block_nbytes)
-        filler = _Filler(self.fill_threads, self.min_fill_part_blocks)
+        self._filler = filler = _Filler(fill_threads, max(1, MIN_FILL_PART_BYTES // block_nbytes))
         if self.on_cuda:
             chunk = max(1, staging_bytes // (2 * block_nbytes))  # blocks per half of a staging area
             self._loads = _CudaDirection("load", kv_cache, chunk, self._completed, filler)
@@ -108,10 +106,14 @@ class TransferEngine:
             self._stores = _HostDirection("store", kv_cache, self._completed)
 
     @property
+    def fill_threads(self) -> int:
+        return self._filler.threads
+
+    @property
     def parallel_load_blocks(self) -> int:
         """The fewest blocks a load needs for every fill thread to read a part of it (1: loads are
         read by one thread whatever their size)."""
-        return self.fill_threads * self.min_fill_part_blocks if self.fill_threads > 1 else 1
+        return self._filler.threads * self._filler.min_part_blocks if self._filler.threads > 1 else 1
 
     def load(self, block_ids: Sequence[int], fill: Fill) -> Transfer:
         """Fill device blocks `block_ids` with what `fill` writes into host views, in the background."""
