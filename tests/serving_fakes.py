@@ -3,7 +3,7 @@ the real FastAPI app (middleware, schemas, routes, error shapes) over an engine 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 
@@ -33,26 +33,31 @@ class ByteTokenizer:
 
 
 class FakeAsyncEngine:
-    """What the app uses of an AsyncEngine. Every request answers `REPLY` one token per output; the
-    sampled token is the most likely one, with log-probability -0.5, the next ones -1.5, -2.5, ..."""
+    """What the app uses of an AsyncEngine. Every request answers `reply(token_ids, params)` (by
+    default `REPLY`) one token per output; the sampled token is the most likely one, with
+    log-probability -0.5, the next ones -1.5, -2.5, ... A request is received (queued) when its
+    outputs are first read, as the real engine queues it."""
 
     REPLY = "hi!"
 
-    def __init__(self, max_model_len: int = 512):
+    def __init__(self, max_model_len: int = 512, reply: Callable[[list[int], SamplingParams], str] | None = None):
         self.engine = type("LLMEngineLimits", (), {"max_model_len": max_model_len})()
         self.is_running = True
         self.snapshot = None
+        self.reply = reply or (lambda token_ids, params: self.REPLY)
         self.received: list[tuple[list[int], SamplingParams]] = []
+        self.request_ids: list[str] = []
 
     def generate(self, token_ids, params: SamplingParams, *, request_id, cache_salt, prompt,
                  arrival_time) -> AsyncIterator[RequestOutput]:
         if not token_ids:
             raise ValueError("prompt is empty")
-        self.received.append((list(token_ids), params))
         return self._outputs(request_id, list(token_ids), params)
 
     async def _outputs(self, request_id: str, token_ids: list[int], params: SamplingParams):
-        reply = list(self.REPLY.encode())[:params.max_tokens]
+        self.received.append((token_ids, params))
+        self.request_ids.append(request_id)
+        reply = list(self.reply(token_ids, params).encode())[:params.max_tokens]
         # a stop token ends the reply, its text left out (as the engine does)
         stop_token = next((t for t in reply if t in params.stop_token_ids), None)
         if stop_token is not None:

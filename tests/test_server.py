@@ -208,7 +208,7 @@ def test_streamed_chat_logprobs_cover_every_generated_token(client):
 
 
 @pytest.mark.slow
-def test_completion_prompt_may_be_token_ids_or_a_batch_of_one(client, http):
+def test_completion_prompt_may_be_token_ids_or_a_batch_answered_in_order(client):
     token_ids = [504, 3575, 282, 4649, 314]
     single = client.completions.create(model="smollm2-135m-instruct", prompt=token_ids, max_tokens=4, temperature=0)
     assert single.usage.prompt_tokens == len(token_ids)
@@ -216,9 +216,29 @@ def test_completion_prompt_may_be_token_ids_or_a_batch_of_one(client, http):
     batch_of_one = client.completions.create(model="smollm2-135m-instruct", prompt=[token_ids], max_tokens=4,
                                              temperature=0)
     assert batch_of_one.choices[0].text == single.choices[0].text
-    batch_of_two = http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1})
-    assert batch_of_two.status_code == 400
-    assert batch_of_two.json()["error"]["param"] == "prompt"
+    other = "The three primary colours are"
+    alone = client.completions.create(model="smollm2-135m-instruct", prompt=other, max_tokens=4, temperature=0)
+    batch = client.completions.create(model="smollm2-135m-instruct", prompt=[other, token_ids], max_tokens=4,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [alone.choices[0].text, single.choices[0].text]
+    assert batch.usage.prompt_tokens == alone.usage.prompt_tokens + len(token_ids)
+
+
+@pytest.mark.slow
+def test_n_choices_share_the_prompt_computed_once_and_a_seed_makes_them_reproducible(client):
+    prompt = f"Story {uuid.uuid4().hex}: once upon a time, in a village by the sea, there lived"
+    ask = dict(model="smollm2-135m-instruct", prompt=prompt, max_tokens=12, temperature=1.0, n=3, seed=11)
+    first, again = client.completions.create(**ask), client.completions.create(**ask)
+    texts = [c.text for c in first.choices]
+    assert len(set(texts)) == 3  # each choice samples with its own seed
+    assert [c.text for c in again.choices] == texts
+    # A new prompt: one choice computes it, and the others find its blocks on the device.
+    full_blocks = (first.usage.prompt_tokens - 1) // 16 * 16
+    devices = sorted(c.model_extra["kvstrata"]["cached_tokens_by_tier"]["device"] for c in first.choices)
+    assert devices == [0, full_blocks, full_blocks]
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == full_blocks
 
 
 @pytest.mark.slow
@@ -338,7 +358,7 @@ BAD_REQUESTS = [
     ("negative max_tokens", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens"),
     ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
-    ("n above 1", "/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("n of 0", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("prompt longer than the context", "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 4}, 400, "prompt"),
     ("token id outside the vocabulary", "/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
@@ -378,14 +398,15 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(http, path, body
 
 
 @pytest.mark.slow
-def test_client_that_hangs_up_on_a_non_streaming_request_has_it_aborted(http, server):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_that_hangs_up_on_a_non_streaming_request_has_it_aborted(http, server, n):
     aborted_before = aborted_requests(http.get("/metrics").text)
-    body = json.dumps({"prompt": "Count to a thousand:", "max_tokens": 1000, "ignore_eos": True}).encode()
+    body = json.dumps({"prompt": "Count to a thousand:", "max_tokens": 1000, "ignore_eos": True, "n": n}).encode()
     with raw_post(server.base_url, "/v1/completions", body, AUTH):
-        _wait_for_metrics(http, lambda text: metric_value(text, "kvstrata_requests_running") == 1)
-    # hung up: the request must stop now, not after its 1000 tokens
-    text = _wait_for_metrics(http, lambda text: aborted_requests(text) > aborted_before)
-    assert aborted_requests(text) == aborted_before + 1
+        _wait_for_metrics(http, lambda text: metric_value(text, "kvstrata_requests_running") == n)
+    # hung up: every choice must stop now, not after its 1000 tokens
+    text = _wait_for_metrics(http, lambda text: aborted_requests(text) >= aborted_before + n)
+    assert aborted_requests(text) == aborted_before + n
     assert metric_value(text, "kvstrata_requests_running") == 0
 
 

@@ -116,7 +116,8 @@ def test_streamed_body_without_a_length_is_counted_and_refused_with_413():
 
 BAD_FIELDS = [
     ("/v1/completions", "best_of", 2), ("/v1/completions", "echo", True), ("/v1/completions", "suffix", "end"),
-    ("/v1/completions", "n", 2), ("/v1/completions", "presence_penalty", 2.5),
+    ("/v1/completions", "n", 0), ("/v1/completions", "n", 129), ("/v1/chat/completions", "n", 1.5),
+    ("/v1/completions", "presence_penalty", 2.5),
     ("/v1/completions", "frequency_penalty", -3), ("/v1/completions", "repetition_penalty", 0),
     ("/v1/completions", "logit_bias", {"42": -101}), ("/v1/completions", "logit_bias", {"-1": 5}),
     ("/v1/completions", "min_p", 1.5),
@@ -308,6 +309,120 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
     assert all(c["usage"]["prompt_tokens"] == 4 for c in chunks)
     plain = sse_chunks(run(post(fake_app(), "/v1/completions", {**body, "stream_options": {"include_usage": True}})))
     assert ["usage" in c for c in plain] == [False, False, False, True]
+
+
+# ---------------------------------------------------------------------------------------------
+# Several choices: n, and a batch of prompts
+
+
+def _reply_naming_prompt_and_seed(token_ids: list[int], params) -> str:
+    return f"{bytes(token_ids).decode()}/{params.seed}"
+
+
+def test_n_choices_are_requests_of_their_own_with_consecutive_seeds_and_the_prompt_counted_once():
+    engine = FakeAsyncEngine(reply=_reply_naming_prompt_and_seed)
+    body = {"prompt": "abc", "n": 3, "seed": 7, "max_tokens": 8}
+    response = run(post(fake_app(engine), "/v1/completions", body)).json()
+    assert [(c["index"], c["text"]) for c in response["choices"]] == [(0, "abc/7"), (1, "abc/8"), (2, "abc/9")]
+    assert len(set(engine.request_ids)) == 3
+    assert response["usage"] == {"prompt_tokens": 3, "completion_tokens": 15, "total_tokens": 18,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
+    # each choice carries its own receipt; the response carries its first token's
+    assert all(c["kvstrata"]["ttft_ms"] == 1.0 for c in response["choices"])
+    assert response["kvstrata"]["ttft_ms"] == 1.0
+    unseeded = FakeAsyncEngine()
+    run(post(fake_app(unseeded), "/v1/chat/completions", {**CHAT, "n": 2}))
+    assert [params.seed for _, params in unseeded.received] == [None, None]
+
+
+def test_a_seed_at_the_top_of_its_range_wraps_for_the_next_choices():
+    engine = FakeAsyncEngine()
+    assert run(post(fake_app(engine), "/v1/completions", {"prompt": "x", "n": 2, "seed": 2**63 - 1})).status_code == 200
+    assert sorted(params.seed for _, params in engine.received) == [-2**63, 2**63 - 1]
+
+
+def test_one_choice_keeps_its_receipt_on_the_response_only():
+    choice = run(post(fake_app(), "/v1/completions", {"prompt": "x"})).json()["choices"][0]
+    assert "kvstrata" not in choice
+
+
+def test_a_batch_of_prompts_answers_n_choices_for_each_in_order():
+    engine = FakeAsyncEngine(reply=_reply_naming_prompt_and_seed)
+    body = {"prompt": ["ab", [ord("x"), ord("y"), ord("z")]], "n": 2, "seed": 0, "max_tokens": 8}
+    response = run(post(fake_app(engine), "/v1/completions", body)).json()
+    assert [c["text"] for c in response["choices"]] == ["ab/0", "ab/1", "xyz/0", "xyz/1"]
+    assert [c["index"] for c in response["choices"]] == [0, 1, 2, 3]
+    assert response["usage"]["prompt_tokens"] == 5 and response["usage"]["completion_tokens"] == 18
+
+
+def test_cached_tokens_of_a_prompt_are_those_every_one_of_its_choices_found():
+    class OneChoiceComputes(FakeAsyncEngine):
+        """The first choice computes the prompt; the others find its blocks on the device."""
+
+        async def _outputs(self, request_id, token_ids, params):
+            async for output in super()._outputs(request_id, token_ids, params):
+                if not request_id.endswith("-0"):
+                    output.cached_tokens, output.cached_tokens_by_tier["device"] = 16, 16
+                    output.ttft_s = 0.0005
+                yield output
+
+    response = run(post(fake_app(OneChoiceComputes()), "/v1/completions", {"prompt": "x" * 20, "n": 3})).json()
+    assert response["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert [c["kvstrata"]["cached_tokens_by_tier"]["device"] for c in response["choices"]] == [0, 16, 16]
+    assert response["kvstrata"]["ttft_ms"] == 0.5  # the first first token's receipt
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", CHAT)])
+def test_streamed_choices_interleave_each_with_its_index_finish_and_receipt(path, body):
+    body = {**body, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = sse_chunks(run(post(fake_app(), path, body)))
+    *choice_chunks, usage_chunk = chunks
+    texts, finished = {0: "", 1: ""}, {}
+    for chunk in choice_chunks:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["text"] if "text" in choice else choice["delta"].get("content", "")
+        if choice["finish_reason"]:
+            finished[choice["index"]] = chunk["kvstrata"]["ttft_ms"]
+    assert texts == {0: "hi!", 1: "hi!"} and finished == {0: 1.0, 1: 1.0}
+    if path.endswith("chat/completions"):  # a role chunk for each choice comes first
+        assert [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chunks[:2]] == [
+            (0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""})]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
+    assert usage_chunk["kvstrata"]["ttft_ms"] == 1.0
+
+
+def test_too_many_choices_or_a_bad_prompt_in_a_batch_is_400_with_nothing_queued():
+    engine = FakeAsyncEngine()
+    error = assert_openai_error(run(post(fake_app(engine), "/v1/completions", {"prompt": ["x"] * 17, "n": 128})),
+                                400, param="n")
+    assert "2176 choices" in error["message"]
+    error = assert_openai_error(run(post(fake_app(engine), "/v1/completions", {"prompt": ["x", 3]})), 400, "prompt")
+    assert "item 1 of the batch" in error["message"]
+    assert_openai_error(run(post(fake_app(engine), "/v1/completions", {"prompt": ["x", ""]})), 400, param="prompt")
+    assert engine.received == []
+
+
+def test_a_failing_choice_ends_the_stream_with_an_error_and_aborts_the_others():
+    unfinished = []
+
+    class FailingSecondChoice(FakeAsyncEngine):
+        async def _outputs(self, request_id, token_ids, params):
+            finished = False
+            try:
+                async for output in super()._outputs(request_id, token_ids, params):
+                    if request_id.endswith("-1"):
+                        raise RuntimeError("the engine failed")
+                    finished = output.finished
+                    yield output
+                    await asyncio.sleep(0.05)
+            finally:
+                if not finished:
+                    unfinished.append(request_id[-2:])
+
+    response = run(post(fake_app(FailingSecondChoice()), "/v1/completions", {"prompt": "x", "n": 3, "stream": True}))
+    events = [e for e in response.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and "the engine failed" in events[-2]
+    assert sorted(unfinished) == ["-0", "-1", "-2"]  # the others were closed (aborted) mid-answer
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ spends time loading a model.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import time
 import uuid
 from dataclasses import asdict
@@ -37,8 +37,9 @@ from kvstrata.engine.prompts import render_chat, render_document, tokenize_text
 from kvstrata.serving.errors import APIError, install_error_handlers, service_unavailable
 from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving.middleware import APIKeyCheck, BodySizeLimit, DrainState, RequestGate
-from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events, chat_logprobs, completion_events,
-                                        completion_logprobs, kvstrata_info, token_texts, usage)
+from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events, chat_logprobs, choice_receipt,
+                                        completion_events, completion_logprobs, last_outputs, response_receipt,
+                                        token_texts, usage)
 from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionChoice, CompletionRequest, CompletionResponse, DocumentDeleted,
                                       DocumentList, DocumentObject, DocumentRequest, ModelCard, ModelList,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+MAX_CHOICES_PER_REQUEST = 2048  # prompts x n: each choice is an engine request of its own
 
 # The SamplingParams fields whose names start their error messages ("max_tokens must be ..."),
 # which are the request fields of the same name unless a route says otherwise.
@@ -109,27 +111,41 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
 
-    def start(token_ids: list[int], params: SamplingParams, request_id: str, body: SamplingRequest,
-              prompt: str | None) -> AsyncIterator[RequestOutput]:
+    def start(prompts: list[tuple[str | None, list[int]]], params: SamplingParams, request_id: str,
+              body: SamplingRequest) -> list[AsyncIterator[RequestOutput]]:
+        """One engine request per choice: `n` for each prompt, choice k*n + i being prompt k's i-th.
+        All are validated before any is queued (a request is queued when its outputs are first read).
+        With a seed, choice i samples with seed + i (vLLM's rule): the choices differ, and the same
+        request gives the same choices again."""
+        n = body.choices_per_prompt
+        if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
+            raise APIError(400, f"n: {len(prompts)} prompts with n={n} ask for {len(prompts) * n} choices; at most "
+                                f"{MAX_CHOICES_PER_REQUEST} in one request", param="n")
+        several = len(prompts) * n > 1
+        arrival = time.perf_counter()
         try:
-            return engine.generate(token_ids, params, request_id=request_id, cache_salt=body.cache_salt,
-                                   prompt=prompt, arrival_time=time.perf_counter())
+            return [engine.generate(token_ids, _choice_params(params, i), cache_salt=body.cache_salt, prompt=text,
+                                    request_id=f"{request_id}-{k * n + i}" if several else request_id,
+                                    arrival_time=arrival)
+                    for k, (text, token_ids) in enumerate(prompts) for i in range(n)]
         except ValueError as exc:
             raise _bad_request(exc, {}) from None
 
     def stream_settings(body: SamplingRequest, request_id: str, logprobs: bool) -> StreamSettings:
-        return StreamSettings(request_id, model_id, body.include_usage, body.continuous_usage, logprobs, tokenizers)
+        return StreamSettings(request_id, model_id, body.include_usage, body.continuous_usage, logprobs, tokenizers,
+                              body.choices_per_prompt)
 
-    async def respond(request: Request, body: SamplingRequest, outputs: AsyncIterator[RequestOutput],
-                      events: Callable[[], AsyncIterator[str]], whole: Callable[[RequestOutput], Awaitable[Any]]):
-        """Stream the request's events, or wait for its last output (aborting it if the client hangs
-        up first) and answer with the whole response built from it."""
+    async def respond(request: Request, body: SamplingRequest, streams: list[AsyncIterator[RequestOutput]],
+                      events: Callable[[], AsyncIterator[str]],
+                      whole: Callable[[list[RequestOutput]], Awaitable[Any]]):
+        """Stream the choices' events, or wait for every choice's last output (aborting them all if
+        the client hangs up first) and answer with the whole response built from them."""
         if body.stream:
             return SSEResponse(events())
-        final = await _unless_disconnected(request, _last(outputs))
-        if final is None:
-            return Response(status_code=499)  # nobody is listening: the request was aborted
-        return await whole(final)
+        finals = await _unless_disconnected(request, last_outputs(streams))
+        if finals is None:
+            return Response(status_code=499)  # nobody is listening: the requests were aborted
+        return await whole(finals)
 
     async def shaped_logprobs(final: RequestOutput, shape: Callable[[list, dict[int, str]], Any]) -> Any:
         """The output's logprobs in a response's shape, or None when the request asked for none."""
@@ -156,23 +172,28 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt_text, token_ids = body.prompt, await tokenize(tokenize_text, body.prompt, "prompt")
-        else:
-            prompt_text, token_ids = None, body.prompt
+        prompts = await asyncio.gather(*(completion_prompt(p) for p in body.prompt))
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens, body.logprobs, {})
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        outputs = start(token_ids, params, request_id, body, prompt_text)
+        streams = start(prompts, params, request_id, body)
         settings = stream_settings(body, request_id, body.logprobs is not None)
 
-        async def whole(final: RequestOutput) -> CompletionResponse:
-            choice = CompletionChoice(text=final.text, logprobs=await shaped_logprobs(final, completion_logprobs),
-                                      finish_reason=final.finish_reason, stop_reason=final.stop_reason)
-            return CompletionResponse(id=request_id, created=int(time.time()), model=model_id, choices=[choice],
-                                      usage=usage(final), kvstrata=kvstrata_info(final))
+        async def whole(finals: list[RequestOutput]) -> CompletionResponse:
+            choices = [CompletionChoice(index=i, text=final.text,
+                                        logprobs=await shaped_logprobs(final, completion_logprobs),
+                                        finish_reason=final.finish_reason, stop_reason=final.stop_reason,
+                                        kvstrata=choice_receipt(final, finals))
+                       for i, final in enumerate(finals)]
+            return CompletionResponse(id=request_id, created=int(time.time()), model=model_id, choices=choices,
+                                      usage=usage(finals, body.choices_per_prompt), kvstrata=response_receipt(finals))
 
-        return await respond(request, body, outputs, lambda: completion_events(outputs, settings), whole)
+        return await respond(request, body, streams, lambda: completion_events(streams, settings), whole)
+
+    async def completion_prompt(prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, await tokenize(tokenize_text, prompt, "prompt")
+        return None, prompt
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -190,17 +211,20 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         params = sampling_params(body, max_tokens, logprobs,
                                  {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"})
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = start(token_ids, params, request_id, body, None)
+        streams = start([(None, token_ids)], params, request_id, body)
         settings = stream_settings(body, request_id, logprobs is not None)
 
-        async def whole(final: RequestOutput) -> ChatCompletionResponse:
-            choice = ChatChoice(message=AssistantMessage(content=final.text),
-                                logprobs=await shaped_logprobs(final, chat_logprobs), finish_reason=final.finish_reason,
-                                stop_reason=final.stop_reason)
-            return ChatCompletionResponse(id=request_id, created=int(time.time()), model=model_id, choices=[choice],
-                                          usage=usage(final), kvstrata=kvstrata_info(final))
+        async def whole(finals: list[RequestOutput]) -> ChatCompletionResponse:
+            choices = [ChatChoice(index=i, message=AssistantMessage(content=final.text),
+                                  logprobs=await shaped_logprobs(final, chat_logprobs),
+                                  finish_reason=final.finish_reason, stop_reason=final.stop_reason,
+                                  kvstrata=choice_receipt(final, finals))
+                       for i, final in enumerate(finals)]
+            return ChatCompletionResponse(id=request_id, created=int(time.time()), model=model_id, choices=choices,
+                                          usage=usage(finals, body.choices_per_prompt),
+                                          kvstrata=response_receipt(finals))
 
-        return await respond(request, body, outputs, lambda: chat_events(outputs, settings), whole)
+        return await respond(request, body, streams, lambda: chat_events(streams, settings), whole)
 
     @app.post("/v1/cache/documents", response_model=DocumentObject)
     async def cache_document(body: DocumentRequest) -> DocumentObject:
@@ -255,13 +279,12 @@ def _bad_request(exc: ValueError, field_names: dict[str, str]) -> APIError:
     return APIError(400, message, param=param)
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    final = None
-    async with contextlib.aclosing(outputs):
-        async for output in outputs:
-            final = output
-    assert final is not None and final.finished
-    return final
+def _choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """The sampling parameters of a prompt's `choice`-th choice: its seed moved on by `choice`
+    (wrapping within 64 bits), so that seeded choices differ from one another."""
+    if choice == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + choice + 2**63) % 2**64 - 2**63)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -6,11 +6,13 @@ text on the tokenizer threads (`TokenizerPool`), never on the event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Sequence, TypeVar
 
 from fastapi.responses import StreamingResponse
 
@@ -23,15 +25,24 @@ if TYPE_CHECKING:
     from kvstrata.engine.llm import RequestOutput
     from kvstrata.engine.sampling import TokenLogprobs
 
+T = TypeVar("T")
+
 # JSON has no -inf: a token the model deems impossible is reported at this log-probability (as vLLM).
 MIN_LOGPROB = -9999.0
 
 
-def usage(output: RequestOutput) -> Usage:
-    prompt_tokens, completion_tokens = len(output.prompt_token_ids), len(output.token_ids)
+def usage(outputs: Sequence[RequestOutput], choices_per_prompt: int = 1) -> Usage:
+    """The usage of a response's choices, `choices_per_prompt` of each prompt in order. A prompt
+    counts once (as OpenAI counts it), and its cached tokens are those every one of its choices found
+    cached: with n choices of a new prompt, one computes it and the others share its blocks, so the
+    prompt was computed once and is reported uncached."""
+    by_prompt = [outputs[k:k + choices_per_prompt] for k in range(0, len(outputs), choices_per_prompt)]
+    prompt_tokens = sum(len(choices[0].prompt_token_ids) for choices in by_prompt)
+    cached_tokens = sum(min(o.cached_tokens for o in choices) for choices in by_prompt)
+    completion_tokens = sum(len(o.token_ids) for o in outputs)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=output.cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def kvstrata_info(output: RequestOutput) -> KvstrataInfo:
@@ -40,6 +51,70 @@ def kvstrata_info(output: RequestOutput) -> KvstrataInfo:
         return KvstrataInfo(**output.receipt.to_dict(decimals=3))
     ttft_ms = None if output.ttft_s is None else round(output.ttft_s * 1000.0, 3)
     return KvstrataInfo(cached_tokens_by_tier=dict(output.cached_tokens_by_tier), ttft_ms=ttft_ms)
+
+
+def response_receipt(outputs: Sequence[RequestOutput]) -> KvstrataInfo:
+    """A response's receipt: its only choice's, or that of the choice whose first token came first
+    (the choices arrive together, so that is the TTFT a streaming client sees)."""
+    return kvstrata_info(min(outputs, key=lambda o: math.inf if o.ttft_s is None else o.ttft_s))
+
+
+def choice_receipt(output: RequestOutput, outputs: Sequence[RequestOutput]) -> KvstrataInfo | None:
+    """A choice's own receipt, given only when the response has several choices."""
+    return kvstrata_info(output) if len(outputs) > 1 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Choices: one engine request each
+
+
+@dataclass
+class _Ended:
+    error: Exception | None = None
+
+
+async def interleaved(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of several streams as each comes, with its stream's index. Closing this, or an error
+    in any stream (raised here), closes every stream: a client that goes away aborts all its choices."""
+    # Bounded: a reader slower than the engine lets each request's outputs coalesce (AsyncEngine
+    # hands over only the latest), rather than queueing every snapshot here.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        error = None
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    await queue.put((index, item))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            error = exc
+        await queue.put((index, _Ended(error)))
+
+    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(pumps)
+        while running:
+            index, item = await queue.get()
+            if not isinstance(item, _Ended):
+                yield index, item
+            elif item.error is not None:
+                raise item.error
+            else:
+                running -= 1
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def last_outputs(streams: Sequence[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Each stream's last output, once every request has finished, in the streams' order."""
+    last: dict[int, RequestOutput] = {}
+    async with contextlib.aclosing(interleaved(streams)) as outputs:
+        async for index, output in outputs:
+            last[index] = output
+    assert len(last) == len(streams) and all(o.finished for o in last.values())
+    return [last[i] for i in range(len(streams))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +172,7 @@ class StreamSettings:
     continuous_usage: bool       # every chunk carries the usage so far
     logprobs: bool               # each chunk carries the log-probabilities of its tokens
     tokenizers: TokenizerPool
+    choices_per_prompt: int = 1  # the request's n: choice k*n + i is prompt k's i-th
 
 
 class SSEResponse(StreamingResponse):
@@ -140,70 +216,85 @@ class _Delta:
 
 async def _deltas(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[_Delta]:
     sent_chars = sent_tokens = 0
-    async for output in outputs:
-        new_logprobs = None if output.logprobs is None else output.logprobs[sent_tokens:]
-        yield _Delta(output, output.text[sent_chars:], sent_chars, new_logprobs)
-        sent_chars, sent_tokens = len(output.text), len(output.token_ids)
+    async with contextlib.aclosing(outputs):
+        async for output in outputs:
+            new_logprobs = None if output.logprobs is None else output.logprobs[sent_tokens:]
+            yield _Delta(output, output.text[sent_chars:], sent_chars, new_logprobs)
+            sent_chars, sent_tokens = len(output.text), len(output.token_ids)
 
 
-async def completion_events(outputs: AsyncIterator[RequestOutput], settings: StreamSettings) -> AsyncIterator[str]:
+def _choice_deltas(streams: Sequence[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, _Delta]]:
+    """Every choice's deltas as they come, each with its choice's index."""
+    return interleaved([_deltas(stream) for stream in streams])
+
+
+async def completion_events(streams: Sequence[AsyncIterator[RequestOutput]],
+                            settings: StreamSettings) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(choices: list[CompletionChoice], output: RequestOutput, **extra) -> CompletionResponse:
+    def chunk(choices: list[CompletionChoice], outputs: Sequence[RequestOutput], **extra) -> CompletionResponse:
         if settings.continuous_usage:
-            extra.setdefault("usage", usage(output))
+            extra.setdefault("usage", usage(outputs))
         return CompletionResponse(id=settings.request_id, created=created, model=settings.model, choices=choices,
                                   **extra)
 
-    async with contextlib.aclosing(outputs):
+    latest: dict[int, RequestOutput] = {}
+    async with contextlib.aclosing(_choice_deltas(streams)) as deltas:
         try:
-            final = None
-            async for delta in _deltas(outputs):
-                final = delta.output
+            async for index, delta in deltas:
+                output = latest[index] = delta.output
                 logprobs = None
                 if settings.logprobs and delta.logprobs:
                     texts = await token_texts(settings.tokenizers, delta.logprobs)
                     logprobs = completion_logprobs(delta.logprobs, texts, delta.text_offset)
-                choice = CompletionChoice(text=delta.text, logprobs=logprobs, finish_reason=final.finish_reason,
-                                          stop_reason=final.stop_reason)
-                if final.finished:
-                    yield _sse(chunk([choice], final, kvstrata=kvstrata_info(final)))
+                choice = CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
+                                          finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+                if output.finished:
+                    yield _sse(chunk([choice], [output], kvstrata=kvstrata_info(output)))
                 elif delta.text or logprobs is not None:
-                    yield _sse(chunk([choice], final))
+                    yield _sse(chunk([choice], [output]))
             if settings.include_usage:
-                yield _sse(chunk([], final, usage=usage(final), kvstrata=kvstrata_info(final)))
+                yield _sse(_usage_chunk(chunk, latest, settings))
         except Exception as exc:  # noqa: BLE001 - the status line is sent: tell the client in the stream
             yield _sse_error(exc)
     yield _SSE_DONE
 
 
-async def chat_events(outputs: AsyncIterator[RequestOutput], settings: StreamSettings) -> AsyncIterator[str]:
+async def chat_events(streams: Sequence[AsyncIterator[RequestOutput]], settings: StreamSettings) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(choices: list[ChatStreamChoice], output: RequestOutput | None, **extra) -> ChatCompletionChunk:
-        if settings.continuous_usage and output is not None:  # the role chunk comes before any output
-            extra.setdefault("usage", usage(output))
+    def chunk(choices: list[ChatStreamChoice], outputs: Sequence[RequestOutput], **extra) -> ChatCompletionChunk:
+        if settings.continuous_usage and outputs:  # the role chunks come before any output
+            extra.setdefault("usage", usage(outputs))
         return ChatCompletionChunk(id=settings.request_id, created=created, model=settings.model, choices=choices,
                                    **extra)
 
-    async with contextlib.aclosing(outputs):
+    latest: dict[int, RequestOutput] = {}
+    async with contextlib.aclosing(_choice_deltas(streams)) as deltas:
         try:
-            yield _sse(chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))], None))
-            final = None
-            async for delta in _deltas(outputs):
-                final = delta.output
+            for index in range(len(streams)):
+                yield _sse(chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
+                                 []))
+            async for index, delta in deltas:
+                output = latest[index] = delta.output
                 logprobs = None
                 if settings.logprobs and delta.logprobs:
                     logprobs = chat_logprobs(delta.logprobs, await token_texts(settings.tokenizers, delta.logprobs))
                 if delta.text or logprobs is not None:
-                    content = ChatStreamChoice(delta=DeltaMessage(content=delta.text), logprobs=logprobs)
-                    yield _sse(chunk([content], final))
-                if final.finished:
-                    finish = ChatStreamChoice(delta=DeltaMessage(), finish_reason=final.finish_reason,
-                                              stop_reason=final.stop_reason)
-                    yield _sse(chunk([finish], final, kvstrata=kvstrata_info(final)))
+                    content = ChatStreamChoice(index=index, delta=DeltaMessage(content=delta.text), logprobs=logprobs)
+                    yield _sse(chunk([content], [output]))
+                if output.finished:
+                    finish = ChatStreamChoice(index=index, delta=DeltaMessage(), finish_reason=output.finish_reason,
+                                              stop_reason=output.stop_reason)
+                    yield _sse(chunk([finish], [output], kvstrata=kvstrata_info(output)))
             if settings.include_usage:
-                yield _sse(chunk([], final, usage=usage(final), kvstrata=kvstrata_info(final)))
+                yield _sse(_usage_chunk(chunk, latest, settings))
         except Exception as exc:  # noqa: BLE001 - the status line is sent: tell the client in the stream
             yield _sse_error(exc)
     yield _SSE_DONE
+
+
+def _usage_chunk(chunk, latest: dict[int, RequestOutput], settings: StreamSettings):
+    """The last chunk: no choices, the whole response's usage and receipt."""
+    finals = [latest[i] for i in sorted(latest)]
+    return chunk([], finals, usage=usage(finals, settings.choices_per_prompt), kvstrata=response_receipt(finals))

@@ -25,6 +25,8 @@ def _valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 Item = TypeVar("Item")
 
+MAX_N = 128  # choices per prompt, as OpenAI allows
+
 
 def _no_op_only(*no_op_values: Any):
     """The type of a field this server does not implement: null or one of `no_op_values` only."""
@@ -62,7 +64,7 @@ class SamplingRequest(_Request):
     stop: Any = None  # a string or a list of them; validated below
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: _no_op_only(1) = None
+    n: int | None = None  # choices per prompt, each sampled by its own request (sharing the prompt's blocks)
     cache_salt: Text | None = None  # isolates this request's cache entries from requests without the same salt
     ignore_eos: bool | None = False
     user: Text | None = None  # the caller's name for its end user: nothing for the server to do
@@ -85,6 +87,17 @@ class SamplingRequest(_Request):
             return stop
         raise ValueError("expected a string or a list of strings")
 
+    @field_validator("n")
+    @classmethod
+    def _choices(cls, n: int | None) -> int | None:
+        if n is not None and not 1 <= n <= MAX_N:
+            raise ValueError(f"must be from 1 to {MAX_N}")
+        return n
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -95,7 +108,7 @@ class SamplingRequest(_Request):
 
 
 class CompletionRequest(SamplingRequest):
-    # Text, token ids, or a batch of exactly one of them; validated into text or token ids.
+    # Text or token ids, or a batch of them: validated into a list of prompts, each text or token ids.
     prompt: Any
     logprobs: int | None = None  # how many alternatives to report with each token's log-probability
     best_of: _no_op_only(1) = None
@@ -104,16 +117,17 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError(f"one prompt per request, got a batch of {len(prompt)}")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return _valid_unicode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        raise ValueError("expected a string, a list of token ids, or a batch of one of them")
+    def _prompts(cls, prompt: Any) -> list[str | list[int]]:
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        return [_one_prompt(p, f"item {k} of the batch: " if len(batch) > 1 else "") for k, p in enumerate(batch)]
+
+
+def _one_prompt(prompt: Any, where: str) -> str | list[int]:
+    if isinstance(prompt, str):
+        return _valid_unicode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise ValueError(f"{where}expected a string, a list of token ids, or a batch of them")
 
 
 class ChatMessage(_Request):
@@ -219,12 +233,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]                # where each token starts in the generated text
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """A choice of a whole response. With several choices, each carries its own receipt as `kvstrata`
+    (the response's is its first token's); with one, only the response carries it."""
+
+    @model_serializer(mode="wrap")
+    def _receipt_when_given(self, serialize) -> dict:
+        fields = serialize(self)
+        if fields.get("kvstrata") is None:
+            fields.pop("kvstrata", None)
+        return fields
+
+
+class CompletionChoice(_Choice):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     stop_reason: StopReason = None
+    kvstrata: KvstrataInfo | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -256,12 +283,13 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Choice):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     stop_reason: StopReason = None
+    kvstrata: KvstrataInfo | None = None
 
 
 class ChatCompletionResponse(BaseModel):
