@@ -31,6 +31,9 @@ class ByteTokenizer:
     def decode(self, token_ids) -> str:
         return bytes(token_ids).decode("utf-8", errors="replace")
 
+    def __len__(self) -> int:
+        return VOCAB
+
 
 class FakeAsyncEngine:
     """What the app uses of an AsyncEngine. Every request answers `reply(token_ids, params)` (by

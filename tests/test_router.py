@@ -254,6 +254,17 @@ def test_a_streamed_answer_passes_through_the_router(cluster):
                    json.loads(d)["choices"])
 
 
+@pytest.mark.slow
+def test_the_router_serves_every_route_of_the_replicas_api(cluster):
+    replicas, router_url, _ = cluster
+    models = httpx.get(f"{router_url}/v1/models", timeout=60).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    tokenized = httpx.post(f"{router_url}/tokenize", json={"prompt": "Hello there"}, timeout=60).json()
+    assert tokenized["tokens"] == replicas[0].async_engine.engine.tokenize("Hello there")
+    text = httpx.post(f"{router_url}/detokenize", json={"tokens": tokenized["tokens"]}, timeout=60).json()
+    assert text == {"prompt": "Hello there"}
+
+
 def wait_for_health(router_url: str, replica_url: str, healthy: bool) -> None:
     deadline = time.monotonic() + 30
     while httpx.get(f"{router_url}/health", timeout=10).json()["replicas"][replica_url]["healthy"] != healthy:

@@ -242,6 +242,20 @@ def test_n_choices_share_the_prompt_computed_once_and_a_seed_makes_them_reproduc
 
 
 @pytest.mark.slow
+def test_tokenize_counts_what_a_request_computes_and_detokenize_gives_the_text_back(client, http):
+    messages = document_chat("When did the library open?")
+    tokenized = http.post("/tokenize", json={"messages": messages}).json()
+    reply = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=1,
+                                           temperature=0)
+    assert tokenized["count"] == reply.usage.prompt_tokens == len(tokenized["tokens"])
+    assert tokenized["max_model_len"] == 8192
+    prompt = "The Harbor Street library opened in 1921."
+    ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == prompt
+    assert http.post("/detokenize", json={"tokens": [10**6]}).json()["error"]["param"] == "tokens"
+
+
+@pytest.mark.slow
 def test_chat_with_openai_client(client):
     reply = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=8, temperature=0,
                                            messages=[{"role": "user", "content": "Say hello."}])

@@ -312,6 +312,39 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
 
 
 # ---------------------------------------------------------------------------------------------
+# vLLM's /tokenize and /detokenize
+
+
+def test_tokenize_gives_the_ids_a_completion_or_a_chat_would_compute_and_the_context_length():
+    app = fake_app(FakeAsyncEngine(max_model_len=300))
+    prompt = run(post(app, "/tokenize", {"prompt": "héllo"})).json()
+    assert prompt == {"count": 6, "max_model_len": 300, "tokens": list("héllo".encode())}
+    chat = run(post(app, "/tokenize", {"model": MODEL, **CHAT})).json()
+    assert chat["tokens"] == list(b"user: Say hi.\nassistant: ") and chat["count"] == len(chat["tokens"])
+    assert run(post(app, "/detokenize", {"tokens": prompt["tokens"]})).json() == {"prompt": "héllo"}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "x", **CHAT}, "prompt"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model"),
+    ("/detokenize", {"tokens": [104, 256]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": "hi"}, "tokens"),
+], ids=["nothing", "both", "no special tokens", "unknown model", "id past the vocabulary", "negative id",
+        "not ids"])
+def test_tokenize_and_detokenize_refuse_bad_input_naming_the_field(path, body, param):
+    response = run(post(fake_app(), path, body))
+    assert_openai_error(response, 404 if param == "model" else 400, param=param)
+
+
+def test_tokenize_and_detokenize_need_the_key_like_the_v1_routes():
+    app = fake_app(api_key=KEY)
+    assert_openai_error(run(post(app, "/tokenize", {"prompt": "x"})), 401, code="invalid_api_key")
+    assert_openai_error(run(post(app, "/detokenize", {"tokens": [1]})), 401, code="invalid_api_key")
+    assert run(post(app, "/tokenize", {"prompt": "x"}, AUTH)).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------
 # Several choices: n, and a batch of prompts
 
 

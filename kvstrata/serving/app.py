@@ -3,6 +3,7 @@
     POST /v1/completions        prompt (text or token ids) -> text; `stream: true` for server-sent events
     POST /v1/chat/completions   messages -> reply, through the model's chat template; streams the same way
     GET  /v1/models             the one model served
+    POST /tokenize, /detokenize vLLM's: a prompt's (or chat's) token ids, their count and the context length; ids to text
     GET  /health                200 while the engine runs and the server is not draining
     GET  /metrics               Prometheus text: prefix-cache hits per tier, TTFT, tier usage, moves
     POST /v1/cache/documents    messages or prompt -> its blocks computed and stored (pinned unless `pin: false`)
@@ -42,8 +43,9 @@ from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events
                                         token_texts, usage)
 from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                       CompletionChoice, CompletionRequest, CompletionResponse, DocumentDeleted,
-                                      DocumentList, DocumentObject, DocumentRequest, ModelCard, ModelList,
-                                      SamplingRequest)
+                                      DetokenizeRequest, DetokenizeResponse, DocumentList, DocumentObject,
+                                      DocumentRequest, ModelCard, ModelList, SamplingRequest, TokenizeRequest,
+                                      TokenizeResponse)
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 if TYPE_CHECKING:
@@ -226,6 +228,23 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
 
         return await respond(request, body, streams, lambda: chat_events(streams, settings), whole)
 
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize_prompt(body: TokenizeRequest) -> TokenizeResponse:
+        check_model(body.model)
+        if (body.messages is None) == (body.prompt is None):
+            raise APIError(400, "give `prompt` or `messages` (one of them)", param="prompt")
+        if body.messages is not None:
+            token_ids = await tokenize(render_chat, [{"role": m.role, "content": m.content} for m in body.messages],
+                                       "messages")
+        else:
+            token_ids = await tokenize(tokenize_text, body.prompt, "prompt")
+        return TokenizeResponse(count=len(token_ids), max_model_len=max_model_len, tokens=token_ids)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model)
+        return DetokenizeResponse(prompt=await tokenize(decode_known_ids, body.tokens, "tokens"))
+
     @app.post("/v1/cache/documents", response_model=DocumentObject)
     async def cache_document(body: DocumentRequest) -> DocumentObject:
         check_model(body.model)
@@ -259,6 +278,15 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         return DocumentDeleted(id=document_id)
 
     return app
+
+
+def decode_known_ids(tokenizer, token_ids: list[int]) -> str:
+    """The text of `token_ids`; a ValueError names the first id the tokenizer does not know."""
+    vocab_size = len(tokenizer)
+    unknown = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if unknown is not None:
+        raise ValueError(f"tokens: token id {unknown} is outside the vocabulary (0 to {vocab_size - 1})")
+    return tokenizer.decode(token_ids)
 
 
 def _given(value, default):

@@ -1,11 +1,12 @@
 """What every request passes before a route sees it (plain ASGI, outermost first):
 
-    APIKeyCheck     `/v1/*` needs `Authorization: Bearer <server.api_key>` when a key is set (401)
-    RequestGate     counts the `/v1/*` requests in flight; once the server drains, refuses new ones (503)
+    APIKeyCheck     an API route needs `Authorization: Bearer <server.api_key>` when a key is set (401)
+    RequestGate     counts the API requests in flight; once the server drains, refuses new ones (503)
     BodySizeLimit   a body over `server.max_request_body` is refused (413) before it is parsed
 
-`/health` and `/metrics` stay open without a key, as vLLM keeps them, so that load balancers and
-Prometheus need no secret.
+The API routes are `/v1/*` and vLLM's `/tokenize` and `/detokenize` (which vLLM leaves open: here
+they cost tokenizer time, so they need the key too). `/health` and `/metrics` stay open without a
+key, as vLLM keeps them, so that load balancers and Prometheus need no secret.
 """
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from kvstrata.engine.sizes import format_size
 from kvstrata.serving.errors import APIError, service_unavailable
 
 API_PREFIX = "/v1"
+API_PATHS_OUTSIDE_PREFIX = ("/tokenize", "/detokenize")  # vLLM's paths
 
 
 def _is_api(scope) -> bool:
     path = scope.get("path", "")
-    return scope["type"] == "http" and (path == API_PREFIX or path.startswith(API_PREFIX + "/"))
+    return scope["type"] == "http" and (path == API_PREFIX or path.startswith(API_PREFIX + "/")
+                                        or path in API_PATHS_OUTSIDE_PREFIX)
 
 
 async def _send_error(send, error: APIError) -> None:

@@ -58,6 +58,10 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 HEALTH_TIMEOUT_S = 2.0
 EVENT_POLL_MS = 100
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+# The replicas' routes the router serves: the prompts of the first two are placed by their cached
+# prefix, the rest go by load.
+FORWARDED_ROUTES = (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                    ("POST", "/tokenize"), ("POST", "/detokenize"))
 SSE_SEPARATOR = b"\n\n"  # between server-sent events, as the replicas write them
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -266,20 +270,17 @@ class Router:
             return StreamingResponse(_pass_through(upstream, replica), status_code=upstream.status_code,
                                      headers=passed)
 
+    def _forwarder(self, path: str):
+        async def forward(request: Request) -> Response:
+            return await self.forward(request, path)
+
+        return forward
+
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="kvstrata route", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
 
-        @app.post("/v1/completions")
-        async def completions(request: Request) -> Response:
-            return await self.forward(request, "/v1/completions")
-
-        @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request) -> Response:
-            return await self.forward(request, "/v1/chat/completions")
-
-        @app.get("/v1/models")
-        async def models(request: Request) -> Response:
-            return await self.forward(request, "/v1/models")
+        for method, path in FORWARDED_ROUTES:
+            app.add_api_route(path, self._forwarder(path), methods=[method])
 
         @app.get("/health")
         async def health() -> Response:

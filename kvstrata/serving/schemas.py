@@ -190,6 +190,24 @@ class DocumentRequest(_Request):
     pin: bool = True
 
 
+class TokenizeRequest(_Request):
+    """`POST /tokenize` (vLLM's): a prompt's token ids as a completion (`prompt`) or a chat
+    (`messages`, with the generation prompt) would compute them."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: _no_op_only(True) = None
+    add_generation_prompt: _no_op_only(True) = None
+
+
+class DetokenizeRequest(_Request):
+    """`POST /detokenize` (vLLM's): token ids back to text."""
+
+    model: Text | None = None
+    tokens: list[int]
+
+
 # ---------------------------------------------------------------------------------------------
 # Responses
 
@@ -347,6 +365,16 @@ class ObjectList(BaseModel, Generic[Item]):
 
 
 ModelList = ObjectList[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int  # so a client can tell whether the prompt fits (with room for the answer)
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class DocumentObject(BaseModel):
