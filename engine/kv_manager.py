@@ -121,10 +121,11 @@ class KVCacheManager:
         request into its lookup phase, then its load phase if there is a load (engine/receipt.py).
 
         Returns (blocks, num_computed_tokens, tokens per tier). The hit is capped so that at least
-        the last token is computed (its logits are needed). The blocks are ref-counted for the
-        request: pass them to `allocate_slots`, which keeps or releases them.
+        the last token is computed (its logits are needed); a request that needs its prompt's
+        logprobs has no hit (it needs every prompt token's logits). The blocks are ref-counted for
+        the request: pass them to `allocate_slots`, which keeps or releases them.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return [], 0, {t: 0 for t in TIER_NAMES}
         load = self.prefix_loads.get(request.request_id)
         if load is None:
@@ -259,7 +260,7 @@ class KVCacheManager:
         not for admitting."""
         load = self.prefix_loads.get(request.request_id)
         next_hash = None
-        if not self.enable_caching:
+        if not self.enable_caching or request.needs_prompt_logprobs:
             used: list[str] = []
         elif load is not None:
             used = load.found_in

@@ -40,6 +40,8 @@ class RequestOutput:
     finished: bool = False
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per token in `token_ids`, if the params asked for them
+    # one per prompt token after the first (the first has no context to be predicted from), if asked
+    prompt_logprobs: list[TokenLogprobs] | None = None
     receipt: CacheReceipt | None = None      # where the TTFT went (engine/receipt.py); None before the first token
     # prompt tokens found in a tier but recomputed instead, by `cache.load_policy`'s choice (measured speeds)
     recomputed_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
@@ -53,6 +55,7 @@ class RequestOutput:
                    finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason,
                    finished=r.is_finished, num_preemptions=r.num_preemptions,
                    logprobs=None if r.sampling_params.logprobs is None else list(r.output_logprobs),
+                   prompt_logprobs=None if r.sampling_params.prompt_logprobs is None else list(r.prompt_logprobs),
                    receipt=r.receipt,
                    recomputed_tokens_by_tier=dict(r.recomputed_tokens_by_tier or dict.fromkeys(by_tier, 0)))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import torch
@@ -39,6 +39,25 @@ from kvstrata.tiers.storage import format_bytes
 
 logger = logging.getLogger("kvstrata")
 LOAD_WAIT_S = 0.05  # the longest an otherwise idle step waits for a prefix load to land
+
+@dataclass
+class _PromptRows:
+    """The packed rows of a step whose logits give prompt logprobs: a row at position p of a prompt
+    predicts its token p+1."""
+
+    rows: list[int] = field(default_factory=list)
+    owners: list[tuple[Request, int]] = field(default_factory=list)  # (request, position) of each row
+
+    def add(self, request: Request, first_row: int, start: int, stop: int) -> None:
+        """The rows of `request`'s positions [start, stop), the first packed at `first_row`."""
+        for position in range(start, stop):
+            self.rows.append(first_row + position - start)
+            self.owners.append((request, position))
+
+    @property
+    def count(self) -> int:
+        return len(self.rows)
+
 
 class LLMEngine:
     def __init__(self, config: Config, loaded: LoadedModel | None = None,
@@ -267,7 +286,11 @@ class LLMEngine:
             self.kv_manager.wait_for_loads(timeout=LOAD_WAIT_S)
             return []
         started = time.perf_counter()
-        logits = self.runner.execute(self._build_step_input(out))
+        step_input, prompt_rows = self._build_step_input(out)
+        logits = self.runner.execute(step_input)
+        sampled_logits = logits[:len(logits) - prompt_rows.count]
+        if prompt_rows.count:
+            self._record_prompt_logprobs(logits[len(sampled_logits):], prompt_rows)
         self.scheduler.update_after_step(out)
         prefilled = [s.request for s in out.scheduled if s.samples and s.request.prefill_only]
         for request in prefilled:  # a document's blocks are computed: nothing to generate
@@ -276,10 +299,10 @@ class LLMEngine:
         if sampling:
             params = [r.sampling_params for r in sampling]
             prompts = [self._penalised_prompts.get(r.request_id, r.prompt_token_ids) for r in sampling]
-            adjusted = adjust_logits(logits, params, prompts, [r.output_token_ids for r in sampling],
+            adjusted = adjust_logits(sampled_logits, params, prompts, [r.output_token_ids for r in sampling],
                                      self.loaded.model_config.eos_token_ids)
             token_ids = sample(adjusted, params, [self._generators[r.request_id] for r in sampling])
-            logprobs = compute_logprobs(logits, token_ids, params)
+            logprobs = compute_logprobs(sampled_logits, token_ids, [p.logprobs for p in params])
             now = time.perf_counter()
             for request, token_id, token_logprobs in zip(sampling, token_ids.tolist(), logprobs):
                 if token_logprobs is not None:
@@ -287,7 +310,8 @@ class LLMEngine:
                 self._append_token(request, token_id, now)
         # The step's measured cost prices waiting work and caps later steps (scheduler.step_target).
         # On a GPU only a sampling step has waited for the device (`sample` reads the tokens back).
-        if sampling or self.device.type == "cpu":
+        # A step with prompt rows also ran the vocabulary projection over them: not a step the model prices.
+        if (sampling or self.device.type == "cpu") and not prompt_rows.count:
             self.scheduler.observe_step(out, time.perf_counter() - started)
         # The step computed the K/V of the blocks cached at allocation: now they can go down (the
         # transfer engine copies them in the background). A block reused before its copy is done is
@@ -295,9 +319,12 @@ class LLMEngine:
         self.hierarchy.flush_pending()
         return sampling + prefilled
 
-    def _build_step_input(self, out: SchedulerOutput) -> StepInput:
+    def _build_step_input(self, out: SchedulerOutput) -> tuple[StepInput, _PromptRows]:
+        """The step's packed input. Its logits rows: each sampling request's last new token, in
+        `out.scheduled`'s order, then the prompt rows (`_PromptRows`)."""
         bs = self.block_size
         input_ids, positions, slots, tables, seq_lens, logits_indices = [], [], [], [], [], []
+        prompt_rows = _PromptRows()
         query_start_loc = [0]
         for s in out.scheduled:
             req = s.request
@@ -309,6 +336,8 @@ class LLMEngine:
             slots.append(block_ids[pos // bs] * bs + pos % bs)
             tables.append(block_ids)
             seq_lens.append(stop)
+            if req.needs_prompt_logprobs:
+                prompt_rows.add(req, query_start_loc[-1], start, min(stop, req.num_prompt_tokens - 1))
             query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
             if s.samples and not req.prefill_only:
                 logits_indices.append(query_start_loc[-1] - 1)
@@ -316,9 +345,20 @@ class LLMEngine:
         block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
         for i, t in enumerate(tables):
             block_tables[i, :len(t)] = t
-        return StepInput(input_ids=torch.cat(input_ids), positions=torch.cat(positions),
-                         slot_mapping=torch.cat(slots), block_tables=block_tables,
-                         query_start_loc=query_start_loc, seq_lens=seq_lens, logits_indices=logits_indices)
+        step_input = StepInput(input_ids=torch.cat(input_ids), positions=torch.cat(positions),
+                               slot_mapping=torch.cat(slots), block_tables=block_tables,
+                               query_start_loc=query_start_loc, seq_lens=seq_lens,
+                               logits_indices=logits_indices + prompt_rows.rows)
+        return step_input, prompt_rows
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, prompt_rows: _PromptRows) -> None:
+        """Each prompt row's log-probability of the prompt's next token. A prompt recomputed after a
+        preemption gives rows its request already has: those are not recorded again."""
+        targets = torch.tensor([r.prompt_token_ids[p + 1] for r, p in prompt_rows.owners])
+        entries = compute_logprobs(logits, targets, [r.sampling_params.prompt_logprobs for r, _ in prompt_rows.owners])
+        for (request, position), entry in zip(prompt_rows.owners, entries):
+            if position == len(request.prompt_logprobs):
+                request.prompt_logprobs.append(entry)
 
     def _append_token(self, request: Request, token_id: int, now: float) -> None:
         if request.first_token_time is None:

@@ -43,6 +43,8 @@ class Request:
     output_text: str = ""
     # One entry per output token when the request asks for logprobs (sampling_params.logprobs).
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Entry k: prompt token k+1 given the tokens before it, when the request asks for prompt logprobs.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Tokens whose K/V are in the device cache (computed or served from a tier).
     num_computed_tokens: int = 0
@@ -78,6 +80,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for its prompt's log-probabilities and lacks some: every prompt token must be
+        computed (a cached token has no logits), so it takes no cached prefix until it has them."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def ttft_s(self) -> float | None:

@@ -36,7 +36,9 @@ class SamplingParams:
     divides the positive logits (and multiplies the negative ones) of every token in the prompt or
     generated so far. `logit_bias` adds a value from -100 to 100 to a token id's logit.
     `logprobs`: None, or how many of the most likely alternatives to report with each generated
-    token's log-probability (0: the token's own only). Log-probabilities are those of the model's
+    token's log-probability (0: the token's own only). `prompt_logprobs` (vLLM's): the same for each
+    prompt token after the first; a cached token has no logits, so such a request computes its whole
+    prompt (its blocks are still cached for others). Log-probabilities are those of the model's
     distribution before any of the above (vLLM's default, "raw" log-probabilities).
     """
 
@@ -55,6 +57,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -68,8 +71,10 @@ class SamplingParams:
         if self.seed is not None and not (_is_int(self.seed) and _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]):
             raise ValueError(f"seed must be a 64-bit signed integer (from -2**63 to 2**63 - 1) or None, "
                              f"got {self.seed!r}")
-        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer from 0 to {MAX_LOGPROBS} or None, got {value!r}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -250,23 +255,24 @@ class TokenLogprobs:
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                     params_list: Sequence[SamplingParams]) -> list[TokenLogprobs | None]:
-    """For each row of `logits [B, V]` whose params ask for logprobs: the log-probability of its
-    sampled token `token_ids[row]` and its `params.logprobs` most likely tokens; None for the others.
-    Computed from the raw logits in float32, in one batched pass over the rows that ask."""
-    assert logits.dim() == 2 and len(params_list) == logits.shape[0] == token_ids.shape[0]
-    result: list[TokenLogprobs | None] = [None] * len(params_list)
-    rows = [i for i, p in enumerate(params_list) if p.logprobs is not None]
+                     num_top: Sequence[int | None]) -> list[TokenLogprobs | None]:
+    """For each row of `logits [B, V]` with a `num_top[row]`: the log-probability of its token
+    `token_ids[row]` (sampled, or the prompt's next) and its `num_top[row]` most likely tokens; None
+    for the rows whose `num_top` is None. Computed from the raw logits in float32, in one batched pass
+    over the rows that ask."""
+    assert logits.dim() == 2 and len(num_top) == logits.shape[0] == token_ids.shape[0]
+    result: list[TokenLogprobs | None] = [None] * len(num_top)
+    rows = [i for i, k in enumerate(num_top) if k is not None]
     if not rows:
         return result
     index = torch.tensor(rows, device=logits.device)
     logprobs = logits[index].float().log_softmax(dim=-1)
-    sampled = logprobs.gather(1, token_ids[index].to(logits.device)[:, None])[:, 0].tolist()
-    num_top = max(params_list[i].logprobs for i in rows)
-    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0])
+    chosen = logprobs.gather(1, token_ids[index].to(logits.device)[:, None])[:, 0].tolist()
+    most = max(num_top[i] for i in rows)
+    top_values, top_ids = logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0])
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(rows):
-        k = params_list[i].logprobs
+        k = num_top[i]
         top = tuple((int(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k]))
-        result[i] = TokenLogprobs(int(token_ids[i]), sampled[j], top)
+        result[i] = TokenLogprobs(int(token_ids[i]), chosen[j], top)
     return result

@@ -65,7 +65,7 @@ def test_logprobs_are_the_raw_log_softmax_of_the_sampled_and_likeliest_tokens():
     params = [SamplingParams(temperature=0.7, seed=1, logprobs=2), SamplingParams(temperature=0.0),
               SamplingParams(temperature=0.0, logprobs=0)]
     token_ids = _sample_seeded(logits, params)
-    with_logprobs, without, sampled_only = compute_logprobs(logits, token_ids, params)
+    with_logprobs, without, sampled_only = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
     expected = logits.log_softmax(-1)  # before temperature, top-k and top-p (vLLM's raw logprobs)
     assert without is None
     assert with_logprobs.token_id == token_ids[0] and sampled_only.token_id == token_ids[2]
@@ -79,7 +79,7 @@ def test_logprobs_are_the_raw_log_softmax_of_the_sampled_and_likeliest_tokens():
 def test_rows_that_ask_for_no_logprobs_get_none():
     logits = _logits(2)
     params = [SamplingParams(temperature=0.0)] * 2
-    assert compute_logprobs(logits, sample(logits, params, [None, None]), params) == [None, None]
+    assert compute_logprobs(logits, sample(logits, params, [None, None]), [p.logprobs for p in params]) == [None, None]
 
 
 def test_seeded_sampling_is_reproducible():
