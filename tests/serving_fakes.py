@@ -38,7 +38,7 @@ class ByteTokenizer:
 class FakeAsyncEngine:
     """What the app uses of an AsyncEngine. Every request answers `reply(token_ids, params)` (by
     default `REPLY`) one token per output; the sampled token is the most likely one, with
-    log-probability -0.5, the next ones -1.5, -2.5, ... A request is received (queued) when its
+    log-probability -0.5, the next ones -1.5, -2.5, ...; each prompt token has log-probability -1. A request is received (queued) when its
     outputs are first read, as the real engine queues it."""
 
     REPLY = "hi!"
@@ -73,7 +73,12 @@ class FakeAsyncEngine:
             if params.logprobs is not None:
                 logprobs = [TokenLogprobs(t, -0.5, tuple(((t + i) % VOCAB, -0.5 - i) for i in range(params.logprobs)))
                             for t in reply[:n]]
+            prompt_logprobs = None
+            if params.prompt_logprobs is not None:
+                prompt_logprobs = [TokenLogprobs(t, -1.0, tuple((t, -1.0) for _ in range(params.prompt_logprobs)))
+                                   for t in token_ids[1:]]
             yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=token_ids,
+                                prompt_logprobs=prompt_logprobs,
                                 text=bytes(reply[:n - stopped]).decode(), token_ids=reply[:n], cached_tokens=0,
                                 cached_tokens_by_tier={"device": 0, "cpu": 0, "disk": 0, "remote": 0}, ttft_s=0.001,
                                 finish_reason=("length" if n == params.max_tokens and not stopped else "stop")

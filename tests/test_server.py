@@ -226,6 +226,27 @@ def test_completion_prompt_may_be_token_ids_or_a_batch_answered_in_order(client)
 
 
 @pytest.mark.slow
+def test_echo_with_logprobs_scores_a_continuation_as_evaluation_harnesses_ask(http):
+    # lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs, one token generated
+    context = http.post("/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    generated = http.post("/v1/completions", json={"prompt": context, "max_tokens": 1, "temperature": 0,
+                                                   "logprobs": 1}).json()["choices"][0]["logprobs"]
+    greedy_logprob = generated["token_logprobs"][0]
+    continuation = http.post("/tokenize", json={"prompt": generated["tokens"][0]}).json()["tokens"]
+    body = {"prompt": [context + continuation, context], "max_tokens": 1, "temperature": 0, "logprobs": 1,
+            "echo": True}
+    scored, _ = http.post("/v1/completions", json=body).json()["choices"]
+    logprobs = scored["logprobs"]
+    assert len(logprobs["tokens"]) == len(context) + len(continuation) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    # the continuation's prompt log-probability is the one it had when generated after the context
+    assert len(continuation) == 1
+    assert logprobs["token_logprobs"][len(context)] == pytest.approx(greedy_logprob, abs=1e-3)
+    assert max(logprobs["top_logprobs"][len(context)].values()) == pytest.approx(greedy_logprob, abs=1e-3)
+    assert scored["text"].startswith("The capital of France is")
+
+
+@pytest.mark.slow
 def test_n_choices_share_the_prompt_computed_once_and_a_seed_makes_them_reproducible(client):
     prompt = f"Story {uuid.uuid4().hex}: once upon a time, in a village by the sea, there lived"
     ask = dict(model="smollm2-135m-instruct", prompt=prompt, max_tokens=12, temperature=1.0, n=3, seed=11)

@@ -115,7 +115,7 @@ def test_streamed_body_without_a_length_is_counted_and_refused_with_413():
 
 
 BAD_FIELDS = [
-    ("/v1/completions", "best_of", 2), ("/v1/completions", "echo", True), ("/v1/completions", "suffix", "end"),
+    ("/v1/completions", "best_of", 2), ("/v1/completions", "echo", 3), ("/v1/completions", "suffix", "end"),
     ("/v1/completions", "n", 0), ("/v1/completions", "n", 129), ("/v1/chat/completions", "n", 1.5),
     ("/v1/completions", "presence_penalty", 2.5),
     ("/v1/completions", "frequency_penalty", -3), ("/v1/completions", "repetition_penalty", 0),
@@ -309,6 +309,33 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
     assert all(c["usage"]["prompt_tokens"] == 4 for c in chunks)
     plain = sse_chunks(run(post(fake_app(), "/v1/completions", {**body, "stream_options": {"include_usage": True}})))
     assert ["usage" in c for c in plain] == [False, False, False, True]
+
+
+def test_echo_puts_the_prompt_before_the_answer_with_its_tokens_logprobs_first_unscored():
+    plain = run(post(fake_app(), "/v1/completions", {"prompt": "ab", "echo": True})).json()["choices"][0]
+    assert plain["text"] == "abhi!" and plain["logprobs"] is None
+    by_ids = run(post(fake_app(), "/v1/completions", {"prompt": [ord("a"), ord("b")], "echo": True})).json()
+    assert by_ids["choices"][0]["text"] == "abhi!"
+    engine = FakeAsyncEngine()
+    scored = run(post(fake_app(engine), "/v1/completions", {"prompt": "ab", "echo": True, "logprobs": 1})).json()
+    assert engine.received[0][1].prompt_logprobs == 1  # the prompt's logprobs were asked of the engine
+    logprobs = scored["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["a", "b", "h", "i", "!"] and logprobs["text_offset"] == [0, 1, 2, 3, 4]
+    assert logprobs["token_logprobs"] == [None, -1.0, -0.5, -0.5, -0.5]
+    assert logprobs["top_logprobs"][:2] == [None, {"b": -1.0}]
+    assert scored["usage"]["prompt_tokens"] == 2 and scored["usage"]["completion_tokens"] == 3
+
+
+def test_a_streamed_echo_repeats_each_prompt_in_the_first_chunk_of_its_choices():
+    body = {"prompt": ["ab", "c"], "n": 2, "echo": True, "logprobs": 0, "stream": True}
+    chunks = sse_chunks(run(post(fake_app(), "/v1/completions", body)))
+    texts, tokens = {}, {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        tokens[choice["index"]] = tokens.get(choice["index"], []) + choice["logprobs"]["tokens"]
+    assert texts == {0: "abhi!", 1: "abhi!", 2: "chi!", 3: "chi!"}
+    assert tokens[0] == ["a", "b", "h", "i", "!"] and tokens[2] == ["c", "h", "i", "!"]
 
 
 # ---------------------------------------------------------------------------------------------

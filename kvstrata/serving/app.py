@@ -39,9 +39,10 @@ from kvstrata.serving.errors import APIError, install_error_handlers, service_un
 from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving.middleware import APIKeyCheck, BodySizeLimit, DrainState, RequestGate
 from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events, chat_logprobs, choice_receipt,
-                                        completion_events, completion_logprobs, last_outputs, response_receipt,
-                                        token_texts, usage)
+                                        completion_events, last_outputs, output_completion_logprobs,
+                                        response_receipt, token_texts, usage)
 from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                      ChatLogprobs,
                                       CompletionChoice, CompletionRequest, CompletionResponse, DocumentDeleted,
                                       DetokenizeRequest, DetokenizeResponse, DocumentList, DocumentObject,
                                       DocumentRequest, ModelCard, ModelList, SamplingRequest, TokenizeRequest,
@@ -93,7 +94,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
                            param="model", code="model_not_found")
 
     def sampling_params(body: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                        field_names: dict[str, str]) -> SamplingParams:
+                        field_names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=_given(body.temperature, 1.0),
                                   top_p=_given(body.top_p, 1.0), top_k=_given(body.top_k, -1),
@@ -103,7 +104,8 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
                                   presence_penalty=_given(body.presence_penalty, 0.0),
                                   frequency_penalty=_given(body.frequency_penalty, 0.0),
                                   repetition_penalty=_given(body.repetition_penalty, 1.0),
-                                  logit_bias=_given(body.logit_bias, {}), logprobs=logprobs)
+                                  logit_bias=_given(body.logit_bias, {}), logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs)
         except ValueError as exc:
             raise _bad_request(exc, field_names) from None
 
@@ -149,11 +151,11 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
             return Response(status_code=499)  # nobody is listening: the requests were aborted
         return await whole(finals)
 
-    async def shaped_logprobs(final: RequestOutput, shape: Callable[[list, dict[int, str]], Any]) -> Any:
-        """The output's logprobs in a response's shape, or None when the request asked for none."""
+    async def chat_choice_logprobs(final: RequestOutput) -> ChatLogprobs | None:
+        """The output's logprobs in the chat shape, or None when the request asked for none."""
         if final.logprobs is None:
             return None
-        return shape(final.logprobs, await token_texts(tokenizers, final.logprobs))
+        return chat_logprobs(final.logprobs, await token_texts(tokenizers, final.logprobs))
 
     @app.get("/health")
     async def health() -> dict:
@@ -176,19 +178,30 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         check_model(body.model)
         prompts = await asyncio.gather(*(completion_prompt(p) for p in body.prompt))
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = sampling_params(body, max_tokens, body.logprobs, {})
+        # echo with logprobs reports the prompt's tokens' too (vLLM's prompt_logprobs)
+        prompt_logprobs = body.logprobs if body.echo else None
+        params = sampling_params(body, max_tokens, body.logprobs, {}, prompt_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = start(prompts, params, request_id, body)
         settings = stream_settings(body, request_id, body.logprobs is not None)
+        n = body.choices_per_prompt
+        if body.echo:
+            settings.echoes = [text if text is not None else await tokenizers.run(decode_known_ids, token_ids)
+                               for text, token_ids in prompts]
 
         async def whole(finals: list[RequestOutput]) -> CompletionResponse:
-            choices = [CompletionChoice(index=i, text=final.text,
-                                        logprobs=await shaped_logprobs(final, completion_logprobs),
-                                        finish_reason=final.finish_reason, stop_reason=final.stop_reason,
-                                        kvstrata=choice_receipt(final, finals))
-                       for i, final in enumerate(finals)]
+            choices = []
+            for i, final in enumerate(finals):
+                echo = settings.echoes[i // n] if settings.echoes else ""
+                logprobs = None
+                if final.logprobs is not None:
+                    logprobs = await output_completion_logprobs(tokenizers, final, final.logprobs, len(echo),
+                                                                bool(echo))
+                choices.append(CompletionChoice(index=i, text=echo + final.text, logprobs=logprobs,
+                                                finish_reason=final.finish_reason, stop_reason=final.stop_reason,
+                                                kvstrata=choice_receipt(final, finals)))
             return CompletionResponse(id=request_id, created=int(time.time()), model=model_id, choices=choices,
-                                      usage=usage(finals, body.choices_per_prompt), kvstrata=response_receipt(finals))
+                                      usage=usage(finals, n), kvstrata=response_receipt(finals))
 
         return await respond(request, body, streams, lambda: completion_events(streams, settings), whole)
 
@@ -218,7 +231,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
 
         async def whole(finals: list[RequestOutput]) -> ChatCompletionResponse:
             choices = [ChatChoice(index=i, message=AssistantMessage(content=final.text),
-                                  logprobs=await shaped_logprobs(final, chat_logprobs),
+                                  logprobs=await chat_choice_logprobs(final),
                                   finish_reason=final.finish_reason, stop_reason=final.stop_reason,
                                   kvstrata=choice_receipt(final, finals))
                        for i, final in enumerate(finals)]

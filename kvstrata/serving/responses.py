@@ -125,9 +125,10 @@ def _decode_each(tokenizer, token_ids: Sequence[int]) -> dict[int, str]:
     return {token_id: tokenizer.decode([token_id]) for token_id in token_ids}
 
 
-async def token_texts(tokenizers: TokenizerPool, entries: Sequence[TokenLogprobs]) -> dict[int, str]:
-    """The text of every token named in `entries` (sampled and alternatives), each decoded alone."""
-    token_ids = {e.token_id for e in entries} | {t for e in entries for t, _ in e.top}
+async def token_texts(tokenizers: TokenizerPool, entries: Sequence[TokenLogprobs], *more_ids: int) -> dict[int, str]:
+    """The text of every token named in `entries` (sampled and alternatives) and of `more_ids`, each
+    decoded alone."""
+    token_ids = {e.token_id for e in entries} | {t for e in entries for t, _ in e.top} | set(more_ids)
     return await tokenizers.run(_decode_each, sorted(token_ids)) if token_ids else {}
 
 
@@ -135,17 +136,36 @@ def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def completion_logprobs(entries: Sequence[TokenLogprobs], texts: dict[int, str],
-                        text_offset: int = 0) -> CompletionLogprobs:
-    """The legacy shape. `text_offset`: where the first of `entries` starts in the generated text."""
-    tokens, offsets = [], []
+def completion_logprobs(entries: Sequence[TokenLogprobs], texts: dict[int, str], text_offset: int = 0,
+                        unscored_first: int | None = None) -> CompletionLogprobs:
+    """The legacy shape. `text_offset`: where the first token starts in the text. `unscored_first`:
+    a token before `entries` that has no log-probability (a prompt's first: nothing predicts it)."""
+    tokens, offsets, token_logprobs, top = [], [], [], []
+    if unscored_first is not None:
+        tokens.append(texts[unscored_first])
+        offsets.append(text_offset)
+        token_logprobs.append(None)
+        top.append(None)
+        text_offset += len(tokens[-1])
     for entry in entries:
         tokens.append(texts[entry.token_id])
         offsets.append(text_offset)
         text_offset += len(tokens[-1])
-    top = [{texts[t]: _logprob(v) for t, v in (*e.top, (e.token_id, e.logprob))} for e in entries]
-    return CompletionLogprobs(tokens=tokens, token_logprobs=[_logprob(e.logprob) for e in entries],
-                              top_logprobs=top, text_offset=offsets)
+        token_logprobs.append(_logprob(entry.logprob))
+        top.append({texts[t]: _logprob(v) for t, v in (*entry.top, (entry.token_id, entry.logprob))})
+    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
+
+
+async def output_completion_logprobs(tokenizers: TokenizerPool, output: RequestOutput,
+                                     entries: Sequence[TokenLogprobs], text_offset: int,
+                                     with_prompt: bool) -> CompletionLogprobs:
+    """`entries` of `output`'s tokens in the legacy shape, from `text_offset` in the text; with the
+    prompt's tokens before them when the prompt is echoed (from offset 0)."""
+    first = None
+    if with_prompt:
+        first, entries, text_offset = output.prompt_token_ids[0], [*output.prompt_logprobs, *entries], 0
+    texts = await token_texts(tokenizers, entries, *([] if first is None else [first]))
+    return completion_logprobs(entries, texts, text_offset, first)
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobs], texts: dict[int, str]) -> ChatLogprobs:
@@ -173,6 +193,7 @@ class StreamSettings:
     logprobs: bool               # each chunk carries the log-probabilities of its tokens
     tokenizers: TokenizerPool
     choices_per_prompt: int = 1  # the request's n: choice k*n + i is prompt k's i-th
+    echoes: list[str] | None = None  # each prompt's text, which its choices' first chunk repeats (echo)
 
 
 class SSEResponse(StreamingResponse):
@@ -242,16 +263,18 @@ async def completion_events(streams: Sequence[AsyncIterator[RequestOutput]],
     async with contextlib.aclosing(_choice_deltas(streams)) as deltas:
         try:
             async for index, delta in deltas:
+                echo = "" if settings.echoes is None else settings.echoes[index // settings.choices_per_prompt]
+                echo_now = echo if echo and index not in latest else ""  # the choice's first chunk repeats it
                 output = latest[index] = delta.output
                 logprobs = None
-                if settings.logprobs and delta.logprobs:
-                    texts = await token_texts(settings.tokenizers, delta.logprobs)
-                    logprobs = completion_logprobs(delta.logprobs, texts, delta.text_offset)
-                choice = CompletionChoice(index=index, text=delta.text, logprobs=logprobs,
+                if settings.logprobs and (delta.logprobs or echo_now):
+                    logprobs = await output_completion_logprobs(settings.tokenizers, output, delta.logprobs or [],
+                                                                len(echo) + delta.text_offset, bool(echo_now))
+                choice = CompletionChoice(index=index, text=echo_now + delta.text, logprobs=logprobs,
                                           finish_reason=output.finish_reason, stop_reason=output.stop_reason)
                 if output.finished:
                     yield _sse(chunk([choice], [output], kvstrata=kvstrata_info(output)))
-                elif delta.text or logprobs is not None:
+                elif choice.text or logprobs is not None:
                     yield _sse(chunk([choice], [output]))
             if settings.include_usage:
                 yield _sse(_usage_chunk(chunk, latest, settings))

@@ -112,7 +112,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Any
     logprobs: int | None = None  # how many alternatives to report with each token's log-probability
     best_of: _no_op_only(1) = None
-    echo: _no_op_only(False) = None
+    echo: bool | None = None  # the prompt's text (and, with logprobs, its tokens' log-probabilities) first
     suffix: _no_op_only("") = None
 
     @field_validator("prompt")
@@ -246,8 +246,8 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions shape: parallel lists, one entry per generated token."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]  # the most likely tokens and the sampled one, by text
+    token_logprobs: list[float | None]          # None: an echoed prompt's first token (nothing predicts it)
+    top_logprobs: list[dict[str, float] | None]  # the most likely tokens and the chosen one, by text
     text_offset: list[int]                # where each token starts in the generated text
 
 
