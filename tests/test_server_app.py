@@ -352,7 +352,7 @@ def test_tokenize_gives_the_ids_a_completion_or_a_chat_would_compute_and_the_con
 
 
 @pytest.mark.parametrize("path,body,param", [
-    ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "x", **CHAT}, "prompt"),
+    ("/tokenize", {}, "messages"), ("/tokenize", {"prompt": "x", **CHAT}, "messages"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
     ("/tokenize", {"prompt": "x", "model": "gpt-4"}, "model"),
     ("/detokenize", {"tokens": [104, 256]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),

@@ -42,7 +42,7 @@ from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events
                                         completion_events, last_outputs, output_completion_logprobs,
                                         response_receipt, token_texts, usage)
 from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                      ChatLogprobs,
+                                      ChatLogprobs, ChatMessage,
                                       CompletionChoice, CompletionRequest, CompletionResponse, DocumentDeleted,
                                       DetokenizeRequest, DetokenizeResponse, DocumentList, DocumentObject,
                                       DocumentRequest, ModelCard, ModelList, SamplingRequest, TokenizeRequest,
@@ -114,6 +114,14 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
             return await tokenizers.run(render, what)
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
+
+    async def messages_or_prompt(body: TokenizeRequest | DocumentRequest, render_messages, render_prompt, what: str):
+        """The body's `messages` or `prompt` (exactly one of them) rendered on a tokenizer thread."""
+        if (body.messages is None) == (body.prompt is None):
+            raise APIError(400, f"give {what} as `messages` or as `prompt` (one of them)", param="messages")
+        if body.messages is not None:
+            return await tokenize(render_messages, _message_dicts(body.messages), "messages")
+        return await tokenize(render_prompt, body.prompt, "prompt")
 
     def start(prompts: list[tuple[str | None, list[int]]], params: SamplingParams, request_id: str,
               body: SamplingRequest) -> list[AsyncIterator[RequestOutput]]:
@@ -215,8 +223,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        token_ids = await tokenize(render_chat, messages, "messages")
+        token_ids = await tokenize(render_chat, _message_dicts(body.messages), "messages")
         max_tokens, max_tokens_field = body.max_tokens, "max_tokens"
         if body.max_completion_tokens is not None:
             max_tokens, max_tokens_field = body.max_completion_tokens, "max_completion_tokens"
@@ -244,13 +251,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize_prompt(body: TokenizeRequest) -> TokenizeResponse:
         check_model(body.model)
-        if (body.messages is None) == (body.prompt is None):
-            raise APIError(400, "give `prompt` or `messages` (one of them)", param="prompt")
-        if body.messages is not None:
-            token_ids = await tokenize(render_chat, [{"role": m.role, "content": m.content} for m in body.messages],
-                                       "messages")
-        else:
-            token_ids = await tokenize(tokenize_text, body.prompt, "prompt")
+        token_ids = await messages_or_prompt(body, render_chat, tokenize_text, "the prompt")
         return TokenizeResponse(count=len(token_ids), max_model_len=max_model_len, tokens=token_ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
@@ -261,13 +262,8 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
     @app.post("/v1/cache/documents", response_model=DocumentObject)
     async def cache_document(body: DocumentRequest) -> DocumentObject:
         check_model(body.model)
-        if (body.messages is None) == (body.prompt is None):
-            raise APIError(400, "give the document as `messages` or as `prompt` (one of them)", param="messages")
-        if body.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in body.messages]
-            document = await tokenize(lambda tok, m: render_document(tok, messages=m), messages, "messages")
-        else:
-            document = await tokenize(lambda tok, p: render_document(tok, prompt=p), body.prompt, "prompt")
+        document = await messages_or_prompt(body, lambda tok, m: render_document(tok, messages=m),
+                                            lambda tok, p: render_document(tok, prompt=p), "the document")
         try:
             return DocumentObject(**asdict(await engine.cache_document(document, body.cache_salt, body.pin)))
         except PinLimitError as exc:
@@ -291,6 +287,10 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         return DocumentDeleted(id=document_id)
 
     return app
+
+
+def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 def decode_known_ids(tokenizer, token_ids: list[int]) -> str:
