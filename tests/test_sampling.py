@@ -199,6 +199,33 @@ def test_repetition_penalty_shrinks_the_logits_of_tokens_in_the_prompt_or_the_ou
     assert row.tolist() == [1.0, -4.0, 2.0, -4.0, 2.0]  # positive ones divided, negative ones multiplied
 
 
+def _penalised_by_hand(row: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
+    """The penalties of one row, token by token, as the README states them."""
+    out = []
+    for token, value in enumerate(row):
+        if token in prompt or token in output:
+            value = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+        count = output.count(token)
+        out.append(value - params.frequency_penalty * count - params.presence_penalty * (count > 0))
+    return out
+
+
+def test_penalties_of_a_batch_are_each_rows_own_whatever_the_other_rows_ask():
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 12, generator=generator)
+    params = [SamplingParams(repetition_penalty=1.5), SamplingParams(frequency_penalty=0.5, presence_penalty=-0.3),
+              SamplingParams(), SamplingParams(repetition_penalty=0.8, frequency_penalty=1.0, presence_penalty=0.2),
+              SamplingParams(presence_penalty=1.0)]
+    prompts = [[1, 2, 2], [3], [4, 5], [0, 11, 6], []]
+    outputs = [[7, 7], [8, 8, 8, 1], [9], [], [11, 2, 11]]
+    batch = adjust_logits(logits, params, prompts, outputs, EOS)
+    for i in range(5):
+        alone = adjust_logits(logits[i:i + 1], params[i:i + 1], prompts[i:i + 1], outputs[i:i + 1], EOS)[0]
+        assert torch.equal(batch[i], alone)
+        assert batch[i].tolist() == pytest.approx(_penalised_by_hand(logits[i].tolist(), params[i], prompts[i],
+                                                                     outputs[i]), abs=1e-6)
+
+
 def test_adjusting_leaves_the_logits_the_log_probabilities_come_from():
     logits = _logits(1)
     before = logits.clone()
