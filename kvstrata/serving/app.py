@@ -200,11 +200,11 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         async def whole(finals: list[RequestOutput]) -> CompletionResponse:
             choices = []
             for i, final in enumerate(finals):
-                echo = settings.echoes[i // n] if settings.echoes else ""
+                echo = settings.echoes[i // n] if settings.echoes is not None else ""
                 logprobs = None
                 if final.logprobs is not None:
                     logprobs = await output_completion_logprobs(tokenizers, final, final.logprobs, len(echo),
-                                                                bool(echo))
+                                                                settings.echoes is not None)
                 choices.append(CompletionChoice(index=i, text=echo + final.text, logprobs=logprobs,
                                                 finish_reason=final.finish_reason, stop_reason=final.stop_reason,
                                                 kvstrata=choice_receipt(final, finals)))

@@ -1,7 +1,9 @@
 """Engine outputs as OpenAI responses: whole answers, server-sent event streams, usage, logprobs.
 
 A stream sends what each new engine output adds: the text only ever grows, so a delta is a suffix,
-and the log-probabilities of the tokens generated since the last event go with it. Token ids become
+and the log-probabilities of the tokens generated since the last event go with it. Each choice of a
+response (`n`, a batch of prompts) is an engine request of its own; their outputs are read together
+(`interleaved`), and a response ends, or is aborted, with all of them. Token ids become
 text on the tokenizer threads (`TokenizerPool`), never on the event loop.
 """
 from __future__ import annotations
@@ -264,14 +266,15 @@ async def completion_events(streams: Sequence[AsyncIterator[RequestOutput]],
         try:
             async for index, delta in deltas:
                 echo = "" if settings.echoes is None else settings.echoes[index // settings.choices_per_prompt]
-                echo_now = echo if echo and index not in latest else ""  # the choice's first chunk repeats it
+                echo_now = settings.echoes is not None and index not in latest  # a choice's first chunk repeats it
                 output = latest[index] = delta.output
                 logprobs = None
                 if settings.logprobs and (delta.logprobs or echo_now):
                     logprobs = await output_completion_logprobs(settings.tokenizers, output, delta.logprobs or [],
-                                                                len(echo) + delta.text_offset, bool(echo_now))
-                choice = CompletionChoice(index=index, text=echo_now + delta.text, logprobs=logprobs,
-                                          finish_reason=output.finish_reason, stop_reason=output.stop_reason)
+                                                                len(echo) + delta.text_offset, echo_now)
+                text = (echo if echo_now else "") + delta.text
+                choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=output.finish_reason,
+                                          stop_reason=output.stop_reason)
                 if output.finished:
                     yield _sse(chunk([choice], [output], kvstrata=kvstrata_info(output)))
                 elif choice.text or logprobs is not None:
