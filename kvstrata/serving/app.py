@@ -3,7 +3,8 @@
     POST /v1/completions        prompt (text or token ids) -> text; `stream: true` for server-sent events
     POST /v1/chat/completions   messages -> reply, through the model's chat template; streams the same way
     GET  /v1/models             the one model served
-    POST /tokenize, /detokenize vLLM's: a prompt's (or chat's) token ids, their count and the context length; ids to text
+    POST /tokenize              vLLM's: a prompt's (or chat's) token ids, their count and the context length
+    POST /detokenize            vLLM's: token ids to text
     GET  /health                200 while the engine runs and the server is not draining
     GET  /metrics               Prometheus text: prefix-cache hits per tier, TTFT, tier usage, moves
     POST /v1/cache/documents    messages or prompt -> its blocks computed and stored (pinned unless `pin: false`)
