@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from kvstrata.engine.costs import ReadCost, StepCost
 from kvstrata.engine.hashing import BlockHasher
 from kvstrata.engine.load_policy import LOAD_POLICIES, LoadPlan, choose_plan, recomputed_by_tier
+from kvstrata.engine.prompt_logprobs import PromptLogprobCache
 from kvstrata.engine.request import Request
 from kvstrata.tiers.base import TIER_NAMES
 from kvstrata.tiers.block_pool import KVCacheBlock
@@ -68,7 +69,8 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, hierarchy: TierHierarchy, hasher: BlockHasher, block_size: int,
-                 enable_caching: bool = True, load_policy: str = "auto"):
+                 enable_caching: bool = True, load_policy: str = "auto",
+                 prompt_logprobs: PromptLogprobCache | None = None):
         if load_policy not in LOAD_POLICIES:
             raise ValueError(f"cache.load_policy: unknown policy {load_policy!r} (use one of {', '.join(LOAD_POLICIES)})")
         self.load_policy = load_policy
@@ -90,6 +92,9 @@ class KVCacheManager:
         # request_id -> the tail of its prefix, loading while the request computes the head before it.
         self.tails: dict[str, Tail] = {}
         self.prefix_stats = PrefixCacheStats()
+        # Prompt log-probabilities by block: a request asking for them may use a cached prefix only as
+        # far as their entries are known (engine/prompt_logprobs.py).
+        self.prompt_logprobs = PromptLogprobCache(0, block_size) if prompt_logprobs is None else prompt_logprobs
         # Measured speeds (engine/costs.py): each lower tier's loads, and the engine's steps (reported
         # through the scheduler, which prices waiting work with the same estimates).
         block_nbytes = hierarchy.kv_cache[0].numel() * hierarchy.kv_cache.element_size()
@@ -121,11 +126,11 @@ class KVCacheManager:
         request into its lookup phase, then its load phase if there is a load (engine/receipt.py).
 
         Returns (blocks, num_computed_tokens, tokens per tier). The hit is capped so that at least
-        the last token is computed (its logits are needed); a request that needs its prompt's
-        logprobs has no hit (it needs every prompt token's logits). The blocks are ref-counted for
+        the last token is computed (its logits are needed), and, for a request asking for its
+        prompt's logprobs, where its entries stop (`_prefix_hashes`). The blocks are ref-counted for
         the request: pass them to `allocate_slots`, which keeps or releases them.
         """
-        if not self.enable_caching or request.needs_prompt_logprobs:
+        if not self.enable_caching:
             return [], 0, {t: 0 for t in TIER_NAMES}
         load = self.prefix_loads.get(request.request_id)
         if load is None:
@@ -219,9 +224,15 @@ class KVCacheManager:
         return self.pool.num_free_blocks - free_hits >= below + rest
 
     def _prefix_hashes(self, request: Request) -> list[bytes]:
-        """The hashes of the blocks that may hit: full blocks before the last token (whose logits are needed)."""
+        """The hashes of the blocks that may hit: full blocks before the last token (whose logits are
+        needed); for a request asking for its prompt's logprobs, only as far as it has their entries
+        (taken from the cache of them first), since cached K/V carry no logits."""
         self._update_hashes(request)
-        return request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        if request.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(request)
+            num_blocks = min(num_blocks, len(request.prompt_logprobs) // self.block_size)
+        return request.block_hashes[:num_blocks]
 
     def _choose_plan(self, request: Request, found_in: list[str]) -> LoadPlan:
         """What of the found prefix to use, load and recompute (`cache.load_policy`, engine/load_policy.py)."""
@@ -260,7 +271,7 @@ class KVCacheManager:
         not for admitting."""
         load = self.prefix_loads.get(request.request_id)
         next_hash = None
-        if not self.enable_caching or request.needs_prompt_logprobs:
+        if not self.enable_caching:
             used: list[str] = []
         elif load is not None:
             used = load.found_in

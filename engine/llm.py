@@ -55,9 +55,16 @@ class RequestOutput:
                    finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason,
                    finished=r.is_finished, num_preemptions=r.num_preemptions,
                    logprobs=None if r.sampling_params.logprobs is None else list(r.output_logprobs),
-                   prompt_logprobs=None if r.sampling_params.prompt_logprobs is None else list(r.prompt_logprobs),
+                   prompt_logprobs=_prompt_logprobs(r),
                    receipt=r.receipt,
                    recomputed_tokens_by_tier=dict(r.recomputed_tokens_by_tier or dict.fromkeys(by_tier, 0)))
+
+
+def _prompt_logprobs(r: Request) -> list[TokenLogprobs] | None:
+    """The request's prompt entries with as many alternatives as it asked for (they are computed, and
+    kept by block, with every alternative any request may ask for)."""
+    k = r.sampling_params.prompt_logprobs
+    return None if k is None else [TokenLogprobs(e.token_id, e.logprob, e.top[:k]) for e in r.prompt_logprobs]
 
 
 class LLM:

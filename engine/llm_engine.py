@@ -22,10 +22,12 @@ from kvstrata.engine.hashing import BlockHasher
 from kvstrata.engine.kv_manager import KVCacheManager
 from kvstrata.engine.model_loader import LoadedModel, load_model, resolve_model
 from kvstrata.engine.model_runner import ModelRunner, StepInput
+from kvstrata.engine.prompt_logprobs import PromptLogprobCache
 from kvstrata.engine.prompts import (RenderedDocument, document_prefix_messages, render_chat, render_document,
                                     tokenize_text)
 from kvstrata.engine.request import Request, RequestStatus
-from kvstrata.engine.sampling import SamplingParams, adjust_logits, compute_logprobs, make_generator, sample
+from kvstrata.engine.sampling import (MAX_LOGPROBS, SamplingParams, adjust_logits, compute_logprobs, make_generator,
+                                      sample)
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
 from kvstrata.kernels import get_ops, resolve_backend
 from kvstrata.tiers.base import BlockLayout
@@ -39,6 +41,11 @@ from kvstrata.tiers.storage import format_bytes
 
 logger = logging.getLogger("kvstrata")
 LOAD_WAIT_S = 0.05  # the longest an otherwise idle step waits for a prefix load to land
+
+# Blocks of prompt log-probabilities kept (engine/prompt_logprobs.py; about 2.7 KB each): enough for
+# what the device and the tiers below it hold of the documents being scored, within a bound.
+PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK = 4
+MAX_PROMPT_LOGPROB_BLOCKS = 16384
 
 @dataclass
 class _PromptRows:
@@ -82,8 +89,11 @@ class LLMEngine:
             logger.warning("kvstrata: %s", self.device_capacity_warning)
         hasher = BlockHasher.for_model(mc.identity, self.dtype_name, cache.block_size, cache.hash,
                                        batch_invariant=config.model.batch_invariant)
+        logprob_blocks = min(PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK * self.hierarchy.pool.num_blocks,
+                             MAX_PROMPT_LOGPROB_BLOCKS)
         self.kv_manager = KVCacheManager(self.hierarchy, hasher, cache.block_size,
-                                         enable_caching=cache.enable_prefix_caching, load_policy=cache.load_policy)
+                                         enable_caching=cache.enable_prefix_caching, load_policy=cache.load_policy,
+                                         prompt_logprobs=PromptLogprobCache(logprob_blocks, cache.block_size))
         self.kv_manager.probe_lower_tiers()  # seeds the load policy's read costs before any request
         self.documents = DocumentRegistry(self.hierarchy, hasher, cache.block_size, cache.pin_share)
         sc = config.scheduler
@@ -352,13 +362,17 @@ class LLMEngine:
         return step_input, prompt_rows
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, prompt_rows: _PromptRows) -> None:
-        """Each prompt row's log-probability of the prompt's next token. A prompt recomputed after a
-        preemption gives rows its request already has: those are not recorded again."""
+        """Each prompt row's log-probability of the prompt's next token, with every alternative a
+        request may ask for (the entries are kept by block for later requests: a request's outputs
+        show its own number). A row its request already has an entry for (a prompt recomputed after
+        a preemption, or one whose next block came from the cache) is not recorded again."""
         targets = torch.tensor([r.prompt_token_ids[p + 1] for r, p in prompt_rows.owners])
-        entries = compute_logprobs(logits, targets, [r.sampling_params.prompt_logprobs for r, _ in prompt_rows.owners])
+        entries = compute_logprobs(logits, targets, [MAX_LOGPROBS] * len(targets))
         for (request, position), entry in zip(prompt_rows.owners, entries):
             if position == len(request.prompt_logprobs):
                 request.prompt_logprobs.append(entry)
+        for request in {id(r): r for r, _ in prompt_rows.owners}.values():
+            self.kv_manager.prompt_logprobs.store(request)
 
     def _append_token(self, request: Request, token_id: int, now: float) -> None:
         if request.first_token_time is None:
@@ -420,6 +434,8 @@ class LLMEngine:
           loaded (gone, corrupt, a fault); the request recomputed from there.
         - `write_downs[tier]`: blocks handed down to each lower tier.
         - `device_evictions`: cached device blocks whose slot was reused.
+        - `prompt_logprob_cache`: blocks of prompt log-probabilities kept, and blocks of them given to
+          requests asking for their prompt's (which then skip computing those blocks when cached).
         """
         if self._final_stats is not None:
             return self._final_stats
@@ -439,6 +455,8 @@ class LLMEngine:
             "promotion_failures": counters["promotion_failures"],
             "write_downs": counters["write_downs"],
             "device_evictions": counters["device_evictions"],
+            "prompt_logprob_cache": {"blocks": len(self.kv_manager.prompt_logprobs),
+                                     "blocks_served": self.kv_manager.prompt_logprobs.blocks_served},
             "corrupt": {name: s.get("corrupt", 0) for name, s in tiers.items()},
             "block_bytes": self.layout.block_nbytes,
             "model": self.config.model.name,

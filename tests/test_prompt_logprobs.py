@@ -75,3 +75,27 @@ def test_chunked_and_preempted_prompts_give_each_position_once_and_the_same(embe
         assert [e.token_id for e in b.prompt_logprobs] == a.prompt_token_ids[1:]
         assert [e.logprob for e in b.prompt_logprobs] == pytest.approx([e.logprob for e in a.prompt_logprobs],
                                                                        abs=1e-3)
+
+
+def test_a_scored_prefix_is_not_recomputed_to_score_what_follows_it(embedded_model_fp32, tmp_path):
+    # lm-evaluation-harness's multiple choice on a document: the same context, scored with each answer
+    context = "Document: " + PROMPT * 3 + "Question: When did the library open? Answer:"
+    answers = [" In 1921.", " In 1987.", " It has not opened."]
+    with LLM(engine_config(tmp_path), loaded_model=embedded_model_fp32) as llm:
+        scored = [llm.generate(context + a, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k))[0]
+                  for a, k in zip(answers, (2, 2, 5))]
+        stats = llm.stats()["prompt_logprob_cache"]
+    full_blocks = (len(scored[0].prompt_token_ids) - 1) // 16
+    assert scored[0].cached_tokens == 0
+    for out in scored[1:]:
+        # every block of the shared context but its last, whose last position predicts the first token after it
+        assert out.cached_tokens >= (full_blocks - 3) * 16 and out.cached_tokens_by_tier["device"] == out.cached_tokens
+    assert stats["blocks_served"] >= 2 * (full_blocks - 3) and stats["blocks"] >= full_blocks
+    for out, k in zip(scored, (2, 2, 5)):
+        ids = out.prompt_token_ids
+        expected = reference_logprobs(embedded_model_fp32, ids)
+        assert [e.token_id for e in out.prompt_logprobs] == ids[1:]
+        assert [e.logprob for e in out.prompt_logprobs] == pytest.approx(
+            expected[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist(), abs=1e-3)
+        assert all(len(e.top) == k for e in out.prompt_logprobs)
+        assert [t for t, _ in out.prompt_logprobs[-1].top] == expected[-1].topk(k).indices.tolist()

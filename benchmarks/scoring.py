@@ -1,0 +1,173 @@
+"""Scoring answers on long documents: each answer's log-likelihood given the document and question.
+
+This is how evaluation harnesses (lm-evaluation-harness's multiple choice) use an engine: one
+request per answer, `prompt` = context + answer as token ids, the prompt's log-probabilities asked
+(`echo` with `logprobs` over HTTP; `SamplingParams(prompt_logprobs=...)` here), one token generated.
+The context (a document and a question) is the same for every answer of a question, and the
+document for every question on it.
+
+Two engines on the same requests, one after the other, sharing one loaded model:
+
+- `recompute`: prompt log-probabilities from computing every prompt token, as vLLM does (a cached
+  block's K/V carry no logits, so vLLM turns prefix caching off for such a request): kvstrata with
+  its cache of prompt log-probabilities emptied (capacity 0);
+- `cached`: kvstrata as it runs: the entries of blocks scored before come from its cache of them
+  (engine/prompt_logprobs.py), and their K/V from the tiers, so an answer computes only what follows
+  the shared context's last full block but one.
+
+Reported: the time per request for the first answer to a document's first question (nothing
+cached), and for the other answers; the ratio recompute / cached; and whether both engines gave the
+same scores (the answers' summed log-probabilities within 1e-3, the same best answer).
+
+    python benchmarks/scoring.py [--docs 2] [--questions 2] [--doc-tokens 1500] [--set key=value ...]
+
+Writes `<out-dir>/scoring.json` and `scoring.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.ttft_pressure import DEFAULT_DATA, command_line, load, save_result  # noqa: E402
+from benchmarks.ttft_workload import cut_document, load_document, load_questions  # noqa: E402
+
+ANSWERS = (" It runs once the loop ends without a break.", " It is never executed.",
+           " Only when an exception is raised.", " It depends on the interpreter.")
+CONFIGURATIONS = ("recompute", "cached")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "default.yaml"))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--docs", type=int, default=2)
+    p.add_argument("--questions", type=int, default=2, help="questions per document")
+    p.add_argument("--doc-tokens", type=int, default=1500)
+    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
+    return p.parse_args(argv)
+
+
+def build_requests(tokenizer, args) -> list[dict]:
+    """Token ids of every (document, question, answer) request, in the order an evaluation sends them."""
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    requests = []
+    for d, (doc, questions) in enumerate(list(load_questions(DEFAULT_DATA).items())[:args.docs]):
+        text = cut_document(load_document(doc), args.doc_tokens, encode, tokenizer.decode)
+        for q, question in enumerate(questions[:args.questions]):
+            context = tokenizer(f"Document:\n{text}\n\nQuestion: {question}\nAnswer:")["input_ids"]
+            for a, answer in enumerate(ANSWERS):
+                requests.append({"doc": d, "question": q, "answer": a, "context_tokens": len(context),
+                                 "token_ids": list(context) + encode(answer)})
+    return requests
+
+
+def score(llm, request: dict) -> dict:
+    """One request: its wall time, the answer's summed log-probability, the tokens the cache served."""
+    from kvstrata import SamplingParams
+
+    started = time.perf_counter()
+    out, = llm.generate(request["token_ids"], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    seconds = time.perf_counter() - started
+    answer_entries = out.prompt_logprobs[request["context_tokens"] - 1:]  # entry k is prompt token k+1's
+    return {"seconds": seconds, "score": sum(e.logprob for e in answer_entries), "cached_tokens": out.cached_tokens}
+
+
+def run_configuration(name: str, config, loaded, requests: list[dict]) -> list[dict]:
+    from kvstrata import LLM
+    from kvstrata.engine.prompt_logprobs import PromptLogprobCache
+
+    with LLM(config, loaded_model=loaded) as llm:
+        if name == "recompute":
+            llm.engine.kv_manager.prompt_logprobs = PromptLogprobCache(0, config.cache.block_size)
+        results = []
+        for request in requests:
+            results.append({**{k: request[k] for k in ("doc", "question", "answer")}, **score(llm, request)})
+            print(f"  {name}: doc {request['doc']} question {request['question']} answer {request['answer']}: "
+                  f"{results[-1]['seconds'] * 1000:.0f} ms, {results[-1]['cached_tokens']} tokens cached", flush=True)
+    return results
+
+
+def summarise(results: list[dict]) -> dict:
+    first = [r["seconds"] for r in results if r["question"] == 0 and r["answer"] == 0]
+    others = [r["seconds"] for r in results if not (r["question"] == 0 and r["answer"] == 0)]
+    return {"requests": len(results), "total_s": sum(r["seconds"] for r in results),
+            "new_document_p50_s": statistics.median(first), "other_answers_p50_s": statistics.median(others),
+            "other_answers_mean_cached_tokens": statistics.mean(r["cached_tokens"] for r in results
+                                                                if not (r["question"] == 0 and r["answer"] == 0))}
+
+
+def compare_scores(by_config: dict[str, list[dict]]) -> dict:
+    recompute, cached = by_config["recompute"], by_config["cached"]
+    worst = max(abs(a["score"] - b["score"]) for a, b in zip(recompute, cached))
+
+    def best_answers(results):
+        questions = {}
+        for r in results:
+            questions.setdefault((r["doc"], r["question"]), []).append(r["score"])
+        return [max(range(len(s)), key=s.__getitem__) for s in questions.values()]
+
+    return {"max_abs_score_difference": worst, "same_best_answers": best_answers(recompute) == best_answers(cached)}
+
+
+def report(result: dict) -> str:
+    s, cmp = result["summary"], result["scores"]
+    lines = ["# Scoring answers on long documents (prompt log-probabilities)", "",
+             f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
+             f"Code: commit {result['commit']}", "",
+             f"Workload: {result['workload']}", "",
+             "| engine | requests | total s | new document p50 ms | other answers p50 ms "
+             "| other answers' cached tokens (mean) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name in CONFIGURATIONS:
+        x = s[name]
+        lines.append(f"| {name} | {x['requests']} | {x['total_s']:.1f} | {x['new_document_p50_s'] * 1000:.0f} | "
+                     f"{x['other_answers_p50_s'] * 1000:.0f} | {x['other_answers_mean_cached_tokens']:.0f} |")
+    ratio = s["recompute"]["other_answers_p50_s"] / s["cached"]["other_answers_p50_s"]
+    total = s["recompute"]["total_s"] / s["cached"]["total_s"]
+    lines += ["", f"Other answers, recompute / cached (p50): {ratio:.1f}x; whole workload: {total:.1f}x.", "",
+              f"Same scores: largest difference between the engines' answer log-likelihoods "
+              f"{cmp['max_abs_score_difference']:.2e}; same best answer for every question: "
+              f"{'yes' if cmp['same_best_answers'] else 'NO'}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import subprocess
+
+    import torch
+
+    from kvstrata import load_config
+
+    args = parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    loaded, _ = load(config)
+    requests = build_requests(loaded.tokenizer, args)
+    by_config = {}
+    for name in CONFIGURATIONS:
+        with tempfile.TemporaryDirectory(prefix="kvstrata-scoring-") as tmp:  # each engine its own disk tier
+            by_config[name] = run_configuration(name, load_config(args.config, [*args.overrides,
+                                                f"cache.tiers.disk.path={tmp}/kv"]), loaded, requests)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    workload = (f"{args.docs} documents cut to {args.doc_tokens} tokens, {args.questions} questions each, "
+                f"{len(ANSWERS)} answers per question scored one request at a time (context + answer as token "
+                f"ids, prompt_logprobs=1, max_tokens=1), {config.resolved_dtype()}, "
+                f"{torch.get_num_threads()} torch threads")
+    result = {"command": command_line(), "machine": machine_line(), "commit": commit, "workload": workload,
+              "results": by_config, "summary": {n: summarise(r) for n, r in by_config.items()},
+              "scores": compare_scores(by_config)}
+    save_result(args.out_dir, "scoring", result, report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
