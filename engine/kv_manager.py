@@ -405,7 +405,12 @@ class KVCacheManager:
         """The hashes of the blocks in flight to the device for a waiting request's prefix. (A landed
         prefix's request is admitted first, which caches them on the device; a running request's tail
         is among its prompt blocks to come.)"""
-        return {load.block_hashes[k] for load in self.prefix_loads.values() if not load.ready for k in load.below}
+        return {h for load in self.prefix_loads.values() for h in _in_flight(load)}
+
+    def blocks_loading_for(self, request: Request) -> set[bytes]:
+        """Those of `blocks_loading` that the request's own load brings up."""
+        load = self.prefix_loads.get(request.request_id)
+        return set() if load is None else _in_flight(load)
 
     def holds_prefix(self, request: Request) -> bool:
         """The request has been looked up and holds its prefix (loading, or landed and not yet admitted)."""
@@ -418,3 +423,7 @@ class KVCacheManager:
         s = self.prefix_stats
         return PrefixCacheStats(s.queries, s.query_tokens, s.query_blocks, dict(s.hit_blocks),
                                 dict(s.recomputed_blocks))
+
+
+def _in_flight(load: PrefixLoad) -> set[bytes]:
+    return set() if load.ready else {load.block_hashes[k] for k in load.below}

@@ -313,7 +313,7 @@ class Scheduler:
             if computed is None:  # found below the device: it waits while its blocks are copied up
                 request.status = RequestStatus.LOADING
                 num_seqs += 1
-                to_come |= self.kv.blocks_loading()
+                to_come |= self.kv.blocks_loading_for(request)
                 continue
             if not self._admit(request, computed, budget, long_chunk, out):
                 request.enter_phase("queue")
