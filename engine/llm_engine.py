@@ -46,6 +46,8 @@ LOAD_WAIT_S = 0.05  # the longest an otherwise idle step waits for a prefix load
 # what the device and the tiers below it hold of the documents being scored, within a bound.
 PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK = 4
 MAX_PROMPT_LOGPROB_BLOCKS = 16384
+PROMPT_ROWS_AT_ONCE = 256  # log-softmax over this many prompt rows at a time: a vocabulary-wide copy each
+
 
 @dataclass
 class _PromptRows:
@@ -367,7 +369,10 @@ class LLMEngine:
         show its own number). A row its request already has an entry for (a prompt recomputed after
         a preemption, or one whose next block came from the cache) is not recorded again."""
         targets = torch.tensor([r.prompt_token_ids[p + 1] for r, p in prompt_rows.owners])
-        entries = compute_logprobs(logits, targets, [MAX_LOGPROBS] * len(targets))
+        entries = []
+        for start in range(0, len(targets), PROMPT_ROWS_AT_ONCE):
+            rows = slice(start, start + PROMPT_ROWS_AT_ONCE)
+            entries += compute_logprobs(logits[rows], targets[rows], [MAX_LOGPROBS] * len(targets[rows]))
         for (request, position), entry in zip(prompt_rows.owners, entries):
             if position == len(request.prompt_logprobs):
                 request.prompt_logprobs.append(entry)
