@@ -50,7 +50,9 @@ class UncachedEstimate:
 
     tokens: int                  # tokens to compute
     hit_blocks: dict[str, int]   # cached blocks it would use, per tier
-    next_hash: bytes | None      # its first full block not on the device (None: none, or its prefix is held)
+    # its first full block not on the device (None: none, or its prefix is held); for a request computing
+    # its prompt's logprobs, the first whose entries it lacks
+    next_hash: bytes | None
 
 
 @dataclass
@@ -281,7 +283,11 @@ class KVCacheManager:
             plan = self._choose_plan(request, found)
             used = found[:plan.device_run] + found[plan.head_end:plan.cut]
             first_off_device = next((k for k, tier in enumerate(found) if tier != "device"), len(found))
-            next_hash = hashes[first_off_device] if first_off_device < len(hashes) else None
+            if request.needs_prompt_logprobs:  # the next block whose prompt logprobs' entries it lacks
+                k = (len(request.prompt_logprobs) + 1) // self.block_size
+                next_hash = request.block_hashes[k] if k < request.num_prompt_tokens // self.block_size else None
+            elif first_off_device < len(hashes):
+                next_hash = hashes[first_off_device]
         hit_blocks = {t: used.count(t) for t in TIER_NAMES}
         return UncachedEstimate(request.num_tokens - len(used) * self.block_size, hit_blocks, next_hash)
 
@@ -397,9 +403,17 @@ class KVCacheManager:
         rather than computing or loading it a second time beside them."""
         to_come = self.blocks_loading()
         for request in running:
-            first = self.num_cached_block.get(request.request_id, 0)
-            to_come.update(request.block_hashes[first:request.num_prompt_tokens // self.block_size])
+            to_come |= self.prompt_blocks_to_come(request)
         return to_come
+
+    def prompt_blocks_to_come(self, request: Request) -> set[bytes]:
+        """The full prompt blocks a running request has yet to compute; for one computing its prompt's
+        logprobs, also those whose entries it has yet to compute (their K/V may be cached already): a
+        request scoring the same prefix waits for them rather than computing them a second time."""
+        first = self.num_cached_block.get(request.request_id, 0)
+        if request.needs_prompt_logprobs:
+            first = min(first, (len(request.prompt_logprobs) + 1) // self.block_size)
+        return set(request.block_hashes[first:request.num_prompt_tokens // self.block_size])
 
     def blocks_loading(self) -> set[bytes]:
         """The hashes of the blocks in flight to the device for a waiting request's prefix. (A landed

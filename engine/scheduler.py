@@ -8,7 +8,9 @@ and the scheduler admits the requests behind it meanwhile; a landed request is a
 request whose next block not on the device is one a running prefill is about to compute (a second
 question on a document still being read), or one another request is loading, waits for it, under
 either policy, rather than computing or loading the same K/V a second time; the others go ahead of
-it. When
+it. So does a request asking for its prompt's log-probabilities whose next block's entries another
+request is computing (engine/prompt_logprobs.py): answers scored at once on one document compute it
+once. When
 the device pool cannot hold a running request's next tokens, the newest running request is
 preempted (its blocks freed, to be recomputed later, mostly from the cache).
 
@@ -324,6 +326,8 @@ class Scheduler:
                 break  # the device pool is full: wait for running requests to finish
             budget, long_chunk = self._spend(out.scheduled[-1], budget, long_chunk)
             num_seqs += not landed
+            if request.needs_prompt_logprobs:  # the requests behind it scoring the same prefix wait for it
+                to_come |= self.kv.prompt_blocks_to_come(request)
 
     def _admit(self, request: Request, computed, budget: int, long_chunk: int, out: SchedulerOutput) -> bool:
         """Give a looked-up request device slots for its first chunk and start it running."""

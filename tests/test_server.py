@@ -5,6 +5,7 @@ client and by plain HTTP.
 The last test stops the server with SIGTERM; it must stay last in this file."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import select
 import signal
@@ -244,6 +245,26 @@ def test_echo_with_logprobs_scores_a_continuation_as_evaluation_harnesses_ask(ht
     assert logprobs["token_logprobs"][len(context)] == pytest.approx(greedy_logprob, abs=1e-3)
     assert max(logprobs["top_logprobs"][len(context)].values()) == pytest.approx(greedy_logprob, abs=1e-3)
     assert scored["text"].startswith("The capital of France is")
+
+
+@pytest.mark.slow
+def test_answers_scored_at_once_on_one_document_compute_it_once(http):
+    context = http.post("/tokenize", json={"messages": document_chat(f"Which year? {uuid.uuid4().hex}")}).json()
+    answers = [http.post("/tokenize", json={"prompt": a}).json()["tokens"] for a in (" 1921", " 1987", " 2004")]
+    body = {"prompt": [context["tokens"] + a for a in answers], "max_tokens": 1, "temperature": 0, "logprobs": 0,
+            "echo": True}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two clients, each scoring the three answers
+        responses = list(pool.map(lambda _: http.post("/v1/completions", json=body).json(), range(2)))
+    scores = []
+    for response in responses:
+        assert response["usage"]["prompt_tokens"] == sum(context["count"] + len(a) for a in answers)
+        scores.append([sum(c["logprobs"]["token_logprobs"][context["count"]:-1]) for c in response["choices"]])
+        assert all(len(c["logprobs"]["tokens"]) == context["count"] + len(a) + 1
+                   for c, a in zip(response["choices"], answers))
+    assert scores[0] == pytest.approx(scores[1], abs=1e-3)
+    # six requests on one context at once: one computes it, the others wait for its blocks' log-probabilities
+    cached = sorted(c["kvstrata"]["cached_tokens_by_tier"]["device"] for r in responses for c in r["choices"])
+    assert cached[0] == 0 and all(n >= (context["count"] // 16 - 2) * 16 for n in cached[1:]), cached
 
 
 @pytest.mark.slow
