@@ -101,6 +101,16 @@ def cluster(embedded_model_fp32):
         replica.close()
 
 
+def test_a_batch_of_prompts_is_placed_by_its_first_prompt():
+    from serving_fakes import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    batch = {"prompt": [[1, 2, 3], [1, 2, 4]]}
+    assert prompt_token_ids(tokenizer, "/v1/completions", batch) == [1, 2, 3]
+    assert prompt_token_ids(tokenizer, "/v1/completions", {"prompt": ["ab", "cd"]}) == [97, 98]
+    assert prompt_token_ids(tokenizer, "/v1/completions", {"prompt": [None, "x"]}) is None
+
+
 def test_the_router_prefers_the_replica_holding_the_prefix_else_the_least_loaded():
     a, b = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None) for port in (1, 2))
     replicas = ReplicaSet([a, b])

@@ -188,12 +188,13 @@ def set_health(replica: Replica, ok: bool) -> None:
 
 def prompt_token_ids(tokenizer, path: str, payload: Any) -> list[int] | None:
     """The prompt's token ids as the replica will compute them, or None when the body is not one the
-    router can read (the replica will say what is wrong with it)."""
+    router can read (the replica will say what is wrong with it). A batch of prompts goes where its
+    first would: a batch is mostly one document's questions or answers (an evaluation harness's)."""
     try:
         if path == "/v1/chat/completions":
             return render_chat(tokenizer, payload["messages"])
         prompt = payload["prompt"]
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
             return tokenize_text(tokenizer, prompt)
