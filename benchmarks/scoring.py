@@ -13,11 +13,14 @@ Two engines on the same requests, one after the other, sharing one loaded model:
   its cache of prompt log-probabilities emptied (capacity 0);
 - `cached`: kvstrata as it runs: the entries of blocks scored before come from its cache of them
   (engine/prompt_logprobs.py), and their K/V from the tiers, so an answer computes only what follows
-  the shared context's last full block but one.
+  the shared context's last full block but one;
+- `cached_batched`: the same, with each question's answers sent at once (one `generate` call, as a
+  harness sends a batch): one answer computes the context while the others wait for its blocks'
+  log-probabilities. Each answer is charged its batch's time divided by the answers.
 
 Reported: the time per request for the first answer to a document's first question (nothing
-cached), and for the other answers; the ratio recompute / cached; and whether both engines gave the
-same scores (the answers' summed log-probabilities within 1e-3, the same best answer).
+cached), and for the other answers; the ratios to recompute; and whether the engines gave the same
+scores (the answers' summed log-probabilities within 1e-3, the same best answer).
 
     python benchmarks/scoring.py [--docs 2] [--questions 2] [--doc-tokens 1500] [--set key=value ...]
 
@@ -42,7 +45,7 @@ from benchmarks.ttft_workload import cut_document, load_document, load_questions
 
 ANSWERS = (" It runs once the loop ends without a break.", " It is never executed.",
            " Only when an exception is raised.", " It depends on the interpreter.")
-CONFIGURATIONS = ("recompute", "cached")
+CONFIGURATIONS = ("recompute", "cached", "cached_batched")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,29 +73,41 @@ def build_requests(tokenizer, args) -> list[dict]:
     return requests
 
 
-def score(llm, request: dict) -> dict:
-    """One request: its wall time, the answer's summed log-probability, the tokens the cache served."""
+def score(llm, requests: list[dict]) -> list[dict]:
+    """Requests sent at once: each one's share of the wall time, its answer's summed log-probability,
+    the tokens the cache served it."""
     from kvstrata import SamplingParams
 
     started = time.perf_counter()
-    out, = llm.generate(request["token_ids"], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
-    seconds = time.perf_counter() - started
-    answer_entries = out.prompt_logprobs[request["context_tokens"] - 1:]  # entry k is prompt token k+1's
-    return {"seconds": seconds, "score": sum(e.logprob for e in answer_entries), "cached_tokens": out.cached_tokens}
+    outs = llm.generate([r["token_ids"] for r in requests],
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    seconds = (time.perf_counter() - started) / len(requests)
+    results = []
+    for request, out in zip(requests, outs):
+        answer_entries = out.prompt_logprobs[request["context_tokens"] - 1:]  # entry k is prompt token k+1's
+        results.append({**{k: request[k] for k in ("doc", "question", "answer")}, "seconds": seconds,
+                        "score": sum(e.logprob for e in answer_entries), "cached_tokens": out.cached_tokens})
+    return results
 
 
 def run_configuration(name: str, config, loaded, requests: list[dict]) -> list[dict]:
     from kvstrata import LLM
     from kvstrata.engine.prompt_logprobs import PromptLogprobCache
 
+    if name == "cached_batched":  # each question's answers at once
+        sends = [[r for r in requests if (r["doc"], r["question"]) == key]
+                 for key in dict.fromkeys((r["doc"], r["question"]) for r in requests)]
+    else:
+        sends = [[r] for r in requests]
     with LLM(config, loaded_model=loaded) as llm:
         if name == "recompute":
             llm.engine.kv_manager.prompt_logprobs = PromptLogprobCache(0, config.cache.block_size)
         results = []
-        for request in requests:
-            results.append({**{k: request[k] for k in ("doc", "question", "answer")}, **score(llm, request)})
-            print(f"  {name}: doc {request['doc']} question {request['question']} answer {request['answer']}: "
-                  f"{results[-1]['seconds'] * 1000:.0f} ms, {results[-1]['cached_tokens']} tokens cached", flush=True)
+        for send in sends:
+            results += score(llm, send)
+            print(f"  {name}: doc {send[0]['doc']} question {send[0]['question']}, {len(send)} answers: "
+                  f"{results[-1]['seconds'] * 1000:.0f} ms each, cached tokens "
+                  f"{[r['cached_tokens'] for r in results[-len(send):]]}", flush=True)
     return results
 
 
@@ -106,8 +121,8 @@ def summarise(results: list[dict]) -> dict:
 
 
 def compare_scores(by_config: dict[str, list[dict]]) -> dict:
-    recompute, cached = by_config["recompute"], by_config["cached"]
-    worst = max(abs(a["score"] - b["score"]) for a, b in zip(recompute, cached))
+    """Every engine's scores against recompute's."""
+    recompute = by_config["recompute"]
 
     def best_answers(results):
         questions = {}
@@ -115,7 +130,10 @@ def compare_scores(by_config: dict[str, list[dict]]) -> dict:
             questions.setdefault((r["doc"], r["question"]), []).append(r["score"])
         return [max(range(len(s)), key=s.__getitem__) for s in questions.values()]
 
-    return {"max_abs_score_difference": worst, "same_best_answers": best_answers(recompute) == best_answers(cached)}
+    others = [results for name, results in by_config.items() if name != "recompute"]
+    worst = max(abs(a["score"] - b["score"]) for results in others for a, b in zip(recompute, results))
+    return {"max_abs_score_difference": worst,
+            "same_best_answers": all(best_answers(results) == best_answers(recompute) for results in others)}
 
 
 def report(result: dict) -> str:
@@ -131,11 +149,13 @@ def report(result: dict) -> str:
         x = s[name]
         lines.append(f"| {name} | {x['requests']} | {x['total_s']:.1f} | {x['new_document_p50_s'] * 1000:.0f} | "
                      f"{x['other_answers_p50_s'] * 1000:.0f} | {x['other_answers_mean_cached_tokens']:.0f} |")
-    ratio = s["recompute"]["other_answers_p50_s"] / s["cached"]["other_answers_p50_s"]
-    total = s["recompute"]["total_s"] / s["cached"]["total_s"]
-    lines += ["", f"Other answers, recompute / cached (p50): {ratio:.1f}x; whole workload: {total:.1f}x.", "",
-              f"Same scores: largest difference between the engines' answer log-likelihoods "
-              f"{cmp['max_abs_score_difference']:.2e}; same best answer for every question: "
+    lines.append("")
+    for name in CONFIGURATIONS[1:]:
+        ratio = s["recompute"]["other_answers_p50_s"] / s[name]["other_answers_p50_s"]
+        total = s["recompute"]["total_s"] / s[name]["total_s"]
+        lines.append(f"recompute / {name}: other answers (p50) {ratio:.1f}x; whole workload {total:.1f}x.  ")
+    lines += ["", f"Same scores: largest difference between recompute's answer log-likelihoods and the others' "
+              f"{cmp['max_abs_score_difference']:.2e}; the same best answer for every question: "
               f"{'yes' if cmp['same_best_answers'] else 'NO'}.", ""]
     return "\n".join(lines)
 
@@ -159,7 +179,7 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     workload = (f"{args.docs} documents cut to {args.doc_tokens} tokens, {args.questions} questions each, "
-                f"{len(ANSWERS)} answers per question scored one request at a time (context + answer as token "
+                f"{len(ANSWERS)} answers per question (context + answer as token "
                 f"ids, prompt_logprobs=1, max_tokens=1), {config.resolved_dtype()}, "
                 f"{torch.get_num_threads()} torch threads")
     result = {"command": command_line(), "machine": machine_line(), "commit": commit, "workload": workload,
