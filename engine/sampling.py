@@ -196,7 +196,9 @@ def _penalise(row: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[in
               output_ids: Sequence[int]) -> None:
     """The repetition penalty on every token of the prompt and the output so far, then the frequency
     and presence penalties on those of the output (in place, on one row of logits)."""
-    counts = torch.bincount(_ids(output_ids, row.device), minlength=row.shape[0]).to(row.dtype)
+    output = _ids(output_ids, row.device)
+    # index_add, not bincount: bincount on a GPU reads its input's maximum back (a sync per row)
+    counts = torch.zeros_like(row).index_add_(0, output, torch.ones_like(output, dtype=row.dtype))
     if params.repetition_penalty != 1.0:
         seen = counts > 0
         seen[_ids(prompt_ids, row.device)] = True
