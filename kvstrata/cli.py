@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--question", action="append", default=[], help="a question (repeatable)")
     ask.add_argument("questions", nargs="*", metavar="QUESTION", help="more questions")
     ask.add_argument("--max-tokens", type=_positive_int, default=256, help="longest answer in tokens (default 256)")
+    ask.add_argument("--choice", action="append", default=[],
+                     help="an answer to score (repeatable): each question becomes a multiple choice, its choices "
+                          "ranked by their log-likelihood given the document and the question")
     ask.set_defaults(run=_ask)
 
     bench = commands.add_parser("bench", help="run a benchmark")
@@ -189,10 +192,15 @@ def _ask(args: argparse.Namespace) -> int:
     questions = [*args.question, *args.questions]
     if not questions:
         raise ValueError("ask: give at least one question (as an argument or with --question)")
+    if len(args.choice) == 1:
+        raise ValueError("--choice: give at least two choices to rank")
     config = _load(args)
-    from kvstrata.engine.qa import ask
+    from kvstrata.engine.qa import ask, score_choices
 
-    ask(config, doc_path, questions, args.max_tokens)
+    if args.choice:
+        score_choices(config, doc_path, questions, args.choice)
+    else:
+        ask(config, doc_path, questions, args.max_tokens)
     return EXIT_OK
 
 

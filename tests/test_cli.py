@@ -185,13 +185,25 @@ def test_serve_takes_the_api_key_from_the_environment_and_the_flag_wins(monkeypa
 
 def test_ask_hands_document_and_all_questions_to_qa(monkeypatch, tmp_path):
     calls = []
-    fake_qa = types.SimpleNamespace(ask=lambda *args: calls.append(args))
+    fake_qa = types.SimpleNamespace(ask=lambda *args: calls.append(args), score_choices=None)
     monkeypatch.setitem(sys.modules, "kvstrata.engine.qa", fake_qa)
     (tmp_path / "doc.txt").write_text("a document")
     assert cli.main(["ask", "--doc", "doc.txt", "--question", "first?", "second?", "--max-tokens", "7"]) == 0
     (config, doc_path, questions, max_tokens), = calls
     assert (Path(doc_path), questions, max_tokens) == (Path("doc.txt"), ["first?", "second?"], 7)
     assert config == load_config()
+
+
+def test_ask_with_choices_scores_them_instead_and_wants_at_least_two(monkeypatch, tmp_path, capsys):
+    calls = []
+    fake_qa = types.SimpleNamespace(ask=None, score_choices=lambda *args: calls.append(args))
+    monkeypatch.setitem(sys.modules, "kvstrata.engine.qa", fake_qa)
+    (tmp_path / "doc.txt").write_text("a document")
+    assert cli.main(["ask", "--doc", "doc.txt", "When?", "--choice", "In 1921.", "--choice", "In 1987."]) == 0
+    (_, _, questions, choices), = calls
+    assert (questions, choices) == (["When?"], ["In 1921.", "In 1987."])
+    assert cli.main(["ask", "--doc", "doc.txt", "When?", "--choice", "In 1921."]) == 2
+    assert capsys.readouterr().err.strip() == "kvstrata: error: --choice: give at least two choices to rank"
 
 
 def test_ctrl_c_exits_130_quietly(monkeypatch, capsys):

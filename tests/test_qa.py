@@ -53,6 +53,36 @@ def test_ask_answers_each_question_and_the_second_reuses_the_cached_document(tmp
     assert all(answer.strip() for answer in answers)
 
 
+CHOICES_SUMMARY = re.compile(r"\[3 choices in \S+ s · cached (\d+)/(\d+) prompt tokens: device (\d+), cpu (\d+), "
+                             r"disk (\d+), remote (\d+)\]")
+CHOICE_LINE = re.compile(r"^ +(-?\d+\.\d+)  \((-?\d+\.\d+) a token\)  (.*?)(   <- best)?$", re.MULTILINE)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ask_with_choices_ranks_them_and_scores_the_document_once(tmp_path):
+    doc = tmp_path / "library.txt"
+    doc.write_text(DOCUMENT)
+    choices = ["In 1987.", "In 2004.", "Mara Velde."]
+    result = ask("--doc", str(doc), "When was the fire?", "Who designed the library?",
+                 *(arg for c in choices for arg in ("--choice", c)), tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count("Q: ") == 2 and "A: " not in out
+    lines = CHOICE_LINE.findall(out)
+    assert len(lines) == 6
+    for question in (lines[:3], lines[3:]):
+        per_token = [float(mean) for _, mean, *_ in question]
+        assert per_token == sorted(per_token, reverse=True) and all(float(t) < 0 for t, *_ in question)  # best first
+        assert sorted(text for *_, text, _ in question) == sorted(choices)
+        assert [bool(best) for *_, best in question] == [True, False, False]
+    (first_cached, first_prompt, *_), (second_cached, second_prompt, *_) = [
+        tuple(map(int, m.groups())) for m in CHOICES_SUMMARY.finditer(out)]
+    # one choice computes the document and the others wait for it: two of the three prompts mostly cached;
+    # the second question finds it cached for all three
+    assert first_cached >= first_prompt // 3 and second_cached > first_cached
+
+
 def test_ask_about_a_missing_file_is_one_line_error_and_exit_2(tmp_path):
     result = ask("--doc", str(tmp_path / "missing.txt"), "Anything?", tmp_path=tmp_path)
     assert result.returncode == 2
