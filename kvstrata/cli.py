@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(benchmarks/ttft_concurrency.py); options after --config go to the benchmark")
     _add_config_arguments(concurrency)
     concurrency.set_defaults(run=_bench_concurrency, passes_extra_args=True)
+    scoring = benchmarks.add_parser(
+        "scoring", help="scoring answers on long documents, every prompt computed (as vLLM) against the cache of "
+                        "prompt log-probabilities (benchmarks/scoring.py); options after --config go to the benchmark")
+    _add_config_arguments(scoring)
+    scoring.set_defaults(run=_bench_scoring, passes_extra_args=True)
 
     config = commands.add_parser("config", help="work with config files")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -212,6 +217,11 @@ def _bench_ttft(args: argparse.Namespace) -> int:
 def _bench_concurrency(args: argparse.Namespace) -> int:
     """Run benchmarks/ttft_concurrency.py as a script, with --config, --set and any further options."""
     return _run_benchmark("ttft_concurrency", args)
+
+
+def _bench_scoring(args: argparse.Namespace) -> int:
+    """Run benchmarks/scoring.py as a script, with --config, --set and any further options."""
+    return _run_benchmark("scoring", args)
 
 
 def _run_benchmark(name: str, args: argparse.Namespace) -> int:

@@ -249,6 +249,7 @@ def test_echo_with_logprobs_scores_a_continuation_as_evaluation_harnesses_ask(ht
 
 @pytest.mark.slow
 def test_answers_scored_at_once_on_one_document_compute_it_once(http):
+    served_before = metric_value(http.get("/metrics").text, "kvstrata_prompt_logprob_cache_served_blocks_total")
     context = http.post("/tokenize", json={"messages": document_chat(f"Which year? {uuid.uuid4().hex}")}).json()
     answers = [http.post("/tokenize", json={"prompt": a}).json()["tokens"] for a in (" 1921", " 1987", " 2004")]
     body = {"prompt": [context["tokens"] + a for a in answers], "max_tokens": 1, "temperature": 0, "logprobs": 0,
@@ -265,6 +266,8 @@ def test_answers_scored_at_once_on_one_document_compute_it_once(http):
     # six requests on one context at once: one computes it, the others wait for its blocks' log-probabilities
     cached = sorted(c["kvstrata"]["cached_tokens_by_tier"]["device"] for r in responses for c in r["choices"])
     assert cached[0] == 0 and all(n >= (context["count"] // 16 - 2) * 16 for n in cached[1:]), cached
+    served = metric_value(http.get("/metrics").text, "kvstrata_prompt_logprob_cache_served_blocks_total")
+    assert served - served_before >= 5 * (context["count"] // 16 - 2)
 
 
 @pytest.mark.slow

@@ -158,6 +158,12 @@ def _cache_metrics(stats: dict) -> Iterator[Metric]:
     yield _per_tier(CounterMetricFamily, "cache_corrupt_blocks",
                     "Stored blocks that failed verification (served as misses, never as output).",
                     stats["corrupt"], enabled)
+    logprobs = stats["prompt_logprob_cache"]
+    yield _gauge("prompt_logprob_cache_blocks", "Blocks whose prompt log-probabilities are kept "
+                                                "(engine/prompt_logprobs.py).", logprobs["blocks"])
+    yield _counter("prompt_logprob_cache_served_blocks", "Blocks of prompt log-probabilities given to requests "
+                                                         "asking for their prompt's (not computed again).",
+                   logprobs["blocks_served"])
     remote = tiers.get("remote")
     if remote is not None:  # the server's address is not exported: it may carry a password
         extra = remote["extra"]
