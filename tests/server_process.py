@@ -32,6 +32,15 @@ def server_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def run_bench_on_a_tiny_model(benchmark: str, config: str, *args: str) -> subprocess.CompletedProcess:
+    """`kvstrata bench BENCHMARK --config CONFIG ARGS` on random weights of a tiny shape: a benchmark's
+    logic does not depend on the model."""
+    command = [sys.executable, "-c", "from kvstrata.cli import main; raise SystemExit(main())",
+               "bench", benchmark, "--config", config, "--set", "model.load_format=dummy",
+               "--set", "model.name=tiny-llama", "--set", "model.dtype=float32", *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
 class ServerProcess:
     """A running `kvstrata serve`; `lines` collects its stdout and stderr as they come."""
 

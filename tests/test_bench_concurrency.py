@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.ttft_concurrency import Driver, goals, mark_joined, run_poisson  # noqa: E402
+from server_process import run_bench_on_a_tiny_model  # noqa: E402
 
 
 def policy(hit_p50: float, hit_p90: float, miss_p50: float, throughput: float) -> dict:
@@ -110,13 +110,9 @@ def test_the_driver_records_how_long_each_streaming_answer_stalled_between_token
 @pytest.mark.timeout(600)
 def test_bench_concurrency_cli_measures_both_policies_and_the_hits_alone(tmp_path):
     out_dir = tmp_path / "results"
-    command = [sys.executable, "-c", "from kvstrata.cli import main; raise SystemExit(main())",
-               "bench", "concurrency", "--config", "configs/pressure.yaml",
-               # random weights of a tiny shape: the benchmark's logic does not depend on the model
-               "--set", "model.load_format=dummy", "--set", "model.name=tiny-llama", "--set", "model.dtype=float32",
-               "--docs", "2", "--doc-tokens", "120", "--requests", "6", "--streams", "2", "--max-tokens", "2",
-               "--threads", "1", "--out-dir", str(out_dir)]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    done = run_bench_on_a_tiny_model("concurrency", "configs/pressure.yaml", "--docs", "2", "--doc-tokens", "120",
+                                     "--requests", "6", "--streams", "2", "--max-tokens", "2", "--threads", "1",
+                                     "--out-dir", str(out_dir))
     assert done.returncode == 0, done.stderr[-3000:]
 
     result = json.loads((out_dir / "ttft_concurrency.json").read_text())

@@ -3,25 +3,18 @@ three engines score the same answers, the cached ones from the document's cached
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from server_process import run_bench_on_a_tiny_model
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_scoring_scores_every_answer_alike_and_the_cached_engines_reuse_the_document(tmp_path):
     out_dir = tmp_path / "results"
-    command = [sys.executable, "-c", "from kvstrata.cli import main; raise SystemExit(main())",
-               "bench", "scoring", "--config", "configs/default.yaml",
-               # random weights of a tiny shape: the benchmark's logic does not depend on the model
-               "--set", "model.load_format=dummy", "--set", "model.name=tiny-llama", "--set", "model.dtype=float32",
-               "--docs", "1", "--questions", "2", "--doc-tokens", "200", "--out-dir", str(out_dir)]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    done = run_bench_on_a_tiny_model("scoring", "configs/default.yaml", "--docs", "1", "--questions", "2",
+                                     "--doc-tokens", "200", "--out-dir", str(out_dir))
     assert done.returncode == 0, done.stderr[-3000:]
 
     result = json.loads((out_dir / "scoring.json").read_text())
