@@ -1,6 +1,7 @@
 """The offline Python API: `LLM(config).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -24,8 +25,29 @@ Prompt = Union[str, Sequence[int]]
 
 
 @dataclass
+class CompletionOutput:
+    """One sequence sampled from a prompt (vLLM's `CompletionOutput`): `RequestOutput.outputs` holds
+    `n` of them, index i sampled with `SamplingParams.for_choice(i)`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    # the sum of the sampled tokens' log-probabilities, when `logprobs` was asked for (as vLLM)
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
 class RequestOutput:
-    """One finished (or, while streaming, in-flight) request, as the user sees it."""
+    """One finished (or, while streaming, in-flight) request, as the user sees it.
+
+    `outputs` lists its sequences as vLLM does (`outputs[0].text`); the flat fields (`text`,
+    `token_ids`, the cache's and the TTFT's) are the first sequence's. With `n` > 1 each sequence is
+    an engine request of its own, so each found its own cached tokens: the first usually computes
+    the prompt and the others find it cached.
+    """
 
     request_id: str
     prompt: str | None
@@ -45,19 +67,37 @@ class RequestOutput:
     receipt: CacheReceipt | None = None      # where the TTFT went (engine/receipt.py); None before the first token
     # prompt tokens found in a tier but recomputed instead, by `cache.load_policy`'s choice (measured speeds)
     recomputed_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's name for `cached_tokens`."""
+        return self.cached_tokens
 
     @classmethod
     def from_request(cls, r: Request) -> "RequestOutput":
         by_tier = dict(r.cached_tokens_by_tier or dict.fromkeys(TIER_NAMES, 0))
+        logprobs = None if r.sampling_params.logprobs is None else list(r.output_logprobs)
+        sequence = CompletionOutput(
+            index=0, text=r.output_text, token_ids=list(r.output_token_ids), logprobs=logprobs,
+            cumulative_logprob=None if logprobs is None else sum(e.logprob for e in logprobs),
+            finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason)
         return cls(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
                    text=r.output_text, token_ids=list(r.output_token_ids), cached_tokens=sum(by_tier.values()),
                    cached_tokens_by_tier=by_tier, ttft_s=r.ttft_s,
                    finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason,
                    finished=r.is_finished, num_preemptions=r.num_preemptions,
-                   logprobs=None if r.sampling_params.logprobs is None else list(r.output_logprobs),
-                   prompt_logprobs=_prompt_logprobs(r),
-                   receipt=r.receipt,
-                   recomputed_tokens_by_tier=dict(r.recomputed_tokens_by_tier or dict.fromkeys(by_tier, 0)))
+                   logprobs=logprobs, prompt_logprobs=_prompt_logprobs(r), receipt=r.receipt,
+                   recomputed_tokens_by_tier=dict(r.recomputed_tokens_by_tier or dict.fromkeys(by_tier, 0)),
+                   outputs=[sequence])
+
+    @classmethod
+    def of_sequences(cls, outputs: Sequence["RequestOutput"]) -> "RequestOutput":
+        """One prompt's output from its sequences' (one engine request each, in order): the first's,
+        listing every sequence in `outputs`."""
+        first = outputs[0]
+        sequences = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outputs)]
+        return dataclasses.replace(first, outputs=sequences, finished=all(o.finished for o in outputs))
 
 
 def _prompt_logprobs(r: Request) -> list[TokenLogprobs] | None:
@@ -122,25 +162,28 @@ class LLM:
         return out
 
     def _run(self, prompts: list[tuple[str | None, list[int]]], sampling_params, cache_salt) -> list[RequestOutput]:
+        """One engine request per sequence (`n` per prompt), all validated before any is added, so a
+        bad prompt leaves nothing half-scheduled; one output per prompt, in order."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        # Validate everything before adding anything: a bad prompt leaves nothing half-scheduled.
-        for (_, ids), p in zip(prompts, params):
-            self.engine.validate_request(ids, p)
+        requests = [(text, token_ids, p.for_choice(i))
+                    for (text, token_ids), p in zip(prompts, params) for i in range(p.n)]
+        for _, token_ids, p in requests:
+            self.engine.validate_request(token_ids, p)
         arrival = time.perf_counter()
         ids = []
-        for (text, token_ids), p in zip(prompts, params):
+        for text, token_ids, p in requests:
             rid = f"gen-{next(self._ids)}"
             self.engine.add_request(rid, token_ids, p, cache_salt=cache_salt, prompt=text, arrival_time=arrival)
             ids.append(rid)
-        outputs = [RequestOutput.from_request(r) for r in self.engine.run_until_finished(ids)]
+        sequences = iter([RequestOutput.from_request(r) for r in self.engine.run_until_finished(ids)])
         for rid in ids:
             self.engine.release(rid)
-        return outputs
+        return [RequestOutput.of_sequences([next(sequences) for _ in range(p.n)]) for p in params]
 
     def cache_document(self, messages: Sequence[dict] | None = None, prompt: str | None = None, *,
                        cache_salt: str | None = None, pin: bool = True) -> Document:

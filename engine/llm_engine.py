@@ -184,6 +184,9 @@ class LLMEngine:
 
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Everything that can be wrong with a request, checked before any work is done."""
+        if params.n != 1:
+            raise ValueError(f"n must be 1 for one engine request (got {params.n}): LLM.generate and the server "
+                             f"run a request per sequence, with params.for_choice(i)")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty")

@@ -9,6 +9,7 @@ Stop strings are matched by the detokenizing layer, not here: the sampler sees o
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
@@ -19,6 +20,8 @@ import torch
 GREEDY_TEMPERATURE = 1e-5
 # The most alternatives a request may ask log-probabilities for, per generated token (vLLM's default).
 MAX_LOGPROBS = 20
+# The most sequences a request may sample from one prompt (`n`; OpenAI's limit): each is a request of its own.
+MAX_N = 128
 _SEED_RANGE = (-2**63, 2**63)  # a 64-bit signed integer, as vLLM and most clients take a seed to be
 
 
@@ -40,6 +43,8 @@ class SamplingParams:
     prompt token after the first; a cached token has no logits, so such a request computes its whole
     prompt (its blocks are still cached for others). Log-probabilities are those of the model's
     distribution before any of the above (vLLM's default, "raw" log-probabilities).
+    `n` (vLLM's): how many sequences to sample from the prompt. `LLM.generate` and the server run
+    one engine request per sequence, sequence i with `for_choice(i)`; the engine itself takes n=1.
     """
 
     max_tokens: int = 16
@@ -58,8 +63,11 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer from 1 to {MAX_N}, got {self.n!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -95,6 +103,13 @@ class SamplingParams:
             raise ValueError(f"logit_bias must map token ids (integers >= 0) to numbers from -100 to 100, "
                              f"got {self.logit_bias!r}")
         self.stop = _normalise_stop(self.stop)
+
+    def for_choice(self, choice: int) -> SamplingParams:
+        """The parameters of the prompt's `choice`-th sequence (n=1): with a seed, seed + choice
+        (vLLM's rule, wrapping within 64 bits), so that seeded sequences differ from one another
+        and the same request gives the same sequences again."""
+        seed = self.seed if self.seed is None else (self.seed + choice - _SEED_RANGE[0]) % 2**64 + _SEED_RANGE[0]
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -91,3 +91,32 @@ def test_a_repetition_penalty_steers_away_from_the_prompt_and_leaves_nothing_beh
     penalised, = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, repetition_penalty=2.0))
     assert penalised.token_ids != plain.token_ids
     assert llm.engine._penalised_prompts == {}  # the prompt kept for the penalty went with the request
+
+
+def test_n_sequences_of_a_prompt_come_in_one_output_each_as_its_seed_samples_it_alone(llm):
+    prompt = f"{PROMPT} red, green and blue. In a village by the sea, once upon a time, there lived"
+    (out,) = llm.generate(prompt, SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=11, logprobs=0))
+    assert [s.index for s in out.outputs] == [0, 1, 2]
+    # the prompt is computed once: the two other sequences find its full blocks on the device
+    full_blocks = (len(out.prompt_token_ids) - 1) // 16 * 16
+    assert full_blocks > 0 and llm.stats()["prefix_cache"]["hit_tokens"]["device"] == 2 * full_blocks
+    alone = [llm.generate(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=11 + i))[0] for i in range(3)]
+    assert [s.token_ids for s in out.outputs] == [a.token_ids for a in alone]
+    assert len({tuple(a.token_ids) for a in alone}) > 1
+    assert (out.text, out.token_ids) == (out.outputs[0].text, out.outputs[0].token_ids)
+    for sequence in out.outputs:
+        assert sequence.finish_reason == "length" and len(sequence.logprobs) == 6
+        assert sequence.cumulative_logprob == pytest.approx(sum(e.logprob for e in sequence.logprobs))
+    assert alone[0].outputs[0].cumulative_logprob is None  # no logprobs asked for
+    assert out.num_cached_tokens == out.cached_tokens
+
+
+def test_a_batch_with_n_answers_one_output_per_prompt_in_order_and_refuses_n_per_engine_request(llm):
+    outs = llm.generate([PROMPT, "Two plus two is"], [SamplingParams(n=2, max_tokens=3, temperature=0.0),
+                                                      SamplingParams(max_tokens=3, temperature=0.0)])
+    assert [len(o.outputs) for o in outs] == [2, 1]
+    assert outs[0].outputs[0].token_ids == outs[0].outputs[1].token_ids  # greedy: the same sequence twice
+    assert outs[1].token_ids == llm.generate("Two plus two is", SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids
+    with pytest.raises(ValueError, match="n must be 1 for one engine request"):
+        llm.engine.add_request("n2", llm.engine.tokenize(PROMPT), SamplingParams(n=2))
+    assert llm.engine.requests == {}

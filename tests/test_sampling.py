@@ -248,3 +248,18 @@ def test_a_prompt_given_as_a_tensor_is_penalised_as_the_same_token_list():
     as_lists = adjust_logits(logits, params, prompts, outputs, EOS)
     as_tensors = adjust_logits(logits, params, [torch.tensor(p) for p in prompts], outputs, EOS)
     assert torch.equal(as_lists, as_tensors) and not torch.equal(as_lists, logits)
+
+
+@pytest.mark.parametrize("n", [0, 129, 2.0, True, None])
+def test_n_is_an_integer_from_1_to_128(n):
+    with pytest.raises(ValueError, match="^n must be an integer from 1 to 128"):
+        SamplingParams(n=n)
+
+
+def test_each_sequence_of_a_prompt_samples_alone_with_the_seed_moved_on_by_its_index():
+    params = SamplingParams(n=3, seed=5, temperature=0.7)
+    sequences = [params.for_choice(i) for i in range(3)]
+    assert [p.seed for p in sequences] == [5, 6, 7]
+    assert {p.n for p in sequences} == {1} and {p.temperature for p in sequences} == {0.7}
+    assert SamplingParams(n=2, seed=2**63 - 1).for_choice(1).seed == -2**63  # wraps within 64 bits
+    assert SamplingParams(n=2).for_choice(1).seed is None  # unseeded sequences stay unseeded

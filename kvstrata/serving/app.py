@@ -25,7 +25,6 @@ spends time loading a model.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from dataclasses import asdict
@@ -53,7 +52,6 @@ from kvstrata.serving.tokenizer_pool import TokenizerPool
 if TYPE_CHECKING:
     from kvstrata.engine.async_engine import AsyncEngine
     from kvstrata.engine.llm import RequestOutput
-    from kvstrata.engine.sampling import SamplingParams
 
 T = TypeVar("T")
 
@@ -64,7 +62,7 @@ MAX_CHOICES_PER_REQUEST = 2048  # prompts x n: each choice is an engine request 
 # which are the request fields of the same name unless a route says otherwise.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                    "logprobs")
+                    "logprobs", "n")
 
 
 def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, tokenizers: TokenizerPool,
@@ -106,7 +104,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
                                   frequency_penalty=_given(body.frequency_penalty, 0.0),
                                   repetition_penalty=_given(body.repetition_penalty, 1.0),
                                   logit_bias=_given(body.logit_bias, {}), logprobs=logprobs,
-                                  prompt_logprobs=prompt_logprobs)
+                                  prompt_logprobs=prompt_logprobs, n=body.choices_per_prompt)
         except ValueError as exc:
             raise _bad_request(exc, field_names) from None
 
@@ -128,16 +126,15 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
               body: SamplingRequest) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per choice: `n` for each prompt, choice k*n + i being prompt k's i-th.
         All are validated before any is queued (a request is queued when its outputs are first read).
-        With a seed, choice i samples with seed + i (vLLM's rule): the choices differ, and the same
-        request gives the same choices again."""
-        n = body.choices_per_prompt
+        Choice i samples with `params.for_choice(i)` (with a seed, seed + i)."""
+        n = params.n
         if len(prompts) * n > MAX_CHOICES_PER_REQUEST:
             raise APIError(400, f"n: {len(prompts)} prompts with n={n} ask for {len(prompts) * n} choices; at most "
                                 f"{MAX_CHOICES_PER_REQUEST} in one request", param="n")
         several = len(prompts) * n > 1
         arrival = time.perf_counter()
         try:
-            return [engine.generate(token_ids, _choice_params(params, i), cache_salt=body.cache_salt, prompt=text,
+            return [engine.generate(token_ids, params.for_choice(i), cache_salt=body.cache_salt, prompt=text,
                                     request_id=f"{request_id}-{k * n + i}" if several else request_id,
                                     arrival_time=arrival)
                     for k, (text, token_ids) in enumerate(prompts) for i in range(n)]
@@ -319,14 +316,6 @@ def _bad_request(exc: ValueError, field_names: dict[str, str]) -> APIError:
     elif message.startswith(("prompt", "messages")):
         param = first_word.split("[", 1)[0]
     return APIError(400, message, param=param)
-
-
-def _choice_params(params: SamplingParams, choice: int) -> SamplingParams:
-    """The sampling parameters of a prompt's `choice`-th choice: its seed moved on by `choice`
-    (wrapping within 64 bits), so that seeded choices differ from one another."""
-    if choice == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + choice + 2**63) % 2**64 - 2**63)
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -25,9 +25,6 @@ def _valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 Item = TypeVar("Item")
 
-MAX_N = 128  # choices per prompt, as OpenAI allows
-
-
 def _no_op_only(*no_op_values: Any):
     """The type of a field this server does not implement: null or one of `no_op_values` only."""
 
@@ -87,16 +84,9 @@ class SamplingRequest(_Request):
             return stop
         raise ValueError("expected a string or a list of strings")
 
-    @field_validator("n")
-    @classmethod
-    def _choices(cls, n: int | None) -> int | None:
-        if n is not None and not 1 <= n <= MAX_N:
-            raise ValueError(f"must be from 1 to {MAX_N}")
-        return n
-
     @property
     def choices_per_prompt(self) -> int:
-        return self.n or 1
+        return 1 if self.n is None else self.n  # its range is SamplingParams' to check
 
     @property
     def include_usage(self) -> bool:
