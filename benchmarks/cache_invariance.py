@@ -46,7 +46,7 @@ def measure(config, questions, args) -> dict:
     """Every compared prompt of one dtype: the uncached and the cached answer's tokens."""
     from kvstrata import LLM, SamplingParams, load_config
 
-    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     no_cache = LLM(load_config(config, {"cache.enable_prefix_caching": False}))
     cache = LLM(config, loaded_model=no_cache.engine.loaded)
     tokenizer = cache.tokenizer
@@ -68,12 +68,16 @@ def measure(config, questions, args) -> dict:
             rows.append({"doc": doc, "question": question, "prompt_tokens": len(prompt),
                          "cached_tokens": cached.cached_tokens, "same": cached.token_ids == uncached.token_ids,
                          "first_difference": first_difference, "cached_text": cached.text,
-                         "uncached_text": uncached.text})
+                         "uncached_text": uncached.text, "uncached_token_ids": uncached.token_ids,
+                         "uncached_first_logprob": uncached.logprobs[0].logprob,
+                         "cached_ttft_s": cached.ttft_s, "uncached_ttft_s": uncached.ttft_s})
             print(f"  {doc} {question!r}: {'same' if rows[-1]['same'] else f'differs at token {first_difference}'}",
                   flush=True)
+    block_bytes = cache.stats()["block_bytes"]
     cache.close()
     no_cache.close()
-    return {"prompts": rows, "differ": sum(not r["same"] for r in rows), "total": len(rows)}
+    return {"prompts": rows, "differ": sum(not r["same"] for r in rows), "total": len(rows),
+            "block_bytes": block_bytes}
 
 
 def main(argv=None) -> int:

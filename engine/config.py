@@ -66,7 +66,10 @@ from kvstrata.tiers.remote_url import SECRET_MASK, check_url, masked_url
 from kvstrata.tiers.storage import check_room, format_bytes, prepare_private_dir
 
 DEFAULT_DEVICE_TIER_SIZE = Size(nbytes=1024**3)
-DTYPE_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+# `cache.kv_cache_dtype` (vLLM's names) -> the torch dtype the K/V are kept in; auto: the model's dtype
+KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+                   "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 # `model.threads: auto` never picks more: past this, one request's matmuls gain little from more
 # threads and a busy machine's scheduling noise grows (see `default_threads`).
 MAX_AUTO_THREADS = 16
@@ -132,6 +135,8 @@ def _size_value(size: Size) -> int | str:
 
 
 Dtype = Annotated[Literal["auto", "float32", "bfloat16", "float16"], BeforeValidator(_canonical_dtype)]
+KVCacheDtype = Annotated[Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32"],
+                         BeforeValidator(_canonical_dtype)]
 SizeField = Annotated[Size, PlainValidator(Size.parse), PlainSerializer(_size_value)]
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -380,6 +385,9 @@ class CacheConfig(_Section):
     preload: tuple[PreloadConfig, ...] = ()
     # whether a prefix found below the device is loaded or recomputed (engine/load_policy.py)
     load_policy: Literal["auto", "always_load", "always_recompute"] = "auto"
+    # what the K/V are kept in, on the device and in every tier: auto is the model's dtype; fp8 (e4m3)
+    # halves a bf16 block and quarters a float32 one (README, "KV cache dtype")
+    kv_cache_dtype: KVCacheDtype = "auto"
 
     @field_validator("tiers", mode="before")
     @classmethod
@@ -614,6 +622,12 @@ class Config(_Section):
         if self.model.dtype != "auto":
             return self.model.dtype
         return auto_dtype(self.resolved_device())
+
+    def resolved_kv_cache_dtype(self) -> str:
+        """`cache.kv_cache_dtype` as a torch dtype name, `auto` being the resolved model dtype."""
+        if self.cache.kv_cache_dtype == "auto":
+            return self.resolved_dtype()
+        return KV_CACHE_DTYPES[self.cache.kv_cache_dtype]
 
     def resolved_threads(self) -> int:
         """`model.threads` with `auto` resolved (see `default_threads`)."""
@@ -891,6 +905,8 @@ class _TierBytes:
 def _dtype_for_sizing(config: Config) -> str:
     """The dtype a block will have, without importing torch where the answer does not need it:
     `auto` is 2 bytes on any GPU (bfloat16 or float16) and needs torch's CPU check only on a CPU."""
+    if config.cache.kv_cache_dtype != "auto":
+        return KV_CACHE_DTYPES[config.cache.kv_cache_dtype]
     if config.model.dtype != "auto":
         return config.model.dtype
     where, _ = _device_capacity(config.model.device)

@@ -70,14 +70,15 @@ def get_digest_fn(algo: str) -> DigestFn:
 
 
 def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version: int, algo: str,
-                   batch_invariant: bool = False) -> bytes:
+                   batch_invariant: bool = False, kv_dtype: str | None = None) -> bytes:
     """The canonical CBOR encoding of everything that makes a KV block mean something.
 
     Two engines share a hash only if they run the same model in the same dtype with the same
     block size, KV layout and hash algorithm (and hashing scheme). Canonical CBOR sorts map keys,
     so the bytes do not depend on argument or dict order. `batch_invariant` K/V are computed in
     another order, so their bits differ: the mode gets its own namespace (and without it the
-    namespace is what it always was, so existing stores stay valid).
+    namespace is what it always was, so existing stores stay valid). K/V kept in another dtype than
+    the model's (`kv_dtype`, e.g. fp8) are other bytes too: their own namespace, the same way.
     """
     get_digest_fn(algo)
     if not isinstance(model_id, str) or not model_id:
@@ -97,6 +98,8 @@ def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version
     }
     if batch_invariant:
         fields["batch_invariant"] = True
+    if kv_dtype is not None and kv_dtype != dtype:
+        fields["kv_dtype"] = kv_dtype
     return cbor2.dumps(fields, canonical=True)
 
 
@@ -160,12 +163,12 @@ class BlockHasher:
 
     @classmethod
     def for_model(cls, model_identity: str, dtype: str, block_size: int, algo: str,
-                  batch_invariant: bool = False) -> BlockHasher:
+                  batch_invariant: bool = False, kv_dtype: str | None = None) -> BlockHasher:
         """The hasher of an engine running `model_identity` in `dtype`: the engine and `kvstrata route`
         both build theirs here, so that they name every block alike."""
         from kvstrata.tiers.base import KV_LAYOUT_VERSION
         namespace = make_namespace(model_identity, dtype, block_size, KV_LAYOUT_VERSION, algo,
-                                   batch_invariant=batch_invariant)
+                                   batch_invariant=batch_invariant, kv_dtype=kv_dtype)
         return cls(block_size, namespace, algo)
 
     def __init__(self, block_size: int, namespace: bytes, algo: str = "xxh3_128") -> None:

@@ -76,8 +76,9 @@ class LLMEngine:
         # Process-wide, so set here, where every entry point (LLM, serve, ask, benchmarks) passes.
         torch.set_num_threads(config.resolved_threads())
         self.device = torch.device(config.resolved_device())
-        self.dtype_name = config.resolved_dtype()  # "auto" resolved: what the weights and the KV cache are
+        self.dtype_name = config.resolved_dtype()  # "auto" resolved: what the weights are
         self.dtype = getattr(torch, self.dtype_name)
+        self.kv_dtype_name = config.resolved_kv_cache_dtype()  # what the K/V are kept in, in every tier
         self.loaded = loaded or load_model(resolve_model(config.model.name, config.model.load_format),
                                            self.dtype, self.device)
         mc = self.loaded.model_config
@@ -85,12 +86,13 @@ class LLMEngine:
         self.max_model_len = min(mc.max_model_len, config.model.max_model_len or mc.max_model_len)
         cache = config.cache
         self.block_size = cache.block_size
-        self.layout = BlockLayout(mc.num_layers, cache.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        self.layout = BlockLayout(mc.num_layers, cache.block_size, mc.num_kv_heads, mc.head_dim,
+                                  getattr(torch, self.kv_dtype_name))
         self.hierarchy = self._build_tiers()
         if self.device_capacity_warning:
             logger.warning("kvstrata: %s", self.device_capacity_warning)
         hasher = BlockHasher.for_model(mc.identity, self.dtype_name, cache.block_size, cache.hash,
-                                       batch_invariant=config.model.batch_invariant)
+                                       batch_invariant=config.model.batch_invariant, kv_dtype=self.kv_dtype_name)
         logprob_blocks = min(PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK * self.hierarchy.pool.num_blocks,
                              MAX_PROMPT_LOGPROB_BLOCKS)
         self.kv_manager = KVCacheManager(self.hierarchy, hasher, cache.block_size,
@@ -469,6 +471,7 @@ class LLMEngine:
             "block_bytes": self.layout.block_nbytes,
             "model": self.config.model.name,
             "dtype": self.dtype_name,
+            "kv_cache_dtype": self.kv_dtype_name,
             "device": str(self.device),
             "threads": torch.get_num_threads(),
             "attention_backend": self.attention_backend,

@@ -36,7 +36,6 @@ class ModelRunner:
     """Owns nothing but references: the loaded model, the device KV cache and the kernel ops."""
 
     def __init__(self, loaded: LoadedModel, kv_cache: torch.Tensor, ops) -> None:
-        assert kv_cache.dtype == loaded.dtype, f"KV cache is {kv_cache.dtype}, model is {loaded.dtype}"
         assert kv_cache.device == loaded.device, f"KV cache is on {kv_cache.device}, model on {loaded.device}"
         self.loaded = loaded
         self.kv_cache = kv_cache

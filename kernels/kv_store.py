@@ -3,12 +3,23 @@
 The cache is block-major `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; slot
 `s = block_id * block_size + offset` of one layer is `kv_cache[block_id, layer, 0 or 1, offset]`.
 A negative slot marks a padding token whose K/V must not be written.
+
+The cache may be kept in a narrower dtype than the model computes in (fp8, float16: `cache.kv_cache_dtype`).
+Values beyond its range are saturated to its largest finite value on the way in (as vLLM's fp8 cache
+does), never stored as inf or NaN.
 """
 from __future__ import annotations
 
 import torch
 
 from kvstrata.kernels.triton_compat import check_launchable, tl, triton
+
+
+def saturation(source: torch.dtype, cache: torch.dtype) -> float | None:
+    """The bound values of `source` are clamped to before they are kept as `cache`: its largest finite
+    value where it is far narrower (fp8, float16), None where every finite value fits (or nearly)."""
+    bound = torch.finfo(cache).max
+    return bound if bound < 1e30 and bound < torch.finfo(source).max else None
 
 
 def reference_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
@@ -19,6 +30,9 @@ def reference_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
+    bound = saturation(key.dtype, kv_cache.dtype)
+    if bound is not None:
+        key, value = key.clamp(-bound, bound), value.clamp(-bound, bound)
     block_ids, offsets = slots // block_size, slots % block_size
     kv_cache[block_ids, layer, 0, offsets] = key.to(kv_cache.dtype)
     kv_cache[block_ids, layer, 1, offsets] = value.to(kv_cache.dtype)
@@ -29,7 +43,7 @@ def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, layer,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cl, stride_ckv, stride_cs, stride_ch,
                      num_kv_heads, head_dim, block_size,
-                     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BOUND: tl.constexpr):
     """One program per token: copy its [num_kv_heads, head_dim] K and V into slot `slot_mapping[token]`."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -42,6 +56,9 @@ def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, layer,
     mask = (heads < num_kv_heads) & (dims < head_dim)
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    if BOUND > 0:  # a narrower cache (see `saturation`)
+        key = tl.minimum(tl.maximum(key.to(tl.float32), -BOUND), BOUND)
+        value = tl.minimum(tl.maximum(value.to(tl.float32), -BOUND), BOUND)
     dst = cache_ptr + block_id * stride_cb + layer * stride_cl + offset * stride_cs + heads * stride_ch + dims
     tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_ckv, value.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -68,4 +85,5 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, lay
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
         num_kv_heads, head_dim, kv_cache.shape[3],
-        HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=triton.next_power_of_2(head_dim))
+        HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=triton.next_power_of_2(head_dim),
+        BOUND=saturation(key.dtype, kv_cache.dtype) or 0.0)

@@ -378,6 +378,8 @@ def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, num_splits, 
 _LOG2E = 1.4426950408889634
 _MERGE_CHUNK = 1024  # output elements per merge program
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# a cache may be kept narrower than the queries (`cache.kv_cache_dtype`): its tiles are cast up on load
+_KV_DTYPES = (*_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)
 # Split-KV policy. A split shorter than this many keys would spend more on its fixed cost (loading its queries,
 # writing and merging a partial output) than on keys; the cap bounds the merge's vector of splits.
 MIN_KEYS_PER_SPLIT = 256
@@ -398,9 +400,9 @@ def _check_prefill_args(query, kv_cache, layer, block_tables, query_start_loc, s
     if kv_cache.shape[5] != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"prefix_prefill: {num_heads} query heads of dim {head_dim} cannot read kv_cache "
                          f"{tuple(kv_cache.shape)} (heads must be a multiple of kv heads)")
-    if query.dtype not in _DTYPES or kv_cache.dtype != query.dtype:
-        raise ValueError(f"prefix_prefill: query {query.dtype} and kv_cache {kv_cache.dtype} must share one of "
-                         f"{_DTYPES}")
+    if query.dtype not in _DTYPES or kv_cache.dtype not in _KV_DTYPES:
+        raise ValueError(f"prefix_prefill: query {query.dtype} must be one of {_DTYPES} and kv_cache "
+                         f"{kv_cache.dtype} one of {_KV_DTYPES}")
     if not 0 <= layer < kv_cache.shape[1]:
         raise ValueError(f"prefix_prefill: layer {layer} out of range for {kv_cache.shape[1]} layers")
     num_seqs = seq_lens.shape[0]

@@ -156,3 +156,7 @@ class CudaCase:
 
 CUDA_CASES = [CudaCase(heads, batch, dtype, splits) for heads in CUDA_HEAD_SHAPES for batch in CUDA_BATCHES
               for dtype in CUDA_DTYPES for splits in CUDA_SPLITS]
+
+# A cache kept in fp8 (`cache.kv_cache_dtype`), compiled: stores and a prefill over it (gpu_kernel_check.py).
+KV_DTYPE_CASES = {f"{what}-{name}": dtype for what in ("store", "prefill")
+                  for name, dtype in (("fp8-e4m3", torch.float8_e4m3fn), ("fp8-e5m2", torch.float8_e5m2))}

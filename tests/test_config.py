@@ -160,6 +160,15 @@ def test_dtype_aliases_are_canonicalised(alias, dtype):
     assert load_config({"model": {"dtype": alias}}).model.dtype == dtype
 
 
+@pytest.mark.parametrize("kv_cache_dtype, model_dtype, resolved", [
+    ("auto", "float32", "float32"), ("auto", "bf16", "bfloat16"), ("fp8", "bfloat16", "float8_e4m3fn"),
+    ("fp8_e4m3", "float32", "float8_e4m3fn"), ("FP8_E5M2", "float32", "float8_e5m2"), ("bf16", "float32", "bfloat16"),
+])
+def test_the_kv_cache_dtype_is_the_models_unless_set(kv_cache_dtype, model_dtype, resolved):
+    config = load_config({"model": {"dtype": model_dtype}, "cache": {"kv_cache_dtype": kv_cache_dtype}})
+    assert config.resolved_kv_cache_dtype() == resolved
+
+
 @pytest.fixture
 def two_gpus(monkeypatch):
     """A machine with cuda:0 and cuda:1 of 80 GiB each (as nvidia-smi or torch would report them)."""
@@ -348,6 +357,7 @@ def test_size_converts_to_blocks_of_a_given_byte_size():
     ({"cache": {"load_policy": "sometimes"}}, "cache.load_policy", "unknown value 'sometimes'"),
     ({"cache": {"block_size": 12}}, "cache.block_size", "unknown value 12"),
     ({"model": {"dtype": "fp8"}}, "model.dtype", "unknown value 'fp8'"),
+    ({"cache": {"kv_cache_dtype": "int4"}}, "cache.kv_cache_dtype", "unknown value 'int4'"),
     ({"model": {"threads": 0}}, "model.threads", "positive"),
     ({"model": {"load_format": "gguf"}}, "model.load_format", "unknown value 'gguf'"),
     ({"model": {"device": "mps"}}, "model.device", "unknown device 'mps'"),
@@ -487,8 +497,10 @@ def test_block_counts_are_checked_like_byte_sizes_with_the_models_block_size(tie
     assert error.key == f"cache.tiers.{tier}.size"
     assert "1000 blocks" in str(error) and f"{SMOLLM2_FP32_BLOCK_NBYTES} bytes a block" in str(error)
     assert config_error(tiers(f"{1000 * SMOLLM2_FP32_BLOCK_NBYTES}B")).key == f"cache.tiers.{tier}.size"
-    # bfloat16 blocks are half the bytes: twice as many fit
+    # bfloat16 blocks are half the bytes: twice as many fit; fp8 K/V of the float32 model, four times
     load_config(tiers(1998), {"model.dtype": "bfloat16"})
+    load_config(tiers(3996), {"cache.kv_cache_dtype": "fp8"})
+    assert config_error(tiers(4010), {"cache.kv_cache_dtype": "fp8"}).key == f"cache.tiers.{tier}.size"
 
 
 def test_a_block_count_far_beyond_the_machine_is_refused_before_serving():

@@ -279,3 +279,38 @@ def test_both_scheduling_policies_give_the_uncached_outputs(loaded, reference, t
             assert out.token_ids == reference[key][0], (policy, key)
         assert outs[2].cached_tokens > 0, f"{policy}: the second question did not reuse its document"
         llm.close()
+
+
+def test_an_fp8_cache_holds_a_quarter_of_the_bytes_and_in_batch_invariant_mode_gives_the_uncached_outputs(
+        loaded, tmp_path):
+    """fp8 K/V are lossy against the model's own (benchmarks/results/kv_cache_dtype.md), but the same
+    bytes whichever tier serves them: with batch-invariant reductions (the K/V of a document do not
+    depend on the prefill that computed them) a hit from the device, the CPU or the disk gives the
+    uncached fp8 engine's answer, log-probabilities bit for bit."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+    fp8 = {"kv_cache_dtype": "fp8"}
+    engines = [LLM(load_config(config(tmp_path / name, enable_prefix_caching=caching, **fp8),
+                               {"model.batch_invariant": True}), loaded_model=loaded)
+               for name, caching in (("cached", True), ("uncached", False))]
+    llm, uncached = engines
+    assert llm.stats()["block_bytes"] * 4 == LLM(load_config(config(tmp_path / "fp32")),
+                                                 loaded_model=loaded).stats()["block_bytes"]
+    assert llm.stats()["kv_cache_dtype"] == "float8_e4m3fn"
+    messages = chat(DOCS["try"], QUESTIONS[1])
+    expected = uncached.chat(messages, greedy)[0]
+    assert llm.chat(chat(DOCS["try"], QUESTIONS[0]), greedy)[0].cached_tokens == 0
+    hierarchy = llm.engine.hierarchy
+    for tier in ("device", "cpu", "disk"):
+        if tier == "cpu":
+            assert hierarchy.clear_device_cache()
+        if tier == "disk":  # the CPU tier (24 blocks) spills the document to disk while others are asked
+            for name in ("import", "execmodel"):
+                llm.chat(chat(DOCS[name], QUESTIONS[0]), greedy)
+            hierarchy.cpu.clear()
+            assert hierarchy.clear_device_cache()
+        out = llm.chat(messages, greedy)[0]
+        assert out.cached_tokens_by_tier[tier] > 0, (tier, out.cached_tokens_by_tier)
+        assert out.token_ids == expected.token_ids
+        assert [e.logprob for e in out.logprobs] == [e.logprob for e in expected.logprobs]
+    for engine in engines:
+        engine.close()

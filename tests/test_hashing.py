@@ -104,8 +104,10 @@ def test_different_namespaces_give_disjoint_hashes():
         make_namespace("smollm2-135m-instruct", "float32", BLOCK_SIZE, 1, "xxh3_128"),
         make_namespace("smollm2-135m-instruct", "bfloat16", BLOCK_SIZE, 2, "xxh3_128"),
         make_namespace("smollm2-135m-instruct", "bfloat16", 8, 1, "xxh3_128"),
+        make_namespace("smollm2-135m-instruct", "bfloat16", BLOCK_SIZE, 1, "xxh3_128", kv_dtype="float8_e4m3fn"),
+        make_namespace("smollm2-135m-instruct", "bfloat16", BLOCK_SIZE, 1, "xxh3_128", kv_dtype="float8_e5m2"),
     ]
-    assert len(set(others + [NAMESPACE])) == 5
+    assert len(set(others + [NAMESPACE])) == 7
     plain = set(hashes_of(TOKENS))
     for namespace in others:
         assert plain.isdisjoint(hashes_of(TOKENS, namespace=namespace))
@@ -113,6 +115,9 @@ def test_different_namespaces_give_disjoint_hashes():
 
 def test_namespace_is_canonical_and_validated():
     assert make_namespace("m", "bfloat16", 16, 1, "sha256") == make_namespace("m", "bfloat16", 16, 1, "sha256")
+    # K/V kept in the model's own dtype are the blocks they always were: stores written before stay valid
+    assert make_namespace("m", "bfloat16", 16, 1, "sha256", kv_dtype="bfloat16") == \
+        make_namespace("m", "bfloat16", 16, 1, "sha256")
     with pytest.raises(ValueError, match="algorithm"):
         make_namespace("m", "bfloat16", 16, 1, "md5")
     with pytest.raises(ValueError, match="block_size"):

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kernel_cases import CUDA_CASES, CUDA_LONG_CONTEXT_BATCHES
+from kernel_cases import CUDA_CASES, CUDA_LONG_CONTEXT_BATCHES, KV_DTYPE_CASES
 
 pytestmark = pytest.mark.cuda
 
@@ -37,3 +37,9 @@ def test_compiled_prefill_matches_dense_attention_on_realistic_shapes(gpu_result
                                   if c.batch in CUDA_LONG_CONTEXT_BATCHES and c.splits == "auto"])
 def test_a_short_question_over_a_long_context_is_split_across_the_gpu(gpu_results, case):
     assert gpu_results[case]["num_splits"] > 1
+
+
+@pytest.mark.parametrize("case", list(KV_DTYPE_CASES))
+def test_compiled_kernels_store_into_and_read_an_fp8_cache(gpu_results, case):
+    assert case in gpu_results, f"{case} did not run"
+    assert gpu_results[case]["error"] is None, gpu_results[case]["error"]

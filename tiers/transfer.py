@@ -267,7 +267,9 @@ class _CudaDirection(_Direction):
         self.device: torch.Tensor | None = None
         # An event per host half: recorded after the last copy that read or wrote it.
         self.host_free: list[torch.cuda.Event | None] = [None, None]
-        super().__init__(name, kv_cache, completed, filler)
+        # Blocks move as bytes: the same copies whatever the cache's dtype (fp8 included, which some
+        # indexing ops do not take).
+        super().__init__(name, kv_cache.view(torch.uint8), completed, filler)
 
     def _allocate_staging(self) -> None:
         shape = (self.chunk, *self.kv_cache.shape[1:])

@@ -362,7 +362,8 @@ def load_router(config: Config) -> Router:
                          f"{' '.join(str(exc).split())[:200]}") from None
     cache = config.cache
     hasher = BlockHasher.for_model(model_identity(source), config.resolved_dtype(), cache.block_size, cache.hash,
-                                   batch_invariant=config.model.batch_invariant)
+                                   batch_invariant=config.model.batch_invariant,
+                                   kv_dtype=config.resolved_kv_cache_dtype())
     return Router(config, tokenizer, hasher)
 
 

@@ -1,0 +1,110 @@
+"""What `cache.kv_cache_dtype` trades: the bytes of a block (so the blocks every tier holds and every
+promotion moves) against the answers, on the long-document QA development set.
+
+For each KV dtype (the model's dtype fixed), `cache_invariance.measure`: documents cut to `--doc-tokens`,
+each cached by a first question; each further question answered greedily from the cache (a device hit)
+and by an engine with prefix caching off. Reported per KV dtype: a block's bytes and the blocks 1 GiB
+holds; how many uncached answers equal those of the first KV dtype listed (`auto`: the model's own
+dtype), where the first differing token is, and how far the first token's log-probability moved (what
+the narrower K/V change); cached against uncached within the KV dtype (what caching changes); and the
+median TTFT of the uncached and the cached prompts, side by side in one run (a busy machine moves
+these, not the answers).
+
+    python benchmarks/kv_cache_dtype.py [--kv-dtypes auto,bfloat16,fp8,fp8_e5m2] [--docs 4] [--doc-tokens 1000]
+
+Writes `<out-dir>/kv_cache_dtype.json` and `.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.cache_invariance import measure  # noqa: E402
+from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.ttft_pressure import DEFAULT_DATA, command_line, save_result  # noqa: E402
+from benchmarks.ttft_workload import load_questions  # noqa: E402
+
+GIB = 1024**3
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "default.yaml"))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--kv-dtypes", default="auto,bfloat16,fp8,fp8_e5m2",
+                   help="cache.kv_cache_dtype values, comma separated; the first is the reference")
+    p.add_argument("--data", default=str(DEFAULT_DATA))
+    p.add_argument("--docs", type=int, default=4, help="documents (each gives all but its first question)")
+    p.add_argument("--doc-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
+    p.add_argument("--name", default="kv_cache_dtype", help="stem of the output files")
+    return p.parse_args(argv)
+
+
+def compare(reference: dict, measured: dict) -> dict:
+    """How the uncached answers of one KV dtype differ from the reference KV dtype's, prompt by prompt."""
+    first_differences, logprob_moves = [], []
+    for ref, row in zip(reference["prompts"], measured["prompts"]):
+        assert (ref["doc"], ref["question"]) == (row["doc"], row["question"])
+        ours, theirs = row["uncached_token_ids"], ref["uncached_token_ids"]
+        first_differences.append(next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None))
+        logprob_moves.append(abs(row["uncached_first_logprob"] - ref["uncached_first_logprob"]))
+    return {"same_answers": sum(d is None for d in first_differences), "first_differences": first_differences,
+            "first_token_logprob_move_mean": statistics.fmean(logprob_moves),
+            "first_token_logprob_move_max": max(logprob_moves)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from kvstrata import load_config
+
+    base = load_config(args.config, [*args.overrides, "cache.tiers.cpu=null", "cache.tiers.disk=null"])
+    questions = load_questions(args.data)
+    by_kv_dtype = {}
+    for kv_dtype in [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]:
+        config = load_config(base, {"cache.kv_cache_dtype": kv_dtype})
+        print(f"kv_cache_dtype {kv_dtype} ({config.resolved_kv_cache_dtype()}):", flush=True)
+        by_kv_dtype[kv_dtype] = measure(config, questions, args)
+    reference = next(iter(by_kv_dtype.values()))
+    for measured in by_kv_dtype.values():
+        measured["against_reference"] = compare(reference, measured)
+    result = {"benchmark": "kv_cache_dtype", "command": command_line(), "machine": machine_line(),
+              "model": base.model.name, "dtype": base.resolved_dtype(), "doc_tokens": args.doc_tokens,
+              "max_tokens": args.max_tokens, "by_kv_dtype": by_kv_dtype}
+    save_result(args.out_dir, args.name, result, markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    names = list(result["by_kv_dtype"])
+    lines = ["# KV cache dtype: bytes against answers", "",
+             f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
+             f"Model: {result['model']} in {result['dtype']}; documents of the development set cut to "
+             f"{result['doc_tokens']} tokens, each cached by its first question; each further question's greedy "
+             f"answer ({result['max_tokens']} tokens, end of sequence ignored) with prefix caching off "
+             f"(against `{names[0]}`'s) and from the cache (against its own uncached answer).", "",
+             f"| kv_cache_dtype | block bytes | blocks in 1 GiB | answers as `{names[0]}`'s | first differing token "
+             "| first-token logprob moved, mean / max | cached answers as uncached | TTFT uncached p50 ms "
+             "| TTFT cached p50 ms |",
+             "|---|---:|---:|---|---|---|---|---:|---:|"]
+    for name, m in result["by_kv_dtype"].items():
+        against = m["against_reference"]
+        where = ", ".join(str(d) for d in against["first_differences"] if d is not None) or "–"
+        uncached = statistics.median(r["uncached_ttft_s"] for r in m["prompts"]) * 1000
+        cached = statistics.median(r["cached_ttft_s"] for r in m["prompts"]) * 1000
+        lines.append(f"| {name} | {m['block_bytes']} | {GIB // m['block_bytes']} | {against['same_answers']} of "
+                     f"{m['total']} | {where} | {against['first_token_logprob_move_mean']:.4f} / "
+                     f"{against['first_token_logprob_move_max']:.4f} | {m['total'] - m['differ']} of {m['total']} "
+                     f"| {uncached:.0f} | {cached:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
