@@ -18,8 +18,8 @@ Sections, in the order they run (all by default, `--sections` picks some):
   against the same kernel in one pass (benchmarks/kernels.py's tables).
 - ttft: single-request TTFT of long-document QA, a document of ~4k and ~7k tokens (`--doc-tokens`) plus a
   question from benchmarks/data, for SmolLM2 and a Llama-3-8B-shaped model with random weights
-  (`load_format: dummy`), in bf16 and fp32: a miss, a device hit, a CPU-tier hit (the device's cached
-  blocks dropped) and a disk hit after a restart (a fresh engine, device and CPU tiers empty, on the disk
+  (`load_format: dummy`), in bf16, fp32 and bf16 with fp8 K/V (`--dtypes`): a miss, a device hit, a CPU-tier
+  hit (the device's cached blocks dropped) and a disk hit after a restart (a fresh engine, device and CPU tiers empty, on the disk
   store the first engine closed; the same process, so the page cache is warm), each hit on a question the
   document has not been asked yet, and a cold 64-token prompt. Median of `--repeats` passes after one
   warm-up pass; each pass has its own `cache_salt`, so nothing carries over, and background write-downs
@@ -243,8 +243,10 @@ def engine_config(plan: Plan, model: ModelCase, dtype: str, prompt_tokens: int, 
     from benchmarks.ttft_workload import blocks_for
 
     blocks = blocks_for(prompt_tokens + plan.stream_tokens, 16)
+    model_dtype, _, kv_cache_dtype = dtype.partition("/")  # "bfloat16/fp8": fp8 K/V beside bf16 weights
     return load_config(GPU_CONFIG, {
-        "model.name": model.name, "model.load_format": model.load_format, "model.dtype": dtype,
+        "model.name": model.name, "model.load_format": model.load_format, "model.dtype": model_dtype,
+        "cache.kv_cache_dtype": kv_cache_dtype or "auto",
         "model.device": plan.device, "cache.block_size": 16, "cache.offload": "write_through",
         "cache.tiers.device.size": 3 * blocks, "cache.tiers.cpu.size": 2 * blocks,
         "cache.tiers.disk.path": str(disk_path), "cache.tiers.disk.size": 2 * blocks,
@@ -611,11 +613,15 @@ def gap_lines(gaps: list[dict], result: dict) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- main
 
+REPORT_DTYPES = ("bfloat16", "float32", "float16", "bfloat16/fp8", "float16/fp8", "bfloat16/fp8_e5m2")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma separated, of {', '.join(SECTIONS)}")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma separated, of {', '.join(MODELS)}")
-    p.add_argument("--dtypes", default="bfloat16,float32", help="comma separated: bfloat16, float32, float16")
+    p.add_argument("--dtypes", default="bfloat16,float32,bfloat16/fp8",
+                   help=f"comma separated, of {', '.join(REPORT_DTYPES)} (MODEL/KV: the K/V kept in cache.kv_cache_dtype KV)")
     p.add_argument("--doc-tokens", default="3750,7050", help="document lengths in tokens, comma separated")
     p.add_argument("--repeats", type=int, default=3, help="measured passes per TTFT row (after one warm-up)")
     p.add_argument("--out", default=None, help=f"the report (default {DEFAULT_OUT.relative_to(REPO_ROOT)}); "
@@ -624,7 +630,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="every section on the CPU with tiny shapes (needs --out): checks the report runs")
     args = p.parse_args(argv)
     for name, known in (("sections", SECTIONS), ("models", tuple(MODELS)),
-                        ("dtypes", ("bfloat16", "float32", "float16"))):
+                        ("dtypes", REPORT_DTYPES)):
         values = [v.strip() for v in getattr(args, name).split(",") if v.strip()]
         unknown = [v for v in values if v not in known]
         if unknown or not values:

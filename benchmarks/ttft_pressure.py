@@ -403,8 +403,11 @@ def block_layout(config, loaded):
     """The KV block layout the engines use (as LLMEngine builds it)."""
     from kvstrata.tiers.base import BlockLayout
 
+    import torch
+
     mc = loaded.model_config
-    return BlockLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim, loaded.dtype)
+    return BlockLayout(mc.num_layers, config.cache.block_size, mc.num_kv_heads, mc.head_dim,
+                       getattr(torch, config.resolved_kv_cache_dtype()))
 
 
 def run_replica_set(name: str, configs: list, loaded, prompts: list[QAPrompt]) -> dict:
