@@ -108,6 +108,8 @@ class SamplingParams:
         """The parameters of the prompt's `choice`-th sequence (n=1): with a seed, seed + choice
         (vLLM's rule, wrapping within 64 bits), so that seeded sequences differ from one another
         and the same request gives the same sequences again."""
+        if self.n == 1 and choice == 0:
+            return self  # one sequence: the request's own parameters, as given
         seed = self.seed if self.seed is None else (self.seed + choice - _SEED_RANGE[0]) % 2**64 + _SEED_RANGE[0]
         return dataclasses.replace(self, n=1, seed=seed)
 

@@ -57,11 +57,14 @@ def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, layer,
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     if BOUND > 0:  # a narrower cache (see `saturation`)
-        key = tl.minimum(tl.maximum(key.to(tl.float32), -BOUND), BOUND)
-        value = tl.minimum(tl.maximum(value.to(tl.float32), -BOUND), BOUND)
+        stored_key = tl.minimum(tl.maximum(key.to(tl.float32), -BOUND), BOUND).to(cache_ptr.dtype.element_ty)
+        stored_value = tl.minimum(tl.maximum(value.to(tl.float32), -BOUND), BOUND).to(cache_ptr.dtype.element_ty)
+    else:
+        stored_key = key.to(cache_ptr.dtype.element_ty)
+        stored_value = value.to(cache_ptr.dtype.element_ty)
     dst = cache_ptr + block_id * stride_cb + layer * stride_cl + offset * stride_cs + heads * stride_ch + dims
-    tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_ckv, value.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, stored_key, mask=mask)
+    tl.store(dst + stride_ckv, stored_value, mask=mask)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
