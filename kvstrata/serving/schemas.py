@@ -25,6 +25,7 @@ def _valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 Item = TypeVar("Item")
 
+
 def _no_op_only(*no_op_values: Any):
     """The type of a field this server does not implement: null or one of `no_op_values` only."""
 
