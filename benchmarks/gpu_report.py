@@ -613,7 +613,7 @@ def gap_lines(gaps: list[dict], result: dict) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- main
 
-REPORT_DTYPES = ("bfloat16", "float32", "float16", "bfloat16/fp8", "float16/fp8", "bfloat16/fp8_e5m2")
+REPORT_DTYPES = ("bfloat16", "float32", "float16", "bfloat16/fp8", "float16/fp8", "bfloat16/fp8_e5m2", "bfloat16/int8")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

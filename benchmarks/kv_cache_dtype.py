@@ -10,7 +10,12 @@ the narrower K/V change); cached against uncached within the KV dtype (what cach
 median TTFT of the uncached and the cached prompts, side by side in one run (a busy machine moves
 these, not the answers).
 
-    python benchmarks/kv_cache_dtype.py [--kv-dtypes auto,bfloat16,fp8,fp8_e5m2] [--docs 4] [--doc-tokens 1000]
+Then what each format does to the model's own K/V (`kv_errors`): the documents' K and V as the model
+computes them (an `auto` cache), kept in each format and read back, as a relative error (the norm of the
+difference over the norm, per layer, K and V apart), beside fp8 with a scale of its own per row (what a
+scaled fp8 cache could at best do; not an option) to show where fp8 loses.
+
+    python benchmarks/kv_cache_dtype.py [--kv-dtypes auto,bfloat16,int8,fp8,fp8_e5m2] [--docs 4] [--doc-tokens 1000]
 
 Writes `<out-dir>/kv_cache_dtype.json` and `.md`.
 """
@@ -27,8 +32,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.cache_invariance import measure  # noqa: E402
 from benchmarks.machine import machine_line  # noqa: E402
-from benchmarks.ttft_pressure import DEFAULT_DATA, command_line, save_result  # noqa: E402
-from benchmarks.ttft_workload import load_questions  # noqa: E402
+from benchmarks.ttft_pressure import DEFAULT_DATA, command_line, render_chat, save_result  # noqa: E402
+from benchmarks.ttft_workload import cut_document, load_document, load_questions  # noqa: E402
 
 GIB = 1024**3
 
@@ -37,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(REPO_ROOT / "configs" / "default.yaml"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--kv-dtypes", default="auto,bfloat16,fp8,fp8_e5m2",
+    p.add_argument("--kv-dtypes", default="auto,bfloat16,int8,fp8,fp8_e5m2",
                    help="cache.kv_cache_dtype values, comma separated; the first is the reference")
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--docs", type=int, default=4, help="documents (each gives all but its first question)")
@@ -61,6 +66,52 @@ def compare(reference: dict, measured: dict) -> dict:
             "first_token_logprob_move_max": max(logprob_moves)}
 
 
+def held_in_formats():
+    """How each format keeps a float32 tensor `x [..., head_dim]` and gives it back (what the engine's
+    store and attention do), by the name the table shows."""
+    import torch
+
+    from kvstrata.kernels.kv_store import dequantize_rows, quantize_rows
+
+    def cast(dtype):
+        bound = torch.finfo(dtype).max
+        return lambda x: x.clamp(-bound, bound).to(dtype).float()
+
+    def fp8_scaled_per_row(x):
+        scale = (x.abs().amax(dim=-1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max).clamp_min(1e-30)
+        return (x / scale).to(torch.float8_e4m3fn).float() * scale
+
+    return {"bfloat16": cast(torch.bfloat16), "int8": lambda x: dequantize_rows(quantize_rows(x)),
+            "fp8": cast(torch.float8_e4m3fn), "fp8, scaled per row (not an option)": fp8_scaled_per_row,
+            "fp8_e5m2": cast(torch.float8_e5m2)}
+
+
+def kv_errors(config, questions, args) -> dict:
+    """Relative error of the documents' K/V (as an `auto` cache holds them) in each format: per layer,
+    K and V apart, the norm of what the format changes over the norm; mean and worst over layers."""
+    from kvstrata import LLM, SamplingParams, load_config
+
+    llm = LLM(load_config(config, {"cache.kv_cache_dtype": "auto"}))
+    encode = lambda text: llm.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for doc in list(questions)[:args.docs]:
+        document = cut_document(load_document(doc), args.doc_tokens, encode, llm.tokenizer.decode)
+        llm.generate(render_chat(llm.tokenizer, f"{document}\n\nQuestion: {questions[doc][0]}"),
+                     SamplingParams(max_tokens=1, temperature=0.0))
+    hierarchy = llm.engine.hierarchy
+    cached = [b.block_id for b in hierarchy.pool.blocks if b.block_hash is not None]
+    kv = hierarchy.kv_cache[cached].float()  # [blocks, layers, 2, block_size, kv_heads, head_dim]
+    llm.close()
+    errors = {}
+    for name, held_as in held_in_formats().items():
+        per_layer = {}
+        for index, part in enumerate(("key", "value")):
+            x = kv[:, :, index].transpose(0, 1).flatten(1)  # [layers, tokens x heads x dims]
+            held = held_as(kv[:, :, index]).transpose(0, 1).flatten(1)
+            per_layer[part] = ((held - x).norm(dim=1) / x.norm(dim=1)).tolist()
+        errors[name] = {part: {"mean": statistics.fmean(v), "max": max(v)} for part, v in per_layer.items()}
+    return {"blocks": len(cached), "errors": errors}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from kvstrata import load_config
@@ -75,9 +126,11 @@ def main(argv=None) -> int:
     reference = next(iter(by_kv_dtype.values()))
     for measured in by_kv_dtype.values():
         measured["against_reference"] = compare(reference, measured)
+    print("K/V error of each format:", flush=True)
     result = {"benchmark": "kv_cache_dtype", "command": command_line(), "machine": machine_line(),
               "model": base.model.name, "dtype": base.resolved_dtype(), "doc_tokens": args.doc_tokens,
-              "max_tokens": args.max_tokens, "by_kv_dtype": by_kv_dtype}
+              "max_tokens": args.max_tokens, "by_kv_dtype": by_kv_dtype,
+              "kv_errors": kv_errors(base, questions, args)}
     save_result(args.out_dir, args.name, result, markdown(result))
     return 0
 
@@ -103,6 +156,14 @@ def markdown(result: dict) -> str:
                      f"{m['total']} | {where} | {against['first_token_logprob_move_mean']:.4f} / "
                      f"{against['first_token_logprob_move_max']:.4f} | {m['total'] - m['differ']} of {m['total']} "
                      f"| {uncached:.0f} | {cached:.0f} |")
+    kv_errors = result["kv_errors"]
+    lines += ["", f"What each format changes in the model's own K/V ({kv_errors['blocks']} blocks of the documents "
+              f"above, as the {result['dtype']} model computes them): norm of the change over the norm, per layer, "
+              "mean / worst over layers.", "",
+              "| format | K error mean / worst | V error mean / worst |", "|---|---|---|"]
+    for name, e in kv_errors["errors"].items():
+        lines.append(f"| {name} | {e['key']['mean']:.4f} / {e['key']['max']:.4f} | "
+                     f"{e['value']['mean']:.4f} / {e['value']['max']:.4f} |")
     return "\n".join(lines) + "\n"
 
 

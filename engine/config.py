@@ -66,9 +66,9 @@ from kvstrata.tiers.remote_url import SECRET_MASK, check_url, masked_url
 from kvstrata.tiers.storage import check_room, format_bytes, prepare_private_dir
 
 DEFAULT_DEVICE_TIER_SIZE = Size(nbytes=1024**3)
-DTYPE_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 # `cache.kv_cache_dtype` (vLLM's names) -> the torch dtype the K/V are kept in; auto: the model's dtype
-KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+# (int8: llama.cpp's q8_0 idea, rows scaled one by one, see kernels/kv_format.py)
+KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "int8": "int8",
                    "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 # `model.threads: auto` never picks more: past this, one request's matmuls gain little from more
 # threads and a busy machine's scheduling noise grows (see `default_threads`).
@@ -135,7 +135,7 @@ def _size_value(size: Size) -> int | str:
 
 
 Dtype = Annotated[Literal["auto", "float32", "bfloat16", "float16"], BeforeValidator(_canonical_dtype)]
-KVCacheDtype = Annotated[Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32"],
+KVCacheDtype = Annotated[Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "bfloat16", "float16", "float32"],
                          BeforeValidator(_canonical_dtype)]
 SizeField = Annotated[Size, PlainValidator(Size.parse), PlainSerializer(_size_value)]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -386,7 +386,8 @@ class CacheConfig(_Section):
     # whether a prefix found below the device is loaded or recomputed (engine/load_policy.py)
     load_policy: Literal["auto", "always_load", "always_recompute"] = "auto"
     # what the K/V are kept in, on the device and in every tier: auto is the model's dtype; fp8 (e4m3)
-    # halves a bf16 block and quarters a float32 one (README, "KV cache dtype")
+    # halves a bf16 block and quarters a float32 one; int8 (scaled rows) nearly so, losing less
+    # (README, "KV cache dtype")
     kv_cache_dtype: KVCacheDtype = "auto"
 
     @field_validator("tiers", mode="before")
@@ -889,8 +890,8 @@ class _TierBytes:
     @property
     def block_nbytes(self) -> int:
         if self._block_nbytes is None:
-            dtype_nbytes = DTYPE_NBYTES[_dtype_for_sizing(self.config)]
-            self._block_nbytes = self.config.model.shape().kv_block_nbytes(self.config.cache.block_size, dtype_nbytes)
+            self._block_nbytes = self.config.model.shape().kv_block_nbytes(self.config.cache.block_size,
+                                                                           _dtype_for_sizing(self.config))
         return self._block_nbytes
 
     def __call__(self, size: Size) -> int:

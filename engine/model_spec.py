@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvstrata.kernels.kv_format import row_width
+
 EMBEDDED_MODEL = "smollm2-135m-instruct"
+DTYPE_NBYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
 
 # The families whose attention kvstrata runs: a decoder-only transformer with rotary positions,
 # (grouped-query) attention over `head_dim`-sized heads and nothing else that reads past tokens.
@@ -61,9 +64,12 @@ class ModelShape:
     vocab_size: int
     max_model_len: int  # the longest sequence kvstrata runs exactly (see `read_shape`)
 
-    def kv_block_nbytes(self, block_size: int, dtype_nbytes: int) -> int:
-        """Bytes of one KV block: `[num_layers, 2, block_size, num_kv_heads, head_dim]` elements."""
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * dtype_nbytes
+    def kv_block_nbytes(self, block_size: int, dtype_name: str) -> int:
+        """Bytes of one KV block: `[num_layers, 2, block_size, num_kv_heads, row]` elements of `dtype_name` (a
+        torch dtype name), a row being head_dim values (and a scale for int8, kernels/kv_format.py)."""
+        element_nbytes = DTYPE_NBYTES[dtype_name]
+        row_nbytes = row_width(self.head_dim, dtype_name) * element_nbytes
+        return self.num_layers * 2 * block_size * self.num_kv_heads * row_nbytes
 
 
 # SmolLM2-135M-Instruct, as its GGUF describes it (checked against the loaded model in tests).

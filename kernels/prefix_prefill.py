@@ -16,13 +16,16 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kvstrata.kernels.kv_format import is_scaled, row_width
+from kvstrata.kernels.kv_store import dequantize_rows
 from kvstrata.kernels.triton_compat import check_launchable, tl, triton
 
 
 def gather_sequence_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor,
                        seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence's first `seq_len` positions, `[num_kv_heads, seq_len, head_dim]` each:
-    whole blocks are selected at once, then the tail of the last (partial) block is cut off."""
+    whole blocks are selected at once, then the tail of the last (partial) block is cut off. Scaled
+    (int8) rows come back as float32 values."""
     block_size = kv_cache.shape[3]
     num_blocks = -(-seq_len // block_size)
     block_ids = block_table[:num_blocks].to(device=kv_cache.device, dtype=torch.long)
@@ -30,6 +33,8 @@ def gather_sequence_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Te
     blocks = kv_cache[block_ids, layer]  # [n, 2, block_size, kv_heads, head_dim]
     key = blocks[:, 0].reshape(num_blocks * block_size, *blocks.shape[-2:])[:seq_len]
     value = blocks[:, 1].reshape(num_blocks * block_size, *blocks.shape[-2:])[:seq_len]
+    if is_scaled(str(kv_cache.dtype)):
+        key, value = dequantize_rows(key), dequantize_rows(value)
     return key.transpose(0, 1), value.transpose(0, 1)
 
 
@@ -231,10 +236,11 @@ def _key_tiles_per_split(kv_len, num_splits, min_tiles_per_split, TILE_N: tl.con
 
 @triton.jit
 def _attend_tile(acc, row_max, row_sum, q, key_start, query_pos, block_table_ptr, k_base, v_base, kv_len,
-                 stride_cb, stride_cs, qk_scale,
+                 stride_cb, stride_cs, qk_scale, head_dim,
                  offs_n, offs_d, d_mask, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """Fold keys [key_start, key_start + TILE_N) into the running softmax state (acc, row_max, row_sum)."""
+                 DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
+    """Fold keys [key_start, key_start + TILE_N) into the running softmax state (acc, row_max, row_sum).
+    SCALED: the cache's rows are int8 values followed by their float32 scale (kernels/kv_format.py)."""
     key_pos = key_start + offs_n
     if MASKED:
         key_ok = key_pos < kv_len
@@ -246,6 +252,13 @@ def _attend_tile(acc, row_max, row_sum, q, key_start, query_pos, block_table_ptr
     kv_mask = key_ok[None, :] & d_mask[:, None]
     k = tl.load(k_base + token_offsets[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)  # [HEAD_DIM, TILE_N]
     v = tl.load(v_base + token_offsets[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_mask[None, :], other=0.0)
+    if SCALED:  # the values times their row's scale, in float32 (as `dequantize_rows`)
+        k_scale = tl.load((k_base + token_offsets + head_dim).to(tl.pointer_type(tl.float32), bitcast=True),
+                          mask=key_ok, other=0.0)
+        v_scale = tl.load((v_base + token_offsets + head_dim).to(tl.pointer_type(tl.float32), bitcast=True),
+                          mask=key_ok, other=0.0)
+        k = k.to(tl.float32) * k_scale[None, :]
+        v = v.to(tl.float32) * v_scale[:, None]
     scores = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2
     if MASKED:
         scores = tl.where(key_pos[None, :] <= query_pos[:, None], scores, float("-inf"))
@@ -273,7 +286,7 @@ def _prefix_prefill_kernel(
         stride_cb, stride_cl, stride_ckv, stride_cs, stride_ch, stride_bt,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SPLIT: tl.constexpr, FIXED_TILES_PER_SPLIT: tl.constexpr, ALIGNED: tl.constexpr):
+        SPLIT: tl.constexpr, FIXED_TILES_PER_SPLIT: tl.constexpr, ALIGNED: tl.constexpr, SCALED: tl.constexpr):
     tile_index = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -323,12 +336,14 @@ def _prefix_prefill_kernel(
     end_tile = tl.minimum(first_tile + tiles_per_split, tl.cdiv(last_query_pos + 1, TILE_N))
     for tile in range(first_tile, tl.minimum(end_tile, num_open_tiles)):
         acc, row_max, row_sum = _attend_tile(acc, row_max, row_sum, q, tile * TILE_N, query_pos, block_table_ptr,
-                                             k_base, v_base, kv_len, stride_cb, stride_cs, qk_scale,
-                                             offs_n, offs_d, d_mask, BLOCK_SIZE, False, DOT_DTYPE, DOT_PRECISION)
+                                             k_base, v_base, kv_len, stride_cb, stride_cs, qk_scale, head_dim,
+                                             offs_n, offs_d, d_mask, BLOCK_SIZE, False, DOT_DTYPE, DOT_PRECISION,
+                                             SCALED)
     for tile in range(tl.maximum(first_tile, num_open_tiles), end_tile):
         acc, row_max, row_sum = _attend_tile(acc, row_max, row_sum, q, tile * TILE_N, query_pos, block_table_ptr,
-                                             k_base, v_base, kv_len, stride_cb, stride_cs, qk_scale,
-                                             offs_n, offs_d, d_mask, BLOCK_SIZE, True, DOT_DTYPE, DOT_PRECISION)
+                                             k_base, v_base, kv_len, stride_cb, stride_cs, qk_scale, head_dim,
+                                             offs_n, offs_d, d_mask, BLOCK_SIZE, True, DOT_DTYPE, DOT_PRECISION,
+                                             SCALED)
 
     # Every row sees key 0, so only a split's rows can end with an empty sum: they store 0 and an LSE of -inf.
     seen = row_sum > 0
@@ -378,8 +393,9 @@ def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, num_splits, 
 _LOG2E = 1.4426950408889634
 _MERGE_CHUNK = 1024  # output elements per merge program
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# a cache may be kept narrower than the queries (`cache.kv_cache_dtype`): its tiles are cast up on load
-_KV_DTYPES = (*_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)
+# a cache may be kept narrower than the queries (`cache.kv_cache_dtype`): its tiles are cast up on load (int8 rows
+# times their scales)
+_KV_DTYPES = (*_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 # Split-KV policy. A split shorter than this many keys would spend more on its fixed cost (loading its queries,
 # writing and merging a partial output) than on keys; the cap bounds the merge's vector of splits.
 MIN_KEYS_PER_SPLIT = 256
@@ -397,7 +413,7 @@ def _check_prefill_args(query, kv_cache, layer, block_tables, query_start_loc, s
                          f"{tuple(query.shape)} and {tuple(kv_cache.shape)}")
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = kv_cache.shape[4]
-    if kv_cache.shape[5] != head_dim or num_heads % num_kv_heads:
+    if kv_cache.shape[5] != row_width(head_dim, str(kv_cache.dtype)) or num_heads % num_kv_heads:
         raise ValueError(f"prefix_prefill: {num_heads} query heads of dim {head_dim} cannot read kv_cache "
                          f"{tuple(kv_cache.shape)} (heads must be a multiple of kv heads)")
     if query.dtype not in _DTYPES or kv_cache.dtype not in _KV_DTYPES:
@@ -517,7 +533,8 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
         block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         HEAD_DIM=head_dim_padded, DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-        SPLIT=split, FIXED_TILES_PER_SPLIT=fixed_tiles_per_split, ALIGNED=batch_invariant)
+        SPLIT=split, FIXED_TILES_PER_SPLIT=fixed_tiles_per_split, ALIGNED=batch_invariant,
+        SCALED=is_scaled(str(kv_cache.dtype)))
     if split:
         _merge_splits_kernel[(triton.cdiv(num_rows * head_dim, _MERGE_CHUNK),)](
             out, partial_out, partial_lse, num_splits, num_heads, head_dim, num_rows,

@@ -36,9 +36,11 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET to compile for a GPU"
     metadata = {"block_tables_ptr": "i32", "query_start_loc_ptr": "i32", "seq_lens_ptr": "i32"}
     variants = [  # (dtype, cache dtype, GQA group, BLOCK_M, TILE_N, head dim, block size): SmolLM2 prefill,
-        ("bf16", "bf16", tl.bfloat16, 3, 64, 64, 64, 16),  # Llama decode, and an fp8 cache (cache.kv_cache_dtype)
+        ("bf16", "bf16", tl.bfloat16, 3, 64, 64, 64, 16),  # Llama decode, fp8 and int8 caches (kv_cache_dtype)
         ("fp32", "fp32", tl.float32, 4, 16, 32, 128, 8),
         ("bf16", "fp8e4nv", tl.bfloat16, 3, 64, 64, 64, 16),
+        ("bf16", "i8", tl.bfloat16, 3, 64, 64, 64, 16),
+        ("fp32", "i8", tl.float32, 4, 16, 32, 128, 8),
     ]
     for dtype, cache_dtype, dot_dtype, group, block_m, tile_n, head_dim, block_size in variants:
         tensors = {"query_ptr": dtype, "cache_ptr": cache_dtype, "out_ptr": dtype, **metadata}
@@ -51,7 +53,7 @@ def main() -> None:
                 "TILE_N": tile_n, "HEAD_DIM": head_dim, "DOT_DTYPE": dot_dtype,
                 "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32", "SPLIT": split,
                 "FIXED_TILES_PER_SPLIT": prefix_prefill.INVARIANT_KEYS_PER_SPLIT // tile_n if invariant else 0,
-                "ALIGNED": invariant})
+                "ALIGNED": invariant, "SCALED": cache_dtype == "i8"})
     for dtype in ("bf16", "fp32"):
         compile_for_gpu(prefix_prefill._merge_splits_kernel, {
             "out_ptr": dtype, "partial_out_ptr": "fp32", "partial_lse_ptr": "fp32"}, {"CHUNK": 1024})
@@ -63,9 +65,11 @@ def main() -> None:
             "DOT_PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32"})
     compile_for_gpu(batch_invariant._mean_last_dim_kernel, {"x_ptr": "fp32", "out_ptr": "fp32"},
                     {"BLOCK": batch_invariant.MEAN_BLOCK})
-    for dtype, cache_dtype, bound in (("bf16", "bf16", 0.0), ("bf16", "fp8e4nv", 448.0), ("fp32", "fp8e5", 57344.0)):
+    for dtype, cache_dtype, bound in (("bf16", "bf16", 0.0), ("bf16", "fp8e4nv", 448.0), ("fp32", "fp8e5", 57344.0),
+                                      ("bf16", "i8", 0.0), ("fp32", "i8", 0.0)):
         compile_for_gpu(kv_store._store_kv_kernel, {"key_ptr": dtype, "value_ptr": dtype, "cache_ptr": cache_dtype,
-                                                    "slot_ptr": "i64"}, {"HEADS": 4, "HEAD_DIM": 64, "BOUND": bound})
+                                                    "slot_ptr": "i64"},
+                        {"HEADS": 4, "HEAD_DIM": 64, "BOUND": bound, "SCALED": cache_dtype == "i8"})
     for gather in (True, False):
         compile_for_gpu(block_copy._copy_blocks_kernel, {"src_ptr": "bf16", "dst_ptr": "bf16",
                                                          "src_index_ptr": "i64", "dst_index_ptr": "i64"},

@@ -1,6 +1,6 @@
 """Run the Triton prefix-prefill compiled for this machine's GPU over the grid of realistic shapes in
 kernel_cases.CUDA_CASES (SmolLM2 and Llama-3-8B heads, contexts to 8k, bf16/fp16/fp32, split-KV chosen, off and
-forced) and check each case as the interpreter tests do (`check_prefill`); then a KV cache kept in fp8
+forced) and check each case as the interpreter tests do (`check_prefill`); then a KV cache kept in fp8 or int8
 (KV_DTYPE_CASES: stores rounded as torch rounds, bit for bit, and prefill over it). Prints one JSON line per case:
 `{"case", "num_splits", "error"}`, where num_splits is the automatic choice for this GPU and error is None or the
 first lines of the failure. Needs CUDA and TRITON_INTERPRET unset; tests/test_kernels_cuda.py runs it:
@@ -9,13 +9,14 @@ first lines of the failure. Needs CUDA and TRITON_INTERPRET unset; tests/test_ke
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 import torch
 from kernel_cases import (CUDA_BATCHES, CUDA_CASES, CUDA_DTYPES, CUDA_HEAD_SHAPES, CUDA_SPLITS, KV_DTYPE_CASES,
-                          CudaCase, check_prefill, make_paged_problem, naive_attention)
+                          CudaCase, check_prefill, make_paged_problem, naive_attention, narrow_cache_problem)
+
+from kvstrata.kernels.kv_format import row_width
 
 from kvstrata.kernels.kv_store import reference_store_kv, store_kv
 from kvstrata.kernels.prefix_prefill import choose_num_splits, prefix_prefill, sm_count
@@ -41,8 +42,9 @@ def run_case(case: CudaCase, device: torch.device) -> dict:
 
 
 def run_kv_dtype_case(name: str, device: torch.device) -> dict:
-    """`store-<fp8>`: random bf16 K/V (and values beyond the range) stored bit for bit as torch's cast stores
-    them; `prefill-<fp8>`: SmolLM2's heads over a 7k-token context held in fp8, against dense attention."""
+    """`store-<dtype>`: random bf16 K/V (and values beyond fp8's range) stored bit for bit as the torch
+    reference stores them (fp8: torch's cast; int8: the same float32 operations, divisions IEEE-rounded);
+    `prefill-<dtype>`: SmolLM2's heads over a 7k-token context held in it, against dense attention."""
     cache_dtype = KV_DTYPE_CASES[name]
     error = None
     try:
@@ -52,18 +54,17 @@ def run_kv_dtype_case(name: str, device: torch.device) -> dict:
             value = torch.randn(4096, 8, 128, generator=gen).to(torch.bfloat16).to(device)
             key[0, 0, :2] = torch.tensor([1e6, -1e6])
             slots = torch.randperm(256 * 16, generator=gen)[:4096].to(device)
-            kv_cache = torch.zeros(256, 2, 2, 16, 8, 128, dtype=cache_dtype, device=device)
+            kv_cache = torch.zeros(256, 2, 2, 16, 8, row_width(128, str(cache_dtype)), dtype=cache_dtype,
+                                   device=device)
             expected = kv_cache.clone()
             store_kv(key, value, kv_cache, 1, slots)
             reference_store_kv(key, value, expected, 1, slots)
-            assert torch.equal(kv_cache.view(torch.uint8), expected.view(torch.uint8)), "differs from torch's cast"
+            assert torch.equal(kv_cache.view(torch.uint8), expected.view(torch.uint8)), "differs from the torch reference"
         else:
             num_heads, num_kv_heads, head_dim = CUDA_HEAD_SHAPES["smollm2"]
             problem = make_paged_problem(CUDA_BATCHES["question-7k"], num_heads=num_heads, num_kv_heads=num_kv_heads,
                                          head_dim=head_dim, block_size=BLOCK_SIZE, dtype=torch.bfloat16)
-            held = [t.to(cache_dtype).to(torch.bfloat16) for t in (*problem.keys, *problem.values)]
-            problem = dataclasses.replace(problem, kv_cache=problem.kv_cache.to(cache_dtype),
-                                          keys=held[:len(problem.keys)], values=held[len(problem.keys):]).to(device)
+            problem = narrow_cache_problem(problem, cache_dtype).to(device)
             out = prefix_prefill(*problem.args())
             torch.testing.assert_close(out.double(), naive_attention(problem), atol=1.6e-2, rtol=1.6e-2)
         torch.cuda.synchronize(device)

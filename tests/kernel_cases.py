@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata.kernels.kv_store import dequantize_rows, quantize_rows
 from kvstrata.kernels.prefix_prefill import prefix_prefill, reference_prefix_prefill
 
 # Unused block-table entries: a block id far out of range, so a kernel that reads one fails or goes wrong.
@@ -70,6 +71,25 @@ def make_paged_problem(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_he
     seq_lens = torch.tensor([ctx + q for ctx, q in seqs], dtype=torch.int32)
     return PagedProblem(torch.cat(queries), kv_cache, layer, block_tables, query_start_loc, seq_lens, keys, values,
                         scale=head_dim ** -0.5)
+
+
+def kept_in(t: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """`t [..., head_dim]` as a cache of `cache_dtype` keeps it (int8: scaled rows, kernels/kv_format.py)."""
+    return quantize_rows(t) if cache_dtype == torch.int8 else t.to(cache_dtype)
+
+
+def held_in(t: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """The values of `t` a cache of `cache_dtype` gives back, in t's dtype."""
+    kept = kept_in(t, cache_dtype)
+    return (dequantize_rows(kept) if cache_dtype == torch.int8 else kept).to(t.dtype)
+
+
+def narrow_cache_problem(problem: PagedProblem, cache_dtype: torch.dtype) -> PagedProblem:
+    """The problem with its cache kept in `cache_dtype` (`cache.kv_cache_dtype`); the oracle attends to the values
+    that cache holds."""
+    return dataclasses.replace(problem, kv_cache=kept_in(problem.kv_cache, cache_dtype),
+                               keys=[held_in(k, cache_dtype) for k in problem.keys],
+                               values=[held_in(v, cache_dtype) for v in problem.values])
 
 
 def random_batch(seed: int, max_seqs: int = 6, max_context: int = 80, max_new: int = 40) -> list[tuple[int, int]]:
@@ -157,6 +177,7 @@ class CudaCase:
 CUDA_CASES = [CudaCase(heads, batch, dtype, splits) for heads in CUDA_HEAD_SHAPES for batch in CUDA_BATCHES
               for dtype in CUDA_DTYPES for splits in CUDA_SPLITS]
 
-# A cache kept in fp8 (`cache.kv_cache_dtype`), compiled: stores and a prefill over it (gpu_kernel_check.py).
+# A cache kept in fp8 or int8 (`cache.kv_cache_dtype`), compiled: stores and a prefill over it (gpu_kernel_check.py).
 KV_DTYPE_CASES = {f"{what}-{name}": dtype for what in ("store", "prefill")
-                  for name, dtype in (("fp8-e4m3", torch.float8_e4m3fn), ("fp8-e5m2", torch.float8_e5m2))}
+                  for name, dtype in (("fp8-e4m3", torch.float8_e4m3fn), ("fp8-e5m2", torch.float8_e5m2),
+                                      ("int8", torch.int8))}

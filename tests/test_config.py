@@ -163,6 +163,7 @@ def test_dtype_aliases_are_canonicalised(alias, dtype):
 @pytest.mark.parametrize("kv_cache_dtype, model_dtype, resolved", [
     ("auto", "float32", "float32"), ("auto", "bf16", "bfloat16"), ("fp8", "bfloat16", "float8_e4m3fn"),
     ("fp8_e4m3", "float32", "float8_e4m3fn"), ("FP8_E5M2", "float32", "float8_e5m2"), ("bf16", "float32", "bfloat16"),
+    ("int8", "bfloat16", "int8"),
 ])
 def test_the_kv_cache_dtype_is_the_models_unless_set(kv_cache_dtype, model_dtype, resolved):
     config = load_config({"model": {"dtype": model_dtype}, "cache": {"kv_cache_dtype": kv_cache_dtype}})
@@ -501,6 +502,20 @@ def test_block_counts_are_checked_like_byte_sizes_with_the_models_block_size(tie
     load_config(tiers(1998), {"model.dtype": "bfloat16"})
     load_config(tiers(3996), {"cache.kv_cache_dtype": "fp8"})
     assert config_error(tiers(4010), {"cache.kv_cache_dtype": "fp8"}).key == f"cache.tiers.{tier}.size"
+    # int8 rows carry a 4-byte scale beside 64 values: 68/256 of a float32 block, 3762 of them in the room of 999.5
+    load_config(tiers(3762), {"cache.kv_cache_dtype": "int8"})
+    assert config_error(tiers(3770), {"cache.kv_cache_dtype": "int8"}).key == f"cache.tiers.{tier}.size"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8", "int8"])
+def test_config_sizes_a_block_as_the_engine_lays_it_out(kv_cache_dtype):
+    """Tier sizes given in blocks are checked before torch is imported: the byte size used there is the
+    size of the block the tiers will hold."""
+    from kvstrata.tiers.base import BlockLayout
+
+    config = load_config({"model": {"dtype": "float32"}, "cache": {"kv_cache_dtype": kv_cache_dtype}})
+    layout = BlockLayout(30, config.cache.block_size, 3, 64, getattr(torch, config.resolved_kv_cache_dtype()))
+    assert config_module._TierBytes(config).block_nbytes == layout.block_nbytes
 
 
 def test_a_block_count_far_beyond_the_machine_is_refused_before_serving():

@@ -281,21 +281,25 @@ def test_both_scheduling_policies_give_the_uncached_outputs(loaded, reference, t
         llm.close()
 
 
-def test_an_fp8_cache_holds_a_quarter_of_the_bytes_and_in_batch_invariant_mode_gives_the_uncached_outputs(
-        loaded, tmp_path):
-    """fp8 K/V are lossy against the model's own (benchmarks/results/kv_cache_dtype.md), but the same
-    bytes whichever tier serves them: with batch-invariant reductions (the K/V of a document do not
+@pytest.mark.parametrize("kv_cache_dtype, kept_as, share_of_fp32", [
+    ("fp8", "float8_e4m3fn", 1 / 4),
+    ("int8", "int8", 68 / 256),  # a row of 64 one-byte values and its 4-byte scale, against 64 x 4 bytes
+])
+def test_a_narrow_cache_holds_fewer_bytes_and_in_batch_invariant_mode_gives_the_uncached_outputs(
+        loaded, tmp_path, kv_cache_dtype, kept_as, share_of_fp32):
+    """fp8 and int8 K/V are lossy against the model's own (benchmarks/results/kv_cache_dtype.md), but the
+    same bytes whichever tier serves them: with batch-invariant reductions (the K/V of a document do not
     depend on the prefill that computed them) a hit from the device, the CPU or the disk gives the
-    uncached fp8 engine's answer, log-probabilities bit for bit."""
+    uncached narrow engine's answer, log-probabilities bit for bit (int8: the scales travel with the rows)."""
     greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
-    fp8 = {"kv_cache_dtype": "fp8"}
-    engines = [LLM(load_config(config(tmp_path / name, enable_prefix_caching=caching, **fp8),
+    narrow = {"kv_cache_dtype": kv_cache_dtype}
+    engines = [LLM(load_config(config(tmp_path / name, enable_prefix_caching=caching, **narrow),
                                {"model.batch_invariant": True}), loaded_model=loaded)
                for name, caching in (("cached", True), ("uncached", False))]
     llm, uncached = engines
-    assert llm.stats()["block_bytes"] * 4 == LLM(load_config(config(tmp_path / "fp32")),
-                                                 loaded_model=loaded).stats()["block_bytes"]
-    assert llm.stats()["kv_cache_dtype"] == "float8_e4m3fn"
+    assert llm.stats()["block_bytes"] == share_of_fp32 * LLM(load_config(config(tmp_path / "fp32")),
+                                                             loaded_model=loaded).stats()["block_bytes"]
+    assert llm.stats()["kv_cache_dtype"] == kept_as
     messages = chat(DOCS["try"], QUESTIONS[1])
     expected = uncached.chat(messages, greedy)[0]
     assert llm.chat(chat(DOCS["try"], QUESTIONS[0]), greedy)[0].cached_tokens == 0

@@ -40,6 +40,6 @@ def test_a_short_question_over_a_long_context_is_split_across_the_gpu(gpu_result
 
 
 @pytest.mark.parametrize("case", list(KV_DTYPE_CASES))
-def test_compiled_kernels_store_into_and_read_an_fp8_cache(gpu_results, case):
+def test_compiled_kernels_store_into_and_read_a_narrow_cache(gpu_results, case):
     assert case in gpu_results, f"{case} did not run"
     assert gpu_results[case]["error"] is None, gpu_results[case]["error"]

@@ -1,15 +1,14 @@
-"""A KV cache kept narrower than the model computes in (`cache.kv_cache_dtype`: fp8, float16): K and V are
-saturated into it on the way in and cast up on the way out, by the torch references and the Triton kernels
-alike (conftest runs Triton through its CPU interpreter)."""
+"""A KV cache kept narrower than the model computes in (`cache.kv_cache_dtype`: fp8, float16, int8): K and V
+are saturated into it (int8: scaled per row) on the way in and cast up on the way out, by the torch
+references and the Triton kernels alike (conftest runs Triton through its CPU interpreter)."""
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
-from kernel_cases import make_paged_problem, naive_attention
+from kernel_cases import make_paged_problem, naive_attention, narrow_cache_problem
 
-from kvstrata.kernels.kv_store import reference_store_kv, store_kv
+from kvstrata.kernels.kv_format import row_width
+from kvstrata.kernels.kv_store import dequantize_rows, quantize_rows, reference_store_kv, store_kv
 from kvstrata.kernels.prefix_prefill import prefix_prefill, reference_prefix_prefill
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -55,20 +54,11 @@ def test_triton_store_into_an_fp8_cache_matches_the_reference_bit_for_bit(cache_
     assert kv_cache[1, 1, 0, 1, 0, :4].float().tolist() == [torch.finfo(cache_dtype).max, -torch.finfo(cache_dtype).max] * 2
 
 
-def quantized(problem, cache_dtype):
-    """The same problem with its cache kept in `cache_dtype`; the oracle attends to the values it holds."""
-    def held(t):
-        return t.to(cache_dtype).to(t.dtype)
-
-    return dataclasses.replace(problem, kv_cache=problem.kv_cache.to(cache_dtype),
-                               keys=[held(k) for k in problem.keys], values=[held(v) for v in problem.values])
-
-
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_prefill_over_an_fp8_cache_matches_dense_attention_and_the_reference(cache_dtype, num_splits):
-    problem = quantized(make_paged_problem(MIXED_BATCH, num_heads=9, num_kv_heads=3, head_dim=64, block_size=8,
-                                           dtype=torch.float32), cache_dtype)
+    problem = narrow_cache_problem(make_paged_problem(MIXED_BATCH, num_heads=9, num_kv_heads=3, head_dim=64,
+                                                      block_size=8, dtype=torch.float32), cache_dtype)
     dense = naive_attention(problem)
     out = prefix_prefill(*problem.args(), num_splits=num_splits)
     assert out.dtype == torch.float32
@@ -83,3 +73,63 @@ def test_prefill_refuses_a_query_dtype_it_cannot_compute_in():
                                  dtype=torch.float32)
     with pytest.raises(ValueError, match="query torch.float8_e4m3fn must be one of"):
         prefix_prefill(problem.query.to(torch.float8_e4m3fn), *problem.args()[1:])
+
+
+# ---------------------------------------------------------------------------------------------- int8, scaled rows
+
+def test_an_int8_row_is_its_values_to_half_a_step_of_its_own_scale():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 3, 64, generator=gen) * torch.tensor([0.01, 1.0, 300.0])[None, :, None]
+    x[2, 1] = 0.0
+    rows = quantize_rows(x)
+    assert rows.dtype == torch.int8 and rows.shape == (6, 3, row_width(64, "int8")) == (6, 3, 68)
+    held = dequantize_rows(rows)
+    step = x.abs().amax(dim=-1, keepdim=True) / 127  # each row's own scale: a small head loses no more
+    assert (held - x).abs().le(step / 2 * 1.0001).all()
+    assert held[2, 1].eq(0).all()  # an all-zero row stays zeros (scale 0), not NaN
+    assert rows[..., :64].abs().amax() == 127
+
+
+def test_a_scaled_cache_needs_room_for_the_scale_in_each_row():
+    with pytest.raises(ValueError, match="head_dim a multiple of 4"):
+        row_width(62, "int8")
+    key, value, slots = kv_and_slots()
+    unscaled_width = torch.zeros(5, 2, 2, 8, 3, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="does not hold 3 kv heads of dim 64 as torch.int8"):
+        store_kv(key, value, unscaled_width, 1, slots)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_triton_store_into_an_int8_cache_matches_the_reference_bit_for_bit(model_dtype):
+    key, value, slots = kv_and_slots()
+    key, value = key.to(model_dtype), value.to(model_dtype)
+    value[4, 2] = 0.0
+    kv_cache = torch.zeros(5, 2, 2, 8, 3, 68, dtype=torch.int8)
+    expected = kv_cache.clone()
+    store_kv(key, value, kv_cache, 1, slots)
+    reference_store_kv(key, value, expected, 1, slots)
+    assert torch.equal(kv_cache, expected)
+    assert kv_cache[:, 0].eq(0).all() and kv_cache[0, 1, :, 1].eq(0).all()  # other layer, the padding's slot
+    # slot 0 holds token 2's K, as `quantize_rows` gives it
+    assert torch.equal(kv_cache[0, 1, 0, 0], quantize_rows(key[2]))
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_over_an_int8_cache_matches_dense_attention_and_the_reference(num_splits, head_dim):
+    problem = narrow_cache_problem(make_paged_problem(MIXED_BATCH, num_heads=9, num_kv_heads=3, head_dim=head_dim,
+                                                      block_size=8, dtype=torch.float32), torch.int8)
+    dense = naive_attention(problem)
+    out = prefix_prefill(*problem.args(), num_splits=num_splits)
+    torch.testing.assert_close(out.double(), dense, atol=2e-5, rtol=2e-5)
+    for batch_invariant in (False, True):
+        reference = reference_prefix_prefill(*problem.args(), batch_invariant=batch_invariant)
+        torch.testing.assert_close(reference.double(), dense, atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_over_an_int8_cache_in_bfloat16_matches_the_reference():
+    problem = narrow_cache_problem(make_paged_problem(MIXED_BATCH, num_heads=4, num_kv_heads=2, head_dim=64,
+                                                      block_size=16, dtype=torch.bfloat16), torch.int8)
+    out = prefix_prefill(*problem.args())
+    torch.testing.assert_close(out.float(), reference_prefix_prefill(*problem.args()).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.double(), naive_attention(problem), atol=2e-2, rtol=2e-2)

@@ -1,8 +1,9 @@
 """What every tier shares: the shape of one block, the lower-tier interface, tier statistics.
 
 One block is one contiguous extent in every tier (DESIGN.md, "KV layout"): its payload is
-`[num_layers, 2, block_size, num_kv_heads, head_dim]` of `dtype`, i.e. `BlockLayout.block_nbytes`
-bytes. Lower tiers move payloads as flat uint8 tensors of exactly that many bytes, so moving a
+`[num_layers, 2, block_size, num_kv_heads, row]` of `dtype`, i.e. `BlockLayout.block_nbytes`
+bytes, where a row is head_dim values (int8: followed by their scale, kernels/kv_format.py).
+Lower tiers move payloads as flat uint8 tensors of exactly that many bytes, so moving a
 block between tiers is one copy and a disk value is one byte string.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from kvstrata.kernels.kv_format import row_width
 from kvstrata.tiers import LOWER_TIER_NAMES, TIER_NAMES  # noqa: F401 - re-exported: the tiers' names, in order
 from kvstrata.tiers.block_events import BlockEventListener, TierEvents
 
@@ -29,7 +31,7 @@ class BlockLayout:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, row_width(self.head_dim, str(self.dtype)))
 
     @property
     def block_numel(self) -> int:
@@ -43,7 +45,7 @@ class BlockLayout:
         return self.block_numel * torch.empty((), dtype=self.dtype).element_size()
 
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
-        """A block-major KV tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`."""
+        """A block-major KV tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, row]`."""
         return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device, pin_memory=pin_memory)
 
 
