@@ -503,3 +503,13 @@ def test_stop_message_says_the_cache_was_written_down_only_if_every_write_succee
     assert "3 writes to the disk tier" in failed and "failed" in failed and "written down to" not in failed
     assert "failed" in stopped_message(config, None)
     assert stopped_message(load_config(None), None) == "kvstrata: stopped"
+
+
+def test_the_banner_names_the_kv_cache_dtype_where_it_differs_from_the_models():
+    from kvstrata import load_config
+    from kvstrata.serving.server import dtype_phrase
+
+    stats = {"dtype": "float32", "kv_cache_dtype": "float32"}
+    assert dtype_phrase(load_config({}), stats) == "float32 (auto)"
+    narrow = load_config({"model": {"dtype": "float32"}, "cache": {"kv_cache_dtype": "int8"}})
+    assert dtype_phrase(narrow, {**stats, "kv_cache_dtype": "int8"}) == "float32, K/V in int8"

@@ -151,13 +151,21 @@ def stopped_message(config: Config, final_stats: dict | None) -> str:
     return f"kvstrata: stopped; cache written down to {disk.path}"
 
 
+def dtype_phrase(config: Config, stats: dict) -> str:
+    """What the weights compute in, and the K/V's dtype where `cache.kv_cache_dtype` keeps them in another."""
+    phrase = f"{stats['dtype']}{' (auto)' if config.model.dtype == 'auto' else ''}"
+    if stats["kv_cache_dtype"] != stats["dtype"]:
+        phrase += f", K/V in {stats['kv_cache_dtype']}"
+    return phrase
+
+
 def _banner(config: Config, async_engine: AsyncEngine, model_id: str, sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     engine = async_engine.engine
     stats = async_engine.snapshot.stats if async_engine.snapshot else engine.stats()
     tiers = stats["tiers"]
-    dtype = f"{stats['dtype']}{' (auto)' if config.model.dtype == 'auto' else ''}"
+    dtype = dtype_phrase(config, stats)
     auth = "API key required" if config.server.api_key else "no API key"
     lines = [f"kvstrata {__version__} serving {model_id} ({dtype} on {stats['device']}, {stats['threads']} torch "
              f"thread{'s' if stats['threads'] != 1 else ''}, attention: {stats['attention_backend']}, "
