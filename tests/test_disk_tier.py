@@ -398,3 +398,29 @@ def test_a_second_tier_on_a_store_open_in_this_process_is_refused_and_leaves_it_
         DiskTier(BF16, store_path, 4 * MiB)
     assert get_blocks(tier, [1]) == [True] and not glob.glob(f"{store_path}/*.corrupt-*")
     tier.close()
+
+
+def test_a_commit_between_reading_the_file_size_and_the_pages_in_use_is_not_damage(tmp_path):
+    """Before each transaction a reader checks that the data file holds every page LMDB uses (a truncated
+    file would end the process). A writer committing at that moment (a write-down while blocks are read)
+    grows the file and then the page count; a size read before the count must not make the store look
+    truncated, or a healthy store would be moved aside and its blocks lost."""
+    from kvstrata.tiers.lmdb_store import LmdbStore, StoreDamaged, data_file
+
+    store = LmdbStore.open(str(tmp_path / "kv"), 64 << 20, 32 << 20)
+    data, psize, env = data_file(store.path), store._psize, store.env
+
+    class CommitsWhileCounted:
+        """The store's environment, but a commit lands while its page count is read."""
+
+        def info(self):
+            os.truncate(data, os.path.getsize(data) + 4 * psize)  # the commit's new pages, then its meta page
+            return {**env.info(), "last_pgno": os.path.getsize(data) // psize - 1}
+
+    store.env = CommitsWhileCounted()
+    store.check_size()  # not damaged
+    store.env = env
+    os.truncate(data, 3 * psize)  # and a file that really lacks pages in use is
+    with pytest.raises(StoreDamaged, match="data.mdb is truncated"):
+        store.check_size()
+    store.close()

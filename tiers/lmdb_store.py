@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import lmdb
 
@@ -74,16 +74,22 @@ def data_file_bytes(path: str) -> int:
 # ---------------------------------------------------------------------------------- integrity
 
 
-def _truncation(env: lmdb.Environment, file_bytes: int, psize: int) -> Optional[str]:
-    """Why a data file of `file_bytes` cannot hold the pages `env`'s meta page says are in use, or None.
+def _truncation(env: lmdb.Environment, file_bytes: Callable[[], int], psize: int) -> Optional[str]:
+    """Why the data file (`file_bytes()` its size now) cannot hold the pages `env`'s meta page says are
+    in use, or None.
 
-    The meta pages are read through the map, so the file is first checked to hold them at all.
+    The meta pages are read through the map, so the file is first checked to hold them at all. The
+    size compared with the pages in use is read after them: a writer (a thread, another process) may
+    commit in between, and a commit writes its pages before the meta page that counts them, so a size
+    read before could be short of a count read after without anything being wrong.
     """
-    if file_bytes < 2 * psize:
-        return f"{DATA_FILE} is truncated: {file_bytes} bytes, less than its two meta pages"
+    size = file_bytes()
+    if size < 2 * psize:
+        return f"{DATA_FILE} is truncated: {size} bytes, less than its two meta pages"
     needed = (env.info()["last_pgno"] + 1) * psize
-    if file_bytes < needed:
-        return f"{DATA_FILE} is truncated: {file_bytes} bytes, LMDB uses {needed}"
+    size = file_bytes()
+    if size < needed:
+        return f"{DATA_FILE} is truncated: {size} bytes, LMDB uses {needed}"
     return None
 
 
@@ -113,7 +119,7 @@ def _walk_store(path: str, writable: bool) -> None:
         # A store this user may not write: its lock file cannot be opened for writing either.
         env = lmdb.open(path, max_dbs=len(SUBDBS), map_size=0, subdir=True, readonly=True, lock=False)
     psize = os.sysconf("SC_PAGE_SIZE")
-    problem = _truncation(env, os.path.getsize(data), psize)
+    problem = _truncation(env, lambda: os.path.getsize(data), psize)
     if problem:
         sys.exit(problem)
     with env.begin(buffers=True) as txn:
@@ -351,7 +357,7 @@ class LmdbStore:
     def check_size(self) -> None:
         """Raise StoreDamaged if the data file no longer holds every page LMDB uses (it was
         truncated under this process): any read of the map could then end the process."""
-        problem = _truncation(self.env, os.fstat(self._data_fd).st_size, self._psize)
+        problem = _truncation(self.env, lambda: os.fstat(self._data_fd).st_size, self._psize)
         if problem is not None:
             raise StoreDamaged(problem)
 
