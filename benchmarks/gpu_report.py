@@ -4,6 +4,10 @@ every GPU goal of DESIGN.md (and of the GPU hit-path issue) met or not.
     make gpu-report                                     # = python benchmarks/gpu_report.py
     python benchmarks/gpu_report.py --sections bandwidth,ttft --models smollm2
     python benchmarks/gpu_report.py --smoke --out /tmp/gpu-smoke.md   # every section on the CPU, tiny shapes
+    python benchmarks/gpu_report.py --sections ttft --models llama-3-8b --merge benchmarks/results/gpu.json
+
+A report too long for one sitting is made in several: `--merge` an earlier run's gpu.json (same GPU), and
+the sections, models and dtypes this run does not measure are kept from it.
 
 Sections, in the order they run (all by default, `--sections` picks some):
 
@@ -486,8 +490,11 @@ def markdown(result: dict) -> str:
     lines += [f"Command: `{result['command']}` ({result['duration_s']:.0f} s, {result['started_at']}); "
               f"commit {result['source']['commit']}"
               + (f", engine sources modified: {', '.join(result['source']['engine_sources_modified'])}"
-                 if result["source"]["engine_sources_modified"] else "") + ".", "",
-              "## Device", "", "| | |", "|---|---|", f"| device | {info['name']} |"]
+                 if result["source"]["engine_sources_modified"] else "") + ".", ""]
+    for run in result.get("merged_runs") or []:
+        lines += [f"Merged with the figures of `{run['command']}` ({run['duration_s']:.0f} s, {run['started_at']}); "
+                  f"commit {run['commit']}.", ""]
+    lines += ["## Device", "", "| | |", "|---|---|", f"| device | {info['name']} |"]
     if "sms" in info:
         lines += [f"| compute capability, SMs, memory | {info['capability']}, {info['sms']} SMs, "
                   f"{info['memory_gib']:.1f} GiB |", f"| driver / CUDA (torch's) | {info['driver']} / {info['cuda']} |"]
@@ -501,7 +508,7 @@ def markdown(result: dict) -> str:
     lines += section(result, "gap", "A decode stream while a CPU-tier hit is admitted", gap_lines)
     skipped = [s for s in SECTIONS if s not in plan["sections"]]
     if skipped:
-        lines += [f"Not run this time (`--sections`): {', '.join(skipped)}.", ""]
+        lines += [f"Not run (`--sections`): {', '.join(skipped)}.", ""]
     return "\n".join(lines)
 
 
@@ -626,6 +633,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="measured passes per TTFT row (after one warm-up)")
     p.add_argument("--out", default=None, help=f"the report (default {DEFAULT_OUT.relative_to(REPO_ROOT)}); "
                                                "a JSON of every figure goes beside it")
+    p.add_argument("--merge", default=None, metavar="GPU_JSON",
+                   help="an earlier run's JSON on the same GPU: what this run does not measure is kept from it")
     p.add_argument("--smoke", action="store_true",
                    help="every section on the CPU with tiny shapes (needs --out): checks the report runs")
     args = p.parse_args(argv)
@@ -666,6 +675,48 @@ def run_sections(plan: Plan, result: dict) -> None:
                             what=f"{model.label} {dtype}")
 
 
+def read_earlier_run(path: Path, result: dict) -> dict:
+    """An earlier run's JSON, checked to come from the same kind of run on the same device (ValueError)."""
+    try:
+        earlier = json.loads(path.read_text())
+        name, smoke = earlier["device"]["name"], earlier["plan"]["smoke"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a GPU report's JSON ({type(exc).__name__})") from None
+    if (name, smoke) != (result["device"]["name"], result["plan"]["smoke"]):
+        raise ValueError(f"{path} was measured on {name!r}, this run is on {result['device']['name']!r}: "
+                         "figures from two devices do not make one report")
+    return earlier
+
+
+def merge_earlier_run(earlier: dict, result: dict) -> None:
+    """Keep what `earlier` measured and this run did not: the sections it ran and this one did not (with
+    their failures), and the TTFT and gap rows of the models and dtypes not measured again. The plan
+    becomes the union of both; the earlier runs are listed in `merged_runs`."""
+    plan, before = result["plan"], earlier["plan"]
+    errors = result.setdefault("errors", {})
+    for name in ("tests", "bandwidth", "kernels"):
+        if name in before["sections"] and name not in plan["sections"]:
+            result[name] = earlier.get(name)
+            if (earlier.get("errors") or {}).get(name):
+                errors[name] = earlier["errors"][name]
+    for name in ("ttft", "gap"):
+        remeasured = ({(m, d) for m in plan["models"] for d in plan["dtypes"]} if name in plan["sections"]
+                      else set())
+        kept = [r for r in earlier.get(name) or [] if (r["model"], r["dtype"]) not in remeasured]
+        result[name] = kept + (result.get(name) or [])
+        if name in before["sections"] and name not in plan["sections"] and (earlier.get("errors") or {}).get(name):
+            errors[name] = earlier["errors"][name]
+    if not errors:
+        result.pop("errors")
+    plan["sections"] = [s for s in SECTIONS if s in plan["sections"] or s in before["sections"]]
+    for key in ("models", "dtypes"):
+        plan[key] = before[key] + [v for v in plan[key] if v not in before[key]]
+    plan["doc_tokens"] = sorted(set(plan["doc_tokens"]) | set(before["doc_tokens"]))
+    runs = earlier.get("merged_runs") or []
+    result["merged_runs"] = runs + [{key: earlier[key] for key in ("command", "started_at", "duration_s")}
+                                    | {"commit": earlier["source"]["commit"]}]
+
+
 def guarded(result: dict, section: str, step, what: str = ""):
     """`step()`, or None when it raises: the failure goes into the report under `section` (and its
     traceback to stderr), and the other sections still run."""
@@ -702,10 +753,19 @@ def main(argv: list[str] | None = None) -> int:
               "plan": {"smoke": plan.smoke, "sections": list(plan.sections), "models": [m.key for m in plan.models],
                        "dtypes": list(plan.dtypes), "doc_tokens": list(plan.doc_tokens), "repeats": plan.repeats},
               "device": describe_device(plan)}
+    earlier = None
+    if args.merge:
+        try:
+            earlier = read_earlier_run(Path(args.merge), result)
+        except ValueError as exc:
+            print(f"gpu_report: --merge: {exc}", file=sys.stderr)
+            return 2
     log(f"device: {result['device']['name']}; sections: {', '.join(plan.sections)}")
     started = time.perf_counter()
     run_sections(plan, result)
     result["duration_s"] = time.perf_counter() - started
+    if earlier is not None:
+        merge_earlier_run(earlier, result)
     result["goals"] = [g.as_dict() for g in goals(result)]
     report = markdown(result)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -115,3 +115,56 @@ def test_a_hit_is_named_by_the_tier_its_prefix_was_found_in_even_when_the_load_p
     assert gpu_report.found_tier(record({"cpu": 96}, {})) == "cpu"
     assert gpu_report.found_tier(record({"device": 16}, {"cpu": 16})) == "miss"  # too little found to be a hit
     assert gpu_report.found_tier(record({}, {})) == "miss"
+
+
+def test_a_report_made_in_several_runs_keeps_what_each_measured(tmp_path):
+    """`--merge`: a report too long for one sitting (a lent GPU runs a command for minutes, not an hour) is
+    made of runs that each measure some sections, models or dtypes."""
+    first, second = tmp_path / "first.md", tmp_path / "second.md"
+    assert gpu_report.main(["--smoke", "--sections", "bandwidth", "--out", str(first)]) == 0
+    assert gpu_report.main(["--smoke", "--sections", "kernels", "--merge", str(first.with_suffix(".json")),
+                            "--out", str(second)]) == 0
+    result = json.loads(second.with_suffix(".json").read_text())
+    assert result["plan"]["sections"] == ["bandwidth", "kernels"]
+    assert result["bandwidth"] == json.loads(first.with_suffix(".json").read_text())["bandwidth"]
+    assert result["kernels"]["split_kv"]
+    report = second.read_text()
+    assert "## Copy bandwidth and promotion" in report and "## Prefix-prefill kernel" in report
+    assert "Merged with the figures of `python benchmarks/gpu_report.py --smoke --sections bandwidth" in report
+
+
+def test_ttft_rows_measured_again_replace_the_earlier_ones_and_the_others_stay():
+    def run(sections, models, dtypes, rows):
+        return {"command": "gpu_report " + ",".join(sections), "started_at": "t", "duration_s": 1.0,
+                "source": {"commit": "abc"}, "device": {"name": "GPU"},
+                "plan": {"smoke": False, "sections": sections, "models": models, "dtypes": dtypes,
+                         "doc_tokens": [3750, 7050], "repeats": 3}, "ttft": rows, "gap": []}
+
+    old_smol, old_llama = ttft_row("smollm2", 1, 1, 1, 1, 1), ttft_row("llama-3-8b", 2, 2, 2, 2, 2)
+    earlier = run(["bandwidth", "ttft"], ["smollm2", "llama-3-8b"], ["bfloat16"], [old_smol, old_llama])
+    earlier["bandwidth"] = {"rows": []}
+    earlier["errors"] = {"bandwidth": "a failure worth keeping"}
+    new_smol = ttft_row("smollm2", 3, 3, 3, 3, 3)
+    result = run(["ttft"], ["smollm2"], ["bfloat16"], [new_smol])
+    gpu_report.merge_earlier_run(earlier, result)
+    assert result["ttft"] == [old_llama, new_smol]
+    assert result["bandwidth"] == {"rows": []} and result["errors"] == {"bandwidth": "a failure worth keeping"}
+    assert result["plan"]["sections"] == ["bandwidth", "ttft"] and result["plan"]["models"] == ["smollm2", "llama-3-8b"]
+    assert result["merged_runs"] == [{"command": "gpu_report bandwidth,ttft", "started_at": "t", "duration_s": 1.0,
+                                      "commit": "abc"}]
+
+
+def test_figures_of_another_device_are_not_merged(tmp_path, capsys):
+    first = tmp_path / "first.md"
+    assert gpu_report.main(["--smoke", "--sections", "bandwidth", "--out", str(first)]) == 0
+    earlier = json.loads(first.with_suffix(".json").read_text())
+    earlier["device"]["name"] = "NVIDIA H100 80GB HBM3"
+    first.with_suffix(".json").write_text(json.dumps(earlier))
+    capsys.readouterr()
+    second = tmp_path / "second.md"
+    assert gpu_report.main(["--smoke", "--sections", "kernels", "--merge", str(first.with_suffix(".json")),
+                            "--out", str(second)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "two devices" in err[0]
+    assert not second.exists()
+    assert gpu_report.main(["--smoke", "--merge", str(tmp_path / "missing.json"), "--out", str(second)]) == 2
