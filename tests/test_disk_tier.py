@@ -424,3 +424,33 @@ def test_a_commit_between_reading_the_file_size_and_the_pages_in_use_is_not_dama
     with pytest.raises(StoreDamaged, match="data.mdb is truncated"):
         store.check_size()
     store.close()
+
+
+def test_blocks_written_down_while_others_are_read_all_stay_served(tmp_path, caplog):
+    """Write-downs and reads at once, as an engine does (the writer thread commits while loads read):
+    no read may take a busy store for a damaged one, and every block written stays served."""
+    disk = DiskTier(BF16, str(tmp_path / "kv"), 64 << 20, check_integrity=False)
+    put_blocks(disk, range(8))
+    disk.flush()
+    stop = threading.Event()
+    misses = []
+
+    def read_the_first_blocks():
+        while not stop.is_set():
+            served = get_blocks(disk, range(8))
+            if not all(served):
+                misses.append(served)
+
+    readers = [threading.Thread(target=read_the_first_blocks) for _ in range(2)]
+    for reader in readers:
+        reader.start()
+    for start in range(8, 4008, 20):
+        put_blocks(disk, range(start, start + 20))
+        disk.flush()
+    stop.set()
+    for reader in readers:
+        reader.join()
+    assert misses == [] and "damaged" not in caplog.text
+    assert all(get_blocks(disk, range(4008)))
+    assert disk.stats().corrupt == 0
+    disk.close()
