@@ -30,7 +30,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor     # [B, max_blocks] int32
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor         # [B] int32
-    kv_cache: torch.Tensor         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor         # [num_blocks, num_layers, 2, block_size, num_kv_heads, row] (kernels/kv_format.py)
     ops: object                    # kvstrata.kernels.KernelOps
     scale: float | None = None     # softmax scale; None = the layer's own (1/sqrt(head_dim))
 

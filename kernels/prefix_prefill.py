@@ -30,7 +30,7 @@ def gather_sequence_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Te
     num_blocks = -(-seq_len // block_size)
     block_ids = block_table[:num_blocks].to(device=kv_cache.device, dtype=torch.long)
     # advanced indexing, not index_select on the strided layer view: the latter is ~100x slower on CPU
-    blocks = kv_cache[block_ids, layer]  # [n, 2, block_size, kv_heads, head_dim]
+    blocks = kv_cache[block_ids, layer]  # [n, 2, block_size, kv_heads, row]
     key = blocks[:, 0].reshape(num_blocks * block_size, *blocks.shape[-2:])[:seq_len]
     value = blocks[:, 1].reshape(num_blocks * block_size, *blocks.shape[-2:])[:seq_len]
     if is_scaled(str(kv_cache.dtype)):
