@@ -454,3 +454,39 @@ def test_blocks_written_down_while_others_are_read_all_stay_served(tmp_path, cap
     assert all(get_blocks(disk, range(4008)))
     assert disk.stats().corrupt == 0
     disk.close()
+
+
+def test_two_processes_finding_their_shared_store_damaged_replace_it_once(tmp_path):
+    """Engines sharing a disk store (one directory, several processes) that all find it damaged at start
+    take turns moving it aside: the first starts a fresh store, the others check that one and open it,
+    rather than moving it aside too (losing what the first writes there) or failing to start."""
+    path = tmp_path / "kv"
+    disk = DiskTier(BF16, str(path), 8 * MiB)
+    put_blocks(disk, range(4))
+    disk.close()
+    os.truncate(path / "data.mdb", 3 * 4096)  # damaged: LMDB uses more pages than that
+    go = tmp_path / "go"
+    children = []
+    for first_block in (10, 20):  # each writes blocks of its own once open
+        ready = tmp_path / f"ready-{first_block}"
+        code = CHILD_PRELUDE + textwrap.dedent(f"""
+            import os, time
+            open({str(ready)!r}, "w").close()
+            while not os.path.exists({str(go)!r}):  # both start opening at once
+                time.sleep(0.001)
+            tier = DiskTier(L, {str(path)!r}, {8 * MiB})
+            ids = range({first_block}, {first_block + 4})
+            tier.put([key(i) for i in ids], [tokens(i) for i in ids], [payload(i) for i in ids])
+            tier.close()
+            """)
+        children.append((ready, subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)))
+    for ready, child in children:
+        while not ready.exists():
+            assert child.poll() is None, child.stderr.read()
+    go.touch()
+    for _, child in children:
+        assert child.wait(timeout=120) == 0, child.stderr.read()
+    assert len(glob.glob(str(path / "data.mdb.corrupt-*"))) == 1
+    reopened = DiskTier(BF16, str(path), 8 * MiB)
+    assert all(get_blocks(reopened, [*range(10, 14), *range(20, 24)]))  # one fresh store, nothing lost
+    reopened.close()

@@ -38,7 +38,8 @@ import torch
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats
 from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.block_events import AllBlocksCleared
-from kvstrata.tiers.lmdb_store import DAMAGE_ERRORS, LmdbStore, Meta, StoreDamaged, data_file_bytes, quarantine, read_u64
+from kvstrata.tiers.lmdb_store import (DAMAGE_ERRORS, LmdbStore, Meta, StoreDamaged, data_file_bytes, quarantine,
+                                       read_u64, replacing)
 from kvstrata.tiers.record import RecordCodec, RecordError
 from kvstrata.tiers.storage import check_room, format_bytes, prepare_private_dir
 
@@ -530,14 +531,15 @@ class DiskTier(LowerTier):
         with the environment to itself). Pending puts stay pending and go to the fresh store."""
         with self._gate.exclusive():
             damaged, self._store = self._store, None
-            ours = damaged.is_at_path()  # else another process replaced it already
             try:
-                damaged.close()
-            except lmdb.Error:
-                pass
-            try:
-                if ours:
-                    quarantine(self.path, reason)
+                with replacing(self.path):  # processes sharing the store take turns
+                    ours = damaged.is_at_path()  # else another process replaced it already
+                    try:
+                        damaged.close()
+                    except lmdb.Error:
+                        pass
+                    if ours:
+                        quarantine(self.path, reason)
                 self._store = LmdbStore.open(self.path, self._map_size, self.capacity_bytes)
                 if self.event_listener is not None:  # what the damaged store held is gone
                     self.event_listener(AllBlocksCleared(self.name))

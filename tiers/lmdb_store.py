@@ -22,6 +22,8 @@ a running process turns the next read of a page past its new end into SIGBUS (`S
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import inspect
 import json
 import logging
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
+REPLACE_LOCK_FILE = "replace.lock"  # ours, beside LMDB's: held while a damaged store is moved aside
 STORE_FORMAT = b"kvstrata-disk-v2"   # v2: values are block records (tiers/record.py)
 STORE_FORMAT_FAMILY = "kvstrata-disk-"
 SUBDBS = (b"blocks", b"atime", b"lru", b"meta", b"pins", b"pinned")
@@ -190,6 +193,42 @@ def quarantine(path: str, reason) -> str:
     return target
 
 
+@contextlib.contextmanager
+def replacing(path: str):
+    """Held while a store is found damaged and moved aside. Processes sharing the store take turns, so
+    that one that finds it damaged at the same moment as another then sees the fresh store the other
+    started, instead of moving that one aside too (and losing what is written to it) or failing to
+    start. Without a lock file (a store this user cannot write) there is nothing to replace anyway."""
+    try:
+        fd = os.open(os.path.join(path, REPLACE_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def file_id(path: str) -> tuple[int, int] | None:
+    """Which file `path` names now (device, inode), or None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _move_aside(path: str, reason) -> None:
+    """`quarantine` when opening: a damaged store that cannot be moved aside is a one-line error."""
+    try:
+        quarantine(path, reason)
+    except OSError as e:
+        raise ValueError(f"cache.tiers.disk.path: the store at '{path}' is damaged ({reason}) and could not be "
+                         f"moved aside: {e}") from None
+
+
 def remove_lock_file(path: str) -> None:
     try:
         os.remove(os.path.join(path, LOCK_FILE))
@@ -265,16 +304,20 @@ class LmdbStore:
         and a fresh one started. Raises ValueError, one line naming the key, if not even that works.
         """
         if check_integrity:
-            problem = check_store_integrity(path)
-            if problem is not None:
-                quarantine(path, problem)
+            with replacing(path):
+                problem = check_store_integrity(path)
+                if problem is not None:
+                    _move_aside(path, problem)
         for attempt in range(2):
+            opened = file_id(data_file(path))  # the data file this attempt opens (None: it starts one)
             try:
                 return cls._open_writable(path, map_size, capacity_bytes)
             except (StoreDamaged, lmdb.VersionMismatchError, *DAMAGE_ERRORS) as e:
                 if attempt or not store_exists(path):
                     raise ValueError(f"cache.tiers.disk.path: cannot open the store at '{path}': {e}") from None
-                quarantine(path, e)
+                with replacing(path):
+                    if file_id(data_file(path)) == opened:  # else another process replaced it already
+                        _move_aside(path, e)
             except (lmdb.Error, OSError) as e:  # not the files' fault (already open here, permissions, ...)
                 raise ValueError(f"cache.tiers.disk.path: cannot open the store at '{path}': {e}") from None
         raise AssertionError("unreachable")
@@ -347,10 +390,10 @@ class LmdbStore:
     def is_at_path(self) -> bool:
         """True while the path still names the data file this store mapped (nobody replaced it)."""
         try:
-            ours, there = os.fstat(self._data_fd), os.stat(data_file(self.path))
+            ours = os.fstat(self._data_fd)
         except OSError:
             return False
-        return (ours.st_dev, ours.st_ino) == (there.st_dev, there.st_ino)
+        return file_id(data_file(self.path)) == (ours.st_dev, ours.st_ino)
 
     # -- transactions --------------------------------------------------------------------------
 

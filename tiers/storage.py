@@ -65,8 +65,11 @@ def room_bytes(path: str | os.PathLike) -> int:
     the files already there take (an old store is reused, not added to)."""
     occupied = 0
     for entry in os.scandir(path):
-        if entry.is_file(follow_symlinks=False):
-            occupied += entry.stat(follow_symlinks=False).st_blocks * 512
+        try:
+            if entry.is_file(follow_symlinks=False):
+                occupied += entry.stat(follow_symlinks=False).st_blocks * 512
+        except FileNotFoundError:  # gone since listed (another process's write probe): it takes nothing
+            pass
     return shutil.disk_usage(path).free + occupied
 
 
