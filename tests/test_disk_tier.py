@@ -490,3 +490,28 @@ def test_two_processes_finding_their_shared_store_damaged_replace_it_once(tmp_pa
     reopened = DiskTier(BF16, str(path), 8 * MiB)
     assert all(get_blocks(reopened, [*range(10, 14), *range(20, 24)]))  # one fresh store, nothing lost
     reopened.close()
+
+
+def test_a_running_engine_follows_a_store_another_process_replaced(tmp_path, caplog):
+    """A process sharing the store found it damaged, moved it aside and started a fresh one: this
+    process's next write-down goes to the fresh store (not to the moved file nobody opens again), and it
+    reads what the other process writes there."""
+    path = tmp_path / "kv"
+    disk = DiskTier(BF16, str(path), 8 * MiB)
+    put_blocks(disk, range(4))
+    disk.flush()
+    run_python(CHILD_PRELUDE + f"""
+from kvstrata.tiers.lmdb_store import quarantine
+quarantine({str(path)!r}, "found damaged by another process")
+fresh = DiskTier(L, {str(path)!r}, {8 * MiB})
+fresh.put([key(20)], [tokens(20)], [payload(20)])
+fresh.close()
+""")
+    put_blocks(disk, [10])
+    disk.flush()
+    assert "another process replaced the damaged store" in caplog.text
+    assert get_blocks(disk, [10, 20]) == [True, True]
+    disk.close()
+    reopened = DiskTier(BF16, str(path), 8 * MiB)
+    assert get_blocks(reopened, [0, 10, 20]) == [False, True, True]  # the moved store's blocks are gone
+    reopened.close()

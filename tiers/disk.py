@@ -415,6 +415,8 @@ class DiskTier(LowerTier):
         batch = [op for op in batch if op.kind != "replace"]
         if not batch:
             return
+        if self._store is not None and not self._store.is_at_path():
+            self._adopt_replacement()
         error = self._try_commit(batch)
         if error is not None and len(batch) > 1:
             failed = [op for op in batch if self._try_commit([op]) is not None]
@@ -525,6 +527,25 @@ class DiskTier(LowerTier):
         self._stats.evictions += store.evictions - before
         if events is not None:
             events.emit(self.event_listener)
+
+    def _adopt_replacement(self) -> None:
+        """Another process sharing the store found it damaged and moved it aside: write to (and read
+        from) the fresh store it started at the path, not to a file nobody else will open again."""
+        with self._gate.exclusive():
+            orphan, self._store = self._store, None
+            try:
+                orphan.close()
+            except lmdb.Error:
+                pass
+            try:  # the process that replaced it checked it; a fresh store needs no walk
+                self._store = LmdbStore.open(self.path, self._map_size, self.capacity_bytes, check_integrity=False)
+                logger.warning("disk tier: another process replaced the damaged store at '%s'; using the new one",
+                               self.path)
+                if self.event_listener is not None:  # what the old store held is not in the new one
+                    self.event_listener(AllBlocksCleared(self.name))
+            except ValueError as e:
+                logger.error("disk tier: could not open the store another process started at '%s' (%s); the "
+                             "disk tier holds nothing until restarted", self.path, e)
 
     def _replace_store(self, reason: str) -> None:
         """Move the damaged store aside and start a fresh one at the same path (in the writer thread,
