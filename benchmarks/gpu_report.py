@@ -22,7 +22,7 @@ Sections, in the order they run (all by default, `--sections` picks some):
   against the same kernel in one pass (benchmarks/kernels.py's tables).
 - ttft: single-request TTFT of long-document QA, a document of ~4k and ~7k tokens (`--doc-tokens`) plus a
   question from benchmarks/data, for SmolLM2 and a Llama-3-8B-shaped model with random weights
-  (`load_format: dummy`), in bf16, fp32 and bf16 with fp8 K/V (`--dtypes`): a miss, a device hit, a CPU-tier
+  (`load_format: dummy`), in bf16, fp32 and bf16 with fp8 or int8 K/V (`--dtypes`): a miss, a device hit, a CPU-tier
   hit (the device's cached blocks dropped) and a disk hit after a restart (a fresh engine, device and CPU tiers empty, on the disk
   store the first engine closed; the same process, so the page cache is warm), each hit on a question the
   document has not been asked yet, and a cold 64-token prompt. Median of `--repeats` passes after one
@@ -627,7 +627,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma separated, of {', '.join(SECTIONS)}")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma separated, of {', '.join(MODELS)}")
-    p.add_argument("--dtypes", default="bfloat16,float32,bfloat16/fp8",
+    p.add_argument("--dtypes", default="bfloat16,float32,bfloat16/fp8,bfloat16/int8",
                    help=f"comma separated, of {', '.join(REPORT_DTYPES)} (MODEL/KV: the K/V kept in cache.kv_cache_dtype KV)")
     p.add_argument("--doc-tokens", default="3750,7050", help="document lengths in tokens, comma separated")
     p.add_argument("--repeats", type=int, default=3, help="measured passes per TTFT row (after one warm-up)")

@@ -86,7 +86,7 @@ def test_goals_are_judged_from_the_measured_ratios_and_unmeasured_ones_say_so():
 @pytest.mark.slow
 def test_a_smoke_run_writes_every_section_of_the_report(tmp_path):
     out = tmp_path / "gpu.md"
-    assert gpu_report.main(["--smoke", "--out", str(out), "--dtypes", "bfloat16,bfloat16/fp8"]) == 0
+    assert gpu_report.main(["--smoke", "--out", str(out), "--dtypes", "bfloat16,bfloat16/fp8,bfloat16/int8"]) == 0
     report = out.read_text()
     assert "Smoke run on the CPU" in report
     positions = [report.index(heading) for heading in SECTION_HEADINGS]
@@ -99,7 +99,7 @@ def test_a_smoke_run_writes_every_section_of_the_report(tmp_path):
     assert len(result["kernels"]["paging"]) == 3 and len(result["kernels"]["split_kv"]) == 3  # header, rule, one row
     rows = result["ttft"]
     assert {(r["model"], r["dtype"], r["doc_tokens"]) for r in rows} == {
-        (m, dtype, n) for m in gpu_report.MODELS for dtype in ("bfloat16", "bfloat16/fp8") for n in (48, 96)}
+        (m, dtype, n) for m in gpu_report.MODELS for dtype in ("bfloat16", "bfloat16/fp8", "bfloat16/int8") for n in (48, 96)}
     assert all(r["unexpected"] == [] for r in rows), "a request was not served by the tier it was meant to test"
     assert all(g["hit_cached_tokens_by_tier"]["cpu"] > 0 for g in result["gap"])
 
