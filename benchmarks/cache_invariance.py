@@ -80,17 +80,25 @@ def measure(config, questions, args) -> dict:
             "block_bytes": block_bytes}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def measure_each(args, key: str, values: str, label) -> tuple:
+    """`measure` once per comma-separated value of config `key` (the lower tiers off: every hit is a
+    device hit), keyed by `label(config, value)`. Returns the base config, the questions and the rows."""
     from kvstrata import load_config
 
     base = load_config(args.config, [*args.overrides, "cache.tiers.cpu=null", "cache.tiers.disk=null"])
     questions = load_questions(args.data)
-    by_dtype = {}
-    for dtype in [d.strip() for d in args.dtype.split(",") if d.strip()]:
-        config = load_config(base, {"model.dtype": dtype})
-        print(f"{config.resolved_dtype()}:", flush=True)
-        by_dtype[config.resolved_dtype()] = measure(config, questions, args)
+    measured = {}
+    for value in [v.strip() for v in values.split(",") if v.strip()]:
+        config = load_config(base, {key: value})
+        name = label(config, value)
+        print(f"{name}:", flush=True)
+        measured[name] = measure(config, questions, args)
+    return base, questions, measured
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    base, _, by_dtype = measure_each(args, "model.dtype", args.dtype, lambda config, _: config.resolved_dtype())
     result = {"benchmark": "cache_invariance", "command": command_line(),
               "machine": machine_line(), "model": base.model.name, "doc_tokens": args.doc_tokens,
               "max_tokens": args.max_tokens, "by_dtype": by_dtype}

@@ -30,10 +30,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.cache_invariance import measure  # noqa: E402
+from benchmarks.cache_invariance import measure_each  # noqa: E402
 from benchmarks.machine import machine_line  # noqa: E402
 from benchmarks.ttft_pressure import DEFAULT_DATA, command_line, render_chat, save_result  # noqa: E402
-from benchmarks.ttft_workload import cut_document, load_document, load_questions  # noqa: E402
+from benchmarks.ttft_workload import cut_document, load_document  # noqa: E402
 
 GIB = 1024**3
 
@@ -114,15 +114,8 @@ def kv_errors(config, questions, args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from kvstrata import load_config
-
-    base = load_config(args.config, [*args.overrides, "cache.tiers.cpu=null", "cache.tiers.disk=null"])
-    questions = load_questions(args.data)
-    by_kv_dtype = {}
-    for kv_dtype in [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]:
-        config = load_config(base, {"cache.kv_cache_dtype": kv_dtype})
-        print(f"kv_cache_dtype {kv_dtype} ({config.resolved_kv_cache_dtype()}):", flush=True)
-        by_kv_dtype[kv_dtype] = measure(config, questions, args)
+    base, questions, by_kv_dtype = measure_each(args, "cache.kv_cache_dtype", args.kv_dtypes,
+                                                lambda config, kv_dtype: kv_dtype)
     reference = next(iter(by_kv_dtype.values()))
     for measured in by_kv_dtype.values():
         measured["against_reference"] = compare(reference, measured)
