@@ -12,7 +12,7 @@
         disk:   {path: ./kvstore, size: 32GiB}
         remote: {url: "redis://127.0.0.1:6379/0", cluster: false, key_prefix: kvstrata, timeout: 50ms, ttl: 0}
       offload: write_through    # or on_evict
-      pin_share: 0.5            # the most of each lower tier that pinned documents may take
+      pin_share: 0.5            # the most of the CPU and disk tiers that pinned documents may take
       preload: [{file: handbook.txt, cache_salt: null, pin: true}]   # documents cached at start-up
       load_policy: auto         # or always_load, always_recompute
     scheduler: {max_num_batched_tokens: 2048, max_num_seqs: 32}

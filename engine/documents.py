@@ -6,9 +6,10 @@ them (a prefill with no generated token) and, if pinned, keeps them in every low
 
 Policy here, mechanism in the tiers (`LowerTier.pin`): a document's id is its last full block's
 chain hash (the same document under the same salt is the same document, in every process and after
-restarts), pinning needs a lower tier, and pinned blocks may take at most `pin_share` of each lower
-tier. Pins are owned by the document's id; the tiers keep the document's description with its pin,
-so the pinned documents of a persistent tier (disk) are known again after a restart.
+restarts), pinning needs a CPU or disk tier, and pinned blocks may take at most `pin_share` of each
+of them (the remote tier's server evicts by its own policy: it gets the blocks, but no pin to keep).
+Pins are owned by the document's id; the tiers keep the document's description with its pin, so the
+pinned documents of a persistent tier (disk) are known again after a restart.
 """
 from __future__ import annotations
 
@@ -102,9 +103,10 @@ class DocumentRegistry:
         return plan
 
     def _check_pin_room(self, plan: DocumentPlan) -> None:
-        if not self.hierarchy.lower_tiers:
+        keeping = [tier for tier in self.hierarchy.lower_tiers if tier.keeps_pins]  # the remote tier does not
+        if not keeping:
             raise ValueError("pin: pinning needs a CPU or disk tier (cache.tiers.cpu or cache.tiers.disk)")
-        for tier in self.hierarchy.lower_tiers:
+        for tier in keeping:
             pinned = {h for owner, p in tier.pins().items() if owner != plan.document_id for h in p.block_hashes}
             needed = len(pinned | set(plan.block_hashes))
             capacity = tier.stats().capacity_blocks

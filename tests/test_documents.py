@@ -193,6 +193,30 @@ def test_pinning_beyond_the_pin_share_is_refused_before_any_work(embedded_model_
 
 
 @pytest.mark.slow
+def test_a_remote_tier_gets_a_pinned_documents_blocks_but_neither_holds_nor_limits_the_pin(embedded_model_fp32,
+                                                                                         tiny_config):
+    # The server evicts by its own policy, so the remote tier keeps no pin and has no capacity to share out:
+    # the pin share is the CPU and disk tiers' alone, and pinning needs one of them.
+    from valkey_server import ValkeyServer
+    with ValkeyServer() as server:
+        remote = {"url": server.url, "timeout": "500ms"}
+        config = tiny_config()
+        config["cache"]["tiers"]["remote"] = remote
+        with LLM(config, loaded_model=embedded_model_fp32) as llm:
+            doc = llm.cache_document(document_prefix_messages(HANDBOOK))
+            llm.engine.hierarchy.remote.flush()
+            [listed] = llm.list_documents()
+            assert doc.pinned and listed.blocks_by_tier["remote"] == 3
+            with pytest.raises(PinLimitError, match=r"cpu tier, more than the 3 of its 6"):
+                llm.cache_document(document_prefix_messages(MEMO))
+        with LLM({**config, "cache": {"tiers": {"device": {"size": 12}, "remote": remote}}},
+                 loaded_model=embedded_model_fp32) as llm:
+            with pytest.raises(ValueError, match=r"^pin: pinning needs a CPU or disk tier"):
+                llm.cache_document(document_prefix_messages(MEMO))
+            assert not llm.cache_document(document_prefix_messages(MEMO), pin=False).pinned
+
+
+@pytest.mark.slow
 def test_salts_keep_two_tenants_pinned_documents_apart(embedded_model_fp32, tiny_config):
     with LLM(tiny_config(pin_share=1.0), loaded_model=embedded_model_fp32) as llm:
         a = llm.cache_document(document_prefix_messages(HANDBOOK), cache_salt="tenant-a")

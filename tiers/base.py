@@ -108,6 +108,9 @@ class LowerTier(abc.ABC):
     name: str
     layout: BlockLayout
     event_listener: BlockEventListener | None = None
+    # False for a tier whose eviction is not its own to suspend (remote: the server's policy): its pins
+    # are only remembered, so it neither keeps a pinned document nor limits how much may be pinned.
+    keeps_pins: bool = True
 
     def _events(self) -> TierEvents | None:
         """A collector for one operation's events, or None when nobody listens."""

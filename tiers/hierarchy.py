@@ -469,9 +469,9 @@ class TierHierarchy:
     def pin(self, owner: str, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]],
             info: dict) -> None:
         """Pin the blocks for `owner` in every lower tier, first copying in those a tier lacks (from
-        the device, or another lower tier). Raises ValueError if there is no lower tier, or if a
-        tier did not take the pin (a disk write that failed)."""
-        if not self.lower_tiers:
+        the device, or another lower tier). Raises ValueError if no lower tier keeps pins (CPU or
+        disk), or if a tier did not take the pin (a disk write that failed)."""
+        if not any(tier.keeps_pins for tier in self.lower_tiers):
             raise ValueError("pinning needs a CPU or disk tier (cache.tiers.cpu or cache.tiers.disk)")
         self.flush_pending()
         self.wait_for_write_downs()  # write-through copies land first: fewer blocks to copy here

@@ -129,6 +129,7 @@ class RemoteTier(LowerTier):
     """
 
     name = "remote"
+    keeps_pins = False  # the server evicts by its own policy (see "pins" below)
 
     def __init__(self, layout: BlockLayout, url: str, *, cluster: bool = False, key_prefix: str = "kvstrata",
                  timeout: float = 0.05, ttl: float = 0.0, queue_blocks: int = DEFAULT_QUEUE_BLOCKS):
