@@ -6,7 +6,6 @@ ten times the tiers is a few thousand tokens.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import httpx
 import pytest

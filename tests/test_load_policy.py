@@ -41,7 +41,6 @@ def compute() -> StepCost:
 
 
 def cut(policy: str, found_in: list[str], cpu: ReadCost | None = None, disk: ReadCost | None = None) -> int:
-    num_tokens = len(found_in) * BS + 1
     return plan(policy, found_in, cpu, disk).cut
 
 
