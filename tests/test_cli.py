@@ -1,7 +1,6 @@
 """The `kvstrata` command line: config check, cache stats/clear, and one-line errors with exit code 2."""
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -334,9 +333,9 @@ def put_remote_blocks(url: str, cluster: bool, num_blocks: int) -> None:
 @pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
 def test_cache_stats_and_clear_reach_the_remote_tier_and_only_its_key_prefix(tmp_path, capsys, cluster):
     import redis
-    from valkey_server import ValkeyServer, valkey_cluster
+    from valkey_server import valkey_nodes
 
-    with (valkey_cluster(3) if cluster else contextlib.nullcontext([ValkeyServer()])) as nodes:
+    with valkey_nodes(cluster) as nodes:
         url = nodes[0].url
         put_remote_blocks(url, cluster, num_blocks=5)
         other = redis.RedisCluster.from_url(url) if cluster else nodes[0].client()

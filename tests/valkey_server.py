@@ -140,6 +140,17 @@ class ValkeyServer:
 
 
 @contextlib.contextmanager
+def valkey_nodes(cluster: bool) -> Iterator[list[ValkeyServer]]:
+    """A three-node cluster, or one server alone, as a list of nodes; stopped and removed on exit."""
+    if cluster:
+        with valkey_cluster(3) as nodes:
+            yield nodes
+    else:
+        with ValkeyServer() as server:
+            yield [server]
+
+
+@contextlib.contextmanager
 def valkey_cluster(num_nodes: int = 3, replicas: int = 0) -> Iterator[list[ValkeyServer]]:
     """`num_nodes` primaries, the slots split evenly between them, met through the first node; then
     `replicas` replicas of each primary (nodes[num_nodes + k * replicas + r] replicates primary k), so
