@@ -118,6 +118,7 @@ def test_count_prefix_stops_at_the_first_missing_block():
     tier = CpuTier(BF16, capacity_blocks=4)
     put_blocks(tier, [1, 2, 4])
     assert tier.count_prefix([key(1), key(2), key(3), key(4)]) == 2
+    assert tier.held([key(1), key(3), key(2)]) == [True, False, True]  # each, past a gap
     assert tier.count_prefix([key(3), key(1)]) == 0
     assert tier.count_prefix([]) == 0
 

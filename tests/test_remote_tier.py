@@ -51,6 +51,7 @@ def test_blocks_one_replica_puts_are_served_to_another(server):
     written(a, range(6))
     assert b.count_prefix([key(i) for i in range(6)]) == 6
     assert b.count_prefix([key(0), key(1), key(99), key(2)]) == 2  # stops at the first block not held
+    assert b.held([key(0), key(99), key(2)]) == [True, False, True]  # each, past a gap
     assert get_blocks(b, range(6)) == [True] * 6
     assert get_blocks(b, [7]) == [False]
     stats = b.stats()
@@ -81,11 +82,13 @@ def test_cluster_spreads_blocks_over_its_nodes_and_serves_them_all():
         written(a, range(24))
         assert all(n.client().dbsize() > 0 for n in nodes), "every node holds some of the blocks"
         assert b.count_prefix([key(i) for i in range(24)]) == 24
+        assert b.held([key(i) for i in range(30)]) == [True] * 24 + [False] * 6
         assert get_blocks(b, range(24)) == [True] * 24
 
         nodes[1].kill()  # a node gone: the pipelined read that needs it fails whole, as misses
         assert get_blocks(b, range(24)) == [False] * 24
         assert b.count_prefix([key(i) for i in range(24)]) == 0
+        assert b.held([key(i) for i in range(24)]) == [False] * 24
         assert b.stats().extra["faults"] >= 1
         nodes[1].start()  # back on its port with its nodes.conf: the cluster and the tier take it again
         wait_until(lambda: b"cluster_state:ok" in nodes[1].client().execute_command("CLUSTER", "INFO"))
@@ -153,9 +156,14 @@ def test_hung_server_lookup_is_abandoned_as_a_miss(server):
     try:
         assert tier.count_prefix([key(0), key(1)]) == 0
         assert tier.stats().extra["faults"] >= 1
+        fresh = tier_on(server.url, timeout=0.1)  # not backing off: it asks, and gives up at its timeout
+        start = time.monotonic()
+        assert fresh.held([key(0), key(1)]) == [False, False]
+        assert time.monotonic() - start < 5 * fresh.timeout and fresh.stats().extra["faults"] == 1
     finally:
         server.process.send_signal(signal.SIGCONT)
     tier.close()
+    fresh.close()
 
 
 def test_full_write_queue_drops_puts_and_close_gives_up_on_a_hung_server(server):

@@ -120,6 +120,11 @@ class LowerTier(abc.ABC):
     def contains(self, block_hash: bytes) -> bool:
         """True if the tier holds the block now (cheap; no verification, no LRU update)."""
 
+    def held(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        """`contains` for each hash, anywhere in the chain (not only a prefix); a tier whose lookups
+        cost a round trip answers them all in one."""
+        return [self.contains(h) for h in block_hashes]
+
     @abc.abstractmethod
     def count_prefix(self, block_hashes: Sequence[bytes]) -> int:
         """How many leading hashes of a chain this tier holds (stops at the first it lacks), in one

@@ -477,7 +477,7 @@ class TierHierarchy:
         self.wait_for_write_downs()  # write-through copies land first: fewer blocks to copy here
         for tier in self.lower_tiers:
             tier.pin(owner, block_hashes, info)  # first, so that the copies below cannot evict each other
-            missing = [k for k, h in enumerate(block_hashes) if not tier.contains(h)]
+            missing = [k for k, held in enumerate(tier.held(block_hashes)) if not held]
             self._copy_into(tier, [block_hashes[k] for k in missing], [block_tokens[k] for k in missing])
             tier.flush()
             if owner not in tier.pins():
@@ -498,7 +498,9 @@ class TierHierarchy:
             block_ids, device_hashes = zip(*on_device)
             self._write_down(list(block_ids), list(device_hashes), targets=[tier])
         for source in self.lower_tiers:
-            held = [(h, toks) for h, toks in elsewhere if source is not tier and source.contains(h)]
+            if source is tier or not elsewhere:
+                continue
+            held = [(h, toks) for (h, toks), ok in zip(elsewhere, source.held([h for h, _ in elsewhere])) if ok]
             if not held:
                 continue
             dests = [torch.empty(source.layout.block_nbytes, dtype=torch.uint8) for _ in held]
@@ -536,7 +538,7 @@ class TierHierarchy:
         """How many of the blocks each tier holds now."""
         counts = {"device": sum(self.pool.get_cached_block(h) is not None for h in block_hashes)}
         for tier in self.lower_tiers:
-            counts[tier.name] = sum(tier.contains(h) for h in block_hashes)
+            counts[tier.name] = sum(tier.held(block_hashes))
         return counts
 
     def clear_device_cache(self) -> bool:

@@ -244,21 +244,32 @@ class RemoteTier(LowerTier):
         """One pipelined EXISTS per hash, in one round trip; 0 when the answer does not come within
         `timeout` (the lookup is then abandoned and the fault counted)."""
         self._check_open()
+        found = self._exists(block_hashes)
+        return next((k for k, held in enumerate(found) if not held), len(found))
+
+    def held(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        """One pipelined EXISTS per hash, in one round trip, as `count_prefix`."""
+        self._check_open()
+        return self._exists(block_hashes)
+
+    def _exists(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Whether the server holds each block; all False when the answer does not come within `timeout`
+        (the lookup is then abandoned and the fault counted) or the server is backing off."""
         if not block_hashes or not self.health.usable():
-            return 0
-        future = self._lookups.submit(self._count_prefix, list(block_hashes))
+            return [False] * len(block_hashes)
+        future = self._lookups.submit(self._exists_now, list(block_hashes))
         try:
             return future.result(timeout=self.timeout)
         except FutureTimeout:
             # The lookup thread goes on and leaves its connection usable: only slow, not broken.
             future.cancel()
             self._fault("a lookup", TimeoutError(f"no answer within {self.timeout * 1000:g} ms"), reconnect=False)
-            return 0
+            return [False] * len(block_hashes)
 
-    def _count_prefix(self, block_hashes: list[bytes]) -> int:
+    def _exists_now(self, block_hashes: list[bytes]) -> list[bool]:
         client = self._connection()
         if client is None:
-            return 0
+            return [False] * len(block_hashes)
         pipe = self._pipeline(client)
         for h in block_hashes:
             pipe.exists(self._key(h))
@@ -266,9 +277,9 @@ class RemoteTier(LowerTier):
             found = pipe.execute()
         except Exception as e:  # whatever the client raises is a miss, never the caller's error
             self._fault("a lookup", e)
-            return 0
+            return [False] * len(block_hashes)
         self.health.ok()
-        return next((k for k, n in enumerate(found) if not n), len(found))
+        return [bool(n) for n in found]
 
     def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             dests: Sequence[torch.Tensor]) -> list[bool]:
