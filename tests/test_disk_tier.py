@@ -104,10 +104,12 @@ def test_pending_puts_are_served_before_the_writer_commits_them(store_path):
     put_blocks(tier, range(3))
     assert tier.stats().extra["pending_puts"] == 3
     assert tier.count_prefix([key(0), key(1), key(2), key(3)]) == 3
+    assert tier.held([key(3), key(1)]) == [False, True]
     assert get_blocks(tier, range(3)) == [True] * 3
     gate.set()
     tier.flush()
     assert tier.stats().extra["pending_puts"] == 0
+    assert tier.held([key(3), key(1), key(0)]) == [False, True, True]  # committed: from the store
     assert get_blocks(tier, range(3)) == [True] * 3
     tier.close()
 

@@ -192,6 +192,17 @@ class DiskTier(LowerTier):
 
         return self._in_snapshot("atime", count, default=lambda: _leading_true(pending))
 
+    def held(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Each hash, in one snapshot (as `count_prefix`)."""
+        self._check_open()
+        with self._cond:
+            pending = [h in self._pending for h in block_hashes]
+
+        def each(store, txn) -> list[bool]:
+            return [p or txn.get(h) is not None for h, p in zip(block_hashes, pending)]
+
+        return self._in_snapshot("atime", each, default=lambda: pending)
+
     def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             dests: Sequence[torch.Tensor]) -> list[bool]:
         self._check_open()
