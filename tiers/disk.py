@@ -179,10 +179,7 @@ class DiskTier(LowerTier):
         return self.count_prefix([block_hash]) == 1
 
     def count_prefix(self, block_hashes: Sequence[bytes]) -> int:
-        self._check_open()
-        # The pending map first, then one snapshot: a put that commits in between is in the snapshot.
-        with self._cond:
-            pending = [h in self._pending for h in block_hashes]
+        pending = self._pending_flags(block_hashes)
 
         def count(store, txn) -> int:
             n = 0
@@ -194,14 +191,19 @@ class DiskTier(LowerTier):
 
     def held(self, block_hashes: Sequence[bytes]) -> list[bool]:
         """Each hash, in one snapshot (as `count_prefix`)."""
-        self._check_open()
-        with self._cond:
-            pending = [h in self._pending for h in block_hashes]
+        pending = self._pending_flags(block_hashes)
 
         def each(store, txn) -> list[bool]:
             return [p or txn.get(h) is not None for h, p in zip(block_hashes, pending)]
 
         return self._in_snapshot("atime", each, default=lambda: pending)
+
+    def _pending_flags(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Which hashes wait in the writer's queue. Taken before the snapshot that looks up the rest: a put
+        that commits in between is in the snapshot."""
+        self._check_open()
+        with self._cond:
+            return [h in self._pending for h in block_hashes]
 
     def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             dests: Sequence[torch.Tensor]) -> list[bool]:
