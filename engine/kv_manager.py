@@ -42,6 +42,7 @@ class Tail:
 
     load: PrefixLoad
     start: int
+    end: int
 
 
 @dataclass
@@ -59,7 +60,8 @@ class UncachedEstimate:
 class PrefixCacheStats:
     """The prefix cache's hit counters: one definition, counted once per request at its first
     admission (what the request reports as `cached_tokens_by_tier`), so an admission retried
-    because the device was full, or after a preemption, is not counted again."""
+    because the device was full, or after a preemption, is not counted again. A tail loading beside
+    the prefix counts when it lands (`KVCacheManager.record_admission`)."""
 
     queries: int = 0                 # requests admitted
     query_tokens: int = 0            # their prompt tokens
@@ -93,6 +95,9 @@ class KVCacheManager:
         self.reserved: dict[str, list[KVCacheBlock]] = {}
         # request_id -> the tail of its prefix, loading while the request computes the head before it.
         self.tails: dict[str, Tail] = {}
+        # request_id -> per block of the prefix last handed to the scheduler, the tier that served it
+        # (its hits are counted when the request is admitted with it: `record_admission`).
+        self._prefix_tiers: dict[str, list[str]] = {}
         self.prefix_stats = PrefixCacheStats()
         # Prompt log-probabilities by block: a request asking for them may use a cached prefix only as
         # far as their entries are known (engine/prompt_logprobs.py).
@@ -145,7 +150,8 @@ class KVCacheManager:
         del self.prefix_loads[request.request_id]
         hit = self.hierarchy.finish_prefix(load)
         self._account_load(request, load)
-        by_tier = {t: hit.blocks_by_tier.get(t, 0) * self.block_size for t in TIER_NAMES}
+        self._prefix_tiers[request.request_id] = hit.tiers
+        by_tier = {t: n * self.block_size for t, n in hit.blocks_by_tier.items()}
         return hit.blocks, hit.num_blocks * self.block_size, by_tier
 
     def _start_prefix(self, request: Request) -> PrefixLoad | None:
@@ -161,6 +167,7 @@ class KVCacheManager:
             return None
         if request.cached_tokens_by_tier is None:  # not admitted yet: what it will report, and be counted
             request.recomputed_tokens_by_tier = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES)
+            request.tail_to_count = range(plan.head_end, plan.cut) if plan.overlaps else None
         first = plan.device_run if plan.overlaps else plan.cut  # the prefix the request starts from
         load = self.hierarchy.acquire_prefix(hashes[:first], self._block_tokens(request, 0, first), found_in[:first])
         self.prefix_loads[request.request_id] = load
@@ -168,7 +175,7 @@ class KVCacheManager:
             tail = self.hierarchy.acquire_prefix(hashes[plan.head_end:plan.cut],
                                                  self._block_tokens(request, plan.head_end, plan.cut),
                                                  found_in[plan.head_end:plan.cut], parent=hashes[plan.head_end - 1])
-            self.tails[request.request_id] = Tail(tail, plan.head_end)
+            self.tails[request.request_id] = Tail(tail, plan.head_end, plan.cut)
         if load.transfer is not None or plan.overlaps:
             self.reserved[request.request_id] = self.pool.get_new_blocks(fresh)
         if load.transfer is not None:  # submitted: the load phase starts, landed or not
@@ -209,10 +216,19 @@ class KVCacheManager:
         request.num_computed_tokens += hit.num_blocks * self.block_size
         request.prefill_saved_s_estimate += self.step_cost.prefill_s(hit.num_blocks * self.block_size,
                                                                      tail.start * self.block_size)
-        if request.num_preemptions == 0:  # counted once, as at admission (a retried tail is not counted)
-            for t, n in hit.blocks_by_tier.items():
-                request.cached_tokens_by_tier[t] = request.cached_tokens_by_tier.get(t, 0) + n * self.block_size
-                self.prefix_stats.hit_blocks[t] += n
+        self._count_tail(request, hit.tiers, tail.start)
+        request.tail_to_count = None  # landed: what did not arrive, the request computes
+
+    def _count_tail(self, request: Request, tiers: list[str], start: int) -> None:
+        """Count the hits among blocks `start..` of the request (served by `tiers`) that are in its tail
+        still to be counted (`Request.tail_to_count`)."""
+        to_count = request.tail_to_count
+        if to_count is None:
+            return
+        for k, tier in enumerate(tiers, start):
+            if k in to_count:
+                request.cached_tokens_by_tier[tier] = request.cached_tokens_by_tier.get(tier, 0) + self.block_size
+                self.prefix_stats.hit_blocks[tier] += 1
 
     def _room_for_load(self, hashes: list[bytes], found_in: list[str], rest: int) -> bool:
         """Whether the blocks `hashes`, laid out as `found_in`, can start loading: the device can take
@@ -316,14 +332,27 @@ class KVCacheManager:
         self._abandoned = still
 
     def record_admission(self, request: Request, cached_tokens_by_tier: dict[str, int]) -> None:
-        """Count a request's prefix hit at its first admission (see `PrefixCacheStats`)."""
+        """Count a request's hits as it is admitted with its prefix (see `PrefixCacheStats`): at its
+        first admission, the prefix (what it reports as cached); at any, the blocks of a tail planned
+        at the first that had not landed by then (the request was preempted while it loaded), wherever
+        this admission's prefix found them. Once per request, each block."""
+        tiers = self._prefix_tiers.pop(request.request_id, [])
+        if request.cached_tokens_by_tier is None:
+            request.cached_tokens_by_tier = dict(cached_tokens_by_tier)
+            self._count_query(request)
+        else:
+            self._count_tail(request, tiers, 0)
+        tail = self.tails.get(request.request_id)
+        request.tail_to_count = _overlap(request.tail_to_count, tail and range(tail.start, tail.end))
+
+    def _count_query(self, request: Request) -> None:
         stats = self.prefix_stats
         stats.queries += 1
         stats.query_tokens += request.num_prompt_tokens
         stats.query_blocks += (request.num_prompt_tokens - 1) // self.block_size
         recomputed = request.recomputed_tokens_by_tier or {}
         for t in TIER_NAMES:
-            stats.hit_blocks[t] += cached_tokens_by_tier.get(t, 0) // self.block_size
+            stats.hit_blocks[t] += request.cached_tokens_by_tier.get(t, 0) // self.block_size
             stats.recomputed_blocks[t] += recomputed.get(t, 0) // self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -387,6 +416,7 @@ class KVCacheManager:
             self.release_abandoned()
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
+        self._prefix_tiers.pop(request.request_id, None)
         if blocks:
             self.pool.free_blocks(list(reversed(blocks)))
         self._release_reserved(request)
@@ -441,3 +471,10 @@ class KVCacheManager:
 
 def _in_flight(load: PrefixLoad) -> set[bytes]:
     return set() if load.ready else {load.block_hashes[k] for k in load.below}
+
+
+def _overlap(a: range | None, b: range | None) -> range | None:
+    """The blocks in both ranges (None: none)."""
+    if a is None or b is None or max(a.start, b.start) >= min(a.stop, b.stop):
+        return None
+    return range(max(a.start, b.start), min(a.stop, b.stop))

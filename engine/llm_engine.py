@@ -426,8 +426,9 @@ class LLMEngine:
         """What the engine counts, all measured. Units are in the names; each counter has one definition:
 
         - `prefix_cache.query_tokens`: prompt tokens of admitted requests; `prefix_cache.hit_tokens[tier]`:
-          those served from each tier. Both are counted once per request, at its first admission
-          (what the request reports as `cached_tokens_by_tier`): a retried admission is not counted again.
+          those served from each tier. Both are counted once per request, at its first admission (what the
+          request reports as `cached_tokens_by_tier`): a retried admission is not counted again; a tail
+          loading beside the prefix counts when it lands (or, preempted before, where the retry finds it).
         - `prefix_cache.recomputed_tokens[tier]`: prompt tokens found in each tier at lookup that the load
           policy chose to recompute rather than load (what requests report as `recomputed_tokens_by_tier`),
           counted the same way.

@@ -50,8 +50,12 @@ class Request:
     num_computed_tokens: int = 0
     # Chain hashes of the request's full blocks (prompt + output so far), extended as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
-    # Prompt tokens served from the cache at the request's first scheduling, per tier (measured).
+    # Prompt tokens served from the cache at the request's first scheduling, per tier (measured), and
+    # those of the tail its first lookup planned to load beside it once that has landed.
     cached_tokens_by_tier: dict[str, int] | None = None
+    # The blocks of that tail not counted yet: counted when it lands, or, when the request is
+    # preempted before, wherever its retried admission finds them (engine/kv_manager.py).
+    tail_to_count: range | None = None
     # Prompt tokens found in each tier at that lookup but recomputed by the load policy's choice.
     recomputed_tokens_by_tier: dict[str, int] | None = None
     first_token_time: float | None = None

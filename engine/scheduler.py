@@ -339,10 +339,9 @@ class Scheduler:
         if self.kv.allocate_slots(request, num_new, blocks) is None:
             return False
         self.waiting.remove(request)
-        if request.cached_tokens_by_tier is None:  # first admission: what the user is told, and counted
-            request.cached_tokens_by_tier = by_tier
-            request.prefill_saved_s_estimate = self.cost.prefill_s(num_cached, 0)  # computing them from scratch
-            self.kv.record_admission(request, by_tier)
+        if request.cached_tokens_by_tier is None:  # first admission: computing its prefix from scratch
+            request.prefill_saved_s_estimate = self.cost.prefill_s(num_cached, 0)
+        self.kv.record_admission(request, by_tier)  # what the user is told, and counted (once)
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.RUNNING
         request.enter_phase("prefill")

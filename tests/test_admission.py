@@ -365,3 +365,44 @@ def test_two_questions_on_a_document_below_the_device_load_it_once(policy):
     assert second.cached_tokens_by_tier["device"] == 6 * BS  # the blocks the first one loaded
     assert kv.hierarchy.counters.promotions["cpu"] == 6
     assert_prefix_bytes(kv, kv.req_to_blocks[second.request_id][:6], second.block_hashes)
+
+
+def test_a_tail_preempted_before_it_landed_is_counted_at_the_retried_admission():
+    """Hits are counted once per request: the tail's blocks, which never landed for the first
+    admission, count where the retried admission finds them (the abandoned load cached them on the
+    device), so the request reports each prompt block once, as cached or as recomputed."""
+    kv, scheduler, request = overlapping_stack()
+    fake_step(kv, scheduler)
+    head = kv.barrier(request) // BS
+    scheduler._preempt(scheduler.running.pop())  # as when the device runs out of room for another step
+    kv.hierarchy.cpu.gate.set()
+    kv.wait_for_loads(timeout=10)
+    kv.hierarchy.transfers.wait_idle()
+    kv.release_abandoned()
+    for _ in range(3):
+        if fake_step(kv, scheduler) == [request]:
+            break
+        kv.wait_for_loads(timeout=10)
+    assert request.num_preemptions == 1 and len(request.output_token_ids) == 1
+    assert request.recomputed_tokens_by_tier["cpu"] == head * BS
+    assert request.num_cached_tokens == (12 - head) * BS
+    assert request.cached_tokens_by_tier == {"device": (12 - head) * BS, "cpu": 0, "disk": 0, "remote": 0}
+    stats = kv.stats()
+    assert stats.hit_blocks == {"device": 12 - head, "cpu": 0, "disk": 0, "remote": 0}
+    assert stats.recomputed_blocks["cpu"] == head
+    assert_prefix_bytes(kv, kv.req_to_blocks[request.request_id][:12], request.block_hashes)
+
+
+def test_a_tail_preempted_after_it_landed_is_not_counted_again():
+    kv, scheduler, request = overlapping_stack()
+    fake_step(kv, scheduler)
+    head = kv.barrier(request) // BS
+    kv.hierarchy.cpu.gate.set()
+    kv.wait_for_loads(timeout=10)
+    scheduler._land_tails()
+    assert kv.barrier(request) is None
+    scheduler._preempt(scheduler.running.pop())
+    while fake_step(kv, scheduler) != [request]:
+        kv.wait_for_loads(timeout=10)
+    assert request.cached_tokens_by_tier == {"device": 0, "cpu": (12 - head) * BS, "disk": 0, "remote": 0}
+    assert kv.stats().hit_blocks == {"device": 0, "cpu": 12 - head, "disk": 0, "remote": 0}

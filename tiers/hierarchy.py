@@ -63,11 +63,16 @@ class PrefixHit:
     """The cached prefix of a request, held (ref-counted) on the device."""
 
     blocks: list[KVCacheBlock]
-    blocks_by_tier: dict[str, int]   # how many of `blocks` each tier supplied
+    tiers: list[str]   # per block, the tier that supplied it
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def blocks_by_tier(self) -> dict[str, int]:
+        """How many of `blocks` each tier supplied."""
+        return {t: self.tiers.count(t) for t in TIER_NAMES}
 
 
 @dataclass(eq=False)
@@ -299,14 +304,13 @@ class TierHierarchy:
                               [load.block_hashes[k - 1] if k else load.parent for k in arrived])
         self._hold_below(load, hold=False)
         self.pool.free_blocks(list(reversed(load.blocks[end:])))
-        by_tier = {t: 0 for t in TIER_NAMES}
-        for k in range(end):
-            by_tier[served.get(k) or "device"] += 1
+        hit = PrefixHit(blocks=load.blocks[:end], tiers=[served.get(k) or "device" for k in range(end)])
+        by_tier = hit.blocks_by_tier
         with self._counters_lock:
             for name in LOWER_TIER_NAMES:
                 self.counters.promotions[name] += by_tier[name]
             self.counters.promotion_failures += len(load.below) - len(arrived)
-        return PrefixHit(blocks=load.blocks[:end], blocks_by_tier=by_tier)
+        return hit
 
     # ------------------------------------------------------------------ caching and write-down
 
