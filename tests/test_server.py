@@ -363,6 +363,30 @@ def test_second_question_about_a_document_is_served_from_the_cache(client, http)
     assert hits_after - hits_before >= cached + first.usage.prompt_tokens_details.cached_tokens
 
 
+def test_after_a_prefix_cache_reset_a_document_is_served_from_the_cpu_tier(client, http, server):
+    """How a user measures a CPU-tier hit over HTTP: the device forgets, the tier below still holds."""
+    messages = document_chat("What was rebuilt with a glass roof?")
+    client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2, temperature=0, messages=messages)
+    assert httpx.post(f"{server.base_url}/reset_prefix_cache").status_code == 401  # it needs the key
+    reset = http.post("/reset_prefix_cache")
+    assert reset.status_code == 200 and reset.json() == {"object": "prefix_cache.reset", "tiers": ["device"]}
+    again = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2, temperature=0,
+                                           messages=messages)
+    by_tier = again.model_extra["kvstrata"]["cached_tokens_by_tier"]
+    assert by_tier["device"] == 0 and by_tier["cpu"] >= again.usage.prompt_tokens // 2
+
+
+def test_a_prefix_cache_reset_while_a_request_runs_is_refused_with_409(http):
+    body = {"model": "smollm2-135m-instruct", "prompt": "Count from one to a hundred:", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()  # kept: dropping the iterator would close the stream, aborting the request
+        next(lines)  # the request is running
+        refused = http.post("/reset_prefix_cache")
+    error = refused.json()["error"]
+    assert refused.status_code == 409 and error["code"] == "server_busy" and "\n" not in error["message"]
+
+
 def _hit_tokens(metrics_text: str) -> float:
     return sum(metric_value(metrics_text, "kvstrata_prefix_cache_hits_tokens_total", f'tier="{tier}"')
                for tier in ("device", "cpu", "disk"))

@@ -10,6 +10,7 @@
     POST /v1/cache/documents    messages or prompt -> its blocks computed and stored (pinned unless `pin: false`)
     GET  /v1/cache/documents    the documents cached, with the blocks each tier holds
     DELETE /v1/cache/documents/{id}   unpin and forget a document (its blocks become evictable again)
+    POST /reset_prefix_cache    vLLM's: forget the blocks cached on the device (the lower tiers keep theirs)
 
 Responses carry OpenAI's `usage` (with `prompt_tokens_details.cached_tokens`) and a `kvstrata`
 object, the request's cache receipt: `cached_tokens_by_tier` (device, cpu, disk, remote), `ttft_ms` and its
@@ -45,8 +46,8 @@ from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompleti
                                       ChatLogprobs, ChatMessage,
                                       CompletionChoice, CompletionRequest, CompletionResponse, DocumentDeleted,
                                       DetokenizeRequest, DetokenizeResponse, DocumentList, DocumentObject,
-                                      DocumentRequest, ModelCard, ModelList, SamplingRequest, TokenizeRequest,
-                                      TokenizeResponse)
+                                      DocumentRequest, ModelCard, ModelList, PrefixCacheReset, SamplingRequest,
+                                      TokenizeRequest, TokenizeResponse)
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 if TYPE_CHECKING:
@@ -283,6 +284,14 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         except UnknownDocumentError as exc:
             raise APIError(404, str(exc), param="document_id", code="document_not_found") from None
         return DocumentDeleted(id=document_id)
+
+    @app.post("/reset_prefix_cache", response_model=PrefixCacheReset)
+    async def reset_prefix_cache() -> PrefixCacheReset:
+        # Only while nothing holds a device block: a running request's prefix cannot be forgotten.
+        if not await engine.call(lambda e: e.reset_prefix_cache()):
+            raise APIError(409, "requests are running: the device's prefix cache can be reset only when the "
+                           "server is idle", code="server_busy")
+        return PrefixCacheReset()
 
     return app
 

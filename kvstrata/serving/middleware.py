@@ -4,8 +4,8 @@
     RequestGate     counts the API requests in flight; once the server drains, refuses new ones (503)
     BodySizeLimit   a body over `server.max_request_body` is refused (413) before it is parsed
 
-The API routes are `/v1/*` and vLLM's `/tokenize` and `/detokenize` (which vLLM leaves open: here
-they cost tokenizer time, so they need the key too). `/health` and `/metrics` stay open without a
+The API routes are `/v1/*` and vLLM's `/tokenize`, `/detokenize` and `/reset_prefix_cache` (which
+vLLM leaves open: here they cost tokenizer time or a tenant's cached prefixes, so they need the key too). `/health` and `/metrics` stay open without a
 key, as vLLM keeps them, so that load balancers and Prometheus need no secret.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvstrata.engine.sizes import format_size
 from kvstrata.serving.errors import APIError, service_unavailable
 
 API_PREFIX = "/v1"
-API_PATHS_OUTSIDE_PREFIX = ("/tokenize", "/detokenize")  # vLLM's paths
+API_PATHS_OUTSIDE_PREFIX = ("/tokenize", "/detokenize", "/reset_prefix_cache")  # vLLM's paths
 
 
 def _is_api(scope) -> bool:

@@ -387,6 +387,13 @@ class DocumentDeleted(BaseModel):
     deleted: bool = True
 
 
+class PrefixCacheReset(BaseModel):
+    """`POST /reset_prefix_cache`: the tiers whose cached blocks were forgotten."""
+
+    object: Literal["prefix_cache.reset"] = "prefix_cache.reset"
+    tiers: list[str] = ["device"]
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
