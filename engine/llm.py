@@ -207,7 +207,8 @@ class LLM:
         return self.engine.documents.unpin(document_id)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every block cached on the device, if no request is running (the lower tiers keep theirs)."""
+        """Forget every block cached on the device, if no request is running; the lower tiers keep
+        theirs (`offload: on_evict` writes them down first, as eviction would)."""
         return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict:

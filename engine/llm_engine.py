@@ -489,7 +489,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every block cached on the device (vLLM's name), if no request holds one; the lower
-        tiers keep theirs. False, with nothing changed, while requests run."""
+        tiers keep theirs (`offload: on_evict` writes them down first, as eviction would). False, with
+        nothing changed, while requests run."""
         return self.hierarchy.clear_device_cache()
 
     def write_down_idle(self, max_blocks: int = 64) -> int:

@@ -124,6 +124,20 @@ def test_on_evict_copies_down_only_when_the_device_reuses_a_block():
     assert again.num_cached_tokens == 6 * BS
 
 
+@pytest.mark.parametrize("offload", ["write_through", "on_evict"])
+def test_a_device_cache_reset_leaves_the_blocks_below_where_the_next_request_finds_them(offload):
+    kv = make_stack(device_blocks=16, cpu_blocks=32, offload=offload)
+    a = doc(3, 6 * BS + 1)
+    held = run_request(kv, a, finish=False)
+    assert not kv.hierarchy.clear_device_cache()  # a request holds its blocks: nothing changes
+    assert kv.pool.get_cached_block(held.block_hashes[0]) is not None
+    kv.free(held)
+    assert kv.hierarchy.clear_device_cache()
+    assert not kv.pool.cached_block_hash_to_block and kv.hierarchy.cpu.stats().used_blocks == 6
+    again = run_request(kv, a)  # run_request checks every served block's bytes
+    assert again.cached_tokens_by_tier["cpu"] == 6 * BS
+
+
 def test_cpu_evictions_cascade_to_disk_and_disk_hits_refill_cpu(tmp_path):
     kv = make_stack(device_blocks=8, cpu_blocks=6, disk_path=tmp_path / "kv", disk_blocks=64)
     docs = [doc(i, 6 * BS + 1) for i in range(4)]
@@ -343,8 +357,8 @@ def test_pin_copies_device_blocks_in_one_store_job_and_reads_another_tier_once(t
             assert tier.get([block_hash], [toks], [dest]) == [True]
             assert torch.equal(dest, content_for(block_hash))
 
-    h.cpu.clear()
-    assert h.clear_device_cache()  # the blocks are on disk only now
+    assert h.clear_device_cache()  # on_evict writes them down to the CPU tier, as eviction would
+    h.cpu.clear()  # the blocks are on disk only now
     jobs.clear(), disk_reads.clear()
     h.pin("doc2", hashes, block_tokens, {})
     assert jobs == [] and disk_reads == [5]  # the CPU tier's copies come from disk in one read

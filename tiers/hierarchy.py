@@ -546,8 +546,18 @@ class TierHierarchy:
         return counts
 
     def clear_device_cache(self) -> bool:
-        """Forget every cached device block, if none is in use (write-downs in flight finish first:
-        a cleared block is reused without passing through `_on_device_evict`)."""
+        """Forget every cached device block, if none is in use; False, with nothing changed, if one is.
+        As eviction would, `on_evict` first writes them down (write-through did already), so the tiers
+        below serve them next; write-downs in flight finish first: a cleared block is reused without
+        passing through `_on_device_evict`."""
+        if self.pool.num_free_blocks != self.pool.num_blocks:
+            return False
+        self.flush_pending()
+        if self.offload == "on_evict":
+            cached = [(b.block_id, h) for h, b in self.pool.cached_block_hash_to_block.items()
+                      if b.block_id in self._block_tokens]
+            if cached:
+                self._write_down(*map(list, zip(*cached)))
         self.wait_for_write_downs()
         ok = self.pool.reset_prefix_cache()
         if ok:
