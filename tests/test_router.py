@@ -275,6 +275,46 @@ def test_the_router_serves_every_route_of_the_replicas_api(cluster):
     assert text == {"prompt": "Hello there"}
 
 
+@pytest.mark.slow
+def test_a_document_cached_through_the_router_draws_its_questions_and_is_listed_and_unpinned_there(cluster):
+    replicas, router_url, _ = cluster
+    doc = document("lambda")
+    messages = [{"role": "user", "content": doc}]
+    cached = httpx.post(f"{router_url}/v1/cache/documents", json={"messages": messages}, timeout=300)
+    assert cached.status_code == 200, cached.text
+    holder, document_id = cached.headers["x-kvstrata-replica"], cached.json()["id"]
+    answer = httpx.post(f"{router_url}/v1/chat/completions", timeout=300, json={
+        "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": doc + " What is this about?"}]})
+    assert answer.headers["x-kvstrata-replica"] == holder
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= cached.json()["num_cached_tokens"]
+    listed = httpx.get(f"{router_url}/v1/cache/documents", timeout=60).json()["data"]
+    assert [(d["id"], d["replica"], d["pinned"]) for d in listed] == [(document_id, holder, True)]
+    assert httpx.delete(f"{router_url}/v1/cache/documents/{document_id}", timeout=60).json()["deleted"]
+    assert httpx.get(f"{router_url}/v1/cache/documents", timeout=60).json()["data"] == []
+    gone = httpx.delete(f"{router_url}/v1/cache/documents/{document_id}", timeout=60)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "document_not_found"
+
+
+@pytest.mark.slow
+def test_a_prefix_cache_reset_through_the_router_resets_every_replica(cluster):
+    replicas, router_url, _ = cluster
+    doc = document("global")
+    holder = ask(router_url, doc, "What is this about?").headers["x-kvstrata-replica"]
+    reset = httpx.post(f"{router_url}/reset_prefix_cache", timeout=60)
+    assert reset.status_code == 200 and sorted(reset.json()["replicas"]) == sorted(r.url for r in replicas)
+    again = ask(holder, doc, "Name one keyword.").json()["kvstrata"]["cached_tokens_by_tier"]
+    assert again["device"] == 0 and again["cpu"] > 0
+
+    busy, idle = replicas
+    body = {"model": MODEL, "prompt": "Count to a hundred:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{busy.url}/v1/completions", json=body, timeout=300) as stream:
+        lines = stream.iter_lines()  # kept: dropping the iterator would close the stream, aborting the request
+        next(lines)
+        refused = httpx.post(f"{router_url}/reset_prefix_cache", timeout=60)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "server_busy"
+    assert busy.url in refused.json()["error"]["message"] and idle.url not in refused.json()["error"]["message"]
+
+
 def wait_for_health(router_url: str, replica_url: str, healthy: bool) -> None:
     deadline = time.monotonic() + 30
     while httpx.get(f"{router_url}/health", timeout=10).json()["replicas"][replica_url]["healthy"] != healthy:

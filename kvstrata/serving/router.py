@@ -21,6 +21,11 @@ How a request is placed:
    streams included, with an `x-kvstrata-replica` header naming the replica. A replica that cannot
    be reached, or answers 502/503/504, is tried no more for this request: the next best one is.
 
+Documents (`/v1/cache/documents`): caching one is placed as a request is (its questions then follow it
+to the replica that holds it); the list is every replica's, each document naming its `replica`; unpinning
+goes to every replica (a document's id is the same on all). `POST /reset_prefix_cache` resets every
+replica's device cache (409 naming those still busy; the others are reset).
+
 A health check (`GET /health` every `router.health_interval`) takes a replica out when it fails and
 puts it back when it answers again; then the router rebuilds that replica's index from its replay
 buffer, since a replica that restarted holds other blocks (and numbers its events from 0 again).
@@ -30,6 +35,7 @@ taken back): the stream ends with an error event saying so, then `data: [DONE]`,
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -46,7 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvstrata import __version__
 from kvstrata.engine.config import Config, ReplicaConfig
 from kvstrata.engine.hashing import BlockHasher
-from kvstrata.engine.prompts import render_chat, tokenize_text
+from kvstrata.engine.prompts import render_chat, render_document, tokenize_text
 from kvstrata.serving.events import BlockIndex, KVEventSubscriber, ReceivedBatch
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
@@ -60,8 +66,11 @@ EVENT_POLL_MS = 100
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 # The replicas' routes the router serves: the prompts of the first two are placed by their cached
 # prefix, the rest go by load.
+DOCUMENTS_PATH = "/v1/cache/documents"
+# Sent to one replica, chosen by the prompt's cached prefix (a document: where it is cached already, else the
+# least loaded; its questions follow it there).
 FORWARDED_ROUTES = (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                    ("POST", "/tokenize"), ("POST", "/detokenize"))
+                    ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", DOCUMENTS_PATH))
 SSE_SEPARATOR = b"\n\n"  # between server-sent events, as the replicas write them
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -193,6 +202,8 @@ def prompt_token_ids(tokenizer, path: str, payload: Any) -> list[int] | None:
     try:
         if path == "/v1/chat/completions":
             return render_chat(tokenizer, payload["messages"])
+        if path == DOCUMENTS_PATH:
+            return render_document(tokenizer, messages=payload.get("messages"), prompt=payload.get("prompt")).token_ids
         prompt = payload["prompt"]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -271,6 +282,57 @@ class Router:
             return StreamingResponse(_pass_through(upstream, replica), status_code=upstream.status_code,
                                      headers=passed)
 
+    async def each_replica(self, request: Request, path: str) -> list[tuple[Replica, httpx.Response]]:
+        """The request sent to every healthy replica at once, and the answers of those that gave one
+        (one that cannot be reached is taken out, as a health check would)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        body = await request.body()
+        replicas = [r for r in self.replicas.replicas if r.healthy]
+
+        async def send(replica: Replica) -> httpx.Response | None:
+            try:
+                return await self.client.request(request.method, replica.url + path, content=body, headers=headers)
+            except httpx.TransportError:
+                set_health(replica, False)
+                return None
+
+        answers = await asyncio.gather(*(send(r) for r in replicas))
+        return [(r, a) for r, a in zip(replicas, answers) if a is not None]
+
+    async def list_documents(self, request: Request) -> Response:
+        """Every replica's documents, each naming the replica that holds it."""
+        answers = await self.each_replica(request, DOCUMENTS_PATH)
+        refused = _first_refusal(answers, expected=(200,))
+        if refused is not None or not answers:
+            return refused or _error(503, "no replica could take the request (none is healthy)")
+        try:
+            data = [{**d, "replica": r.url} for r, a in answers for d in a.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            return _error(502, "a replica answered something that is not a list of documents")
+        return JSONResponse({"object": "list", "data": data})
+
+    async def unpin_document(self, request: Request, document_id: str) -> Response:
+        """Unpin the document on every replica that has it (a document's id is the same on all of them)."""
+        answers = await self.each_replica(request, f"{DOCUMENTS_PATH}/{document_id}")
+        refused = _first_refusal(answers, expected=(200, 404))
+        if refused is not None or not answers:
+            return refused or _error(503, "no replica could take the request (none is healthy)")
+        deleted = [a for _, a in answers if a.status_code == 200]
+        return _passed(deleted[0] if deleted else answers[0][1])
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """Reset every replica's device cache; 409 naming the replicas still busy (the others are reset)."""
+        answers = await self.each_replica(request, "/reset_prefix_cache")
+        refused = _first_refusal(answers, expected=(200, 409))
+        if refused is not None or not answers:
+            return refused or _error(503, "no replica could take the request (none is healthy)")
+        busy = [r.url for r, a in answers if a.status_code == 409]
+        if busy:
+            return _passed(next(a for _, a in answers if a.status_code == 409),
+                           message=f"requests are running on {', '.join(busy)}: a device's prefix cache can be "
+                                   f"reset only when its replica is idle (the others were reset)")
+        return JSONResponse({"object": "prefix_cache.reset", "tiers": ["device"], "replicas": [r.url for r, _ in answers]})
+
     def _forwarder(self, path: str):
         async def forward(request: Request) -> Response:
             return await self.forward(request, path)
@@ -282,6 +344,10 @@ class Router:
 
         for method, path in FORWARDED_ROUTES:
             app.add_api_route(path, self._forwarder(path), methods=[method])
+
+        app.add_api_route(DOCUMENTS_PATH, self.list_documents, methods=["GET"])
+        app.add_api_route(DOCUMENTS_PATH + "/{document_id}", self.unpin_document, methods=["DELETE"])
+        app.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])
 
         @app.get("/health")
         async def health() -> Response:
@@ -334,6 +400,24 @@ def _sse_cut_error(replica: Replica) -> bytes:
     """The error event and end of a stream whose replica went away before finishing it."""
     body = _error_body(f"replica {replica.url} went away mid-answer; the answer is incomplete")
     return f"data: {json.dumps(body)}".encode() + SSE_SEPARATOR + SSE_DONE
+
+
+def _first_refusal(answers: list[tuple[Replica, httpx.Response]], expected: tuple[int, ...]) -> Response | None:
+    """The first answer with a status other than `expected` (a wrong API key, say), passed on as it came."""
+    return next((_passed(a) for _, a in answers if a.status_code not in expected), None)
+
+
+def _passed(answer: httpx.Response, message: str | None = None) -> Response:
+    """A replica's whole answer, passed on (with its error message replaced by `message`, if given)."""
+    if message is None:
+        return Response(answer.content, status_code=answer.status_code,
+                        media_type=answer.headers.get("content-type"))
+    try:
+        body = answer.json()
+        body["error"]["message"] = message
+    except (ValueError, KeyError, TypeError):
+        return _passed(answer)
+    return JSONResponse(body, status_code=answer.status_code)
 
 
 def _error(status: int, message: str) -> JSONResponse:
