@@ -372,8 +372,9 @@ def _describe_document(d: dict) -> str:
     where = ", ".join(f"{tier} {n}" for tier, n in d["blocks_by_tier"].items())
     state = "pinned" if d["pinned"] else "not pinned"
     salted = ", salted" if d["salted"] else ""
+    replica = f" on {d['replica']}" if d.get("replica") else ""  # listed through `kvstrata route`
     return (f"{d['id']}  {d['num_tokens']} tokens ({d['num_cached_tokens']} in full blocks), {state}{salted}; "
-            f"blocks: {where}")
+            f"blocks{replica}: {where}")
 
 
 def _server_call(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> dict:

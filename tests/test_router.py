@@ -276,7 +276,9 @@ def test_the_router_serves_every_route_of_the_replicas_api(cluster):
 
 
 @pytest.mark.slow
-def test_a_document_cached_through_the_router_draws_its_questions_and_is_listed_and_unpinned_there(cluster):
+def test_a_document_cached_through_the_router_draws_its_questions_and_is_listed_and_unpinned_there(cluster, capsys):
+    from kvstrata.cli import main
+
     replicas, router_url, _ = cluster
     doc = document("lambda")
     messages = [{"role": "user", "content": doc}]
@@ -289,6 +291,10 @@ def test_a_document_cached_through_the_router_draws_its_questions_and_is_listed_
     assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= cached.json()["num_cached_tokens"]
     listed = httpx.get(f"{router_url}/v1/cache/documents", timeout=60).json()["data"]
     assert [(d["id"], d["replica"], d["pinned"]) for d in listed] == [(document_id, holder, True)]
+    capsys.readouterr()
+    assert main(["cache", "documents", "list", "--url", router_url]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"{document_id} ") and f"blocks on {holder}: " in printed
     assert httpx.delete(f"{router_url}/v1/cache/documents/{document_id}", timeout=60).json()["deleted"]
     assert httpx.get(f"{router_url}/v1/cache/documents", timeout=60).json()["data"] == []
     gone = httpx.delete(f"{router_url}/v1/cache/documents/{document_id}", timeout=60)
