@@ -295,6 +295,8 @@ def test_a_document_cached_through_the_router_draws_its_questions_and_is_listed_
     assert main(["cache", "documents", "list", "--url", router_url]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"{document_id} ") and f"blocks on {holder}: " in printed
+    other = httpx.delete(f"{router_url}/v1/cache/documents/{document_id}%3Fx", timeout=60)  # another id, not a query
+    assert other.status_code == 404 and other.json()["error"]["code"] == "document_not_found"
     assert httpx.delete(f"{router_url}/v1/cache/documents/{document_id}", timeout=60).json()["deleted"]
     assert httpx.get(f"{router_url}/v1/cache/documents", timeout=60).json()["data"] == []
     gone = httpx.delete(f"{router_url}/v1/cache/documents/{document_id}", timeout=60)

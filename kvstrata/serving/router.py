@@ -42,6 +42,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
+from urllib.parse import quote
 
 import httpx
 import uvicorn
@@ -313,7 +314,7 @@ class Router:
 
     async def unpin_document(self, request: Request, document_id: str) -> Response:
         """Unpin the document on every replica that has it (a document's id is the same on all of them)."""
-        answers = await self.each_replica(request, f"{DOCUMENTS_PATH}/{document_id}")
+        answers = await self.each_replica(request, f"{DOCUMENTS_PATH}/{quote(document_id, safe='')}")
         refused = _first_refusal(answers, expected=(200, 404))
         if refused is not None or not answers:
             return refused or _error(503, "no replica could take the request (none is healthy)")
