@@ -179,8 +179,16 @@ class KVCacheManager:
         if load.transfer is not None or plan.overlaps:
             self.reserved[request.request_id] = self.pool.get_new_blocks(fresh)
         if load.transfer is not None:  # submitted: the load phase starts, landed or not
-            request.enter_phase("load")
+            self._enter_load_phase(request, load)
         return load
+
+    @staticmethod
+    def _enter_load_phase(request: Request, load: PrefixLoad) -> None:
+        """The request waits for `load`: until it lands (and its reads' times split the phase among the
+        tiers), the phase is split by the blocks it reads from each tier, which is what a request let go
+        before its load lands (a preempted one waiting for its tail) is told."""
+        request.enter_phase("load")
+        request.phases.load_split = _found_below(load)
 
     def _account_load(self, request: Request, load: PrefixLoad) -> None:
         """A landed load: its time prices later loads, and splits the request's load phase among the
@@ -190,7 +198,7 @@ class KVCacheManager:
         if load.transfer is not None:
             served = {t for t in load.served_from if t is not None}
             read_s = {t: s for t, s in load.read_s.items() if t in served and s > 0}
-            request.phases.load_split = read_s or {t: load.found_in.count(t) for t in set(load.found_in) - {"device"}}
+            request.phases.load_split = read_s or _found_below(load)
 
     # ----------------------------------------------------------------- a tail loading while the head computes
 
@@ -198,6 +206,10 @@ class KVCacheManager:
         """The token the request's computing must stop at until its tail has landed (None: no tail)."""
         tail = self.tails.get(request.request_id)
         return None if tail is None else tail.start * self.block_size
+
+    def wait_for_tail(self, request: Request) -> None:
+        """The request has computed its head and waits for its tail: its load phase."""
+        self._enter_load_phase(request, self.tails[request.request_id].load)
 
     def tail_ready(self, request: Request) -> bool:
         tail = self.tails.get(request.request_id)
@@ -467,6 +479,11 @@ class KVCacheManager:
         s = self.prefix_stats
         return PrefixCacheStats(s.queries, s.query_tokens, s.query_blocks, dict(s.hit_blocks),
                                 dict(s.recomputed_blocks))
+
+
+def _found_below(load: PrefixLoad) -> dict[str, int]:
+    """How many of the load's blocks the lookup found in each lower tier."""
+    return {t: load.found_in.count(t) for t in set(load.found_in) - {"device"}}
 
 
 def _in_flight(load: PrefixLoad) -> set[bytes]:

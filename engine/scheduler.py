@@ -204,7 +204,7 @@ class Scheduler:
                 self.kv.land_tail(request)
                 request.enter_phase("prefill")
             elif request.phases.phase != "load":
-                request.enter_phase("load")
+                self.kv.wait_for_tail(request)
 
     def _remaining(self, request: Request) -> int:
         """Tokens the request can compute now: up to the end of its prompt, or to its barrier."""

@@ -14,7 +14,7 @@ from test_hierarchy import BS, HASHER, computed_blocks, content_for, doc, make_s
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.engine.scheduler import Scheduler
-from kvstrata.tiers.base import as_bytes
+from kvstrata.tiers.base import TIER_NAMES, as_bytes
 
 
 def hashes_of(tokens: list[int]) -> list[bytes]:
@@ -406,3 +406,103 @@ def test_a_tail_preempted_after_it_landed_is_not_counted_again():
         kv.wait_for_loads(timeout=10)
     assert request.cached_tokens_by_tier == {"device": 0, "cpu": (12 - head) * BS, "disk": 0, "remote": 0}
     assert kv.stats().hit_blocks == {"device": 0, "cpu": 12 - head, "disk": 0, "remote": 0}
+
+
+def test_a_request_preempted_while_it_waits_for_its_tail_counts_the_wait_as_load_from_the_tail_s_tier():
+    from kvstrata.engine.costs import ReadCost
+
+    kv, scheduler, request = overlapping_stack()
+    fake_step(kv, scheduler)
+    assert fake_step(kv, scheduler) == [] and request.phases.phase == "load"  # the head is done: it waits
+    scheduler._preempt(scheduler.running.pop())
+    assert request.phases.phase == "queue" and request.phases.load_s_by_tier["cpu"] > 0
+    kv.read_costs["cpu"] = ReadCost(1024, latency_s=0.0, per_block_s=1e-6)  # the retry loads the whole tail
+    kv.hierarchy.cpu.gate.set()
+    while fake_step(kv, scheduler) != [request]:
+        kv.wait_for_loads(timeout=10)
+    assert request.num_cached_tokens + request.recomputed_tokens_by_tier["cpu"] == 12 * BS  # each block once
+
+
+def _compute_step(kv, scheduler: Scheduler) -> list[Request]:
+    """One engine step without a model, as `fake_step`, but 'computing' only the blocks the step's new
+    tokens fall in (a served block keeps the bytes its tier gave it, so a wrong promotion shows)."""
+    out = scheduler.schedule()
+    for s in out.scheduled:
+        req, blocks = s.request, kv.req_to_blocks[s.request.request_id]
+        for k in range(s.context // BS, -(-(s.context + s.num_new_tokens) // BS)):
+            if k < len(req.block_hashes):
+                as_bytes(kv.hierarchy.kv_cache[blocks[k].block_id]).copy_(content_for(req.block_hashes[k]))
+    scheduler.update_after_step(out)
+    sampled = [s.request for s in out.scheduled if s.samples]
+    for req in sampled:
+        if not req.output_token_ids:  # its first token: the prompt's blocks hold what they should
+            full = req.num_prompt_tokens // BS
+            assert_prefix_bytes(kv, kv.req_to_blocks[req.request_id][:full], req.block_hashes[:full])
+        req.output_token_ids.append(1)
+    kv.hierarchy.flush_pending()
+    return sampled
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
+def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count_once_and_leak_nothing(policy, seed):
+    """Requests on shared documents under a small device and a gated CPU tier, with loads left in
+    flight, preemptions, aborts, device resets and blocks put below at random: every first token sees
+    its prompt's right bytes, each request's hits are counted once (as it reports them), and once all
+    are done every device block is free and nothing is held in the CPU tier."""
+    import random
+
+    from kvstrata.engine.costs import ReadCost, StepCost
+
+    rng = random.Random(seed)
+    kv = make_stack(device_blocks=40, cpu_blocks=48, gate_cpu=True, offload=rng.choice(["write_through", "on_evict"]))
+    kv.step_cost = StepCost(per_token_s=1e-3)
+    kv.read_costs["cpu"] = ReadCost(1024, latency_s=0.0, per_block_s=rng.choice([1e-4, 8e-3]))  # load or overlap
+    scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, policy=policy)
+    documents = [doc(100 + d, rng.randint(3, 12) * BS) for d in range(4)]
+    gate, done, aborted, live = kv.hierarchy.cpu.gate, [], [], []
+    for n in range(300):
+        op = rng.random()
+        if op < 0.15 and len(live) < 8:
+            request = Request(f"r{n}", rng.choice(documents) + doc(1000 + n, rng.randint(1, 20)),
+                              SamplingParams(max_tokens=rng.randint(1, 4), temperature=0))
+            scheduler.add_request(request)
+            live.append(request)
+        elif op < 0.2 and scheduler.running:
+            scheduler._preempt(scheduler.running.pop(rng.randrange(len(scheduler.running))))
+        elif op < 0.23 and live:
+            aborted.append(live.pop(rng.randrange(len(live))))
+            scheduler.finish(aborted[-1], RequestStatus.FINISHED_ABORTED)
+        elif op < 0.3:
+            gate.clear() if gate.is_set() else gate.set()
+        elif op < 0.33:
+            kv.hierarchy.clear_device_cache()  # refused while a block is in use
+        elif op < 0.36:
+            put_below(kv, rng.choice(documents), rng.randint(1, 3))
+        else:
+            for request in _compute_step(kv, scheduler):
+                if len(request.output_token_ids) == request.sampling_params.max_tokens:
+                    scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+                    live.remove(request)
+                    done.append(request)
+            kv.wait_for_loads(timeout=0.001)
+    gate.set()
+    while live:
+        kv.wait_for_loads(timeout=1)
+        for request in _compute_step(kv, scheduler):
+            if len(request.output_token_ids) == request.sampling_params.max_tokens:
+                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+                live.remove(request)
+                done.append(request)
+    kv.hierarchy.transfers.wait_idle()
+    kv.release_abandoned()
+    assert len(done) > 20 and any(r.num_preemptions for r in done)
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    assert not kv.hierarchy.cpu.inner._holds
+    for request in done:
+        hittable = (request.num_prompt_tokens - 1) // BS * BS
+        cached, recomputed = request.cached_tokens_by_tier, request.recomputed_tokens_by_tier
+        assert sum(cached.values()) + sum(recomputed.values()) <= hittable
+    admitted = done + [r for r in aborted if r.cached_tokens_by_tier is not None]
+    reported = {t: sum(r.cached_tokens_by_tier[t] for r in admitted) // BS for t in TIER_NAMES}
+    assert kv.stats().hit_blocks == reported and kv.stats().queries == len(admitted)
