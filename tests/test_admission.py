@@ -443,7 +443,7 @@ def _compute_step(kv, scheduler: Scheduler) -> list[Request]:
     return sampled
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
 def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count_once_and_leak_nothing(policy, seed):
     """Requests on shared documents under a small device and a gated CPU tier, with loads left in
@@ -496,7 +496,7 @@ def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count
                 done.append(request)
     kv.hierarchy.transfers.wait_idle()
     kv.release_abandoned()
-    assert len(done) > 20 and any(r.num_preemptions for r in done)
+    assert len(done) > 20 and any(r.num_preemptions for r in done + aborted)  # the seeds exercise both
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert not kv.hierarchy.cpu.inner._holds
     for request in done:
