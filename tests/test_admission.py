@@ -447,7 +447,8 @@ def _compute_step(kv, scheduler: Scheduler) -> list[Request]:
 @pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
 def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count_once_and_leak_nothing(policy, seed):
     """Requests on shared documents under a small device and a gated CPU tier, with loads left in
-    flight, preemptions, aborts, device resets and blocks put below at random: every first token sees
+    flight, preemptions, aborts, device resets, failing reads, blocks put below and taken away at
+    random: every first token sees
     its prompt's right bytes, each request's hits are counted once (as it reports them), and once all
     are done every device block is free and nothing is held in the CPU tier."""
     import random
@@ -479,6 +480,11 @@ def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count
             kv.hierarchy.clear_device_cache()  # refused while a block is in use
         elif op < 0.36:
             put_below(kv, rng.choice(documents), rng.randint(1, 3))
+        elif op < 0.38:  # a read fails (the rest of its prefix is recomputed), or a block leaves mid-load
+            cpu = kv.hierarchy.cpu
+            cpu.fail_reads = not cpu.fail_reads
+        elif op < 0.40:
+            kv.hierarchy.cpu.inner.discard(hashes_of(rng.choice(documents))[rng.randrange(3)])
         else:
             for request in _compute_step(kv, scheduler):
                 if len(request.output_token_ids) == request.sampling_params.max_tokens:
@@ -487,6 +493,7 @@ def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count
                     done.append(request)
             kv.wait_for_loads(timeout=0.001)
     gate.set()
+    kv.hierarchy.cpu.fail_reads = False
     while live:
         kv.wait_for_loads(timeout=1)
         for request in _compute_step(kv, scheduler):
