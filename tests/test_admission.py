@@ -448,9 +448,9 @@ def _compute_step(kv, scheduler: Scheduler) -> list[Request]:
 def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count_once_and_leak_nothing(policy, seed):
     """Requests on shared documents under a small device and a gated CPU tier, with loads left in
     flight, preemptions, aborts, device resets, failing reads, blocks put below and taken away at
-    random: every first token sees
-    its prompt's right bytes, each request's hits are counted once (as it reports them), and once all
-    are done every device block is free and nothing is held in the CPU tier."""
+    random: every first token sees its prompt's right bytes, each request's hits are counted once (as
+    it reports them), and once all are done every device block is free and nothing is held in the
+    CPU tier."""
     import random
 
     from kvstrata.engine.costs import ReadCost, StepCost
