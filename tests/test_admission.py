@@ -447,8 +447,8 @@ def _compute_step(kv, scheduler: Scheduler) -> list[Request]:
 @pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
 def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count_once_and_leak_nothing(policy, seed):
     """Requests on shared documents under a small device and a gated CPU tier, with loads left in
-    flight, preemptions, aborts, device resets, failing reads, blocks put below and taken away at
-    random: every first token sees its prompt's right bytes, each request's hits are counted once (as
+    flight, preemptions, aborts, device resets, failing reads, blocks put below and taken away,
+    documents pinned and unpinned at random: every first token sees its prompt's right bytes, each request's hits are counted once (as
     it reports them), and once all are done every device block is free and nothing is held in the
     CPU tier."""
     import random
@@ -485,6 +485,12 @@ def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count
             cpu.fail_reads = not cpu.fail_reads
         elif op < 0.40:
             kv.hierarchy.cpu.inner.discard(hashes_of(rng.choice(documents))[rng.randrange(3)])
+        elif op < 0.42:  # a document pinned (its blocks copied down from wherever they are), or unpinned
+            d = rng.randrange(len(documents))
+            if kv.hierarchy.cpu.unpin(f"doc{d}") is False:
+                blocks = len(documents[d]) // BS
+                kv.hierarchy.pin(f"doc{d}", hashes_of(documents[d]), [documents[d][k * BS:(k + 1) * BS]
+                                                                      for k in range(blocks)], {})
         else:
             for request in _compute_step(kv, scheduler):
                 if len(request.output_token_ids) == request.sampling_params.max_tokens:
