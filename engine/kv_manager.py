@@ -168,6 +168,9 @@ class KVCacheManager:
         if request.cached_tokens_by_tier is None:  # not admitted yet: what it will report, and be counted
             request.recomputed_tokens_by_tier = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES)
             request.tail_to_count = range(plan.head_end, plan.cut) if plan.overlaps else None
+        elif request.tail_to_count is not None:  # a retry settles what the first admission's tail left
+            request.tail_recomputed = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES,
+                                                         within=request.tail_to_count)
         first = plan.device_run if plan.overlaps else plan.cut  # the prefix the request starts from
         load = self.hierarchy.acquire_prefix(hashes[:first], self._block_tokens(request, 0, first), found_in[:first])
         self.prefix_loads[request.request_id] = load
@@ -347,13 +350,18 @@ class KVCacheManager:
         """Count a request's hits as it is admitted with its prefix (see `PrefixCacheStats`): at its
         first admission, the prefix (what it reports as cached); at any, the blocks of a tail planned
         at the first that had not landed by then (the request was preempted while it loaded), wherever
-        this admission's prefix found them. Once per request, each block."""
+        this admission's prefix found them (or as recomputed, where its load policy chose so). Once per
+        request, each block."""
         tiers = self._prefix_tiers.pop(request.request_id, [])
         if request.cached_tokens_by_tier is None:
             request.cached_tokens_by_tier = dict(cached_tokens_by_tier)
             self._count_query(request)
         else:
             self._count_tail(request, tiers, 0)
+            for t, n in (request.tail_recomputed or {}).items():
+                request.recomputed_tokens_by_tier[t] += n
+                self.prefix_stats.recomputed_blocks[t] += n // self.block_size
+        request.tail_recomputed = None
         tail = self.tails.get(request.request_id)
         request.tail_to_count = _overlap(request.tail_to_count, tail and range(tail.start, tail.end))
 

@@ -103,9 +103,11 @@ def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_siz
 
 
 def recomputed_by_tier(found_in: Sequence[str], plan: LoadPlan, block_size: int,
-                       tiers: Sequence[str]) -> dict[str, int]:
-    """Tokens found in each tier but computed again (the head, and everything past the cut)."""
+                       tiers: Sequence[str], within: range | None = None) -> dict[str, int]:
+    """Tokens found in each tier but computed again (the head, and everything past the cut); with
+    `within`, only those of the blocks it numbers."""
     counts = {t: 0 for t in tiers}
-    for tier in [*found_in[plan.device_run:plan.head_end], *found_in[plan.cut:]]:
-        counts[tier] += block_size
+    for k in [*range(plan.device_run, plan.head_end), *range(plan.cut, len(found_in))]:
+        if within is None or k in within:
+            counts[found_in[k]] += block_size
     return counts

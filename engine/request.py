@@ -56,6 +56,9 @@ class Request:
     # The blocks of that tail not counted yet: counted when it lands, or, when the request is
     # preempted before, wherever its retried admission finds them (engine/kv_manager.py).
     tail_to_count: range | None = None
+    # Of those, the tokens a retried lookup found in each tier but chose to recompute: counted as
+    # recomputed when that admission happens.
+    tail_recomputed: dict[str, int] | None = None
     # Prompt tokens found in each tier at that lookup but recomputed by the load policy's choice.
     recomputed_tokens_by_tier: dict[str, int] | None = None
     first_token_time: float | None = None

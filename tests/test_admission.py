@@ -408,7 +408,10 @@ def test_a_tail_preempted_after_it_landed_is_not_counted_again():
     assert kv.stats().hit_blocks == {"device": 0, "cpu": 12 - head, "disk": 0, "remote": 0}
 
 
-def test_a_request_preempted_while_it_waits_for_its_tail_counts_the_wait_as_load_from_the_tail_s_tier():
+@pytest.mark.parametrize("retry_loads", [True, False], ids=["retry loads the tail", "retry recomputes some"])
+def test_a_request_preempted_while_it_waits_for_its_tail_counts_the_wait_as_load_from_the_tail_s_tier(retry_loads):
+    """It goes back to the queue, its wait counted as load; each prompt block is then reported once,
+    as cached (where the retry found it) or as recomputed (the first lookup's or the retry's choice)."""
     from kvstrata.engine.costs import ReadCost
 
     kv, scheduler, request = overlapping_stack()
@@ -416,11 +419,14 @@ def test_a_request_preempted_while_it_waits_for_its_tail_counts_the_wait_as_load
     assert fake_step(kv, scheduler) == [] and request.phases.phase == "load"  # the head is done: it waits
     scheduler._preempt(scheduler.running.pop())
     assert request.phases.phase == "queue" and request.phases.load_s_by_tier["cpu"] > 0
-    kv.read_costs["cpu"] = ReadCost(1024, latency_s=0.0, per_block_s=1e-6)  # the retry loads the whole tail
+    if retry_loads:
+        kv.read_costs["cpu"] = ReadCost(1024, latency_s=0.0, per_block_s=1e-6)
     kv.hierarchy.cpu.gate.set()
     while fake_step(kv, scheduler) != [request]:
         kv.wait_for_loads(timeout=10)
     assert request.num_cached_tokens + request.recomputed_tokens_by_tier["cpu"] == 12 * BS  # each block once
+    stats = kv.stats()
+    assert sum(stats.hit_blocks.values()) + stats.recomputed_blocks["cpu"] == 12
 
 
 def _compute_step(kv, scheduler: Scheduler) -> list[Request]:
@@ -518,4 +524,6 @@ def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count
         assert sum(cached.values()) + sum(recomputed.values()) <= hittable
     admitted = done + [r for r in aborted if r.cached_tokens_by_tier is not None]
     reported = {t: sum(r.cached_tokens_by_tier[t] for r in admitted) // BS for t in TIER_NAMES}
+    recomputed = {t: sum(r.recomputed_tokens_by_tier[t] for r in admitted) // BS for t in TIER_NAMES}
     assert kv.stats().hit_blocks == reported and kv.stats().queries == len(admitted)
+    assert kv.stats().recomputed_blocks == recomputed
