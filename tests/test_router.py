@@ -321,6 +321,10 @@ def test_a_prefix_cache_reset_through_the_router_resets_every_replica(cluster):
         refused = httpx.post(f"{router_url}/reset_prefix_cache", timeout=60)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "server_busy"
     assert busy.url in refused.json()["error"]["message"] and idle.url not in refused.json()["error"]["message"]
+    deadline = time.monotonic() + 60  # the stream closed: its request is aborted, the replica idle again
+    while metric_value(httpx.get(f"{busy.url}/metrics", timeout=30).text, "kvstrata_requests_running") != 0:
+        assert time.monotonic() < deadline, "the closed stream's request still runs"
+        time.sleep(0.1)
 
 
 def wait_for_health(router_url: str, replica_url: str, healthy: bool) -> None:

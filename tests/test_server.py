@@ -385,6 +385,11 @@ def test_a_prefix_cache_reset_while_a_request_runs_is_refused_with_409(http):
         refused = http.post("/reset_prefix_cache")
     error = refused.json()["error"]
     assert refused.status_code == 409 and error["code"] == "server_busy" and "\n" not in error["message"]
+    deadline = time.monotonic() + 60  # the stream closed: its request is aborted, the server idle again
+    while metric_value(http.get("/metrics").text, "kvstrata_requests_running") != 0:
+        assert time.monotonic() < deadline, "the closed stream's request still runs"
+        time.sleep(0.1)
+    assert http.post("/reset_prefix_cache").status_code == 200
 
 
 def _hit_tokens(metrics_text: str) -> float:
