@@ -451,18 +451,20 @@ def _compute_step(kv, scheduler: Scheduler) -> list[Request]:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
-def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count_once_and_leak_nothing(policy, seed):
-    """Requests on shared documents under a small device and a gated CPU tier, with loads left in
-    flight, preemptions, aborts, device resets, failing reads, blocks put below and taken away,
-    documents pinned and unpinned at random: every first token sees its prompt's right bytes, each request's hits are counted once (as
-    it reports them), and once all are done every device block is free and nothing is held in the
-    CPU tier."""
+def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count_once_and_leak_nothing(
+        policy, seed, tmp_path):
+    """Requests on shared documents under a small device, a gated CPU tier and a disk tier, with
+    loads left in flight, preemptions, aborts, device resets, failing reads, blocks put below and
+    taken away, documents pinned and unpinned at random: every first token sees its prompt's right
+    bytes, each prompt block is reported once (cached or recomputed) and counted as reported, and
+    once all are done every device block is free and nothing is held in the CPU tier."""
     import random
 
     from kvstrata.engine.costs import ReadCost, StepCost
 
     rng = random.Random(seed)
-    kv = make_stack(device_blocks=40, cpu_blocks=48, gate_cpu=True, offload=rng.choice(["write_through", "on_evict"]))
+    kv = make_stack(device_blocks=40, cpu_blocks=16, gate_cpu=True, offload=rng.choice(["write_through", "on_evict"]),
+                    disk_path=tmp_path / "kv", disk_blocks=24)
     kv.step_cost = StepCost(per_token_s=1e-3)
     kv.read_costs["cpu"] = ReadCost(1024, latency_s=0.0, per_block_s=rng.choice([1e-4, 8e-3]))  # load or overlap
     scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, policy=policy)
@@ -491,7 +493,8 @@ def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count
             cpu.fail_reads = not cpu.fail_reads
         elif op < 0.40:
             kv.hierarchy.cpu.inner.discard(hashes_of(rng.choice(documents))[rng.randrange(3)])
-        elif op < 0.42:  # a document pinned (its blocks copied down from wherever they are), or unpinned
+        elif op < 0.42 and gate.is_set() and not kv.hierarchy.cpu.fail_reads:
+            # a document pinned (its blocks copied down from wherever they are, on this thread), or unpinned
             d = rng.randrange(len(documents))
             if kv.hierarchy.cpu.unpin(f"doc{d}") is False:
                 blocks = len(documents[d]) // BS
