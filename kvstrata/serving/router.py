@@ -332,7 +332,8 @@ class Router:
             return _passed(next(a for _, a in answers if a.status_code == 409),
                            message=f"requests are running on {', '.join(busy)}: a device's prefix cache can be "
                                    f"reset only when its replica is idle (the others were reset)")
-        return JSONResponse({"object": "prefix_cache.reset", "tiers": ["device"], "replicas": [r.url for r, _ in answers]})
+        replicas = [r.url for r, _ in answers]
+        return JSONResponse({"object": "prefix_cache.reset", "tiers": ["device"], "replicas": replicas})
 
     def _forwarder(self, path: str):
         async def forward(request: Request) -> Response:
