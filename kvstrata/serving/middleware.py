@@ -5,8 +5,9 @@
     BodySizeLimit   a body over `server.max_request_body` is refused (413) before it is parsed
 
 The API routes are `/v1/*` and vLLM's `/tokenize`, `/detokenize` and `/reset_prefix_cache` (which
-vLLM leaves open: here they cost tokenizer time or a tenant's cached prefixes, so they need the key too). `/health` and `/metrics` stay open without a
-key, as vLLM keeps them, so that load balancers and Prometheus need no secret.
+vLLM leaves open: here they cost tokenizer time or a tenant's cached prefixes, so they need the key
+too). `/health` and `/metrics` stay open without a key, as vLLM keeps them, so that load balancers
+and Prometheus need no secret.
 """
 from __future__ import annotations
 

@@ -283,9 +283,12 @@ class Router:
             return StreamingResponse(_pass_through(upstream, replica), status_code=upstream.status_code,
                                      headers=passed)
 
-    async def each_replica(self, request: Request, path: str) -> list[tuple[Replica, httpx.Response]]:
+    async def each_replica(self, request: Request, path: str,
+                           expected: tuple[int, ...]) -> list[tuple[Replica, httpx.Response]] | Response:
         """The request sent to every healthy replica at once, and the answers of those that gave one
-        (one that cannot be reached is taken out, as a health check would)."""
+        (one that cannot be reached is taken out, as a health check would); or what to answer instead:
+        the first answer with a status other than `expected` (a wrong API key, say), passed on as it
+        came, or a 503 when no replica answered."""
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         body = await request.body()
         replicas = [r for r in self.replicas.replicas if r.healthy]
@@ -297,15 +300,16 @@ class Router:
                 set_health(replica, False)
                 return None
 
-        answers = await asyncio.gather(*(send(r) for r in replicas))
-        return [(r, a) for r, a in zip(replicas, answers) if a is not None]
+        sent = await asyncio.gather(*(send(r) for r in replicas))
+        answers = [(r, a) for r, a in zip(replicas, sent) if a is not None]
+        refused = next((_passed(a) for _, a in answers if a.status_code not in expected), None)
+        return refused or answers or _error(503, "no replica could take the request (none is healthy)")
 
     async def list_documents(self, request: Request) -> Response:
         """Every replica's documents, each naming the replica that holds it."""
-        answers = await self.each_replica(request, DOCUMENTS_PATH)
-        refused = _first_refusal(answers, expected=(200,))
-        if refused is not None or not answers:
-            return refused or _error(503, "no replica could take the request (none is healthy)")
+        answers = await self.each_replica(request, DOCUMENTS_PATH, expected=(200,))
+        if isinstance(answers, Response):
+            return answers
         try:
             data = [{**d, "replica": r.url} for r, a in answers for d in a.json()["data"]]
         except (ValueError, KeyError, TypeError):
@@ -314,19 +318,18 @@ class Router:
 
     async def unpin_document(self, request: Request, document_id: str) -> Response:
         """Unpin the document on every replica that has it (a document's id is the same on all of them)."""
-        answers = await self.each_replica(request, f"{DOCUMENTS_PATH}/{quote(document_id, safe='')}")
-        refused = _first_refusal(answers, expected=(200, 404))
-        if refused is not None or not answers:
-            return refused or _error(503, "no replica could take the request (none is healthy)")
+        path = f"{DOCUMENTS_PATH}/{quote(document_id, safe='')}"  # one path segment, whatever it holds
+        answers = await self.each_replica(request, path, expected=(200, 404))
+        if isinstance(answers, Response):
+            return answers
         deleted = [a for _, a in answers if a.status_code == 200]
         return _passed(deleted[0] if deleted else answers[0][1])
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         """Reset every replica's device cache; 409 naming the replicas still busy (the others are reset)."""
-        answers = await self.each_replica(request, "/reset_prefix_cache")
-        refused = _first_refusal(answers, expected=(200, 409))
-        if refused is not None or not answers:
-            return refused or _error(503, "no replica could take the request (none is healthy)")
+        answers = await self.each_replica(request, "/reset_prefix_cache", expected=(200, 409))
+        if isinstance(answers, Response):
+            return answers
         busy = [r.url for r, a in answers if a.status_code == 409]
         if busy:
             return _passed(next(a for _, a in answers if a.status_code == 409),
@@ -402,11 +405,6 @@ def _sse_cut_error(replica: Replica) -> bytes:
     """The error event and end of a stream whose replica went away before finishing it."""
     body = _error_body(f"replica {replica.url} went away mid-answer; the answer is incomplete")
     return f"data: {json.dumps(body)}".encode() + SSE_SEPARATOR + SSE_DONE
-
-
-def _first_refusal(answers: list[tuple[Replica, httpx.Response]], expected: tuple[int, ...]) -> Response | None:
-    """The first answer with a status other than `expected` (a wrong API key, say), passed on as it came."""
-    return next((_passed(a) for _, a in answers if a.status_code not in expected), None)
 
 
 def _passed(answer: httpx.Response, message: str | None = None) -> Response:
