@@ -57,8 +57,9 @@ def engine_config(model_dir: Path, disk: Path | None = None, caching: bool = Tru
     tiers = {"device": {"size": 64}}
     if disk is not None:
         tiers.update(cpu={"size": 64}, disk={"path": str(disk), "size": "64MiB"})
+    # always_load: which tier serves a hit must not depend on how fast a tiny model computes on a busy machine
     return {"model": {"name": str(model_dir), "dtype": "float32", "device": "cpu"},
-            "cache": {"enable_prefix_caching": caching, "tiers": tiers}}
+            "cache": {"enable_prefix_caching": caching, "tiers": tiers, "load_policy": "always_load"}}
 
 
 def transformers_generate(loaded, prompt_ids: list[int]) -> list[int]:
