@@ -105,7 +105,7 @@ def _prompt_logprobs(r: Request) -> list[TokenLogprobs] | None:
     """The request's prompt entries with as many alternatives as it asked for (they are computed, and
     kept by block, with every alternative any request may ask for)."""
     k = r.sampling_params.prompt_logprobs
-    return None if k is None else [TokenLogprobs(e.token_id, e.logprob, e.top[:k]) for e in r.prompt_logprobs]
+    return None if k is None else [dataclasses.replace(e, top=e.top[:k]) for e in r.prompt_logprobs]
 
 
 class LLM:

@@ -33,8 +33,9 @@ class PromptLogprobCache:
     def __init__(self, capacity_blocks: int, block_size: int):
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
-        # block hash -> (ids [bs, 1 + MAX_LOGPROBS] int32: the token, then its alternatives; their
-        # log-probabilities, same shape, float32). Block 0's first row is unused.
+        # block hash -> (ids [bs, 2 + MAX_LOGPROBS] int32: the token, its rank, then its alternatives;
+        # values [bs, 1 + MAX_LOGPROBS] float32: the token's log-probability, then its alternatives').
+        # Block 0's first row is unused.
         self._blocks: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.blocks_served = 0
 
@@ -71,11 +72,11 @@ class PromptLogprobCache:
 
 def _pack(entries: Sequence[TokenLogprobs], first_block: bool) -> tuple[torch.Tensor, torch.Tensor]:
     rows = len(entries) + first_block
-    ids = torch.zeros(rows, 1 + MAX_LOGPROBS, dtype=torch.int32)
+    ids = torch.zeros(rows, 2 + MAX_LOGPROBS, dtype=torch.int32)
     values = torch.zeros(rows, 1 + MAX_LOGPROBS, dtype=torch.float32)
     for row, entry in enumerate(entries, start=int(first_block)):
         assert len(entry.top) == MAX_LOGPROBS, "stored entries carry every alternative a request may ask for"
-        ids[row] = torch.tensor([entry.token_id, *(t for t, _ in entry.top)], dtype=torch.int32)
+        ids[row] = torch.tensor([entry.token_id, entry.rank, *(t for t, _ in entry.top)], dtype=torch.int32)
         values[row] = torch.tensor([entry.logprob, *(v for _, v in entry.top)], dtype=torch.float32)
     return ids, values
 
@@ -83,5 +84,5 @@ def _pack(entries: Sequence[TokenLogprobs], first_block: bool) -> tuple[torch.Te
 def _unpack(ids: torch.Tensor, values: torch.Tensor, first_block: bool) -> list[TokenLogprobs]:
     out = []
     for row_ids, row_values in zip(ids.tolist()[int(first_block):], values.tolist()[int(first_block):]):
-        out.append(TokenLogprobs(row_ids[0], row_values[0], tuple(zip(row_ids[1:], row_values[1:]))))
+        out.append(TokenLogprobs(row_ids[0], row_values[0], tuple(zip(row_ids[2:], row_values[1:])), row_ids[1]))
     return out

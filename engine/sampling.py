@@ -266,19 +266,22 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One generated token's log-probability, and the most likely tokens at its position."""
+    """One token's log-probability (a generated token's, or a prompt token's), and the most likely
+    tokens at its position."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]   # (token id, log-probability), most likely first; `logprobs` long
+    rank: int  # the token's place in the vocabulary by log-probability: 1 if none is likelier (vLLM's rank)
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                      num_top: Sequence[int | None]) -> list[TokenLogprobs | None]:
     """For each row of `logits [B, V]` with a `num_top[row]`: the log-probability of its token
-    `token_ids[row]` (sampled, or the prompt's next) and its `num_top[row]` most likely tokens; None
-    for the rows whose `num_top` is None. Computed from the raw logits in float32, in one batched pass
-    over the rows that ask."""
+    `token_ids[row]` (sampled, or the prompt's next), its rank and its `num_top[row]` most likely
+    tokens; None for the rows whose `num_top` is None. Computed from the raw logits in float32, in one
+    batched pass over the rows that ask. A rank counts the tokens at least as likely, the token
+    included (as vLLM counts it): a tie does not make a token look likelier than it is."""
     assert logits.dim() == 2 and len(num_top) == logits.shape[0] == token_ids.shape[0]
     result: list[TokenLogprobs | None] = [None] * len(num_top)
     rows = [i for i, k in enumerate(num_top) if k is not None]
@@ -286,12 +289,14 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
         return result
     index = torch.tensor(rows, device=logits.device)
     logprobs = logits[index].float().log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids[index].to(logits.device)[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, token_ids[index].to(logits.device)[:, None])
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    chosen = chosen[:, 0].tolist()
     most = max(num_top[i] for i in rows)
     top_values, top_ids = logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0])
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(rows):
         k = num_top[i]
         top = tuple((int(t), v) for t, v in zip(top_ids[j][:k], top_values[j][:k]))
-        result[i] = TokenLogprobs(int(token_ids[i]), chosen[j], top)
+        result[i] = TokenLogprobs(int(token_ids[i]), chosen[j], top, ranks[j])
     return result

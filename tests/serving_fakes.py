@@ -35,11 +35,21 @@ class ByteTokenizer:
         return VOCAB
 
 
+def _most_likely(token_ids: list[int], logprob: float, num_top: int | None) -> list[TokenLogprobs] | None:
+    """Entries for `token_ids`, each the most likely at `logprob`, its `num_top` alternatives the
+    next token ids at logprob - 1, - 2, ..."""
+    if num_top is None:
+        return None
+    return [TokenLogprobs(t, logprob, tuple(((t + i) % VOCAB, logprob - i) for i in range(num_top)), 1)
+            for t in token_ids]
+
+
 class FakeAsyncEngine:
     """What the app uses of an AsyncEngine. Every request answers `reply(token_ids, params)` (by
     default `REPLY`) one token per output; the sampled token is the most likely one, with
-    log-probability -0.5, the next ones -1.5, -2.5, ...; each prompt token has log-probability -1. A request is received (queued) when its
-    outputs are first read, as the real engine queues it."""
+    log-probability -0.5, the next ones -1.5, -2.5, ...; each prompt token is likewise the most likely
+    at its position, at -1, the next ones -2, -3, ... A request is received (queued) when its outputs
+    are first read, as the real engine queues it."""
 
     REPLY = "hi!"
 
@@ -69,14 +79,8 @@ class FakeAsyncEngine:
             await asyncio.sleep(0)
             finished = n == len(reply)
             stopped = finished and stop_token is not None
-            logprobs = None
-            if params.logprobs is not None:
-                logprobs = [TokenLogprobs(t, -0.5, tuple(((t + i) % VOCAB, -0.5 - i) for i in range(params.logprobs)))
-                            for t in reply[:n]]
-            prompt_logprobs = None
-            if params.prompt_logprobs is not None:
-                prompt_logprobs = [TokenLogprobs(t, -1.0, tuple((t, -1.0) for _ in range(params.prompt_logprobs)))
-                                   for t in token_ids[1:]]
+            logprobs = _most_likely(reply[:n], -0.5, params.logprobs)
+            prompt_logprobs = _most_likely(token_ids[1:], -1.0, params.prompt_logprobs)
             yield RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=token_ids,
                                 prompt_logprobs=prompt_logprobs,
                                 text=bytes(reply[:n - stopped]).decode(), token_ids=reply[:n], cached_tokens=0,

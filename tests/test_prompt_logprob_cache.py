@@ -11,7 +11,7 @@ BS = 4
 
 def entry(token_id: int) -> TokenLogprobs:
     """A made-up entry whose numbers say which token it is for (exact in float32, as stored)."""
-    return TokenLogprobs(token_id, -token_id / 8, tuple((token_id + i, -i / 4) for i in range(MAX_LOGPROBS)))
+    return TokenLogprobs(token_id, -token_id / 8, tuple((token_id + i, -i / 4) for i in range(MAX_LOGPROBS)), token_id + 3)
 
 
 def request(token_ids: list[int], salt: str = "") -> Request:

@@ -45,6 +45,10 @@ def test_prompt_logprobs_are_the_models_own_at_every_position(embedded_model_fp3
         top_values, top_ids = expected[k].topk(3)
         assert [t for t, _ in entry.top] == top_ids.tolist()
         assert [v for _, v in entry.top] == pytest.approx(top_values.tolist(), abs=1e-3)
+        # its rank among the reference's tokens, up to those within the engine's rounding of it
+        chosen = expected[k, ids[k + 1]]
+        assert int((expected[k] > chosen + 1e-3).sum()) < entry.rank <= int((expected[k] >= chosen - 1e-3).sum())
+    assert any(entry.rank > 3 for entry in out.prompt_logprobs)  # ranks beyond the alternatives reported
     assert out.logprobs is None  # only what was asked
 
 

@@ -76,6 +76,16 @@ def test_logprobs_are_the_raw_log_softmax_of_the_sampled_and_likeliest_tokens():
     assert sampled_only.top == () and sampled_only.logprob == pytest.approx(expected[2].max().item(), abs=1e-6)
 
 
+def test_a_tokens_rank_is_its_place_in_the_vocabulary_by_logprob():
+    logits = _logits(3)
+    logits[2, :] = 0.0  # every token ties: each is ranked behind all the others, as vLLM ranks ties
+    order = logits.argsort(dim=-1, descending=True)
+    token_ids = torch.tensor([order[0, 0], order[1, 41], 5])
+    first, forty_second, tied = compute_logprobs(logits, token_ids, [0, 3, 0])
+    assert (first.rank, forty_second.rank, tied.rank) == (1, 42, VOCAB)
+    assert forty_second.token_id not in [t for t, _ in forty_second.top]
+
+
 def test_rows_that_ask_for_no_logprobs_get_none():
     logits = _logits(2)
     params = [SamplingParams(temperature=0.0)] * 2

@@ -248,6 +248,24 @@ def test_echo_with_logprobs_scores_a_continuation_as_evaluation_harnesses_ask(ht
 
 
 @pytest.mark.slow
+def test_prompt_logprobs_rank_each_prompt_token_as_vllm_and_agree_with_an_echo(http):
+    context = http.post("/tokenize", json={"prompt": "The capital of France is Paris; of Italy, Rome."}).json()["tokens"]
+    body = {"prompt": context, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2, "echo": True, "logprobs": 2}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    by_token, echoed = choice["prompt_logprobs"], choice["logprobs"]
+    assert by_token[0] is None and len(by_token) == len(context)
+    for k, token in enumerate(context[1:], start=1):
+        mine = by_token[k][str(token)]
+        assert mine["logprob"] == echoed["token_logprobs"][k] and mine["decoded_token"] == echoed["tokens"][k]
+        others = sorted((e["rank"], e["logprob"]) for t, e in by_token[k].items() if t != str(token))
+        if mine["rank"] <= 2:  # the token is one of the two likeliest: listed once
+            assert len(others) == 1 and others[0][0] == 3 - mine["rank"]
+        else:
+            assert [rank for rank, _ in others] == [1, 2] and others[1][1] >= mine["logprob"]
+    assert any(by_token[k][str(t)]["rank"] > 2 for k, t in enumerate(context[1:], start=1))
+
+
+@pytest.mark.slow
 def test_answers_scored_at_once_on_one_document_compute_it_once(http):
     served_before = metric_value(http.get("/metrics").text, "kvstrata_prompt_logprob_cache_served_blocks_total")
     context = http.post("/tokenize", json={"messages": document_chat(f"Which year? {uuid.uuid4().hex}")}).json()

@@ -326,6 +326,56 @@ def test_echo_puts_the_prompt_before_the_answer_with_its_tokens_logprobs_first_u
     assert scored["usage"]["prompt_tokens"] == 2 and scored["usage"]["completion_tokens"] == 3
 
 
+def test_prompt_logprobs_give_each_prompt_token_its_logprob_rank_and_alternatives_by_token_id():
+    engine = FakeAsyncEngine()
+    body = {"prompt": ["abc", "d"], "n": 2, "prompt_logprobs": 1, "max_tokens": 2}
+    response = run(post(fake_app(engine), "/v1/completions", body)).json()
+    assert all(params.prompt_logprobs == 1 for _, params in engine.received)
+    choices = response["choices"]
+    # vLLM's shape: none for the first token, then the token and its alternatives by id (itself listed once)
+    assert choices[0]["prompt_logprobs"] == [None, {"98": {"logprob": -1.0, "rank": 1, "decoded_token": "b"}},
+                                             {"99": {"logprob": -1.0, "rank": 1, "decoded_token": "c"}}]
+    assert choices[1]["prompt_logprobs"] == choices[0]["prompt_logprobs"]  # every choice of the prompt
+    assert choices[2]["prompt_logprobs"] == choices[3]["prompt_logprobs"] == [None]  # one token: nothing scored
+    assert all(c["logprobs"] is None and c["text"] == "hi" for c in choices)  # only what was asked
+    two = run(post(fake_app(), "/v1/completions", {**body, "prompt": "ab", "n": 1, "prompt_logprobs": 2})).json()
+    assert two["choices"][0]["prompt_logprobs"][1] == {"98": {"logprob": -1.0, "rank": 1, "decoded_token": "b"},
+                                                       "99": {"logprob": -2.0, "rank": 2, "decoded_token": "c"}}
+    plain = run(post(fake_app(), "/v1/completions", {"prompt": "ab"})).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+def test_prompt_logprobs_and_an_echo_with_logprobs_each_get_the_alternatives_they_asked_for():
+    engine = FakeAsyncEngine()
+    body = {"prompt": "ab", "echo": True, "logprobs": 0, "prompt_logprobs": 2, "max_tokens": 1}
+    choice = run(post(fake_app(engine), "/v1/completions", body)).json()["choices"][0]
+    assert engine.received[0][1].prompt_logprobs == 2  # the engine computes the most either asks for
+    assert choice["logprobs"]["top_logprobs"] == [None, {"b": -1.0}, {"h": -0.5}]
+    assert len(choice["prompt_logprobs"][1]) == 2
+
+
+def test_a_chat_reports_its_rendered_prompts_logprobs_once_for_all_its_choices():
+    engine = FakeAsyncEngine()
+    body = {"messages": [{"role": "user", "content": "hey"}], "n": 2, "prompt_logprobs": 0, "max_tokens": 1}
+    response = run(post(fake_app(engine), "/v1/chat/completions", body)).json()
+    rendered = engine.received[0][0]
+    assert len(response["prompt_logprobs"]) == len(rendered) and response["prompt_logprobs"][0] is None
+    assert [list(p) for p in response["prompt_logprobs"][1:]] == [[str(t)] for t in rendered[1:]]
+    assert all("prompt_logprobs" not in c for c in response["choices"])
+    plain = run(post(fake_app(), "/v1/chat/completions", {**body, "prompt_logprobs": None})).json()
+    assert "prompt_logprobs" not in plain
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "ab"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 0, "stream": True}, {"prompt_logprobs": -1},
+                                   {"prompt_logprobs": 21}, {"prompt_logprobs": "all"}])
+def test_prompt_logprobs_out_of_range_or_on_a_stream_are_refused(path, body, extra):
+    engine = FakeAsyncEngine()
+    assert_openai_error(run(post(fake_app(engine), path, {**body, **extra})), 400, param="prompt_logprobs")
+    assert engine.received == []
+
+
 def test_a_streamed_echo_repeats_each_prompt_in_the_first_chunk_of_its_choices():
     body = {"prompt": ["ab", "c"], "n": 2, "echo": True, "logprobs": 0, "stream": True}
     chunks = sse_chunks(run(post(fake_app(), "/v1/completions", body)))

@@ -13,7 +13,8 @@ from serving_fakes import client, fake_app
 
 SAMPLING_FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                    "n", "cache_salt", "ignore_eos", "user", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logit_bias", "min_p", "min_tokens", "stop_token_ids"]
+                   "repetition_penalty", "logit_bias", "min_p", "min_tokens", "stop_token_ids",
+                   "prompt_logprobs"]
 ROUTE_FIELDS = {
     "/v1/completions": SAMPLING_FIELDS + ["prompt", "logprobs", "best_of", "echo", "suffix"],
     "/v1/chat/completions": SAMPLING_FIELDS + ["messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -46,7 +47,8 @@ PLAUSIBLE = {
     "repetition_penalty": st.floats(-0.5, 3), "min_p": st.floats(-0.5, 1.5), "min_tokens": st.integers(-1, 20),
     "logit_bias": st.dictionaries(st.integers(-5, 300).map(str), st.floats(-150, 150), max_size=3),
     "stop_token_ids": token_ids, "logprobs": st.one_of(st.integers(-1, 25), st.booleans()),
-    "top_logprobs": st.integers(-1, 25), "echo": st.booleans(), "best_of": st.integers(0, 3),
+    "top_logprobs": st.integers(-1, 25), "prompt_logprobs": st.integers(-1, 25), "echo": st.booleans(),
+    "best_of": st.integers(0, 3),
     "suffix": st.sampled_from(["", None, "end"]), "tools": st.sampled_from([None, []]),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
     "prompt": st.one_of(texts, token_ids, st.lists(st.one_of(texts, token_ids), max_size=3)),

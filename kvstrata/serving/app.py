@@ -41,7 +41,7 @@ from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving.middleware import APIKeyCheck, BodySizeLimit, DrainState, RequestGate
 from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events, chat_logprobs, choice_receipt,
                                         completion_events, last_outputs, output_completion_logprobs,
-                                        response_receipt, token_texts, usage)
+                                        prompt_logprobs_by_token, response_receipt, token_texts, usage)
 from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                       ChatLogprobs, ChatMessage,
                                       CompletionChoice, CompletionRequest, CompletionResponse, DocumentDeleted,
@@ -95,6 +95,9 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
 
     def sampling_params(body: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                         field_names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
+        if body.stream and body.prompt_logprobs is not None:  # as vLLM: its streams carry none
+            raise APIError(400, "prompt_logprobs: not available with stream: true; ask for a whole response",
+                           param="prompt_logprobs")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=_given(body.temperature, 1.0),
                                   top_p=_given(body.top_p, 1.0), top_k=_given(body.top_k, -1),
@@ -185,9 +188,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         check_model(body.model)
         prompts = await asyncio.gather(*(completion_prompt(p) for p in body.prompt))
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        # echo with logprobs reports the prompt's tokens' too (vLLM's prompt_logprobs)
-        prompt_logprobs = body.logprobs if body.echo else None
-        params = sampling_params(body, max_tokens, body.logprobs, {}, prompt_logprobs)
+        params = sampling_params(body, max_tokens, body.logprobs, {}, _prompt_alternatives(body))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = start(prompts, params, request_id, body)
         settings = stream_settings(body, request_id, body.logprobs is not None)
@@ -197,15 +198,18 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
                                for text, token_ids in prompts]
 
         async def whole(finals: list[RequestOutput]) -> CompletionResponse:
-            choices = []
+            choices, prompt_logprobs = [], {}
             for i, final in enumerate(finals):
                 echo = settings.echoes[i // n] if settings.echoes is not None else ""
                 logprobs = None
                 if final.logprobs is not None:
                     logprobs = await output_completion_logprobs(tokenizers, final, final.logprobs, len(echo),
-                                                                settings.echoes is not None)
+                                                                settings.echoes is not None, body.logprobs)
+                if body.prompt_logprobs is not None and i // n not in prompt_logprobs:  # once per prompt
+                    prompt_logprobs[i // n] = await prompt_logprobs_by_token(tokenizers, final, body.prompt_logprobs)
                 choices.append(CompletionChoice(index=i, text=echo + final.text, logprobs=logprobs,
                                                 finish_reason=final.finish_reason, stop_reason=final.stop_reason,
+                                                prompt_logprobs=prompt_logprobs.get(i // n),
                                                 kvstrata=choice_receipt(final, finals)))
             return CompletionResponse(id=request_id, created=int(time.time()), model=model_id, choices=choices,
                                       usage=usage(finals, n), kvstrata=response_receipt(finals))
@@ -230,7 +234,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
             max_tokens = max(1, max_model_len - len(token_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens, logprobs,
-                                 {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"})
+                                 {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}, body.prompt_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = start([(None, token_ids)], params, request_id, body)
         settings = stream_settings(body, request_id, logprobs is not None)
@@ -241,9 +245,12 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
                                   finish_reason=final.finish_reason, stop_reason=final.stop_reason,
                                   kvstrata=choice_receipt(final, finals))
                        for i, final in enumerate(finals)]
+            prompt_logprobs = None
+            if body.prompt_logprobs is not None:
+                prompt_logprobs = await prompt_logprobs_by_token(tokenizers, finals[0], body.prompt_logprobs)
             return ChatCompletionResponse(id=request_id, created=int(time.time()), model=model_id, choices=choices,
                                           usage=usage(finals, body.choices_per_prompt),
-                                          kvstrata=response_receipt(finals))
+                                          prompt_logprobs=prompt_logprobs, kvstrata=response_receipt(finals))
 
         return await respond(request, body, streams, lambda: chat_events(streams, settings), whole)
 
@@ -307,6 +314,15 @@ def decode_known_ids(tokenizer, token_ids: list[int]) -> str:
     if unknown is not None:
         raise ValueError(f"tokens: token id {unknown} is outside the vocabulary (0 to {vocab_size - 1})")
     return tokenizer.decode(token_ids)
+
+
+def _prompt_alternatives(body: CompletionRequest) -> int | None:
+    """How many alternatives the engine reports for each prompt token: the most that `prompt_logprobs`
+    and an echo with `logprobs` ask for (or a negative number asked, for SamplingParams to refuse)."""
+    asked = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
+    if not asked:
+        return None
+    return min(asked) if min(asked) < 0 else max(asked)
 
 
 def _given(value, default):

@@ -13,14 +13,15 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, AsyncIterator, Sequence, TypeVar
 
 from fastapi.responses import StreamingResponse
 
 from kvstrata.serving.schemas import (ChatCompletionChunk, ChatLogprobs, ChatStreamChoice, CompletionChoice,
                                       CompletionLogprobs, CompletionResponse, DeltaMessage, ErrorInfo,
-                                      KvstrataInfo, PromptTokensDetails, TokenLogprob, TopLogprob, Usage)
+                                      KvstrataInfo, PromptLogprob, PromptLogprobs, PromptTokensDetails, TokenLogprob,
+                                      TopLogprob, Usage)
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 if TYPE_CHECKING:
@@ -158,16 +159,42 @@ def completion_logprobs(entries: Sequence[TokenLogprobs], texts: dict[int, str],
     return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
 
 
+def _with_top(entries: Sequence[TokenLogprobs], num_top: int | None) -> Sequence[TokenLogprobs]:
+    """`entries` with at most `num_top` alternatives each (all of them if None)."""
+    if num_top is None or all(len(e.top) <= num_top for e in entries):
+        return entries
+    return [replace(e, top=e.top[:num_top]) for e in entries]
+
+
 async def output_completion_logprobs(tokenizers: TokenizerPool, output: RequestOutput,
                                      entries: Sequence[TokenLogprobs], text_offset: int,
-                                     with_prompt: bool) -> CompletionLogprobs:
+                                     with_prompt: bool, num_top: int | None = None) -> CompletionLogprobs:
     """`entries` of `output`'s tokens in the legacy shape, from `text_offset` in the text; with the
-    prompt's tokens before them when the prompt is echoed (from offset 0)."""
+    prompt's tokens before them when the prompt is echoed (from offset 0), with at most `num_top`
+    alternatives each (the request's `logprobs`: its `prompt_logprobs` may have asked for more)."""
     first = None
     if with_prompt:
-        first, entries, text_offset = output.prompt_token_ids[0], [*output.prompt_logprobs, *entries], 0
+        prompt_entries = _with_top(output.prompt_logprobs, num_top)
+        first, entries, text_offset = output.prompt_token_ids[0], [*prompt_entries, *entries], 0
     texts = await token_texts(tokenizers, entries, *([] if first is None else [first]))
     return completion_logprobs(entries, texts, text_offset, first)
+
+
+async def prompt_logprobs_by_token(tokenizers: TokenizerPool, output: RequestOutput, num_top: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs` of `output`'s prompt: None for its first token, then for each next one
+    the token and its `num_top` likeliest alternatives, by token id, each with its log-probability,
+    rank and text (the prompt's token first; it is listed once if it is among the likeliest)."""
+    entries = _with_top(output.prompt_logprobs, num_top)
+    texts = await token_texts(tokenizers, entries)
+    by_position: PromptLogprobs = [None]
+    for entry in entries:
+        tokens = {str(entry.token_id): PromptLogprob(logprob=_logprob(entry.logprob), rank=entry.rank,
+                                                     decoded_token=texts[entry.token_id])}
+        for rank, (token_id, value) in enumerate(entry.top, start=1):
+            tokens.setdefault(str(token_id), PromptLogprob(logprob=_logprob(value), rank=rank,
+                                                           decoded_token=texts[token_id]))
+        by_position.append(tokens)
+    return by_position
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobs], texts: dict[int, str]) -> ChatLogprobs:

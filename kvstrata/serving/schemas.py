@@ -73,6 +73,9 @@ class SamplingRequest(_Request):
     min_p: float | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's: each prompt token's log-probability, rank and `prompt_logprobs` likeliest alternatives
+    # (whole responses only, as vLLM)
+    prompt_logprobs: int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -242,16 +245,34 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]                # where each token starts in the generated text
 
 
-class _Choice(BaseModel):
-    """A choice of a whole response. With several choices, each carries its own receipt as `kvstrata`
-    (the response's is its first token's); with one, only the response carries it."""
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`: one token's log-probability at a prompt position."""
+
+    logprob: float
+    rank: int            # 1: no token was likelier
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: None for the first prompt token (nothing predicts it), then for each next
+# one its token and the likeliest alternatives, by token id (a JSON key, so a string)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class _ShownWhenGiven(BaseModel):
+    """A response part whose `kvstrata` and `prompt_logprobs` appear only when they are given."""
 
     @model_serializer(mode="wrap")
-    def _receipt_when_given(self, serialize) -> dict:
+    def _given_only(self, serialize) -> dict:
         fields = serialize(self)
-        if fields.get("kvstrata") is None:
-            fields.pop("kvstrata", None)
+        for name in ("kvstrata", "prompt_logprobs"):
+            if fields.get(name) is None:
+                fields.pop(name, None)
         return fields
+
+
+class _Choice(_ShownWhenGiven):
+    """A choice of a whole response. With several choices, each carries its own receipt as `kvstrata`
+    (the response's is its first token's); with one, only the response carries it."""
 
 
 class CompletionChoice(_Choice):
@@ -260,6 +281,7 @@ class CompletionChoice(_Choice):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     stop_reason: StopReason = None
+    prompt_logprobs: PromptLogprobs | None = None
     kvstrata: KvstrataInfo | None = None
 
 
@@ -301,13 +323,14 @@ class ChatChoice(_Choice):
     kvstrata: KvstrataInfo | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_ShownWhenGiven):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, of the rendered conversation
     kvstrata: KvstrataInfo
 
 
