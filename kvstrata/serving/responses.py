@@ -14,7 +14,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, AsyncIterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Iterable, Sequence, TypeVar
 
 from fastapi.responses import StreamingResponse
 
@@ -124,7 +124,7 @@ async def last_outputs(streams: Sequence[AsyncIterator[RequestOutput]]) -> list[
 # Logprobs
 
 
-def _decode_each(tokenizer, token_ids: Sequence[int]) -> dict[int, str]:
+def _decode_each(tokenizer, token_ids: Iterable[int]) -> dict[int, str]:
     return {token_id: tokenizer.decode([token_id]) for token_id in token_ids}
 
 
@@ -183,16 +183,20 @@ async def output_completion_logprobs(tokenizers: TokenizerPool, output: RequestO
 async def prompt_logprobs_by_token(tokenizers: TokenizerPool, output: RequestOutput, num_top: int) -> PromptLogprobs:
     """vLLM's `prompt_logprobs` of `output`'s prompt: None for its first token, then for each next one
     the token and its `num_top` likeliest alternatives, by token id, each with its log-probability,
-    rank and text (the prompt's token first; it is listed once if it is among the likeliest)."""
-    entries = _with_top(output.prompt_logprobs, num_top)
-    texts = await token_texts(tokenizers, entries)
+    rank and text (the prompt's token first; it is listed once if it is among the likeliest). Built
+    on a tokenizer thread: a long prompt has hundreds of thousands of entries."""
+    return await tokenizers.run(_prompt_logprobs_by_token, _with_top(output.prompt_logprobs, num_top))
+
+
+def _prompt_logprobs_by_token(tokenizer, entries: Sequence[TokenLogprobs]) -> PromptLogprobs:
+    texts = _decode_each(tokenizer, {e.token_id for e in entries} | {t for e in entries for t, _ in e.top})
     by_position: PromptLogprobs = [None]
     for entry in entries:
         tokens = {str(entry.token_id): PromptLogprob(logprob=_logprob(entry.logprob), rank=entry.rank,
                                                      decoded_token=texts[entry.token_id])}
         for rank, (token_id, value) in enumerate(entry.top, start=1):
-            tokens.setdefault(str(token_id), PromptLogprob(logprob=_logprob(value), rank=rank,
-                                                           decoded_token=texts[token_id]))
+            if str(token_id) not in tokens:
+                tokens[str(token_id)] = PromptLogprob(logprob=_logprob(value), rank=rank, decoded_token=texts[token_id])
         by_position.append(tokens)
     return by_position
 

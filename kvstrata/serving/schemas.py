@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer
+from typing_extensions import TypedDict  # pydantic reads typing's only from Python 3.12
 
 from kvstrata.engine.prompts import unicode_problem
 
@@ -245,8 +246,9 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]                # where each token starts in the generated text
 
 
-class PromptLogprob(BaseModel):
-    """vLLM's entry of `prompt_logprobs`: one token's log-probability at a prompt position."""
+class PromptLogprob(TypedDict):
+    """vLLM's entry of `prompt_logprobs`: one token's log-probability at a prompt position (a plain
+    dict: a long prompt has hundreds of thousands of them)."""
 
     logprob: float
     rank: int            # 1: no token was likelier
