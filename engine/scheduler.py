@@ -26,21 +26,19 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     others, in arrival order. Bound: a request's wait exceeds max(AGING x its cost, MIN_AGE_S) by at
     most the time the engine takes to admit the overdue requests that arrived before it, which is
     the wait first-come-first-served would give it.
-  * Step cap. While a token is at stake (a waiting request whose uncached work fits in one step, a
-    prefill in progress that the step finishes, or an answer being decoded), a step computes at
-    most the tokens that `step_target` allows at the measured prefill speed (at the context of the
-    furthest running prefill: a token costs more the more it attends to), so short work never waits
-    long for a step; but at least `MIN_STEP_TOKENS`, and enough that the step's fixed cost stays
-    under `MAX_OVERHEAD_SHARE` of it (throughput first where a step's overhead is large against the
-    target). Otherwise (long prefills only) a step may last `LONG_STEP_TARGETS` step targets, so that
-    long prefills lose little to step overheads, but only while nobody arrives during steps:
+  * Step cap. While a first token is at stake (a waiting request whose uncached work fits in one
+    step, or a prefill in progress that the step finishes), a step computes at most the tokens that
+    `step_target` allows at the measured prefill speed (at the context of the furthest running prefill:
+    a token costs more the more it attends to), so short work never waits long for a step;
+    but at least `MIN_STEP_TOKENS`, and enough that the step's fixed cost stays under
+    `MAX_OVERHEAD_SHARE` of it (throughput first where a step's overhead is large against the
+    target). Otherwise (long prefills and decodes) a step may last `LONG_STEP_TARGETS` step targets,
+    so that long prefills lose little to step overheads, but only while nobody arrives during steps:
     once a request has arrived while a step was running (it had to wait for that step) within the
     last `ARRIVALS_MEMORY_S`, every step keeps to the cap. Online serving, where requests come at
     any moment, thus gets steps near the target (a question arriving mid-step waits for one of
-    them, not for eight); documents given at once, or clients that send between steps, get long
-    steps, as nobody waits for them. An answer being decoded waits for every step: long steps
-    beside it would stall it for seconds at a time (in a batch of long documents with answers,
-    capped steps cost about 2% of throughput on a 2-core CPU).
+    them, not for eight); a batch given at once, or clients that send between steps, gets long
+    steps, as nobody waits for them.
   * Bounded share. While short work waits, the step holds the short work (the waiting requests
     that fit in a step, and the running prefills and decodes whose rest fits in what the step target
     buys) and, between the long prefills in progress, at most `long_prefill_share` of what the
@@ -68,7 +66,7 @@ from kvstrata.engine.request import Request, RequestStatus
 POLICIES = ("fcfs", "uncached_first")
 AGING = 4.0              # a request is overdue once it has waited this many times its own estimated cost
 MIN_AGE_S = 1.0          # ... and at least this long: a near-free request is not overdue at once
-LONG_STEP_TARGETS = 8    # with no token at stake a step may last this many step targets (see the module doc)
+LONG_STEP_TARGETS = 8    # with no first token at stake a step may last this many step targets (see the module doc)
 ARRIVALS_MEMORY_S = 10.0  # ... unless a request arrived while a step was running within this many seconds
 
 
@@ -176,8 +174,6 @@ class Scheduler:
             return candidates, running, min(capped, short_tokens + short_running + long_chunk), long_chunk
         if any(r.num_computed_tokens < r.num_prompt_tokens and 0 < self._remaining(r) <= capped for r in running):
             return candidates, running, capped, capped  # a prefill this step finishes: its first token
-        if any(r.num_computed_tokens >= r.num_prompt_tokens for r in running):
-            return candidates, running, capped, capped  # an answer being decoded: its next token
         if self.clock() - self._last_waiting_arrival < ARRIVALS_MEMORY_S:
             return candidates, running, capped, capped  # requests arrive mid-step: they would wait for a long one
         long_step = min(self.max_num_batched_tokens,
