@@ -2,11 +2,14 @@
 
 Two small linear models, each fitted to recent measurements by least squares:
 
-- `StepCost`, one engine step: `overhead_s + per_token_s * tokens + per_pair_s * pairs`, where
-  `pairs` counts the (query, key) pairs the step's attention scores, summed over its sequences: a
-  sequence computing `n` new tokens after `context` computed ones scores `n * context + n * (n + 1) / 2`.
-  That count adds up over chunks, so the same model prices a prefill done in one step or in many.
-  It prices waiting work and caps steps (the scheduler) and prices recomputing a prefix (the load policy).
+- `StepCost`, one engine step: `overhead_s + per_token_s * tokens + per_pair_s * pairs + per_read_s * reads`,
+  where `pairs` counts the (query, key) pairs the step's attention scores and `reads` the keys it
+  reads, summed over its sequences: a sequence computing `n` new tokens after `context` computed ones
+  scores `n * context + n * (n + 1) / 2` pairs and reads `context + n` keys (once per step, whatever
+  `n`: the paged K/V gathered on a CPU, or read from device memory). Reads are what a decode row
+  mostly costs (one new token over a long context); without them the fit took a step's decodes for
+  fixed overhead, and the step cap's overhead floor grew with every answer being decoded. It prices
+  waiting work and caps steps (the scheduler) and prices recomputing a prefix (the load policy).
 - `ReadCost`, one load from a lower tier to the device: `latency_s + per_block_s * blocks`, seeded
   by a probe at start-up and refined by every promotion.
 
@@ -30,6 +33,11 @@ PRIOR_WEIGHT = 1e-6      # the prior counts as this many measurements at each co
 def attention_pairs(num_new_tokens: int, context: int) -> int:
     """(query, key) pairs scored when `num_new_tokens` tokens follow `context` computed ones, causally."""
     return num_new_tokens * context + num_new_tokens * (num_new_tokens + 1) // 2
+
+
+def kv_reads(num_new_tokens: int, context: int) -> int:
+    """Keys a step reads for one sequence computing `num_new_tokens` after `context` computed ones."""
+    return context + num_new_tokens if num_new_tokens > 0 else 0
 
 
 class LinearFit:
@@ -96,7 +104,7 @@ class LinearFit:
 
 
 def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (the systems here are 2x2 and 3x3, positive definite)."""
+    """Gaussian elimination with partial pivoting (the systems here are 2x2 to 4x4, positive definite)."""
     n = len(b)
     m = [row[:] + [rhs] for row, rhs in zip(a, b)]
     for col in range(n):
@@ -118,8 +126,10 @@ class StepCost:
 
     SMALL_STEP_TOKENS = 8  # steps of at most this many tokens (decodes) go in their own window
 
-    def __init__(self, per_token_s: float = 2e-3, overhead_s: float = 0.0, per_pair_s: float = 0.0):
-        self.fit = LinearFit(prior=(overhead_s, per_token_s, per_pair_s), scales=(1.0, 512.0, 512.0 * 1024))
+    def __init__(self, per_token_s: float = 2e-3, overhead_s: float = 0.0, per_pair_s: float = 0.0,
+                 per_read_s: float = 0.0):
+        self.fit = LinearFit(prior=(overhead_s, per_token_s, per_pair_s, per_read_s),
+                             scales=(1.0, 512.0, 512.0 * 1024, 2048.0))
 
     @property
     def overhead_s(self) -> float:
@@ -133,18 +143,25 @@ class StepCost:
     def per_pair_s(self) -> float:
         return self.fit.coef[2]
 
-    def observe(self, num_tokens: int, seconds: float, num_pairs: int = 0) -> None:
-        """A step computed `num_tokens` tokens, scoring `num_pairs` attention pairs, in `seconds`."""
+    @property
+    def per_read_s(self) -> float:
+        return self.fit.coef[3]
+
+    def observe(self, num_tokens: int, seconds: float, num_pairs: int = 0, num_reads: int = 0) -> None:
+        """A step computed `num_tokens` tokens, scoring `num_pairs` attention pairs and reading
+        `num_reads` keys, in `seconds`."""
         if num_tokens <= 0:
             return
-        self.fit.observe((1.0, num_tokens, num_pairs), seconds, window=int(num_tokens > self.SMALL_STEP_TOKENS))
+        self.fit.observe((1.0, num_tokens, num_pairs, num_reads), seconds,
+                         window=int(num_tokens > self.SMALL_STEP_TOKENS))
 
     def prefill_s(self, num_new_tokens: int, context: int) -> float:
-        """Seconds of compute for `num_new_tokens` after `context` computed ones, without step overheads
-        (the same whether the prefill takes one step or several)."""
+        """Seconds of compute for `num_new_tokens` after `context` computed ones in one step, without
+        the step's overhead (in several steps, each would read the context again)."""
         if num_new_tokens <= 0:
             return 0.0
-        return self.per_token_s * num_new_tokens + self.per_pair_s * attention_pairs(num_new_tokens, context)
+        return (self.per_token_s * num_new_tokens + self.per_pair_s * attention_pairs(num_new_tokens, context)
+                + self.per_read_s * kv_reads(num_new_tokens, context))
 
     def tokens_within(self, seconds: float, context: int = 0) -> int:
         """The tokens a step may take to last `seconds` when they follow `context` computed ones (their
@@ -156,10 +173,11 @@ class StepCost:
     def tokens_for(self, compute_s: float, context: int = 0) -> int:
         """The tokens whose compute (a step's fixed cost aside) takes `compute_s` seconds when they
         follow `context` computed ones."""
-        # per_token * n + per_pair * (n * context + n * (n + 1) / 2) = compute_s, solved for n
+        # per_token * n + per_pair * (n * context + n * (n + 1) / 2) + per_read * (context + n) = compute_s,
+        # solved for n
         a = self.per_pair_s / 2
-        b = max(self.per_token_s, 1e-9) + self.per_pair_s * (context + 0.5)
-        c = max(compute_s, 0.0)
+        b = max(self.per_token_s, 1e-9) + self.per_pair_s * (context + 0.5) + self.per_read_s
+        c = max(compute_s - self.per_read_s * context, 0.0)
         return int(c / b if a <= 0 else (math.sqrt(b * b + 4 * a * c) - b) / (2 * a))
 
 

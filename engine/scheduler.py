@@ -59,7 +59,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvstrata.engine.costs import MIN_STEP_TOKENS, StepCost, attention_pairs
+from kvstrata.engine.costs import MIN_STEP_TOKENS, StepCost, attention_pairs, kv_reads
 from kvstrata.engine.kv_manager import KVCacheManager, UncachedEstimate
 from kvstrata.engine.request import Request, RequestStatus
 
@@ -91,6 +91,10 @@ class SchedulerOutput:
     @property
     def num_attention_pairs(self) -> int:
         return sum(attention_pairs(s.num_new_tokens, s.context) for s in self.scheduled)
+
+    @property
+    def num_kv_reads(self) -> int:
+        return sum(kv_reads(s.num_new_tokens, s.context) for s in self.scheduled)
 
 
 class Scheduler:
@@ -134,7 +138,7 @@ class Scheduler:
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine reports how long a scheduled step took (it prices work and caps steps)."""
-        self.cost.observe(out.num_tokens, seconds, out.num_attention_pairs)
+        self.cost.observe(out.num_tokens, seconds, out.num_attention_pairs, out.num_kv_reads)
 
     # ------------------------------------------------------------------ one step
 

@@ -244,33 +244,39 @@ def test_fcfs_keeps_the_whole_budget_for_the_request_that_came_first():
 
 def test_step_cost_learns_overhead_per_token_and_attention_costs_from_measured_steps():
     cost = StepCost(per_token_s=0.1)  # a prior 100x off: measurements replace it
-    overhead, per_token, per_pair = 1 / 64, 1 / 1024, 1 / 2 ** 20
+    overhead, per_token, per_pair, per_read = 1 / 64, 1 / 1024, 1 / 2 ** 20, 1 / 2 ** 16
 
     def seconds(tokens: int, context: int) -> float:
-        return overhead + per_token * tokens + per_pair * attention_pairs(tokens, context)
+        return overhead + per_token * tokens + per_pair * attention_pairs(tokens, context) + per_read * (context + tokens)
 
-    for tokens, context in [(1, 100), (1, 900), (2, 300), (64, 0), (256, 0), (256, 512), (128, 1024)]:
-        cost.observe(tokens, seconds(tokens, context), attention_pairs(tokens, context))
+    def observe(tokens: int, context: int) -> None:
+        cost.observe(tokens, seconds(tokens, context), attention_pairs(tokens, context), context + tokens)
+
+    for tokens, context in [(1, 100), (1, 900), (2, 300), (64, 0), (256, 0), (256, 512), (128, 1024), (16, 2048)]:
+        observe(tokens, context)
     assert cost.overhead_s == pytest.approx(overhead, rel=1e-2)
     assert cost.per_token_s == pytest.approx(per_token, rel=1e-2)
     assert cost.per_pair_s == pytest.approx(per_pair, rel=1e-2)
-    # a prefill costs the same in one step or in chunks (without the steps' overheads)
+    assert cost.per_read_s == pytest.approx(per_read, rel=1e-2)
+    # a prefill in chunks costs what it costs in one step, but for reading its context again
     chunked = cost.prefill_s(100, 500) + cost.prefill_s(100, 600)
-    assert cost.prefill_s(200, 500) == pytest.approx(chunked)
-    # a long run of decodes does not make it forget what the prefills taught it
+    assert chunked == pytest.approx(cost.prefill_s(200, 500) + 600 * cost.per_read_s)
+    # a long run of decodes (their cost mostly reads) does not make it forget what the prefills taught
+    # it, nor does it pass for a step's fixed cost
     for _ in range(200):
-        cost.observe(1, seconds(1, 2000), attention_pairs(1, 2000))
+        observe(1, 2000)
     assert cost.per_token_s == pytest.approx(per_token, rel=1e-2)
+    assert cost.overhead_s == pytest.approx(overhead, rel=0.05)
     assert cost.tokens_within(seconds(256, 0)) == pytest.approx(256, abs=1)
     # a short target would spend most of each step on its fixed cost: at most a tenth of it
     floor = cost.tokens_within(overhead + 48 * per_token)
-    assert floor > 48 and seconds(floor, 0) == pytest.approx(10 * overhead, rel=0.02)
+    assert floor > 48 and seconds(floor, 0) == pytest.approx(10 * overhead, rel=0.05)
     # after a long context each token costs more: the step takes fewer to last as long
     assert cost.tokens_within(seconds(256, 1024), context=1024) == pytest.approx(256, abs=1)
     # ... and so does the overhead floor, which is a time: a step of its tokens lasts ten overheads
     floor_at_context = cost.tokens_within(overhead + 48 * per_token, context=1024)
     assert floor_at_context < floor
-    assert seconds(floor_at_context, 1024) == pytest.approx(10 * overhead, rel=0.02)
+    assert seconds(floor_at_context, 1024) == pytest.approx(10 * overhead, rel=0.05)
 
 
 def test_step_cost_stays_non_negative_by_fitting_again_not_by_clamping():
@@ -285,16 +291,16 @@ def test_step_cost_stays_non_negative_by_fitting_again_not_by_clamping():
 
 def test_a_whole_prefill_is_still_priced_right_after_a_long_run_of_hits():
     """What receipts report as prefill saved: a few whole documents computed, then many questions whose
-    documents are cached (a few new tokens over a long context, and their decodes). The steps' true cost
-    has a part the fit does not model (reading the context, linear in it); the price of computing a whole
-    document must stay within 20% of its true cost."""
+    documents are cached (a few new tokens over a long context, and their decodes, whose cost is mostly
+    reading the context). The price of computing a whole document must stay within 20% of its true
+    cost, and a decode's reads must not pass for a step's fixed cost."""
     import random
 
     def true_s(tokens: int, context: int) -> float:
         return 0.02 + 4e-3 * tokens + 1e-6 * attention_pairs(tokens, context) + 1e-4 * (context + tokens)
 
     def observe(tokens: int, context: int) -> None:
-        cost.observe(tokens, true_s(tokens, context), attention_pairs(tokens, context))
+        cost.observe(tokens, true_s(tokens, context), attention_pairs(tokens, context), context + tokens)
 
     cost = StepCost()
     rng = random.Random(0)
@@ -308,6 +314,9 @@ def test_a_whole_prefill_is_still_priced_right_after_a_long_run_of_hits():
         for k in range(8):
             observe(1, 2016 + question + k)
     assert cost.prefill_s(2016, 0) == pytest.approx(true_s(2016, 0) - 0.02, rel=0.2)
+    # The contexts are all alike, so reads and the fixed cost cannot be told fully apart; without
+    # the reads the fit put 0.22 s on the fixed cost (11x), which the step cap's floor multiplies.
+    assert 0.02 <= cost.overhead_s < 0.05
 
 
 def test_unknown_policy_is_a_one_line_error():
