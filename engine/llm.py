@@ -141,10 +141,14 @@ class LLM:
 
     def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             cache_salt: str | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the model's chat template."""
+             cache_salt: str | None = None, *, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template
+        (rendered as vLLM's `LLM.chat` renders them: see `render_chat` in engine/prompts.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self._run([(None, self.engine.apply_chat_template(c)) for c in conversations],
+        rendering = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                         template_kwargs=chat_template_kwargs)
+        return self._run([(None, self.engine.apply_chat_template(c, **rendering)) for c in conversations],
                          sampling_params, cache_salt)
 
     def _normalise_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:

@@ -181,8 +181,9 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return tokenize_text(self.tokenizer, prompt)
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
-        return render_chat(self.tokenizer, messages)
+    def apply_chat_template(self, messages: Sequence[dict], **rendering) -> list[int]:
+        """`rendering`: `render_chat`'s options (the reply's prompt, an open last message, template variables)."""
+        return render_chat(self.tokenizer, messages, **rendering)
 
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Everything that can be wrong with a request, checked before any work is done."""
@@ -220,7 +221,9 @@ class LLMEngine:
             request.arrival_time = arrival_time
         # Everything that can fail comes first: a refused request leaves nothing behind.
         generator = make_generator(params, self.device)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens,
+                                             include_stop=params.include_stop_str_in_output,
+                                             skip_special_tokens=params.skip_special_tokens)
         self.requests[request_id] = request
         self._generators[request_id] = generator
         self._detokenizers[request_id] = detokenizer
@@ -394,8 +397,9 @@ class LLMEngine:
         # (the sampler keeps both out of the first min_tokens tokens)
         is_stop_token = token_id in params.stop_token_ids
         at_limit = len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len
-        # a stop token's own text is not part of the answer (an end of sequence has none)
-        shown = request.output_token_ids[:-1] if is_stop_token else request.output_token_ids
+        # the text of a stop token or end of sequence is not part of the answer unless asked for (vLLM's rule)
+        ended_by_token = (is_stop_token or is_eos) and not params.include_stop_str_in_output
+        shown = request.output_token_ids[:-1] if ended_by_token else request.output_token_ids
         request.output_text, hit_stop = detok.update(shown, final=is_eos or is_stop_token or at_limit)
         if hit_stop is not None:
             request.stop_reason = hit_stop

@@ -24,11 +24,40 @@ def tokenize_text(tokenizer, text: str, field: str = "prompt") -> list[int]:
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
-def render_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of a conversation rendered by the model's chat template, ending with the prompt
-    for the assistant's reply. `messages`: `{"role": str, "content": str}` objects."""
+# Names a chat template's extra variables (vLLM's `chat_template_kwargs`) may not take: they are the
+# rendering call's own parameters, which a request sets by their own fields or not at all.
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def render_chat(tokenizer, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a conversation rendered by the model's chat template, by default ending with the
+    prompt for the assistant's reply. `messages`: `{"role": str, "content": str}` objects.
+    `continue_final_message` (vLLM's and transformers', without the reply's prompt): the last message
+    is left open for the model to continue it, as a cached document is rendered. `template_kwargs`:
+    more variables for the template (such as a model's switch for its thinking)."""
     validate_messages(messages)
-    return _token_list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message: leaves the last message open, so it cannot be used with "
+                         "add_generation_prompt: true (set that to false)")
+    extra = dict(template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_NAMES.intersection(extra))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {reserved[0]!r} is not a template variable this server lets a "
+                         f"request set")
+    if continue_final_message:
+        extra["continue_final_message"] = True
+    from jinja2 import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                            tokenize=True, **extra)
+    except (TemplateError, TypeError, ValueError) as exc:  # a template that refuses these messages or variables
+        raise ValueError(f"messages: the model's chat template cannot render them: {exc}") from None
+    return _token_list(ids)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,9 @@ class SamplingParams:
     distribution before any of the above (vLLM's default, "raw" log-probabilities).
     `n` (vLLM's): how many sequences to sample from the prompt. `LLM.generate` and the server run
     one engine request per sequence, sequence i with `for_choice(i)`; the engine itself takes n=1.
+    vLLM's text options: `include_stop_str_in_output` keeps the stop string (or the stop token's
+    text) that ended the answer at its end; `skip_special_tokens` (default True) leaves special
+    tokens' text out of the answer.
     """
 
     max_tokens: int = 16
@@ -64,8 +67,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer from 1 to {MAX_N}, got {self.n!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:

@@ -24,9 +24,13 @@ class ByteTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
         return {"input_ids": list(text.encode("utf-8"))}
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> list[int]:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return list(text.encode("utf-8"))
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool,
+                            continue_final_message: bool = False, **template_kwargs) -> list[int]:
+        """`template_kwargs`: `system` (a line first) is the one variable this template knows."""
+        text = template_kwargs.get("system", "") + "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if continue_final_message:
+            text = text[:-1]  # the last message stays open
+        return list((text + ("assistant: " if add_generation_prompt else "")).encode("utf-8"))
 
     def decode(self, token_ids) -> str:
         return bytes(token_ids).decode("utf-8", errors="replace")

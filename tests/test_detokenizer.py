@@ -5,13 +5,15 @@ from kvstrata.engine.detokenizer import IncrementalDetokenizer
 
 
 class CharTokenizer:
+    """One token per character; "#" is a special token (its text is left out when skipped)."""
+
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(t) for t in token_ids)
+        return "".join(chr(t) for t in token_ids if not (skip_special_tokens and chr(t) == "#"))
 
 
-def run(text: str, stop: list[str], min_tokens: int = 0) -> tuple[list[str], str | None]:
+def run(text: str, stop: list[str], min_tokens: int = 0, **options) -> tuple[list[str], str | None]:
     """Feed `text` one character (token) at a time; the text shown after each, and the stop hit."""
-    detok = IncrementalDetokenizer(CharTokenizer(), stop, min_tokens)
+    detok = IncrementalDetokenizer(CharTokenizer(), stop, min_tokens, **options)
     shown = []
     ids = [ord(c) for c in text]
     for n in range(1, len(ids) + 1):
@@ -38,3 +40,14 @@ def test_with_min_tokens_a_stop_string_counts_only_where_it_ends_after_the_first
     shown, hit = run("abab", ["ab"], min_tokens=5)  # never enough tokens: no stop
     assert hit is None and shown[-1] == "abab"
     assert all(later.startswith(earlier) for earlier, later in zip(shown, shown[1:]))
+
+
+def test_a_stop_string_asked_for_in_the_output_stays_at_its_end():
+    shown, hit = run("say ok. then more", ["ok."], include_stop=True)
+    assert hit == "ok." and shown[-1] == "say ok."
+    assert all(later.startswith(earlier) for earlier, later in zip(shown, shown[1:]))
+
+
+def test_special_tokens_text_is_shown_only_when_not_skipped():
+    assert run("a#b", [])[0][-1] == "ab"
+    assert run("a#b", [], skip_special_tokens=False)[0][-1] == "a#b"

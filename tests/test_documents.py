@@ -136,6 +136,10 @@ def test_question_token_ids_start_with_the_documents_full_blocks(embedded_model_
     prompt_doc = render_document(tokenizer, prompt=HANDBOOK)
     prompt_full = prompt_doc.num_stable_tokens // 16 * 16
     assert tokenizer(HANDBOOK + " Question: why?")["input_ids"][:prompt_full] == prompt_doc.token_ids[:prompt_full]
+    # a chat whose last message is left open (vLLM's continue_final_message) is the document itself
+    open_chat = render_chat(tokenizer, document_prefix_messages(HANDBOOK), add_generation_prompt=False,
+                            continue_final_message=True)
+    assert open_chat == document.token_ids
 
 
 @pytest.mark.slow

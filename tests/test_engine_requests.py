@@ -71,6 +71,30 @@ def test_stop_token_ids_min_tokens_and_logit_bias_steer_generation(llm):
     assert eos not in ended.token_ids[:4]
 
 
+def test_the_stop_string_or_token_that_ended_an_answer_is_kept_when_asked_for(llm):
+    greedy = dict(max_tokens=8, temperature=0.0)
+    full, = llm.generate(PROMPT, SamplingParams(**greedy))
+    stop_text = full.text.strip()[3:7]
+    cut, = llm.generate(PROMPT, SamplingParams(**greedy, stop=stop_text))
+    kept, = llm.generate(PROMPT, SamplingParams(**greedy, stop=stop_text, include_stop_str_in_output=True))
+    assert cut.stop_reason == kept.stop_reason == stop_text and cut.token_ids == kept.token_ids
+    assert kept.text == cut.text + stop_text and full.text.startswith(kept.text)
+    stop_token = full.token_ids[2]
+    kept, = llm.generate(PROMPT, SamplingParams(**greedy, stop_token_ids=[stop_token], include_stop_str_in_output=True))
+    upto, = llm.generate(PROMPT, SamplingParams(max_tokens=full.token_ids.index(stop_token) + 1, temperature=0.0))
+    assert kept.stop_reason == stop_token and kept.text == upto.text
+
+
+def test_special_tokens_show_in_the_text_when_not_skipped(llm):
+    eos = min(llm.engine.loaded.model_config.eos_token_ids)
+    eos_text = llm.engine.tokenizer.decode([eos])
+    params = dict(max_tokens=3, temperature=0.0, logit_bias={eos: 100}, ignore_eos=True)
+    skipped, = llm.generate(PROMPT, SamplingParams(**params))
+    shown, = llm.generate(PROMPT, SamplingParams(**params, skip_special_tokens=False))
+    assert skipped.token_ids == shown.token_ids == [eos] * 3
+    assert skipped.text == "" and shown.text == eos_text * 3
+
+
 def test_presence_and_frequency_penalties_see_the_tokens_generated_so_far(llm):
     # Both penalties shift a row's logits per token, so the greedy choice they make can be checked
     # against the raw log-probabilities reported with each token.

@@ -115,7 +115,8 @@ def test_streamed_body_without_a_length_is_counted_and_refused_with_413():
 
 
 BAD_FIELDS = [
-    ("/v1/completions", "best_of", 2), ("/v1/completions", "echo", 3), ("/v1/completions", "suffix", "end"),
+    ("/v1/completions", "best_of", 2), ("/v1/completions", "spaces_between_special_tokens", False),
+    ("/v1/completions", "echo", 3), ("/v1/completions", "suffix", "end"),
     ("/v1/completions", "n", 0), ("/v1/completions", "n", 129), ("/v1/chat/completions", "n", 1.5),
     ("/v1/completions", "presence_penalty", 2.5),
     ("/v1/completions", "frequency_penalty", -3), ("/v1/completions", "repetition_penalty", 0),
@@ -164,7 +165,8 @@ def test_fields_clients_send_at_their_no_op_values_are_accepted():
     completion = {"model": MODEL, "prompt": ["hello"], "max_tokens": 3, "best_of": 1, "echo": False, "suffix": None,
                   "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                   "logit_bias": None, "logprobs": None, "user": "someone", "stop": None, "seed": None,
-                  "temperature": None, "top_p": None, "ignore_eos": True, "min_p": 0.0, "min_tokens": 0}
+                  "temperature": None, "top_p": None, "ignore_eos": True, "min_p": 0.0, "min_tokens": 0,
+                  "include_stop_str_in_output": False, "skip_special_tokens": True, "spaces_between_special_tokens": True}
     assert run(post(fake_app(), "/v1/completions", completion)).status_code == 200
     chat = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
             "max_completion_tokens": 3, "stop": None, "ignore_eos": True, "logprobs": False, "top_logprobs": None,
@@ -176,7 +178,8 @@ def test_fields_clients_send_at_their_no_op_values_are_accepted():
 
 def test_penalties_min_p_min_tokens_stop_token_ids_and_logit_bias_reach_the_engine():
     fields = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_p": 0.1,
-              "min_tokens": 2, "stop_token_ids": [2, 5], "logit_bias": {"42": -100, "7": 2.5}}
+              "min_tokens": 2, "stop_token_ids": [2, 5], "logit_bias": {"42": -100, "7": 2.5},
+              "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": True}
     for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 4}),
                        ("/v1/chat/completions", {**CHAT, "max_tokens": 4})):
         engine = FakeAsyncEngine()
@@ -185,6 +188,7 @@ def test_penalties_min_p_min_tokens_stop_token_ids_and_logit_bias_reach_the_engi
         assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.2)
         assert (params.min_p, params.min_tokens, params.stop_token_ids) == (0.1, 2, [2, 5])
         assert params.logit_bias == {42: -100.0, 7: 2.5}  # JSON's string keys are token ids
+        assert params.include_stop_str_in_output and not params.skip_special_tokens
     not_an_id = run(post(fake_app(), "/v1/completions", {"prompt": "x", "logit_bias": {"the": 5}}))
     assert "integer" in assert_openai_error(not_an_id, 400, param="logit_bias.the")["message"]
 
@@ -399,6 +403,35 @@ def test_tokenize_gives_the_ids_a_completion_or_a_chat_would_compute_and_the_con
     chat = run(post(app, "/tokenize", {"model": MODEL, **CHAT})).json()
     assert chat["tokens"] == list(b"user: Say hi.\nassistant: ") and chat["count"] == len(chat["tokens"])
     assert run(post(app, "/detokenize", {"tokens": prompt["tokens"]})).json() == {"prompt": "héllo"}
+
+
+def test_a_chat_is_rendered_as_its_rendering_fields_ask_and_tokenize_renders_it_the_same():
+    messages = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi, I am"}]
+    cases = [({}, b"user: Say hi.\nassistant: Hi, I am\nassistant: "),
+             ({"add_generation_prompt": False}, b"user: Say hi.\nassistant: Hi, I am\n"),
+             ({"add_generation_prompt": False, "continue_final_message": True}, b"user: Say hi.\nassistant: Hi, I am"),
+             ({"chat_template_kwargs": {"system": "Be brief.\n"}},
+              b"Be brief.\nuser: Say hi.\nassistant: Hi, I am\nassistant: ")]
+    for fields, rendered in cases:
+        engine = FakeAsyncEngine()
+        app = fake_app(engine)
+        assert run(post(app, "/v1/chat/completions", {"messages": messages, **fields})).status_code == 200
+        assert engine.received[0][0] == list(rendered), fields
+        assert run(post(app, "/tokenize", {"messages": messages, **fields})).json()["tokens"] == list(rendered)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"continue_final_message": True}, "continue_final_message"),  # the reply's prompt would close it
+    ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),  # the call's own parameter
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": ["system"]}, "chat_template_kwargs"),
+    ({"add_generation_prompt": "maybe"}, "add_generation_prompt"),
+])
+def test_rendering_fields_that_cannot_apply_are_refused_naming_the_field(fields, param):
+    for path in ("/v1/chat/completions", "/tokenize"):
+        engine = FakeAsyncEngine()
+        assert_openai_error(run(post(fake_app(engine), path, {**CHAT, **fields})), 400, param=param)
+        assert engine.received == []
 
 
 @pytest.mark.parametrize("path,body,param", [

@@ -14,7 +14,7 @@ from serving_fakes import client, fake_app
 SAMPLING_FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                    "n", "cache_salt", "ignore_eos", "user", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "logit_bias", "min_p", "min_tokens", "stop_token_ids",
-                   "prompt_logprobs"]
+                   "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens"]
 ROUTE_FIELDS = {
     "/v1/completions": SAMPLING_FIELDS + ["prompt", "logprobs", "best_of", "echo", "suffix"],
     "/v1/chat/completions": SAMPLING_FIELDS + ["messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -48,6 +48,7 @@ PLAUSIBLE = {
     "logit_bias": st.dictionaries(st.integers(-5, 300).map(str), st.floats(-150, 150), max_size=3),
     "stop_token_ids": token_ids, "logprobs": st.one_of(st.integers(-1, 25), st.booleans()),
     "top_logprobs": st.integers(-1, 25), "prompt_logprobs": st.integers(-1, 25), "echo": st.booleans(),
+    "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
     "best_of": st.integers(0, 3),
     "suffix": st.sampled_from(["", None, "end"]), "tools": st.sampled_from([None, []]),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),

@@ -29,6 +29,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import asdict
+from functools import partial
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
@@ -58,6 +59,9 @@ T = TypeVar("T")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MAX_CHOICES_PER_REQUEST = 2048  # prompts x n: each choice is an engine request of its own
+
+# The request fields on how a chat is rendered, whose names start the rendering's error messages
+_RENDERING_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 # The SamplingParams fields whose names start their error messages ("max_tokens must be ..."),
 # which are the request fields of the same name unless a route says otherwise.
@@ -108,7 +112,9 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
                                   frequency_penalty=_given(body.frequency_penalty, 0.0),
                                   repetition_penalty=_given(body.repetition_penalty, 1.0),
                                   logit_bias=_given(body.logit_bias, {}), logprobs=logprobs,
-                                  prompt_logprobs=prompt_logprobs, n=body.choices_per_prompt)
+                                  prompt_logprobs=prompt_logprobs, n=body.choices_per_prompt,
+                                  include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                                  skip_special_tokens=_given(body.skip_special_tokens, True))
         except ValueError as exc:
             raise _bad_request(exc, field_names) from None
 
@@ -116,7 +122,9 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         try:
             return await tokenizers.run(render, what)
         except ValueError as exc:
-            raise APIError(400, str(exc), param=param) from None
+            # a rendering field's refusal names it first ("continue_final_message: ...")
+            named = str(exc).split(":", 1)[0]
+            raise APIError(400, str(exc), param=named if named in _RENDERING_FIELDS else param) from None
 
     async def messages_or_prompt(body: TokenizeRequest | DocumentRequest, render_messages, render_prompt, what: str):
         """The body's `messages` or `prompt` (exactly one of them) rendered on a tokenizer thread."""
@@ -194,7 +202,8 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         settings = stream_settings(body, request_id, body.logprobs is not None)
         n = body.choices_per_prompt
         if body.echo:
-            settings.echoes = [text if text is not None else await tokenizers.run(decode_known_ids, token_ids)
+            settings.echoes = [text if text is not None
+                               else await tokenize(partial(decode_known_ids, field="prompt"), token_ids, "prompt")
                                for text, token_ids in prompts]
 
         async def whole(finals: list[RequestOutput]) -> CompletionResponse:
@@ -226,7 +235,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-        token_ids = await tokenize(render_chat, _message_dicts(body.messages), "messages")
+        token_ids = await tokenize(partial(render_chat, **body.rendering), _message_dicts(body.messages), "messages")
         max_tokens, max_tokens_field = body.max_tokens, "max_tokens"
         if body.max_completion_tokens is not None:
             max_tokens, max_tokens_field = body.max_completion_tokens, "max_completion_tokens"
@@ -257,7 +266,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize_prompt(body: TokenizeRequest) -> TokenizeResponse:
         check_model(body.model)
-        token_ids = await messages_or_prompt(body, render_chat, tokenize_text, "the prompt")
+        token_ids = await messages_or_prompt(body, partial(render_chat, **body.rendering), tokenize_text, "the prompt")
         return TokenizeResponse(count=len(token_ids), max_model_len=max_model_len, tokens=token_ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
@@ -307,12 +316,13 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
-def decode_known_ids(tokenizer, token_ids: list[int]) -> str:
-    """The text of `token_ids`; a ValueError names the first id the tokenizer does not know."""
+def decode_known_ids(tokenizer, token_ids: list[int], field: str = "tokens") -> str:
+    """The text of `token_ids`; a ValueError names the first id the tokenizer does not know (and the
+    request's `field` that holds them)."""
     vocab_size = len(tokenizer)
     unknown = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if unknown is not None:
-        raise ValueError(f"tokens: token id {unknown} is outside the vocabulary (0 to {vocab_size - 1})")
+        raise ValueError(f"{field}: token id {unknown} is outside the vocabulary (0 to {vocab_size - 1})")
     return tokenizer.decode(token_ids)
 
 

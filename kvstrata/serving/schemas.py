@@ -77,6 +77,9 @@ class SamplingRequest(_Request):
     # vLLM's: each prompt token's log-probability, rank and `prompt_logprobs` likeliest alternatives
     # (whole responses only, as vLLM)
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool | None = None  # vLLM's: the stop string stays at the answer's end
+    skip_special_tokens: bool | None = None  # vLLM's (default true): special tokens' text left out
+    spaces_between_special_tokens: _no_op_only(True) = None  # vLLM's; for slow tokenizers only
 
     @field_validator("stop")
     @classmethod
@@ -148,7 +151,24 @@ class ChatMessage(_Request):
         raise ValueError("expected a string or a list of text parts")
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatRendering(_Request):
+    """vLLM's fields for how the messages are rendered: `add_generation_prompt` (default true: the
+    prompt for the assistant's reply); `continue_final_message` (the last message left open for the
+    model to continue); `chat_template_kwargs` (more variables for the chat template)."""
+
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def rendering(self) -> dict:
+        """`render_chat`'s keyword arguments."""
+        return {"add_generation_prompt": self.add_generation_prompt is not False,
+                "continue_final_message": bool(self.continue_final_message),
+                "template_kwargs": self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(SamplingRequest, ChatRendering):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
@@ -185,15 +205,14 @@ class DocumentRequest(_Request):
     pin: bool = True
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(ChatRendering):
     """`POST /tokenize` (vLLM's): a prompt's token ids as a completion (`prompt`) or a chat
-    (`messages`, with the generation prompt) would compute them."""
+    (`messages`, rendered as a chat request with the same rendering fields) would compute them."""
 
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: _no_op_only(True) = None
-    add_generation_prompt: _no_op_only(True) = None
 
 
 class DetokenizeRequest(_Request):
