@@ -68,6 +68,35 @@ class _PromptRows:
         return len(self.rows)
 
 
+SLOW_DTYPE_FACTOR = 3.0  # a half-precision dtype this many times slower than float32 on a CPU is worth a warning
+
+
+def cpu_matmul_slowdown(dtype: torch.dtype, size: int = 256, rows: int = 64) -> float:
+    """How many times longer this CPU multiplies a `rows` x `size` by a `size` x `size` matrix in
+    `dtype` than in float32 (best of three each, on the engine's threads): a CPU without native
+    bfloat16 or float16 units emulates them, measured up to 60x slower."""
+    def best_s(dt: torch.dtype) -> float:
+        a, b = torch.randn(rows, size).to(dt), torch.randn(size, size).to(dt)
+        a @ b  # the first call pays for dispatch and allocation
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best_s(dtype) / max(best_s(torch.float32), 1e-9)
+
+
+def slow_dtype_warning(dtype_name: str, slowdown: float) -> str | None:
+    """The warning for a model dtype whose matrix products ran `slowdown` times slower than float32
+    on this CPU, or None when it is not worth one."""
+    if slowdown < SLOW_DTYPE_FACTOR:
+        return None
+    return (f"model.dtype {dtype_name} on this CPU: its matrix products ran {slowdown:.0f}x slower than float32 "
+            f"(no native {dtype_name}); model.dtype float32 (or auto) computes faster here")
+
+
 class LLMEngine:
     def __init__(self, config: Config, loaded: LoadedModel | None = None,
                  block_events: BlockEventListener | None = None):
@@ -91,6 +120,10 @@ class LLMEngine:
         self.hierarchy = self._build_tiers()
         if self.device_capacity_warning:
             logger.warning("kvstrata: %s", self.device_capacity_warning)
+        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
+            warning = slow_dtype_warning(self.dtype_name, cpu_matmul_slowdown(self.dtype))
+            if warning:
+                logger.warning("kvstrata: %s", warning)
         hasher = BlockHasher.for_model(mc.identity, self.dtype_name, cache.block_size, cache.hash,
                                        batch_invariant=config.model.batch_invariant, kv_dtype=self.kv_dtype_name)
         logprob_blocks = min(PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK * self.hierarchy.pool.num_blocks,

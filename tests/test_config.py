@@ -539,6 +539,14 @@ def test_pinned_cpu_tier_counts_what_the_allocator_rounds_it_up_to(two_gpus, mon
 # ---------------------------------------------------------------------------------- what auto means
 
 
+def test_a_half_precision_dtype_much_slower_than_float32_on_the_cpu_is_warned_about():
+    from kvstrata.engine.llm_engine import slow_dtype_warning
+
+    assert slow_dtype_warning("bfloat16", 1.4) is None  # a CPU that computes it natively, or nearly
+    warning = slow_dtype_warning("bfloat16", 61.2)
+    assert "61x slower than float32" in warning and "model.dtype float32" in warning and "\n" not in warning
+
+
 @pytest.mark.parametrize("amx, dtype", [(False, "float32"), (True, "bfloat16")])
 def test_auto_dtype_on_a_cpu_is_float32_unless_it_has_amx(monkeypatch, amx, dtype):
     monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: amx)
