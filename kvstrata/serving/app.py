@@ -122,9 +122,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         try:
             return await tokenizers.run(render, what)
         except ValueError as exc:
-            # a rendering field's refusal names it first ("continue_final_message: ...")
-            named = str(exc).split(":", 1)[0]
-            raise APIError(400, str(exc), param=named if named in _RENDERING_FIELDS else param) from None
+            raise _bad_request(exc, {}, default_param=param) from None
 
     async def messages_or_prompt(body: TokenizeRequest | DocumentRequest, render_messages, render_prompt, what: str):
         """The body's `messages` or `prompt` (exactly one of them) rendered on a tokenizer thread."""
@@ -339,17 +337,20 @@ def _given(value, default):
     return default if value is None else value
 
 
-def _bad_request(exc: ValueError, field_names: dict[str, str]) -> APIError:
-    """A ValueError of the engine's (SamplingParams, request validation) as a 400 naming the request
-    field it is about: its message starts with the field's name."""
+def _bad_request(exc: ValueError, field_names: dict[str, str], default_param: str | None = None) -> APIError:
+    """A ValueError of the engine's (SamplingParams, request validation, rendering a prompt) as a 400
+    naming the request field it is about: its message starts with the field's name (else
+    `default_param`, the field the failing work read)."""
     message = " ".join(str(exc).split())
-    first_word = message.split(" ", 1)[0]
-    param = None
-    if first_word in _SAMPLING_FIELDS:
-        param = field_names.get(first_word, first_word)
-        message = param + message[len(first_word):]  # the request's name for it, e.g. top_logprobs
-    elif message.startswith(("prompt", "messages")):
-        param = first_word.split("[", 1)[0]
+    name = message.split(" ", 1)[0].rstrip(":")
+    param = default_param
+    if name in _SAMPLING_FIELDS:
+        param = field_names.get(name, name)
+        message = param + message[len(name):]  # the request's name for it, e.g. top_logprobs
+    elif name in _RENDERING_FIELDS:
+        param = name
+    elif name.startswith(("prompt", "messages")):
+        param = name.split("[", 1)[0]
     return APIError(400, message, param=param)
 
 

@@ -131,8 +131,13 @@ def _decode_each(tokenizer, token_ids: Iterable[int]) -> dict[int, str]:
 async def token_texts(tokenizers: TokenizerPool, entries: Sequence[TokenLogprobs], *more_ids: int) -> dict[int, str]:
     """The text of every token named in `entries` (sampled and alternatives) and of `more_ids`, each
     decoded alone."""
-    token_ids = {e.token_id for e in entries} | {t for e in entries for t, _ in e.top} | set(more_ids)
+    token_ids = _named_ids(entries) | set(more_ids)
     return await tokenizers.run(_decode_each, sorted(token_ids)) if token_ids else {}
+
+
+def _named_ids(entries: Sequence[TokenLogprobs]) -> set[int]:
+    """Every token id `entries` name: their tokens and their alternatives."""
+    return {e.token_id for e in entries} | {t for e in entries for t, _ in e.top}
 
 
 def _logprob(value: float) -> float:
@@ -189,7 +194,7 @@ async def prompt_logprobs_by_token(tokenizers: TokenizerPool, output: RequestOut
 
 
 def _prompt_logprobs_by_token(tokenizer, entries: Sequence[TokenLogprobs]) -> PromptLogprobs:
-    texts = _decode_each(tokenizer, {e.token_id for e in entries} | {t for e in entries for t, _ in e.top})
+    texts = _decode_each(tokenizer, _named_ids(entries))
     by_position: PromptLogprobs = [None]
     for entry in entries:
         tokens = {str(entry.token_id): PromptLogprob(logprob=_logprob(entry.logprob), rank=entry.rank,
