@@ -935,10 +935,29 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 
 def _cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles (and the OS lets torch use them), as torch's CPU check says."""
+    """Whether this CPU has AMX tiles (and the OS lets torch use them), as torch's CPU check says.
+
+    Where /proc/cpuinfo lists no `amx_tile` flag the answer is no without importing torch, so that
+    checking a config with tiers sized in blocks stays cheap on the CPUs most machines have."""
+    flags = _cpuinfo_flags()
+    if flags is not None and "amx_tile" not in flags:
+        return False
     import torch
     is_supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(is_supported and is_supported())
+
+
+def _cpuinfo_flags() -> set[str] | None:
+    """The first CPU's feature flags from /proc/cpuinfo; None where it does not say (not Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                name, _, value = line.partition(":")
+                if name.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return None
 
 
 def default_threads() -> int:

@@ -566,7 +566,7 @@ def test_explicit_dtype_is_kept_whatever_the_machine(monkeypatch):
     assert load_config({"model": {"device": "cpu", "dtype": "bf16"}}).resolved_dtype() == "bfloat16"
 
 
-def test_this_machines_cpu_check_asks_torch():
+def test_this_machines_cpu_check_agrees_with_torch():
     import torch
 
     assert config_module._cpu_has_amx() == torch.cpu._is_amx_tile_supported()
