@@ -41,7 +41,7 @@ from kvstrata.serving.errors import APIError, install_error_handlers, service_un
 from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving.middleware import APIKeyCheck, BodySizeLimit, DrainState, RequestGate
 from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events, chat_logprobs, choice_receipt,
-                                        completion_events, last_outputs, output_completion_logprobs,
+                                        completion_events, json_response, last_outputs, output_completion_logprobs,
                                         prompt_logprobs_by_token, response_receipt, token_texts, usage)
 from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                       ChatLogprobs, ChatMessage,
@@ -165,7 +165,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         finals = await _unless_disconnected(request, last_outputs(streams))
         if finals is None:
             return Response(status_code=499)  # nobody is listening: the requests were aborted
-        return await whole(finals)
+        return await json_response(tokenizers, await whole(finals))
 
     async def chat_choice_logprobs(final: RequestOutput) -> ChatLogprobs | None:
         """The output's logprobs in the chat shape, or None when the request asked for none."""

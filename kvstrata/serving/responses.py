@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, AsyncIterator, Iterable, Sequence, TypeVar
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
-from kvstrata.serving.schemas import (ChatCompletionChunk, ChatLogprobs, ChatStreamChoice, CompletionChoice,
-                                      CompletionLogprobs, CompletionResponse, DeltaMessage, ErrorInfo,
+from kvstrata.serving.schemas import (ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs, ChatStreamChoice,
+                                      CompletionChoice, CompletionLogprobs, CompletionResponse, DeltaMessage, ErrorInfo,
                                       KvstrataInfo, PromptLogprob, PromptLogprobs, PromptTokensDetails, TokenLogprob,
                                       TopLogprob, Usage)
 from kvstrata.serving.tokenizer_pool import TokenizerPool
@@ -232,6 +232,19 @@ class StreamSettings:
     tokenizers: TokenizerPool
     choices_per_prompt: int = 1  # the request's n: choice k*n + i is prompt k's i-th
     echoes: list[str] | None = None  # each prompt's text, which its choices' first chunk repeats (echo)
+
+
+async def json_response(tokenizers: TokenizerPool, answer: CompletionResponse | ChatCompletionResponse) -> Response:
+    """A whole (not streamed) answer as JSON, written by pydantic's compiled serializer on a pool thread.
+    FastAPI's default for a returned model (`jsonable_encoder`, in Python, on the event loop) took 0.85 s
+    for an answer with the prompt log-probabilities of 3.5k tokens (20 alternatives each), stalling every
+    other client meanwhile; this takes 0.09 s, off the loop."""
+    body = await tokenizers.run(_json_bytes, answer)
+    return Response(body, media_type="application/json")
+
+
+def _json_bytes(_tokenizer, answer: CompletionResponse | ChatCompletionResponse) -> bytes:
+    return answer.__pydantic_serializer__.to_json(answer)
 
 
 class SSEResponse(StreamingResponse):
