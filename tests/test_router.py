@@ -19,6 +19,7 @@ import uvicorn
 from kvstrata.engine.async_engine import AsyncEngine
 from kvstrata.engine.config import ReplicaConfig, load_config
 from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.prompts import render_document
 from kvstrata.serving.app import build_app
 from kvstrata.serving.events import KVEventPublisher
 from kvstrata.serving.metrics import ServingMetrics
@@ -247,6 +248,19 @@ def test_the_router_hashes_a_prompt_as_the_replicas_do(cluster):
     token_ids = prompt_token_ids(router.tokenizer, "/v1/chat/completions", {"messages": messages})
     assert token_ids == engine.apply_chat_template(messages)
     assert router.hasher.hash(token_ids, cache_salt="t") == engine.kv_manager.hasher.hash(token_ids, cache_salt="t")
+    # Read as the replica reads the request: text parts, an open last message, template variables.
+    text = document("if")[:300]
+    parts = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "text", "text": " Why?"}]}]
+    whole = [{"role": "user", "content": text + " Why?"}]
+    assert prompt_token_ids(router.tokenizer, "/v1/chat/completions", {"messages": parts}) == \
+        engine.apply_chat_template(whole)
+    rendering = {"add_generation_prompt": False, "continue_final_message": True}
+    assert prompt_token_ids(router.tokenizer, "/v1/chat/completions", {"messages": whole, **rendering}) == \
+        engine.apply_chat_template(whole, **rendering)
+    assert prompt_token_ids(router.tokenizer, "/v1/cache/documents", {"messages": parts}) == \
+        render_document(engine.tokenizer, messages=whole).token_ids
+    # What the replica will refuse is placed without reading it.
+    assert prompt_token_ids(router.tokenizer, "/v1/chat/completions", {"messages": whole, "top_p": "all"}) is None
 
 
 @pytest.mark.slow

@@ -44,11 +44,10 @@ from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events
                                         completion_events, json_response, last_outputs, output_completion_logprobs,
                                         prompt_logprobs_by_token, response_receipt, token_texts, usage)
 from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                      ChatLogprobs, ChatMessage,
-                                      CompletionChoice, CompletionRequest, CompletionResponse, DocumentDeleted,
+                                      ChatLogprobs, CompletionChoice, CompletionRequest, CompletionResponse, DocumentDeleted,
                                       DetokenizeRequest, DetokenizeResponse, DocumentList, DocumentObject,
                                       DocumentRequest, ModelCard, ModelList, PrefixCacheReset, SamplingRequest,
-                                      TokenizeRequest, TokenizeResponse)
+                                      TokenizeRequest, TokenizeResponse, message_dicts)
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 if TYPE_CHECKING:
@@ -129,7 +128,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         if (body.messages is None) == (body.prompt is None):
             raise APIError(400, f"give {what} as `messages` or as `prompt` (one of them)", param="messages")
         if body.messages is not None:
-            return await tokenize(render_messages, _message_dicts(body.messages), "messages")
+            return await tokenize(render_messages, message_dicts(body.messages), "messages")
         return await tokenize(render_prompt, body.prompt, "prompt")
 
     def start(prompts: list[tuple[str | None, list[int]]], params: SamplingParams, request_id: str,
@@ -233,7 +232,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
-        token_ids = await tokenize(partial(render_chat, **body.rendering), _message_dicts(body.messages), "messages")
+        token_ids = await tokenize(partial(render_chat, **body.rendering), message_dicts(body.messages), "messages")
         max_tokens, max_tokens_field = body.max_tokens, "max_tokens"
         if body.max_completion_tokens is not None:
             max_tokens, max_tokens_field = body.max_completion_tokens, "max_completion_tokens"
@@ -308,10 +307,6 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         return PrefixCacheReset()
 
     return app
-
-
-def _message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 def decode_known_ids(tokenizer, token_ids: list[int], field: str = "tokens") -> str:

@@ -55,6 +55,7 @@ from kvstrata.engine.config import Config, ReplicaConfig
 from kvstrata.engine.hashing import BlockHasher
 from kvstrata.engine.prompts import render_chat, render_document, tokenize_text
 from kvstrata.serving.events import BlockIndex, KVEventSubscriber, ReceivedBatch
+from kvstrata.serving.schemas import ChatCompletionRequest, DocumentRequest, message_dicts
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger("kvstrata")
@@ -201,10 +202,15 @@ def prompt_token_ids(tokenizer, path: str, payload: Any) -> list[int] | None:
     router can read (the replica will say what is wrong with it). A batch of prompts goes where its
     first would: a batch is mostly one document's questions or answers (an evaluation harness's)."""
     try:
+        # Chats and documents are read with the replicas' own request schemas, so that their content
+        # parts and rendering fields give the tokens the replica will compute.
         if path == "/v1/chat/completions":
-            return render_chat(tokenizer, payload["messages"])
+            chat = ChatCompletionRequest.model_validate(payload)
+            return render_chat(tokenizer, message_dicts(chat.messages), **chat.rendering)
         if path == DOCUMENTS_PATH:
-            return render_document(tokenizer, messages=payload.get("messages"), prompt=payload.get("prompt")).token_ids
+            document = DocumentRequest.model_validate(payload)
+            messages = None if document.messages is None else message_dicts(document.messages)
+            return render_document(tokenizer, messages=messages, prompt=document.prompt).token_ids
         prompt = payload["prompt"]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]

@@ -151,6 +151,11 @@ class ChatMessage(_Request):
         raise ValueError("expected a string or a list of text parts")
 
 
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Validated messages as the chat template takes them (each content one string)."""
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
 class ChatRendering(_Request):
     """vLLM's fields for how the messages are rendered: `add_generation_prompt` (default true: the
     prompt for the assistant's reply); `continue_final_message` (the last message left open for the
