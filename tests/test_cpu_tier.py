@@ -59,17 +59,18 @@ def test_full_tier_evicts_least_recently_used_and_get_refreshes_recency():
 def test_eviction_hands_the_old_payload_to_on_evict_before_its_slot_is_reused():
     evicted = []
 
-    def on_evict(block_hash, token_ids, payload):
-        evicted.append((block_hash, token_ids, payload.clone()))
+    def on_evict(block_hash, token_ids, payload, parent):
+        evicted.append((block_hash, token_ids, payload.clone(), parent))
 
     tier = CpuTier(BF16, capacity_blocks=2, on_evict=on_evict)
     blocks = put_blocks(tier, [1, 2])
     put_blocks(tier, [3])
     assert len(evicted) == 1
-    block_hash, token_ids, payload = evicted[0]
+    block_hash, token_ids, payload, parent = evicted[0]
     assert block_hash == key(1)
     assert list(token_ids) == tokens(1)
     assert torch.equal(payload, blocks[1])
+    assert parent is None  # put without one: the write-down below names none either
 
 
 def test_token_mismatch_is_a_miss_counted_as_corrupt_and_drops_the_entry():
@@ -128,10 +129,10 @@ def test_blocks_lists_every_held_block_oldest_first():
     blocks = put_blocks(tier, [1, 2, 3])
     get_one(tier, 1)
     listed = tier.blocks()
-    assert [h for h, _, _ in listed] == [key(2), key(3), key(1)]
-    for h, toks, payload in listed:
+    assert [h for h, _, _, _ in listed] == [key(2), key(3), key(1)]
+    for h, toks, payload, parent in listed:
         i = int.from_bytes(h, "big")
-        assert list(toks) == tokens(i) and torch.equal(payload, blocks[i])
+        assert list(toks) == tokens(i) and torch.equal(payload, blocks[i]) and parent is None
 
 
 def test_discard_and_clear_free_slots():

@@ -33,8 +33,11 @@ def events_config(**extra):
                                    "replay_endpoint": f"tcp://127.0.0.1:{replay}", **extra}}).events
 
 
-def put(tier, ids):
-    tier.put([key(i) for i in ids], [tokens(i) for i in ids], [payload(BF16, i) for i in ids])
+def put(tier, ids, parents=True):
+    """Blocks 1, 2, 3, ... of one chain (each the parent of the next), or with `parents=False` blocks
+    whose parents the tier is not told."""
+    chain = [key(i - 1) if i > 1 else None for i in ids] if parents else None
+    tier.put([key(i) for i in ids], [tokens(i) for i in ids], [payload(BF16, i) for i in ids], chain)
 
 
 # -- what the lower tiers report ----------------------------------------------------------------
@@ -48,8 +51,23 @@ def test_cpu_tier_reports_puts_evictions_drops_and_clear_in_order():
     tier.discard(key(2))
     tier.clear()
     assert seen == [BlockStored([key(1), key(2)], None, tokens(1) + tokens(2), BF16.block_size, "cpu"),
-                    BlockRemoved([key(1)], "cpu"), BlockStored([key(3)], None, tokens(3), BF16.block_size, "cpu"),
+                    BlockRemoved([key(1)], "cpu"), BlockStored([key(3)], key(2), tokens(3), BF16.block_size, "cpu"),
                     BlockRemoved([key(2)], "cpu"), AllBlocksCleared("cpu")]
+
+
+def test_a_stored_event_holds_one_run_of_a_chain_and_blocks_of_unknown_parent_alone():
+    """As vLLM's: a BlockStored's blocks are each the parent of the next, so a consumer that rebuilds
+    chains from events (a radix-tree router) never links blocks that are not linked."""
+    seen = []
+    tier = CpuTier(BF16, capacity_blocks=8)
+    tier.event_listener = seen.append
+    put(tier, [5, 7], parents=False)
+    tier.put([key(1), key(2), key(4)], [tokens(1), tokens(2), tokens(4)], [payload(BF16, i) for i in (1, 2, 4)],
+             [None, key(1), key(3)])  # 4's parent is not 2: a second run
+    assert seen == [BlockStored([key(5)], None, tokens(5), BF16.block_size, "cpu"),
+                    BlockStored([key(7)], None, tokens(7), BF16.block_size, "cpu"),
+                    BlockStored([key(1), key(2)], None, tokens(1) + tokens(2), BF16.block_size, "cpu"),
+                    BlockStored([key(4)], key(3), tokens(4), BF16.block_size, "cpu")]
 
 
 def test_disk_tier_reports_what_it_committed_and_what_its_lru_evicted(tmp_path):
@@ -64,7 +82,7 @@ def test_disk_tier_reports_what_it_committed_and_what_its_lru_evicted(tmp_path):
     tier.clear()
     tier.close()
     assert seen == [BlockStored([key(1), key(2)], None, tokens(1) + tokens(2), BF16.block_size, "disk"),
-                    BlockRemoved([key(1)], "disk"), BlockStored([key(3)], None, tokens(3), BF16.block_size, "disk"),
+                    BlockRemoved([key(1)], "disk"), BlockStored([key(3)], key(2), tokens(3), BF16.block_size, "disk"),
                     AllBlocksCleared("disk")]
 
 
@@ -256,6 +274,12 @@ def test_a_subscriber_sees_device_cpu_and_disk_blocks_come_and_go(tmp_path, embe
     removed_from_cpu = dict((h, k) for k, h in where(BlockRemoved, "cpu"))
     assert set(removed_from_cpu) == set(cascaded)
     assert events[-1] == AllBlocksCleared("device")
+    # Every BlockStored, in every medium, is a run of one chain and names the parent of its first block.
+    parent_of = {h: (chain[k - 1] if k else None) for chain in (hashes_a, hashes_b) for k, h in enumerate(chain)}
+    for event in events:
+        if isinstance(event, BlockStored):
+            assert event.parent_block_hash == parent_of[event.block_hashes[0]], event
+            assert all(parent_of[b] == a for a, b in zip(event.block_hashes, event.block_hashes[1:])), event
     index = BlockIndex()
     for event in events:
         index.apply(event)

@@ -66,9 +66,11 @@ def test_writes_deletes_and_clears_are_reported_as_block_events_with_the_remote_
     events = []
     tier = tier_on(server.url)
     tier.event_listener = events.append
-    written(tier, range(3))
-    assert [type(e) for e in events] == [BlockStored]  # one batch, one event, once the server took it
-    assert events[0].medium == "remote" and events[0].block_hashes == [key(i) for i in range(3)]
+    chain = [key(i) for i in range(3)]
+    tier.put(chain, [tokens(i) for i in range(3)], [payload(BF16, i) for i in range(3)], [None, *chain[:2]])
+    tier.flush()
+    assert [type(e) for e in events] == [BlockStored]  # one run of a chain, one event, once the server took it
+    assert events[0].medium == "remote" and events[0].block_hashes == chain and events[0].parent_block_hash is None
     assert events[0].token_ids == [t for i in range(3) for t in tokens(i)]
     assert tier.discard(key(1)) and not tier.discard(key(1))  # a key already gone is no event
     tier.clear()

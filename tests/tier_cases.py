@@ -82,8 +82,8 @@ class GatedTier(LowerTier):
     def release(self, block_hashes):
         self.inner.release(block_hashes)
 
-    def put(self, block_hashes, token_ids, srcs):
-        self.inner.put(block_hashes, token_ids, srcs)
+    def put(self, block_hashes, token_ids, srcs, parents=None):
+        self.inner.put(block_hashes, token_ids, srcs, parents)
 
     def pin(self, owner, block_hashes, info=None):
         self.inner.pin(owner, block_hashes, info)

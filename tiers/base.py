@@ -169,10 +169,11 @@ class LowerTier(abc.ABC):
 
     @abc.abstractmethod
     def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
-            srcs: Sequence[torch.Tensor]) -> None:
+            srcs: Sequence[torch.Tensor], parents: Sequence[bytes | None] | None = None) -> None:
         """Store blocks (flat uint8 payloads). The payloads are copied before this returns, so the
         caller may overwrite `srcs` right after. A hash already held is only touched. Makes room
-        by LRU eviction; never fails because the tier is full."""
+        by LRU eviction; never fails because the tier is full. `parents`: each block's parent hash
+        where the caller knows it (None: unknown), for the BlockStored events only."""
 
     @abc.abstractmethod
     def discard(self, block_hash: bytes) -> bool:
@@ -186,8 +187,9 @@ class LowerTier(abc.ABC):
     def stats(self) -> TierStats:
         ...
 
-    def blocks(self) -> Iterator[tuple[bytes, tuple[int, ...], torch.Tensor]]:
-        """Every block held, as (hash, token ids, flat uint8 payload), for writing a tier down whole.
+    def blocks(self) -> Iterator[tuple[bytes, tuple[int, ...], torch.Tensor, bytes | None]]:
+        """Every block held, as (hash, token ids, flat uint8 payload, parent hash or None), for writing a
+        tier down whole.
 
         A payload may be a view valid only until the next call into the tier: copy it before then.
         """

@@ -18,10 +18,10 @@ from typing import Callable, Sequence, Union
 
 @dataclass(slots=True)
 class BlockStored:
-    """Blocks now held in `medium`. `token_ids` are the blocks' tokens, concatenated in order
-    (`block_size` per block). `parent_block_hash` is the hash of the block before the first one
-    where the producer knows the chain (the device tier), else None: a lower tier stores blocks,
-    not chains."""
+    """Blocks now held in `medium`, as vLLM reports them: a run of one chain, each block the parent
+    of the next. `token_ids` are the blocks' tokens, concatenated in order (`block_size` per block).
+    `parent_block_hash` is the hash of the block before the first one; None for a chain's first
+    block, and for a block whose parent the tier was not told (it is then reported alone)."""
 
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
@@ -51,7 +51,8 @@ BlockEventListener = Callable[[BlockEvent], None]
 
 class TierEvents:
     """The events of one batched tier operation, in the order they happened, neighbours of one kind
-    merged into one event (a put of 64 blocks is one BlockStored, unless an eviction came between).
+    merged into one event: removals always, stored blocks when each is the child of the one before
+    (a put of a 64-block run of one chain is one BlockStored, unless an eviction came between).
     Build one only when a listener is set; `emit` hands the events over."""
 
     __slots__ = ("medium", "block_size", "events")
@@ -61,13 +62,13 @@ class TierEvents:
         self.block_size = block_size
         self.events: list[BlockEvent] = []
 
-    def stored(self, block_hash: bytes, token_ids: Sequence[int]) -> None:
+    def stored(self, block_hash: bytes, token_ids: Sequence[int], parent: bytes | None) -> None:
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockStored):
+        if isinstance(last, BlockStored) and parent is not None and parent == last.block_hashes[-1]:
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
         else:
-            self.events.append(BlockStored([block_hash], None, list(token_ids), self.block_size, self.medium))
+            self.events.append(BlockStored([block_hash], parent, list(token_ids), self.block_size, self.medium))
 
     def removed(self, block_hash: bytes) -> None:
         last = self.events[-1] if self.events else None

@@ -19,10 +19,10 @@ import torch
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, token_tuple
 from kvstrata.tiers.block_events import TierEvents
 
-# on_evict(block_hash, token_ids, payload_view): the view aliases the slot about to be reused, so
-# the callback must copy what it keeps before returning. It runs under the tier's lock and must not
-# call back into this tier.
-EvictCallback = Callable[[bytes, tuple, torch.Tensor], None]
+# on_evict(block_hash, token_ids, payload_view, parent_hash): the view aliases the slot about to be
+# reused, so the callback must copy what it keeps before returning. It runs under the tier's lock and
+# must not call back into this tier. The parent hash is the one the block was put with (or None).
+EvictCallback = Callable[[bytes, tuple, torch.Tensor, Optional[bytes]], None]
 
 
 class CpuTier(LowerTier):
@@ -30,7 +30,8 @@ class CpuTier(LowerTier):
 
     Invariants (all under `_lock`): every slot is either in `_free_slots`, the value of exactly one
     entry of `_slot_of`, or dropped while a `get` copies out of it (`_dropped_while_read`);
-    `_token_ids[slot]` is the token tuple of the block in that slot; a held or pinned block is never
+    `_token_ids[slot]` is the token tuple of the block in that slot (`_parents[slot]` its parent's
+    hash, where the put gave it: for events and write-downs); a held or pinned block is never
     evicted by LRU (a put that finds every slot held or pinned stores nothing, counted in
     `stats().extra['rejected_puts']`); a slot in `_readers` is neither evicted nor reused;
     `_pin_count[h]` is the number of owners in `_pins` whose pin names `h`. Pins live in memory
@@ -60,6 +61,7 @@ class CpuTier(LowerTier):
         self._slab_np = self._slab.numpy()
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()
         self._token_ids: list[Optional[tuple[int, ...]]] = [None] * capacity_blocks
+        self._parents: list[Optional[bytes]] = [None] * capacity_blocks
         self._free_slots: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() gives slot 0 first
         self._lock = threading.Lock()
         # hash -> how many promotions in flight will read it: never evicted while held (see `hold`).
@@ -176,12 +178,13 @@ class CpuTier(LowerTier):
     # -- writes ------------------------------------------------------------------------------
 
     def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
-            srcs: Sequence[torch.Tensor]) -> None:
+            srcs: Sequence[torch.Tensor], parents: Sequence[bytes | None] | None = None) -> None:
         assert len(block_hashes) == len(token_ids) == len(srcs)
+        parents = parents if parents is not None else [None] * len(block_hashes)
         events = self._events()
         # Events are handed over under the lock, so that they reach the listener in the order of the changes.
         with self._lock:
-            for h, ids, src in zip(block_hashes, token_ids, srcs):
+            for h, ids, src, parent in zip(block_hashes, token_ids, srcs, parents):
                 if h in self._slot_of:
                     self._slot_of.move_to_end(h)
                     continue
@@ -193,10 +196,11 @@ class CpuTier(LowerTier):
                     continue
                 np.copyto(self._slab_np[slot], src.numpy())
                 self._token_ids[slot] = token_tuple(ids)
+                self._parents[slot] = parent
                 self._slot_of[h] = slot
                 self._stats.puts += 1
                 if events is not None:
-                    events.stored(h, self._token_ids[slot])
+                    events.stored(h, self._token_ids[slot], parent)
             if events is not None:
                 events.emit(self.event_listener)
 
@@ -216,8 +220,9 @@ class CpuTier(LowerTier):
             return None
         slot = self._slot_of.pop(h)
         if self.on_evict is not None:
-            self.on_evict(h, self._token_ids[slot], self._slab[slot])
+            self.on_evict(h, self._token_ids[slot], self._slab[slot], self._parents[slot])
         self._token_ids[slot] = None
+        self._parents[slot] = None
         self._stats.evictions += 1
         if events is not None:
             events.removed(h)
@@ -226,6 +231,7 @@ class CpuTier(LowerTier):
     def _drop(self, block_hash: bytes, events: TierEvents | None) -> None:
         slot = self._slot_of.pop(block_hash)
         self._token_ids[slot] = None
+        self._parents[slot] = None
         if slot in self._readers:
             self._dropped_while_read.add(slot)
         else:
@@ -255,14 +261,16 @@ class CpuTier(LowerTier):
                 events.cleared()
                 events.emit(self.event_listener)
 
-    def blocks(self) -> list[tuple[bytes, tuple[int, ...], torch.Tensor]]:
-        """A snapshot of every held block as (hash, token ids, payload view), least recently used first.
+    def blocks(self) -> list[tuple[bytes, tuple[int, ...], torch.Tensor, bytes | None]]:
+        """A snapshot of every held block as (hash, token ids, payload view, parent hash or None), least
+        recently used first.
 
         The views alias the slots: read them before the next put can reuse a slot (the hierarchy
         uses this on close, to write everything still held here down to disk).
         """
         with self._lock:
-            return [(h, self._token_ids[slot], self._slab[slot]) for h, slot in self._slot_of.items()]
+            return [(h, self._token_ids[slot], self._slab[slot], self._parents[slot])
+                    for h, slot in self._slot_of.items()]
 
     def stats(self) -> TierStats:
         with self._lock:

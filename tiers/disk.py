@@ -118,6 +118,7 @@ class _Op:
     owner: str = ""                 # "pin", "unpin": whose pin
     pin: Optional[Pin] = None
     token_ids: Sequence[int] = ()       # "put": the block's tokens, for its BlockStored event
+    parent: Optional[bytes] = None      # "put": its parent's hash, for the same event (None: unknown)
     damaged: Optional[LmdbStore] = None  # "replace": the store a reader found damaged, and why
     reason: str = ""
 
@@ -305,16 +306,17 @@ class DiskTier(LowerTier):
     # -- writes ------------------------------------------------------------------------------
 
     def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
-            srcs: Sequence[torch.Tensor]) -> None:
+            srcs: Sequence[torch.Tensor], parents: Sequence[bytes | None] | None = None) -> None:
         self._check_open()
         assert len(block_hashes) == len(token_ids) == len(srcs)
+        parents = parents if parents is not None else [None] * len(block_hashes)
         held = self._held(block_hashes)
         ops = []
-        for h, ids, src, is_held in zip(block_hashes, token_ids, srcs, held):
+        for h, ids, src, parent, is_held in zip(block_hashes, token_ids, srcs, parents, held):
             if is_held:
                 ops.append(_Op("touch", h))
             else:
-                ops.append(_Op("put", h, self.codec.encode(ids, src), token_ids=ids))
+                ops.append(_Op("put", h, self.codec.encode(ids, src), token_ids=ids, parent=parent))
         self._enqueue(ops)
 
     def _held(self, block_hashes: Sequence[bytes]) -> list[bool]:
@@ -494,7 +496,7 @@ class DiskTier(LowerTier):
                                 events.removed(h)
                             evicted.clear()
                             if stored:
-                                events.stored(op.block_hash, op.token_ids)
+                                events.stored(op.block_hash, op.token_ids, op.parent)
                     elif op.kind == "touch":
                         store.touch(txn, meta, op.block_hash)
                     elif op.kind == "delete":

@@ -134,8 +134,10 @@ class TierHierarchy:
         self.counters = HierarchyCounters()
         # Counters the transfer workers update too (the CPU tier's cascade to disk runs on them).
         self._counters_lock = threading.Lock()
-        # Token ids of every block cached on the device (lower tiers verify them on read).
+        # Token ids of every block cached on the device (lower tiers verify them on read), and the hash
+        # of the block before it in its chain (None: the chain's first): block events name parents.
         self._block_tokens: dict[int, tuple[int, ...]] = {}
+        self._block_parents: dict[int, bytes | None] = {}
         # write_through: blocks cached on the device whose content is not yet below (block_id -> hash).
         self._pending: dict[int, bytes] = {}
         # device block id -> the store job last copying it down; waited for before the slot is reused.
@@ -270,6 +272,7 @@ class TierHierarchy:
         positions = load.below[start:start + len(dests)]
         hashes = [load.block_hashes[k] for k in positions]
         tokens = [load.block_tokens[k] for k in positions]
+        parents = [load.block_hashes[k - 1] if k else load.parent for k in positions]
         served_from: list[str | None] = [None] * len(positions)
         for tier in self.lower_tiers:
             missing = [m for m, s in enumerate(served_from) if s is None]
@@ -285,7 +288,7 @@ class TierHierarchy:
         from_below_cpu = [m for m, s in enumerate(served_from) if s in ("disk", "remote")]
         if from_below_cpu and self.cpu is not None:
             self.cpu.put([hashes[m] for m in from_below_cpu], [tokens[m] for m in from_below_cpu],
-                         [dests[m] for m in from_below_cpu])
+                         [dests[m] for m in from_below_cpu], [parents[m] for m in from_below_cpu])
         load.served_from[start:start + len(dests)] = served_from
         return [s is not None for s in served_from]
 
@@ -330,6 +333,7 @@ class TierHierarchy:
             if block.block_id not in newly_ids:
                 continue  # the same content is already cached in another block
             self._block_tokens[block.block_id] = tuple(block_tokens[k - num_cached_blocks])
+            self._block_parents[block.block_id] = block_hashes[k - 1] if k else None
             if self.offload == "write_through" and self.lower_tiers:
                 self._pending[block.block_id] = block.block_hash
             if self.event_listener is not None:
@@ -347,6 +351,7 @@ class TierHierarchy:
         for block, h, toks, parent in zip(blocks, hashes, tokens, parents):
             if block.block_id in newly:
                 self._block_tokens[block.block_id] = tuple(toks)
+                self._block_parents[block.block_id] = parent
                 if self.event_listener is not None:
                     stored.append((h, parent, toks))
         if stored:
@@ -386,7 +391,8 @@ class TierHierarchy:
         if not targets:
             return
         tokens = [self._block_tokens[b] for b in block_ids]
-        job = self.transfers.store(block_ids, functools.partial(_put_run, targets, hashes, tokens))
+        parents = [self._block_parents.get(b) for b in block_ids]
+        job = self.transfers.store(block_ids, functools.partial(_put_run, targets, hashes, tokens, parents))
         for b in block_ids:
             self._stores_in_flight[b] = job
         with self._counters_lock:
@@ -394,9 +400,9 @@ class TierHierarchy:
                 self.counters.write_downs[target.name] += len(block_ids)
 
     def _put_down(self, tier: LowerTier, hashes: list[bytes], tokens: list[Sequence[int]],
-                  payloads: list[torch.Tensor]) -> None:
+                  payloads: list[torch.Tensor], parents: list[bytes | None]) -> None:
         """Put host payloads into a lower tier (it copies them before returning), counted as write-downs."""
-        tier.put(hashes, tokens, payloads)
+        tier.put(hashes, tokens, payloads, parents)
         with self._counters_lock:
             self.counters.write_downs[tier.name] += len(hashes)
 
@@ -416,13 +422,15 @@ class TierHierarchy:
         if job is not None:
             job.wait_copied()  # the step needs this slot now: the one wait on a transfer it makes
         self._block_tokens.pop(block_id, None)
+        self._block_parents.pop(block_id, None)
 
-    def _on_cpu_evict(self, block_hash: bytes, token_ids: Sequence[int], payload: torch.Tensor) -> None:
+    def _on_cpu_evict(self, block_hash: bytes, token_ids: Sequence[int], payload: torch.Tensor,
+                      parent: bytes | None) -> None:
         """CPU-tier LRU eviction cascades to disk (the disk tier copies the payload before returning).
         Runs on whichever thread put into the CPU tier (a transfer worker, mostly)."""
         assert self.disk is not None
         if not self.disk.contains(block_hash):
-            self._put_down(self.disk, [block_hash], [token_ids], [payload])
+            self._put_down(self.disk, [block_hash], [token_ids], [payload], [parent])
 
     def persist(self, max_blocks: int | None = None, wait: bool = True) -> int:
         """Write cached blocks that the disk tier lacks down to it, device first, then CPU.
@@ -439,13 +447,13 @@ class TierHierarchy:
         written = 0
         # batches of a bounded size: the disk tier encodes a whole batch before queueing it
         while batch := list(itertools.islice(missing, PERSIST_BATCH_BLOCKS)):
-            on_device = [(h, src) for h, _, src in batch if isinstance(src, int)]
+            on_device = [(h, src) for h, _, src, _ in batch if isinstance(src, int)]
             if on_device:  # one store job: a batched copy off the device, on the transfer worker
                 self._write_down([b for _, b in on_device], [h for h, _ in on_device], targets=[self.disk])
             in_host = [item for item in batch if not isinstance(item[2], int)]
             if in_host:
-                hashes, tokens, payloads = map(list, zip(*in_host))
-                self._put_down(self.disk, hashes, tokens, payloads)
+                hashes, tokens, payloads, parents = map(list, zip(*in_host))
+                self._put_down(self.disk, hashes, tokens, payloads, parents)
             written += len(batch)
         if not written:
             self._unpersisted = False  # everything cached is on disk now
@@ -454,19 +462,19 @@ class TierHierarchy:
             self.disk.flush()
         return written
 
-    def _blocks_missing_on_disk(self) -> Iterator[tuple[bytes, tuple[int, ...], int | torch.Tensor]]:
-        """(hash, token ids, device block id or host payload) of cached blocks the disk tier lacks:
+    def _blocks_missing_on_disk(self) -> Iterator[tuple[bytes, tuple[int, ...], int | torch.Tensor, bytes | None]]:
+        """(hash, token ids, device block id or host payload, parent) of cached blocks the disk tier lacks:
         device first, then CPU. Lazy, so that a small chunk stops asking the disk tier as soon as it
         is full."""
         seen: set[bytes] = set()
-        device = ((h, self._block_tokens[b.block_id], b.block_id)
+        device = ((h, self._block_tokens[b.block_id], b.block_id, self._block_parents.get(b.block_id))
                   for h, b in list(self.pool.cached_block_hash_to_block.items())
                   if b.block_id in self._block_tokens)
         cpu = self.cpu.blocks() if self.cpu is not None else ()
-        for h, t, p in itertools.chain(device, cpu):
+        for h, t, p, parent in itertools.chain(device, cpu):
             if h not in seen and not self.disk.contains(h):
                 seen.add(h)
-                yield h, t, p
+                yield h, t, p, parent
 
     # ------------------------------------------------------------------ pins
 
@@ -482,16 +490,19 @@ class TierHierarchy:
         for tier in self.lower_tiers:
             tier.pin(owner, block_hashes, info)  # first, so that the copies below cannot evict each other
             missing = [k for k, held in enumerate(tier.held(block_hashes)) if not held]
-            self._copy_into(tier, [block_hashes[k] for k in missing], [block_tokens[k] for k in missing])
+            self._copy_into(tier, [block_hashes[k] for k in missing], [block_tokens[k] for k in missing],
+                            [block_hashes[k - 1] if k else None for k in missing])
             tier.flush()
             if owner not in tier.pins():
                 raise ValueError(f"the {tier.name} tier could not record the pin of {owner} (see its write errors)")
 
-    def _copy_into(self, tier: LowerTier, hashes: list[bytes], tokens: list[Sequence[int]]) -> None:
+    def _copy_into(self, tier: LowerTier, hashes: list[bytes], tokens: list[Sequence[int]],
+                   parents: list[bytes | None]) -> None:
         """Copy blocks into `tier` from wherever they are: device blocks in one store job (a batched
         copy on the transfer worker, as persist does), the rest in one read per other lower tier.
         Returns once they are in; a block no tier holds is left out."""
         on_device, elsewhere = [], []
+        parent_of = dict(zip(hashes, parents))
         for h, toks in zip(hashes, tokens):
             block = self.pool.get_cached_block(h)
             if block is not None and block.block_id in self._block_tokens:
@@ -512,7 +523,7 @@ class TierHierarchy:
             found = [(h, toks, dest) for (h, toks), dest, ok in zip(held, dests, served) if ok]
             if found:
                 found_hashes, found_tokens, payloads = map(list, zip(*found))
-                self._put_down(tier, found_hashes, found_tokens, payloads)
+                self._put_down(tier, found_hashes, found_tokens, payloads, [parent_of[h] for h in found_hashes])
             copied = {h for h, _, _ in found}
             elsewhere = [(h, toks) for h, toks in elsewhere if h not in copied]
         self.wait_for_write_downs()
@@ -562,6 +573,7 @@ class TierHierarchy:
         ok = self.pool.reset_prefix_cache()
         if ok:
             self._block_tokens.clear()
+            self._block_parents.clear()
             self._pending.clear()
             self._stores_in_flight.clear()
             if self.event_listener is not None:
@@ -591,10 +603,10 @@ class TierHierarchy:
             tier.close()
 
 
-def _put_run(tiers: list[LowerTier], hashes: list[bytes], tokens: list[tuple[int, ...]], start: int,
-             srcs: list[torch.Tensor]) -> None:
+def _put_run(tiers: list[LowerTier], hashes: list[bytes], tokens: list[tuple[int, ...]],
+             parents: list[bytes | None], start: int, srcs: list[torch.Tensor]) -> None:
     """A store job's drain: put the blocks `start, start + 1, ...` of the job into each of `tiers`
     (each copies the payloads before returning)."""
     stop = start + len(srcs)
     for tier in tiers:
-        tier.put(hashes[start:stop], tokens[start:stop], srcs)
+        tier.put(hashes[start:stop], tokens[start:stop], srcs, parents[start:stop])

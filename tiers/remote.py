@@ -119,6 +119,7 @@ class _Op:
     value: Optional[bytearray] = None
     block_hash: bytes = b""         # for its block event, when a listener is set
     token_ids: Sequence[int] = ()   # "put": the block's tokens, for its BlockStored event
+    parent: Optional[bytes] = None  # "put": its parent's hash, for the same event (None: unknown)
 
 
 class RemoteTier(LowerTier):
@@ -328,7 +329,7 @@ class RemoteTier(LowerTier):
     # -- writes ------------------------------------------------------------------------------
 
     def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
-            srcs: Sequence[torch.Tensor]) -> None:
+            srcs: Sequence[torch.Tensor], parents: Sequence[bytes | None] | None = None) -> None:
         """Queue the blocks' records for the writer; what does not fit in the queue, or arrives while
         the server is unreachable, is dropped and counted in `dropped_puts`."""
         self._check_open()
@@ -340,8 +341,9 @@ class RemoteTier(LowerTier):
             room = max(0, self._max_queued - len(self._writer.ops))
         self._dropped_puts += max(0, len(block_hashes) - room)
         listening = self.event_listener is not None
-        ops = [_Op("put", self._key(h), self.codec.encode(ids, src), h, tuple(ids) if listening else ())
-               for h, ids, src in zip(block_hashes[:room], token_ids[:room], srcs[:room])]
+        parents = parents if parents is not None else [None] * len(block_hashes)
+        ops = [_Op("put", self._key(h), self.codec.encode(ids, src), h, tuple(ids) if listening else (), parent)
+               for h, ids, src, parent in zip(block_hashes[:room], token_ids[:room], srcs[:room], parents[:room])]
         self._enqueue(ops)
 
     def _enqueue(self, ops: list[_Op]) -> None:
@@ -460,7 +462,7 @@ class RemoteTier(LowerTier):
             if isinstance(result, Exception):
                 continue
             if op.kind == "put":
-                events.stored(op.block_hash, op.token_ids)
+                events.stored(op.block_hash, op.token_ids, op.parent)
             elif result:
                 events.removed(op.block_hash)
         events.emit(self.event_listener)
