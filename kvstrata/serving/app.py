@@ -44,10 +44,10 @@ from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events
                                         completion_events, json_response, last_outputs, output_completion_logprobs,
                                         prompt_logprobs_by_token, response_receipt, token_texts, usage)
 from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                      ChatLogprobs, CompletionChoice, CompletionRequest, CompletionResponse, DocumentDeleted,
-                                      DetokenizeRequest, DetokenizeResponse, DocumentList, DocumentObject,
-                                      DocumentRequest, ModelCard, ModelList, PrefixCacheReset, SamplingRequest,
-                                      TokenizeRequest, TokenizeResponse, message_dicts)
+                                      ChatLogprobs, CompletionChoice, CompletionRequest, CompletionResponse,
+                                      DetokenizeRequest, DetokenizeResponse, DocumentDeleted, DocumentList,
+                                      DocumentObject, DocumentRequest, ModelCard, ModelList, PrefixCacheReset,
+                                      SamplingRequest, TokenizeRequest, TokenizeResponse, message_dicts)
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 if TYPE_CHECKING:
