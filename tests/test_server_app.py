@@ -596,3 +596,32 @@ def test_the_banner_names_the_kv_cache_dtype_where_it_differs_from_the_models():
     assert dtype_phrase(load_config({}), stats) == "float32 (auto)"
     narrow = load_config({"model": {"dtype": "float32"}, "cache": {"kv_cache_dtype": "int8"}})
     assert dtype_phrase(narrow, {**stats, "kv_cache_dtype": "int8"}) == "float32, K/V in int8"
+
+
+def test_whole_answers_are_the_json_fastapi_would_have_written():
+    """The server writes whole answers with pydantic's serializer (off the event loop); clients get
+    the same JSON as FastAPI's own encoding of the same answer: nulls, fields left out, non-ASCII
+    text, log-probabilities and the chat's top-level prompt_logprobs alike."""
+    from fastapi.encoders import jsonable_encoder
+
+    from kvstrata.serving.responses import _json_bytes
+    from kvstrata.serving.schemas import (AssistantMessage, ChatChoice, ChatCompletionResponse, CompletionChoice,
+                                          CompletionResponse, KvstrataInfo, PromptTokensDetails, Usage)
+
+    entries = [None, {"98": {"logprob": -1.5, "rank": 2, "decoded_token": "é"}}]
+    usage = Usage(prompt_tokens=2, completion_tokens=1, total_tokens=3,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
+    receipt = KvstrataInfo(cached_tokens_by_tier={"device": 0}, ttft_ms=1.25, queue_ms=None)
+    answers = [
+        CompletionResponse(id="a", created=1, model=MODEL, choices=[
+            CompletionChoice(index=0, text="naïve – 日本", finish_reason="stop", stop_reason=13),
+            CompletionChoice(index=1, text="", finish_reason="length", prompt_logprobs=entries)]),
+        ChatCompletionResponse(id="b", created=1, model=MODEL, prompt_logprobs=entries, usage=usage,
+                               kvstrata=receipt, choices=[
+            ChatChoice(index=0, message=AssistantMessage(content="ok"), finish_reason="stop")]),
+    ]
+    for answer in answers:
+        assert json.loads(_json_bytes(None, answer)) == json.loads(json.dumps(jsonable_encoder(answer)))
+    assert "naïve – 日本".encode() in _json_bytes(None, answers[0])  # UTF-8, as FastAPI writes it
+    choices = json.loads(_json_bytes(None, answers[0]))["choices"]
+    assert "prompt_logprobs" not in choices[0] and choices[1]["prompt_logprobs"] == entries
