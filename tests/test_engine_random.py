@@ -1,4 +1,5 @@
-"""Caching, batching and preemption never change what a request gets, whatever it asks for.
+"""Caching, batching and preemption never change what a request gets, whatever it asks for; and the
+KV events of all that movement name every block's parent truly, in every medium.
 
 Seeded random batches of requests with random sampling parameters (greedy and seeded sampling,
 penalties, logit bias, stops, min_tokens, logprobs, prompt_logprobs, n, tenants' salts) on prompts
@@ -16,6 +17,7 @@ import pytest
 from pydoc_data.topics import topics
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.tiers.block_events import BlockStored
 
 pytestmark = pytest.mark.slow
 
@@ -77,9 +79,11 @@ def test_random_requests_through_small_tiers_get_what_they_get_alone_without_cac
     rng = random.Random(seed)
     tokenizer = reference.tokenizer
     documents = [tokenizer.encode(topics[name])[:500] for name in rng.sample(sorted(topics), 3)]
+    events: list = []
+    parent_of: dict[bytes, bytes | None] = {}  # every chain hash the requests made, to its parent
     for engine_round in range(2):
         config = engine_config(rng, str(tmp_path / f"kv{rng.randrange(2)}"))  # a later engine may find a store
-        with LLM(config, loaded_model=embedded_model_fp32) as llm:
+        with LLM(config, loaded_model=embedded_model_fp32, events=events.append) as llm:
             for _ in range(2):
                 batch = [(rng.choice(documents)[:rng.choice([5, 17, 32, 100, 250, 400])]
                           + tokenizer.encode(rng.choice(QUESTIONS)), random_params(rng), rng.choice([None, "tenant"]))
@@ -101,3 +105,11 @@ def test_random_requests_through_small_tiers_get_what_they_get_alone_without_cac
                                (w.token_ids, w.text, w.finish_reason, w.stop_reason), where
                         assert same_logprobs(g.logprobs, w.logprobs), where
                     assert same_logprobs(got[i].prompt_logprobs, want.prompt_logprobs), where
+                    for sequence in got[i].outputs:  # the blocks its prompt and answer filled
+                        chain = llm.engine.kv_manager.hasher.hash(prompt + sequence.token_ids, cache_salt=salt)
+                        parent_of.update(zip(chain, [None, *chain[:-1]]))
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert {e.medium for e in stored} >= {"device"}
+    for event in stored:  # one run of a chain, with the parent of its first block
+        assert event.parent_block_hash == parent_of[event.block_hashes[0]], event.medium
+        assert all(parent_of[b] == a for a, b in zip(event.block_hashes, event.block_hashes[1:])), event.medium
