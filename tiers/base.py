@@ -56,6 +56,11 @@ def token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(t) for t in token_ids)
 
 
+def parents_or_unknown(parents: Sequence[bytes | None] | None, num_blocks: int) -> Sequence[bytes | None]:
+    """A put's parent hashes, one per block: None (unknown) for each where the caller gave none."""
+    return parents if parents is not None else [None] * num_blocks
+
+
 def as_bytes(block: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of one contiguous block (no copy)."""
     assert block.is_contiguous(), "a block must be one contiguous extent"

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, token_tuple
+from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_or_unknown, token_tuple
 from kvstrata.tiers.block_events import TierEvents
 
 # on_evict(block_hash, token_ids, payload_view, parent_hash): the view aliases the slot about to be
@@ -180,7 +180,7 @@ class CpuTier(LowerTier):
     def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             srcs: Sequence[torch.Tensor], parents: Sequence[bytes | None] | None = None) -> None:
         assert len(block_hashes) == len(token_ids) == len(srcs)
-        parents = parents if parents is not None else [None] * len(block_hashes)
+        parents = parents_or_unknown(parents, len(block_hashes))
         events = self._events()
         # Events are handed over under the lock, so that they reach the listener in the order of the changes.
         with self._lock:

@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Optional, Sequence, TypeVar
 import lmdb
 import torch
 
-from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats
+from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_or_unknown
 from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.block_events import AllBlocksCleared
 from kvstrata.tiers.lmdb_store import (DAMAGE_ERRORS, LmdbStore, Meta, StoreDamaged, data_file_bytes, quarantine,
@@ -309,7 +309,7 @@ class DiskTier(LowerTier):
             srcs: Sequence[torch.Tensor], parents: Sequence[bytes | None] | None = None) -> None:
         self._check_open()
         assert len(block_hashes) == len(token_ids) == len(srcs)
-        parents = parents if parents is not None else [None] * len(block_hashes)
+        parents = parents_or_unknown(parents, len(block_hashes))
         held = self._held(block_hashes)
         ops = []
         for h, ids, src, parent, is_held in zip(block_hashes, token_ids, srcs, parents, held):

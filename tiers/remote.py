@@ -44,7 +44,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode
 from redis.retry import Retry
 
-from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats
+from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_or_unknown
 from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockRemoved
 from kvstrata.tiers.record import RecordCodec, RecordError
@@ -341,7 +341,7 @@ class RemoteTier(LowerTier):
             room = max(0, self._max_queued - len(self._writer.ops))
         self._dropped_puts += max(0, len(block_hashes) - room)
         listening = self.event_listener is not None
-        parents = parents if parents is not None else [None] * len(block_hashes)
+        parents = parents_or_unknown(parents, len(block_hashes))
         ops = [_Op("put", self._key(h), self.codec.encode(ids, src), h, tuple(ids) if listening else (), parent)
                for h, ids, src, parent in zip(block_hashes[:room], token_ids[:room], srcs[:room], parents[:room])]
         self._enqueue(ops)
