@@ -64,7 +64,7 @@ class TierEvents:
 
     def stored(self, block_hash: bytes, token_ids: Sequence[int], parent: bytes | None) -> None:
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockStored) and parent is not None and parent == last.block_hashes[-1]:
+        if isinstance(last, BlockStored) and parent == last.block_hashes[-1]:  # None never is
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
         else:

@@ -134,10 +134,9 @@ class TierHierarchy:
         self.counters = HierarchyCounters()
         # Counters the transfer workers update too (the CPU tier's cascade to disk runs on them).
         self._counters_lock = threading.Lock()
-        # Token ids of every block cached on the device (lower tiers verify them on read), and the hash
-        # of the block before it in its chain (None: the chain's first): block events name parents.
-        self._block_tokens: dict[int, tuple[int, ...]] = {}
-        self._block_parents: dict[int, bytes | None] = {}
+        # Every block cached on the device: its token ids (lower tiers verify them on read) and the hash
+        # of the block before it in its chain (None: the chain's first), which block events name.
+        self._cached: dict[int, _CachedBlock] = {}
         # write_through: blocks cached on the device whose content is not yet below (block_id -> hash).
         self._pending: dict[int, bytes] = {}
         # device block id -> the store job last copying it down; waited for before the slot is reused.
@@ -332,8 +331,8 @@ class TierHierarchy:
             block = blocks[k]
             if block.block_id not in newly_ids:
                 continue  # the same content is already cached in another block
-            self._block_tokens[block.block_id] = tuple(block_tokens[k - num_cached_blocks])
-            self._block_parents[block.block_id] = block_hashes[k - 1] if k else None
+            self._cached[block.block_id] = _CachedBlock(tuple(block_tokens[k - num_cached_blocks]),
+                                                        block_hashes[k - 1] if k else None)
             if self.offload == "write_through" and self.lower_tiers:
                 self._pending[block.block_id] = block.block_hash
             if self.event_listener is not None:
@@ -350,8 +349,7 @@ class TierHierarchy:
         stored = []
         for block, h, toks, parent in zip(blocks, hashes, tokens, parents):
             if block.block_id in newly:
-                self._block_tokens[block.block_id] = tuple(toks)
-                self._block_parents[block.block_id] = parent
+                self._cached[block.block_id] = _CachedBlock(tuple(toks), parent)
                 if self.event_listener is not None:
                     stored.append((h, parent, toks))
         if stored:
@@ -390,8 +388,8 @@ class TierHierarchy:
             targets = [t for t in (self.cpu if self.cpu is not None else self.disk, self.remote) if t is not None]
         if not targets:
             return
-        tokens = [self._block_tokens[b] for b in block_ids]
-        parents = [self._block_parents.get(b) for b in block_ids]
+        tokens = [self._cached[b].tokens for b in block_ids]
+        parents = [self._cached[b].parent for b in block_ids]
         job = self.transfers.store(block_ids, functools.partial(_put_run, targets, hashes, tokens, parents))
         for b in block_ids:
             self._stores_in_flight[b] = job
@@ -421,8 +419,7 @@ class TierHierarchy:
         job = self._stores_in_flight.pop(block_id, None)
         if job is not None:
             job.wait_copied()  # the step needs this slot now: the one wait on a transfer it makes
-        self._block_tokens.pop(block_id, None)
-        self._block_parents.pop(block_id, None)
+        self._cached.pop(block_id, None)
 
     def _on_cpu_evict(self, block_hash: bytes, token_ids: Sequence[int], payload: torch.Tensor,
                       parent: bytes | None) -> None:
@@ -467,9 +464,9 @@ class TierHierarchy:
         device first, then CPU. Lazy, so that a small chunk stops asking the disk tier as soon as it
         is full."""
         seen: set[bytes] = set()
-        device = ((h, self._block_tokens[b.block_id], b.block_id, self._block_parents.get(b.block_id))
+        device = ((h, self._cached[b.block_id].tokens, b.block_id, self._cached[b.block_id].parent)
                   for h, b in list(self.pool.cached_block_hash_to_block.items())
-                  if b.block_id in self._block_tokens)
+                  if b.block_id in self._cached)
         cpu = self.cpu.blocks() if self.cpu is not None else ()
         for h, t, p, parent in itertools.chain(device, cpu):
             if h not in seen and not self.disk.contains(h):
@@ -505,7 +502,7 @@ class TierHierarchy:
         parent_of = dict(zip(hashes, parents))
         for h, toks in zip(hashes, tokens):
             block = self.pool.get_cached_block(h)
-            if block is not None and block.block_id in self._block_tokens:
+            if block is not None and block.block_id in self._cached:
                 on_device.append((block.block_id, h))
             else:
                 elsewhere.append((h, toks))
@@ -566,14 +563,13 @@ class TierHierarchy:
         self.flush_pending()
         if self.offload == "on_evict":
             cached = [(b.block_id, h) for h, b in self.pool.cached_block_hash_to_block.items()
-                      if b.block_id in self._block_tokens]
+                      if b.block_id in self._cached]
             if cached:
                 self._write_down(*map(list, zip(*cached)))
         self.wait_for_write_downs()
         ok = self.pool.reset_prefix_cache()
         if ok:
-            self._block_tokens.clear()
-            self._block_parents.clear()
+            self._cached.clear()
             self._pending.clear()
             self._stores_in_flight.clear()
             if self.event_listener is not None:
@@ -602,6 +598,14 @@ class TierHierarchy:
         for tier in self.lower_tiers:
             tier.close()
 
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedBlock:
+    """What the hierarchy keeps of a block cached on the device, for writing it down."""
+
+    tokens: tuple[int, ...]
+    parent: bytes | None  # the hash of the block before it in its chain; None for a chain's first
 
 def _put_run(tiers: list[LowerTier], hashes: list[bytes], tokens: list[tuple[int, ...]],
              parents: list[bytes | None], start: int, srcs: list[torch.Tensor]) -> None:
