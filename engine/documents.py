@@ -146,6 +146,10 @@ class DocumentRegistry:
         entry.pinned = False
         return self._describe(document_id, entry)
 
+    def forget_all(self) -> None:
+        """Forget every document, without touching the tiers (for a reset that has emptied them all)."""
+        self._entries.clear()
+
     def _describe(self, document_id: str, entry: _Entry) -> Document:
         return Document(document_id, entry.num_tokens, len(entry.block_hashes) * self.block_size, entry.pinned,
                         entry.salted, self.hierarchy.blocks_by_tier(entry.block_hashes))

@@ -11,7 +11,7 @@ from typing import Any, Sequence, Union
 
 from kvstrata.engine.config import Config, load_config
 from kvstrata.engine.documents import Document
-from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.llm_engine import CacheReset, LLMEngine
 from kvstrata.engine.prompts import render_document
 from kvstrata.tiers import TIER_NAMES
 from kvstrata.engine.receipt import CacheReceipt
@@ -210,10 +210,12 @@ class LLM:
         """Forget a document: its blocks become ordinary cached blocks, evictable again. KeyError if unknown."""
         return self.engine.documents.unpin(document_id)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_external: bool = False) -> CacheReset:
         """Forget every block cached on the device, if no request is running; the lower tiers keep
-        theirs (`offload: on_evict` writes them down first, as eviction would)."""
-        return self.engine.reset_prefix_cache()
+        theirs (`offload: on_evict` writes them down first, as eviction would). `reset_external=True`
+        forgets everything cached instead: every tier (a shared disk or remote tier for everyone
+        sharing it), the documents and their pins. Falsy if requests run or a tier could not be cleared."""
+        return self.engine.reset_prefix_cache(reset_external)
 
     def stats(self) -> dict:
         """Per-tier blocks, bytes, hits, misses, evictions; prefix-cache query and hit tokens; moves."""

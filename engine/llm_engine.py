@@ -50,6 +50,18 @@ PROMPT_ROWS_AT_ONCE = 256  # log-softmax over this many prompt rows at a time: a
 
 
 @dataclass
+class CacheReset:
+    """What `reset_prefix_cache` did; truthy when every tier it was asked to empty is empty."""
+
+    tiers: list[str]                                       # the tiers emptied
+    not_cleared: list[str] = field(default_factory=list)   # a tier that could not be (a remote server down)
+    busy: bool = False                                     # requests were running: nothing changed
+
+    def __bool__(self) -> bool:
+        return not self.busy and not self.not_cleared
+
+
+@dataclass
 class _PromptRows:
     """The packed rows of a step whose logits give prompt logprobs: a row at position p of a prompt
     predicts its token p+1."""
@@ -524,11 +536,24 @@ class LLMEngine:
                 "step_cost": {"overhead_s": step.overhead_s, "per_token_s": step.per_token_s,
                               "per_pair_s": step.per_pair_s}}
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_external: bool = False) -> CacheReset:
         """Forget every block cached on the device (vLLM's name), if no request holds one; the lower
-        tiers keep theirs (`offload: on_evict` writes them down first, as eviction would). False, with
-        nothing changed, while requests run."""
-        return self.hierarchy.clear_device_cache()
+        tiers keep theirs (`offload: on_evict` writes them down first, as eviction would). With
+        `reset_external` (vLLM's name), forget everything cached instead: every tier's blocks (a shared
+        disk or remote tier's for everyone sharing it), the documents and their pins, and the prompt
+        log-probabilities. Falsy while requests run (nothing changed) or if a tier could not be cleared."""
+        if not reset_external:
+            ok = self.hierarchy.clear_device_cache()
+            return CacheReset(tiers=["device"] if ok else [], busy=not ok)
+        not_cleared = self.hierarchy.clear_every_tier()
+        if not_cleared is None:
+            return CacheReset(tiers=[], busy=True)
+        self.documents.forget_all()
+        self.kv_manager.prompt_logprobs.clear()
+        for name in not_cleared:
+            logger.warning("%s tier: could not be cleared (see its faults); it keeps its blocks", name)
+        tiers = ["device", *(tier.name for tier in self.hierarchy.lower_tiers)]
+        return CacheReset(tiers=[t for t in tiers if t not in not_cleared], not_cleared=not_cleared)
 
     def write_down_idle(self, max_blocks: int = 64) -> int:
         """While idle, write up to `max_blocks` cached blocks the disk tier lacks down to it, so a

@@ -42,6 +42,9 @@ class PromptLogprobCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def clear(self) -> None:
+        self._blocks.clear()
+
     def store(self, request: Request) -> None:
         """Keep the entries of the request's prompt blocks that it has all of and this cache lacks."""
         bs, entries = self.block_size, request.prompt_logprobs

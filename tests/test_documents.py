@@ -172,6 +172,28 @@ def test_pinned_document_survives_a_working_set_ten_times_the_tiers_and_a_restar
 
 
 @pytest.mark.slow
+def test_a_reset_of_every_tier_forgets_cached_and_pinned_documents_for_good(embedded_model_fp32, tiny_config):
+    """`reset_prefix_cache(reset_external=True)` (vLLM's flag): the cold state a benchmark starts from.
+    A device reset alone leaves the document below; the full one leaves nothing, not even after a restart."""
+    config = tiny_config()
+    with LLM(config, loaded_model=embedded_model_fp32) as llm:
+        llm.cache_document(document_prefix_messages(HANDBOOK))
+        llm.chat(question(HANDBOOK, "Who signs in at the desk?"), ONE_TOKEN)
+        assert llm.reset_prefix_cache().tiers == ["device"]
+        assert llm.chat(question(HANDBOOK), ONE_TOKEN)[0].cached_tokens == 64  # from the tiers below
+        reset = llm.reset_prefix_cache(reset_external=True)
+        assert reset and reset.tiers == ["device", "cpu", "disk"] and reset.not_cleared == []
+        assert llm.list_documents() == []
+        stats = llm.stats()["tiers"]
+        assert all(stats[t]["used_blocks"] == 0 and stats[t]["pinned_blocks"] == 0 for t in ("cpu", "disk"))
+        assert llm.chat(question(HANDBOOK), ONE_TOKEN)[0].cached_tokens == 0
+        llm.reset_prefix_cache(reset_external=True)  # what that question cached goes too
+    with LLM(config, loaded_model=embedded_model_fp32) as llm:
+        assert llm.list_documents() == []
+        assert llm.chat(question(HANDBOOK), ONE_TOKEN)[0].cached_tokens == 0
+
+
+@pytest.mark.slow
 def test_preload_makes_the_first_question_on_a_document_a_hit(embedded_model_fp32, tiny_config, tmp_path):
     (tmp_path / "handbook.txt").write_text(HANDBOOK)
     config = tiny_config(preload=[{"file": str(tmp_path / "handbook.txt")}])

@@ -153,6 +153,30 @@ def test_cpu_evictions_cascade_to_disk_and_disk_hits_refill_cpu(tmp_path):
     assert all(h.cpu.contains(x) for x in again.block_hashes[:6])
 
 
+def test_clearing_every_tier_forgets_every_block_and_pin_and_says_which_tier_it_could_not_reach(tmp_path):
+    from valkey_server import ValkeyServer
+    with ValkeyServer() as server:
+        kv = make_stack(device_blocks=16, cpu_blocks=32, disk_path=tmp_path / "kv", disk_blocks=32,
+                        remote_url=server.url)
+        h = kv.hierarchy
+        a = doc(7, 6 * BS + 1)
+        held = run_request(kv, a, finish=False)
+        h.pin("doc-a", held.block_hashes[:6], [a[k * BS:(k + 1) * BS] for k in range(6)], {})
+        h.disk.flush(), h.remote.flush()
+        assert h.clear_every_tier() is None  # a request holds its blocks: nothing changes
+        assert all(t.count_prefix(held.block_hashes[:6]) == 6 for t in h.lower_tiers)
+        kv.free(held)
+        assert h.clear_every_tier() == []
+        assert not kv.pool.cached_block_hash_to_block
+        assert [t.count_prefix(held.block_hashes[:6]) for t in h.lower_tiers] == [0, 0, 0]
+        assert h.pins() == {} and all(t.stats().pinned_blocks == 0 for t in h.lower_tiers if t.keeps_pins)
+        assert run_request(kv, a).num_cached_tokens == 0
+        server.kill()  # the remote tier cannot be reached: the others are cleared all the same
+        assert h.clear_every_tier() == ["remote"]
+        assert [t.count_prefix(held.block_hashes[:6]) for t in h.lower_tiers[:2]] == [0, 0]
+        h.close()
+
+
 @pytest.mark.parametrize("replica_a_cpu_blocks", [32, 0], ids=["through-cpu", "no-cpu-tier"])
 def test_a_document_one_replica_computed_is_a_remote_hit_on_another_and_lands_in_its_cpu_tier(replica_a_cpu_blocks):
     from valkey_server import ValkeyServer

@@ -326,6 +326,10 @@ def test_a_prefix_cache_reset_through_the_router_resets_every_replica(cluster):
     assert reset.status_code == 200 and sorted(reset.json()["replicas"]) == sorted(r.url for r in replicas)
     again = ask(holder, doc, "Name one keyword.").json()["kvstrata"]["cached_tokens_by_tier"]
     assert again["device"] == 0 and again["cpu"] > 0
+    everything = httpx.post(f"{router_url}/reset_prefix_cache?reset_external=true", timeout=60)
+    assert everything.status_code == 200 and everything.json()["tiers"][:2] == ["device", "cpu"]
+    cold = ask(holder, doc, "Name one keyword.").json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cold == 0  # the query reached the replicas: their CPU tiers forgot the document too
 
     busy, idle = replicas
     body = {"model": MODEL, "prompt": "Count to a hundred:", "max_tokens": 400, "ignore_eos": True, "stream": True}

@@ -416,6 +416,21 @@ def _hit_tokens(metrics_text: str) -> float:
 
 
 @pytest.mark.slow
+def test_a_reset_with_reset_external_leaves_no_tier_holding_a_document(client, http):
+    """vLLM's flag, which benchmarks send before each run to start cold: the CPU and disk tiers forget too."""
+    messages = document_chat("Who started the reading club?")
+    client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2, temperature=0, messages=messages)
+    reset = http.post("/reset_prefix_cache", params={"reset_external": "true"})
+    assert reset.status_code == 200
+    assert reset.json() == {"object": "prefix_cache.reset", "tiers": ["device", "cpu", "disk"]}
+    again = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2, temperature=0,
+                                           messages=messages)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    bad = http.post("/reset_prefix_cache", params={"reset_external": "maybe"})
+    error = bad.json()["error"]
+    assert bad.status_code == 400 and error["param"] == "reset_external" and "\n" not in error["message"]
+
+
 def test_metrics_expose_cache_tiers_ttft_and_queues(http):
     text = http.get("/metrics").text
     assert metric_value(text, "kvstrata_prefix_cache_queries_tokens_total") > 0

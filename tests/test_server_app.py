@@ -625,3 +625,24 @@ def test_whole_answers_are_the_json_fastapi_would_have_written():
     assert "naïve – 日本".encode() in _json_bytes(None, answers[0])  # UTF-8, as FastAPI writes it
     choices = json.loads(_json_bytes(None, answers[0]))["choices"]
     assert "prompt_logprobs" not in choices[0] and choices[1]["prompt_logprobs"] == entries
+
+
+def test_a_reset_that_could_not_clear_a_tier_is_a_503_naming_it_and_the_tiers_that_were():
+    from kvstrata.engine.llm_engine import CacheReset
+
+    engine, asked = FakeAsyncEngine(), []
+
+    class Engine:
+        @staticmethod
+        def reset_prefix_cache(reset_external: bool) -> CacheReset:
+            asked.append(reset_external)
+            return CacheReset(tiers=["device", "cpu", "disk"], not_cleared=["remote"])
+
+    async def call(fn):
+        return fn(Engine())
+
+    engine.call = call
+    response = run(post(fake_app(engine), "/reset_prefix_cache?reset_external=1", None))
+    error = assert_openai_error(response, 503, code="tier_unavailable")
+    assert asked == [True]
+    assert error["message"].startswith("the remote tier could not be cleared") and "device, cpu, disk" in error["message"]

@@ -185,8 +185,9 @@ class LowerTier(abc.ABC):
         """Drop one block if held; True if it was."""
 
     @abc.abstractmethod
-    def clear(self) -> None:
-        """Drop every block."""
+    def clear(self) -> bool:
+        """Drop every block and every pin. True once they are gone; False if the tier could not do it
+        (a remote server that is down, a disk write that failed): it may keep them."""
 
     @abc.abstractmethod
     def stats(self) -> TierStats:

@@ -249,7 +249,7 @@ class CpuTier(LowerTier):
                 events.emit(self.event_listener)
             return True
 
-    def clear(self) -> None:
+    def clear(self) -> bool:
         """Drop every block and every pin."""
         events = self._events()
         with self._lock:
@@ -260,6 +260,7 @@ class CpuTier(LowerTier):
             if events is not None:
                 events.cleared()
                 events.emit(self.event_listener)
+        return True
 
     def blocks(self) -> list[tuple[bytes, tuple[int, ...], torch.Tensor, bytes | None]]:
         """A snapshot of every held block as (hash, token ids, payload view, parent hash or None), least

@@ -374,10 +374,14 @@ class DiskTier(LowerTier):
         self.flush()
         return held
 
-    def clear(self) -> None:
+    def clear(self) -> bool:
+        """Drop every block and every pin, for every process sharing the store; False if the write
+        failed (counted in write_errors)."""
         self._check_open()
+        errors_before = self._write_errors
         self._enqueue([_Op("clear")])
         self.flush()
+        return self._write_errors == errors_before
 
     def flush(self) -> None:
         """Wait until every operation queued so far is committed (or given up on, and counted)."""

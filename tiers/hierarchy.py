@@ -558,15 +558,27 @@ class TierHierarchy:
         As eviction would, `on_evict` first writes them down (write-through did already), so the tiers
         below serve them next; write-downs in flight finish first: a cleared block is reused without
         passing through `_on_device_evict`."""
+        return self._forget_device_blocks(write_down=self.offload == "on_evict")
+
+    def clear_every_tier(self) -> list[str] | None:
+        """Forget every cached block in every tier, pins included, if no device block is in use (None,
+        with nothing changed, if one is). Returns the lower tiers that could not be cleared (a remote
+        server that is down keeps its blocks); the others are empty. A shared tier (disk, remote) is
+        emptied for every process that shares it."""
+        if not self._forget_device_blocks(write_down=False):
+            return None
+        return [tier.name for tier in self.lower_tiers if not tier.clear()]
+
+    def _forget_device_blocks(self, write_down: bool) -> bool:
         if self.pool.num_free_blocks != self.pool.num_blocks:
             return False
         self.flush_pending()
-        if self.offload == "on_evict":
+        if write_down:
             cached = [(b.block_id, h) for h, b in self.pool.cached_block_hash_to_block.items()
                       if b.block_id in self._cached]
             if cached:
                 self._write_down(*map(list, zip(*cached)))
-        self.wait_for_write_downs()
+        self.wait_for_write_downs()  # nothing lands below after a clear, nor reads a reused slot
         ok = self.pool.reset_prefix_cache()
         if ok:
             self._cached.clear()

@@ -373,26 +373,23 @@ class RemoteTier(LowerTier):
             self.event_listener(BlockRemoved([block_hash], self.name))
         return deleted
 
-    def clear(self) -> None:
-        """Delete every key under this tier's prefix (every replica's blocks, every model's)."""
+    def clear(self) -> bool:
+        """Delete every key under this tier's prefix (every replica's blocks, every model's), and forget
+        the pins remembered here."""
         self._check_open()
         self.flush()
+        self._pins.clear()
         client = self._connection()
         if client is None:
-            return
-        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", self.key_prefix) + ":*"
+            return False
         try:
-            pipe = self._pipeline(client)
-            for n, key in enumerate(client.scan_iter(match=pattern, count=1000), 1):
-                pipe.unlink(key)
-                if n % 1000 == 0:
-                    pipe.execute()
-            pipe.execute()
+            _scan_keys(client, self.key_prefix, _unlink)
         except FAULTS as e:
             self._fault("clearing", e)
-            return
+            return False
         if self.event_listener is not None:
             self.event_listener(AllBlocksCleared(self.name))
+        return True
 
     def flush(self) -> None:
         """Wait until every record queued so far has been sent (or dropped and counted)."""
@@ -526,34 +523,45 @@ def clear_prefix(url: str, *, cluster: bool, key_prefix: str, timeout: float = A
 
     def unlink(client, keys: list[bytes]) -> None:
         nonlocal removed
-        pipe = client.pipeline(transaction=False)  # a cluster splits it by node
-        for k in keys:
-            pipe.unlink(k)
-        removed += sum(pipe.execute())
+        removed += _unlink(client, keys)
 
     _scan_prefix(url, cluster, key_prefix, timeout, unlink)
     return removed
 
 
+def _unlink(client, keys: list[bytes]) -> int:
+    """Unlink `keys` in one pipeline (a cluster splits it by node); how many were there."""
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.unlink(k)
+    return sum(pipe.execute())
+
+
 def _scan_prefix(url: str, cluster: bool, key_prefix: str, timeout: float, each_batch) -> None:
-    """`each_batch(client, keys)` for the keys under `key_prefix`, `SCAN_BATCH` at a time (a cluster's
-    SCAN visits every primary)."""
+    """`_scan_keys` through a client of its own for `url`; ValueError, in one line with the password
+    masked, if the server cannot be asked."""
     url = check_url(url, cluster)
     options = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
-    pattern = re.sub(r"([*?\[\]\\])", r"\\\1", key_prefix) + ":*"  # the prefix matched literally
     try:
         client = (redis.RedisCluster if cluster else redis.Redis).from_url(url, **options)
         try:
-            batch = []
-            for key in client.scan_iter(match=pattern, count=SCAN_BATCH):
-                batch.append(key)
-                if len(batch) == SCAN_BATCH:
-                    each_batch(client, batch)
-                    batch = []
-            if batch:
-                each_batch(client, batch)
+            _scan_keys(client, key_prefix, each_batch)
         finally:
             client.close()
     except FAULTS as e:
         message = " ".join(scrub(f"{type(e).__name__}: {e}", url).split())
         raise ValueError(f"remote tier {masked_url(url)}: {message}") from None
+
+
+def _scan_keys(client, key_prefix: str, each_batch) -> None:
+    """`each_batch(client, keys)` for the keys under `key_prefix`, `SCAN_BATCH` at a time (a cluster's
+    SCAN visits every primary)."""
+    pattern = re.sub(r"([*?\[\]\\])", r"\\\1", key_prefix) + ":*"  # the prefix matched literally
+    batch = []
+    for key in client.scan_iter(match=pattern, count=SCAN_BATCH):
+        batch.append(key)
+        if len(batch) == SCAN_BATCH:
+            each_batch(client, batch)
+            batch = []
+    if batch:
+        each_batch(client, batch)

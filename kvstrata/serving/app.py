@@ -299,12 +299,16 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         return DocumentDeleted(id=document_id)
 
     @app.post("/reset_prefix_cache", response_model=PrefixCacheReset)
-    async def reset_prefix_cache() -> PrefixCacheReset:
+    async def reset_prefix_cache(reset_external: bool = False) -> PrefixCacheReset:
         # Only while nothing holds a device block: a running request's prefix cannot be forgotten.
-        if not await engine.call(lambda e: e.reset_prefix_cache()):
-            raise APIError(409, "requests are running: the device's prefix cache can be reset only when the "
-                           "server is idle", code="server_busy")
-        return PrefixCacheReset()
+        reset = await engine.call(lambda e: e.reset_prefix_cache(reset_external))
+        if reset.busy:
+            raise APIError(409, "requests are running: the prefix cache can be reset only when the server is idle",
+                           code="server_busy")
+        if reset.not_cleared:
+            raise APIError(503, f"the {' and '.join(reset.not_cleared)} tier could not be cleared (unreachable; it "
+                           f"keeps its blocks); the {', '.join(reset.tiers)} tiers were", code="tier_unavailable")
+        return PrefixCacheReset(tiers=reset.tiers)
 
     return app
 

@@ -99,11 +99,11 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
 
 
 def _field_path(loc) -> list[str]:
-    """The fields of a pydantic error location: "body" and the tags pydantic adds for the member of
-    a union it tried (`str`, `list[str]`) are not fields."""
+    """The fields of a pydantic error location: where the field was ("body", "query", "path") and the
+    tags pydantic adds for the member of a union it tried (`str`, `list[str]`) are not fields."""
     path = []
     for part in loc:
-        if part == "body" and not path:
+        if part in ("body", "query", "path") and not path:
             continue
         if isinstance(part, str) and not part.isidentifier() or part in _UNION_TAGS:
             break  # the union member tried, and where inside it: the field itself is the clearer name

@@ -24,7 +24,8 @@ How a request is placed:
 Documents (`/v1/cache/documents`): caching one is placed as a request is (its questions then follow it
 to the replica that holds it); the list is every replica's, each document naming its `replica`; unpinning
 goes to every replica (a document's id is the same on all). `POST /reset_prefix_cache` resets every
-replica's device cache (409 naming those still busy; the others are reset).
+replica's device cache, or with `?reset_external=true` every tier of each (409 naming the replicas still
+busy, 503 one with a tier it could not clear; the others are reset).
 
 A health check (`GET /health` every `router.health_interval`) takes a replica out when it fails and
 puts it back when it answers again; then the router rebuilds that replica's index from its replay
@@ -332,17 +333,27 @@ class Router:
         return _passed(deleted[0] if deleted else answers[0][1])
 
     async def reset_prefix_cache(self, request: Request) -> Response:
-        """Reset every replica's device cache; 409 naming the replicas still busy (the others are reset)."""
-        answers = await self.each_replica(request, "/reset_prefix_cache", expected=(200, 409))
+        """Reset every replica's cache (the device's, or with `reset_external` every tier's: the query is
+        passed on); 409 naming the replicas still busy, 503 naming those with a tier that could not be
+        cleared (the others are reset)."""
+        path = "/reset_prefix_cache" + (f"?{request.url.query}" if request.url.query else "")
+        answers = await self.each_replica(request, path, expected=(200, 409, 503))
         if isinstance(answers, Response):
             return answers
         busy = [r.url for r, a in answers if a.status_code == 409]
         if busy:
             return _passed(next(a for _, a in answers if a.status_code == 409),
-                           message=f"requests are running on {', '.join(busy)}: a device's prefix cache can be "
-                                   f"reset only when its replica is idle (the others were reset)")
-        replicas = [r.url for r, _ in answers]
-        return JSONResponse({"object": "prefix_cache.reset", "tiers": ["device"], "replicas": replicas})
+                           message=f"requests are running on {', '.join(busy)}: a replica's prefix cache can be "
+                                   f"reset only when it is idle (the others were reset)")
+        unreached = [(r, a) for r, a in answers if a.status_code == 503]
+        if unreached:  # a tier of its own could not be cleared (a remote server down): its message says which
+            replica, answer = unreached[0]
+            return _passed(answer, message=f"{replica.url}: {_error_message(answer)} (the other replicas were reset)")
+        try:  # every tier any replica cleared, in the order they name them
+            tiers = list(dict.fromkeys(t for _, a in answers for t in a.json()["tiers"]))
+        except (ValueError, KeyError, TypeError):
+            return _error(502, "a replica answered a reset with something that is not a list of tiers")
+        return JSONResponse({"object": "prefix_cache.reset", "tiers": tiers, "replicas": [r.url for r, _ in answers]})
 
     def _forwarder(self, path: str):
         async def forward(request: Request) -> Response:
@@ -424,6 +435,14 @@ def _passed(answer: httpx.Response, message: str | None = None) -> Response:
     except (ValueError, KeyError, TypeError):
         return _passed(answer)
     return JSONResponse(body, status_code=answer.status_code)
+
+
+def _error_message(answer: httpx.Response) -> str:
+    """The message of a replica's error answer (its start, if it is not in OpenAI's shape)."""
+    try:
+        return str(answer.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return " ".join(answer.text[:200].split())
 
 
 def _error(status: int, message: str) -> JSONResponse:
