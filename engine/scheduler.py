@@ -32,12 +32,14 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     a token costs more the more it attends to), so short work never waits long for a step;
     but at least `MIN_STEP_TOKENS`, and enough that the step's fixed cost stays under
     `MAX_OVERHEAD_SHARE` of it (throughput first where a step's overhead is large against the
-    target). Otherwise (long prefills and decodes) a step may last `LONG_STEP_TARGETS` step targets,
-    so that long prefills lose little to step overheads, but only while nobody arrives during steps:
-    once a request has arrived while a step was running (it had to wait for that step) within the
-    last `ARRIVALS_MEMORY_S`, every step keeps to the cap. Online serving, where requests come at
-    any moment, thus gets steps near the target (a question arriving mid-step waits for one of
-    them, not for eight); a batch given at once, or clients that send between steps, gets long
+    target). So does a step while an answer is being decoded: its next token waits for every step,
+    and a streamed answer would stall for seconds beside a document's prefill (vLLM bounds the gap
+    by its token budget). Otherwise (long prefills alone) a step may last `LONG_STEP_TARGETS` step
+    targets, so that long prefills lose little to step overheads, but only while nobody arrives
+    during steps: once a request has arrived while a step was running (it had to wait for that step)
+    within the last `ARRIVALS_MEMORY_S`, every step keeps to the cap. Online serving, where requests
+    come at any moment, thus gets steps near the target (a question arriving mid-step waits for one
+    of them, not for eight); a batch of documents given at once, or sent between steps, gets long
     steps, as nobody waits for them.
   * Bounded share. While short work waits, the step holds the short work (the waiting requests
     that fit in a step, and the running prefills and decodes whose rest fits in what the step target
@@ -178,6 +180,8 @@ class Scheduler:
             return candidates, running, min(capped, short_tokens + short_running + long_chunk), long_chunk
         if any(r.num_computed_tokens < r.num_prompt_tokens and 0 < self._remaining(r) <= capped for r in running):
             return candidates, running, capped, capped  # a prefill this step finishes: its first token
+        if any(r.num_computed_tokens >= r.num_prompt_tokens for r in running):
+            return candidates, running, capped, capped  # an answer being decoded: its next token waits for the step
         if self.clock() - self._last_waiting_arrival < ARRIVALS_MEMORY_S:
             return candidates, running, capped, capped  # requests arrive mid-step: they would wait for a long one
         long_step = min(self.max_num_batched_tokens,
