@@ -205,6 +205,12 @@ def test_while_an_answer_is_decoded_a_document_beside_it_gets_steps_of_one_targe
     first = add(scheduler, clock, doc(8, 960))
     scheduled = step(kv, scheduler, clock)
     assert scheduled[decoding] == 1 and sum(scheduled.values()) == 64  # 0.5 s at 128 tokens a second
+    # Where a step's fixed cost is large (0.1 s, and a decode row's 1/128 s), the decode and the overhead
+    # take at most a tenth of the step: the document is not slowed by more for the answer's sake.
+    measured, scheduler.cost = scheduler.cost, StepCost(per_token_s=1 / 128, overhead_s=0.1)
+    scheduled = step(kv, scheduler, clock)
+    assert scheduled[decoding] == 1 and scheduled[first] == int((0.1 + 1 / 128) * 9 * 128)
+    scheduler.cost = measured
     while decoding.status == RequestStatus.RUNNING:
         step(kv, scheduler, clock)
     assert step(kv, scheduler, clock) == {first: LONG_STEP_TARGETS * 64}  # the answer done: long steps again
