@@ -9,7 +9,8 @@ validates requests with `validate_request` (which reads only fixed limits) and r
 snapshot that the engine thread publishes.
 
 This module knows nothing of HTTP or of how figures are exported: whoever serves the engine reads
-`snapshot` and may pass a `RequestListener` to hear of each first token and each finish.
+`snapshot` and may pass a `RequestListener` to hear of each first token, each later token's gap and
+each finish.
 
 Order of operations after a step: publish the stats snapshot, then push the outputs. A client that
 has its answer therefore finds its request already counted in the snapshot.
@@ -51,20 +52,41 @@ class EngineSnapshot:
     taken_at: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A request that ended, as a listener hears of it."""
+
+    finish_reason: str           # stop, length, abort
+    e2e_s: float                 # from its arrival to its end
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+
 class RequestListener(Protocol):
     """Hears of request events as they happen, on the engine thread (so it must be quick)."""
 
     def on_first_token(self, receipt: CacheReceipt) -> None: ...
 
-    def on_finished(self, finish_reason: str) -> None: ...
+    def on_token_gap(self, gap_s: float) -> None:
+        """A request's next tokens came `gap_s` after its previous ones (vLLM's inter-token latency)."""
+
+    def on_finished(self, finished: FinishedRequest) -> None: ...
 
 
 class _NoListener:
     def on_first_token(self, receipt: CacheReceipt) -> None:
         pass
 
-    def on_finished(self, finish_reason: str) -> None:
+    def on_token_gap(self, gap_s: float) -> None:
         pass
+
+    def on_finished(self, finished: FinishedRequest) -> None:
+        pass
+
+
+def _finished(request: Request) -> FinishedRequest:
+    return FinishedRequest(request.status.value, time.perf_counter() - request.arrival_time,
+                           request.num_prompt_tokens, len(request.output_token_ids))
 
 
 class EngineStoppedError(RuntimeError):
@@ -78,6 +100,8 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     saw_first_token: bool = False
+    num_tokens: int = 0                    # generated tokens delivered so far ...
+    last_token_at: float | None = None     # ... the last of them at this time (perf_counter)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Called from the engine thread."""
@@ -293,7 +317,7 @@ class AsyncEngine:
                 request = self.engine.requests.get(command.request_id)
                 self.engine.abort_request(command.request_id)
                 if request is not None:
-                    self.listener.on_finished(request.status.value)
+                    self.listener.on_finished(_finished(request))
                 self.engine.release(command.request_id)
             return
         try:
@@ -314,11 +338,21 @@ class AsyncEngine:
             if not stream.saw_first_token and output.receipt is not None:
                 stream.saw_first_token = True
                 self.listener.on_first_token(output.receipt)
-            stream.put(output)
-            if request.is_finished:
-                self.listener.on_finished(request.status.value)
+            self._note_tokens(stream, len(request.output_token_ids))
+            if request.is_finished:  # heard of before the caller has its answer, as the snapshot is
+                self.listener.on_finished(_finished(request))
                 del self._streams[request.request_id]
                 self.engine.release(request.request_id)
+            stream.put(output)
+
+    def _note_tokens(self, stream: _Stream, num_tokens: int) -> None:
+        """A request's generated tokens now number `num_tokens`: the gap since its previous ones, if any."""
+        if num_tokens <= stream.num_tokens:
+            return
+        now = time.perf_counter()
+        if stream.last_token_at is not None:
+            self.listener.on_token_gap(now - stream.last_token_at)
+        stream.num_tokens, stream.last_token_at = num_tokens, now
 
     def _publish_snapshot(self) -> None:
         scheduler = self.engine.scheduler

@@ -444,6 +444,24 @@ def test_metrics_expose_cache_tiers_ttft_and_queues(http):
         metric_value(text, name, 'tier="cpu"')
 
 
+ANSWER_METRICS = ("kvstrata_prompt_tokens_total", "kvstrata_generation_tokens_total",
+                  "kvstrata_inter_token_latency_seconds_count", "kvstrata_e2e_request_latency_seconds_count")
+
+
+def test_metrics_count_each_answers_tokens_the_gaps_between_them_and_its_latency(client, http):
+    """vLLM's request figures: what a dashboard reads for throughput and inter-token latency."""
+    def read() -> dict[str, float]:
+        text = http.get("/metrics").text
+        return {name: metric_value(text, name) for name in ANSWER_METRICS}
+
+    before = read()
+    answer = client.completions.create(model="smollm2-135m-instruct", prompt="Count to ten:", max_tokens=5,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    after = read()
+    grew = [after[name] - before[name] for name in ANSWER_METRICS]
+    assert grew == [answer.usage.prompt_tokens, 5, 4, 1]  # four gaps between five tokens; one request
+
+
 @pytest.mark.slow
 def test_an_idle_server_writes_its_cache_down_to_disk_before_any_shutdown(client, http):
     client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2, temperature=0,
