@@ -216,6 +216,21 @@ def test_while_an_answer_is_decoded_a_document_beside_it_gets_steps_of_one_targe
     assert step(kv, scheduler, clock) == {first: LONG_STEP_TARGETS * 64}  # the answer done: long steps again
 
 
+def test_online_a_decode_does_not_make_a_step_longer_than_the_target_allows():
+    """Requests arriving mid-step keep steps to the target's cap; the decode rows' floor lengthens
+    only steps that would otherwise run long."""
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=0.5,
+                                          seconds_per_token=1 / 128, device_blocks=1024)
+    decoding = add(scheduler, clock, cached_question(kv, 19), max_tokens=8)
+    step(kv, scheduler, clock)
+    add(scheduler, clock, doc(9, 960))
+    scheduler.cost = StepCost(per_token_s=1 / 128, overhead_s=0.1)  # the decode floor: 1 + 124 tokens
+    assert sum(step(kv, scheduler, clock, arrive_mid_step=doc(41, 960)).values()) == 125
+    capped = scheduler.cost.tokens_within(0.5)
+    assert capped == 115 and sum(step(kv, scheduler, clock).values()) == capped
+    assert decoding.status == RequestStatus.RUNNING
+
+
 def test_once_requests_arrive_while_steps_run_every_step_keeps_to_the_target_for_a_while():
     """Online serving: a request that arrived mid-step waited for that step, so steps stop running
     long (a question arriving next would wait for eight targets); after ARRIVALS_MEMORY_S with none,
