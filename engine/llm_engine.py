@@ -29,6 +29,7 @@ from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.sampling import (MAX_LOGPROBS, SamplingParams, adjust_logits, compute_logprobs, make_generator,
                                       sample)
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
+from kvstrata.engine.structured_outputs import GrammarCompiler, GrammarMatcher, mask_logits
 from kvstrata.kernels import get_ops, resolve_backend
 from kvstrata.tiers.base import BlockLayout
 from kvstrata.tiers.block_events import BlockEventListener
@@ -157,6 +158,8 @@ class LLMEngine:
         # The prompt's token ids on the device, for requests with a repetition penalty (it reads them at
         # every sampled token: made once, not from the list at each step).
         self._penalised_prompts: dict[str, torch.Tensor] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size)  # for structured outputs
+        self._grammar_matchers: dict[str, GrammarMatcher] = {}
         self._closed = False
         self._final_stats: dict | None = None  # stats() once closed
         try:
@@ -252,6 +255,8 @@ class LLMEngine:
         if blocks_needed > self.hierarchy.pool.num_blocks:
             raise ValueError(f"cache.tiers.device.size: the request needs {blocks_needed} blocks but the device "
                              f"tier holds {self.hierarchy.pool.num_blocks}")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # a schema it cannot follow is refused now (cached)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     cache_salt: str | None = None, prompt: str | None = None,
@@ -269,6 +274,8 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens,
                                              include_stop=params.include_stop_str_in_output,
                                              skip_special_tokens=params.skip_special_tokens)
+        if params.structured_outputs is not None:
+            self._grammar_matchers[request_id] = self.grammars.matcher(params.structured_outputs)
         self.requests[request_id] = request
         self._generators[request_id] = generator
         self._detokenizers[request_id] = detokenizer
@@ -366,6 +373,8 @@ class LLMEngine:
             prompts = [self._penalised_prompts.get(r.request_id, r.prompt_token_ids) for r in sampling]
             adjusted = adjust_logits(sampled_logits, params, prompts, [r.output_token_ids for r in sampling],
                                      self.loaded.model_config.eos_token_ids)
+            adjusted = mask_logits(adjusted, [self._grammar_matchers.get(r.request_id) for r in sampling],
+                                   raw=sampled_logits)
             token_ids = sample(adjusted, params, [self._generators[r.request_id] for r in sampling])
             logprobs = compute_logprobs(sampled_logits, token_ids, [p.logprobs for p in params])
             now = time.perf_counter()
@@ -442,23 +451,36 @@ class LLMEngine:
         # (the sampler keeps both out of the first min_tokens tokens)
         is_stop_token = token_id in params.stop_token_ids
         at_limit = len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len
+        json_done = self._follow_grammar(request, token_id)
         # the text of a stop token or end of sequence is not part of the answer unless asked for (vLLM's rule)
         ended_by_token = (is_stop_token or is_eos) and not params.include_stop_str_in_output
         shown = request.output_token_ids[:-1] if ended_by_token else request.output_token_ids
-        request.output_text, hit_stop = detok.update(shown, final=is_eos or is_stop_token or at_limit)
+        request.output_text, hit_stop = detok.update(shown, final=is_eos or is_stop_token or at_limit or json_done)
         if hit_stop is not None:
             request.stop_reason = hit_stop
             self._finish(request, RequestStatus.FINISHED_STOPPED)
         elif is_stop_token:
             request.stop_reason = token_id
             self._finish(request, RequestStatus.FINISHED_STOPPED)
-        elif is_eos:
+        elif is_eos or json_done:
             self._finish(request, RequestStatus.FINISHED_STOPPED)
         elif at_limit:
             self._finish(request, RequestStatus.FINISHED_LENGTH)
 
+    def _follow_grammar(self, request: Request, token_id: int) -> bool:
+        """Move the request's grammar (if it has one) past its new token; True once its JSON is complete."""
+        matcher = self._grammar_matchers.get(request.request_id)
+        if matcher is None:
+            return False
+        if not matcher.accept(token_id):  # the mask allowed it: the grammar and the mask disagree
+            logger.warning("kvstrata: request %s: token %d breaks its structured output; ending it",
+                           request.request_id, token_id)
+            return True
+        return matcher.complete
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
+        self._grammar_matchers.pop(request.request_id, None)
         self._generators.pop(request.request_id, None)
         self._detokenizers.pop(request.request_id, None)
         self._penalised_prompts.pop(request.request_id, None)

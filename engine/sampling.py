@@ -16,6 +16,8 @@ from typing import Collection, Sequence
 
 import torch
 
+from kvstrata.engine.structured_outputs import StructuredOutputsParams
+
 # Temperatures below this are greedy (as vLLM): dividing logits by 1e-38 overflows to inf and NaN.
 GREEDY_TEMPERATURE = 1e-5
 # The most alternatives a request may ask log-probabilities for, per generated token (vLLM's default).
@@ -47,7 +49,8 @@ class SamplingParams:
     one engine request per sequence, sequence i with `for_choice(i)`; the engine itself takes n=1.
     vLLM's text options: `include_stop_str_in_output` keeps the stop string (or the stop token's
     text) that ended the answer at its end; `skip_special_tokens` (default True) leaves special
-    tokens' text out of the answer.
+    tokens' text out of the answer. `structured_outputs` (vLLM's): the answer is held to a JSON
+    schema, or to any JSON object, and ends when its JSON is complete (engine/structured_outputs.py).
     """
 
     max_tokens: int = 16
@@ -69,6 +72,7 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):
@@ -111,6 +115,9 @@ class SamplingParams:
             raise ValueError(f"logit_bias must map token ids (integers >= 0) to numbers from -100 to 100, "
                              f"got {self.logit_bias!r}")
         self.stop = _normalise_stop(self.stop)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, "
+                             f"got {type(self.structured_outputs).__name__}")
 
     def for_choice(self, choice: int) -> SamplingParams:
         """The parameters of the prompt's `choice`-th sequence (n=1): with a seed, seed + choice

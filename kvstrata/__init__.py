@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "load_config", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "load_config", "__version__"]
 
 
 def __getattr__(name: str):
@@ -13,6 +13,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from kvstrata.engine.sampling import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from kvstrata.engine.structured_outputs import StructuredOutputsParams
+        return StructuredOutputsParams
     if name == "load_config":
         from kvstrata.engine.config import load_config
         return load_config

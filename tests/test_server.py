@@ -444,6 +444,33 @@ def test_metrics_expose_cache_tiers_ttft_and_queues(http):
         metric_value(text, name, 'tier="cpu"')
 
 
+VERDICT = {"type": "object", "properties": {"opened": {"type": "integer", "minimum": 1000, "maximum": 2100},
+                                          "rebuilt_wing": {"enum": ["east", "west", "north", "south"]}},
+           "required": ["opened", "rebuilt_wing"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+def test_a_json_schema_response_format_gives_an_answer_that_follows_it(client):
+    """OpenAI's structured outputs, on a question about a cached document."""
+    answer = client.chat.completions.create(
+        model="smollm2-135m-instruct", max_tokens=40, temperature=0, messages=document_chat(
+            "When did the library open, and which wing was rebuilt? Answer in JSON."),
+        response_format={"type": "json_schema", "json_schema": {"name": "facts", "schema": VERDICT, "strict": True}})
+    choice = answer.choices[0]
+    value = json.loads(choice.message.content)
+    assert choice.finish_reason == "stop" and set(value) == {"opened", "rebuilt_wing"}
+    assert 1000 <= value["opened"] <= 2100 and value["rebuilt_wing"] in ("east", "west", "north", "south")
+
+
+def test_a_json_schema_the_server_cannot_follow_is_a_400_naming_response_format(http):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "bad", "schema": {"properties": {"x": {"type": "nope"}}}}}}
+    refused = http.post("/v1/chat/completions", json=body)
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "response_format" and "\n" not in error["message"]
+    assert error["message"].startswith("response_format: the JSON schema cannot be followed")
+
+
 ANSWER_METRICS = ("kvstrata_prompt_tokens_total", "kvstrata_generation_tokens_total",
                   "kvstrata_inter_token_latency_seconds_count", "kvstrata_e2e_request_latency_seconds_count")
 

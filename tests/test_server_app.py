@@ -10,6 +10,7 @@ import pytest
 
 from kvstrata.serving.middleware import DrainState
 from kvstrata.serving.server import stopped_message
+from kvstrata.engine.structured_outputs import StructuredOutputsParams
 from serving_fakes import MODEL, ByteTokenizer, FakeAsyncEngine, client, fake_app
 
 KEY = "s3cret-key"
@@ -128,7 +129,6 @@ BAD_FIELDS = [
     ("/v1/completions", "temperature", "hot"), ("/v1/completions", "max_tokens", 0),
     ("/v1/completions", "stop", 3), ("/v1/completions", "prompt", 3),
     ("/v1/chat/completions", "echo", True), ("/v1/chat/completions", "tools", [{"type": "function"}]),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "frequency_penalty", 2.01), ("/v1/chat/completions", "top_logprobs", 30),
     ("/v1/chat/completions", "max_completion_tokens", -1),
 ]
@@ -158,6 +158,38 @@ def test_a_bad_or_unsupported_field_is_400_naming_it(path, field, value):
 def test_a_lone_surrogate_is_400_naming_the_field(path, body, param):
     error = assert_openai_error(run(post(fake_app(), path, body)), 400, param=param)
     assert "not valid Unicode" in error["message"]
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("response_format, expected", [
+    ({"type": "text"}, None),
+    ({"type": "json_object"}, StructuredOutputsParams(json_object=True)),
+    ({"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}},
+     StructuredOutputsParams(json=SCHEMA)),
+], ids=["text", "json_object", "json_schema"])
+def test_response_format_reaches_the_engine_as_its_structured_outputs(path, response_format, expected):
+    body = {"prompt": "x"} if path == "/v1/completions" else dict(CHAT)
+    engine = FakeAsyncEngine()
+    assert run(post(fake_app(engine), path, {**body, "response_format": response_format})).status_code == 200
+    assert engine.received[0][1].structured_outputs == expected
+
+
+@pytest.mark.parametrize("response_format, param", [
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema"}, "response_format"),
+    ({"type": "json_object", "json_schema": {"schema": SCHEMA}}, "response_format"),
+    ({"type": "json_schema", "json_schema": {"name": "no schema"}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"schema": [1]}}, "response_format.json_schema.schema"),
+    ("json", "response_format"),
+])
+def test_a_bad_response_format_is_400_naming_where(response_format, param):
+    engine = FakeAsyncEngine()
+    assert_openai_error(run(post(fake_app(engine), "/v1/chat/completions", {**CHAT, "response_format": response_format})),
+                        400, param=param)
+    assert engine.received == []
 
 
 def test_fields_clients_send_at_their_no_op_values_are_accepted():

@@ -16,7 +16,7 @@ SAMPLING_FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed
                    "repetition_penalty", "logit_bias", "min_p", "min_tokens", "stop_token_ids",
                    "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens"]
 ROUTE_FIELDS = {
-    "/v1/completions": SAMPLING_FIELDS + ["prompt", "logprobs", "best_of", "echo", "suffix"],
+    "/v1/completions": SAMPLING_FIELDS + ["prompt", "logprobs", "best_of", "echo", "suffix", "response_format"],
     "/v1/chat/completions": SAMPLING_FIELDS + ["messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                                "echo", "tools", "response_format"],
     "/tokenize": ["model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"],
@@ -51,7 +51,10 @@ PLAUSIBLE = {
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
     "best_of": st.integers(0, 3),
     "suffix": st.sampled_from(["", None, "end"]), "tools": st.sampled_from([None, []]),
-    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    "response_format": st.one_of(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}]),
+        st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "json_object", "yaml"]),
+                               "json_schema": st.fixed_dictionaries({"name": texts, "schema": garbage})})),
     "prompt": st.one_of(texts, token_ids, st.lists(st.one_of(texts, token_ids), max_size=3)),
     "messages": st.lists(message, max_size=3), "add_special_tokens": st.booleans(),
     "add_generation_prompt": st.booleans(), "tokens": token_ids,

@@ -66,7 +66,9 @@ _RENDERING_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_te
 # which are the request fields of the same name unless a route says otherwise.
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                    "logprobs", "n")
+                    "logprobs", "n", "structured_outputs")
+# ... and those with another name in every request
+_REQUEST_NAMES = {"structured_outputs": "response_format"}
 
 
 def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, tokenizers: TokenizerPool,
@@ -113,7 +115,8 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
                                   logit_bias=_given(body.logit_bias, {}), logprobs=logprobs,
                                   prompt_logprobs=prompt_logprobs, n=body.choices_per_prompt,
                                   include_stop_str_in_output=bool(body.include_stop_str_in_output),
-                                  skip_special_tokens=_given(body.skip_special_tokens, True))
+                                  skip_special_tokens=_given(body.skip_special_tokens, True),
+                                  structured_outputs=body.response_format and body.response_format.structured_outputs())
         except ValueError as exc:
             raise _bad_request(exc, field_names) from None
 
@@ -344,7 +347,7 @@ def _bad_request(exc: ValueError, field_names: dict[str, str], default_param: st
     name = message.split(" ", 1)[0].rstrip(":")
     param = default_param
     if name in _SAMPLING_FIELDS:
-        param = field_names.get(name, name)
+        param = field_names.get(name, _REQUEST_NAMES.get(name, name))
         message = param + message[len(name):]  # the request's name for it, e.g. top_logprobs
     elif name in _RENDERING_FIELDS:
         param = name

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from typing_extensions import TypedDict  # pydantic reads typing's only from Python 3.12
 
 from kvstrata.engine.prompts import unicode_problem
+from kvstrata.engine.structured_outputs import StructuredOutputsParams
 
 
 def _valid_unicode(text: str) -> str:
@@ -52,6 +53,38 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = None  # vLLM's: usage on every chunk, not only a last one
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`: the schema the answer's JSON must follow."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always followed strictly here
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given_for_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: give it with type 'json_schema' (and only then)")
+        return self
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The engine's form of it; None for text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=self.json_schema.schema_)
+
+
 class SamplingRequest(_Request):
     model: Text | None = None
     max_tokens: int | None = None
@@ -80,6 +113,7 @@ class SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = None  # vLLM's: the stop string stays at the answer's end
     skip_special_tokens: bool | None = None  # vLLM's (default true): special tokens' text left out
     spaces_between_special_tokens: _no_op_only(True) = None  # vLLM's; for slow tokenizers only
+    response_format: ResponseFormat | None = None  # OpenAI's (chat); vLLM takes it for completions too
 
     @field_validator("stop")
     @classmethod
@@ -184,7 +218,6 @@ class ChatCompletionRequest(SamplingRequest, ChatRendering):
     functions: _no_op_only([]) = None
     function_call: _no_op_only("none", "auto") = None
     parallel_tool_calls: bool | None = None  # means nothing without tools
-    response_format: _no_op_only({"type": "text"}) = None
     store: _no_op_only(False) = None
     metadata: _no_op_only({}) = None
     service_tier: _no_op_only("auto", "default") = None
