@@ -418,8 +418,8 @@ class SchedulerConfig(_Section):
     short first, with aging; `fcfs` in arrival order. Under `uncached_first`, while a first token is at
     stake a step computes at most what `step_target` (seconds; YAML takes "50ms" or "0.2s") allows at
     the engine's measured prefill speed, of which the long prefills get at most `long_prefill_share`
-    while short work waits, and while an answer is decoded or requests arrive during steps it keeps to
-    `step_target` too; otherwise a step lasts at most 8 step targets.
+    while short work waits, and while requests arrive during steps it keeps to `step_target` too;
+    otherwise a step lasts at most 8 step targets.
     """
 
     max_num_batched_tokens: PositiveInt = 2048

@@ -163,15 +163,12 @@ class StepCost:
         return (self.per_token_s * num_new_tokens + self.per_pair_s * attention_pairs(num_new_tokens, context)
                 + self.per_read_s * kv_reads(num_new_tokens, context))
 
-    def tokens_within(self, seconds: float, context: int = 0, fixed_s: float = 0.0) -> int:
+    def tokens_within(self, seconds: float, context: int = 0) -> int:
         """The tokens a step may take to last `seconds` when they follow `context` computed ones (their
         attention grows with it), within the floors of the step cap. The overhead floor is in time, so
-        it is priced at the context too: after a long context fewer tokens make the step long enough.
-        `fixed_s`: other work the step does whatever its tokens (the decode rows riding along), fixed
-        cost to them as the step's overhead is, under the same floor."""
-        fixed_s += self.overhead_s
-        overhead_floor = self.tokens_for(fixed_s * (1 - MAX_OVERHEAD_SHARE) / MAX_OVERHEAD_SHARE, context)
-        return max(MIN_STEP_TOKENS, overhead_floor, self.tokens_for(seconds - fixed_s, context))
+        it is priced at the context too: after a long context fewer tokens make the step long enough."""
+        overhead_floor = self.tokens_for(self.overhead_s * (1 - MAX_OVERHEAD_SHARE) / MAX_OVERHEAD_SHARE, context)
+        return max(MIN_STEP_TOKENS, overhead_floor, self.tokens_for(seconds - self.overhead_s, context))
 
     def tokens_for(self, compute_s: float, context: int = 0) -> int:
         """The tokens whose compute (a step's fixed cost aside) takes `compute_s` seconds when they

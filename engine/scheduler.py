@@ -32,17 +32,13 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     a token costs more the more it attends to), so short work never waits long for a step;
     but at least `MIN_STEP_TOKENS`, and enough that the step's fixed cost stays under
     `MAX_OVERHEAD_SHARE` of it (throughput first where a step's overhead is large against the
-    target). Otherwise a step may last `LONG_STEP_TARGETS` step targets, so that long prefills lose
-    little to step overheads, but only while nobody arrives during steps: once a request has arrived
-    while a step was running (it had to wait for that step) within the last `ARRIVALS_MEMORY_S`,
-    every step keeps to the cap. Online serving, where requests come at any moment, thus gets steps
-    near the target (a question arriving mid-step waits for one of them, not for eight); a batch of
-    documents given at once, or sent between steps, gets long steps, as nobody waits for them. But
-    while answers are being decoded their next tokens wait for every step (a streamed answer would
-    stall for seconds beside a document's prefill; vLLM bounds the gap by its token budget): such a
-    step keeps to the target too, yet lasts long enough that the decode rows, a fixed cost to the
-    prefill sharing the step, take at most `MAX_OVERHEAD_SHARE` of it with the step's overhead
-    (where decoding is slow, a CPU, the prefill is not slowed by more than that share).
+    target). Otherwise (long prefills and decodes) a step may last `LONG_STEP_TARGETS` step targets,
+    so that long prefills lose little to step overheads, but only while nobody arrives during steps:
+    once a request has arrived while a step was running (it had to wait for that step) within the
+    last `ARRIVALS_MEMORY_S`, every step keeps to the cap. Online serving, where requests come at
+    any moment, thus gets steps near the target (a question arriving mid-step waits for one of
+    them, not for eight); a batch given at once, or clients that send between steps, gets long
+    steps, as nobody waits for them.
   * Bounded share. While short work waits, the step holds the short work (the waiting requests
     that fit in a step, and the running prefills and decodes whose rest fits in what the step target
     buys) and, between the long prefills in progress, at most `long_prefill_share` of what the
@@ -186,11 +182,6 @@ class Scheduler:
             return candidates, running, capped, capped  # requests arrive mid-step: they would wait for a long one
         long_step = min(self.max_num_batched_tokens,
                         self.cost.tokens_within(LONG_STEP_TARGETS * self.step_target, context))
-        decoding = [r for r in running if r.num_computed_tokens >= r.num_prompt_tokens]
-        if decoding:  # answers' next tokens wait for the step: it keeps to the target, the decodes' cost floored
-            decode_s = sum(self.cost.prefill_s(1, r.num_computed_tokens) for r in decoding)
-            step = min(long_step, len(decoding) + self.cost.tokens_within(self.step_target, context, fixed_s=decode_s))
-            return candidates, running, step, step
         return candidates, running, long_step, long_step
 
     def _note_arrivals_during_last_step(self) -> None:
