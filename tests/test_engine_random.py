@@ -2,10 +2,11 @@
 KV events of all that movement name every block's parent truly, in every medium.
 
 Seeded random batches of requests with random sampling parameters (greedy and seeded sampling,
-penalties, logit bias, stops, min_tokens, logprobs, prompt_logprobs, n, tenants' salts) on prompts
-that share random prefixes of a few real documents, through engines with small random tiers, step
-budgets, sequence limits and both scheduling policies (so requests are chunked, evicted, spilled,
-promoted and preempted), each against the same request sent alone to an engine with caching off.
+penalties, logit bias, stops, min_tokens, logprobs, prompt_logprobs, n, structured outputs, tenants'
+salts) on prompts that share random prefixes of a few real documents, through engines with small
+random tiers, step budgets, sequence limits and both scheduling policies (so requests are chunked,
+evicted, spilled, promoted and preempted), each against the same request sent alone to an engine
+with caching off.
 The embedded model in float32 on the CPU, where hits give exactly the uncached outputs.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import random
 import pytest
 from pydoc_data.topics import topics
 
-from kvstrata import LLM, SamplingParams
+from kvstrata import LLM, SamplingParams, StructuredOutputsParams
 from kvstrata.tiers.block_events import BlockStored
 
 pytestmark = pytest.mark.slow
@@ -44,6 +45,10 @@ def engine_config(rng: random.Random, store: str) -> dict:
                           "max_num_batched_tokens": rng.choice([64, 256, 2048]), "max_num_seqs": rng.choice([2, 16])}}
 
 
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+          "required": ["answer", "n"]}
+
+
 def random_params(rng: random.Random) -> SamplingParams:
     kw: dict = {"max_tokens": rng.randint(1, 6)}
     if rng.random() < 0.5:
@@ -56,7 +61,8 @@ def random_params(rng: random.Random) -> SamplingParams:
              "logit_bias": [{rng.randrange(VOCAB): rng.choice([-100.0, 5.0, 100.0])}],
              "stop": [".", " the", "\n", ["a", "e"]], "stop_token_ids": [[rng.randrange(VOCAB), 13]],
              "logprobs": [0, 1, 5], "prompt_logprobs": [0, 2], "n": [2, 3], "include_stop_str_in_output": [True],
-             "skip_special_tokens": [False], "ignore_eos": [True]}
+             "skip_special_tokens": [False], "ignore_eos": [True],
+             "structured_outputs": [StructuredOutputsParams(json_object=True), StructuredOutputsParams(json=SCHEMA)]}
     kw.update({k: rng.choice(v) for k, v in maybe.items() if rng.random() < 0.25})
     if rng.random() < 0.2:
         kw["min_tokens"] = rng.randint(0, kw["max_tokens"])
