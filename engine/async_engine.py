@@ -5,8 +5,8 @@ calls `step()` while there is work, and hands each request's progress to the asy
 caller that asked for it with `loop.call_soon_threadsafe`. With no work it waits on the inbox, waking
 once a second to publish a fresh stats snapshot (tiers keep changing while idle: the disk tier's
 writer commits, another process shares the store). The asyncio side never touches the engine: it
-validates requests with `validate_request` (which reads only fixed limits) and reads the stats
-snapshot that the engine thread publishes.
+validates requests with `validate_request` (which reads only fixed limits and the thread-safe
+grammar cache) and reads the stats snapshot that the engine thread publishes.
 
 This module knows nothing of HTTP or of how figures are exported: whoever serves the engine reads
 `snapshot` and may pass a `RequestListener` to hear of each first token, each later token's gap and
@@ -197,6 +197,13 @@ class AsyncEngine:
         arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         return self._outputs(_Add(request_id, prompt_token_ids, params, cache_salt, prompt, arrival_time,
                                   _Stream(asyncio.get_running_loop())))
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Work a request needs before it can be validated, done off the event loop: a structured
+        request's grammar is compiled (tens of milliseconds for a big schema, without the GIL) on a
+        worker thread, so that `generate` finds it cached. ValueError for a schema it cannot follow."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_outputs)
 
     async def _outputs(self, add: _Add) -> AsyncIterator[RequestOutput]:
         self._submit(add)

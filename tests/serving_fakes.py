@@ -65,6 +65,9 @@ class FakeAsyncEngine:
         self.received: list[tuple[list[int], SamplingParams]] = []
         self.request_ids: list[str] = []
 
+    async def prepare(self, params: SamplingParams) -> None:
+        pass
+
     def generate(self, token_ids, params: SamplingParams, *, request_id, cache_salt, prompt,
                  arrival_time) -> AsyncIterator[RequestOutput]:
         if not token_ids:

@@ -134,8 +134,8 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
             return await tokenize(render_messages, message_dicts(body.messages), "messages")
         return await tokenize(render_prompt, body.prompt, "prompt")
 
-    def start(prompts: list[tuple[str | None, list[int]]], params: SamplingParams, request_id: str,
-              body: SamplingRequest) -> list[AsyncIterator[RequestOutput]]:
+    async def start(prompts: list[tuple[str | None, list[int]]], params: SamplingParams, request_id: str,
+                    body: SamplingRequest) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per choice: `n` for each prompt, choice k*n + i being prompt k's i-th.
         All are validated before any is queued (a request is queued when its outputs are first read).
         Choice i samples with `params.for_choice(i)` (with a seed, seed + i)."""
@@ -146,6 +146,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         several = len(prompts) * n > 1
         arrival = time.perf_counter()
         try:
+            await engine.prepare(params)  # a structured request's grammar, compiled off the event loop
             return [engine.generate(token_ids, params.for_choice(i), cache_salt=body.cache_salt, prompt=text,
                                     request_id=f"{request_id}-{k * n + i}" if several else request_id,
                                     arrival_time=arrival)
@@ -198,7 +199,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens, body.logprobs, {}, _prompt_alternatives(body))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = start(prompts, params, request_id, body)
+        streams = await start(prompts, params, request_id, body)
         settings = stream_settings(body, request_id, body.logprobs is not None)
         n = body.choices_per_prompt
         if body.echo:
@@ -245,7 +246,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         params = sampling_params(body, max_tokens, logprobs,
                                  {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}, body.prompt_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = start([(None, token_ids)], params, request_id, body)
+        streams = await start([(None, token_ids)], params, request_id, body)
         settings = stream_settings(body, request_id, logprobs is not None)
 
         async def whole(finals: list[RequestOutput]) -> ChatCompletionResponse:
