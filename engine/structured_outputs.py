@@ -45,14 +45,10 @@ class StructuredOutputsParams:
         if self.json is not None:
             object.__setattr__(self, "json", _schema_text(self.json))
 
-    @property
-    def key(self) -> str:
-        """One name for the grammar: equal schemas share their compiled grammar."""
-        return "json_object" if self.json_object else self.json
-
 
 def _schema_text(schema: str | dict) -> str:
-    """The schema as canonical JSON text; ValueError (one line) if it is not a JSON object."""
+    """The schema as compact JSON text, its keys in their order (the answer's fields come in the order
+    of the schema's properties); ValueError (one line) if it is not a JSON object."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -61,7 +57,7 @@ def _schema_text(schema: str | dict) -> str:
     if not isinstance(schema, dict):
         raise ValueError(f"structured_outputs: a JSON schema is a JSON object, got {type(schema).__name__}")
     try:
-        return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"structured_outputs: the JSON schema cannot be written as JSON ({exc})") from None
 
