@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.machine import machine_line, provenance_lines  # noqa: E402
 from benchmarks.ttft_pressure import command_line, source_state  # noqa: E402
 
 VOCAB = 49152
@@ -101,12 +101,7 @@ def main() -> int:
     result = {"benchmark": "answer_json", "command": command_line(), "machine": machine_line(), "source": source,
               "repeats": args.repeats, "rows": rows}
     (out / "answer_json.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = ["# Writing a whole answer as JSON", "",
-             f"Command: `{result['command']}`  ",
-             f"Machine: {result['machine']}  ",
-             f"Code: commit {source['commit']}"
-             + (f", with uncommitted changes to {', '.join(source['engine_sources_modified'])}"
-                if source["engine_sources_modified"] else ""), "",
+    lines = ["# Writing a whole answer as JSON", "", *provenance_lines(result), "",
              "Process CPU time to write one answer, median of "
              f"{args.repeats} runs: FastAPI's default for a returned model (`jsonable_encoder` then `json.dumps`, "
              "on the event loop) against the server's writer (pydantic's compiled serializer, on a pool "

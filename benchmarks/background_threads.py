@@ -31,7 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.machine import machine_line, provenance_lines  # noqa: E402
 from benchmarks.ttft_pressure import command_line, source_state  # noqa: E402
 
 BLOCKS_PER_PUT = 128  # one 2k-token document
@@ -131,12 +131,7 @@ def main() -> int:
               "source": source, "hits_per_cell": args.hits, "doc_tokens": args.doc_tokens, "rows": rows}
     (out / "background_threads.json").write_text(json.dumps(result, indent=1) + "\n")
     kinds = args.kinds.split(",")
-    lines = ["# A cache hit beside other threads' work", "",
-             f"Command: `{result['command']}`  ",
-             f"Machine: {result['machine']}  ",
-             f"Code: commit {source['commit']}" + (f", with uncommitted changes to "
-                                                   f"{', '.join(source['engine_sources_modified'])}"
-                                                   if source["engine_sources_modified"] else ""), "",
+    lines = ["# A cache hit beside other threads' work", "", *provenance_lines(result), "",
              f"TTFT of a 16-token question over a {args.doc_tokens}-token document cached on the device (median "
              f"of {args.hits}), float32, one torch thread, alone and with another thread of the process looping "
              "over the named work; the interpreter's switch interval is the longest the step thread waits "

@@ -29,3 +29,13 @@ def machine_line(**versions: str) -> str:
             f"{accelerator}; {platform.system()} {platform.release()}; Python {platform.python_version()}; "
             f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
     return "; ".join([line, *(f"{name} {version}" for name, version in versions.items())])
+
+
+def provenance_lines(result: dict) -> list[str]:
+    """A results file's first lines: the command, the machine and the code (`result`'s "command",
+    "machine" and "source", as `ttft_pressure.source_state` gives it) that produced its figures."""
+    source = result["source"]
+    modified = source["engine_sources_modified"]
+    return [f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
+            f"Code: commit {source['commit']}" + (f", with uncommitted changes to {', '.join(modified)}"
+                                                  if modified else "")]

@@ -30,7 +30,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.machine import machine_line, provenance_lines  # noqa: E402
 from benchmarks.ttft_pressure import command_line, source_state  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "year": {"type": "integer"}},
@@ -110,12 +110,7 @@ def main() -> int:
     result = {"benchmark": "structured_outputs", "command": command_line(), "machine": machine_line(),
               "source": source, "repeats": args.repeats, "tokens": args.tokens, "rows": rows}
     (out / "structured_outputs.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = ["# What structured outputs cost a step", "",
-             f"Command: `{result['command']}`  ",
-             f"Machine: {result['machine']}  ",
-             f"Code: commit {source['commit']}"
-             + (f", with uncommitted changes to {', '.join(source['engine_sources_modified'])}"
-                if source["engine_sources_modified"] else ""), "",
+    lines = ["# What structured outputs cost a step", "", *provenance_lines(result), "",
              "The grammar mask of B structured rows (xgrammar fills each row's bitmask, then applies the batch's "
              f"at once; median of {args.repeats} steps) against the median decode step of B plain requests "
              f"(the embedded model in float32, 1 torch thread, {args.tokens} tokens each, greedy), in the same run.",
