@@ -54,11 +54,21 @@ def mask_seconds(llm, batch: int, prefix: str, repeats: int) -> float:
         matchers = [engine.grammars.matcher(params) for _ in range(batch)]
         for matcher in matchers:
             assert all(matcher.accept(t) for t in prefix_ids), "the prefix must follow the schema"
-        logits = torch.randn(batch, vocab)
+        logits = torch.randn(batch, vocab, device=engine.device)
+        synchronize(engine.device)
         started = time.perf_counter()
         mask_logits(logits, matchers, raw=logits)
+        synchronize(engine.device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (a GPU's kernels run after their launch returns)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def decode_step_seconds(llm, batch: int, tokens: int) -> float:
@@ -84,6 +94,8 @@ def main() -> int:
     p.add_argument("--batches", default="1,8,32", help="structured rows per step, comma separated")
     p.add_argument("--tokens", type=int, default=24, help="tokens generated per request for the decode step")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
     args = p.parse_args()
 
@@ -92,7 +104,7 @@ def main() -> int:
     from kvstrata import LLM
 
     torch.set_num_threads(1)
-    llm = LLM({"model": {"dtype": "float32", "device": "cpu"}, "cache": {"tiers": {"device": {"size": 1024}}}})
+    llm = LLM({"model": {"dtype": args.dtype, "device": args.device}, "cache": {"tiers": {"device": {"size": 1024}}}})
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         step_s = decode_step_seconds(llm, batch, args.tokens)
@@ -113,7 +125,8 @@ def main() -> int:
     lines = ["# What structured outputs cost a step", "", *provenance_lines(result), "",
              "The grammar mask of B structured rows (xgrammar fills each row's bitmask, then applies the batch's "
              f"at once; median of {args.repeats} steps) against the median decode step of B plain requests "
-             f"(the embedded model in float32, 1 torch thread, {args.tokens} tokens each, greedy), in the same run.",
+             f"(the embedded model, {args.dtype} on {args.device}, 1 torch thread, {args.tokens} tokens each, greedy), "
+             "in the same run.",
              "", "| rows | where the answers are | mask | decode step | mask / step |", "|---:|---|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['state']} | {r['mask_s'] * 1000:.2f} ms | "
