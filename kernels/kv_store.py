@@ -29,7 +29,10 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     (half up) to multiples of the row's scale, amax / 127, then the scale's float32 bytes. The Triton store
     computes the same float32 operations in the same order, so both give the same bytes."""
     x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True) / INT8_MAX
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # divided by a tensor, not by the number: CUDA computes `tensor / number` as a product with the
+    # number's reciprocal (an ulp off at times), where the CPU and the Triton store (div_rn) divide
+    scale = amax / torch.full_like(amax, INT8_MAX)
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: zeros, scale 0
     values = torch.floor(x / divisor + 0.5).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return torch.cat([values, scale.view(torch.int8)], dim=-1)
