@@ -157,17 +157,23 @@ def describe_device(plan: Plan) -> dict:
 # ---------------------------------------------------------------------------------------------- tests
 
 def run_cuda_tests(plan: Plan) -> dict:
-    """`pytest -m cuda` in a child process; its JUnit XML says what passed."""
+    """`pytest -m cuda` in a child process; its JUnit XML says what passed. A test module that cannot be
+    imported (a serving dependency missing on a GPU machine) is one error, and the CUDA tests elsewhere
+    still run. Where pytest stops before any test, its last words (often on stderr) say why, and the
+    section fails."""
     with tempfile.TemporaryDirectory(prefix="kvstrata-gpu-tests-") as tmp:
         junit = Path(tmp) / "cuda.xml"
         command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                   f"--junitxml={junit}", *plan.test_paths]
+                   "--continue-on-collection-errors", f"--junitxml={junit}", *plan.test_paths]
         started = time.perf_counter()
         done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
         result = junit_counts(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 0, "skipped": 0,
                                                              "not_passed": []}
-    result.update(seconds=time.perf_counter() - started, returncode=done.returncode,
-                  last_line=(done.stdout.strip().splitlines() or [""])[-1])
+    last_line = (done.stdout.strip().splitlines() or done.stderr.strip().splitlines() or [""])[-1]
+    if not any(result[key] for key in ("passed", "failed", "errors", "skipped")):
+        last_line = (done.stderr.strip().splitlines() or [last_line])[-1]
+        raise RuntimeError(f"pytest ran no test (exit status {done.returncode}): {last_line}")
+    result.update(seconds=time.perf_counter() - started, returncode=done.returncode, last_line=last_line)
     return result
 
 

@@ -57,6 +57,25 @@ def test_cuda_test_counts_come_from_the_junit_xml(tmp_path):
     assert counts["not_passed"] == ["tests.test_a::test_bad", "tests.test_b::test_broken"]
 
 
+def tests_plan(*paths: Path) -> gpu_report.Plan:
+    return gpu_report.Plan(False, "cuda", ("tests",), (), (), (64,), 1, 1 << 20, 64, 8, 2, tuple(map(str, paths)))
+
+
+def test_a_test_module_that_cannot_be_imported_is_one_error_and_the_other_tests_still_run(tmp_path):
+    # as on a GPU machine that lacks a serving dependency: its test modules fail to import
+    (tmp_path / "test_needs_a_missing_package.py").write_text("import no_such_package_here\n")
+    (tmp_path / "test_kernel.py").write_text(
+        "import pytest\n\n@pytest.mark.cuda\ndef test_runs():\n    assert True\n")
+    counts = gpu_report.run_cuda_tests(tests_plan(tmp_path))
+    assert (counts["passed"], counts["errors"]) == (1, 1)
+    assert any("test_needs_a_missing_package" in name for name in counts["not_passed"])
+
+
+def test_when_pytest_runs_no_test_the_section_fails_saying_why(tmp_path):
+    with pytest.raises(RuntimeError, match="pytest ran no test .*no_such_dir"):
+        gpu_report.run_cuda_tests(tests_plan(tmp_path / "no_such_dir"))
+
+
 def ttft_row(model: str, miss: float, device: float, cpu: float, disk: float, short: float) -> dict:
     return {"model": model, "dtype": "bfloat16", "doc_tokens": 7050, "prompt_tokens": 7087,
             "median_s": {"miss": miss, "device": device, "cpu": cpu, "disk": disk, "short": short}}
