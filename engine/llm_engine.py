@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from kvstrata.engine.config import Config
+from kvstrata.engine.costs import attention_pairs, kv_reads
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.documents import Document, DocumentPlan, DocumentRegistry
 from kvstrata.engine.hashing import BlockHasher
@@ -47,6 +48,12 @@ LOAD_WAIT_S = 0.05  # the longest an otherwise idle step waits for a prefix load
 # what the device and the tiers below it hold of the documents being scored, within a bound.
 PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK = 4
 MAX_PROMPT_LOGPROB_BLOCKS = 16384
+# The start-up probe of the step cost, by device type: a prefill of this many tokens (at most a step's
+# budget), a decode over it and a short prefill. A GPU's step has a large fixed cost and a small one per
+# token, which the CPU-sized guess the cost starts from misses by 100x; on a CPU the guess is close, and
+# a probe would cost every start a few hundred milliseconds.
+PROBE_TOKENS = {"cuda": 2048}
+PROBE_SHORT_TOKENS = 16
 PROMPT_ROWS_AT_ONCE = 256  # log-softmax over this many prompt rows at a time: a vocabulary-wide copy each
 
 
@@ -163,6 +170,7 @@ class LLMEngine:
         self._closed = False
         self._final_stats: dict | None = None  # stats() once closed
         try:
+            self._probe_step_cost()
             self._preload_documents()
         except BaseException:
             self.hierarchy.close()
@@ -347,6 +355,44 @@ class LLMEngine:
             logger.info("kvstrata: preloaded %s as %s (%d tokens, %s)", entry.file.name, doc.id, doc.num_tokens,
                         "pinned" if doc.pinned else "not pinned")
 
+    def _probe_step_cost(self) -> None:
+        """Seed the step cost (it caps steps and prices recomputing) with timed runs of the model on
+        throwaway tokens in free blocks: a prefill, a decode over it and a short prefill, after one
+        untimed round that compiles the kernels (a first request does not pay for it). Without it the
+        first steps on a GPU are priced by a CPU-sized guess, and a long prompt alone is cut into many
+        short steps."""
+        bs = self.block_size
+        if self.device.type not in PROBE_TOKENS:
+            return
+        free_tokens = self.hierarchy.pool.num_free_blocks * bs
+        n = min(PROBE_TOKENS[self.device.type], self.scheduler.max_num_batched_tokens, free_tokens - 1,
+                self.max_model_len - 1)
+        if n < PROBE_SHORT_TOKENS:
+            return  # no room for a probe: the first steps teach the cost
+        blocks = self.hierarchy.pool.get_new_blocks(-(-(n + 1) // bs))
+        try:
+            block_ids = [b.block_id for b in blocks]
+            runs = [(0, n), (n, 1), (0, PROBE_SHORT_TOKENS)]  # (context, new tokens)
+            for _ in self._timed_probe_runs(block_ids, runs):  # untimed: compiles and warms up
+                pass
+            for (context, new), seconds in zip(runs, self._timed_probe_runs(block_ids, runs)):
+                self.scheduler.cost.observe(new, seconds, attention_pairs(new, context), kv_reads(new, context))
+        finally:
+            self.hierarchy.pool.free_blocks(blocks)  # never hashed: their K/V are garbage nobody reads
+
+    def _timed_probe_runs(self, block_ids: list[int], runs: list[tuple[int, int]]):
+        """Seconds of each (context, new tokens) run, the device waited for as a sampling step waits."""
+        bs = self.block_size
+        for context, new in runs:
+            positions = torch.arange(context, context + new)
+            step = StepInput(input_ids=positions % self.loaded.model_config.vocab_size, positions=positions,
+                             slot_mapping=torch.tensor(block_ids)[positions // bs] * bs + positions % bs,
+                             block_tables=[block_ids], query_start_loc=[0, new], seq_lens=[context + new],
+                             logits_indices=[new - 1])
+            started = time.perf_counter()
+            self.runner.execute(step).argmax(dim=-1).tolist()  # reads the result back, as `sample` does
+            yield time.perf_counter() - started
+
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[Request]:
@@ -383,9 +429,12 @@ class LLMEngine:
                     request.output_logprobs.append(token_logprobs)
                 self._append_token(request, token_id, now)
         # The step's measured cost prices waiting work and caps later steps (scheduler.step_target).
-        # On a GPU only a sampling step has waited for the device (`sample` reads the tokens back).
+        # A sampling step has waited for the device (`sample` reads the tokens back); a prefill chunk
+        # waits here, or the cost would never learn from one on a GPU (its time is the device's).
         # A step with prompt rows also ran the vocabulary projection over them: not a step the model prices.
-        if (sampling or self.device.type == "cpu") and not prompt_rows.count:
+        if not prompt_rows.count:
+            if not sampling and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             self.scheduler.observe_step(out, time.perf_counter() - started)
         # The step computed the K/V of the blocks cached at allocation: now they can go down (the
         # transfer engine copies them in the background). A block reused before its copy is done is
