@@ -15,8 +15,8 @@ Sections, in the order they run (all by default, `--sections` picks some):
   engine on the GPU), counted from its JUnit XML.
 - bandwidth: pinned host-to-device and device-to-host copies of 1 GiB, the limit; then promotion from a
   pinned CPU tier and from a warm disk tier through the engine's transfer path (benchmarks/tiers.py's
-  `measure`: the tiers' `get` on the transfer engine's worker, pinned staging, one copy per run on a side
-  stream) as a share of the host-to-device figure, for SmolLM2's block and a Llama-3-8B-shaped one (32
+  `measure`: the CPU tier's pinned rows lent and copied straight to the device, the disk tier read into
+  pinned staging, on a side stream) as a share of the host-to-device figure, for SmolLM2's block and a Llama-3-8B-shaped one (32
   layers, 8 KV heads, head_dim 128), random bytes.
 - kernels: the Triton prefix-prefill against SDPA on the same problem laid out contiguously, and split-KV
   against the same kernel in one pass (benchmarks/kernels.py's tables).
@@ -549,8 +549,9 @@ def bandwidth_lines(b: dict, result: dict) -> list[str]:
     h2d, d2h = b["limits"]["h2d"], b["limits"]["d2h"]
     lines = [f"Limit, measured in this run (best of 5): {h2d['what']} **{h2d['gbps']:.2f} GB/s**; "
              f"{d2h['what']} **{d2h['gbps']:.2f} GB/s**.", "",
-             "Promotion through the transfer engine (the tier's `get` on its fill threads, pinned staging, one "
-             "host-to-device copy per run on a side stream), timed from submission until it has landed, best of "
+             "Promotion through the transfer engine, on a side stream (the CPU tier's pinned rows copied straight "
+             "to the device, a copy per run of neighbours; the disk tier read on the fill threads into pinned "
+             "staging, a copy per chunk), timed from submission until it has landed, best of "
              f"5 after a warm-up; random bytes, bf16 blocks of 16 tokens; {b['rows'][0].get('fill_threads', '?')} fill "
              "threads. In parentheses: the same with one fill thread, measured in turn.", "",
              "| block | bytes per block | tokens | MB | CPU tier -> device GB/s | % of H2D | warm disk -> device "

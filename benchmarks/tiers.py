@@ -1,9 +1,10 @@
 """Tier bandwidth: promotion from the CPU tier and from a warm disk tier into a block-major KV tensor,
 as a fraction of this machine's copy bandwidth, and the disk tier's write-down throughput.
 
-A promotion goes the engine's way: one load job of the transfer engine (the tier's read on its
-worker thread; with CUDA, pinned staging and one host-to-device copy per run on a side stream),
-timed from submission until it has landed.
+A promotion goes the engine's way: one load job of the transfer engine, timed from submission until it
+has landed. The CPU tier lends its slab's rows (with CUDA the slab is pinned and each run of neighbouring
+rows is one host-to-device copy on a side stream); the disk tier is read into pinned staging, then one
+host-to-device copy per chunk.
 
     python benchmarks/tiers.py [--out benchmarks/results] [--repeats 5]
 
@@ -101,7 +102,10 @@ def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int,
         def fill(start, views):
             stop = start + len(views)
             return tier.get(hashes[start:stop], tokens[start:stop], views)
-        job = transfers.load(ids, fill)
+
+        def lend(start, n):  # the CPU tier lends its slab's rows, as in the engine's promotions
+            return tier.lend(hashes[start:start + n], tokens[start:start + n]) if isinstance(tier, CpuTier) else None
+        job = transfers.load(ids, fill, lend)
         job.wait()
         assert all(job.served), f"the {tier.name} tier did not serve every block"
 

@@ -209,3 +209,43 @@ def test_a_slot_being_read_is_neither_evicted_nor_reused_until_the_read_ends(mon
     assert torch.equal(got["block"], blocks[1])
     put_blocks(tier, [6])           # the read is over: block 1's slot is free again, nothing is evicted
     assert tier.contains(key(5)) and tier.contains(key(6)) and tier.stats().evictions == 3
+
+
+def lent_bytes(lent) -> list[torch.Tensor]:
+    return [lent.slab[row].clone() for row in lent.rows]
+
+
+def test_blocks_are_lent_for_a_copy_straight_from_the_slab_and_count_as_hits():
+    tier = CpuTier(BF16, capacity_blocks=4)
+    blocks = put_blocks(tier, [1, 2, 3])
+    lent = tier.lend([key(3), key(1)], [tokens(3), tokens(1)])
+    assert [torch.equal(b, blocks[i]) for b, i in zip(lent_bytes(lent), (3, 1))] == [True, True]
+    assert tier.stats().hits == 2
+    lent.release()
+
+
+def test_a_lend_with_a_missing_or_stale_block_lends_nothing_and_counts_nothing():
+    tier = CpuTier(BF16, capacity_blocks=4)
+    put_blocks(tier, [1, 2])
+    assert tier.lend([key(1), key(9)], [tokens(1), tokens(9)]) is None
+    assert tier.lend([key(1), key(2)], [tokens(1), tokens(5)]) is None  # block 2 stored under other tokens
+    stats = tier.stats()
+    assert (stats.hits, stats.misses, stats.corrupt) == (0, 0, 0)
+    assert tier.contains(key(2))  # the caller's `get` is what finds it stale and drops it
+
+
+def test_a_lent_slot_is_neither_evicted_nor_reused_until_released_once():
+    tier = CpuTier(BF16, capacity_blocks=2)
+    blocks = put_blocks(tier, [1, 2])
+    lent = tier.lend([key(1)], [tokens(1)])
+    put_blocks(tier, [3])           # evicts block 2
+    put_blocks(tier, [4])           # block 1 is the oldest, but lent: block 3 goes instead
+    assert tier.contains(key(1)) and not tier.contains(key(3))
+    assert tier.discard(key(1))     # dropped while lent: its slot stays out of use until released
+    put_blocks(tier, [5])
+    assert not tier.contains(key(4))
+    assert torch.equal(lent.slab[lent.rows[0]], blocks[1])  # the copy may still read it
+    lent.release()
+    lent.release()                  # a second release finds nothing left to release
+    put_blocks(tier, [6])           # the slot is free again: nothing is evicted
+    assert tier.contains(key(5)) and tier.contains(key(6)) and tier.stats().evictions == 3

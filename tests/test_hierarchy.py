@@ -112,6 +112,19 @@ def test_write_through_serves_an_evicted_document_from_cpu():
     assert kv.hierarchy.counters.promotions["cpu"] == again.cached_tokens_by_tier["cpu"] // BS
 
 
+def test_a_document_wholly_in_the_cpu_tier_is_lent_out_of_its_slab_not_read_into_a_buffer(monkeypatch):
+    kv = make_stack(device_blocks=8, cpu_blocks=32)
+    a, b = doc(1, 6 * BS + 1), doc(2, 6 * BS + 1)
+    run_request(kv, a)
+    run_request(kv, b)  # evicts a's device blocks; a stays whole in the CPU tier
+    monkeypatch.setattr(kv.hierarchy.cpu, "get", lambda *args: pytest.fail("read into a buffer, not lent"))
+    again = run_request(kv, a)
+    assert again.cached_tokens_by_tier["cpu"] > 0 and again.num_cached_tokens == 6 * BS
+    for h in HASHER.hash(a)[:6]:  # each block landed with its own bytes
+        block = kv.hierarchy.pool.get_cached_block(h)
+        assert torch.equal(as_bytes(kv.hierarchy.kv_cache[block.block_id]), content_for(h))
+
+
 def test_on_evict_copies_down_only_when_the_device_reuses_a_block():
     kv = make_stack(device_blocks=8, cpu_blocks=32, offload="on_evict")
     a, b = doc(1, 6 * BS + 1), doc(2, 6 * BS + 1)

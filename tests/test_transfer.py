@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvstrata.tiers.base import BlockLayout, as_bytes
-from kvstrata.tiers.transfer import TransferEngine
+from kvstrata.tiers.transfer import LentBlocks, TransferEngine, contiguous_runs
 
 LAYOUT = BlockLayout(num_layers=1, block_size=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 
@@ -54,6 +54,42 @@ def test_jobs_of_one_direction_complete_in_submission_order():
     gate.set()
     assert second.wait(10) and first.done
     assert bool((as_bytes(transfers.kv_cache[0]) == 2).all())
+    transfers.close()
+
+
+def test_runs_of_neighbouring_blocks_and_rows_move_as_one_copy():
+    assert contiguous_runs([4, 5, 6, 9, 10, 11, 2], [7, 8, 9, 10, 12, 13, 14]) == [
+        (4, 7, 3), (9, 10, 1), (10, 12, 2), (2, 14, 1)]
+    assert contiguous_runs([], []) == []
+
+
+def lend_rows(slab: torch.Tensor, rows: list[int], released: list[int]):
+    """A lend of `rows` of `slab` for any chunk: the chunk's own rows; `released` counts releases."""
+    def lend(start, n):
+        return LentBlocks(slab, rows[start:start + n], lambda: released.append(1))
+    return lend
+
+
+def test_lent_blocks_are_copied_straight_from_the_slab_and_released_once_landed():
+    transfers = engine()
+    slab = torch.randint(0, 256, (6, LAYOUT.block_nbytes), dtype=torch.uint8)
+    released = []
+
+    def fill(start, views):
+        raise AssertionError("lent blocks are not read through fill")
+
+    job = transfers.load([3, 4, 0], fill, lend_rows(slab, [1, 2, 5], released))
+    assert job.wait(10) and job.served == [True, True, True] and released == [1]
+    for block, row in ((3, 1), (4, 2), (0, 5)):
+        assert torch.equal(as_bytes(transfers.kv_cache[block]), slab[row])
+    transfers.close()
+
+
+def test_blocks_not_lent_are_filled():
+    transfers = engine()
+    job = transfers.load([1, 2], fill_with({0: 5, 1: 6}), lambda start, n: None)
+    assert job.wait(10) and job.served == [True, True]
+    assert bool((as_bytes(transfers.kv_cache[1]) == 5).all()) and bool((as_bytes(transfers.kv_cache[2]) == 6).all())
     transfers.close()
 
 
@@ -189,6 +225,26 @@ def test_on_cuda_blocks_loaded_through_pinned_staging_and_stored_back_equal_the_
     store = transfers.store(ids, drain)
     assert store.wait(60) and not store.failed
     assert all(torch.equal(stored[i], source[i]) for i in range(len(ids)))
+    transfers.close()
+
+
+@pytest.mark.cuda
+def test_on_cuda_blocks_lent_from_a_pinned_slab_land_as_the_source_and_are_released_after():
+    kv = CUDA_LAYOUT.allocate(16, device="cuda")
+    transfers = TransferEngine(kv, staging_bytes=6 * CUDA_LAYOUT.block_nbytes)  # three blocks a chunk
+    slab = torch.randint(0, 256, (12, CUDA_LAYOUT.block_nbytes), dtype=torch.uint8).pin_memory()
+    ids, rows = [4, 5, 6, 13, 0, 1, 9], [2, 3, 4, 0, 7, 8, 11]  # runs of neighbours and single blocks
+    released = []
+
+    def lend(start, n):  # the release checks that the copies from the rows have landed
+        return LentBlocks(slab, rows[start:start + n],
+                          lambda: released.append(all(torch.equal(as_bytes(kv[b]).cpu(), slab[r])
+                                                      for b, r in zip(ids[start:start + n], rows[start:start + n]))))
+
+    job = transfers.load(ids, fill_from(torch.zeros(len(ids), CUDA_LAYOUT.block_nbytes, dtype=torch.uint8)), lend)
+    assert job.wait(60) and job.served == [True] * len(ids) and not job.failed
+    assert released == [True, True, True], "a lent row was released before its copy landed"
+    assert all(bool((kv[b] == 0).all()) for b in set(range(16)) - set(ids)), "a load wrote outside its blocks"
     transfers.close()
 
 

@@ -63,12 +63,23 @@ class GatedTier(LowerTier):
     def on_evict(self, callback):
         self.inner.on_evict = callback
 
-    def get(self, block_hashes, token_ids, dests):
+    def _read(self, num_blocks: int) -> None:
         assert self.gate.wait(30), "the test never opened the gate"
         if self.fail_reads:
             raise OSError("the tier failed mid-transfer")
-        time.sleep(self.read_s_per_block * len(block_hashes))
+        time.sleep(self.read_s_per_block * num_blocks)
+
+    def get(self, block_hashes, token_ids, dests):
+        self._read(len(block_hashes))
         return self.inner.get(block_hashes, token_ids, dests)
+
+    def lend(self, block_hashes, token_ids):
+        """The CPU tier's other way to be read. A slowed tier lends nothing: its reads go through `get`,
+        where the delay is per block read and the fill threads share it."""
+        if self.read_s_per_block:
+            return None
+        self._read(len(block_hashes))
+        return self.inner.lend(block_hashes, token_ids)
 
     def contains(self, block_hash):
         return self.inner.contains(block_hash)

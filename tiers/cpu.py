@@ -18,6 +18,7 @@ import torch
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_or_unknown, token_tuple
 from kvstrata.tiers.block_events import TierEvents
+from kvstrata.tiers.transfer import LentBlocks
 
 # on_evict(block_hash, token_ids, payload_view, parent_hash): the view aliases the slot about to be
 # reused, so the callback must copy what it keeps before returning. It runs under the tier's lock and
@@ -112,6 +113,27 @@ class CpuTier(LowerTier):
                     if slot is not None:
                         self._end_read(slot)
         return [slot is not None for slot in slots]
+
+    def lend(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]]) -> LentBlocks | None:
+        """The blocks' slots, lent to be copied straight out of the slab (pinned on a GPU host: a
+        host-to-device copy needs no staging copy first), if every block is here with its token ids;
+        else None, with nothing counted (the caller reads them with `get`). Each lent block counts as a
+        hit and as being read: it is neither evicted nor its slot reused until `release()`."""
+        with self._lock:
+            slots = [self._slot_of.get(h) for h in block_hashes]
+            if any(slot is None or self._token_ids[slot] != token_tuple(expected)
+                   for slot, expected in zip(slots, token_ids)):
+                return None
+            for block_hash, expected in zip(block_hashes, token_ids):
+                self._start_read(block_hash, expected, None)  # a hit: no event (none is built for one)
+        unreleased = list(slots)
+
+        def release() -> None:  # once: a second call finds nothing left to release
+            with self._lock:
+                while unreleased:
+                    self._end_read(unreleased.pop())
+
+        return LentBlocks(self._slab, slots, release)
 
     def _start_read(self, block_hash: bytes, expected: Sequence[int], events: TierEvents | None) -> int | None:
         """The slot of a block to be read (now counted as read), or None for a miss."""

@@ -51,7 +51,7 @@ import torch
 from kvstrata.tiers.base import LOWER_TIER_NAMES, TIER_NAMES, LowerTier, Pin, TierStats
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockEventListener, BlockRemoved, BlockStored
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
-from kvstrata.tiers.transfer import Transfer, TransferEngine
+from kvstrata.tiers.transfer import LentBlocks, Transfer, TransferEngine
 
 logger = logging.getLogger("kvstrata")
 OFFLOAD_POLICIES = ("write_through", "on_evict")
@@ -210,7 +210,8 @@ class TierHierarchy:
         for k, block in zip(below, self.pool.get_new_blocks(len(below))):
             load.blocks[k] = block
         load.transfer = self.transfers.load([load.blocks[k].block_id for k in below],
-                                            functools.partial(self._read_below, load))
+                                            functools.partial(self._read_below, load),
+                                            functools.partial(self._lend_below, load))
         return load
 
     def probe_loads(self, tier: LowerTier, sizes: Sequence[int]) -> list[tuple[int, float]]:
@@ -233,6 +234,9 @@ class TierHierarchy:
         def fill(start: int, dests: list[torch.Tensor]) -> list[bool]:
             return tier.get(hashes[start:start + len(dests)], tokens[start:start + len(dests)], dests)
 
+        def lend(start: int, n: int) -> LentBlocks | None:  # as a promotion from the CPU tier moves them
+            return self.cpu.lend(hashes[start:start + n], tokens[start:start + n]) if tier is self.cpu else None
+
         timed = []
         listener, tier.event_listener = tier.event_listener, None
         try:
@@ -241,7 +245,7 @@ class TierHierarchy:
             tier.put(hashes, tokens, [payload] * num_blocks)
             tier.flush()
             for n in sorted(s for s in sizes if s <= num_blocks):
-                job = self.transfers.load(block_ids[:n], fill)
+                job = self.transfers.load(block_ids[:n], fill, lend)
                 job.wait()
                 if job.failed or not all(job.served):
                     break
@@ -261,6 +265,20 @@ class TierHierarchy:
             hashes = [load.block_hashes[k] for k in load.below if load.found_in[k] == tier.name]
             if hashes:
                 (tier.hold if hold else tier.release)(hashes)
+
+    def _lend_below(self, load: PrefixLoad, start: int, n: int) -> LentBlocks | None:
+        """On the load worker: the blocks `load.below[start:start + n]` lent by the CPU tier, if it
+        has them all (the transfer engine copies them straight from its slab), else None."""
+        if self.cpu is None:
+            return None
+        positions = load.below[start:start + n]
+        started = time.perf_counter()
+        lent = self.cpu.lend([load.block_hashes[k] for k in positions], [load.block_tokens[k] for k in positions])
+        if lent is not None:
+            with self._counters_lock:
+                load.read_s["cpu"] = load.read_s.get("cpu", 0.0) + time.perf_counter() - started
+            load.served_from[start:start + n] = ["cpu"] * n
+        return lent
 
     def _read_below(self, load: PrefixLoad, start: int, dests: list[torch.Tensor]) -> list[bool]:
         """On the load worker: fill `dests` with the blocks `load.below[start:]` from the lower tiers.

@@ -4,7 +4,10 @@ Mechanism only: the hierarchy decides which blocks move and which tier serves or
 module supplies host buffers, worker threads and (on CUDA) streams and events. Two directions, each
 with its own worker thread (and CUDA stream), each running its jobs in submission order:
 
-- load: `fill(start, host_views)` (the hierarchy's reads from the CPU slab or the disk tier) writes each
+- load: where the blocks of a chunk are all in host memory already, `lend(start, n)` (the CPU tier's
+  slab) lends them and they are copied straight from there (on CUDA the slab is pinned: no staging
+  copy, one host-to-device copy per run of neighbouring slots, released once landed). Otherwise
+  `fill(start, host_views)` (the hierarchy's reads from the CPU slab or the disk tier) writes each
   block's payload into a host buffer; the run is then copied to the device blocks. A large run is
   filled in contiguous parts by several threads at once (`fill_threads`): one core's memcpy, and the
   disk tier's copy plus checksum, move fewer bytes a second than a host-to-device link does. On CUDA the
@@ -26,7 +29,8 @@ Invariants the caller relies on:
 - a failure inside `fill` or `drain` is logged and ends the job: a load then reports the failed
   chunk's blocks and every later one as not served; nothing is raised on the step thread;
 - `fill` may run on several threads at once, for disjoint parts of a job (the tiers' reads are
-  thread-safe); a job ends only when all of its parts have returned.
+  thread-safe); a job ends only when all of its parts have returned;
+- lent rows are released once, after every copy from them has landed, also when the job fails.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvstrata.tiers.base import as_bytes
@@ -50,6 +55,33 @@ logger = logging.getLogger("kvstrata")
 # copy what they keep before returning: the views are reused for the next chunk.
 Fill = Callable[[int, list[torch.Tensor]], list[bool]]
 Drain = Callable[[int, list[torch.Tensor]], None]
+
+
+@dataclass(eq=False)
+class LentBlocks:
+    """Blocks lent out of a tier's host memory to be copied straight from there: the i-th block is row
+    `rows[i]` of `slab` (`[slots, block_nbytes]` bytes). Until `release()`, called once after the
+    copies have landed, the rows are neither evicted nor reused."""
+
+    slab: torch.Tensor
+    rows: list[int]
+    release: Callable[[], None]
+
+
+# lend(start, n) -> the job's blocks start .. start + n - 1, all lent, or None (then they are filled).
+Lend = Callable[[int, int], "LentBlocks | None"]
+
+
+def contiguous_runs(block_ids: Sequence[int], rows: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first block id, first row, length) of each run where both the block ids and the rows count up
+    by one: one copy moves a run."""
+    runs: list[tuple[int, int, int]] = []
+    for block_id, row in zip(block_ids, rows):
+        if runs and block_id == runs[-1][0] + runs[-1][2] and row == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((block_id, row, 1))
+    return runs
 
 DEFAULT_STAGING_BYTES = 64 << 20  # per direction, on CUDA only
 # the cores this process may run on (a container's CPU set, not the machine's count), at most 4
@@ -115,9 +147,10 @@ class TransferEngine:
         read by one thread whatever their size)."""
         return self._filler.threads * self._filler.min_part_blocks if self._filler.threads > 1 else 1
 
-    def load(self, block_ids: Sequence[int], fill: Fill) -> Transfer:
-        """Fill device blocks `block_ids` with what `fill` writes into host views, in the background."""
-        return self._loads.submit(Transfer(list(block_ids)), fill)
+    def load(self, block_ids: Sequence[int], fill: Fill, lend: Lend | None = None) -> Transfer:
+        """Fill device blocks `block_ids`, in the background: each chunk from the blocks `lend` lends,
+        else with what `fill` writes into host views."""
+        return self._loads.submit(Transfer(list(block_ids)), (fill, lend))
 
     def store(self, block_ids: Sequence[int], drain: Drain) -> Transfer:
         """Copy device blocks `block_ids` out (as computed so far) and hand them to `drain`, in the background."""
@@ -235,7 +268,7 @@ class _Direction:
     def _prepare(self, transfer: Transfer) -> None:
         """On the submitting (step) thread, before the job is queued."""
 
-    def _load(self, transfer: Transfer, fill: Fill) -> None:
+    def _load(self, transfer: Transfer, work: tuple[Fill, Lend | None]) -> None:
         raise NotImplementedError
 
     def _store(self, transfer: Transfer, drain: Drain) -> None:
@@ -248,8 +281,23 @@ class _HostDirection(_Direction):
     def _views(self, transfer: Transfer) -> list[torch.Tensor]:
         return [as_bytes(self.kv_cache[b]) for b in transfer.block_ids]
 
-    def _load(self, transfer: Transfer, fill: Fill) -> None:
-        transfer.served = self._fill(fill, 0, self._views(transfer))
+    def _load(self, transfer: Transfer, work: tuple[Fill, Lend | None]) -> None:
+        fill, lend = work
+        lent = lend(0, len(transfer.block_ids)) if lend is not None else None
+        if lent is None:
+            transfer.served = self._fill(fill, 0, self._views(transfer))
+            return
+        slab = lent.slab.numpy()
+
+        def copy_lent(start: int, views: list[torch.Tensor]) -> list[bool]:  # what the tier's read copies
+            for row, view in zip(lent.rows[start:start + len(views)], views):
+                np.copyto(view.numpy(), slab[row])
+            return [True] * len(views)
+
+        try:
+            transfer.served = self._fill(copy_lent, 0, self._views(transfer))
+        finally:
+            lent.release()
 
     def _store(self, transfer: Transfer, drain: Drain) -> None:
         drain(0, self._views(transfer))  # the tier copies the payloads before returning
@@ -270,6 +318,7 @@ class _CudaDirection(_Direction):
         # Blocks move as bytes: the same copies whatever the cache's dtype (fp8 included, which some
         # indexing ops do not take).
         super().__init__(name, kv_cache.view(torch.uint8), completed, filler)
+        self._flat_blocks = self.kv_cache.view(self.kv_cache.shape[0], -1)  # [blocks, block bytes]
 
     def _allocate_staging(self) -> None:
         shape = (self.chunk, *self.kv_cache.shape[1:])
@@ -294,17 +343,37 @@ class _CudaDirection(_Direction):
     def _host_views(self, half: int, n: int) -> list[torch.Tensor]:
         return [as_bytes(self.host[half][i]) for i in range(n)]
 
-    def _load(self, transfer: Transfer, fill: Fill) -> None:
+    def _load(self, transfer: Transfer, work: tuple[Fill, Lend | None]) -> None:
+        fill, lend = work
         self.stream.wait_event(transfer._after)
-        for half, start, ids in self._chunks(transfer):
-            transfer.served += self._fill(fill, start, self._host_views(half, len(ids)))
-            with torch.cuda.stream(self.stream):
-                index = torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)
-                staged = self.device[:len(ids)]
-                staged.copy_(self.host[half][:len(ids)], non_blocking=True)  # one host-to-device copy
-                self.kv_cache.index_copy_(0, index, staged)
-                self.host_free[half] = self.stream.record_event()
-        self.stream.synchronize()  # the worker waits for its own stream: the job has landed
+        lent_chunks: list[LentBlocks] = []
+        try:
+            for half, start, ids in self._chunks(transfer):
+                lent = lend(start, len(ids)) if lend is not None else None
+                if lent is not None:
+                    lent_chunks.append(lent)
+                    self._copy_lent(ids, lent)
+                    transfer.served += [True] * len(ids)
+                    continue
+                transfer.served += self._fill(fill, start, self._host_views(half, len(ids)))
+                with torch.cuda.stream(self.stream):
+                    index = torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)
+                    staged = self.device[:len(ids)]
+                    staged.copy_(self.host[half][:len(ids)], non_blocking=True)  # one host-to-device copy
+                    self.kv_cache.index_copy_(0, index, staged)
+                    self.host_free[half] = self.stream.record_event()
+            self.stream.synchronize()  # the worker waits for its own stream: the job has landed
+        finally:
+            if lent_chunks:
+                self.stream.synchronize()  # also after a failure: no copy may still read a lent row
+            for lent in lent_chunks:
+                lent.release()
+
+    def _copy_lent(self, block_ids: list[int], lent: LentBlocks) -> None:
+        """Host-to-device copies straight from the lent (pinned) rows, one per run of neighbours."""
+        with torch.cuda.stream(self.stream):
+            for block_id, row, n in contiguous_runs(block_ids, lent.rows):
+                self._flat_blocks[block_id:block_id + n].copy_(lent.slab[row:row + n], non_blocking=True)
 
     def _store(self, transfer: Transfer, drain: Drain) -> None:
         self.stream.wait_event(transfer._after)
