@@ -433,8 +433,8 @@ class LLMEngine:
         # waits here, or the cost would never learn from one on a GPU (its time is the device's).
         # A step with prompt rows also ran the vocabulary projection over them: not a step the model prices.
         if not prompt_rows.count:
-            if not sampling and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            if not sampling and self.device.type == "cuda":  # this stream only: never a transfer's copies
+                torch.cuda.current_stream(self.device).synchronize()
             self.scheduler.observe_step(out, time.perf_counter() - started)
         # The step computed the K/V of the blocks cached at allocation: now they can go down (the
         # transfer engine copies them in the background). A block reused before its copy is done is
