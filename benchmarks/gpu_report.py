@@ -7,7 +7,9 @@ every GPU goal of DESIGN.md (and of the GPU hit-path issue) met or not.
     python benchmarks/gpu_report.py --sections ttft --models llama-3-8b --merge benchmarks/results/gpu.json
 
 A report too long for one sitting is made in several: `--merge` an earlier run's gpu.json (same GPU), and
-the sections, models and dtypes this run does not measure are kept from it.
+the sections, models and dtypes this run does not measure are kept from it. `--time-limit SECONDS` starts no
+part (a section, or a model in a dtype) after that long; the report is written after every part, so a run
+stopped midway keeps what it measured.
 
 Sections, in the order they run (all by default, `--sections` picks some):
 
@@ -40,6 +42,7 @@ with `--out`, so that CI exercises the code. No smoke figure is a GPU figure.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -515,9 +518,13 @@ def markdown(result: dict) -> str:
     lines += section(result, "kernels", "Prefix-prefill kernel", kernels_lines)
     lines += section(result, "ttft", "Single-request TTFT (long-document QA)", ttft_lines)
     lines += section(result, "gap", "A decode stream while a CPU-tier hit is admitted", gap_lines)
-    skipped = [s for s in SECTIONS if s not in plan["sections"]]
+    for_time = result.get("not_run_for_time") or []
+    skipped = [s for s in SECTIONS if s not in plan["sections"] and {"section": s} not in for_time]
     if skipped:
         lines += [f"Not run (`--sections`): {', '.join(skipped)}.", ""]
+    if for_time:
+        lines += ["Not run, the time limit (`--time-limit`) reached: " + ", ".join(
+            r.get("section") or f"{r['model']} {r['dtype']}" for r in for_time) + ".", ""]
     return "\n".join(lines)
 
 
@@ -645,6 +652,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                "a JSON of every figure goes beside it")
     p.add_argument("--merge", default=None, metavar="GPU_JSON",
                    help="an earlier run's JSON on the same GPU: what this run does not measure is kept from it")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="start no part (a section, or a model in a dtype) after this many seconds: where a GPU is "
+                        "lent for a while; the report is written after every part anyway")
     p.add_argument("--smoke", action="store_true",
                    help="every section on the CPU with tiny shapes (needs --out): checks the report runs")
     args = p.parse_args(argv)
@@ -659,6 +669,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.doc_tokens = [int(v) for v in args.doc_tokens.split(",") if v.strip()]
     except ValueError:
         p.error("--doc-tokens: comma-separated whole numbers")
+    if args.time_limit is not None and args.time_limit < 0:
+        p.error("--time-limit must be zero or more seconds")
     if not args.doc_tokens or min(args.doc_tokens) < 64 or args.repeats < 1:
         p.error("--doc-tokens must be at least 64 each and --repeats at least 1")
     if args.smoke and (args.out is None or Path(args.out).resolve() == DEFAULT_OUT):
@@ -667,22 +679,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def run_sections(plan: Plan, result: dict) -> None:
-    """Each section in turn; one that fails is reported as failed and the others still run."""
+def run_sections(plan: Plan, result: dict, checkpoint=lambda: None, time_left=lambda: True) -> None:
+    """Each section in turn (the TTFT and gap ones per model and dtype); one that fails is reported as
+    failed and the others still run. After each, `checkpoint()` (the report written so far). A part not
+    started while `time_left()` is False is listed in `result["not_run_for_time"]` and, for `--merge`,
+    counts as not measured."""
     steps = {"tests": lambda: run_cuda_tests(plan), "bandwidth": lambda: measure_bandwidth(plan),
              "kernels": lambda: measure_kernels(plan)}
     for section in ("tests", "bandwidth", "kernels"):
-        if section in plan.sections:
-            log(f"{section} ...")
-            result[section] = guarded(result, section, steps[section])
+        if section not in plan.sections:
+            continue
+        if not time_left():
+            result.setdefault("not_run_for_time", []).append({"section": section})
+            result["plan"]["sections"].remove(section)
+            continue
+        log(f"{section} ...")
+        result[section] = guarded(result, section, steps[section])
+        checkpoint()
     if "ttft" in plan.sections or "gap" in plan.sections:
         result["ttft"], result["gap"] = [], []
         section = "ttft" if "ttft" in plan.sections else "gap"
         with tempfile.TemporaryDirectory(prefix="kvstrata-gpu-report-") as tmp:
             for model in plan.models:
                 for dtype in plan.dtypes:
+                    if not time_left():
+                        result.setdefault("not_run_for_time", []).append({"model": model.key, "dtype": dtype})
+                        continue
                     guarded(result, section, lambda: measure_model(plan, model, dtype, Path(tmp) / model.key, result),
                             what=f"{model.label} {dtype}")
+                    checkpoint()
 
 
 def read_earlier_run(path: Path, result: dict) -> dict:
@@ -709,8 +734,9 @@ def merge_earlier_run(earlier: dict, result: dict) -> None:
             result[name] = earlier.get(name)
             if (earlier.get("errors") or {}).get(name):
                 errors[name] = earlier["errors"][name]
+    not_run = {(r.get("model"), r.get("dtype")) for r in result.get("not_run_for_time") or []}
     for name in ("ttft", "gap"):
-        remeasured = ({(m, d) for m in plan["models"] for d in plan["dtypes"]} if name in plan["sections"]
+        remeasured = ({(m, d) for m in plan["models"] for d in plan["dtypes"]} - not_run if name in plan["sections"]
                       else set())
         kept = [r for r in earlier.get(name) or [] if (r["model"], r["dtype"]) not in remeasured]
         result[name] = kept + (result.get(name) or [])
@@ -772,16 +798,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     log(f"device: {result['device']['name']}; sections: {', '.join(plan.sections)}")
     started = time.perf_counter()
-    run_sections(plan, result)
-    result["duration_s"] = time.perf_counter() - started
-    if earlier is not None:
-        merge_earlier_run(earlier, result)
-    result["goals"] = [g.as_dict() for g in goals(result)]
-    report = markdown(result)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(report)
+
+    def write_report() -> str:
+        """The report of what is measured so far (a run stopped later keeps it); returns its text."""
+        report_of = copy.deepcopy(result)
+        report_of["duration_s"] = time.perf_counter() - started
+        if earlier is not None:
+            merge_earlier_run(earlier, report_of)
+        report_of["goals"] = [g.as_dict() for g in goals(report_of)]
+        report = markdown(report_of)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)
+        out.with_suffix(".json").write_text(json.dumps(report_of, indent=1, default=str) + "\n")
+        return report
+
+    time_left = (lambda: True) if args.time_limit is None else \
+        (lambda: time.perf_counter() - started < args.time_limit)
+    run_sections(plan, result, checkpoint=write_report, time_left=time_left)
+    print(write_report())
     log(f"wrote {out} and {out.with_suffix('.json').name}")
     tests = result.get("tests") or {}
     return 1 if result.get("errors") or tests.get("failed") or tests.get("errors") else 0

@@ -173,6 +173,34 @@ def test_ttft_rows_measured_again_replace_the_earlier_ones_and_the_others_stay()
                                       "commit": "abc"}]
 
 
+    # a model the time limit left out is not measured again: its earlier rows stay
+    result = run(["ttft"], ["smollm2", "llama-3-8b"], ["bfloat16"], [new_smol])
+    result["not_run_for_time"] = [{"model": "llama-3-8b", "dtype": "bfloat16"}]
+    gpu_report.merge_earlier_run(earlier, result)
+    assert result["ttft"] == [old_llama, new_smol]
+
+
+def test_parts_not_started_within_the_time_limit_are_listed_and_the_report_is_still_written(tmp_path):
+    out = tmp_path / "gpu.md"
+    assert gpu_report.main(["--smoke", "--out", str(out), "--sections", "bandwidth,ttft", "--models", "smollm2",
+                            "--dtypes", "bfloat16", "--time-limit", "0"]) == 0
+    report = out.read_text()
+    assert "Not run, the time limit (`--time-limit`) reached: bandwidth, smollm2 bfloat16." in report
+    assert "## Copy bandwidth and promotion" not in report
+
+
+def test_a_run_stopped_midway_keeps_the_sections_it_measured(tmp_path, monkeypatch):
+    def stopped(plan):
+        raise KeyboardInterrupt  # as a lent machine's time running out stops the run
+
+    monkeypatch.setattr(gpu_report, "measure_kernels", stopped)
+    out = tmp_path / "gpu.md"
+    with pytest.raises(KeyboardInterrupt):
+        gpu_report.main(["--smoke", "--out", str(out), "--sections", "bandwidth,kernels"])
+    assert "## Copy bandwidth and promotion" in out.read_text()
+    assert json.loads(out.with_suffix(".json").read_text())["bandwidth"]["rows"]
+
+
 def test_figures_of_another_device_are_not_merged(tmp_path, capsys):
     first = tmp_path / "first.md"
     assert gpu_report.main(["--smoke", "--sections", "bandwidth", "--out", str(first)]) == 0
