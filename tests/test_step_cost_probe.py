@@ -38,7 +38,7 @@ def test_a_fresh_engine_has_timed_its_model_and_left_the_pool_as_it_was(tmp_path
     try:
         cost = engine.scheduler.cost
         assert cost.fit.num_observations == 3  # a prefill, a decode over it, a short prefill
-        assert cost.per_token_s < 2e-3 / 10  # tiny-llama on a CPU: far below the CPU-sized guess
+        assert cost.fit.coef != cost.fit.prior  # the runs priced the steps, not the guess
         pool = engine.hierarchy.pool
         assert pool.num_free_blocks == pool.num_blocks and pool.num_cached_blocks == 0  # nothing kept
     finally:
