@@ -18,8 +18,8 @@ Sections, in the order they run (all by default, `--sections` picks some):
 - bandwidth: pinned host-to-device and device-to-host copies of 1 GiB, the limit; then promotion from a
   pinned CPU tier and from a warm disk tier through the engine's transfer path (benchmarks/tiers.py's
   `measure`: the CPU tier's pinned rows lent and copied straight to the device, the disk tier read into
-  pinned staging, on a side stream) as a share of the host-to-device figure, for SmolLM2's block and a Llama-3-8B-shaped one (32
-  layers, 8 KV heads, head_dim 128), random bytes.
+  pinned staging, on a side stream) as a share of the host-to-device figure, for SmolLM2's block and a
+  Llama-3-8B-shaped one (32 layers, 8 KV heads, head_dim 128), random bytes.
 - kernels: the Triton prefix-prefill against SDPA on the same problem laid out contiguously, and split-KV
   against the same kernel in one pass (benchmarks/kernels.py's tables).
 - ttft: single-request TTFT of long-document QA, a document of ~4k and ~7k tokens (`--doc-tokens`) plus a

@@ -362,10 +362,10 @@ class _CudaDirection(_Direction):
                     staged.copy_(self.host[half][:len(ids)], non_blocking=True)  # one host-to-device copy
                     self.kv_cache.index_copy_(0, index, staged)
                     self.host_free[half] = self.stream.record_event()
-            self.stream.synchronize()  # the worker waits for its own stream: the job has landed
         finally:
-            if lent_chunks:
-                self.stream.synchronize()  # also after a failure: no copy may still read a lent row
+            # The worker waits for its own stream: the job has landed, and no copy reads a lent row any
+            # more (after a failure too), so the rows may go back.
+            self.stream.synchronize()
             for lent in lent_chunks:
                 lent.release()
 
