@@ -31,6 +31,9 @@ class KernelOps:
     scatter_blocks: Callable[..., None]
     linear: Callable[..., torch.Tensor]
     mean_last_dim: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary: Callable[..., torch.Tensor]
+    silu_and_mul: Callable[..., torch.Tensor]
     batch_invariant: bool = False
 
 
@@ -53,23 +56,26 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
     """The kernels of `backend` ("triton" or "torch"), in batch-invariant mode if asked."""
     if backend == "torch":
         from kvstrata.kernels import batch_invariant as invariant
-        from kvstrata.kernels import block_copy, kv_store, prefix_prefill
+        from kvstrata.kernels import block_copy, kv_store, layer_ops, prefix_prefill
 
         ops = KernelOps(name="torch", store_kv=kv_store.reference_store_kv,
                         prefix_prefill=prefix_prefill.reference_prefix_prefill,
                         gather_blocks=block_copy.reference_gather_blocks,
                         scatter_blocks=block_copy.reference_scatter_blocks,
-                        linear=invariant.reference_linear, mean_last_dim=invariant.reference_mean_last_dim)
+                        linear=invariant.reference_linear, mean_last_dim=invariant.reference_mean_last_dim,
+                        rms_norm=layer_ops.reference_rms_norm, rotary=layer_ops.reference_rotary,
+                        silu_and_mul=layer_ops.reference_silu_and_mul)
     elif backend == "triton":
         if not triton_available():
             raise ValueError("model.attention_backend: 'triton' needs the triton package, which is not installed "
                              "(use 'torch' or 'auto')")
         from kvstrata.kernels import batch_invariant as invariant
-        from kvstrata.kernels import block_copy, kv_store, prefix_prefill
+        from kvstrata.kernels import block_copy, kv_store, layer_ops, prefix_prefill
 
         ops = KernelOps(name="triton", store_kv=kv_store.store_kv, prefix_prefill=prefix_prefill.prefix_prefill,
                         gather_blocks=block_copy.gather_blocks, scatter_blocks=block_copy.scatter_blocks,
-                        linear=invariant.linear, mean_last_dim=invariant.mean_last_dim)
+                        linear=invariant.linear, mean_last_dim=invariant.mean_last_dim,
+                        rms_norm=layer_ops.rms_norm, rotary=layer_ops.rotary, silu_and_mul=layer_ops.silu_and_mul)
     else:
         raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of auto, triton, torch)")
     if batch_invariant:

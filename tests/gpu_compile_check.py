@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvstrata.kernels import batch_invariant, block_copy, kv_store, prefix_prefill
+from kvstrata.kernels import batch_invariant, block_copy, kv_store, layer_ops, prefix_prefill
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -28,7 +28,7 @@ def compile_for_gpu(kernel, pointer_types: dict[str, str], constexprs: dict[str,
         elif name in pointer_types:
             signature[name] = "*" + pointer_types[name]
         else:
-            signature[name] = "fp32" if name == "qk_scale" else scalar_type
+            signature[name] = "fp32" if name in ("qk_scale", "eps") else scalar_type
     triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET)
 
 
@@ -74,6 +74,14 @@ def main() -> None:
         compile_for_gpu(block_copy._copy_blocks_kernel, {"src_ptr": "bf16", "dst_ptr": "bf16",
                                                          "src_index_ptr": "i64", "dst_index_ptr": "i64"},
                         {"GATHER": gather, "CHUNK": 4096}, scalar_type="i64")
+    for dtype in ("bf16", "fp16", "fp32"):  # the decoder's fused layer parts: SmolLM2's widths, Llama-3-8B's heads
+        for has_residual in (True, False):
+            compile_for_gpu(layer_ops._rms_norm_kernel, {"x_ptr": dtype, "residual_ptr": dtype, "weight_ptr": dtype,
+                                                          "out_ptr": dtype, "summed_ptr": dtype},
+                            {"HAS_RESIDUAL": has_residual, "BLOCK": 1024})
+        compile_for_gpu(layer_ops._rotary_kernel, {"x_ptr": dtype, "cos_ptr": dtype, "sin_ptr": dtype, "out_ptr": dtype},
+                        {"HALF": 64, "HEADS": 64, "HALF_BLOCK": 64})
+        compile_for_gpu(layer_ops._silu_and_mul_kernel, {"x_ptr": dtype, "out_ptr": dtype}, {"BLOCK": 1024})
     print("all kernels compiled for", TARGET)
 
 

@@ -1,7 +1,8 @@
 """Run the Triton prefix-prefill compiled for this machine's GPU over the grid of realistic shapes in
 kernel_cases.CUDA_CASES (SmolLM2 and Llama-3-8B heads, contexts to 8k, bf16/fp16/fp32, split-KV chosen, off and
 forced) and check each case as the interpreter tests do (`check_prefill`); then a KV cache kept in fp8 or int8
-(KV_DTYPE_CASES: stores rounded as torch rounds, bit for bit, and prefill over it). Prints one JSON line per case:
+(KV_DTYPE_CASES: stores rounded as torch rounds, bit for bit, and prefill over it); then the fused layer parts
+against their torch references on each model's widths (LAYER_OPS_CASES). Prints one JSON line per case:
 `{"case", "num_splits", "error"}`, where num_splits is the automatic choice for this GPU and error is None or the
 first lines of the failure. Needs CUDA and TRITON_INTERPRET unset; tests/test_kernels_cuda.py runs it:
 
@@ -14,10 +15,11 @@ import os
 
 import torch
 from kernel_cases import (CUDA_BATCHES, CUDA_CASES, CUDA_DTYPES, CUDA_HEAD_SHAPES, CUDA_SPLITS, KV_DTYPE_CASES,
-                          CudaCase, check_prefill, make_paged_problem, naive_attention, narrow_cache_problem)
+                          LAYER_OPS_CASES, LAYER_WIDTHS, TOLERANCE, CudaCase, check_prefill, make_paged_problem,
+                          naive_attention, narrow_cache_problem)
 
+from kvstrata.kernels import layer_ops
 from kvstrata.kernels.kv_format import row_width
-
 from kvstrata.kernels.kv_store import reference_store_kv, store_kv
 from kvstrata.kernels.prefix_prefill import choose_num_splits, prefix_prefill, sm_count
 
@@ -73,6 +75,39 @@ def run_kv_dtype_case(name: str, device: torch.device) -> dict:
     return {"case": name, "error": error}
 
 
+def run_layer_ops_case(name: str, device: torch.device) -> dict:
+    """`layer-ops-<model>-<dtype>-<tokens>`: the residual add and RMSNorm, rotary over the q and k heads of a qkv
+    product, and SiLU-and-multiply, compiled, against their torch references on the same GPU."""
+    model, dtype_name, tokens = name.removeprefix("layer-ops-").rsplit("-", 2)
+    dtype, num_tokens = CUDA_DTYPES[dtype_name], int(tokens)
+    hidden, intermediate = LAYER_WIDTHS[model]
+    heads, kv_heads, head_dim = CUDA_HEAD_SHAPES[model]
+    error = None
+    try:
+        gen = torch.Generator().manual_seed(0)
+
+        def randn(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+        x, residual, weight = randn(num_tokens, hidden), randn(num_tokens, hidden, scale=8.0), randn(hidden)
+        for got, want in zip(layer_ops.rms_norm(x, weight, 1e-5, residual),
+                             layer_ops.reference_rms_norm(x, weight, 1e-5, residual)):
+            torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+        qkv = randn(num_tokens, (heads + 2 * kv_heads) * head_dim, scale=2.0)
+        qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+        angles = torch.rand(num_tokens, head_dim // 2, generator=gen).repeat(1, 2) * 1000
+        cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+        torch.testing.assert_close(layer_ops.rotary(qk, cos, sin), layer_ops.reference_rotary(qk, cos, sin),
+                                   **TOLERANCE[dtype])
+        gate_up = randn(num_tokens, 2 * intermediate, scale=4.0)
+        torch.testing.assert_close(layer_ops.silu_and_mul(gate_up), layer_ops.reference_silu_and_mul(gate_up),
+                                   **TOLERANCE[dtype])
+        torch.cuda.synchronize(device)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: " + "\n".join(str(exc).splitlines()[:6])
+    return {"case": name, "error": error}
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET to run compiled kernels"
     assert torch.cuda.is_available(), "this check needs a CUDA GPU"
@@ -83,6 +118,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     for name in KV_DTYPE_CASES:
         print(json.dumps(run_kv_dtype_case(name, device)), flush=True)
+    for name in LAYER_OPS_CASES:
+        print(json.dumps(run_layer_ops_case(name, device)), flush=True)
 
 
 if __name__ == "__main__":

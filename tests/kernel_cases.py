@@ -181,3 +181,9 @@ CUDA_CASES = [CudaCase(heads, batch, dtype, splits) for heads in CUDA_HEAD_SHAPE
 KV_DTYPE_CASES = {f"{what}-{name}": dtype for what in ("store", "prefill")
                   for name, dtype in (("fp8-e4m3", torch.float8_e4m3fn), ("fp8-e5m2", torch.float8_e5m2),
                                       ("int8", torch.int8))}
+
+# The fused layer parts (kernels/layer_ops.py), compiled, on each model's widths: (hidden, intermediate) and the
+# head shape; a decode row and a 512-token chunk; each dtype (gpu_kernel_check.py).
+LAYER_WIDTHS = {"smollm2": (576, 1536), "llama3-8b": (4096, 14336)}
+LAYER_OPS_CASES = [f"layer-ops-{model}-{dtype}-{tokens}" for model in LAYER_WIDTHS for dtype in CUDA_DTYPES
+                   for tokens in (1, 512)]

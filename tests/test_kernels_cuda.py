@@ -1,8 +1,9 @@
-"""The Triton prefix-prefill compiled for a real GPU, on realistic shapes (`pytest -m cuda`; skipped without CUDA).
+"""The Triton kernels compiled for a real GPU, on realistic shapes (`pytest -m cuda`; skipped without CUDA).
 
 The tests' process runs kernels through the interpreter (conftest sets TRITON_INTERPRET=1 before they are defined),
 so the compiled kernels run in one child process, gpu_kernel_check.py, which checks every case of
-kernel_cases.CUDA_CASES against dense float64 attention and the torch reference; each test reads one case's result."""
+kernel_cases.CUDA_CASES against dense float64 attention and the torch reference, the narrow caches, and the fused
+layer parts against their references; each test reads one case's result."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kernel_cases import CUDA_CASES, CUDA_LONG_CONTEXT_BATCHES, KV_DTYPE_CASES
+from kernel_cases import CUDA_CASES, CUDA_LONG_CONTEXT_BATCHES, KV_DTYPE_CASES, LAYER_OPS_CASES
 
 pytestmark = pytest.mark.cuda
 
@@ -41,5 +42,11 @@ def test_a_short_question_over_a_long_context_is_split_across_the_gpu(gpu_result
 
 @pytest.mark.parametrize("case", list(KV_DTYPE_CASES))
 def test_compiled_kernels_store_into_and_read_a_narrow_cache(gpu_results, case):
+    assert case in gpu_results, f"{case} did not run"
+    assert gpu_results[case]["error"] is None, gpu_results[case]["error"]
+
+
+@pytest.mark.parametrize("case", LAYER_OPS_CASES)
+def test_compiled_layer_parts_match_their_torch_references(gpu_results, case):
     assert case in gpu_results, f"{case} did not run"
     assert gpu_results[case]["error"] is None, gpu_results[case]["error"]
