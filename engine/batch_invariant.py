@@ -1,11 +1,12 @@
 """Batch-invariant mode (`model.batch_invariant: true`): route a model's row reductions to kernels whose bits do
 not depend on the batch, for the duration of one forward pass.
 
-A transformers model computes its linear layers with `F.linear` and RMSNorm with a mean over the last axis; every
-other op of a Llama-family layer is elementwise or a gather, which gives a row the same bits whatever shares the
-call. Attention is ours already (`engine/attention.py` calls `ops.prefix_prefill`, which the mode's ops make
-invariant). A torch function mode intercepts exactly those two calls on the thread running the forward pass,
-so the shared model object is never modified and other engines in the process are unaffected.
+The decoder (engine/decoder.py) computes its products with `F.linear`, and on the torch path RMSNorm with a mean
+over the last axis (the Triton RMSNorm reduces each row in a program of its own, invariant as it is); every other
+op of a Llama-family layer is elementwise or a gather, which gives a row the same bits whatever shares the call.
+Attention is ours already (`ops.prefix_prefill`, which the mode's ops make invariant). A torch function mode
+intercepts exactly those two calls on the thread running the forward pass, so other engines in the process are
+unaffected.
 """
 from __future__ import annotations
 

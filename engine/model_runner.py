@@ -7,8 +7,8 @@ from typing import Sequence
 
 import torch
 
-from kvstrata.engine.attention import AttentionMetadata
 from kvstrata.engine.batch_invariant import BatchInvariantMode
+from kvstrata.engine.decoder import AttentionMetadata, Decoder
 from kvstrata.engine.model_loader import LoadedModel
 
 IntSeq = torch.Tensor | Sequence[int]
@@ -41,7 +41,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.ops = ops
         self.device = loaded.device
-        self._decoder = loaded.model.get_decoder()  # the transformer body: hidden states, no logits
+        self._decoder = Decoder(loaded.model, ops)  # the transformer body: hidden states, no logits
         self._lm_head = loaded.model.get_output_embeddings()
 
     @torch.inference_mode()
@@ -53,14 +53,12 @@ class ModelRunner:
             query_start_loc=self._tensor(step.query_start_loc, torch.int32),
             seq_lens=self._tensor(step.seq_lens, torch.int32),
             kv_cache=self.kv_cache,
-            ops=self.ops,
         )
-        input_ids = self._tensor(step.input_ids, torch.int64).unsqueeze(0)
-        positions = self._tensor(step.positions, torch.int64).unsqueeze(0)
+        input_ids = self._tensor(step.input_ids, torch.int64)
+        positions = self._tensor(step.positions, torch.int64)
         with BatchInvariantMode(self.ops) if self.ops.batch_invariant else nullcontext():
-            hidden = self._decoder(input_ids=input_ids, position_ids=positions, use_cache=False,
-                                   attn_metadata=metadata).last_hidden_state
-            rows = hidden[0].index_select(0, self._tensor(step.logits_indices, torch.int64))
+            hidden = self._decoder.forward(input_ids, positions, metadata)
+            rows = hidden.index_select(0, self._tensor(step.logits_indices, torch.int64))
             # logits only for the sampled rows: a 2k-token prefill chunk would otherwise make 2k x 49k
             return self._lm_head(rows).float()
 

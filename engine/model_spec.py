@@ -86,6 +86,9 @@ def read_shape(config: Mapping[str, Any]) -> ModelShape:
     only while the sequence fits in the window.
     """
     architecture = _architecture(config)
+    activation = config.get("hidden_act", "silu")
+    if activation != "silu":  # engine/decoder.py runs SiLU-gated MLPs, as every supported family ships them
+        raise ValueError(f"its MLP activation {activation!r} is not supported (kvstrata runs 'silu')")
     try:
         num_heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // num_heads)

@@ -220,6 +220,12 @@ def test_unsupported_architecture_is_one_line_naming_it(tmp_path):
     assert "LlamaForCausalLM" in str(error)
 
 
+def test_an_mlp_activation_the_decoder_does_not_run_is_one_line_naming_it(tmp_path):
+    write_model_dir(tmp_path / "gelu", hidden_act="gelu")
+    error = config_error({"model": {"name": str(tmp_path / "gelu")}})
+    assert error.key == "model.name" and "activation 'gelu' is not supported" in str(error)
+
+
 def test_model_directory_with_a_broken_config_json_is_refused(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{not json")

@@ -64,14 +64,9 @@ def engine_config(model_dir: Path, disk: Path | None = None, caching: bool = Tru
 
 def transformers_generate(loaded, prompt_ids: list[int]) -> list[int]:
     """transformers' own greedy `generate` on the same weights (SDPA attention, its own KV cache)."""
-    model = loaded.model
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-    finally:
-        model.set_attn_implementation("kvstrata")
+    with torch.inference_mode():
+        out = loaded.model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
 

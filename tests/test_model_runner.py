@@ -95,13 +95,8 @@ def transformers_last_logits(loaded, token_ids: list[int]) -> torch.Tensor:
 
 
 def _transformers_forward(loaded, token_ids: list[int]) -> torch.Tensor:
-    model = loaded.model
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch.inference_mode():
-            return model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0, -1].float()
-    finally:
-        model.set_attn_implementation("kvstrata")
+    with torch.inference_mode():
+        return loaded.model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0, -1].float()
 
 
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -23,14 +23,8 @@ def engine_config(tmp_path, **scheduler) -> dict:
 def reference_logprobs(loaded, token_ids: list[int]) -> torch.Tensor:
     """log P(token k+1 | tokens 0..k) for every k, from one plain forward pass of the model with
     transformers' own attention (no paged cache, no engine)."""
-    model = loaded.model
-    engine_attention = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch.inference_mode():
-            logits = model(torch.tensor([token_ids])).logits[0].float()
-    finally:
-        model.set_attn_implementation(engine_attention)  # the model is shared by the session's tests
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([token_ids])).logits[0].float()
     return logits[:-1].log_softmax(-1)
 
 

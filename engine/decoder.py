@@ -1,0 +1,161 @@
+"""The decoder's forward pass over the paged KV cache: a Llama-family model's layers (Llama, Mistral, Qwen2,
+Qwen3), run on the loaded model's own weights by kvstrata's kernels rather than through transformers' modules.
+
+Why not transformers' forward: on a GPU a step with few tokens (a decode, a question after a cached document) is
+bound by the host, not the device. Its time was about 25 ms for a 135M model and an 8B one alike
+(benchmarks/results/gpu.md): the Python of transformers' modules and the ~45 small kernels a layer launches (its
+RMSNorm alone is eight). Here a layer is one function launching about 11: a fused residual-add-and-RMSNorm, one
+product for q, k and v, rotary embedding of q and k in one kernel, the K/V store, attention, the output product,
+the second add-and-norm, one product for the MLP's gate and up, SiLU-and-multiply, the down product
+(kernels/layer_ops.py). It is also the shape a captured CUDA graph needs: every launch comes from this file.
+
+The math is transformers' (the torch references are its code, in its order), so on the torch path a step computes
+what transformers computes; the packed products are the only change, a wider matrix per product (see `pack`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's view of the paged KV cache, built once per step by the model runner and read by every layer;
+    the tokens of all sequences are packed back to back.
+
+    Invariants: `slot_mapping[i]` is where token i's K/V go (`block_id * block_size + offset`);
+    `query_start_loc[b]:query_start_loc[b+1]` are sequence b's new tokens; `seq_lens[b]` counts its
+    cached context plus those new tokens; `block_tables[b]` covers `seq_lens[b]` positions.
+    """
+
+    slot_mapping: torch.Tensor     # [T] int64
+    block_tables: torch.Tensor     # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor         # [B] int32
+    kv_cache: torch.Tensor         # [num_blocks, num_layers, 2, block_size, num_kv_heads, row] (kernels/kv_format.py)
+    scale: float | None = None     # softmax scale; None = the layer's own (1/sqrt(head_dim))
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's weights: the products packed (q, k, v rows side by side; gate then up)."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    eps: float
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3: an RMSNorm over each head's dims of q and of k, before rotary
+    k_norm: torch.Tensor | None
+    scale: float                 # the attention's softmax scale
+
+
+def pack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for `linears` side by side, so that one product computes them all. The modules'
+    parameters become views of the packed tensor: the weights are held once, and transformers' own forward on
+    the same model (tests compare against it) still runs. Packing a model a second time (another engine on the
+    same loaded model) finds its weights packed already and copies nothing."""
+    weight = _packed([m.weight for m in linears])
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return weight, None
+    if any(b is None for b in biases):
+        raise ValueError("model: some of the packed projections have a bias and some not")
+    return weight, _packed(biases)
+
+
+def _packed(parts: list[torch.Tensor]) -> torch.Tensor:
+    first = parts[0]
+    rows = sum(p.shape[0] for p in parts)
+    if _adjacent(parts):
+        return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+    packed = torch.cat([p.detach() for p in parts])
+    for part, view in zip(parts, packed.split([p.shape[0] for p in parts])):
+        part.data = view  # the Parameter object stays (transformers' modules keep theirs); its storage is the pack's
+    return packed
+
+
+def _adjacent(parts: list[torch.Tensor]) -> bool:
+    """The parts are contiguous and follow each other in one storage (a pack's views)."""
+    storage = parts[0].untyped_storage().data_ptr()
+    offset = parts[0].storage_offset()
+    for part in parts:
+        if not part.is_contiguous() or part.untyped_storage().data_ptr() != storage or part.storage_offset() != offset:
+            return False
+        offset += part.numel()
+    return True
+
+
+def layer_weights(layer: torch.nn.Module) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = pack([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_bias = pack([mlp.gate_proj, mlp.up_proj])
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return LayerWeights(
+        input_norm=layer.input_layernorm.weight, post_attention_norm=layer.post_attention_layernorm.weight,
+        eps=layer.input_layernorm.variance_epsilon, qkv=qkv, qkv_bias=qkv_bias,
+        o=attn.o_proj.weight, o_bias=attn.o_proj.bias, gate_up=gate_up, gate_up_bias=gate_up_bias,
+        down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+        q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight,
+        scale=attn.scaling)
+
+
+class Decoder:
+    """The transformer body of a loaded `*ForCausalLM`: token ids in, final normalised hidden states out."""
+
+    def __init__(self, model: torch.nn.Module, ops) -> None:
+        body = model.get_decoder()
+        config = model.config
+        self.ops = ops
+        self.embed = body.embed_tokens.weight
+        self.rotary_embedding = body.rotary_emb  # transformers' own: every RoPE variant (Llama 3's scaling) as it is
+        self.final_norm = body.norm.weight
+        self.final_eps = body.norm.variance_epsilon
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.layers = [layer_weights(layer) for layer in body.layers[:config.num_hidden_layers]]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`input_ids` and `positions` `[T]` -> hidden states `[T, hidden]` after the final norm. Each layer's K/V
+        are stored into the cache before its attention reads them."""
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = (t[0] for t in self.rotary_embedding(hidden, positions[None]))
+        delta, residual = hidden, None  # each layer's input is residual + delta, summed by the norm that reads it
+        for index, layer in enumerate(self.layers):
+            delta, residual = self._layer(index, layer, delta, residual, cos, sin, meta)
+        out, _ = self.ops.rms_norm(delta, self.final_norm, self.final_eps, residual)
+        return out
+
+    def _layer(self, index: int, layer: LayerWeights, delta: torch.Tensor, residual: torch.Tensor | None,
+               cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer: returns what it adds to the residual stream (its MLP's output) and the stream before that."""
+        ops = self.ops
+        num_tokens = delta.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        x, residual = ops.rms_norm(delta, layer.input_norm, layer.eps, residual)
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+        if layer.q_norm is not None:
+            qk = torch.cat([ops.rms_norm(qk[:, :heads], layer.q_norm, layer.eps)[0],
+                            ops.rms_norm(qk[:, heads:], layer.k_norm, layer.eps)[0]], dim=1)
+        qk = ops.rotary(qk, cos, sin)
+        query, key = qk[:, :heads], qk[:, heads:]
+        value = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
+        ops.store_kv(key, value, meta.kv_cache, index, meta.slot_mapping)
+        scale = meta.scale if meta.scale is not None else layer.scale
+        attention = ops.prefix_prefill(query, meta.kv_cache, index, meta.block_tables, meta.query_start_loc,
+                                       meta.seq_lens, scale)
+        delta = F.linear(attention.reshape(num_tokens, heads * head_dim), layer.o, layer.o_bias)
+        x, residual = ops.rms_norm(delta, layer.post_attention_norm, layer.eps, residual)
+        gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
+        return F.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias), residual
