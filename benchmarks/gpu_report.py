@@ -22,6 +22,9 @@ Sections, in the order they run (all by default, `--sections` picks some):
   Llama-3-8B-shaped one (32 layers, 8 KV heads, head_dim 128), random bytes.
 - kernels: the Triton prefix-prefill against SDPA on the same problem laid out contiguously, and split-KV
   against the same kernel in one pass (benchmarks/kernels.py's tables).
+- step: a model step with few tokens (a decode, a 16-token question, 32 decodes) and a 512-token chunk over a
+  7k-token context, through kvstrata's decoder and through transformers' modules on the same paged cache
+  (benchmarks/decoder_step.py), per model in bf16: what the host's share of a step costs each.
 - ttft: single-request TTFT of long-document QA, a document of ~4k and ~7k tokens (`--doc-tokens`) plus a
   question from benchmarks/data, for SmolLM2 and a Llama-3-8B-shaped model with random weights
   (`load_format: dummy`), in bf16, fp32 and bf16 with fp8 or int8 K/V (`--dtypes`): a miss, a device hit, a CPU-tier
@@ -66,13 +69,14 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
 
 import torch  # noqa: E402
 
-SECTIONS = ("tests", "bandwidth", "kernels", "ttft", "gap")
+SECTIONS = ("tests", "bandwidth", "kernels", "step", "ttft", "gap")
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu.md"
 GPU_CONFIG = REPO_ROOT / "configs" / "gpu.yaml"
 DOCUMENT = "pydoc_data.topics:types"  # 8.9k tokens, cut to each prompt length
 KINDS = ("miss", "device", "cpu", "disk")  # how a pass serves its four questions, in order
 SHORT_PROMPT_TOKENS = 64
 GAP_DTYPE = "bfloat16"
+WHOLE_SECTIONS = ("tests", "bandwidth", "kernels", "step")  # measured at once (the others per model and dtype)
 STATUS_WORDS = {"PASS": "met", "MISS": "not met", "N/A": "not measured"}
 
 
@@ -245,6 +249,31 @@ def measure_kernels(plan: Plan) -> dict:
     log("kernels: split-KV against one pass")
     split = kernels.split_kv_table(split_cases, split_dtypes, timer, repeats, device)
     return {"paging": paging, "split_kv": split}
+
+
+# ---------------------------------------------------------------------------------------------- step
+
+def measure_steps(plan: Plan) -> list[dict]:
+    """benchmarks/decoder_step.py's cases per model in bf16: over a 7k-token context on CUDA, a short one in a
+    smoke run."""
+    from kvstrata.engine.model_loader import load_model, resolve_model
+
+    from benchmarks import decoder_step
+
+    rows = []
+    for model in plan.models:
+        loaded = load_model(resolve_model(model.name, model.load_format), getattr(torch, GAP_DTYPE), plan.device)
+        try:
+            for row in decoder_step.measure_model(loaded, 32 if plan.smoke else 7000, 1 if plan.smoke else 5):
+                rows.append({"model": model.key, "label": model.label, "dtype": GAP_DTYPE, **row})
+                log(f"step {model.label} {row['case']}: transformers {fmt_ms(row['transformers_s'])}, "
+                    f"decoder {fmt_ms(row['decoder_s'])}")
+        finally:
+            del loaded
+            gc.collect()
+            if plan.device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- engines
@@ -516,6 +545,7 @@ def markdown(result: dict) -> str:
     lines += section(result, "tests", "CUDA tests (`pytest -m cuda`)", tests_lines)
     lines += section(result, "bandwidth", "Copy bandwidth and promotion", bandwidth_lines)
     lines += section(result, "kernels", "Prefix-prefill kernel", kernels_lines)
+    lines += section(result, "step", "A model step: kvstrata's decoder against transformers' modules", step_lines)
     lines += section(result, "ttft", "Single-request TTFT (long-document QA)", ttft_lines)
     lines += section(result, "gap", "A decode stream while a CPU-tier hit is admitted", gap_lines)
     for_time = result.get("not_run_for_time") or []
@@ -585,6 +615,20 @@ def kernels_lines(k: dict, result: dict) -> list[str]:
             "(benchmarks/kernels.py; `ours / SDPA` = 1.0: paging costs nothing):", "", *k["paging"], "",
             "Split-KV on a question over a cached document: the kernel with its choice of splits, the same "
             "kernel forced to one pass (the kernel before split-KV), and SDPA:", "", *k["split_kv"], ""]
+
+
+def step_lines(rows: list[dict], result: dict) -> list[str]:
+    lines = ["One step through kvstrata's decoder (engine/decoder.py: fused norms, rotary and activation, packed "
+             "products) and through transformers' modules on the same weights, paged cache and inputs "
+             "(benchmarks/decoder_step.py), in turn; `triton.testing.do_bench` medians, which include the time "
+             "the GPU waits for the host's launches. Speed-up: transformers' time / the decoder's.", "",
+             "| model | dtype | case | context | new tokens | transformers' modules | kvstrata decoder | speed-up |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['dtype']} | {r['case']} | {r['context']} | "
+                     f"{r['num_seqs'] * r['new_tokens']} | {fmt_ms(r['transformers_s'])} | {fmt_ms(r['decoder_s'])} | "
+                     f"{fmt_x(r['speedup'])} |")
+    return lines + [""]
 
 
 def ttft_lines(rows: list[dict], result: dict) -> list[str]:
@@ -685,8 +729,8 @@ def run_sections(plan: Plan, result: dict, checkpoint=lambda: None, time_left=la
     started while `time_left()` is False is listed in `result["not_run_for_time"]` and, for `--merge`,
     counts as not measured."""
     steps = {"tests": lambda: run_cuda_tests(plan), "bandwidth": lambda: measure_bandwidth(plan),
-             "kernels": lambda: measure_kernels(plan)}
-    for section in ("tests", "bandwidth", "kernels"):
+             "kernels": lambda: measure_kernels(plan), "step": lambda: measure_steps(plan)}
+    for section in WHOLE_SECTIONS:
         if section not in plan.sections:
             continue
         if not time_left():
@@ -729,7 +773,7 @@ def merge_earlier_run(earlier: dict, result: dict) -> None:
     becomes the union of both; the earlier runs are listed in `merged_runs`."""
     plan, before = result["plan"], earlier["plan"]
     errors = result.setdefault("errors", {})
-    for name in ("tests", "bandwidth", "kernels"):
+    for name in WHOLE_SECTIONS:
         if name in before["sections"] and name not in plan["sections"]:
             result[name] = earlier.get(name)
             if (earlier.get("errors") or {}).get(name):

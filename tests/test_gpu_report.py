@@ -14,10 +14,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import gpu_report  # noqa: E402
+from benchmarks import decoder_step, gpu_report  # noqa: E402
 
 SECTION_HEADINGS = ("## Device", "## Goals", "## CUDA tests (`pytest -m cuda`)", "## Copy bandwidth and promotion",
-                    "## Prefix-prefill kernel", "## Single-request TTFT (long-document QA)",
+                    "## Prefix-prefill kernel", "## A model step: kvstrata's decoder against transformers' modules",
+                    "## Single-request TTFT (long-document QA)",
                     "## A decode stream while a CPU-tier hit is admitted")
 
 
@@ -57,7 +58,7 @@ def test_cuda_test_counts_come_from_the_junit_xml(tmp_path):
     assert counts["not_passed"] == ["tests.test_a::test_bad", "tests.test_b::test_broken"]
 
 
-def tests_plan(*paths: Path) -> gpu_report.Plan:
+def cuda_tests_plan(*paths: Path) -> gpu_report.Plan:
     return gpu_report.Plan(False, "cuda", ("tests",), (), (), (64,), 1, 1 << 20, 64, 8, 2, tuple(map(str, paths)))
 
 
@@ -66,14 +67,14 @@ def test_a_test_module_that_cannot_be_imported_is_one_error_and_the_other_tests_
     (tmp_path / "test_needs_a_missing_package.py").write_text("import no_such_package_here\n")
     (tmp_path / "test_kernel.py").write_text(
         "import pytest\n\n@pytest.mark.cuda\ndef test_runs():\n    assert True\n")
-    counts = gpu_report.run_cuda_tests(tests_plan(tmp_path))
+    counts = gpu_report.run_cuda_tests(cuda_tests_plan(tmp_path))
     assert (counts["passed"], counts["errors"]) == (1, 1)
     assert any("test_needs_a_missing_package" in name for name in counts["not_passed"])
 
 
 def test_when_pytest_runs_no_test_the_section_fails_saying_why(tmp_path):
     with pytest.raises(RuntimeError, match="pytest ran no test .*no_such_dir"):
-        gpu_report.run_cuda_tests(tests_plan(tmp_path / "no_such_dir"))
+        gpu_report.run_cuda_tests(cuda_tests_plan(tmp_path / "no_such_dir"))
 
 
 def ttft_row(model: str, miss: float, device: float, cpu: float, disk: float, short: float) -> dict:
@@ -116,6 +117,9 @@ def test_a_smoke_run_writes_every_section_of_the_report(tmp_path):
     assert result["tests"]["skipped"] > 0 if not torch.cuda.is_available() else result["tests"]["passed"] > 0
     assert [r["block"] for r in result["bandwidth"]["rows"]] == ["SmolLM2-135M", "Llama-3-8B"]
     assert len(result["kernels"]["paging"]) == 3 and len(result["kernels"]["split_kv"]) == 3  # header, rule, one row
+    assert {(r["model"], r["case"]) for r in result["step"]} == {
+        (m, case.name) for m in gpu_report.MODELS for case in decoder_step.CASES}
+    assert all(r["decoder_s"] > 0 and r["transformers_s"] > 0 for r in result["step"])
     rows = result["ttft"]
     assert {(r["model"], r["dtype"], r["doc_tokens"]) for r in rows} == {
         (m, dtype, n) for m in gpu_report.MODELS for dtype in ("bfloat16", "bfloat16/fp8", "bfloat16/int8") for n in (48, 96)}
