@@ -392,8 +392,19 @@ def measure_ttft_row(plan: Plan, model: ModelCase, dtype: str, loaded, doc_token
                   if (n := sum(p[kind]["recomputed_tokens_by_tier"].values()))]
     return {"model": model.key, "label": model.label, "dtype": dtype, "doc_tokens": doc_tokens,
             "prompt_tokens": len(prompts[0]), "median_s": median_s, "unexpected": unexpected,
-            "recomputed": recomputed,
+            "recomputed": recomputed, "phases_ms": {kind: median_phases([p[kind] for p in passes]) for kind in KINDS},
             "ttft_s": {kind: [p[kind]["ttft_s"] for p in passes] for kind in ("short", *KINDS)}}
+
+
+def median_phases(records: list[dict]) -> dict[str, float]:
+    """Where a request's TTFT went (its cache receipt, engine/receipt.py), median over passes, in ms: queue,
+    lookup, load (all tiers) and prefill."""
+    def phases(receipt: dict) -> dict[str, float]:
+        return {"queue": receipt["queue_ms"], "lookup": receipt["lookup_ms"],
+                "load": sum(receipt["load_ms_by_tier"].values()), "prefill": receipt["prefill_ms"]}
+
+    per_pass = [phases(r["receipt"]) for r in records]
+    return {phase: statistics.median(p[phase] for p in per_pass) for phase in per_pass[0]}
 
 
 def gap_run(plan: Plan, model: ModelCase, dtype: str, loaded, prompts: list[list[int]], disk_path: Path,
@@ -658,6 +669,27 @@ def ttft_lines(rows: list[dict], result: dict) -> list[str]:
     if recomputed:
         lines += ["", "Hits whose load policy (`auto`) recomputed part of the prefix beside the load, as it "
                   "judged faster from the measured speeds:", *recomputed]
+    return lines + [""] + phase_lines(rows)
+
+
+def phase_lines(rows: list[dict]) -> list[str]:
+    """Where each request's time went, on the longest document of each model and dtype (rows from before the
+    report recorded receipts have none)."""
+    longest = {}
+    for r in rows:
+        if r.get("phases_ms") and r["doc_tokens"] >= longest.get((r["model"], r["dtype"]), {"doc_tokens": 0})["doc_tokens"]:
+            longest[(r["model"], r["dtype"])] = r
+    if not longest:
+        return []
+    lines = ["Where the time to first token went, on the longest document: the requests' cache receipts "
+             "(engine/receipt.py), medians over the passes. Lookup: hashing and the tier walk; load: from the "
+             "load's submission until the request is admitted; prefill: the steps that computed its question.", "",
+             "| model | dtype | request | queue | lookup | load | prefill |", "|---|---|---|---:|---:|---:|---:|"]
+    for r in longest.values():
+        for kind in KINDS:
+            ph = r["phases_ms"][kind]
+            lines.append(f"| {r['label']} | {r['dtype']} | {kind} | {ph['queue']:.1f} ms | {ph['lookup']:.1f} ms | "
+                         f"{ph['load']:.1f} ms | {ph['prefill']:.1f} ms |")
     return lines + [""]
 
 
