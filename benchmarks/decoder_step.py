@@ -14,7 +14,8 @@ Models: SmolLM2-135M (the embedded model), "thin-30", a random-weight model of S
 tiny widths, whose step is nearly all host work (the floor a step cannot go below), and on CUDA a
 Llama-3-8B-shaped model with random weights. On a CPU: the torch path, one thread, best of `--repeats` by process
 CPU time. On CUDA (`--device cuda`; the GPU report's `step` section): the Triton path, `triton.testing.do_bench`
-medians, which include the time the GPU waits for the host's launches.
+medians, which include the time the GPU waits for the host's launches; and the decode cases once more with the
+decoder's steps replayed as CUDA graphs (engine/cuda_graphs.py, `model.cuda_graphs`).
 
     python benchmarks/decoder_step.py --out-dir benchmarks/results
 """
@@ -174,15 +175,22 @@ def measure_case(loaded, ops, case: Case, context: int, repeats: int) -> dict:
     kv_cache = layout.allocate(num_blocks, loaded.device)
     kv_cache.normal_()
     paths = Paths(ModelRunner(loaded, kv_cache, ops))
-    # both paths compute the same logits on the same cache (the step rewrites only its own slots)
-    torch.testing.assert_close(paths.decoder(step), paths.transformers(step), atol=1e-2, rtol=1e-2)
-    times = {"decoder": [], "transformers": []}
+    runs = {"decoder": paths.decoder, "transformers": paths.transformers}
+    if loaded.device.type == "cuda" and case.new == 1:  # a decode step: also replayed as a CUDA graph
+        graphs = ModelRunner(loaded, kv_cache, ops)
+        graphs.enable_decode_graphs(case.num_seqs, num_blocks // case.num_seqs, record=True)
+        runs["graphs"] = graphs.execute
+    # every path computes the same logits on the same cache (the step rewrites only its own slots)
+    expected = paths.decoder(step)
+    for run in runs.values():
+        torch.testing.assert_close(run(step), expected, atol=1e-2, rtol=1e-2)
+    times = {path: [] for path in runs}
     for _ in range(2):  # in turn, twice: a drift of the machine shows as a spread, not as a ratio
-        for path, run in (("decoder", paths.decoder), ("transformers", paths.transformers)):
+        for path, run in runs.items():
             times[path].append(timer(lambda: run(step), repeats))
     best = {path: min(t) for path, t in times.items()}
     return {"case": case.name, "num_seqs": case.num_seqs, "new_tokens": case.new, "context": context,
-            "decoder_s": best["decoder"], "transformers_s": best["transformers"],
+            "decoder_s": best["decoder"], "transformers_s": best["transformers"], "graphs_s": best.get("graphs"),
             "speedup": best["transformers"] / best["decoder"], "runs_s": times}
 
 
@@ -192,14 +200,16 @@ def markdown(result: dict) -> str:
              f"Code: commit {result['commit']}; took {result['took_s']:.0f} s.", "",
              "Each step on one sequence's (or 32's) cached context, both forward passes over the same paged KV "
              "cache and inputs, in turn; best of the runs "
-             f"({result['timing']}). Speed-up: transformers' time / the decoder's.", "",
-             "| model | dtype | case | context | new tokens | transformers' modules | kvstrata decoder | speed-up |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             f"({result['timing']}). Speed-up: transformers' time / the decoder's. CUDA graphs: the decode steps "
+             "replayed as graphs (CUDA only).", "",
+             "| model | dtype | case | context | new tokens | transformers' modules | kvstrata decoder | speed-up "
+             "| decoder, CUDA graphs |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for model in result["models"]:
         for row in model["rows"]:
+            graphs = "–" if row.get("graphs_s") is None else f"{row['graphs_s'] * 1e3:.2f} ms"
             lines.append(f"| {model['model']} | {model['dtype']} | {row['case']} | {row['context']} | "
                          f"{row['num_seqs'] * row['new_tokens']} | {row['transformers_s'] * 1e3:.2f} ms | "
-                         f"{row['decoder_s'] * 1e3:.2f} ms | {row['speedup']:.2f}x |")
+                         f"{row['decoder_s'] * 1e3:.2f} ms | {row['speedup']:.2f}x | {graphs} |")
     return "\n".join(lines) + "\n"
 
 

@@ -24,7 +24,8 @@ Sections, in the order they run (all by default, `--sections` picks some):
   against the same kernel in one pass (benchmarks/kernels.py's tables).
 - step: a model step with few tokens (a decode, a 16-token question, 32 decodes) and a 512-token chunk over a
   7k-token context, through kvstrata's decoder and through transformers' modules on the same paged cache
-  (benchmarks/decoder_step.py), per model in bf16: what the host's share of a step costs each.
+  (benchmarks/decoder_step.py), per model in bf16: what the host's share of a step costs each; and the decode
+  steps replayed as CUDA graphs.
 - ttft: single-request TTFT of long-document QA, a document of ~4k and ~7k tokens (`--doc-tokens`) plus a
   question from benchmarks/data, for SmolLM2 and a Llama-3-8B-shaped model with random weights
   (`load_format: dummy`), in bf16, fp32 and bf16 with fp8 or int8 K/V (`--dtypes`): a miss, a device hit, a CPU-tier
@@ -632,13 +633,15 @@ def step_lines(rows: list[dict], result: dict) -> list[str]:
     lines = ["One step through kvstrata's decoder (engine/decoder.py: fused norms, rotary and activation, packed "
              "products) and through transformers' modules on the same weights, paged cache and inputs "
              "(benchmarks/decoder_step.py), in turn; `triton.testing.do_bench` medians, which include the time "
-             "the GPU waits for the host's launches. Speed-up: transformers' time / the decoder's.", "",
-             "| model | dtype | case | context | new tokens | transformers' modules | kvstrata decoder | speed-up |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             "the GPU waits for the host's launches. Speed-up: transformers' time / the decoder's. CUDA graphs: "
+             "the decode steps replayed as graphs (engine/cuda_graphs.py, `model.cuda_graphs`).", "",
+             "| model | dtype | case | context | new tokens | transformers' modules | kvstrata decoder | speed-up | "
+             "decoder, CUDA graphs |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        graphs = "–" if r.get("graphs_s") is None else fmt_ms(r["graphs_s"])
         lines.append(f"| {r['label']} | {r['dtype']} | {r['case']} | {r['context']} | "
                      f"{r['num_seqs'] * r['new_tokens']} | {fmt_ms(r['transformers_s'])} | {fmt_ms(r['decoder_s'])} | "
-                     f"{fmt_x(r['speedup'])} |")
+                     f"{fmt_x(r['speedup'])} | {graphs} |")
     return lines + [""]
 
 

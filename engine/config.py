@@ -1,7 +1,7 @@
 """The engine's configuration: YAML in, typed frozen objects out (DESIGN.md, "YAML").
 
     model:  {name: smollm2-135m-instruct, load_format: auto, dtype: auto, device: auto, attention_backend: auto,
-             max_model_len: null, threads: auto}
+             max_model_len: null, threads: auto, batch_invariant: false, cuda_graphs: false}
     cache:
       enable_prefix_caching: true
       block_size: 16
@@ -207,6 +207,9 @@ class ModelConfig(_Section):
     # Reductions in an order no batch or chunking changes: cached and uncached outputs then agree bit for bit in
     # every dtype, at a cost (benchmarks/results/batch_invariance.md). Its K/V get their own hash namespace.
     batch_invariant: bool = False
+    # Decode steps replayed as CUDA graphs (engine/cuda_graphs.py) on a CUDA device; ignored on a CPU with device
+    # auto. Off by default until measured on a GPU (benchmarks/gpu_report.py's step section).
+    cuda_graphs: bool = False
 
     @field_validator("name")
     @classmethod
@@ -231,6 +234,9 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _runnable_model(self) -> ModelConfig:
+        if self.cuda_graphs and self.device == "cpu":
+            raise _FieldError("cuda_graphs", "CUDA graphs need a CUDA device, and model.device is cpu "
+                                             "(use device auto or cuda, or turn cuda_graphs off)")
         shape = self.shape()
         if self.max_model_len is not None and self.max_model_len > shape.max_model_len:
             raise _FieldError("max_model_len", f"{self.max_model_len} is more than the model's limit of "

@@ -159,6 +159,8 @@ class LLMEngine:
         self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
         self.runner = ModelRunner(self.loaded, self.hierarchy.kv_cache,
                                   get_ops(self.attention_backend, batch_invariant=config.model.batch_invariant))
+        if config.model.cuda_graphs and self.device.type == "cuda":
+            self.runner.enable_decode_graphs(sc.max_num_seqs, -(-self.max_model_len // self.block_size), record=True)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

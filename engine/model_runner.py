@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from kvstrata.engine.batch_invariant import BatchInvariantMode
+from kvstrata.engine.cuda_graphs import DecodeGraphs, StaticStep
 from kvstrata.engine.decoder import AttentionMetadata, Decoder
 from kvstrata.engine.model_loader import LoadedModel
 
@@ -43,10 +44,23 @@ class ModelRunner:
         self.device = loaded.device
         self._decoder = Decoder(loaded.model, ops)  # the transformer body: hidden states, no logits
         self._lm_head = loaded.model.get_output_embeddings()
+        self._graphs: DecodeGraphs | None = None  # see `enable_decode_graphs`
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_blocks: int, record: bool) -> None:
+        """Run decode steps of up to `max_num_seqs` sequences, block tables up to `max_blocks` wide, padded to
+        fixed sizes, recorded as CUDA graphs when `record` (engine/cuda_graphs.py)."""
+        self._graphs = DecodeGraphs(self._forward_static, max_num_seqs, max_blocks, self.device, record)
+
+    @property
+    def recorded_graph_sizes(self) -> list[int]:
+        """The decode batch sizes recorded (or, without CUDA, padded to) so far."""
+        return [] if self._graphs is None else sorted(self._graphs.recorded_sizes)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run the step; returns float32 logits `[len(logits_indices), vocab_size]`."""
+        if self._graphs is not None and self._graphs.fits(step):
+            return self._graphs.run(step)
         metadata = AttentionMetadata(
             slot_mapping=self._tensor(step.slot_mapping, torch.int64),
             block_tables=self._tensor(step.block_tables, torch.int32),
@@ -54,13 +68,22 @@ class ModelRunner:
             seq_lens=self._tensor(step.seq_lens, torch.int32),
             kv_cache=self.kv_cache,
         )
-        input_ids = self._tensor(step.input_ids, torch.int64)
-        positions = self._tensor(step.positions, torch.int64)
+        return self._forward(self._tensor(step.input_ids, torch.int64), self._tensor(step.positions, torch.int64),
+                             metadata, self._tensor(step.logits_indices, torch.int64))
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
         with BatchInvariantMode(self.ops) if self.ops.batch_invariant else nullcontext():
             hidden = self._decoder.forward(input_ids, positions, metadata)
-            rows = hidden.index_select(0, self._tensor(step.logits_indices, torch.int64))
+            rows = hidden.index_select(0, logits_indices)
             # logits only for the sampled rows: a 2k-token prefill chunk would otherwise make 2k x 49k
             return self._lm_head(rows).float()
+
+    def _forward_static(self, step: StaticStep) -> torch.Tensor:
+        metadata = AttentionMetadata(slot_mapping=step.slot_mapping, block_tables=step.block_tables,
+                                     query_start_loc=step.query_start_loc, seq_lens=step.seq_lens,
+                                     kv_cache=self.kv_cache)
+        return self._forward(step.input_ids, step.positions, metadata, step.logits_indices)
 
     def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(data, dtype=dtype).to(self.device, non_blocking=True)

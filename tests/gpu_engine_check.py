@@ -1,5 +1,6 @@
 """Greedy fp32 outputs of the embedded model on the GPU, with the compiled Triton kernels: with prefix caching off,
-and with a document's prefix served from the device and from the CPU tier. Prints one JSON object. Needs CUDA and
+and with a document's prefix served from the device and from the CPU tier; and three questions answered at once
+with decode steps replayed as CUDA graphs (`model.cuda_graphs`) and without. Prints one JSON object. Needs CUDA and
 TRITON_INTERPRET unset; tests/test_engine_cuda.py runs it:
 
     python tests/gpu_engine_check.py
@@ -24,8 +25,8 @@ def chat(question: str) -> list[dict]:
     return [{"role": "user", "content": f"{DOCUMENT}\n\nQuestion: {question}"}]
 
 
-def config(caching: bool):
-    return load_config({"model": {"dtype": "float32", "device": "cuda"},
+def config(caching: bool, cuda_graphs: bool = False):
+    return load_config({"model": {"dtype": "float32", "device": "cuda", "cuda_graphs": cuda_graphs},
                         "cache": {"enable_prefix_caching": caching, "offload": "write_through",
                                   "tiers": {"device": {"size": 256}, "cpu": {"size": 256}}}})
 
@@ -48,7 +49,13 @@ def main() -> None:
         assert llm.engine.hierarchy.clear_device_cache(), "a device block is still in use"
         cpu_hit = answer(llm, QUESTIONS[2])
         backend = llm.engine.attention_backend
-    print(json.dumps({"attention_backend": backend,
+    graphs = {}
+    for cuda_graphs in (False, True):  # three sequences decode together: padded to a size of 4 with graphs
+        with LLM(config(caching=False, cuda_graphs=cuda_graphs), loaded_model=loaded) as llm:
+            outs = llm.chat([chat(q) for q in QUESTIONS], GREEDY)
+            graphs[str(cuda_graphs).lower()] = {"token_ids": [o.token_ids for o in outs],
+                                                "recorded_sizes": sorted(llm.engine.runner.recorded_graph_sizes)}
+    print(json.dumps({"attention_backend": backend, "cuda_graphs": graphs,
                       "device": {"uncached": uncached[QUESTIONS[1]], "cached": device_hit},
                       "cpu": {"uncached": uncached[QUESTIONS[2]], "cached": cpu_hit}}))
 

@@ -33,3 +33,9 @@ def test_fp32_greedy_output_with_a_hit_on_cuda_equals_caching_off(gpu_outputs, t
     cached, uncached = gpu_outputs[tier]["cached"], gpu_outputs[tier]["uncached"]
     assert cached["cached_tokens_by_tier"][tier] > 0, cached["cached_tokens_by_tier"]
     assert cached["token_ids"] == uncached["token_ids"]
+
+
+def test_decode_steps_replayed_as_cuda_graphs_give_the_eager_steps_tokens(gpu_outputs):
+    graphs = gpu_outputs["cuda_graphs"]
+    assert graphs["true"]["recorded_sizes"] and not graphs["false"]["recorded_sizes"]
+    assert graphs["true"]["token_ids"] == graphs["false"]["token_ids"]

@@ -1,0 +1,98 @@
+"""Decode steps padded to the fixed sizes CUDA graphs are recorded at (engine/cuda_graphs.py), run eagerly on the
+CPU through the same code (recording and replay themselves need a GPU: tests/test_engine_cuda.py): the padded
+step gives the unpadded step's logits, a padding row never writes K/V, steps that do not fit run as they are,
+and an engine decoding several sequences at once answers as without graphs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_runner import BLOCK_SIZE, Chunk, blocks_for, build_step
+
+from kvstrata import LLM, SamplingParams, load_config
+from kvstrata.engine.config import ConfigError
+from kvstrata.engine.cuda_graphs import CAPTURE_SIZES, DecodeGraphs
+from kvstrata.engine.model_runner import ModelRunner
+from kvstrata.kernels import get_ops
+from kvstrata.tiers.base import BlockLayout
+
+pytestmark = pytest.mark.slow
+NUM_BLOCKS = 64
+MAX_BLOCKS = 12
+
+
+def runner(loaded, graphs: bool) -> ModelRunner:
+    """A runner over random K/V; batch-invariant, so that a row's bits cannot depend on the padding beside it
+    (the CPU's GEMM otherwise rounds a product of 4 rows otherwise than one of 3)."""
+    cfg = loaded.model_config
+    layout = BlockLayout(cfg.num_layers, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    kv_cache = layout.allocate(NUM_BLOCKS, "cpu").normal_(generator=torch.Generator().manual_seed(0))
+    r = ModelRunner(loaded, kv_cache, get_ops("torch", batch_invariant=True))
+    if graphs:
+        r.enable_decode_graphs(max_num_seqs=8, max_blocks=MAX_BLOCKS, record=False)
+    return r
+
+
+def decode_step(contexts: list[int], first_block: int = 0):
+    """One new token per sequence, after `contexts[i]` cached positions, each sequence in blocks of its own."""
+    chunks, block = [], first_block
+    for i, context in enumerate(contexts):
+        table = blocks_for(context + 1, block)
+        block += len(table)
+        chunks.append(Chunk([100 + i], context, table))
+    return build_step(chunks)
+
+
+@pytest.mark.parametrize("contexts", [[40], [17, 70, 3], [5, 33, 64, 2, 90]])  # padded to 1, 4 and 8
+def test_a_padded_decode_step_gives_the_unpadded_steps_logits_and_cache(embedded_model_fp32, contexts):
+    plain, padded = runner(embedded_model_fp32, False), runner(embedded_model_fp32, True)
+    step = decode_step(contexts)
+    expected = plain.execute(step)
+    logits = padded.execute(step)
+    assert padded.recorded_graph_sizes == [min(s for s in CAPTURE_SIZES if s >= len(contexts))]
+    assert torch.equal(logits, expected)
+    assert torch.equal(padded.kv_cache, plain.kv_cache)
+
+
+def test_padding_rows_left_by_a_larger_step_write_no_kv(embedded_model_fp32):
+    padded = runner(embedded_model_fp32, True)
+    first = decode_step([10, 20, 30, 40, 50, 60, 70])  # 7 sequences: size 8
+    padded.execute(first)
+    stale_slots = torch.as_tensor(first.slot_mapping[5:])  # the rows the next, smaller step leaves as padding
+    blocks, offsets = stale_slots // BLOCK_SIZE, stale_slots % BLOCK_SIZE
+    padded.kv_cache[blocks, :, :, offsets] = 7.0  # as if those blocks now held another sequence's K/V
+    padded.execute(decode_step([10, 20, 30, 40, 50]))  # 5 sequences: the same size 8
+    assert padded.recorded_graph_sizes == [8]
+    assert bool((padded.kv_cache[blocks, :, :, offsets] == 7.0).all())
+
+
+def test_steps_a_size_does_not_hold_run_as_they_are(embedded_model_fp32):
+    graphs = DecodeGraphs(lambda step: None, max_num_seqs=4, max_blocks=MAX_BLOCKS, device=torch.device("cpu"),
+                          record=False)
+    assert graphs.sizes == [1, 2, 4]
+    assert graphs.fits(decode_step([10, 20, 30, 40]))
+    assert not graphs.fits(decode_step([10, 20, 30, 40, 50]))  # more sequences than the largest size
+    assert not graphs.fits(decode_step([MAX_BLOCKS * BLOCK_SIZE]))  # a block table wider than the sizes'
+    assert not graphs.fits(build_step([Chunk([1, 2, 3], 0, [0])]))  # a prefill chunk
+    assert not graphs.fits(build_step([Chunk([1], 5, [0])], want_logits=False))  # no logits wanted
+
+
+def test_an_engine_decoding_sequences_at_once_answers_as_without_padding(embedded_model_fp32):
+    from pydoc_data.topics import topics
+
+    prompts = [topics["try"][:300], topics["if"][:150] + " Explain.", "Say hello.", topics["while"][:420]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 12, 6)]
+    config = {"model": {"dtype": "float32", "device": "cpu"}, "cache": {"tiers": {"device": {"size": 128}}}}
+    with LLM(config, loaded_model=embedded_model_fp32) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(config, loaded_model=embedded_model_fp32) as llm:
+        llm.engine.runner.enable_decode_graphs(max_num_seqs=8, max_blocks=32, record=False)
+        outs = llm.generate(prompts, params)  # four sequences decode, then three, two, one as they finish
+        assert llm.engine.runner.recorded_graph_sizes == [1, 2, 4]
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_cuda_graphs_on_a_cpu_device_are_refused_in_one_line():
+    with pytest.raises(ConfigError) as info:
+        load_config({"model": {"device": "cpu", "cuda_graphs": True}})
+    assert info.value.key == "model.cuda_graphs" and "need a CUDA device" in str(info.value)
+    assert load_config({"model": {"device": "auto", "cuda_graphs": True}}).model.cuda_graphs  # ignored without CUDA
