@@ -34,6 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.kernels import time_cpu, time_cuda  # noqa: E402  (best CPU time of a thread; do_bench median)
 from benchmarks.machine import machine_line  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -118,23 +119,6 @@ class Paths:
                       step_meta=(meta, runner.ops)).last_hidden_state[0]
         rows = hidden.index_select(0, runner._tensor(step.logits_indices, torch.int64))
         return model.get_output_embeddings()(rows).float()
-
-
-def time_cpu(fn, repeats: int) -> float:
-    """Best of `repeats` calls, in seconds of this process's CPU time (one thread)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best
-
-
-def time_cuda(fn, repeats: int) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=max(100, 20 * repeats), return_mode="median") / 1e3
 
 
 def load(name: str, dtype: torch.dtype, device: str, work_dir: Path):

@@ -271,10 +271,16 @@ def measure_steps(plan: Plan) -> list[dict]:
                     f"decoder {fmt_ms(row['decoder_s'])}")
         finally:
             del loaded
-            gc.collect()
-            if plan.device == "cuda":
-                torch.cuda.empty_cache()
+            release_memory(plan)
     return rows
+
+
+def release_memory(plan: Plan) -> None:
+    """Free what a model (or an engine on it) held once its last reference is dropped: their parts refer to
+    each other, so only a collection frees them, and then the GPU's cached blocks go back."""
+    gc.collect()
+    if plan.device == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------- engines
@@ -475,9 +481,7 @@ def measure_model(plan: Plan, model: ModelCase, dtype: str, work_dir: Path, resu
                 f"admitted {fmt_ms(gap['max_gap_during_s'])}")
     finally:
         del loaded
-        gc.collect()
-        if plan.device == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(plan)
 
 
 # ---------------------------------------------------------------------------------------------- goals
