@@ -27,45 +27,36 @@ from typing import Callable
 
 import torch
 
+from kvstrata.engine.decoder import StepInput
+
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-@dataclass
-class StaticStep:
-    """A padded decode step's inputs, on the device, that a recorded graph reads (its addresses never change)."""
+def static_step(size: int, max_blocks: int, device: torch.device) -> StepInput:
+    """A padded decode step's inputs on the device, inert (every row padding), for a recorded graph to read: their
+    addresses never change, only their values."""
+    def zeros(*shape, dtype=torch.int64):
+        return torch.zeros(*shape, dtype=dtype, device=device)
 
-    input_ids: torch.Tensor      # [size] int64
-    positions: torch.Tensor      # [size] int64
-    slot_mapping: torch.Tensor   # [size] int64, -1 for padding
-    block_tables: torch.Tensor   # [size, max_blocks] int32
-    query_start_loc: torch.Tensor  # [size + 1] int32: 0, 1, ..., size
-    seq_lens: torch.Tensor       # [size] int32, 1 for padding
-    logits_indices: torch.Tensor  # [size] int64: 0, 1, ..., size - 1
-
-    @classmethod
-    def empty(cls, size: int, max_blocks: int, device: torch.device) -> StaticStep:
-        def zeros(*shape, dtype=torch.int64):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        return cls(input_ids=zeros(size), positions=zeros(size), slot_mapping=torch.full((size,), -1, device=device),
-                   block_tables=zeros(size, max_blocks, dtype=torch.int32),
-                   query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
-                   seq_lens=torch.ones(size, dtype=torch.int32, device=device),
-                   logits_indices=torch.arange(size, device=device))
+    return StepInput(input_ids=zeros(size), positions=zeros(size), slot_mapping=torch.full((size,), -1, device=device),
+                     block_tables=zeros(size, max_blocks, dtype=torch.int32),
+                     query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
+                     seq_lens=torch.ones(size, dtype=torch.int32, device=device),
+                     logits_indices=torch.arange(size, device=device))
 
 
 @dataclass
 class _Recorded:
-    inputs: StaticStep
+    inputs: StepInput  # on the device (`static_step`)
     graph: torch.cuda.CUDAGraph | None  # None: run eagerly (no CUDA)
     logits: torch.Tensor | None         # the graph's output, overwritten by each replay
 
 
 class DecodeGraphs:
-    """Runs decode steps padded to fixed sizes through `forward(StaticStep) -> logits [size, vocab]`, recorded as
-    CUDA graphs when `record` (the padding is the same either way)."""
+    """Runs decode steps padded to fixed sizes through `forward(step on the device) -> logits [size, vocab]`,
+    recorded as CUDA graphs when `record` (the padding is the same either way)."""
 
-    def __init__(self, forward: Callable[[StaticStep], torch.Tensor], max_num_seqs: int, max_blocks: int,
+    def __init__(self, forward: Callable[[StepInput], torch.Tensor], max_num_seqs: int, max_blocks: int,
                  device: torch.device, record: bool) -> None:
         self.forward = forward
         self.sizes = [s for s in CAPTURE_SIZES if s < max_num_seqs] + [max_num_seqs]
@@ -77,15 +68,15 @@ class DecodeGraphs:
 
     @property
     def recorded_sizes(self) -> list[int]:
-        return list(self._recorded)
+        return sorted(self._recorded)
 
-    def fits(self, step) -> bool:
+    def fits(self, step: StepInput) -> bool:
         """A decode step (one new token and its logits per sequence) that a size holds."""
         num_seqs = len(step.seq_lens)
         return (0 < num_seqs <= self.sizes[-1] and len(step.input_ids) == num_seqs == len(step.logits_indices)
                 and len(step.block_tables[0]) <= self.max_blocks)
 
-    def run(self, step) -> torch.Tensor:
+    def run(self, step: StepInput) -> torch.Tensor:
         """The step's logits `[num_seqs, vocab]` (float32; a copy, which the next replay leaves alone)."""
         num_seqs = len(step.seq_lens)
         size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
@@ -96,7 +87,7 @@ class DecodeGraphs:
         recorded.graph.replay()
         return recorded.logits[:num_seqs].clone()
 
-    def _fill(self, inputs: StaticStep, step, num_seqs: int) -> None:
+    def _fill(self, inputs: StepInput, step: StepInput, num_seqs: int) -> None:
         """The step's values into the first `num_seqs` rows, and the padding rows made inert again: a row an
         earlier, larger step used would otherwise store K/V into a slot that may belong to another sequence now."""
         def copy(dest: torch.Tensor, data, dtype: torch.dtype) -> None:
@@ -114,7 +105,7 @@ class DecodeGraphs:
         inputs.seq_lens[num_seqs:].fill_(1)
 
     def _record(self, size: int) -> _Recorded:
-        inputs = StaticStep.empty(size, self.max_blocks, self.device)
+        inputs = static_step(size, self.max_blocks, self.device)
         if not self.record:
             recorded = _Recorded(inputs, None, None)
         else:

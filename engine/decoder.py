@@ -15,10 +15,31 @@ what transformers computes; the packed products are the only change, a wider mat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
+IntSeq = torch.Tensor | Sequence[int]
+
+
+@dataclass
+class StepInput:
+    """One scheduler step, every sequence's new tokens packed back to back (vLLM v1 names).
+
+    `logits_indices` are the packed rows whose next-token logits are wanted: usually each sequence's
+    last new token, and none for a sequence whose prefill chunk does not reach its prompt's end.
+    Fields may be CPU tensors or plain lists; the model runner moves them to the model's device (as tensors on
+    it, the runner's forward pass and a recorded CUDA graph read them).
+    """
+
+    input_ids: IntSeq        # [T]
+    positions: IntSeq        # [T] position of each token in its sequence
+    slot_mapping: IntSeq     # [T] block_id * block_size + offset
+    block_tables: torch.Tensor | Sequence[Sequence[int]]  # [B, max_blocks], rows padded (any value)
+    query_start_loc: IntSeq  # [B+1]
+    seq_lens: IntSeq         # [B] cached context + new tokens
+    logits_indices: IntSeq   # [B']
 
 
 @dataclass

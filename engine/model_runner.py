@@ -2,35 +2,15 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from kvstrata.engine.batch_invariant import BatchInvariantMode
-from kvstrata.engine.cuda_graphs import DecodeGraphs, StaticStep
-from kvstrata.engine.decoder import AttentionMetadata, Decoder
+from kvstrata.engine.cuda_graphs import DecodeGraphs
+from kvstrata.engine.decoder import AttentionMetadata, Decoder, StepInput
 from kvstrata.engine.model_loader import LoadedModel
 
-IntSeq = torch.Tensor | Sequence[int]
-
-
-@dataclass
-class StepInput:
-    """One scheduler step, every sequence's new tokens packed back to back (vLLM v1 names).
-
-    `logits_indices` are the packed rows whose next-token logits are wanted: usually each sequence's
-    last new token, and none for a sequence whose prefill chunk does not reach its prompt's end.
-    Fields may be CPU tensors or plain lists; the runner moves them to the model's device.
-    """
-
-    input_ids: IntSeq        # [T]
-    positions: IntSeq        # [T] position of each token in its sequence
-    slot_mapping: IntSeq     # [T] block_id * block_size + offset
-    block_tables: torch.Tensor | Sequence[Sequence[int]]  # [B, max_blocks], rows padded (any value)
-    query_start_loc: IntSeq  # [B+1]
-    seq_lens: IntSeq         # [B] cached context + new tokens
-    logits_indices: IntSeq   # [B']
+__all__ = ["ModelRunner", "StepInput"]  # StepInput: defined with the forward pass, imported from here
 
 
 class ModelRunner:
@@ -49,41 +29,37 @@ class ModelRunner:
     def enable_decode_graphs(self, max_num_seqs: int, max_blocks: int, record: bool) -> None:
         """Run decode steps of up to `max_num_seqs` sequences, block tables up to `max_blocks` wide, padded to
         fixed sizes, recorded as CUDA graphs when `record` (engine/cuda_graphs.py)."""
-        self._graphs = DecodeGraphs(self._forward_static, max_num_seqs, max_blocks, self.device, record)
+        self._graphs = DecodeGraphs(self._forward, max_num_seqs, max_blocks, self.device, record)
 
     @property
     def recorded_graph_sizes(self) -> list[int]:
         """The decode batch sizes recorded (or, without CUDA, padded to) so far."""
-        return [] if self._graphs is None else sorted(self._graphs.recorded_sizes)
+        return [] if self._graphs is None else self._graphs.recorded_sizes
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run the step; returns float32 logits `[len(logits_indices), vocab_size]`."""
         if self._graphs is not None and self._graphs.fits(step):
             return self._graphs.run(step)
-        metadata = AttentionMetadata(
+        return self._forward(StepInput(
+            input_ids=self._tensor(step.input_ids, torch.int64),
+            positions=self._tensor(step.positions, torch.int64),
             slot_mapping=self._tensor(step.slot_mapping, torch.int64),
             block_tables=self._tensor(step.block_tables, torch.int32),
             query_start_loc=self._tensor(step.query_start_loc, torch.int32),
             seq_lens=self._tensor(step.seq_lens, torch.int32),
-            kv_cache=self.kv_cache,
-        )
-        return self._forward(self._tensor(step.input_ids, torch.int64), self._tensor(step.positions, torch.int64),
-                             metadata, self._tensor(step.logits_indices, torch.int64))
+            logits_indices=self._tensor(step.logits_indices, torch.int64)))
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                 logits_indices: torch.Tensor) -> torch.Tensor:
-        with BatchInvariantMode(self.ops) if self.ops.batch_invariant else nullcontext():
-            hidden = self._decoder.forward(input_ids, positions, metadata)
-            rows = hidden.index_select(0, logits_indices)
-            # logits only for the sampled rows: a 2k-token prefill chunk would otherwise make 2k x 49k
-            return self._lm_head(rows).float()
-
-    def _forward_static(self, step: StaticStep) -> torch.Tensor:
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        """The step, its fields tensors on the device, through the model: the logits of its chosen rows."""
         metadata = AttentionMetadata(slot_mapping=step.slot_mapping, block_tables=step.block_tables,
                                      query_start_loc=step.query_start_loc, seq_lens=step.seq_lens,
                                      kv_cache=self.kv_cache)
-        return self._forward(step.input_ids, step.positions, metadata, step.logits_indices)
+        with BatchInvariantMode(self.ops) if self.ops.batch_invariant else nullcontext():
+            hidden = self._decoder.forward(step.input_ids, step.positions, metadata)
+            rows = hidden.index_select(0, step.logits_indices)
+            # logits only for the sampled rows: a 2k-token prefill chunk would otherwise make 2k x 49k
+            return self._lm_head(rows).float()
 
     def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(data, dtype=dtype).to(self.device, non_blocking=True)
