@@ -1,7 +1,14 @@
-"""Incremental detokenizing with stop strings (no model: one token per character)."""
+"""Incremental detokenizing with stop strings: one token per character, then real tokenizers."""
 from __future__ import annotations
 
-from kvstrata.engine.detokenizer import IncrementalDetokenizer
+import pytest
+
+from kvstrata.engine.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer(embedded_model_fp32):
+    return embedded_model_fp32.tokenizer  # the model is loaded once for the whole run
 
 
 class CharTokenizer:
@@ -51,3 +58,79 @@ def test_a_stop_string_asked_for_in_the_output_stays_at_its_end():
 def test_special_tokens_text_is_shown_only_when_not_skipped():
     assert run("a#b", [])[0][-1] == "ab"
     assert run("a#b", [], skip_special_tokens=False)[0][-1] == "a#b"
+
+
+class CountingTokenizer:
+    """A real tokenizer that counts the tokens it is asked to decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decoded_tokens = 0
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        self.decoded_tokens += len(token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def stream(tokenizer, token_ids: list[int], stop: list[str] = ()) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    return [detok.update(token_ids[:n], final=n == len(token_ids))[0] for n in range(1, len(token_ids) + 1)]
+
+
+def test_streamed_text_ends_as_the_whole_decode_and_only_grows(real_tokenizer):
+    import pydoc_data.topics
+
+    tokenizer = real_tokenizer
+    # characters of several UTF-8 bytes, which byte-level tokens split, beside plain English
+    text = pydoc_data.topics.topics["types"][:3000] + " 東京の天気は晴れ 🙂🚀 naïve café — done"
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    shown = stream(tokenizer, token_ids)
+    assert shown[-1] == tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert all(later.startswith(earlier) for earlier, later in zip(shown, shown[1:]))
+    assert not any("\ufffd" in s for s in shown)  # half a character is never shown
+
+
+def test_each_token_decodes_a_few_tokens_not_the_whole_answer(real_tokenizer):
+    import pydoc_data.topics
+
+    counting = CountingTokenizer(real_tokenizer)
+    token_ids = real_tokenizer.encode(pydoc_data.topics.topics["types"][:8000], add_special_tokens=False)
+    shown = stream(counting, token_ids, stop=["never in the text"])
+    assert shown[-1] == real_tokenizer.decode(token_ids)
+    # decoding everything again at each token would be about n^2 / 2 tokens
+    assert counting.decoded_tokens < 8 * len(token_ids)
+
+
+def test_tokens_without_text_or_with_broken_bytes_neither_stall_the_text_nor_grow_the_work(real_tokenizer):
+    tokenizer = real_tokenizer
+    words = tokenizer.encode(" one two three four five six seven eight nine ten", add_special_tokens=False)
+    lone_byte = next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd")  # 0x80-ish
+    token_ids = words + [tokenizer.eos_token_id] * 300 + words + [lone_byte] * 300 + words
+    counting = CountingTokenizer(tokenizer)
+    shown = stream(counting, token_ids)
+    assert shown[-1] == tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert all(later.startswith(earlier) for earlier, later in zip(shown, shown[1:]))
+    # a bounded window per token (pending ones decoded again up to MAX_PENDING_TOKENS times), where a
+    # window growing over the 300 broken bytes would decode about 300^2 tokens
+    assert counting.decoded_tokens < 4 * MAX_PENDING_TOKENS * len(token_ids)
+    # the words after the special tokens show as soon as they are complete
+    assert shown[len(words) + 300 + len(words) - 1] == tokenizer.decode(words + words)
+    # with special tokens kept, their text is part of the answer
+    kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert kept.update(words + [tokenizer.eos_token_id], final=True)[0] == tokenizer.decode(
+        words + [tokenizer.eos_token_id], skip_special_tokens=False)
+
+
+def test_a_word_piece_keeps_its_leading_space_when_decoded_on_its_own():
+    # SentencePiece-style tokens ("▁world") lose their leading space at the start of a decode: the new
+    # token is decoded after the one before it, never alone
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "!": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    assert tokenizer.decode([2]) == "world"
+    assert stream(tokenizer, [1, 2, 2, 3, 1]) == ["hello", "hello world", "hello world world", "hello world world!",
+                                                  "hello world world! hello"]
