@@ -53,10 +53,27 @@ class LinearFit:
         self.prior = tuple(float(p) for p in prior)
         self.scales = scales
         self.windows: list[deque] = [deque(maxlen=WINDOW) for _ in range(num_windows)]
+        # Each window's weighted normal-equation sums, X^T W X and X^T W y, kept up to date as measurements
+        # come and go: the engine refits after every step, and summing the windows again each time was a
+        # fifth of a decode step's host work.
+        n = len(prior)
+        self._xtx = [[[0.0] * n for _ in range(n)] for _ in range(num_windows)]
+        self._xty = [[0.0] * n for _ in range(num_windows)]
         self._coef: tuple[float, ...] | None = self.prior
 
     def observe(self, x: tuple[float, ...], y: float, window: int = 0) -> None:
-        self.windows[window].append((tuple(float(v) for v in x), float(y)))
+        x, y = tuple(float(v) for v in x), float(y)
+        measurements, xtx, xty = self.windows[window], self._xtx[window], self._xty[window]
+        # every measurement already in the window ages by one: its weight falls by DECAY; the one the
+        # new measurement pushes out (weighing DECAY ** WINDOW once aged) leaves the sums
+        gone_x, gone_y = measurements[0] if len(measurements) == WINDOW else ((0.0,) * len(x), 0.0)
+        gone_weight = DECAY ** WINDOW
+        for i, (xi, gi) in enumerate(zip(x, gone_x)):
+            xty[i] = DECAY * xty[i] + xi * y - gone_weight * gi * gone_y
+            row = xtx[i]
+            for j, (xj, gj) in enumerate(zip(x, gone_x)):
+                row[j] = DECAY * row[j] + xi * xj - gone_weight * gi * gj
+        measurements.append((x, y))
         self._coef = None
 
     @property
@@ -74,20 +91,14 @@ class LinearFit:
 
     def _solve(self) -> tuple[float, ...]:
         n = len(self.prior)
-        # normal equations (X^T X + L) c = X^T y + L prior, with L diagonal
-        a = [[0.0] * n for _ in range(n)]
-        b = [0.0] * n
+        # normal equations (X^T W X + L) c = X^T W y + L prior, with L diagonal and W the measurements' weights
+        # (within a window, the newest weighs 1 and each older one DECAY times less)
+        a = [[sum(xtx[i][j] for xtx in self._xtx) for j in range(n)] for i in range(n)]
+        b = [sum(xty[i] for xty in self._xty) for i in range(n)]
         for j in range(n):
-            a[j][j] = PRIOR_WEIGHT * self.scales[j] ** 2
-            b[j] = a[j][j] * self.prior[j]
-        for window in self.windows:
-            weight = 1.0
-            for x, y in reversed(window):  # newest first
-                for i in range(n):
-                    b[i] += weight * x[i] * y
-                    for j in range(n):
-                        a[i][j] += weight * x[i] * x[j]
-                weight *= DECAY
+            ridge = PRIOR_WEIGHT * self.scales[j] ** 2
+            a[j][j] += ridge
+            b[j] += ridge * self.prior[j]
         # Non-negative: a coefficient the fit wants below 0 is held at 0 and the others are fitted again
         # without it. (Clamping it after the solve would keep the others' values, which made up for the
         # negative one, and overprice work.)

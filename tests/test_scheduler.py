@@ -3,11 +3,13 @@ of long work, aging bounds every wait, a long prefill gets at most its share of 
 work waits (and the whole step otherwise), and the step is capped by its target time."""
 from __future__ import annotations
 
+import random
+
 import pytest
 from test_admission import fake_step, new_request
 from test_hierarchy import BS, doc, make_stack, run_request
 
-from kvstrata.engine.costs import MIN_STEP_TOKENS, StepCost, attention_pairs
+from kvstrata.engine.costs import MIN_STEP_TOKENS, WINDOW, ReadCost, StepCost, attention_pairs
 from kvstrata.engine.request import RequestStatus
 from kvstrata.engine.scheduler import AGING, ARRIVALS_MEMORY_S, LONG_STEP_TARGETS, MIN_AGE_S, Scheduler
 
@@ -279,6 +281,21 @@ def test_step_cost_learns_overhead_per_token_and_attention_costs_from_measured_s
     assert seconds(floor_at_context, 1024) == pytest.approx(10 * overhead, rel=0.05)
 
 
+def test_a_speed_that_changes_is_followed_and_the_old_one_forgotten_after_a_window():
+    # the fit keeps running sums that measurements enter and leave: after thousands of them, the old
+    # speed's share must be gone, not left over in the sums
+    cost = ReadCost(block_nbytes=1 << 20)
+    rng = random.Random(0)
+    for _ in range(5000):
+        blocks = rng.randint(3, 500)
+        cost.observe(blocks, 0.002 + 1e-3 * blocks * rng.uniform(0.5, 1.5))
+    for _ in range(WINDOW):
+        blocks = rng.randint(3, 500)
+        cost.observe(blocks, 0.004 + 2e-3 * blocks)  # the tier got slower
+    assert cost.per_block_s == pytest.approx(2e-3, rel=1e-6)
+    assert cost.latency_s == pytest.approx(0.004, rel=1e-4)
+
+
 def test_step_cost_stays_non_negative_by_fitting_again_not_by_clamping():
     # Whole documents and short questions after them: the unconstrained fit wants a negative cost per
     # attention pair. Held at 0, the others must be fitted again, or a whole prefill is overpriced.
@@ -294,7 +311,6 @@ def test_a_whole_prefill_is_still_priced_right_after_a_long_run_of_hits():
     documents are cached (a few new tokens over a long context, and their decodes, whose cost is mostly
     reading the context). The price of computing a whole document must stay within 20% of its true
     cost, and a decode's reads must not pass for a step's fixed cost."""
-    import random
 
     def true_s(tokens: int, context: int) -> float:
         return 0.02 + 4e-3 * tokens + 1e-6 * attention_pairs(tokens, context) + 1e-4 * (context + tokens)
