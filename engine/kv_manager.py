@@ -116,13 +116,12 @@ class KVCacheManager:
             return
         if not request.block_hashes:
             request.block_hashes = self.hasher.hash(request.all_token_ids, cache_salt=request.cache_salt)
-        else:
+        elif request.num_tokens >= (len(request.block_hashes) + 1) * self.block_size:  # a block became full
             self.hasher.extend(request.block_hashes, request.all_token_ids, cache_salt=request.cache_salt)
 
     def _block_tokens(self, request: Request, start: int, stop: int) -> list[list[int]]:
-        tokens = request.all_token_ids
         bs = self.block_size
-        return [tokens[i * bs:(i + 1) * bs] for i in range(start, stop)]
+        return [request.token_ids(i * bs, (i + 1) * bs) for i in range(start, stop)]
 
     # ----------------------------------------------------------------- the scheduler's calls
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvstrata.engine.config import Config
@@ -446,34 +447,34 @@ class LLMEngine:
 
     def _build_step_input(self, out: SchedulerOutput) -> tuple[StepInput, _PromptRows]:
         """The step's packed input. Its logits rows: each sampling request's last new token, in
-        `out.scheduled`'s order, then the prompt rows (`_PromptRows`)."""
+        `out.scheduled`'s order, then the prompt rows (`_PromptRows`). Built in lists and a few numpy
+        operations over the whole step: a decode step's host work is on the step's path, and small
+        tensor operations per sequence cost several microseconds each."""
         bs = self.block_size
-        input_ids, positions, slots, tables, seq_lens, logits_indices = [], [], [], [], [], []
+        tables = [self.kv_manager.get_block_ids(s.request) for s in out.scheduled]
+        block_tables = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+        input_ids, positions, seq_lens, logits_indices = [], [], [], []
         prompt_rows = _PromptRows()
         query_start_loc = [0]
-        for s in out.scheduled:
+        for row, (s, table) in enumerate(zip(out.scheduled, tables)):
             req = s.request
             start, stop = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            block_ids = torch.tensor(self.kv_manager.get_block_ids(req), dtype=torch.int64)
-            pos = torch.arange(start, stop, dtype=torch.int64)
-            input_ids.append(torch.tensor(req.all_token_ids[start:stop], dtype=torch.int64))
-            positions.append(pos)
-            slots.append(block_ids[pos // bs] * bs + pos % bs)
-            tables.append(block_ids)
+            block_tables[row, :len(table)] = table
+            input_ids += req.token_ids(start, stop)
+            positions += range(start, stop)
             seq_lens.append(stop)
             if req.needs_prompt_logprobs:
                 prompt_rows.add(req, query_start_loc[-1], start, min(stop, req.num_prompt_tokens - 1))
             query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
             if s.samples and not req.prefill_only:
                 logits_indices.append(query_start_loc[-1] - 1)
-        width = max(len(t) for t in tables)
-        block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = t
-        step_input = StepInput(input_ids=torch.cat(input_ids), positions=torch.cat(positions),
-                               slot_mapping=torch.cat(slots), block_tables=block_tables,
-                               query_start_loc=query_start_loc, seq_lens=seq_lens,
-                               logits_indices=logits_indices + prompt_rows.rows)
+        position = np.array(positions, dtype=np.int64)
+        row_of_token = np.repeat(np.arange(len(tables)), np.diff(query_start_loc))
+        slot_mapping = block_tables[row_of_token, position // bs].astype(np.int64) * bs + position % bs
+        step_input = StepInput(input_ids=torch.tensor(input_ids, dtype=torch.int64),
+                               positions=torch.from_numpy(position), slot_mapping=torch.from_numpy(slot_mapping),
+                               block_tables=torch.from_numpy(block_tables), query_start_loc=query_start_loc,
+                               seq_lens=seq_lens, logits_indices=logits_indices + prompt_rows.rows)
         return step_input, prompt_rows
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, prompt_rows: _PromptRows) -> None:

@@ -72,6 +72,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens `[start, stop)` of prompt and output together, without copying the whole sequence
+        (which a long document would at every step)."""
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt):stop - len(prompt)]
+        return prompt[start:] + self.output_token_ids[:stop - len(prompt)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -530,3 +530,11 @@ def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count
     recomputed = {t: sum(r.recomputed_tokens_by_tier[t] for r in admitted) // BS for t in TIER_NAMES}
     assert kv.stats().hit_blocks == reported and kv.stats().queries == len(admitted)
     assert kv.stats().recomputed_blocks == recomputed
+
+
+def test_a_span_of_a_requests_tokens_reads_across_its_prompt_and_its_output():
+    request = new_request([10, 11, 12, 13], max_tokens=8)
+    request.output_token_ids += [20, 21, 22]
+    for start in range(8):
+        for stop in range(start, 8):
+            assert request.token_ids(start, stop) == request.all_token_ids[start:stop]
