@@ -188,8 +188,7 @@ def sample(logits: torch.Tensor, params_list: Sequence[SamplingParams],
     temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
     scaled = _filter_min_p(logits[rows] / temperatures[:, None], params)
     probs = _filter_top_k_top_p(scaled, params).softmax(dim=-1)
-    for probs_row, i in zip(probs, random_rows):
-        token_ids[i] = _draw(probs_row, generators[i])
+    token_ids[rows] = _draw(probs, [generators[i] for i in random_rows])
     return token_ids
 
 
@@ -272,11 +271,18 @@ def _filter_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     return torch.full_like(logits, -math.inf).scatter_(-1, sorted_ids, sorted_logits)
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Sample from `probs [V]` by the exponential race (argmax of p / Exp(1)), as vLLM does: one
-    pass, no cumulative sum, and tokens with probability 0 can never win."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax()
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs [R, V]` by the exponential race (argmax of p / Exp(1)), as vLLM
+    does: one pass, no cumulative sum, and tokens with probability 0 can never win. A row with a
+    generator draws its noise from it alone; the rows without one share a single draw from torch's
+    global stream (one kernel for the batch, where a draw per row launched several per row)."""
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
 
 
 @dataclass(frozen=True)

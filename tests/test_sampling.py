@@ -160,6 +160,21 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(counts / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
 
 
+
+def test_unseeded_rows_of_one_batch_draw_independently_from_the_distribution():
+    # the rows without a seed share one draw of noise: each row must still get its own
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(3000, 3)
+    params = [SamplingParams()] * 3000
+    drawn = sample(logits, params, [None] * 3000)
+    assert torch.allclose(torch.bincount(drawn, minlength=3) / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+    # beside seeded rows, which keep their own streams
+    seeded = SamplingParams(seed=11)
+    mixed = sample(logits[:4], [params[0], seeded, params[0], seeded], [None, make_generator(seeded, "cpu"), None,
+                                                                        make_generator(seeded, "cpu")])
+    alone = sample(logits[:1], [seeded], [make_generator(seeded, "cpu")])
+    assert mixed[1] == mixed[3] == alone[0]
+
 # -- min_tokens, logit_bias, penalties (`adjust_logits`), min_p ------------------------------------------------
 
 EOS = [7]
