@@ -1,0 +1,238 @@
+"""What the engine's own work costs the host at every decode step, outside the model: scheduling, building the
+step's input, sampling, detokenizing, the block bookkeeping and the cost model's refit.
+
+On a GPU this work is on the path of every token: the host does it between two model steps, and a small model's
+decode step replayed as a CUDA graph (`model.cuda_graphs`) lasts a few milliseconds. Here the model is replaced
+by a table of fixed random logits, so that nothing but the engine's own work is timed; the sampled tokens, and so
+their text, still vary as a model's would.
+
+Cases: how many sequences decode together, their prompt's length (a long document's keeps a long token list
+beside every request), the answer's length (work that grows with it shows as a slower step at 1000 tokens), and
+greedy or temperature 1.0 (an OpenAI client's default).
+
+`--baseline REV` times the same cases on the engine of another commit (checked out in a temporary git worktree),
+in turn with this one, and reports the ratios. Each side runs in a process of its own, best of `--repeats`.
+
+    python benchmarks/engine_host.py --baseline e24a1b0 --out-dir benchmarks/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
+    sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
+
+from benchmarks.decoder_step import THIN_30  # noqa: E402  (a 30-layer model of tiny widths, random weights)
+from benchmarks.machine import machine_line, provenance_lines  # noqa: E402
+from benchmarks.ttft_pressure import command_line, source_state  # noqa: E402
+
+LOGIT_ROWS = 257  # rows of the fixed logits table; a prime, so that sequences do not fall into step
+
+
+@dataclass(frozen=True)
+class Case:
+    num_seqs: int
+    prompt_tokens: int
+    answer_tokens: int
+    temperature: float
+
+    @property
+    def name(self) -> str:
+        sampling = "greedy" if self.temperature == 0 else f"temperature {self.temperature:g}"
+        return (f"{self.num_seqs} x ({self.prompt_tokens}-token prompt, {self.answer_tokens}-token answer), "
+                f"{sampling}")
+
+
+CASES = [Case(1, 64, 1000, 0.0), Case(4, 64, 1000, 0.0), Case(4, 7000, 200, 0.0), Case(16, 2000, 200, 0.0),
+         Case(16, 2000, 200, 1.0)]
+
+
+def build_engine(work_dir: Path):
+    """The engine on the thin model, its forward pass replaced by rows of a fixed logits table."""
+    import torch
+
+    from kvstrata.engine.config import load_config
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    model_dir = work_dir / "thin-30"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(THIN_30))
+    engine = LLMEngine(load_config({"model": {"name": str(model_dir), "load_format": "dummy",
+                                              "dtype": "float32", "device": "cpu"}}))
+    logits = torch.randn(LOGIT_ROWS, THIN_30["vocab_size"], generator=torch.Generator().manual_seed(0))
+    calls = iter(range(1 << 62))
+
+    def execute(step) -> torch.Tensor:
+        first = next(calls) * 7
+        return logits[[(first + row) % LOGIT_ROWS for row in range(len(step.logits_indices))]]
+
+    engine.runner.execute = execute
+    return engine
+
+
+def add_requests(engine, case: Case, tag: str) -> list[str]:
+    from kvstrata.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=case.answer_tokens, temperature=case.temperature, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(case.num_seqs)]
+    for i, request_id in enumerate(ids):  # distinct prompts: nothing is shared between the sequences
+        engine.add_request(request_id, [100 + (i * 7919 + j) % 40000 for j in range(case.prompt_tokens)], params)
+    return ids
+
+
+def finish(engine, ids: list[str]) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+    for request_id in ids:
+        engine.release(request_id)
+
+
+def measure(engine, case: Case, tag: str) -> float:
+    """Mean host seconds of the case's decode steps (every sequence has its first token)."""
+    ids = add_requests(engine, case, tag)
+    decode_s, decode_steps = 0.0, 0
+    while engine.has_unfinished_requests():
+        decoding = all(engine.requests[r].output_token_ids for r in ids)
+        started = time.perf_counter()
+        engine.step()
+        if decoding:
+            decode_s += time.perf_counter() - started
+            decode_steps += 1
+    finish(engine, ids)
+    return decode_s / decode_steps
+
+
+def count_ops(engine, case: Case, tag: str, steps: int = 16) -> float:
+    """Tensor operations (outermost ATen calls) per decode step outside the model: on a GPU each launches a
+    kernel or a copy, which costs the host several microseconds whatever its size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = add_requests(engine, Case(case.num_seqs, case.prompt_tokens, steps + 4, case.temperature), tag)
+    while not all(engine.requests[r].output_token_ids for r in ids):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    finish(engine, ids)
+    return sum(e.name.startswith("aten::") and e.cpu_parent is None for e in prof.events()) / steps
+
+
+def worker(cases: list[Case]) -> dict:
+    """Every case once after a warm-up, in this process (whose `kvstrata` is the code under test)."""
+    import torch
+
+    import kvstrata.engine
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as work_dir:
+        engine = build_engine(Path(work_dir))
+        seconds, ops = [], []
+        for n, case in enumerate(cases):
+            ops.append(count_ops(engine, case, f"ops{n}"))  # also the warm-up
+            seconds.append(measure(engine, case, f"case{n}"))
+        engine.close()
+    return {"engine_code": str(Path(kvstrata.engine.__file__).parent), "seconds": seconds, "ops": ops}
+
+
+def baseline_import_root(rev: str, work_dir: Path) -> Path:
+    """A directory that, first on PYTHONPATH, makes `kvstrata` import the engine of commit `rev`: the commit in a
+    worktree, its packages laid out as its pyproject maps them."""
+    tree = work_dir / "tree"
+    subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(tree), rev], cwd=REPO_ROOT, check=True)
+    package_dirs = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    root = work_dir / "root"
+    top = root / "kvstrata"
+    top.mkdir(parents=True)
+    for entry in (tree / package_dirs["kvstrata"]).iterdir():
+        (top / entry.name).symlink_to(entry)
+    for package, directory in package_dirs.items():
+        if package != "kvstrata":
+            (root / package.replace(".", "/")).symlink_to(tree / directory)
+    return root
+
+
+def run_worker(cases: list[Case], import_root: Path | None) -> dict:
+    env = dict(os.environ)
+    if import_root is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(import_root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps([asdict(c) for c in cases])],
+                          env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", metavar="REV", help="also time the engine of this commit, in turn")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side; the best counts")
+    parser.add_argument("--out-dir", default=None, help="write engine_host.md and .json here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker([Case(**c) for c in json.loads(args.worker)])))
+        return 0
+
+    with tempfile.TemporaryDirectory() as work_dir:
+        sides = {"this": None}
+        if args.baseline:
+            sides["baseline"] = baseline_import_root(args.baseline, Path(work_dir))
+        try:
+            best: dict[str, list[float]] = {}
+            ops: dict[str, list[float]] = {}
+            for repeat in range(args.repeats):
+                for side, import_root in sides.items():
+                    measured = run_worker(CASES, import_root)
+                    seconds, ops[side] = measured["seconds"], measured["ops"]
+                    best[side] = [min(pair) for pair in zip(best.get(side, seconds), seconds)]
+                    print(f"run {repeat + 1}, {side} ({measured['engine_code']}): " + ", ".join(f"{s * 1e3:.3f}" for s in seconds) + " ms",
+                          flush=True)
+        finally:
+            if args.baseline:
+                subprocess.run(["git", "worktree", "remove", "--force", str(Path(work_dir) / "tree")],
+                               cwd=REPO_ROOT, check=False)
+    result = {"benchmark": "engine_host", "command": command_line(), "machine": machine_line(),
+              "source": source_state(), "baseline": args.baseline, "repeats": args.repeats,
+              "cases": [{**asdict(case), "name": case.name, **{f"{side}_ms": best[side][n] * 1e3 for side in best},
+                         **{f"{side}_ops": ops[side][n] for side in ops}} for n, case in enumerate(CASES)]}
+    lines = report(result)
+    print("\n".join(lines))
+    if args.out_dir:
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "engine_host.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / "engine_host.md").write_text("\n".join(lines) + "\n")
+        print(f"wrote {out / 'engine_host.md'}")
+    return 0
+
+
+def report(result: dict) -> list[str]:
+    baseline = result["baseline"]
+    lines = ["# The engine's host work per decode step", "", *provenance_lines(result), "",
+             "Mean wall time of one decode step with the model replaced by fixed logits (benchmarks/engine_host.py: "
+             f"the thin model's engine, one torch thread), best of {result['repeats']} runs of each side"
+             + (f", this commit and {baseline} in turn." if baseline else "."), ""]
+    if baseline:
+        lines += [f"| case | {baseline} ms | this commit ms | {baseline} / this | tensor ops per step, {baseline} "
+                  "| this commit |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {c['name']} | {c['baseline_ms']:.3f} | {c['this_ms']:.3f} | "
+                  f"{c['baseline_ms'] / c['this_ms']:.2f}x | {c['baseline_ops']:g} | {c['this_ops']:g} |"
+                  for c in result["cases"]]
+    else:
+        lines += ["| case | ms | tensor ops per step |", "|---|---:|---:|"]
+        lines += [f"| {c['name']} | {c['this_ms']:.3f} | {c['this_ops']:g} |" for c in result["cases"]]
+    lines += ["", "Tensor ops: the outermost ATen operations of a decode step outside the model (torch's profiler, 16 "
+              "steps): on a GPU each launches a kernel or a copy."]
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
