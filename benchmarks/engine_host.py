@@ -4,7 +4,9 @@ step's input, sampling, detokenizing, the block bookkeeping and the cost model's
 On a GPU this work is on the path of every token: the host does it between two model steps, and a small model's
 decode step replayed as a CUDA graph (`model.cuda_graphs`) lasts a few milliseconds. Here the model is replaced
 by a table of fixed random logits, so that nothing but the engine's own work is timed; the sampled tokens, and so
-their text, still vary as a model's would.
+their text, still vary as a model's would. The model's vocabulary is cut to its first 2048 tokens: what the host
+does with a row of logits on a GPU is launch kernels, whatever the row's width, while on a CPU the arithmetic over
+49,152 logits (an argmax, a random draw per logit) would be timed as if it were host work.
 
 Cases: how many sequences decode together, their prompt's length (a long document's keeps a long token list
 beside every request), the answer's length (work that grows with it shows as a slower step at 1000 tokens), and
@@ -37,6 +39,7 @@ from benchmarks.machine import machine_line, provenance_lines  # noqa: E402
 from benchmarks.ttft_pressure import command_line, source_state  # noqa: E402
 
 LOGIT_ROWS = 257  # rows of the fixed logits table; a prime, so that sequences do not fall into step
+VOCAB = 2048      # the tokenizer's first tokens (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,10 @@ def build_engine(work_dir: Path):
 
     model_dir = work_dir / "thin-30"
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(THIN_30))
+    (model_dir / "config.json").write_text(json.dumps({**THIN_30, "vocab_size": VOCAB}))
     engine = LLMEngine(load_config({"model": {"name": str(model_dir), "load_format": "dummy",
                                               "dtype": "float32", "device": "cpu"}}))
-    logits = torch.randn(LOGIT_ROWS, THIN_30["vocab_size"], generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(LOGIT_ROWS, VOCAB, generator=torch.Generator().manual_seed(0))
     calls = iter(range(1 << 62))
 
     def execute(step) -> torch.Tensor:
@@ -86,7 +89,8 @@ def add_requests(engine, case: Case, tag: str) -> list[str]:
     params = SamplingParams(max_tokens=case.answer_tokens, temperature=case.temperature, ignore_eos=True)
     ids = [f"{tag}-{i}" for i in range(case.num_seqs)]
     for i, request_id in enumerate(ids):  # distinct prompts: nothing is shared between the sequences
-        engine.add_request(request_id, [100 + (i * 7919 + j) % 40000 for j in range(case.prompt_tokens)], params)
+        engine.add_request(request_id, [100 + (i * 7919 + j) % (VOCAB - 100) for j in range(case.prompt_tokens)],
+                           params)
     return ids
 
 
