@@ -60,7 +60,7 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator,
                       ValidationError, ValidationInfo, field_validator, model_validator)
 
-from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, ModelShape, model_shape
+from kvstrata.engine.model_spec import EMBEDDED_MODEL, LENGTH_DEPENDENT_ROPE, PRESETS, ModelShape, model_shape
 from kvstrata.engine.sizes import Size, format_size
 from kvstrata.tiers.remote_url import SECRET_MASK, check_url, masked_url
 from kvstrata.tiers.storage import check_room, format_bytes, prepare_private_dir
@@ -238,6 +238,10 @@ class ModelConfig(_Section):
             raise _FieldError("cuda_graphs", "CUDA graphs need a CUDA device, and model.device is cpu "
                                              "(use device auto or cuda, or turn cuda_graphs off)")
         shape = self.shape()
+        if self.cuda_graphs and shape.rope_type in LENGTH_DEPENDENT_ROPE:
+            raise _FieldError("cuda_graphs", f"the model's RoPE ({shape.rope_type!r}) changes its frequencies with "
+                                             "the sequence's length, which a recorded graph cannot follow "
+                                             "(turn cuda_graphs off)")
         if self.max_model_len is not None and self.max_model_len > shape.max_model_len:
             raise _FieldError("max_model_len", f"{self.max_model_len} is more than the model's limit of "
                                                f"{shape.max_model_len} tokens")

@@ -63,6 +63,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     max_model_len: int  # the longest sequence kvstrata runs exactly (see `read_shape`)
+    rope_type: str = "default"  # transformers' name of its RoPE variant ("llama3", "dynamic", "yarn", ...)
 
     def kv_block_nbytes(self, block_size: int, dtype_name: str) -> int:
         """Bytes of one KV block: `[num_layers, 2, block_size, num_kv_heads, row]` elements of `dtype_name` (a
@@ -100,6 +101,7 @@ def read_shape(config: Mapping[str, Any]) -> ModelShape:
             head_dim=head_dim,
             vocab_size=int(config["vocab_size"]),
             max_model_len=min(int(config["max_position_embeddings"]), _sliding_window(config) or math.inf),
+            rope_type=_rope_type(config),
         )
     except KeyError as exc:
         raise ValueError(f"its config has no {exc.args[0]!r}") from None
@@ -109,6 +111,20 @@ def read_shape(config: Mapping[str, Any]) -> ModelShape:
            shape.max_model_len) <= 0 or shape.num_heads % shape.num_kv_heads:
         raise ValueError(f"its config gives an impossible shape: {shape}")
     return shape
+
+
+# RoPE variants whose frequencies transformers recomputes at each forward pass from the longest position (read
+# back to the host): a CUDA graph would replay the frequencies of the step it recorded.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rope_type(config: Mapping[str, Any]) -> str:
+    """The RoPE variant, from the config's `rope_scaling` (or transformers 5's `rope_parameters`)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = config.get(key)
+        if isinstance(rope, Mapping):
+            return str(rope.get("rope_type") or rope.get("type") or "default")
+    return "default"
 
 
 def _architecture(config: Mapping[str, Any]) -> str:

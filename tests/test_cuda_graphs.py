@@ -96,3 +96,18 @@ def test_cuda_graphs_on_a_cpu_device_are_refused_in_one_line():
         load_config({"model": {"device": "cpu", "cuda_graphs": True}})
     assert info.value.key == "model.cuda_graphs" and "need a CUDA device" in str(info.value)
     assert load_config({"model": {"device": "auto", "cuda_graphs": True}}).model.cuda_graphs  # ignored without CUDA
+
+
+@pytest.mark.parametrize("rope_key", ["rope_scaling", "rope_parameters"])
+def test_cuda_graphs_with_a_rope_that_follows_the_sequence_length_are_refused_in_one_line(tmp_path, rope_key):
+    import json
+
+    from kvstrata.engine.model_spec import PRESETS
+
+    config = {**PRESETS["llama-3-8b"], rope_key: {"rope_type": "dynamic", "factor": 2.0}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = {"name": str(tmp_path), "load_format": "dummy", "device": "auto"}
+    with pytest.raises(ConfigError) as info:
+        load_config({"model": {**model, "cuda_graphs": True}})
+    assert info.value.key == "model.cuda_graphs" and "'dynamic'" in str(info.value) and "\n" not in str(info.value)
+    assert not load_config({"model": model}).model.cuda_graphs  # the model itself runs, without graphs
