@@ -31,6 +31,18 @@ def test_a_request_refused_while_being_added_leaves_nothing_behind(llm):
     assert llm.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids  # still serving
 
 
+@pytest.mark.parametrize("token_id", [-1, 49152, 1.5, "7", None])
+def test_a_prompt_token_id_outside_the_vocabulary_or_not_an_integer_is_refused_in_one_line(llm, token_id):
+    engine = llm.engine
+    ids = [*engine.tokenize(PROMPT) * 200, token_id]  # a long prompt, its bad id last
+    with pytest.raises(ValueError, match=r"^prompt token ids must be integers in \[0, 49152\)$"):
+        engine.validate_request(ids, SamplingParams(max_tokens=2))
+    if isinstance(token_id, int):  # add_request takes what int() takes, then checks the same
+        with pytest.raises(ValueError, match="must be integers"):
+            engine.add_request("refused", ids, SamplingParams(max_tokens=2))
+    assert engine.requests == {}
+
+
 def test_greedy_logprobs_name_each_generated_token_as_the_likeliest(llm):
     plain, = llm.generate(PROMPT, SamplingParams(max_tokens=5, temperature=0.0))
     with_logprobs, = llm.generate(PROMPT, SamplingParams(max_tokens=5, temperature=0.0, logprobs=3))
