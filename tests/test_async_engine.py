@@ -51,6 +51,62 @@ def test_an_idle_engine_thread_keeps_publishing_fresh_stats():
         async_engine.shutdown()
 
 
+class DecodingEngine(IdleEngine):
+    """An LLMEngine answering one request a token per step, counting the stats walks."""
+
+    def __init__(self):
+        super().__init__()
+        self.request = None
+        self.stats_calls = 0
+
+    def stats(self) -> dict:
+        self.stats_calls += 1
+        return {"finished": self.request is not None and self.request.is_finished}
+
+    def validate_request(self, prompt_token_ids, params) -> None:
+        pass
+
+    def add_request(self, request_id, prompt_token_ids, params, *args, **kwargs):
+        from kvstrata.engine.request import Request
+
+        self.request = Request(request_id, list(prompt_token_ids), params)
+        return self.request
+
+    def has_unfinished_requests(self) -> bool:
+        return self.request is not None and not self.request.is_finished
+
+    def step(self) -> list:
+        from kvstrata.engine.request import RequestStatus
+
+        self.request.output_token_ids.append(5)
+        if len(self.request.output_token_ids) == self.request.sampling_params.max_tokens:
+            self.request.status = RequestStatus.FINISHED_LENGTH
+        return [self.request]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def test_a_busy_engine_thread_publishes_stats_now_and_then_and_always_before_an_answer():
+    from kvstrata.engine.sampling import SamplingParams
+
+    engine = DecodingEngine()
+    async_engine = AsyncEngine(engine)
+
+    async def answer():
+        outputs = [o async for o in async_engine.generate([1, 2, 3], SamplingParams(max_tokens=500))]
+        return outputs[-1], async_engine.snapshot.stats
+
+    try:
+        last, stats = asyncio.run(answer())
+    finally:
+        async_engine.shutdown()
+    assert last.finished and len(last.token_ids) == 500
+    assert stats["finished"]  # the client with its answer finds it counted
+    # not a stats walk (every tier's) after each of the 500 steps
+    assert engine.stats_calls < 50
+
+
 def test_after_shutdown_the_stats_as_of_the_close_are_kept():
     engine = IdleEngine()
     async_engine = AsyncEngine(engine)
