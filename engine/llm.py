@@ -82,8 +82,10 @@ class RequestOutput:
             index=0, text=r.output_text, token_ids=list(r.output_token_ids), logprobs=logprobs,
             cumulative_logprob=None if logprobs is None else sum(e.logprob for e in logprobs),
             finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason)
-        # the flat fields are the sequence's own objects: built once per output (a stream builds one a token)
-        return cls(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
+        # the flat fields are the sequence's own objects: built once per output (a stream builds one a token);
+        # the prompt's ids are the request's own list, which nothing changes (a copy per token of a long
+        # document's ids cost the engine thread more than the rest of the snapshot)
+        return cls(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
                    text=sequence.text, token_ids=sequence.token_ids, cached_tokens=sum(by_tier.values()),
                    cached_tokens_by_tier=by_tier, ttft_s=r.ttft_s,
                    finish_reason=sequence.finish_reason, stop_reason=sequence.stop_reason,
