@@ -28,8 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.machine import machine_line, provenance_lines  # noqa: E402
-from benchmarks.ttft_pressure import command_line, source_state  # noqa: E402
+from benchmarks.machine import provenance_lines, results_record, write_results  # noqa: E402
 
 VOCAB = 49152
 
@@ -95,12 +94,7 @@ def main() -> int:
         print(f"{tokens} tokens x {alternatives}: FastAPI's default {default_s * 1000:.2f} ms, ours "
               f"{ours_s * 1000:.2f} ms ({rows[-1]['ratio']:.1f}x), same JSON: {same}", flush=True)
 
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    source = source_state()
-    result = {"benchmark": "answer_json", "command": command_line(), "machine": machine_line(), "source": source,
-              "repeats": args.repeats, "rows": rows}
-    (out / "answer_json.json").write_text(json.dumps(result, indent=1) + "\n")
+    result = results_record("answer_json", repeats=args.repeats, rows=rows)
     lines = ["# Writing a whole answer as JSON", "", *provenance_lines(result), "",
              "Process CPU time to write one answer, median of "
              f"{args.repeats} runs: FastAPI's default for a returned model (`jsonable_encoder` then `json.dumps`, "
@@ -113,8 +107,7 @@ def main() -> int:
         lines.append(f"| {r['prompt_tokens']} | {r['alternatives']} | {r['bytes']:,} | "
                      f"{r['fastapi_default_s'] * 1000:.2f} ms | {r['ours_s'] * 1000:.2f} ms | {r['ratio']:.1f}x | "
                      f"{'yes' if r['same_json'] else 'NO'} |")
-    (out / "answer_json.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'answer_json.md'}")
+    write_results(args.out_dir, result, lines)
     return 0 if all(r["same_json"] for r in rows) else 1
 
 

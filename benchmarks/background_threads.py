@@ -18,7 +18,6 @@ at the default switch interval (5 ms) and at shorter ones. Run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,8 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.machine import machine_line, provenance_lines  # noqa: E402
-from benchmarks.ttft_pressure import command_line, source_state  # noqa: E402
+from benchmarks.machine import provenance_lines, results_record, write_results  # noqa: E402
 
 BLOCKS_PER_PUT = 128  # one 2k-token document
 
@@ -124,12 +122,7 @@ def main() -> int:
     sys.setswitchinterval(default_interval)
     llm.close()
 
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    source = source_state()
-    result = {"benchmark": "background_threads", "command": command_line(), "machine": machine_line(),
-              "source": source, "hits_per_cell": args.hits, "doc_tokens": args.doc_tokens, "rows": rows}
-    (out / "background_threads.json").write_text(json.dumps(result, indent=1) + "\n")
+    result = results_record("background_threads", hits_per_cell=args.hits, doc_tokens=args.doc_tokens, rows=rows)
     kinds = args.kinds.split(",")
     lines = ["# A cache hit beside other threads' work", "", *provenance_lines(result), "",
              f"TTFT of a 16-token question over a {args.doc_tokens}-token document cached on the device (median "
@@ -142,8 +135,7 @@ def main() -> int:
         cells = " | ".join(f"{row['beside'][k] * 1000:.0f} ms ({row['beside'][k] / row['alone_s']:.2f}x)"
                            for k in kinds)
         lines.append(f"| {row['interval_ms']:g} ms | {row['alone_s'] * 1000:.0f} ms | {cells} |")
-    (out / "background_threads.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'background_threads.md'}")
+    write_results(args.out_dir, result, lines)
     return 0
 
 

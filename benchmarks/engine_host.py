@@ -35,8 +35,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
 from benchmarks.decoder_step import THIN_30  # noqa: E402  (a 30-layer model of tiny widths, random weights)
-from benchmarks.machine import machine_line, provenance_lines  # noqa: E402
-from benchmarks.ttft_pressure import command_line, source_state  # noqa: E402
+from benchmarks.machine import provenance_lines, results_record, write_results  # noqa: E402
 
 LOGIT_ROWS = 257  # rows of the fixed logits table; a prime, so that sequences do not fall into step
 VOCAB = 2048      # the tokenizer's first tokens (see the module doc)
@@ -197,24 +196,19 @@ def main() -> int:
                     measured = run_worker(CASES, import_root)
                     seconds, ops[side] = measured["seconds"], measured["ops"]
                     best[side] = [min(pair) for pair in zip(best.get(side, seconds), seconds)]
-                    print(f"run {repeat + 1}, {side} ({measured['engine_code']}): " + ", ".join(f"{s * 1e3:.3f}" for s in seconds) + " ms",
-                          flush=True)
+                    print(f"run {repeat + 1}, {side} ({measured['engine_code']}): "
+                          + ", ".join(f"{s * 1e3:.3f}" for s in seconds) + " ms", flush=True)
         finally:
             if args.baseline:
                 subprocess.run(["git", "worktree", "remove", "--force", str(Path(work_dir) / "tree")],
                                cwd=REPO_ROOT, check=False)
-    result = {"benchmark": "engine_host", "command": command_line(), "machine": machine_line(),
-              "source": source_state(), "baseline": args.baseline, "repeats": args.repeats,
-              "cases": [{**asdict(case), "name": case.name, **{f"{side}_ms": best[side][n] * 1e3 for side in best},
-                         **{f"{side}_ops": ops[side][n] for side in ops}} for n, case in enumerate(CASES)]}
+    cases = [{**asdict(case), "name": case.name, **{f"{side}_ms": best[side][n] * 1e3 for side in best},
+              **{f"{side}_ops": ops[side][n] for side in ops}} for n, case in enumerate(CASES)]
+    result = results_record("engine_host", baseline=args.baseline, repeats=args.repeats, cases=cases)
     lines = report(result)
     print("\n".join(lines))
     if args.out_dir:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "engine_host.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / "engine_host.md").write_text("\n".join(lines) + "\n")
-        print(f"wrote {out / 'engine_host.md'}")
+        write_results(args.out_dir, result, lines)
     return 0
 
 

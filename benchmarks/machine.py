@@ -2,8 +2,10 @@
 so that figures from different benchmarks can be set side by side."""
 from __future__ import annotations
 
+import json
 import os
 import platform
+from pathlib import Path
 
 
 def cpu_name() -> str:
@@ -39,3 +41,23 @@ def provenance_lines(result: dict) -> list[str]:
     return [f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
             f"Code: commit {source['commit']}" + (f", with uncommitted changes to {', '.join(modified)}"
                                                   if modified else "")]
+
+
+def results_record(benchmark: str, **figures) -> dict:
+    """A results file's JSON: the benchmark's name, then the command, machine and code that produced it (what
+    `provenance_lines` reads), then its figures."""
+    from benchmarks.ttft_pressure import command_line, source_state  # (it imports this module)
+
+    return {"benchmark": benchmark, "command": command_line(), "machine": machine_line(), "source": source_state(),
+            **figures}
+
+
+def write_results(out_dir: str | os.PathLike, result: dict, lines: list[str]) -> Path:
+    """`result` as `<benchmark>.json` and the report `lines` as `<benchmark>.md` in `out_dir`; the report's path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{result['benchmark']}.json").write_text(json.dumps(result, indent=1) + "\n")
+    report = out / f"{result['benchmark']}.md"
+    report.write_text("\n".join(lines) + "\n")
+    print(f"wrote {report}")
+    return report

@@ -17,7 +17,6 @@ Each mask figure is the median of `--repeats` steps; the decode step is the medi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,8 +29,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.machine import machine_line, provenance_lines  # noqa: E402
-from benchmarks.ttft_pressure import command_line, source_state  # noqa: E402
+from benchmarks.machine import provenance_lines, results_record, write_results  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "year": {"type": "integer"}},
           "required": ["answer", "year"]}
@@ -116,12 +114,7 @@ def main() -> int:
                   f"({rows[-1]['share']:.1%})", flush=True)
     llm.close()
 
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    source = source_state()
-    result = {"benchmark": "structured_outputs", "command": command_line(), "machine": machine_line(),
-              "source": source, "repeats": args.repeats, "tokens": args.tokens, "rows": rows}
-    (out / "structured_outputs.json").write_text(json.dumps(result, indent=1) + "\n")
+    result = results_record("structured_outputs", repeats=args.repeats, tokens=args.tokens, rows=rows)
     lines = ["# What structured outputs cost a step", "", *provenance_lines(result), "",
              "The grammar mask of B structured rows (xgrammar fills each row's bitmask, then applies the batch's "
              f"at once; median of {args.repeats} steps) against the median decode step of B plain requests "
@@ -131,8 +124,7 @@ def main() -> int:
     for r in rows:
         lines.append(f"| {r['batch']} | {r['state']} | {r['mask_s'] * 1000:.2f} ms | "
                      f"{r['decode_step_s'] * 1000:.1f} ms | {r['share']:.1%} |")
-    (out / "structured_outputs.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'structured_outputs.md'}")
+    write_results(args.out_dir, result, lines)
     return 0
 
 
