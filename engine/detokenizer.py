@@ -49,8 +49,11 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0    # first token of the window decoded again as context
         self._read_offset = 0      # tokens before this one are in _text
         self._searched = 0         # stop strings were looked for in _text[:_searched]
+        self._backend_decode = _backend_decode(tokenizer)
 
     def _decode(self, token_ids: Sequence[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(list(token_ids), skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=self.skip_special_tokens)
 
     def _read(self, token_ids: Sequence[int], final: bool) -> None:
@@ -89,3 +92,14 @@ class IncrementalDetokenizer:
         if final:
             return text, None
         return text[:max(0, len(text) - self._hold)], None
+
+
+def _backend_decode(tokenizer):
+    """The `tokenizers` library's decode behind a transformers fast tokenizer, where transformers' own decode
+    would add nothing to it (no clean-up of spaces): transformers' checks of its arguments cost four times
+    the decode of a few tokens, twice per token of every answer. None: use the tokenizer's `decode`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)) \
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend.decode

@@ -121,16 +121,28 @@ def test_tokens_without_text_or_with_broken_bytes_neither_stall_the_text_nor_gro
         words + [tokenizer.eos_token_id], skip_special_tokens=False)
 
 
-def test_a_word_piece_keeps_its_leading_space_when_decoded_on_its_own():
-    # SentencePiece-style tokens ("▁world") lose their leading space at the start of a decode: the new
-    # token is decoded after the one before it, never alone
+def word_tokenizer(**options):
+    """SentencePiece-style words ("▁world": the word and the space before it) and punctuation."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "!": 3}
+    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "!": 3, "▁.": 4}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **options)
+
+
+def test_a_word_piece_keeps_its_leading_space_when_decoded_on_its_own():
+    # SentencePiece-style tokens ("▁world") lose their leading space at the start of a decode: the new
+    # token is decoded after the one before it, never alone
+    tokenizer = word_tokenizer()
     assert tokenizer.decode([2]) == "world"
     assert stream(tokenizer, [1, 2, 2, 3, 1]) == ["hello", "hello world", "hello world world", "hello world world!",
                                                   "hello world world! hello"]
+
+
+def test_a_tokenizer_that_cleans_up_spaces_streams_its_cleaned_text():
+    # transformers' clean-up joins " ." to the word before it: its own decode is used, not the library's
+    tokenizer = word_tokenizer(clean_up_tokenization_spaces=True)
+    assert tokenizer.decode([1, 4, 2]) == "hello. world"
+    assert stream(tokenizer, [1, 4, 2]) == ["hello", "hello.", "hello. world"]
