@@ -281,7 +281,7 @@ def test_reference_scenario_through_the_manager():
     blocks, n, _ = kv.get_computed_blocks(r0)
     kv.allocate_slots(r0, 15, blocks)
     r0.num_computed_tokens = 15
-    assert kv.get_block_ids(r0) == [0, 1, 2, 3]
+    assert list(kv.get_block_ids(r0)) == [0, 1, 2, 3]
     assert [pool.blocks[i].block_hash is not None for i in range(4)] == [True, True, True, False]
 
     r0.output_token_ids.append(15)  # decode one token: block 3 becomes full
@@ -291,13 +291,13 @@ def test_reference_scenario_through_the_manager():
     r0.output_token_ids.append(16)
     kv.allocate_slots(r0, 1)
     r0.num_computed_tokens = 17
-    assert kv.get_block_ids(r0) == [0, 1, 2, 3, 4]
+    assert list(kv.get_block_ids(r0)) == [0, 1, 2, 3, 4]
 
     r1 = Request("r1", list(range(10)) + [100, 101, 102, 103], SamplingParams(max_tokens=8))
     blocks, n, _ = kv.get_computed_blocks(r1)
     assert n == 8 and [b.block_id for b in blocks] == [0, 1]
     kv.allocate_slots(r1, 14 - 8, blocks)
-    assert kv.get_block_ids(r1) == [0, 1, 5, 6]
+    assert list(kv.get_block_ids(r1)) == [0, 1, 5, 6]
 
     kv.free(r0)
     assert queue() == [7, 8, 9, 4, 3, 2]
@@ -311,8 +311,16 @@ def test_reference_scenario_through_the_manager():
     assert queue() == [7, 8, 9, 4, 3, 6, 5]
     old_hash_3 = pool.blocks[3].block_hash
     kv.allocate_slots(r2, 29 - 12, blocks)
-    assert kv.get_block_ids(r2) == [0, 1, 2, 7, 8, 9, 4, 3]
+    assert list(kv.get_block_ids(r2)) == [0, 1, 2, 7, 8, 9, 4, 3]
     assert pool.get_cached_block(old_hash_3) is None
+
+    # preempted (freed) and scheduled again: its ids are its new blocks', not those it held before
+    kv.free(r2)
+    r2.num_computed_tokens = 0
+    blocks, n, _ = kv.get_computed_blocks(r2)
+    kv.allocate_slots(r2, 29 - n, blocks)
+    assert list(kv.get_block_ids(r2)) == [b.block_id for b in kv.req_to_blocks["r2"]]
+    assert list(kv.get_block_ids(r2))[:len(blocks)] == [b.block_id for b in blocks]
 
 
 def test_blocks_persisted_on_close_are_disk_hits_in_a_new_process(tmp_path):
