@@ -22,6 +22,7 @@ tokens jump over them.
 """
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import dataclass, field
 
@@ -35,6 +36,8 @@ from kvstrata.tiers.block_pool import KVCacheBlock
 from kvstrata.tiers.hierarchy import PrefixLoad, TierHierarchy
 
 ComputedBlocks = tuple[list[KVCacheBlock], int, dict[str, int]]
+# How long what the lower tiers hold of a waiting request is taken as known, for ordering (`_locate_waiting`).
+LOWER_LOOKUP_REFRESH_S = 1.0
 
 
 @dataclass
@@ -87,6 +90,7 @@ class KVCacheManager:
         # request_id -> the device blocks it holds, in position order.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, tuple[list[KVCacheBlock], array]] = {}  # see `get_block_ids`
+        self._lower_lookups: dict[str, tuple[float, list[str]]] = {}  # see `_locate_waiting`
         # request_id -> how many of its blocks are cached (hashed into the device map) so far.
         self.num_cached_block: dict[str, int] = {}
         # request_id -> its prefix from lookup until the scheduler takes it (loading or landed).
@@ -143,6 +147,7 @@ class KVCacheManager:
         load = self.prefix_loads.get(request.request_id)
         if load is None:
             request.enter_phase("lookup")
+            self._lower_lookups.pop(request.request_id, None)  # looked up in full now
             load = self._start_prefix(request)
             if load is None:
                 return None
@@ -311,7 +316,7 @@ class KVCacheManager:
             used = load.found_in
         else:
             hashes = self._prefix_hashes(request)
-            found = self.hierarchy.locate(hashes)
+            found = self._locate_waiting(request, hashes)
             plan = self._choose_plan(request, found)
             used = found[:plan.device_run] + found[plan.head_end:plan.cut]
             first_off_device = next((k for k, tier in enumerate(found) if tier != "device"), len(found))
@@ -322,6 +327,20 @@ class KVCacheManager:
                 next_hash = hashes[first_off_device]
         hit_blocks = {t: used.count(t) for t in TIER_NAMES}
         return UncachedEstimate(request.num_tokens - len(used) * self.block_size, hit_blocks, next_hash)
+
+    def _locate_waiting(self, request: Request, hashes: list[bytes]) -> list[str]:
+        """`hierarchy.locate` for ordering a waiting request. The scheduler orders its waiting requests at
+        every step, and a lower tier's lookup may cost a round trip to a remote server: with 16 requests
+        waiting, those lookups made each step 25x longer. So the device's part is read afresh every time,
+        and the lower tiers are asked again only after `LOWER_LOOKUP_REFRESH_S` (the request's admission
+        looks it up in full in any case)."""
+        now = time.monotonic()
+        earlier = self._lower_lookups.get(request.request_id)
+        if earlier is None or now - earlier[0] >= LOWER_LOOKUP_REFRESH_S:
+            found = self.hierarchy.locate(hashes)
+            self._lower_lookups[request.request_id] = (now, found)
+            return found
+        return self.hierarchy.relocate_on_device(hashes, earlier[1])
 
     def is_loading(self, request: Request) -> bool:
         """The request's prefix is being copied up from a lower tier."""
@@ -437,6 +456,7 @@ class KVCacheManager:
             self.release_abandoned()
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
+        self._lower_lookups.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         self._prefix_tiers.pop(request.request_id, None)
         if blocks:

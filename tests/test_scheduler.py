@@ -281,6 +281,42 @@ def test_step_cost_learns_overhead_per_token_and_attention_costs_from_measured_s
     assert seconds(floor_at_context, 1024) == pytest.approx(10 * overhead, rel=0.05)
 
 
+def test_waiting_requests_are_ordered_without_asking_the_lower_tiers_at_every_step(monkeypatch):
+    """The scheduler estimates every waiting request's work at every step. A lower tier may be a remote
+    server a round trip away: what the lower tiers hold is asked again only after a while, what the
+    device holds at once."""
+    import kvstrata.engine.kv_manager as kv_manager
+
+    kv = make_stack(device_blocks=64, cpu_blocks=64)
+    cpu, lookups = kv.hierarchy.cpu, []
+    count_prefix = cpu.count_prefix
+    monkeypatch.setattr(cpu, "count_prefix", lambda hashes: (lookups.append(len(hashes)), count_prefix(hashes))[1])
+    document = list(range(1000, 1000 + 8 * BS))
+    waiting = new_request(document + [1, 2, 3])
+    assert kv.estimate_uncached(waiting).tokens == waiting.num_tokens  # a miss everywhere
+    assert len(lookups) == 1
+    for _ in range(20):
+        kv.estimate_uncached(waiting)
+    assert len(lookups) == 1
+
+    # another request computes the document on the device: the waiting one's estimate sees it at once
+    other = new_request(document + [4, 5, 6])
+    blocks, _, _ = kv.get_computed_blocks(other)
+    kv.allocate_slots(other, other.num_tokens, blocks)  # its full blocks are cached as it is scheduled
+    asked = len(lookups)
+    estimate = kv.estimate_uncached(waiting)
+    assert estimate.hit_blocks["device"] == 8 and estimate.tokens == waiting.num_tokens - 8 * BS
+    assert len(lookups) == asked
+
+    missing = new_request(list(range(5000, 5000 + 4 * BS)) + [1])
+    kv.estimate_uncached(missing)
+    kv.estimate_uncached(missing)
+    assert len(lookups) == asked + 1
+    monkeypatch.setattr(kv_manager, "LOWER_LOOKUP_REFRESH_S", 0.0)  # the while has passed: asked again
+    kv.estimate_uncached(missing)
+    assert len(lookups) == asked + 2
+
+
 def test_a_speed_that_changes_is_followed_and_the_old_one_forgotten_after_a_window():
     # the fit keeps running sums that measurements enter and leave: after thousands of them, the old
     # speed's share must be gone, not left over in the sums

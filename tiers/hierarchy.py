@@ -180,6 +180,20 @@ class TierHierarchy:
                 break
         return found
 
+    def relocate_on_device(self, block_hashes: Sequence[bytes], found: Sequence[str]) -> list[str]:
+        """`found`, an earlier `locate` of the same chain, with the device's part read again (a dict
+        lookup per block, no lower tier asked): a block the device holds now is a device hit; one it no
+        longer holds ends the prefix unless the earlier lookup placed it in a lower tier."""
+        located: list[str] = []
+        for k, block_hash in enumerate(block_hashes):
+            if self.pool.get_cached_block(block_hash) is not None:
+                located.append("device")
+            elif k < len(found) and found[k] != "device":
+                located.append(found[k])
+            else:
+                break
+        return located
+
     def acquire_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]],
                        found_in: Sequence[str] | None = None, parent: bytes | None = None) -> PrefixLoad:
         """Find the longest cached prefix of the chain in any tier, hold all of it and start loading
