@@ -47,20 +47,26 @@ class Case:
     prompt_tokens: int
     answer_tokens: int
     temperature: float
+    # requests queued behind the decoding ones (max_num_seqs is num_seqs), each a 2000-token prompt no tier holds,
+    # with a CPU, a disk and a remote tier (a Valkey server on a loopback port): the scheduler orders them at every step
+    waiting: int = 0
 
     @property
     def name(self) -> str:
         sampling = "greedy" if self.temperature == 0 else f"temperature {self.temperature:g}"
+        queued = f", {self.waiting} more waiting, CPU, disk and remote tiers" if self.waiting else ""
         return (f"{self.num_seqs} x ({self.prompt_tokens}-token prompt, {self.answer_tokens}-token answer), "
-                f"{sampling}")
+                f"{sampling}{queued}")
 
 
 CASES = [Case(1, 64, 1000, 0.0), Case(4, 64, 1000, 0.0), Case(4, 7000, 200, 0.0), Case(16, 2000, 200, 0.0),
-         Case(16, 2000, 200, 1.0)]
+         Case(16, 2000, 200, 1.0), Case(4, 64, 200, 0.0, waiting=16)]
+WAITING_PROMPT_TOKENS = 2000
 
 
-def build_engine(work_dir: Path):
-    """The engine on the thin model, its forward pass replaced by rows of a fixed logits table."""
+def build_engine(work_dir: Path, queue: Case | None = None, remote_url: str | None = None):
+    """The engine on the thin model, its forward pass replaced by rows of a fixed logits table; for a `queue`
+    case, with room for its decoding sequences only, and lower tiers."""
     import torch
 
     from kvstrata.engine.config import load_config
@@ -69,8 +75,13 @@ def build_engine(work_dir: Path):
     model_dir = work_dir / "thin-30"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps({**THIN_30, "vocab_size": VOCAB}))
-    engine = LLMEngine(load_config({"model": {"name": str(model_dir), "load_format": "dummy",
-                                              "dtype": "float32", "device": "cpu"}}))
+    config = {"model": {"name": str(model_dir), "load_format": "dummy", "dtype": "float32", "device": "cpu"}}
+    if queue is not None:
+        config["scheduler"] = {"max_num_seqs": queue.num_seqs}
+        config["cache"] = {"tiers": {"cpu": {"size": "256MiB"}, "disk": {"path": str(work_dir / "disk"),
+                                                                          "size": "1GiB"},
+                                     "remote": {"url": remote_url}}}
+    engine = LLMEngine(load_config(config))
     logits = torch.randn(LOGIT_ROWS, VOCAB, generator=torch.Generator().manual_seed(0))
     calls = iter(range(1 << 62))
 
@@ -100,18 +111,32 @@ def finish(engine, ids: list[str]) -> None:
         engine.release(request_id)
 
 
+def add_waiting(engine, case: Case, tag: str) -> list[str]:
+    from kvstrata.engine.sampling import SamplingParams
+
+    ids = [f"{tag}-waiting-{i}" for i in range(case.waiting)]
+    for i, request_id in enumerate(ids):
+        engine.add_request(request_id, [100 + (i * 104729 + j * 13) % (VOCAB - 100)
+                                        for j in range(WAITING_PROMPT_TOKENS)], SamplingParams(max_tokens=1))
+    return ids
+
+
 def measure(engine, case: Case, tag: str) -> float:
-    """Mean host seconds of the case's decode steps (every sequence has its first token)."""
+    """Mean host seconds of the case's decode steps (every sequence has its first token; with its waiting
+    requests queued behind them)."""
     ids = add_requests(engine, case, tag)
+    while case.waiting and not all(engine.requests[r].output_token_ids for r in ids):
+        engine.step()
+    waiting = add_waiting(engine, case, tag)
     decode_s, decode_steps = 0.0, 0
     while engine.has_unfinished_requests():
-        decoding = all(engine.requests[r].output_token_ids for r in ids)
+        decoding = all(engine.requests[r].output_token_ids for r in ids) and not engine.requests[ids[0]].is_finished
         started = time.perf_counter()
         engine.step()
         if decoding:
             decode_s += time.perf_counter() - started
             decode_steps += 1
-    finish(engine, ids)
+    finish(engine, ids + waiting)
     return decode_s / decode_steps
 
 
@@ -123,10 +148,11 @@ def count_ops(engine, case: Case, tag: str, steps: int = 16) -> float:
     ids = add_requests(engine, Case(case.num_seqs, case.prompt_tokens, steps + 4, case.temperature), tag)
     while not all(engine.requests[r].output_token_ids for r in ids):
         engine.step()
+    waiting = add_waiting(engine, case, tag)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             engine.step()
-    finish(engine, ids)
+    finish(engine, ids + waiting)
     return sum(e.name.startswith("aten::") and e.cpu_parent is None for e in prof.events()) / steps
 
 
@@ -136,14 +162,17 @@ def worker(cases: list[Case]) -> dict:
 
     import kvstrata.engine
 
+    from tests.valkey_server import ValkeyServer
+
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as work_dir:
-        engine = build_engine(Path(work_dir))
-        seconds, ops = [], []
+    seconds, ops = [], []
+    with tempfile.TemporaryDirectory() as work_dir, ValkeyServer() as server:
         for n, case in enumerate(cases):
+            # (a fresh engine per case: a queue case's tiers and sequence limit are its own)
+            engine = build_engine(Path(work_dir) / f"case{n}", case if case.waiting else None, server.url)
             ops.append(count_ops(engine, case, f"ops{n}"))  # also the warm-up
             seconds.append(measure(engine, case, f"case{n}"))
-        engine.close()
+            engine.close()
     return {"engine_code": str(Path(kvstrata.engine.__file__).parent), "seconds": seconds, "ops": ops}
 
 
