@@ -115,9 +115,10 @@ def add_waiting(engine, case: Case, tag: str) -> list[str]:
     from kvstrata.engine.sampling import SamplingParams
 
     ids = [f"{tag}-waiting-{i}" for i in range(case.waiting)]
-    for i, request_id in enumerate(ids):
+    for i, request_id in enumerate(ids):  # salted by the tag: what an earlier run computed is no hit
         engine.add_request(request_id, [100 + (i * 104729 + j * 13) % (VOCAB - 100)
-                                        for j in range(WAITING_PROMPT_TOKENS)], SamplingParams(max_tokens=1))
+                                        for j in range(WAITING_PROMPT_TOKENS)], SamplingParams(max_tokens=1),
+                           cache_salt=tag)
     return ids
 
 
