@@ -36,8 +36,17 @@ from kvstrata.tiers.block_pool import KVCacheBlock
 from kvstrata.tiers.hierarchy import PrefixLoad, TierHierarchy
 
 ComputedBlocks = tuple[list[KVCacheBlock], int, dict[str, int]]
-# How long what the lower tiers hold of a waiting request is taken as known, for ordering (`_locate_waiting`).
+# How long what the lower tiers hold of a waiting request is taken as known: for ordering it
+# (`_locate_waiting`), and for trying it again while the device has no room for it (`_still_refused`).
 LOWER_LOOKUP_REFRESH_S = 1.0
+
+
+@dataclass
+class Refusal:
+    """A waiting request the device had no room for, and what its next try needs to have changed."""
+    at: float            # time.monotonic() of the refusal
+    free_blocks: int     # the device pool's free blocks then
+    on_device: bytes     # per block of its prefix, whether the device held it then (1) or not (0)
 
 
 @dataclass
@@ -91,6 +100,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, tuple[list[KVCacheBlock], array]] = {}  # see `get_block_ids`
         self._lower_lookups: dict[str, tuple[float, list[str]]] = {}  # see `_locate_waiting`
+        self._refusals: dict[str, Refusal] = {}  # see `_still_refused`
         # request_id -> how many of its blocks are cached (hashed into the device map) so far.
         self.num_cached_block: dict[str, int] = {}
         # request_id -> its prefix from lookup until the scheduler takes it (loading or landed).
@@ -146,8 +156,9 @@ class KVCacheManager:
             return [], 0, {t: 0 for t in TIER_NAMES}
         load = self.prefix_loads.get(request.request_id)
         if load is None:
+            if self._still_refused(request):
+                return None
             request.enter_phase("lookup")
-            self._lower_lookups.pop(request.request_id, None)  # looked up in full now
             load = self._start_prefix(request)
             if load is None:
                 return None
@@ -165,11 +176,13 @@ class KVCacheManager:
         (and nothing held) when the device has no room for the request's prompt now."""
         hashes = self._prefix_hashes(request)
         found_in = self.hierarchy.locate(hashes)
+        self._lower_lookups[request.request_id] = (time.monotonic(), found_in)  # ordering it uses this one
         plan = self._choose_plan(request, found_in)
         # blocks to compute: the head (while the tail loads) and the prompt after the cut
         fresh = plan.head_end - plan.device_run + -(-request.num_tokens // self.block_size) - plan.cut
         used = [*range(plan.device_run), *range(plan.head_end, plan.cut)]
         if not self._room_for_load([hashes[k] for k in used], [found_in[k] for k in used], fresh):
+            self._refuse(request)
             return None
         if request.cached_tokens_by_tier is None:  # not admitted yet: what it will report, and be counted
             request.recomputed_tokens_by_tier = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES)
@@ -250,6 +263,29 @@ class KVCacheManager:
             if k in to_count:
                 request.cached_tokens_by_tier[tier] = request.cached_tokens_by_tier.get(tier, 0) + self.block_size
                 self.prefix_stats.hit_blocks[tier] += 1
+
+    def _refuse(self, request: Request) -> None:
+        """The device has no room for the request now: remember what would have to change for it to."""
+        self._refusals[request.request_id] = Refusal(time.monotonic(), self.pool.num_free_blocks,
+                                                     self._on_device(self._prefix_hashes(request)))
+
+    def _still_refused(self, request: Request) -> bool:
+        """Whether the request was refused for room and nothing that could make room has happened since:
+        no device block freed, no block of its prefix come to the device or left it. The scheduler tries
+        the first waiting request at every step, and a full lookup may cost a round trip to a remote
+        server at each; what the lower tiers hold is taken as unchanged for `LOWER_LOOKUP_REFRESH_S`."""
+        refusal = self._refusals.get(request.request_id)
+        if refusal is None:
+            return False
+        if (time.monotonic() - refusal.at < LOWER_LOOKUP_REFRESH_S and self.pool.num_free_blocks <= refusal.free_blocks
+                and self._on_device(self._prefix_hashes(request)) == refusal.on_device):
+            return True
+        del self._refusals[request.request_id]
+        return False
+
+    def _on_device(self, hashes: list[bytes]) -> bytes:
+        cached = self.pool.get_cached_block
+        return bytes(cached(h) is not None for h in hashes)
 
     def _room_for_load(self, hashes: list[bytes], found_in: list[str], rest: int) -> bool:
         """Whether the blocks `hashes`, laid out as `found_in`, can start loading: the device can take
@@ -332,8 +368,8 @@ class KVCacheManager:
         """`hierarchy.locate` for ordering a waiting request. The scheduler orders its waiting requests at
         every step, and a lower tier's lookup may cost a round trip to a remote server: with 16 requests
         waiting, those lookups made each step 25x longer. So the device's part is read afresh every time,
-        and the lower tiers are asked again only after `LOWER_LOOKUP_REFRESH_S` (the request's admission
-        looks it up in full in any case)."""
+        and the lower tiers are asked again only after `LOWER_LOOKUP_REFRESH_S`. An admission looks the
+        request up in full, and ordering uses that lookup next (`_start_prefix`)."""
         now = time.monotonic()
         earlier = self._lower_lookups.get(request.request_id)
         if earlier is None or now - earlier[0] >= LOWER_LOOKUP_REFRESH_S:
@@ -373,6 +409,7 @@ class KVCacheManager:
         this admission's prefix found them (or as recomputed, where its load policy chose so). Once per
         request, each block."""
         tiers = self._prefix_tiers.pop(request.request_id, [])
+        self._lower_lookups.pop(request.request_id, None)  # admitted: no longer ordered with the waiting ones
         if request.cached_tokens_by_tier is None:
             request.cached_tokens_by_tier = dict(cached_tokens_by_tier)
             self._count_query(request)
@@ -416,8 +453,9 @@ class KVCacheManager:
             if new_computed_blocks:
                 self.pool.free_blocks(list(reversed(new_computed_blocks)))
                 self._release_reserved(request)  # it is looked up again, and reserves again, later
-            if not blocks:
+            if not blocks:  # a waiting request's admission
                 del self.req_to_blocks[request.request_id]
+                self._refuse(request)
             return None
         blocks.extend(new_computed_blocks)
         # prefix blocks come only at a request's first scheduling, and they are all cached already
@@ -457,6 +495,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
         self._lower_lookups.pop(request.request_id, None)
+        self._refusals.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         self._prefix_tiers.pop(request.request_id, None)
         if blocks:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 from test_admission import fake_step, new_request
-from test_hierarchy import BS, doc, make_stack, run_request
+from test_hierarchy import BS, computed_blocks, doc, make_stack, run_request
 
 from kvstrata.engine.costs import MIN_STEP_TOKENS, WINDOW, ReadCost, StepCost, attention_pairs
 from kvstrata.engine.request import RequestStatus
@@ -315,6 +315,62 @@ def test_waiting_requests_are_ordered_without_asking_the_lower_tiers_at_every_st
     monkeypatch.setattr(kv_manager, "LOWER_LOOKUP_REFRESH_S", 0.0)  # the while has passed: asked again
     kv.estimate_uncached(missing)
     assert len(lookups) == asked + 2
+
+
+def test_a_request_the_device_has_no_room_for_is_tried_again_without_asking_the_lower_tiers(monkeypatch):
+    """The first waiting request is tried at every step while the device is too full to load its prefix:
+    the lower tiers (perhaps a remote server) are not asked again each time; it is admitted on a fresh
+    lookup once the device has room."""
+    import kvstrata.engine.kv_manager as kv_manager
+
+    kv = make_stack(device_blocks=16, cpu_blocks=64)
+    cpu, lookups = kv.hierarchy.cpu, []
+    count_prefix = cpu.count_prefix
+    monkeypatch.setattr(cpu, "count_prefix", lambda hashes: (lookups.append(len(hashes)), count_prefix(hashes))[1])
+    document = doc(7, 8 * BS)
+    run_request(kv, document + [1])  # written through to the CPU tier
+    holder = run_request(kv, doc(8, 14 * BS), finish=False)  # holds 14 of the 16 device blocks
+
+    question = new_request(document + [2, 3])
+    asked = len(lookups)
+    for _ in range(10):
+        assert kv.get_computed_blocks(question) is None and not kv.holds_prefix(question)
+    assert len(lookups) == asked + 1  # one lookup: the device's part is read again, the CPU tier's kept
+
+    monkeypatch.setattr(kv_manager, "LOWER_LOOKUP_REFRESH_S", 0.0)  # after a while, the lower tiers are asked again
+    assert kv.get_computed_blocks(question) is None
+    assert len(lookups) == asked + 2
+    monkeypatch.setattr(kv_manager, "LOWER_LOOKUP_REFRESH_S", 60.0)
+
+    kv.free(holder)  # room: admitted on a lookup made now, which finds the document in the CPU tier
+    blocks, num_cached, by_tier = computed_blocks(kv, question)
+    assert len(lookups) == asked + 3
+    assert num_cached == 8 * BS and by_tier["cpu"] >= 6 * BS
+    assert kv.allocate_slots(question, question.num_tokens - num_cached, blocks) is not None
+
+
+def test_a_new_document_the_device_has_no_room_for_is_tried_again_without_asking_the_lower_tiers(monkeypatch):
+    """The same for a prompt no tier holds, refused when its first chunk finds no free device block."""
+    kv = make_stack(device_blocks=16, cpu_blocks=64)
+    cpu, lookups = kv.hierarchy.cpu, []
+    count_prefix = cpu.count_prefix
+    monkeypatch.setattr(cpu, "count_prefix", lambda hashes: (lookups.append(len(hashes)), count_prefix(hashes))[1])
+    holder = run_request(kv, doc(8, 15 * BS), finish=False)  # holds 15 of the 16 device blocks
+    new_document = new_request(doc(9, 6 * BS))
+    asked = len(lookups)
+    blocks, num_cached, _ = kv.get_computed_blocks(new_document)
+    assert num_cached == 0 and kv.allocate_slots(new_document, 4 * BS, blocks) is None  # a chunk of 4 blocks
+    for _ in range(10):
+        assert kv.get_computed_blocks(new_document) is None and not kv.holds_prefix(new_document)
+    assert len(lookups) == asked + 1
+
+    other = run_request(kv, doc(10, BS - 1), finish=False)  # takes the last free block, then frees it:
+    assert kv.get_computed_blocks(new_document) is None  # no more room than at the refusal
+    kv.free(other)
+    assert kv.get_computed_blocks(new_document) is None and len(lookups) == asked + 1
+    kv.free(holder)
+    blocks, num_cached, _ = kv.get_computed_blocks(new_document)
+    assert len(lookups) == asked + 2 and kv.allocate_slots(new_document, 4 * BS, blocks) is not None
 
 
 def test_a_speed_that_changes_is_followed_and_the_old_one_forgotten_after_a_window():
