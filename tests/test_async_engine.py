@@ -107,6 +107,74 @@ def test_a_busy_engine_thread_publishes_stats_now_and_then_and_always_before_an_
     assert engine.stats_calls < 50
 
 
+class ManyDecodingEngine(DecodingEngine):
+    """An LLMEngine answering any number of requests together, a token each per step; each request's
+    tokens are its prompt's first token, so that an output found in another request's stream shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests: dict = {}
+        self.steps = 0
+
+    def add_request(self, request_id, prompt_token_ids, params, *args, **kwargs):
+        from kvstrata.engine.request import Request
+
+        self.requests[request_id] = Request(request_id, list(prompt_token_ids), params)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(not r.is_finished for r in self.requests.values())
+
+    def step(self) -> list:
+        from kvstrata.engine.request import RequestStatus
+
+        self.steps += 1
+        updated = [r for r in self.requests.values() if not r.is_finished]
+        for request in updated:
+            request.output_token_ids.append(request.prompt_token_ids[0])
+            if len(request.output_token_ids) == request.sampling_params.max_tokens:
+                request.status = RequestStatus.FINISHED_LENGTH
+        return updated
+
+
+def test_each_step_reaches_each_event_loop_in_one_wake_up_with_every_stream_its_own_outputs():
+    """Callers on two event loops (two server threads), three streams each: every stream gets all its own
+    tokens and no other's, and a step wakes each loop once, not once per stream (each wake-up competes with
+    the engine thread for the interpreter lock)."""
+    from kvstrata.engine.sampling import SamplingParams
+
+    engine = ManyDecodingEngine()
+    async_engine = AsyncEngine(engine)
+    wake_ups: list[int] = []
+
+    def caller(first_token: int, results: dict) -> None:
+        async def answer(token: int):
+            outputs = [o async for o in async_engine.generate([token, 9], SamplingParams(max_tokens=200))]
+            results[token] = outputs
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            wake = loop.call_soon_threadsafe
+            loop.call_soon_threadsafe = lambda *args: (wake_ups.append(1), wake(*args))[1]
+            await asyncio.gather(*(answer(first_token + k) for k in range(3)))
+
+        asyncio.run(main())
+
+    results: dict = {}
+    threads = [threading.Thread(target=caller, args=(token, results)) for token in (10, 20)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+    finally:
+        async_engine.shutdown()
+    assert sorted(results) == [10, 11, 12, 20, 21, 22]
+    for token, outputs in results.items():
+        assert outputs[-1].finished and outputs[-1].token_ids == [token] * 200
+        assert all(o.token_ids == [token] * len(o.token_ids) for o in outputs)
+    assert len(wake_ups) <= 2 * engine.steps + 20  # a few more for the requests' adds and the shutdown
+
+
 def test_after_shutdown_the_stats_as_of_the_close_are_kept():
     engine = IdleEngine()
     async_engine = AsyncEngine(engine)
