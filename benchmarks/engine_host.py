@@ -29,6 +29,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
@@ -208,13 +209,33 @@ def baseline_import_root(rev: str, work_dir: Path) -> Path:
     return root
 
 
-def run_worker(cases: list[Case], import_root: Path | None) -> dict:
+def run_worker(script: str, worker_arg: str, import_root: Path | None) -> dict:
+    """`script --worker worker_arg` in a process of its own, with `import_root` (a baseline's) first on its
+    PYTHONPATH; the JSON of its last printed line."""
     env = dict(os.environ)
     if import_root is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(import_root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps([asdict(c) for c in cases])],
-                          env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, script, "--worker", worker_arg], env=env, stdout=subprocess.PIPE,
+                          text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def each_side_in_turn(script: str, worker_arg: str, baseline: str | None,
+                      repeats: int) -> Iterator[tuple[int, str, dict]]:
+    """(repeat, side, what the worker measured) for `repeats` runs of this commit's code ("this") and, with
+    `baseline`, of that commit's ("baseline", from a temporary git worktree), in turn."""
+    with tempfile.TemporaryDirectory() as work_dir:
+        sides = {"this": None}
+        if baseline:
+            sides["baseline"] = baseline_import_root(baseline, Path(work_dir))
+        try:
+            for repeat in range(repeats):
+                for side, import_root in sides.items():
+                    yield repeat, side, run_worker(script, worker_arg, import_root)
+        finally:
+            if baseline:
+                subprocess.run(["git", "worktree", "remove", "--force", str(Path(work_dir) / "tree")],
+                               cwd=REPO_ROOT, check=False)
 
 
 def main() -> int:
@@ -228,24 +249,14 @@ def main() -> int:
         print(json.dumps(worker([Case(**c) for c in json.loads(args.worker)])))
         return 0
 
-    with tempfile.TemporaryDirectory() as work_dir:
-        sides = {"this": None}
-        if args.baseline:
-            sides["baseline"] = baseline_import_root(args.baseline, Path(work_dir))
-        try:
-            best: dict[str, list[float]] = {}
-            ops: dict[str, list[float]] = {}
-            for repeat in range(args.repeats):
-                for side, import_root in sides.items():
-                    measured = run_worker(CASES, import_root)
-                    seconds, ops[side] = measured["seconds"], measured["ops"]
-                    best[side] = [min(pair) for pair in zip(best.get(side, seconds), seconds)]
-                    print(f"run {repeat + 1}, {side} ({measured['engine_code']}): "
-                          + ", ".join(f"{s * 1e3:.3f}" for s in seconds) + " ms", flush=True)
-        finally:
-            if args.baseline:
-                subprocess.run(["git", "worktree", "remove", "--force", str(Path(work_dir) / "tree")],
-                               cwd=REPO_ROOT, check=False)
+    best: dict[str, list[float]] = {}
+    ops: dict[str, list[float]] = {}
+    cases_arg = json.dumps([asdict(c) for c in CASES])
+    for repeat, side, measured in each_side_in_turn(__file__, cases_arg, args.baseline, args.repeats):
+        seconds, ops[side] = measured["seconds"], measured["ops"]
+        best[side] = [min(pair) for pair in zip(best.get(side, seconds), seconds)]
+        print(f"run {repeat + 1}, {side} ({measured['engine_code']}): "
+              + ", ".join(f"{s * 1e3:.3f}" for s in seconds) + " ms", flush=True)
     cases = [{**asdict(case), "name": case.name, **{f"{side}_ms": best[side][n] * 1e3 for side in best},
               **{f"{side}_ops": ops[side][n] for side in ops}} for n, case in enumerate(CASES)]
     result = results_record("engine_host", baseline=args.baseline, repeats=args.repeats, cases=cases)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import VOCAB, baseline_import_root, build_engine  # noqa: E402
+from benchmarks.engine_host import VOCAB, build_engine, each_side_in_turn  # noqa: E402
 from benchmarks.machine import provenance_lines, results_record, write_results  # noqa: E402
 
 PROMPT_TOKENS = 64
@@ -209,15 +208,6 @@ def worker(seq_counts: list[int]) -> dict:
     return {"engine_code": str(Path(kvstrata.engine.__file__).parent), **figures}
 
 
-def run_worker(seq_counts: list[int], import_root: Path | None) -> dict:
-    env = dict(os.environ)
-    if import_root is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(import_root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(seq_counts)], env=env,
-                          stdout=subprocess.PIPE, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", default="4,16,32", help="numbers of sequences decoding together (at most the "
@@ -233,26 +223,15 @@ def main() -> int:
 
     seq_counts = [int(n) for n in args.seqs.split(",")]
     best: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as work_dir:
-        sides = {"this": None}
-        if args.baseline:
-            sides["baseline"] = baseline_import_root(args.baseline, Path(work_dir))
-        try:
-            for repeat in range(args.repeats):
-                for side, import_root in sides.items():
-                    measured = run_worker(seq_counts, import_root)
-                    kept = best.setdefault(side, {way: {k: [float("inf")] * len(seq_counts) for k in ("period", "inside")}
-                                                  for way in WAYS})
-                    for way in WAYS:
-                        for k in ("period", "inside"):
-                            kept[way][k] = [min(a, b) for a, b in zip(kept[way][k], measured[way][k])]
-                    print(f"run {repeat + 1}, {side} ({measured['engine_code']}): periods "
-                          + "; ".join(f"{way} " + ", ".join(f"{s * 1e3:.3f}" for s in measured[way]["period"])
-                                      for way in WAYS) + " ms", flush=True)
-        finally:
-            if args.baseline:
-                subprocess.run(["git", "worktree", "remove", "--force", str(Path(work_dir) / "tree")],
-                               cwd=REPO_ROOT, check=False)
+    for repeat, side, measured in each_side_in_turn(__file__, json.dumps(seq_counts), args.baseline, args.repeats):
+        kept = best.setdefault(side, {way: {k: [float("inf")] * len(seq_counts) for k in ("period", "inside")}
+                                      for way in WAYS})
+        for way in WAYS:
+            for k in ("period", "inside"):
+                kept[way][k] = [min(a, b) for a, b in zip(kept[way][k], measured[way][k])]
+        print(f"run {repeat + 1}, {side} ({measured['engine_code']}): periods "
+              + "; ".join(f"{way} " + ", ".join(f"{s * 1e3:.3f}" for s in measured[way]["period"]) for way in WAYS)
+              + " ms", flush=True)
     rows = [{"num_seqs": n, **{f"{side}_{way}_{k}_ms": best[side][way][k][i] * 1e3 for side in best for way in WAYS
                                for k in ("period", "inside")}} for i, n in enumerate(seq_counts)]
     result = results_record("serving_host", baseline=args.baseline, repeats=args.repeats,
