@@ -2,12 +2,12 @@
 
 One engine thread owns the LLMEngine. It drains a thread-safe inbox of commands (add, abort, stop),
 calls `step()` while there is work, and hands each request's progress to the asyncio queue of the
-caller that asked for it with `loop.call_soon_threadsafe`: once per event loop per step, with every
-output of the step for that loop. With no work it waits on the inbox, waking
-once a second to publish a fresh stats snapshot (tiers keep changing while idle: the disk tier's
-writer commits, another process shares the store). The asyncio side never touches the engine: it
-validates requests with `validate_request` (which reads only fixed limits and the thread-safe
-grammar cache) and reads the stats snapshot that the engine thread publishes.
+caller that asked for it with `loop.call_soon_threadsafe`: once per event loop per step, with all of
+the step's outputs for that loop. With no work it waits on the inbox, waking once a second to publish
+a fresh stats snapshot (tiers keep changing while idle: the disk tier's writer commits, another
+process shares the store). The asyncio side never touches the engine: it validates requests with
+`validate_request` (which reads only fixed limits and the thread-safe grammar cache) and reads the
+stats snapshot that the engine thread publishes.
 
 This module knows nothing of HTTP or of how figures are exported: whoever serves the engine reads
 `snapshot` and may pass a `RequestListener` to hear of each first token, each later token's gap and
