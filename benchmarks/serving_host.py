@@ -123,7 +123,7 @@ def run_engine(engine, num_seqs: int) -> StepTimes:
         engine.step()
     for request_id in ids:
         engine.release(request_id)
-    engine.step = type(engine).step.__get__(engine)
+    del engine.step  # the class's again
     return times
 
 
@@ -170,6 +170,8 @@ def run_http(engine, num_seqs: int) -> StepTimes:
     thread.start()
     try:
         while not server.started:
+            if not thread.is_alive():
+                raise SystemExit("serving_host: the HTTP server did not start")
             time.sleep(0.01)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
         subprocess.run([sys.executable, "-c", CLIENTS, url, json.dumps(prompts(num_seqs)), str(ANSWER_TOKENS)],
