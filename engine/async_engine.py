@@ -110,20 +110,20 @@ class _Stream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Called from the engine thread."""
-        _call_soon(self.loop, self.queue.put_nowait, item)
+        _post(self.loop, [(self.queue, item)])
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    """From the engine thread: put each item into its queue on `loop`, in one wake-up of the loop."""
     try:
-        loop.call_soon_threadsafe(fn, *args)
+        loop.call_soon_threadsafe(_put_each, items)
     except RuntimeError:
         pass  # the caller's loop is closed: nobody is listening any more
 
 
-def _put_each(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    """On the callers' event loop: one step's outputs, into their requests' queues."""
-    for outputs, output in items:
-        outputs.put_nowait(output)
+def _put_each(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for outputs, item in items:
+        outputs.put_nowait(item)
 
 
 @dataclass
@@ -378,7 +378,7 @@ class AsyncEngine:
                 self.engine.release(request.request_id)
             by_loop.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, items in by_loop.items():
-            _call_soon(loop, _put_each, items)
+            _post(loop, items)
 
     def _note_tokens(self, stream: _Stream, num_tokens: int) -> None:
         """A request's generated tokens now number `num_tokens`: the gap since its previous ones, if any."""
