@@ -151,13 +151,22 @@ class Scheduler:
         self._step_span = (self.clock(), self._step_span[1])  # this step starts; update_after_step ends it
         budget = self.max_num_batched_tokens
         to_come = self.kv.blocks_to_come([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens])
-        candidates = [r for r in self.waiting if not self.kv.is_loading(r) and not self._waits_for(r, to_come)]
+        candidates = self._candidates(to_come)
         running, long_chunk = self.running, budget
         if self.policy == "uncached_first":
             candidates, running, budget, long_chunk = self._uncached_first_step(candidates)
         budget, long_chunk = self._schedule_running(out, running, budget, long_chunk)
         self._admit_waiting(out, candidates, budget, long_chunk, to_come)
         return out
+
+    def _candidates(self, to_come: set[bytes]) -> list[Request]:
+        """The waiting requests this step may admit, in queue order: those whose load is not in flight, or,
+        while every sequence slot is taken, only the landed loads (each holds its slot already). The others
+        cannot start, and ordering them would look each one up at every step for as long as the slots stay
+        full, which is when requests queue (16 waiting made a decode step several times longer)."""
+        slot_free = len(self.running) + self.num_loading < self.max_num_seqs
+        return [r for r in self.waiting if not self.kv.is_loading(r)
+                and (slot_free or r.status == RequestStatus.LOADING) and not self._waits_for(r, to_come)]
 
     def _uncached_first_step(self, candidates: list[Request]) -> tuple[list[Request], list[Request], int, int]:
         """`uncached_first`'s order and budgets (see the module doc): the candidates and the running

@@ -317,6 +317,27 @@ def test_waiting_requests_are_ordered_without_asking_the_lower_tiers_at_every_st
     assert len(lookups) == asked + 2
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
+def test_requests_waiting_for_a_sequence_slot_are_not_looked_up_until_one_is_free(policy, monkeypatch):
+    """While every sequence slot is taken, no waiting request can start: none is priced or looked up at each
+    step (many clients queue exactly then); once a slot frees, the shortest work is admitted first."""
+    kv, scheduler, clock = make_scheduler(policy, seconds_per_token=1.0)  # the long one is not overdue meanwhile
+    scheduler.max_num_seqs = 2
+    first = add(scheduler, clock, doc(1, 2 * BS), max_tokens=6)
+    add(scheduler, clock, doc(2, 2 * BS), max_tokens=30)
+    for _ in range(3):
+        step(kv, scheduler, clock)
+    long_one = add(scheduler, clock, doc(3, 3 * BS))
+    short_one = add(scheduler, clock, cached_question(kv, 4, doc_blocks=2))
+    estimates = []
+    estimate_uncached = kv.estimate_uncached
+    monkeypatch.setattr(kv, "estimate_uncached", lambda r: (estimates.append(r), estimate_uncached(r))[1])
+    while first in scheduler.running:
+        assert step(kv, scheduler, clock) and not estimates
+    admitted = step(kv, scheduler, clock)  # one slot: by work, or by arrival
+    assert list(admitted)[-1] is (short_one if policy == "uncached_first" else long_one)
+
+
 def test_a_request_the_device_has_no_room_for_is_tried_again_without_asking_the_lower_tiers(monkeypatch):
     """The first waiting request is tried at every step while the device is too full to load its prefix:
     the lower tiers (perhaps a remote server) are not asked again each time; it is admitted on a fresh
