@@ -8,6 +8,7 @@ pinned staging and a side stream per direction.
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -167,6 +168,30 @@ def test_a_large_load_is_filled_in_parts_by_several_threads_at_once():
         assert bool((as_bytes(transfers.kv_cache[block_id]) == position).all())
     small = transfers.load([0, 1], fill_with({0: 5, 1: 6}))  # below one part's size: one fill call
     assert small.wait(10) and small.served == [True, True]
+    transfers.close()
+
+
+def test_a_large_lent_load_is_copied_in_parts_a_run_at_a_time_each_block_from_its_own_row():
+    transfers = TransferEngine(BIG.allocate(12), fill_threads=3)
+    slab = torch.randint(0, 256, (16, BIG.block_nbytes), dtype=torch.uint8)
+    ids, rows = [11, 10, 3, 4, 5, 0, 1, 2, 9, 6, 7, 8], [0, 2, 4, 5, 6, 9, 10, 11, 15, 12, 13, 14]
+    released, copies = [], []
+    copy = np.copyto
+
+    def noted_copy(dest, src):
+        copies.append(threading.get_ident())
+        copy(dest, src)
+
+    np.copyto = noted_copy
+    try:
+        job = transfers.load(ids, lambda start, views: [False] * len(views), lend_rows(slab, rows, released))
+        assert job.wait(10) and not job.failed and job.served == [True] * 12 and released == [1]
+    finally:
+        np.copyto = copy
+    # parts [11 10 3 4], [5 0 1 2], [9 6 7 8] from rows [0 2 4 5], [6 9 10 11], [15 12 13 14]: 3 + 2 + 2 runs
+    assert len(copies) == 7 and len(set(copies)) >= 2  # the load's worker and a helper, at least
+    for block_id, row in zip(ids, rows):
+        assert torch.equal(as_bytes(transfers.kv_cache[block_id]), slab[row])
     transfers.close()
 
 

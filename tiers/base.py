@@ -53,7 +53,7 @@ def token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
     """Token ids in one canonical, comparable form (plain ints), whatever sequence they came in."""
     if isinstance(token_ids, torch.Tensor):
         return tuple(token_ids.tolist())
-    return tuple(int(t) for t in token_ids)
+    return tuple(map(int, token_ids))  # (a loop in C: a promotion checks every block's ids)
 
 
 def parents_or_unknown(parents: Sequence[bytes | None] | None, num_blocks: int) -> Sequence[bytes | None]:

@@ -124,8 +124,8 @@ class CpuTier(LowerTier):
             if any(slot is None or self._token_ids[slot] != token_tuple(expected)
                    for slot, expected in zip(slots, token_ids)):
                 return None
-            for block_hash, expected in zip(block_hashes, token_ids):
-                self._start_read(block_hash, expected, None)  # a hit: no event (none is built for one)
+            for block_hash, slot in zip(block_hashes, slots):
+                self._count_read(block_hash, slot)
         unreleased = list(slots)
 
         def release() -> None:  # once: a second call finds nothing left to release
@@ -146,10 +146,14 @@ class CpuTier(LowerTier):
             self._stats.corrupt += 1
             self._drop(block_hash, events)
             return None
+        self._count_read(block_hash, slot)
+        return slot
+
+    def _count_read(self, block_hash: bytes, slot: int) -> None:
+        """A verified block's read begins: a hit, the most recently used, its slot kept until `_end_read`."""
         self._slot_of.move_to_end(block_hash)
         self._stats.hits += 1
         self._readers[slot] = self._readers.get(slot, 0) + 1
-        return slot
 
     def _end_read(self, slot: int) -> None:
         n = self._readers.pop(slot) - 1
