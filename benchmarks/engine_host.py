@@ -73,9 +73,10 @@ WAITING_PROMPT_TOKENS = 2000
 STEP_LABEL = "engine_host.step"  # the profiler's label of a whole engine step
 
 
-def build_engine(work_dir: Path, queue: Case | None = None, remote_url: str | None = None):
+def build_engine(work_dir: Path, queue: Case | None = None, remote_url: str | None = None, cache: dict | None = None):
     """The engine on the thin model, its forward pass replaced by rows of a fixed logits table; for a `queue`
-    case, with room for its decoding sequences only (sequence slots or device blocks), and lower tiers."""
+    case, with room for its decoding sequences only (sequence slots or device blocks), and lower tiers; else
+    with the `cache` section given, if any."""
     import torch
 
     from kvstrata.engine.config import load_config
@@ -93,6 +94,8 @@ def build_engine(work_dir: Path, queue: Case | None = None, remote_url: str | No
             config["cache"]["tiers"]["device"] = {"size": queue.device_blocks}
         else:
             config["scheduler"] = {"max_num_seqs": queue.num_seqs}
+    elif cache is not None:
+        config["cache"] = cache
     engine = LLMEngine(load_config(config))
     logits = torch.randn(LOGIT_ROWS, VOCAB, generator=torch.Generator().manual_seed(0))
     calls = iter(range(1 << 62))

@@ -1,0 +1,164 @@
+"""What a lower-tier hit costs while other sequences decode: a question on a long document whose blocks are in the
+CPU or the disk tier, admitted alone and beside decoding sequences.
+
+The hit's blocks are copied up by the transfer engine's threads while the step thread goes on stepping the others.
+Both need Python's interpreter lock: every Python operation a promotion makes per block is paid at the share of the
+lock the step thread leaves it, so a promotion that takes milliseconds alone may take many times that beside a
+busy step loop. That is the case on a GPU, where the step thread spends its time in Python launching kernels. The
+model here is replaced by fixed logits (benchmarks/engine_host.py's engine), so that the step thread is all Python,
+as on a GPU.
+
+Figures per case: the hit's time to first token and its load phase (from its receipt), median of `--hits` hits.
+
+    python benchmarks/hit_beside_decodes.py --baseline REV --out-dir benchmarks/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
+    sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
+
+from benchmarks.engine_host import VOCAB, Case, add_requests, build_engine, each_side_in_turn  # noqa: E402
+from benchmarks.machine import provenance_lines, results_record, write_results  # noqa: E402
+
+DOC_TOKENS = 7000
+QUESTION_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class HitCase:
+    tier: str      # where the document's blocks are: "cpu" or "disk"
+    num_seqs: int  # sequences decoding while the hit is admitted (0: alone)
+
+    @property
+    def name(self) -> str:
+        beside = f"beside {self.num_seqs} decoding sequences" if self.num_seqs else "alone"
+        return f"{self.tier} tier, {beside}"
+
+
+CASES = [HitCase("cpu", 0), HitCase("cpu", 4), HitCase("disk", 0), HitCase("disk", 4)]
+
+
+def cache_config(tier: str, work_dir: Path) -> dict:
+    """Write-through (the document reaches its tier as it is computed) and every hit loaded, never recomputed."""
+    tiers = {"cpu": {"size": "512MiB"}} if tier == "cpu" else {"disk": {"path": str(work_dir / "disk"),
+                                                                        "size": "1GiB"}}
+    return {"offload": "write_through", "load_policy": "always_load", "tiers": tiers}
+
+
+def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float, float]:
+    """The document's blocks left in the lower tier only, `case.num_seqs` sequences decoding, then a question on
+    the document: its TTFT and load phase, in seconds."""
+    from kvstrata.engine.sampling import SamplingParams
+
+    engine.hierarchy.wait_for_write_downs()
+    if not engine.hierarchy.clear_device_cache():
+        raise SystemExit("hit_beside_decodes: the device cache could not be cleared")
+    decoding = add_requests(engine, Case(case.num_seqs, 64, 4000, 0.0), tag)
+    while not all(engine.requests[r].output_token_ids for r in decoding):
+        engine.step()
+    for _ in range(8):
+        engine.step()
+    question = f"{tag}-question"
+    engine.add_request(question, document + [7 + k for k in range(QUESTION_TOKENS)], SamplingParams(max_tokens=1))
+    while not engine.requests[question].output_token_ids:
+        engine.step()
+    receipt = engine.requests[question].receipt
+    if receipt.cached_tokens_by_tier[case.tier] < DOC_TOKENS - 16:
+        raise SystemExit(f"hit_beside_decodes: the question was not served by the {case.tier} tier: {receipt}")
+    for request_id in decoding:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for request_id in [*decoding, question]:
+        engine.release(request_id)
+    return receipt.ttft_ms / 1e3, receipt.load_ms_by_tier[case.tier] / 1e3
+
+
+def worker(cases: list[HitCase], hits: int) -> dict:
+    """Every case's hits, in this process (whose `kvstrata` is the code under test)."""
+    import torch
+
+    import kvstrata.engine
+
+    from kvstrata.engine.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    document = [100 + (j * 13) % (VOCAB - 100) for j in range(DOC_TOKENS)]
+    ttft, load = [], []
+    with tempfile.TemporaryDirectory() as work_dir:
+        for n, case in enumerate(cases):
+            engine = build_engine(Path(work_dir) / f"case{n}", cache=cache_config(case.tier, Path(work_dir) / f"case{n}"))
+            engine.add_request("document", document + [5], SamplingParams(max_tokens=1))
+            while engine.has_unfinished_requests():
+                engine.step()
+            engine.release("document")
+            measured = [one_hit(engine, case, document, f"case{n}-{k}") for k in range(hits + 1)][1:]  # warmed up
+            engine.close()
+            ttft.append(statistics.median(t for t, _ in measured))
+            load.append(statistics.median(s for _, s in measured))
+    return {"engine_code": str(Path(kvstrata.engine.__file__).parent), "ttft": ttft, "load": load}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", metavar="REV", help="also time the engine of this commit, in turn")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side; the best counts")
+    parser.add_argument("--hits", type=int, default=5, help="hits per case in a run; their median counts")
+    parser.add_argument("--out-dir", default=None, help="write hit_beside_decodes.md and .json here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        given = json.loads(args.worker)
+        print(json.dumps(worker([HitCase(**c) for c in given["cases"]], given["hits"])))
+        return 0
+
+    best: dict[str, dict[str, list[float]]] = {}
+    worker_arg = json.dumps({"cases": [asdict(c) for c in CASES], "hits": args.hits})
+    for repeat, side, measured in each_side_in_turn(__file__, worker_arg, args.baseline, args.repeats):
+        kept = best.setdefault(side, {k: measured[k] for k in ("ttft", "load")})
+        for k in ("ttft", "load"):
+            kept[k] = [min(a, b) for a, b in zip(kept[k], measured[k])]
+        print(f"run {repeat + 1}, {side} ({measured['engine_code']}): TTFT "
+              + ", ".join(f"{s * 1e3:.1f}" for s in measured["ttft"]) + " ms", flush=True)
+    cases = [{**asdict(case), "name": case.name,
+              **{f"{side}_{k}_ms": best[side][k][n] * 1e3 for side in best for k in ("ttft", "load")}}
+             for n, case in enumerate(CASES)]
+    result = results_record("hit_beside_decodes", baseline=args.baseline, repeats=args.repeats, hits=args.hits,
+                            doc_tokens=DOC_TOKENS, question_tokens=QUESTION_TOKENS, cases=cases)
+    lines = report(result)
+    print("\n".join(lines))
+    if args.out_dir:
+        write_results(args.out_dir, result, lines)
+    return 0
+
+
+def report(result: dict) -> list[str]:
+    baseline = result["baseline"]
+    sides = ["this"] + (["baseline"] if baseline else [])
+    names = {"this": "this commit", "baseline": baseline}
+    lines = ["# A lower-tier hit beside decoding sequences", "", *provenance_lines(result), "",
+             f"A question of {result['question_tokens']} tokens on a {result['doc_tokens']}-token document whose "
+             "blocks are in the named tier only (the device's dropped), admitted alone or while other sequences "
+             "decode (64-token prompts); the model replaced by fixed logits (benchmarks/engine_host.py's engine, "
+             f"one torch thread). Median of {result['hits']} hits after one more, best of {result['repeats']} runs "
+             "of each side" + (f", this commit and {baseline} in turn." if baseline else "."), "",
+             "| case | " + " | ".join(f"{names[s]} TTFT ms | {names[s]} load ms" for s in sides)
+             + (f" | TTFT, {baseline} / this |" if baseline else " |"),
+             "|---|" + "---:|---:|" * len(sides) + ("---:|" if baseline else "")]
+    for c in result["cases"]:
+        row = f"| {c['name']} | " + " | ".join(f"{c[f'{s}_ttft_ms']:.1f} | {c[f'{s}_load_ms']:.1f}" for s in sides)
+        lines.append(row + (f" | {c['baseline_ttft_ms'] / c['this_ttft_ms']:.2f}x |" if baseline else " |"))
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
