@@ -219,6 +219,7 @@ class _Direction:
                  filler: _Filler | None = None):
         self.name = name
         self.kv_cache = kv_cache
+        self._flat_blocks = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)  # [blocks, block bytes]
         self._completed = completed
         self._fill = filler or _Filler(1, 1)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -282,15 +283,9 @@ class _Direction:
 class _HostDirection(_Direction):
     """The KV cache is in host memory: the tiers read into and write from the device blocks directly.
 
-    The job runs beside the step thread and needs the interpreter lock for each Python operation: while the
-    engine steps other requests it gets a share of the lock, not all of it, so a promotion is a few operations
-    per run of neighbouring blocks rather than several per block (437 blocks lent one by one took 6x longer
-    beside four decoding sequences than alone)."""
-
-    def __init__(self, name: str, kv_cache: torch.Tensor, completed: threading.Condition,
-                 filler: _Filler | None = None):
-        super().__init__(name, kv_cache, completed, filler)
-        self._flat_blocks = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)  # [blocks, block bytes]
+    A job runs beside the step thread and needs the interpreter lock for each Python operation: while the
+    engine steps other requests it gets a share of the lock, not all of it, so lent blocks are copied a run of
+    neighbours at a time, not one by one (benchmarks/results/hit_beside_decodes.md)."""
 
     def _views(self, transfer: Transfer) -> list[torch.Tensor]:
         return [self._flat_blocks[b] for b in transfer.block_ids]
@@ -332,7 +327,6 @@ class _CudaDirection(_Direction):
         # Blocks move as bytes: the same copies whatever the cache's dtype (fp8 included, which some
         # indexing ops do not take).
         super().__init__(name, kv_cache.view(torch.uint8), completed, filler)
-        self._flat_blocks = self.kv_cache.view(self.kv_cache.shape[0], -1)  # [blocks, block bytes]
 
     def _allocate_staging(self) -> None:
         shape = (self.chunk, *self.kv_cache.shape[1:])
