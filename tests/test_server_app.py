@@ -600,6 +600,19 @@ def test_a_failing_choice_ends_the_stream_with_an_error_and_aborts_the_others():
     assert sorted(unfinished) == ["-0", "-1", "-2"]  # the others were closed (aborted) mid-answer
 
 
+def test_a_single_choice_that_fails_mid_answer_ends_its_stream_with_an_error_after_what_it_sent():
+    class FailingAfterItsFirstOutput(FakeAsyncEngine):
+        async def _outputs(self, request_id, token_ids, params):
+            async for output in super()._outputs(request_id, token_ids, params):
+                yield output
+                raise RuntimeError("the engine failed")
+
+    response = run(post(fake_app(FailingAfterItsFirstOutput()), "/v1/completions", {"prompt": "x", "stream": True}))
+    events = [e for e in response.text.split("\n\n") if e]
+    assert len(events) == 3 and '"text":' in events[0]
+    assert "the engine failed" in events[1] and events[2] == "data: [DONE]"
+
+
 # ---------------------------------------------------------------------------------------------
 # Shutdown report
 
