@@ -79,11 +79,6 @@ class _Ended:
 async def interleaved(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
     """The items of several streams as each comes, with its stream's index. Closing this, or an error
     in any stream (raised here), closes every stream: a client that goes away aborts all its choices."""
-    if len(streams) == 1:  # one choice, most requests: read it directly, without a task and a queue per token
-        async with contextlib.aclosing(streams[0]) as stream:
-            async for item in stream:
-                yield 0, item
-        return
     # Bounded: a reader slower than the engine lets each request's outputs coalesce (AsyncEngine
     # hands over only the latest), rather than queueing every snapshot here.
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
