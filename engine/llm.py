@@ -80,7 +80,7 @@ class RequestOutput:
         logprobs = None if r.sampling_params.logprobs is None else list(r.output_logprobs)
         sequence = CompletionOutput(
             index=0, text=r.output_text, token_ids=list(r.output_token_ids), logprobs=logprobs,
-            cumulative_logprob=None if logprobs is None else sum(e.logprob for e in logprobs),
+            cumulative_logprob=None if logprobs is None else r.cumulative_logprob,
             finish_reason=r.status.value if r.is_finished else None, stop_reason=r.stop_reason)
         # the flat fields are the sequence's own objects: built once per output (a stream builds one a token);
         # the prompt's ids are the request's own list, which nothing changes (a copy per token of a long
@@ -105,9 +105,18 @@ class RequestOutput:
 
 def _prompt_logprobs(r: Request) -> list[TokenLogprobs] | None:
     """The request's prompt entries with as many alternatives as it asked for (they are computed, and
-    kept by block, with every alternative any request may ask for)."""
+    kept by block, with every alternative any request may ask for). Once every entry is there they no
+    longer change: cut once and shared by every later snapshot (a 7000-token prompt's entries took
+    milliseconds to cut, at every token of the answer)."""
     k = r.sampling_params.prompt_logprobs
-    return None if k is None else [dataclasses.replace(e, top=e.top[:k]) for e in r.prompt_logprobs]
+    if k is None:
+        return None
+    if r.shown_prompt_logprobs is not None:
+        return r.shown_prompt_logprobs
+    shown = [dataclasses.replace(e, top=e.top[:k]) for e in r.prompt_logprobs]
+    if not r.needs_prompt_logprobs:
+        r.shown_prompt_logprobs = shown
+    return shown
 
 
 class LLM:

@@ -432,7 +432,7 @@ class LLMEngine:
             now = time.perf_counter()
             for request, token_id, token_logprobs in zip(sampling, token_ids.tolist(), logprobs):
                 if token_logprobs is not None:
-                    request.output_logprobs.append(token_logprobs)
+                    request.append_logprobs(token_logprobs)
                 self._append_token(request, token_id, now)
         # The step's measured cost prices waiting work and caps later steps (scheduler.step_target).
         # A sampling step has waited for the device (`sample` reads the tokens back); a prefill chunk

@@ -41,10 +41,15 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
-    # One entry per output token when the request asks for logprobs (sampling_params.logprobs).
+    # One entry per output token when the request asks for logprobs (sampling_params.logprobs), and the sum
+    # of their log-probabilities (kept as they come: an output snapshot at every token must not sum them all).
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # Entry k: prompt token k+1 given the tokens before it, when the request asks for prompt logprobs.
+    cumulative_logprob: float = 0.0
+    # Entry k: prompt token k+1 given the tokens before it, when the request asks for prompt logprobs ...
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # ... and, once all are there, those entries with as many alternatives as it asked for (engine/llm.py):
+    # built once, not at every output snapshot.
+    shown_prompt_logprobs: list[TokenLogprobs] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Tokens whose K/V are in the device cache (computed or served from a tier).
     num_computed_tokens: int = 0
@@ -71,6 +76,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def append_logprobs(self, entry: TokenLogprobs) -> None:
+        """The entry of the output token just sampled."""
+        self.output_logprobs.append(entry)
+        self.cumulative_logprob += entry.logprob
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens `[start, stop)` of prompt and output together, without copying the whole sequence
