@@ -36,7 +36,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
 from benchmarks.decoder_step import THIN_30  # noqa: E402  (a 30-layer model of tiny widths, random weights)
-from benchmarks.machine import provenance_lines, results_record, write_results  # noqa: E402
+from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 LOGIT_ROWS = 257  # rows of the fixed logits table; a prime, so that sequences do not fall into step
 VOCAB = 2048      # the tokenizer's first tokens (see the module doc)
@@ -223,6 +223,17 @@ def run_worker(script: str, worker_arg: str, import_root: Path | None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def in_turn_parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that times this commit's code against `--baseline` in turn (each_side_in_turn),
+    writing `name`.md and .json; the benchmark adds its own."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--baseline", metavar="REV", help="also time the code of this commit, in turn")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side; the best counts")
+    parser.add_argument("--out-dir", default=None, help=f"write {name}.md and .json here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser
+
+
 def each_side_in_turn(script: str, worker_arg: str, baseline: str | None,
                       repeats: int) -> Iterator[tuple[int, str, dict]]:
     """(repeat, side, what the worker measured) for `repeats` runs of this commit's code ("this") and, with
@@ -242,12 +253,7 @@ def each_side_in_turn(script: str, worker_arg: str, baseline: str | None,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", metavar="REV", help="also time the engine of this commit, in turn")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side; the best counts")
-    parser.add_argument("--out-dir", default=None, help="write engine_host.md and .json here")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = in_turn_parser(__doc__, "engine_host").parse_args()
     if args.worker:
         print(json.dumps(worker([Case(**c) for c in json.loads(args.worker)])))
         return 0
@@ -263,10 +269,7 @@ def main() -> int:
     cases = [{**asdict(case), "name": case.name, **{f"{side}_ms": best[side][n] * 1e3 for side in best},
               **{f"{side}_ops": ops[side][n] for side in ops}} for n, case in enumerate(CASES)]
     result = results_record("engine_host", baseline=args.baseline, repeats=args.repeats, cases=cases)
-    lines = report(result)
-    print("\n".join(lines))
-    if args.out_dir:
-        write_results(args.out_dir, result, lines)
+    publish(result, report(result), args.out_dir)
     return 0
 
 

@@ -15,7 +15,6 @@ longest step while it is admitted over their median step; median of `--hits` hit
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,8 +27,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import VOCAB, Case, add_requests, build_engine, each_side_in_turn  # noqa: E402
-from benchmarks.machine import provenance_lines, results_record, write_results  # noqa: E402
+from benchmarks.engine_host import (VOCAB, Case, add_requests, build_engine, each_side_in_turn,  # noqa: E402
+                                    in_turn_parser)
+from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 DOC_TOKENS = 7000
 QUESTION_TOKENS = 16
@@ -109,7 +109,8 @@ def worker(cases: list[HitCase], hits: int) -> dict:
     ttft, load, gap = [], [], []
     with tempfile.TemporaryDirectory() as work_dir:
         for n, case in enumerate(cases):
-            engine = build_engine(Path(work_dir) / f"case{n}", cache=cache_config(case.tier, Path(work_dir) / f"case{n}"))
+            case_dir = Path(work_dir) / f"case{n}"
+            engine = build_engine(case_dir, cache=cache_config(case.tier, case_dir))
             engine.add_request("document", document + [5], SamplingParams(max_tokens=1))
             while engine.has_unfinished_requests():
                 engine.step()
@@ -123,12 +124,8 @@ def worker(cases: list[HitCase], hits: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", metavar="REV", help="also time the engine of this commit, in turn")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side; the best counts")
+    parser = in_turn_parser(__doc__, "hit_beside_decodes")
     parser.add_argument("--hits", type=int, default=5, help="hits per case in a run; their median counts")
-    parser.add_argument("--out-dir", default=None, help="write hit_beside_decodes.md and .json here")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         given = json.loads(args.worker)
@@ -148,10 +145,7 @@ def main() -> int:
              for n, case in enumerate(CASES)]
     result = results_record("hit_beside_decodes", baseline=args.baseline, repeats=args.repeats, hits=args.hits,
                             doc_tokens=DOC_TOKENS, question_tokens=QUESTION_TOKENS, cases=cases)
-    lines = report(result)
-    print("\n".join(lines))
-    if args.out_dir:
-        write_results(args.out_dir, result, lines)
+    publish(result, report(result), args.out_dir)
     return 0
 
 
@@ -170,8 +164,8 @@ def report(result: dict) -> list[str]:
              "|---|" + "---:|---:|---:|" * len(sides) + ("---:|" if baseline else "")]
     for c in result["cases"]:
         row = f"| {c['name']} | " + " | ".join(
-            f"{c[f'{s}_ttft'] * 1e3:.1f} | {c[f'{s}_load'] * 1e3:.1f} | " + (f"{c[f'{s}_gap']:.1f}x" if c["num_seqs"] else "–")
-            for s in sides)
+            f"{c[f'{s}_ttft'] * 1e3:.1f} | {c[f'{s}_load'] * 1e3:.1f} | "
+            + (f"{c[f'{s}_gap']:.1f}x" if c["num_seqs"] else "–") for s in sides)
         lines.append(row + (f" | {c['baseline_ttft'] / c['this_ttft']:.2f}x |" if baseline else " |"))
     lines += ["", "Longest gap / median: the longest step from the question's arrival to its first token over the "
               "median decode step before it, that is the decoding sequences' longest gap between two tokens while the "

@@ -61,3 +61,10 @@ def write_results(out_dir: str | os.PathLike, result: dict, lines: list[str]) ->
     report.write_text("\n".join(lines) + "\n")
     print(f"wrote {report}")
     return report
+
+
+def publish(result: dict, lines: list[str], out_dir: str | os.PathLike | None) -> None:
+    """Print the report `lines`; with `out_dir`, also write them and `result` there (`write_results`)."""
+    print("\n".join(lines))
+    if out_dir:
+        write_results(out_dir, result, lines)

@@ -10,7 +10,6 @@ the alternatives the engine keeps (`MAX_LOGPROBS`); the figure is the mean time 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -21,8 +20,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import each_side_in_turn  # noqa: E402
-from benchmarks.machine import provenance_lines, results_record, write_results  # noqa: E402
+from benchmarks.engine_host import each_side_in_turn, in_turn_parser  # noqa: E402
+from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 SNAPSHOTS = 200  # timed per case, after as many untimed
 
@@ -89,12 +88,7 @@ def worker(cases: list[Case]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", metavar="REV", help="also time the engine of this commit, in turn")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side; the best counts")
-    parser.add_argument("--out-dir", default=None, help="write output_snapshot.md and .json here")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = in_turn_parser(__doc__, "output_snapshot").parse_args()
     if args.worker:
         print(json.dumps(worker([Case(**c) for c in json.loads(args.worker)])))
         return 0
@@ -109,10 +103,7 @@ def main() -> int:
     cases = [{**asdict(case), "name": case.name, **{f"{side}_us": best[side][n] * 1e6 for side in best}}
              for n, case in enumerate(CASES)]
     result = results_record("output_snapshot", baseline=args.baseline, repeats=args.repeats, cases=cases)
-    lines = report(result)
-    print("\n".join(lines))
-    if args.out_dir:
-        write_results(args.out_dir, result, lines)
+    publish(result, report(result), args.out_dir)
     return 0
 
 

@@ -22,7 +22,6 @@ sees) and the step itself (the time inside `LLMEngine.step`). Best of `--repeats
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import socket
@@ -39,8 +38,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import VOCAB, build_engine, each_side_in_turn  # noqa: E402
-from benchmarks.machine import provenance_lines, results_record, write_results  # noqa: E402
+from benchmarks.engine_host import VOCAB, build_engine, each_side_in_turn, in_turn_parser  # noqa: E402
+from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 PROMPT_TOKENS = 64
 ANSWER_TOKENS = 200
@@ -211,13 +210,9 @@ def worker(seq_counts: list[int]) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = in_turn_parser(__doc__, "serving_host")
     parser.add_argument("--seqs", default="4,16,32", help="numbers of sequences decoding together (at most the "
                         "default scheduler.max_num_seqs, 32)")
-    parser.add_argument("--baseline", metavar="REV", help="also time the code of this commit, in turn")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side; the best counts")
-    parser.add_argument("--out-dir", default=None, help="write serving_host.md and .json here")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -238,10 +233,7 @@ def main() -> int:
                                for k in ("period", "inside")}} for i, n in enumerate(seq_counts)]
     result = results_record("serving_host", baseline=args.baseline, repeats=args.repeats,
                             prompt_tokens=PROMPT_TOKENS, answer_tokens=ANSWER_TOKENS, rows=rows)
-    lines = report(result)
-    print("\n".join(lines))
-    if args.out_dir:
-        write_results(args.out_dir, result, lines)
+    publish(result, report(result), args.out_dir)
     return 0
 
 
