@@ -269,6 +269,10 @@ class KVCacheManager:
         self._refusals[request.request_id] = Refusal(time.monotonic(), self.pool.num_free_blocks,
                                                      self._on_device(self._prefix_hashes(request)))
 
+    def is_refused(self, request: Request) -> bool:
+        """Whether the request was refused for room on the device and would be refused again now (`_still_refused`)."""
+        return self._still_refused(request)
+
     def _still_refused(self, request: Request) -> bool:
         """Whether the request was refused for room and nothing that could make room has happened since:
         no device block freed, no block of its prefix come to the device or left it. The scheduler tries

@@ -97,6 +97,16 @@ class SchedulerOutput:
         return sum(kv_reads(s.num_new_tokens, s.context) for s in self.scheduled)
 
 
+@dataclass
+class _KeptOrder:
+    """The last full order of the waiting requests (`Scheduler._order`): its first, and each one's uncached
+    work and tokens. Kept while that first request stays refused for room."""
+
+    first: Request
+    work: dict[str, float]
+    tokens: dict[str, int]
+
+
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  policy: str = "uncached_first", step_target: float = 0.25, long_prefill_share: float = 0.25,
@@ -113,6 +123,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._estimates: dict[str, UncachedEstimate] = {}  # this step's lookups of waiting requests
+        self._kept_order: _KeptOrder | None = None  # see `_order`
         self._step_span = (0.0, 0.0)  # when the last step was scheduled and when its compute ended
         self._last_waiting_arrival = -float("inf")  # the latest arrival that found a step running
 
@@ -233,18 +244,46 @@ class Scheduler:
 
     def _order(self, candidates: list[Request], budget: int) -> tuple[list[Request], int]:
         """Landed loads first, then overdue requests in arrival order, then the rest by uncached work;
-        and the tokens the short candidates (their uncached work fits in one step) have to compute."""
-        now = self.clock()
-        work = {r.request_id: self._uncached_work(r) for r in candidates}
+        and the tokens the short candidates (their uncached work fits in one step) have to compute.
 
-        def key(r: Request):
+        Pricing a request takes a lookup, and while the device is full requests queue: ordering them all at
+        every step made a step's host work grow with the queue (10 ms with 256 waiting). The admissions of
+        a step end at the first request refused for room, so while the first of the last full order stays
+        refused (nothing freed, its prefix unchanged: `KVCacheManager.is_refused`) only the requests that
+        arrived since are priced; each of the others keeps its price, and those that now go before the first
+        (landed loads, overdue requests, cheaper arrivals) are ordered ahead of it. The rest cannot start
+        before it. The first request admitted or no longer refused prices them all again."""
+        kept = self._kept_order
+        if kept is not None and kept.first in candidates and self.kv.is_refused(kept.first):
+            arrived = [r for r in candidates if r.request_id not in kept.work]
+            kept.work.update({r.request_id: self._uncached_work(r) for r in arrived})
+            kept.tokens.update({r.request_id: self._estimate(r).tokens for r in arrived})
+            key = self._order_key(kept.work)
+            keys = {r.request_id: key(r) for r in candidates}
+            first = keys[kept.first.request_id]
+            ahead = sorted((r for r in candidates if keys[r.request_id] < first), key=lambda r: keys[r.request_id])
+            ordered = [*ahead, kept.first,
+                       *(r for r in candidates if r is not kept.first and keys[r.request_id] >= first)]
+        else:
+            work = {r.request_id: self._uncached_work(r) for r in candidates}
+            ordered = sorted(candidates, key=self._order_key(work))
+            kept = _KeptOrder(ordered[0], work, {r.request_id: self._estimate(r).tokens for r in candidates}) \
+                if ordered else None
+        self._kept_order = kept
+        if kept is None:
+            return ordered, 0
+        return ordered, sum(kept.tokens[r.request_id] for r in candidates if kept.work[r.request_id] <= budget)
+
+    def _order_key(self, work: dict[str, float]) -> Callable[[Request], tuple]:
+        now = self.clock()
+
+        def key(r: Request) -> tuple:
             landed = r.status == RequestStatus.LOADING
             cost_s = work[r.request_id] * self.cost.per_token_s
             overdue = now - r.arrival_time >= max(AGING * cost_s, MIN_AGE_S)
             return (not landed, not overdue, 0 if overdue else work[r.request_id], r.arrival_time)
 
-        short_tokens = sum(self._estimate(r).tokens for r in candidates if work[r.request_id] <= budget)
-        return sorted(candidates, key=key), short_tokens
+        return key
 
     def _estimate(self, request: Request) -> UncachedEstimate:
         """The request's work left after a lookup, looked up once per step."""

@@ -338,6 +338,29 @@ def test_requests_waiting_for_a_sequence_slot_are_not_looked_up_until_one_is_fre
     assert list(admitted)[-1] is (short_one if policy == "uncached_first" else long_one)
 
 
+def test_while_the_first_in_line_is_refused_for_room_only_requests_that_arrive_since_are_priced(monkeypatch):
+    """A step's admissions end at the first request refused for room: while it stays refused the requests behind
+    it are not priced again at every step (a long queue behind a full device made every step longer). One that
+    arrives is priced, and goes first if its work is less; once room frees, all are ordered again."""
+    kv, scheduler, clock = make_scheduler("uncached_first", budget=256, device_blocks=12, seconds_per_token=1.0)
+    holder = add(scheduler, clock, doc(1, 7 * BS), max_tokens=8)  # up to 9 of the 12 blocks as it decodes
+    step(kv, scheduler, clock)
+    documents = [add(scheduler, clock, doc(10 + k, 6 * BS)) for k in range(3)]  # 6 blocks each: no room
+    step(kv, scheduler, clock)  # all ordered; the first document is refused
+    estimates = []
+    estimate_uncached = kv.estimate_uncached
+    monkeypatch.setattr(kv, "estimate_uncached", lambda r: (estimates.append(r), estimate_uncached(r))[1])
+    for _ in range(3):
+        assert list(step(kv, scheduler, clock)) == [holder] and not estimates
+    question = add(scheduler, clock, doc(20, 3))  # one block: there is room for it
+    assert list(step(kv, scheduler, clock)) == [holder, question] and estimates == [question]
+    while holder in scheduler.running:
+        step(kv, scheduler, clock)
+    estimates.clear()
+    admitted = step(kv, scheduler, clock)  # room: every waiting request is priced again, the first is admitted
+    assert set(estimates) == set(documents) and documents[0] in admitted
+
+
 def test_a_request_the_device_has_no_room_for_is_tried_again_without_asking_the_lower_tiers(monkeypatch):
     """The first waiting request is tried at every step while the device is too full to load its prefix:
     the lower tiers (perhaps a remote server) are not asked again each time; it is admitted on a fresh
