@@ -68,7 +68,7 @@ class Case:
 CASES = [Case(1, 64, 1000, 0.0), Case(4, 64, 1000, 0.0), Case(4, 7000, 200, 0.0), Case(16, 2000, 200, 0.0),
          Case(16, 2000, 200, 1.0), Case(4, 64, 200, 0.0, waiting=16),
          # 4 x 17 blocks at most decoding: a waiting prompt's 125 blocks never fit beside them
-         Case(4, 64, 200, 0.0, waiting=16, device_blocks=140)]
+         Case(4, 64, 200, 0.0, waiting=16, device_blocks=140), Case(4, 64, 200, 0.0, waiting=64, device_blocks=140)]
 WAITING_PROMPT_TOKENS = 2000
 STEP_LABEL = "engine_host.step"  # the profiler's label of a whole engine step
 
