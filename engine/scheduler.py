@@ -246,13 +246,13 @@ class Scheduler:
         """Landed loads first, then overdue requests in arrival order, then the rest by uncached work;
         and the tokens the short candidates (their uncached work fits in one step) have to compute.
 
-        Pricing a request takes a lookup, and while the device is full requests queue: ordering them all at
-        every step made a step's host work grow with the queue (10 ms with 256 waiting). The admissions of
-        a step end at the first request refused for room, so while the first of the last full order stays
-        refused (nothing freed, its prefix unchanged: `KVCacheManager.is_refused`) only the requests that
-        arrived since are priced; each of the others keeps its price, and those that now go before the first
-        (landed loads, overdue requests, cheaper arrivals) are ordered ahead of it. The rest cannot start
-        before it. The first request admitted or no longer refused prices them all again."""
+        Pricing a request takes a lookup, and while the device is full requests queue: ordering them all
+        at every step made a step's host work grow with the queue (benchmarks/results/engine_host.md). The
+        admissions of a step end at the first request refused for room, so while the first of the last full
+        order stays refused (nothing freed, its prefix unchanged: `KVCacheManager.is_refused`) only the
+        requests that arrived since are priced; each of the others keeps its price, and those that now go
+        before the first (landed loads, overdue requests, cheaper arrivals) are ordered ahead of it. The rest
+        cannot start before it. The first request admitted or no longer refused prices them all again."""
         kept = self._kept_order
         if kept is not None and kept.first in candidates and self.kv.is_refused(kept.first):
             arrived = [r for r in candidates if r.request_id not in kept.work]
