@@ -37,7 +37,7 @@ from kvstrata.tiers.hierarchy import PrefixLoad, TierHierarchy
 
 ComputedBlocks = tuple[list[KVCacheBlock], int, dict[str, int]]
 # How long what the lower tiers hold of a waiting request is taken as known: for ordering it
-# (`_locate_waiting`), and for trying it again while the device has no room for it (`_still_refused`).
+# (`_locate_waiting`), and for trying it again while the device has no room for it (`is_refused`).
 LOWER_LOOKUP_REFRESH_S = 1.0
 
 
@@ -100,7 +100,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, tuple[list[KVCacheBlock], array]] = {}  # see `get_block_ids`
         self._lower_lookups: dict[str, tuple[float, list[str]]] = {}  # see `_locate_waiting`
-        self._refusals: dict[str, Refusal] = {}  # see `_still_refused`
+        self._refusals: dict[str, Refusal] = {}  # see `is_refused`
         # request_id -> how many of its blocks are cached (hashed into the device map) so far.
         self.num_cached_block: dict[str, int] = {}
         # request_id -> its prefix from lookup until the scheduler takes it (loading or landed).
@@ -156,7 +156,7 @@ class KVCacheManager:
             return [], 0, {t: 0 for t in TIER_NAMES}
         load = self.prefix_loads.get(request.request_id)
         if load is None:
-            if self._still_refused(request):
+            if self.is_refused(request):
                 return None
             request.enter_phase("lookup")
             load = self._start_prefix(request)
@@ -270,10 +270,6 @@ class KVCacheManager:
                                                      self._on_device(self._prefix_hashes(request)))
 
     def is_refused(self, request: Request) -> bool:
-        """Whether the request was refused for room on the device and would be refused again now (`_still_refused`)."""
-        return self._still_refused(request)
-
-    def _still_refused(self, request: Request) -> bool:
         """Whether the request was refused for room and nothing that could make room has happened since:
         no device block freed, no block of its prefix come to the device or left it. The scheduler tries
         the first waiting request at every step, and a full lookup may cost a round trip to a remote

@@ -97,16 +97,6 @@ class SchedulerOutput:
         return sum(kv_reads(s.num_new_tokens, s.context) for s in self.scheduled)
 
 
-@dataclass
-class _KeptOrder:
-    """The last full order of the waiting requests (`Scheduler._order`): its first, and each one's uncached
-    work and tokens. Kept while that first request stays refused for room."""
-
-    first: Request
-    work: dict[str, float]
-    tokens: dict[str, int]
-
-
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  policy: str = "uncached_first", step_target: float = 0.25, long_prefill_share: float = 0.25,
@@ -122,8 +112,9 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._estimates: dict[str, UncachedEstimate] = {}  # this step's lookups of waiting requests
-        self._kept_order: _KeptOrder | None = None  # see `_order`
+        # lookups of waiting requests: this step's, or kept from earlier ones (see `_lookups_hold`)
+        self._estimates: dict[str, UncachedEstimate] = {}
+        self._refused: Request | None = None  # the request whose refusal for room ended the last admissions
         self._step_span = (0.0, 0.0)  # when the last step was scheduled and when its compute ended
         self._last_waiting_arrival = -float("inf")  # the latest arrival that found a step running
 
@@ -157,7 +148,8 @@ class Scheduler:
         out = SchedulerOutput()
         self.kv.release_abandoned()
         self._land_tails()
-        self._estimates = {}
+        if not self._lookups_hold():
+            self._estimates = {}
         self._note_arrivals_during_last_step()
         self._step_span = (self.clock(), self._step_span[1])  # this step starts; update_after_step ends it
         budget = self.max_num_batched_tokens
@@ -244,46 +236,29 @@ class Scheduler:
 
     def _order(self, candidates: list[Request], budget: int) -> tuple[list[Request], int]:
         """Landed loads first, then overdue requests in arrival order, then the rest by uncached work;
-        and the tokens the short candidates (their uncached work fits in one step) have to compute.
-
-        Pricing a request takes a lookup, and while the device is full requests queue: ordering them all
-        at every step made a step's host work grow with the queue (benchmarks/results/engine_host.md). The
-        admissions of a step end at the first request refused for room, so while the first of the last full
-        order stays refused (nothing freed, its prefix unchanged: `KVCacheManager.is_refused`) only the
-        requests that arrived since are priced; each of the others keeps its price, and those that now go
-        before the first (landed loads, overdue requests, cheaper arrivals) are ordered ahead of it. The rest
-        cannot start before it. The first request admitted or no longer refused prices them all again."""
-        kept = self._kept_order
-        if kept is not None and kept.first in candidates and self.kv.is_refused(kept.first):
-            arrived = [r for r in candidates if r.request_id not in kept.work]
-            kept.work.update({r.request_id: self._uncached_work(r) for r in arrived})
-            kept.tokens.update({r.request_id: self._estimate(r).tokens for r in arrived})
-            key = self._order_key(kept.work)
-            keys = {r.request_id: key(r) for r in candidates}
-            first = keys[kept.first.request_id]
-            ahead = sorted((r for r in candidates if keys[r.request_id] < first), key=lambda r: keys[r.request_id])
-            ordered = [*ahead, kept.first,
-                       *(r for r in candidates if r is not kept.first and keys[r.request_id] >= first)]
-        else:
-            work = {r.request_id: self._uncached_work(r) for r in candidates}
-            ordered = sorted(candidates, key=self._order_key(work))
-            kept = _KeptOrder(ordered[0], work, {r.request_id: self._estimate(r).tokens for r in candidates}) \
-                if ordered else None
-        self._kept_order = kept
-        if kept is None:
-            return ordered, 0
-        return ordered, sum(kept.tokens[r.request_id] for r in candidates if kept.work[r.request_id] <= budget)
-
-    def _order_key(self, work: dict[str, float]) -> Callable[[Request], tuple]:
+        and the tokens the short candidates (their uncached work fits in one step) have to compute."""
         now = self.clock()
+        work = {r.request_id: self._uncached_work(r) for r in candidates}
 
-        def key(r: Request) -> tuple:
+        def key(r: Request):
             landed = r.status == RequestStatus.LOADING
             cost_s = work[r.request_id] * self.cost.per_token_s
             overdue = now - r.arrival_time >= max(AGING * cost_s, MIN_AGE_S)
             return (not landed, not overdue, 0 if overdue else work[r.request_id], r.arrival_time)
 
-        return key
+        short_tokens = sum(self._estimate(r).tokens for r in candidates if work[r.request_id] <= budget)
+        return sorted(candidates, key=key), short_tokens
+
+    def _lookups_hold(self) -> bool:
+        """Whether the waiting requests' lookups of earlier steps still price them: the request refused for
+        room at the last admissions would be refused again now (no device block freed, its prefix unchanged:
+        `KVCacheManager.is_refused`). Admissions end at that request, so only requests that arrived since, and
+        those ordered before it (landed loads, overdue ones), can start before it; nothing has made room
+        that a new price could use. Looking every waiting request up again at every step made a step's host
+        work grow with the queue behind a full device (benchmarks/results/engine_host.md). A price that
+        changes meanwhile is seen once the refusal ends, within `LOWER_LOOKUP_REFRESH_S`."""
+        refused, self._refused = self._refused, None
+        return refused is not None and self.kv.is_refused(refused)
 
     def _estimate(self, request: Request) -> UncachedEstimate:
         """The request's work left after a lookup, looked up once per step."""
@@ -363,6 +338,7 @@ class Scheduler:
             computed = self.kv.get_computed_blocks(request)  # the lookup and load phases start there
             if computed is None and not self.kv.holds_prefix(request):
                 request.enter_phase("queue")
+                self._refused = request
                 break  # found below the device, which cannot hold its prompt now: wait for requests to finish
             if computed is None:  # found below the device: it waits while its blocks are copied up
                 request.status = RequestStatus.LOADING
@@ -375,6 +351,7 @@ class Scheduler:
                     request.status = RequestStatus.WAITING
                     num_seqs -= 1
                     continue
+                self._refused = request
                 break  # the device pool is full: wait for running requests to finish
             budget, long_chunk = self._spend(out.scheduled[-1], budget, long_chunk)
             num_seqs += not landed
