@@ -261,3 +261,41 @@ def test_password_is_used_but_never_shown(caplog, capsys):
         assert "********" in config.to_yaml()
         tier.close()
         wrong.close()
+
+
+def commands_run(server: ValkeyServer) -> dict[str, int]:
+    return {name.removeprefix("cmdstat_"): stats["calls"]
+            for name, stats in server.client().info("commandstats").items()}
+
+
+def test_a_lookup_is_one_command_on_the_server_however_long_the_chain(server):
+    tier = tier_on(server.url, queue_blocks=256)
+    written(tier, range(200))
+    server.client().config_resetstat()
+    chain = [key(i) for i in range(200)]
+    assert tier.count_prefix(chain) == 200
+    assert tier.count_prefix(chain[:150] + [key(999)] + chain[150:]) == 150  # stops at the first block not held
+    assert tier.count_prefix([key(999), *chain]) == 0
+    server.client().script_flush()  # a restarted server has forgotten the script: the lookup sends it again
+    assert tier.count_prefix(chain) == 200
+    run = commands_run(server)
+    assert run["evalsha"] == 4  # a command per lookup; the script sent in full by the first lookup on this new
+    assert run["eval"] == 2     # server, and again after the flush
+    assert run["exists"] == 200 + 151 + 1 + 200  # the script's own calls: each walk ends at the first block missing
+    assert tier.stats().extra["faults"] == 0
+    tier.close()
+
+
+def test_a_server_that_refuses_scripts_is_looked_up_one_exists_per_hash_with_the_same_answers(server, caplog):
+    server.client().execute_command("ACL", "SETUSER", "no-scripts", "on", ">secret", "~*", "+@all", "-@scripting")
+    tier = tier_on(server.url.replace("redis://", "redis://no-scripts:secret@"))
+    written(tier, range(20))
+    with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.remote"):
+        assert tier.count_prefix([key(i) for i in range(20)]) == 20
+        assert tier.count_prefix([key(0), key(1), key(99), key(2)]) == 2
+        assert tier.contains(key(5)) and not tier.contains(key(99))
+    refusals = [r.getMessage() for r in caplog.records if "refused the lookup script" in r.getMessage()]
+    assert len(refusals) == 1 and "secret" not in refusals[0]  # logged once, the password masked
+    assert commands_run(server)["exists"] >= 20 + 3 + 2
+    assert tier.stats().extra["faults"] == 0 and not tier.health.down
+    tier.close()

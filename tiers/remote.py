@@ -13,8 +13,10 @@ Eviction is the server's own: run it with `maxmemory` and `maxmemory-policy allk
 was last written or read. The tier therefore keeps no capacity and holds nothing against eviction:
 a block found at lookup and gone at load is a miss, and the prefix ends there.
 
-Round trips: a lookup (`count_prefix`) is one pipelined round trip for the whole run of hashes (in a
-cluster, one per node holding some of them), and so is a read (`get`). Writes leave the caller at
+Round trips: a lookup (`count_prefix`) is one round trip for the whole run of hashes: on one server a
+script that walks the chain there and stops at the first block it lacks (one command, however long the
+chain); in a cluster, whose keys lie in many slots, a pipelined EXISTS per hash (one round trip per node
+holding some of them). A read (`get`) is one pipelined round trip too. Writes leave the caller at
 once: `put` encodes the records and queues them for a writer thread that sends them in pipelined
 batches. The queue is bounded: a put that finds it full is dropped and counted (a block not shared
 is only a recompute for another replica), never waited for.
@@ -28,6 +30,7 @@ than `timeout` for a lookup: `count_prefix` runs on a lookup thread and is aband
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import re
 import threading
@@ -57,6 +60,18 @@ WRITE_BATCH_BYTES = 8 << 20       # records per pipelined write: about this many
 DRAIN_S = 2.0                     # the longest close() spends sending what is still queued
 BACKOFF_FIRST_S = 0.25            # after a fault, the server is left alone this long, doubling ...
 BACKOFF_MAX_S = 8.0               # ... up to this
+SCRIPT_RETRY_S = 60.0             # a server that refused the lookup script is offered it again after this
+# A lookup on one server: how many of the keys, in order, it holds, stopping at the first it lacks. One
+# command, where a pipeline of one EXISTS per hash costs the client a command's packing and its reply per
+# hash: 3.3 ms for a 7000-token document's 437 hashes (benchmarks/results/remote_lookup.md). Read-only
+# (`no-writes`): a full server (OOM) and a read-only replica run it too.
+PREFIX_SCRIPT = """#!lua flags=no-writes
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 0 then return i - 1 end
+end
+return #KEYS
+"""
+PREFIX_SCRIPT_SHA = hashlib.sha1(PREFIX_SCRIPT.encode()).hexdigest()
 # What the client raises for a server that cannot answer now (down, timeout, reset, failover,
 # loading, a cluster without a slot's owner): every one is a miss, never an error for a request.
 # Where a round trip runs (lookup, read, write), anything else the client raises is taken as one too.
@@ -152,6 +167,7 @@ class RemoteTier(LowerTier):
         self._client: redis.Redis | redis.RedisCluster | None = None
         self._known_nodes: list[tuple[str, int]] = []  # a cluster's nodes, as last learned: where to reconnect
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-lookup")
+        self._script_refused_at: float | None = None  # when the server last refused the lookup script
 
         self._max_queued = queue_blocks
         self._closed = False
@@ -242,30 +258,62 @@ class RemoteTier(LowerTier):
         return self.count_prefix([block_hash]) == 1
 
     def count_prefix(self, block_hashes: Sequence[bytes]) -> int:
-        """One pipelined EXISTS per hash, in one round trip; 0 when the answer does not come within
-        `timeout` (the lookup is then abandoned and the fault counted)."""
+        """One round trip (see the module's docstring); 0 when the answer does not come within `timeout`
+        (the lookup is then abandoned and the fault counted)."""
         self._check_open()
-        found = self._exists(block_hashes)
-        return next((k for k, held in enumerate(found) if not held), len(found))
+        return self._ask(self._count_prefix_now, block_hashes, 0)
 
     def held(self, block_hashes: Sequence[bytes]) -> list[bool]:
-        """One pipelined EXISTS per hash, in one round trip, as `count_prefix`."""
+        """One pipelined EXISTS per hash, in one round trip, with `count_prefix`'s timeout."""
         self._check_open()
-        return self._exists(block_hashes)
+        return self._ask(self._exists_now, block_hashes, [False] * len(block_hashes))
 
-    def _exists(self, block_hashes: Sequence[bytes]) -> list[bool]:
-        """Whether the server holds each block; all False when the answer does not come within `timeout`
+    def _ask(self, lookup, block_hashes: Sequence[bytes], missed):
+        """`lookup(hashes)`, run on the lookup thread; `missed` when the answer does not come within `timeout`
         (the lookup is then abandoned and the fault counted) or the server is backing off."""
         if not block_hashes or not self.health.usable():
-            return [False] * len(block_hashes)
-        future = self._lookups.submit(self._exists_now, list(block_hashes))
+            return missed
+        future = self._lookups.submit(lookup, list(block_hashes))
         try:
             return future.result(timeout=self.timeout)
         except FutureTimeout:
             # The lookup thread goes on and leaves its connection usable: only slow, not broken.
             future.cancel()
             self._fault("a lookup", TimeoutError(f"no answer within {self.timeout * 1000:g} ms"), reconnect=False)
-            return [False] * len(block_hashes)
+            return missed
+
+    def _count_prefix_now(self, block_hashes: list[bytes]) -> int:
+        if self.cluster or not self._scripts_allowed():
+            found = self._exists_now(block_hashes)
+            return next((k for k, held in enumerate(found) if not held), len(found))
+        client = self._connection()
+        if client is None:
+            return 0
+        keys = [self._key(h) for h in block_hashes]
+        try:
+            try:
+                count = client.evalsha(PREFIX_SCRIPT_SHA, len(keys), *keys)
+            except redis.exceptions.NoScriptError:  # a new or restarted server: EVAL also caches it there
+                count = client.eval(PREFIX_SCRIPT, len(keys), *keys)
+        except redis.ResponseError as e:  # scripting off, not permitted, or too old a server for its flags
+            self._refuse_scripts(e)
+            return self._count_prefix_now(block_hashes)
+        except Exception as e:  # whatever else the client raises is a miss, never the caller's error
+            self._fault("a lookup", e)
+            return 0
+        self.health.ok()
+        return min(int(count), len(keys))
+
+    def _scripts_allowed(self) -> bool:
+        refused_at = self._script_refused_at
+        return refused_at is None or time.monotonic() - refused_at >= SCRIPT_RETRY_S
+
+    def _refuse_scripts(self, error: BaseException) -> None:
+        """Look up one EXISTS per hash for a while: the answers are the same, at more of the client's time."""
+        if self._script_refused_at is None:  # logged once: a server that refuses it goes on refusing it
+            logger.warning("remote tier: %s refused the lookup script (%s); looking blocks up one by one",
+                           self.shown_url, scrub(str(error), self.url))
+        self._script_refused_at = time.monotonic()
 
     def _exists_now(self, block_hashes: list[bytes]) -> list[bool]:
         client = self._connection()
