@@ -84,6 +84,7 @@ def test_cluster_spreads_blocks_over_its_nodes_and_serves_them_all():
         written(a, range(24))
         assert all(n.client().dbsize() > 0 for n in nodes), "every node holds some of the blocks"
         assert b.count_prefix([key(i) for i in range(24)]) == 24
+        assert b.count_prefixes([[key(i) for i in range(24)], [key(0), key(99), key(1)], []]) == [24, 1, 0]
         assert b.held([key(i) for i in range(30)]) == [True] * 24 + [False] * 6
         assert get_blocks(b, range(24)) == [True] * 24
 
@@ -279,9 +280,12 @@ def test_a_lookup_is_one_command_on_the_server_however_long_the_chain(server):
     server.client().script_flush()  # a restarted server has forgotten the script: the lookup sends it again
     assert tier.count_prefix(chain) == 200
     run = commands_run(server)
-    assert run["evalsha"] == 4  # a command per lookup; the script sent in full by the first lookup on this new
-    assert run["eval"] == 2     # server, and again after the flush
+    # a command per lookup, and a retry after the script was sent: by the first lookup on this new server, and by
+    assert run["evalsha"] == 4 + 2 and run["script|load"] == 2  # the first after the flush
     assert run["exists"] == 200 + 151 + 1 + 200  # the script's own calls: each walk ends at the first block missing
+    # many chains at once (a burst of requests): one round trip, the same answers as one at a time
+    chains = [chain[:30], [key(999), *chain], [], chain[:5] + [key(998)] + chain[5:]]
+    assert tier.count_prefixes(chains) == [tier.count_prefix(c) for c in chains] == [30, 0, 0, 5]
     assert tier.stats().extra["faults"] == 0
     tier.close()
 
@@ -294,8 +298,10 @@ def test_a_server_that_refuses_scripts_is_looked_up_one_exists_per_hash_with_the
         assert tier.count_prefix([key(i) for i in range(20)]) == 20
         assert tier.count_prefix([key(0), key(1), key(99), key(2)]) == 2
         assert tier.contains(key(5)) and not tier.contains(key(99))
+        chains = [[key(i) for i in range(20)], [key(99)], [], [key(0), key(98), key(1)]]
+        assert tier.count_prefixes(chains) == [tier.count_prefix(c) for c in chains] == [20, 0, 0, 1]
     refusals = [r.getMessage() for r in caplog.records if "refused the lookup script" in r.getMessage()]
     assert len(refusals) == 1 and "secret" not in refusals[0]  # logged once, the password masked
-    assert commands_run(server)["exists"] >= 20 + 3 + 2
+    assert commands_run(server)["exists"] >= 20 + 3 + 2 + 2 * (20 + 1 + 3)
     assert tier.stats().extra["faults"] == 0 and not tier.health.down
     tier.close()

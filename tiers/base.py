@@ -135,6 +135,10 @@ class LowerTier(abc.ABC):
         """How many leading hashes of a chain this tier holds (stops at the first it lacks), in one
         lock or read transaction: a lookup asks each tier once per run, not once per hash."""
 
+    def count_prefixes(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """`count_prefix` of each chain; a tier whose lookups cost a round trip asks them all in one."""
+        return [self.count_prefix(chain) for chain in chains]
+
     def hold(self, block_hashes: Sequence[bytes]) -> None:
         """Keep these blocks from LRU eviction until `release` (a promotion will read them soon).
 

@@ -260,20 +260,27 @@ class RemoteTier(LowerTier):
     def count_prefix(self, block_hashes: Sequence[bytes]) -> int:
         """One round trip (see the module's docstring); 0 when the answer does not come within `timeout`
         (the lookup is then abandoned and the fault counted)."""
+        return self.count_prefixes([block_hashes])[0]
+
+    def count_prefixes(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """`count_prefix` of each chain, all in one round trip, with its timeout."""
         self._check_open()
-        return self._ask(self._count_prefix_now, block_hashes, 0)
+        chains = [list(chain) for chain in chains]
+        if not any(chains):
+            return [0] * len(chains)
+        return self._ask(self._count_prefixes_now, chains, [0] * len(chains))
 
     def held(self, block_hashes: Sequence[bytes]) -> list[bool]:
         """One pipelined EXISTS per hash, in one round trip, with `count_prefix`'s timeout."""
         self._check_open()
-        return self._ask(self._exists_now, block_hashes, [False] * len(block_hashes))
+        return self._ask(self._exists_now, list(block_hashes), [False] * len(block_hashes))
 
-    def _ask(self, lookup, block_hashes: Sequence[bytes], missed):
-        """`lookup(hashes)`, run on the lookup thread; `missed` when the answer does not come within `timeout`
+    def _ask(self, lookup, items: list, missed):
+        """`lookup(items)`, run on the lookup thread; `missed` when the answer does not come within `timeout`
         (the lookup is then abandoned and the fault counted) or the server is backing off."""
-        if not block_hashes or not self.health.usable():
+        if not items or not self.health.usable():
             return missed
-        future = self._lookups.submit(lookup, list(block_hashes))
+        future = self._lookups.submit(lookup, items)
         try:
             return future.result(timeout=self.timeout)
         except FutureTimeout:
@@ -282,27 +289,50 @@ class RemoteTier(LowerTier):
             self._fault("a lookup", TimeoutError(f"no answer within {self.timeout * 1000:g} ms"), reconnect=False)
             return missed
 
-    def _count_prefix_now(self, block_hashes: list[bytes]) -> int:
+    def _count_prefixes_now(self, chains: list[list[bytes]]) -> list[int]:
         if self.cluster or not self._scripts_allowed():
-            found = self._exists_now(block_hashes)
-            return next((k for k, held in enumerate(found) if not held), len(found))
+            return self._count_by_exists(chains)
         client = self._connection()
         if client is None:
-            return 0
-        keys = [self._key(h) for h in block_hashes]
+            return [0] * len(chains)
         try:
-            try:
-                count = client.evalsha(PREFIX_SCRIPT_SHA, len(keys), *keys)
-            except redis.exceptions.NoScriptError:  # a new or restarted server: EVAL also caches it there
-                count = client.eval(PREFIX_SCRIPT, len(keys), *keys)
+            counts = self._run_prefix_script(client, chains)
         except redis.ResponseError as e:  # scripting off, not permitted, or too old a server for its flags
             self._refuse_scripts(e)
-            return self._count_prefix_now(block_hashes)
+            return self._count_prefixes_now(chains)
         except Exception as e:  # whatever else the client raises is a miss, never the caller's error
             self._fault("a lookup", e)
-            return 0
+            return [0] * len(chains)
         self.health.ok()
-        return min(int(count), len(keys))
+        return [min(int(count), len(chain)) for count, chain in zip(counts, chains)]
+
+    def _run_prefix_script(self, client, chains: list[list[bytes]]) -> list:
+        """The script's answer for each chain, in one pipelined round trip (a server that does not know the script,
+        a new or restarted one, is sent it once more and asked again)."""
+        answers = self._prefix_pipeline(client, chains)
+        if any(isinstance(a, redis.exceptions.NoScriptError) for a in answers):
+            client.script_load(PREFIX_SCRIPT)
+            answers = self._prefix_pipeline(client, chains)
+        error = next((a for a in answers if isinstance(a, Exception)), None)
+        if error is not None:
+            raise error
+        return answers
+
+    def _prefix_pipeline(self, client, chains: list[list[bytes]]) -> list:
+        pipe = self._pipeline(client)
+        for chain in chains:
+            pipe.evalsha(PREFIX_SCRIPT_SHA, len(chain), *map(self._key, chain))
+        return pipe.execute(raise_on_error=False)
+
+    def _count_by_exists(self, chains: list[list[bytes]]) -> list[int]:
+        """`count_prefixes` by one EXISTS per hash of every chain, all in one pipelined round trip."""
+        found = self._exists_now([h for chain in chains for h in chain])
+        counts, start = [], 0
+        for chain in chains:
+            held = found[start:start + len(chain)]
+            counts.append(held.index(False) if False in held else len(held))
+            start += len(chain)
+        return counts
 
     def _scripts_allowed(self) -> bool:
         refused_at = self._script_refused_at
