@@ -5,7 +5,8 @@ step thread); this file holds the policy:
 
 - Lookup walks a chain once per tier: device hits are map lookups; each run of blocks the device
   lacks is asked of each lower tier with one `count_prefix` (one lock or read transaction), in tier
-  order, and the walk stops at the first block no tier holds.
+  order, and the walk stops at the first block no tier holds. Many chains walk together
+  (`locate_many`): their questions to a tier go in one `count_prefixes`, one remote round trip.
 - Promotion is asynchronous and has two halves. `acquire_prefix` holds every block of the prefix
   (device hits ref-counted, lower-tier hits held in their tier so that no write-down evicts them),
   allocates device blocks for the lower-tier hits and starts one load of all of them. The request
@@ -44,7 +45,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Generator, Iterator, Sequence
 
 import torch
 
@@ -159,7 +160,38 @@ class TierHierarchy:
     def locate(self, block_hashes: Sequence[bytes]) -> list[str]:
         """For each leading block of the chain, the first tier that holds it; stops at the first
         block no tier holds. Each run of blocks the device lacks costs one `count_prefix` per lower
-        tier (a run that alternates between the CPU tier and disk costs one more round)."""
+        tier (a run that alternates between the CPU tier and disk costs more: each tier is asked
+        again wherever another one's blocks end)."""
+        return self.locate_many([block_hashes])[0]
+
+    def locate_many(self, chains: Sequence[Sequence[bytes]]) -> list[list[str]]:
+        """`locate` of each chain, the chains' questions to a lower tier asked together: one `count_prefixes`
+        per tier and round, where a chain at a time cost a round trip each to a remote server (a burst of
+        arrivals is looked up in one step)."""
+        walks = [self._walk(chain) for chain in chains]
+        found: list[list[str]] = [[] for _ in chains]
+        asks: dict[int, tuple[LowerTier, Sequence[bytes]]] = {}  # chain -> the question its walk waits on
+
+        def advance(i: int, answer: int | None) -> None:
+            try:
+                asks[i] = walks[i].send(answer)
+            except StopIteration as walked:
+                found[i] = walked.value
+                asks.pop(i, None)
+
+        for i in range(len(walks)):
+            advance(i, None)
+        while asks:
+            for tier in self.lower_tiers:  # in tier order: a walk's next question is often the next tier's
+                waiting = [i for i, (asked, _) in asks.items() if asked is tier]
+                if waiting:
+                    for i, count in zip(waiting, tier.count_prefixes([asks[i][1] for i in waiting])):
+                        advance(i, count)
+        return found
+
+    def _walk(self, block_hashes: Sequence[bytes]) -> Generator[tuple[LowerTier, Sequence[bytes]], int, list[str]]:
+        """`locate` of one chain, as a generator: it yields each question for a lower tier, (tier, hashes), and is
+        sent how many of those hashes the tier holds in a row; it returns the chain's tiers."""
         found: list[str] = []
         n = len(block_hashes)
         while len(found) < n:
@@ -169,13 +201,18 @@ class TierHierarchy:
             end = len(found) + 1  # the run below the device ends where the device holds a block again
             while end < n and self.pool.get_cached_block(block_hashes[end]) is None:
                 end += 1
-            progressed = True
-            while progressed and len(found) < end:
-                progressed = False
-                for tier in self.lower_tiers:
-                    k = tier.count_prefix(block_hashes[len(found):end])
-                    found += [tier.name] * k
-                    progressed |= k > 0
+            # The tiers in turn, each asked from where the run's blocks found so far end, until every tier has
+            # said that it lacks the next block: one question each for most runs, more where tiers alternate.
+            tiers, turn = self.lower_tiers, 0
+            lacks_at: dict[str, int] = {}  # tier -> where the run's next block is one it lacks
+            while len(found) < end:
+                tier = next((t for t in tiers[turn:] + tiers[:turn] if lacks_at.get(t.name) != len(found)), None)
+                if tier is None:  # no tier holds the next block
+                    break
+                k = yield tier, block_hashes[len(found):end]
+                found += [tier.name] * k
+                lacks_at[tier.name] = len(found)
+                turn = (tiers.index(tier) + 1) % len(tiers)
             if len(found) < end:
                 break
         return found
