@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from kvstrata.engine.costs import ReadCost, StepCost
 from kvstrata.engine.hashing import BlockHasher
@@ -100,6 +101,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, tuple[list[KVCacheBlock], array]] = {}  # see `get_block_ids`
         self._lower_lookups: dict[str, tuple[float, list[str]]] = {}  # see `_locate_waiting`
+        self._step_lookups: dict[str, list[str]] = {}  # this step's, for its admissions: see `_admission_lookup`
         self._refusals: dict[str, Refusal] = {}  # see `is_refused`
         # request_id -> how many of its blocks are cached (hashed into the device map) so far.
         self.num_cached_block: dict[str, int] = {}
@@ -175,7 +177,7 @@ class KVCacheManager:
         """Look the request up, plan what to load (`cache.load_policy`), hold it and start loading; None
         (and nothing held) when the device has no room for the request's prompt now."""
         hashes = self._prefix_hashes(request)
-        found_in = self.hierarchy.locate(hashes)
+        found_in = self._admission_lookup(request, hashes)
         self._lower_lookups[request.request_id] = (time.monotonic(), found_in)  # ordering it uses this one
         plan = self._choose_plan(request, found_in)
         # blocks to compute: the head (while the tail loads) and the prompt after the cut
@@ -344,6 +346,17 @@ class KVCacheManager:
         """What a waiting request has left to compute, from a lookup that holds nothing (one
         `count_prefix` per tier) cut where the load policy would cut it: for ordering admissions,
         not for admitting."""
+        return self.estimate_uncached_many([request])[0]
+
+    def estimate_uncached_many(self, requests: Sequence[Request]) -> list[UncachedEstimate]:
+        """`estimate_uncached` of each request, their lookups made together (`_locate_waiting`)."""
+        to_locate = [r for r in requests if self.enable_caching and r.request_id not in self.prefix_loads]
+        located = dict(zip((r.request_id for r in to_locate), self._locate_waiting(to_locate)))
+        return [self._estimate(r, located.get(r.request_id)) for r in requests]
+
+    def _estimate(self, request: Request, located: tuple[list[bytes], list[str]] | None) -> UncachedEstimate:
+        """`estimate_uncached` of a request from its lookup, (its prefix's hashes, the tier of each found),
+        or from its load in flight (None)."""
         load = self.prefix_loads.get(request.request_id)
         next_hash = None
         if not self.enable_caching:
@@ -351,8 +364,7 @@ class KVCacheManager:
         elif load is not None:
             used = load.found_in
         else:
-            hashes = self._prefix_hashes(request)
-            found = self._locate_waiting(request, hashes)
+            hashes, found = located
             plan = self._choose_plan(request, found)
             used = found[:plan.device_run] + found[plan.head_end:plan.cut]
             first_off_device = next((k for k, tier in enumerate(found) if tier != "device"), len(found))
@@ -364,19 +376,44 @@ class KVCacheManager:
         hit_blocks = {t: used.count(t) for t in TIER_NAMES}
         return UncachedEstimate(request.num_tokens - len(used) * self.block_size, hit_blocks, next_hash)
 
-    def _locate_waiting(self, request: Request, hashes: list[bytes]) -> list[str]:
-        """`hierarchy.locate` for ordering a waiting request. The scheduler orders its waiting requests at
-        every step, and a lower tier's lookup may cost a round trip to a remote server: with 16 requests
-        waiting, those lookups made each step 25x longer. So the device's part is read afresh every time,
-        and the lower tiers are asked again only after `LOWER_LOOKUP_REFRESH_S`. An admission looks the
-        request up in full, and ordering uses that lookup next (`_start_prefix`)."""
+    def _locate_waiting(self, requests: Sequence[Request]) -> list[tuple[list[bytes], list[str]]]:
+        """`hierarchy.locate` for ordering waiting requests: each one's prefix hashes and the tier of each block
+        found. The scheduler orders its waiting requests at every step, and a lower tier's lookup may cost a round
+        trip to a remote server: with 16 requests waiting, those lookups made each step 25x longer. So the
+        device's part is read afresh every time, and the lower tiers are asked again only after
+        `LOWER_LOOKUP_REFRESH_S`, for all the requests due in one `locate_many` (a burst of arrivals: one round
+        trip, not one each). Such a lookup is also the one their admission in this step starts from
+        (`new_step`, `_admission_lookup`); an admission's lookup is the one ordering uses next."""
         now = time.monotonic()
-        earlier = self._lower_lookups.get(request.request_id)
-        if earlier is None or now - earlier[0] >= LOWER_LOOKUP_REFRESH_S:
-            found = self.hierarchy.locate(hashes)
-            self._lower_lookups[request.request_id] = (now, found)
-            return found
-        return self.hierarchy.relocate_on_device(hashes, earlier[1])
+        hashes = [self._prefix_hashes(r) for r in requests]
+        due = [k for k, r in enumerate(requests) if self._lookup_due(r.request_id, now)]
+        fresh = dict(zip(due, self.hierarchy.locate_many([hashes[k] for k in due])))
+        for k, found in fresh.items():
+            self._lower_lookups[requests[k].request_id] = (now, found)
+            self._step_lookups[requests[k].request_id] = found
+        return [(h, fresh[k] if k in fresh else self.hierarchy.relocate_on_device(h, self._lower_lookups[r.request_id][1]))
+                for k, (r, h) in enumerate(zip(requests, hashes))]
+
+    def _lookup_due(self, request_id: str, now: float) -> bool:
+        earlier = self._lower_lookups.get(request_id)
+        return earlier is None or now - earlier[0] >= LOWER_LOOKUP_REFRESH_S
+
+    def new_step(self) -> None:
+        """A scheduler step begins: lookups made before it no longer stand in for an admission's (see
+        `_admission_lookup`)."""
+        self._step_lookups.clear()
+
+    def _admission_lookup(self, request: Request, hashes: list[bytes]) -> list[str]:
+        """`hierarchy.locate` of the prefix an admission starts from. A lookup made for ordering in this step
+        stands in for it, its device part read again, unless a block it found on the device has gone since (the
+        blocks of a burst's admissions were each a round trip to a remote server, after the one that ordered
+        them all). A block gone from a lower tier since then is a miss when it is read: the prefix ends there."""
+        earlier = self._step_lookups.pop(request.request_id, None)
+        if earlier is not None:
+            found = self.hierarchy.relocate_on_device(hashes, earlier)
+            if len(found) >= len(earlier):
+                return found
+        return self.hierarchy.locate(hashes)
 
     def is_loading(self, request: Request) -> bool:
         """The request's prefix is being copied up from a lower tier."""
@@ -495,6 +532,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
         self._lower_lookups.pop(request.request_id, None)
+        self._step_lookups.pop(request.request_id, None)
         self._refusals.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         self._prefix_tiers.pop(request.request_id, None)

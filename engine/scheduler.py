@@ -146,6 +146,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv.new_step()
         self.kv.release_abandoned()
         self._land_tails()
         if not self._lookups_hold():
@@ -167,9 +168,19 @@ class Scheduler:
         while every sequence slot is taken, only the landed loads (each holds its slot already). The others
         cannot start, and ordering them would look each one up at every step for as long as the slots stay
         full, which is when requests queue (16 waiting made a decode step several times longer)."""
-        slot_free = len(self.running) + self.num_loading < self.max_num_seqs
-        return [r for r in self.waiting if not self.kv.is_loading(r)
-                and (slot_free or r.status == RequestStatus.LOADING) and not self._waits_for(r, to_come)]
+        free_slots = self.max_num_seqs - len(self.running) - self.num_loading
+        eligible = [r for r in self.waiting if not self.kv.is_loading(r)
+                    and (free_slots > 0 or r.status == RequestStatus.LOADING)]
+        # Each is priced (to order them, or to see whether it waits for a block to come) or, first come first
+        # served, each that a free slot may admit: all in one batch, which their admissions then start from.
+        self._price(eligible if self.policy == "uncached_first" or to_come else eligible[:max(free_slots, 0)])
+        return [r for r in eligible if not self._waits_for(r, to_come)]
+
+    def _price(self, requests: list[Request]) -> None:
+        """Look up the requests not priced yet in this step together: the lower tiers are asked once for all of them
+        (a burst of arrivals, looked up one by one, cost one round trip each to a remote server in one step)."""
+        unpriced = [r for r in requests if r.request_id not in self._estimates]
+        self._estimates.update(zip((r.request_id for r in unpriced), self.kv.estimate_uncached_many(unpriced)))
 
     def _uncached_first_step(self, candidates: list[Request]) -> tuple[list[Request], list[Request], int, int]:
         """`uncached_first`'s order and budgets (see the module doc): the candidates and the running
@@ -262,10 +273,9 @@ class Scheduler:
 
     def _estimate(self, request: Request) -> UncachedEstimate:
         """The request's work left after a lookup, looked up once per step."""
-        estimate = self._estimates.get(request.request_id)
-        if estimate is None:
-            estimate = self._estimates[request.request_id] = self.kv.estimate_uncached(request)
-        return estimate
+        if request.request_id not in self._estimates:
+            self._price([request])
+        return self._estimates[request.request_id]
 
     def _waits_for(self, request: Request, to_come: set[bytes]) -> bool:
         """The first block the request would compute or load is one a running prefill is computing or

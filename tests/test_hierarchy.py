@@ -227,6 +227,63 @@ def test_lookup_stops_at_the_first_block_no_tier_holds():
     assert h.locate(req.block_hashes) == ["device", "device"]
 
 
+def test_many_chains_are_located_together_asking_each_tier_once_with_the_answers_of_one_at_a_time(tmp_path,
+                                                                                                     monkeypatch):
+    from valkey_server import ValkeyServer
+    with ValkeyServer() as server:
+        kv = make_stack(device_blocks=16, cpu_blocks=32, disk_path=tmp_path, disk_blocks=32, remote_url=server.url)
+        h = kv.hierarchy
+        docs = [doc(seed, 4 * BS) + [7] for seed in (11, 12, 13, 14)]
+        chains = [run_request(kv, d).block_hashes[:4] for d in docs[:3]]
+        h.persist()
+        h.remote.flush()
+        assert h.clear_device_cache()
+        run_request(kv, docs[0])                      # the first document on the device again
+        for block_hash in chains[1][:2]:              # the second: its head on disk only, its tail on the server
+            h.cpu.discard(block_hash)
+        for block_hash in chains[1][2:]:
+            h.cpu.discard(block_hash)
+            h.disk.discard(block_hash)
+        for block_hash in chains[2]:                  # the third: on the server only
+            h.cpu.discard(block_hash)
+            h.disk.discard(block_hash)
+        unknown = HASHER.hash(docs[3])[:4]            # the fourth was never computed
+        asked = {tier.name: [] for tier in h.lower_tiers}
+        for tier in h.lower_tiers:
+            def count_prefixes(chains, tier=tier, real=tier.count_prefixes):
+                asked[tier.name].append(len(chains))
+                return real(chains)
+            monkeypatch.setattr(tier, "count_prefixes", count_prefixes)
+        together = h.locate_many([*chains, unknown, []])
+        assert asked == {"cpu": [3], "disk": [3], "remote": [3]}  # one question per tier for all the chains
+        assert together == [["device"] * 4, ["disk", "disk", "remote", "remote"], ["remote"] * 4, [], []]
+        assert together == [h.locate(chain) for chain in [*chains, unknown, []]]
+        h.close()
+
+
+def test_an_admission_starts_from_its_steps_lookup_unless_a_block_that_found_on_the_device_has_left_it():
+    kv = make_stack(device_blocks=32, cpu_blocks=32)
+    kv.load_policy = "always_load"
+    document = doc(21, 6 * BS)
+    run_request(kv, document + [1])  # cached on the device, written through to the CPU tier
+    pool = kv.hierarchy.pool
+    first, second = (Request(name, document + [2], SamplingParams(max_tokens=1)) for name in ("first", "second"))
+    kv.new_step()
+    assert kv.estimate_uncached_many([first, second])[0].hit_blocks["device"] == 6  # this step's lookup
+    locate = kv.hierarchy.locate
+    asked = []
+    kv.hierarchy.locate = lambda hashes: (asked.append(hashes), locate(hashes))[1]
+    assert computed_blocks(kv, first)[2]["device"] == 6 * BS and not asked  # admitted on it: nothing asked again
+    kv.free(first)
+    gone = pool.get_cached_block(second.block_hashes[0])  # the document's first block leaves the device
+    pool.cached_block_hash_to_block.pop(gone.block_hash)
+    gone.block_hash = None
+    # a lookup of its own: the first block is in the CPU tier, where the step's lookup would have ended the prefix
+    assert computed_blocks(kv, second)[2] == {"device": 5 * BS, "cpu": BS, "disk": 0, "remote": 0}
+    assert asked == [second.block_hashes[:6]]
+    kv.hierarchy.close()
+
+
 def test_corrupt_lower_tier_block_ends_the_prefix_and_is_never_served():
     kv = make_stack(device_blocks=8, cpu_blocks=32)
     a, b = doc(1, 6 * BS + 1), doc(2, 6 * BS + 1)

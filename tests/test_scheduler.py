@@ -330,8 +330,8 @@ def test_requests_waiting_for_a_sequence_slot_are_not_looked_up_until_one_is_fre
     long_one = add(scheduler, clock, doc(3, 3 * BS))
     short_one = add(scheduler, clock, cached_question(kv, 4, doc_blocks=2))
     estimates = []
-    estimate_uncached = kv.estimate_uncached
-    monkeypatch.setattr(kv, "estimate_uncached", lambda r: (estimates.append(r), estimate_uncached(r))[1])
+    estimate_uncached_many = kv.estimate_uncached_many
+    monkeypatch.setattr(kv, "estimate_uncached_many", lambda rs: (estimates.extend(rs), estimate_uncached_many(rs))[1])
     while first in scheduler.running:
         assert step(kv, scheduler, clock) and not estimates
     admitted = step(kv, scheduler, clock)  # one slot: by work, or by arrival
@@ -348,8 +348,8 @@ def test_while_the_first_in_line_is_refused_for_room_only_requests_that_arrive_s
     documents = [add(scheduler, clock, doc(10 + k, 6 * BS)) for k in range(3)]  # 6 blocks each: no room
     step(kv, scheduler, clock)  # all ordered; the first document is refused
     estimates = []
-    estimate_uncached = kv.estimate_uncached
-    monkeypatch.setattr(kv, "estimate_uncached", lambda r: (estimates.append(r), estimate_uncached(r))[1])
+    estimate_uncached_many = kv.estimate_uncached_many
+    monkeypatch.setattr(kv, "estimate_uncached_many", lambda rs: (estimates.extend(rs), estimate_uncached_many(rs))[1])
     for _ in range(3):
         assert list(step(kv, scheduler, clock)) == [holder] and not estimates
     question = add(scheduler, clock, doc(20, 3))  # one block: there is room for it
@@ -492,3 +492,30 @@ def test_a_second_question_on_a_document_being_read_waits_for_it_instead_of_comp
     step(kv, scheduler, clock)
     assert second.cached_tokens_by_tier["device"] == len(document)  # it found the whole document cached
     assert second.num_computed_tokens == second.num_prompt_tokens  # and computed only its question
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
+def test_a_burst_of_arrivals_is_looked_up_together_and_admitted_on_that_lookup(policy, monkeypatch):
+    """Requests that arrive together are looked up with one question to each lower tier (to a remote server, one
+    round trip for all of them, where each cost one), and their admissions in that step start from that lookup:
+    no tier is asked anything more. Each gets the prefix a lookup of its own finds."""
+    kv = make_stack(device_blocks=128, cpu_blocks=64)
+    documents = [doc(30 + k, 4 * BS) for k in range(3)]
+    for document in documents:
+        run_request(kv, document + [1])  # written through to the CPU tier
+    assert kv.hierarchy.clear_device_cache()
+    clock = FakeClock()
+    scheduler = Scheduler(kv, max_num_batched_tokens=1024, max_num_seqs=16, policy=policy, clock=clock)
+    scheduler.cost = StepCost(per_token_s=0.01)
+    on_documents = [add(scheduler, clock, document + doc(40 + k, 5)) for k, document in enumerate(documents)]
+    new = [add(scheduler, clock, doc(50 + k, 3 * BS + 2)) for k in range(3)]  # found nowhere
+    cpu, asked = kv.hierarchy.cpu, []
+    count_prefixes = cpu.count_prefixes
+    monkeypatch.setattr(cpu, "count_prefixes", lambda chains: (asked.append(len(chains)), count_prefixes(chains))[1])
+    admitted = step(kv, scheduler, clock)  # the questions' documents start loading; the new requests run
+    assert asked == [6]
+    assert set(admitted) == set(new) and all(r.status == RequestStatus.LOADING for r in on_documents)
+    kv.hierarchy.transfers.wait_idle()
+    admitted = step(kv, scheduler, clock)
+    assert set(on_documents) <= set(admitted) and asked == [6]
+    assert all(r.cached_tokens_by_tier["cpu"] == 4 * BS for r in on_documents)
