@@ -24,7 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import VOCAB, Case, add_requests, build_engine, each_side_in_turn, in_turn_parser  # noqa: E402
+from benchmarks.engine_host import (VOCAB, Case, add_requests, build_engine, each_side_in_turn,  # noqa: E402
+                                    in_turn_parser)
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 BURSTS = (4, 16, 64)          # requests arriving at once

@@ -391,7 +391,8 @@ class KVCacheManager:
         for k, found in fresh.items():
             self._lower_lookups[requests[k].request_id] = (now, found)
             self._step_lookups[requests[k].request_id] = found
-        return [(h, fresh[k] if k in fresh else self.hierarchy.relocate_on_device(h, self._lower_lookups[r.request_id][1]))
+        relocate = self.hierarchy.relocate_on_device
+        return [(h, fresh[k] if k in fresh else relocate(h, self._lower_lookups[r.request_id][1]))
                 for k, (r, h) in enumerate(zip(requests, hashes))]
 
     def _lookup_due(self, request_id: str, now: float) -> bool:
