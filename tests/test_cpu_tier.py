@@ -249,3 +249,68 @@ def test_a_lent_slot_is_neither_evicted_nor_reused_until_released_once():
     lent.release()                  # a second release finds nothing left to release
     put_blocks(tier, [6])           # the slot is free again: nothing is evicted
     assert tier.contains(key(5)) and tier.contains(key(6)) and tier.stats().evictions == 3
+
+
+class GatedCopies:
+    """numpy for the tier, its block copies held until `gate` is set (`started` is set at the first)."""
+
+    def __init__(self):
+        import numpy
+        self.numpy, self.gate, self.started = numpy, threading.Event(), threading.Event()
+
+    def copyto(self, dest, src):
+        self.started.set()
+        assert self.gate.wait(30), "the gate was never opened"
+        self.numpy.copyto(dest, src)
+
+    def __getattr__(self, name):
+        return getattr(self.numpy, name)
+
+
+def test_lookups_holds_and_reads_do_not_wait_for_a_put_to_copy_its_blocks(monkeypatch):
+    import kvstrata.tiers.cpu as cpu_module
+
+    tier = CpuTier(BF16, capacity_blocks=8)
+    blocks = put_blocks(tier, [1, 2])
+    copies = GatedCopies()
+    monkeypatch.setattr(cpu_module, "np", copies)
+    writer = threading.Thread(target=put_blocks, args=(tier, [3, 4, 5]))
+    writer.start()
+    assert copies.started.wait(30)
+    answers = []
+
+    def step_path():  # what a step asks of the tier while a write-down copies
+        tier.hold([key(1)])
+        lent = tier.lend([key(1), key(2)], [tokens(1), tokens(2)])
+        answers.extend([tier.count_prefix([key(1), key(2), key(3)]), tier.contains(key(4)), len(lent.rows)])
+        lent.release()
+        tier.release([key(1)])
+
+    reader = threading.Thread(target=step_path)
+    reader.start()
+    reader.join(30)
+    stuck = reader.is_alive()
+    copies.gate.set()
+    writer.join(30)
+    assert not stuck, "a lookup waited for a put's copies"
+    assert answers == [2, False, 2]  # blocks being written are not found until all of the put's are written
+    monkeypatch.setattr(cpu_module, "np", copies.numpy)
+    assert tier.count_prefix([key(i) for i in (1, 2, 3, 4, 5)]) == 5
+    assert all(torch.equal(get_one(tier, i), payload(BF16, i)) for i in (3, 4, 5))
+    assert torch.equal(get_one(tier, 1), blocks[1])
+
+
+def test_puts_beyond_the_tiers_slots_evict_as_one_at_a_time_would_also_when_they_run_at_once():
+    evicted = []
+    tier = CpuTier(BF16, capacity_blocks=4, on_evict=lambda h, *_: evicted.append(int.from_bytes(h, "big")))
+    put_blocks(tier, range(10))  # one put of more blocks than slots: its last blocks stay, its first are evicted
+    assert evicted == list(range(6)) and tier.count_prefix([key(i) for i in range(6, 10)]) == 4
+    writers = [threading.Thread(target=put_blocks, args=(tier, range(100 * w, 100 * w + 12))) for w in (1, 2, 3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(30)
+    assert not any(w.is_alive() for w in writers), "puts into a full tier waited for one another for ever"
+    stats = tier.stats()
+    assert (stats.used_blocks, stats.puts, stats.extra["rejected_puts"]) == (4, 10 + 36, 0)
+    assert len(evicted) == 6 + 36

@@ -289,8 +289,9 @@ def test_waiting_requests_are_ordered_without_asking_the_lower_tiers_at_every_st
 
     kv = make_stack(device_blocks=64, cpu_blocks=64)
     cpu, lookups = kv.hierarchy.cpu, []
-    count_prefix = cpu.count_prefix
-    monkeypatch.setattr(cpu, "count_prefix", lambda hashes: (lookups.append(len(hashes)), count_prefix(hashes))[1])
+    count_prefixes = cpu.count_prefixes  # (a chain's lookup asks the tier one chain of all it asks at once)
+    monkeypatch.setattr(cpu, "count_prefixes",
+                        lambda chains: (lookups.extend(map(len, chains)), count_prefixes(chains))[1])
     document = list(range(1000, 1000 + 8 * BS))
     waiting = new_request(document + [1, 2, 3])
     assert kv.estimate_uncached(waiting).tokens == waiting.num_tokens  # a miss everywhere
@@ -369,8 +370,9 @@ def test_a_request_the_device_has_no_room_for_is_tried_again_without_asking_the_
 
     kv = make_stack(device_blocks=16, cpu_blocks=64)
     cpu, lookups = kv.hierarchy.cpu, []
-    count_prefix = cpu.count_prefix
-    monkeypatch.setattr(cpu, "count_prefix", lambda hashes: (lookups.append(len(hashes)), count_prefix(hashes))[1])
+    count_prefixes = cpu.count_prefixes  # (a chain's lookup asks the tier one chain of all it asks at once)
+    monkeypatch.setattr(cpu, "count_prefixes",
+                        lambda chains: (lookups.extend(map(len, chains)), count_prefixes(chains))[1])
     document = doc(7, 8 * BS)
     run_request(kv, document + [1])  # written through to the CPU tier
     holder = run_request(kv, doc(8, 14 * BS), finish=False)  # holds 14 of the 16 device blocks
@@ -397,8 +399,9 @@ def test_a_new_document_the_device_has_no_room_for_is_tried_again_without_asking
     """The same for a prompt no tier holds, refused when its first chunk finds no free device block."""
     kv = make_stack(device_blocks=16, cpu_blocks=64)
     cpu, lookups = kv.hierarchy.cpu, []
-    count_prefix = cpu.count_prefix
-    monkeypatch.setattr(cpu, "count_prefix", lambda hashes: (lookups.append(len(hashes)), count_prefix(hashes))[1])
+    count_prefixes = cpu.count_prefixes  # (a chain's lookup asks the tier one chain of all it asks at once)
+    monkeypatch.setattr(cpu, "count_prefixes",
+                        lambda chains: (lookups.extend(map(len, chains)), count_prefixes(chains))[1])
     holder = run_request(kv, doc(8, 15 * BS), finish=False)  # holds 15 of the 16 device blocks
     new_document = new_request(doc(9, 6 * BS))
     asked = len(lookups)

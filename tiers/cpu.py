@@ -20,6 +20,8 @@ from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_
 from kvstrata.tiers.block_events import TierEvents
 from kvstrata.tiers.transfer import LentBlocks
 
+_NEXT_ROUND = object()  # a put's block that must wait for the put's earlier blocks to be written (see `put`)
+
 # on_evict(block_hash, token_ids, payload_view, parent_hash): the view aliases the slot about to be
 # reused, so the callback must copy what it keeps before returning. It runs under the tier's lock and
 # must not call back into this tier. The parent hash is the one the block was put with (or None).
@@ -30,7 +32,8 @@ class CpuTier(LowerTier):
     """Host-memory tier of `capacity_blocks` block slots.
 
     Invariants (all under `_lock`): every slot is either in `_free_slots`, the value of exactly one
-    entry of `_slot_of`, or dropped while a `get` copies out of it (`_dropped_while_read`);
+    entry of `_slot_of`, dropped while a `get` copies out of it (`_dropped_while_read`), or being
+    written by a `put` (`_writing`: not found, not evicted, until its payload is copied);
     `_token_ids[slot]` is the token tuple of the block in that slot (`_parents[slot]` its parent's
     hash, where the put gave it: for events and write-downs); a held or pinned block is never
     evicted by LRU (a put that finds every slot held or pinned stores nothing, counted in
@@ -64,7 +67,9 @@ class CpuTier(LowerTier):
         self._token_ids: list[Optional[tuple[int, ...]]] = [None] * capacity_blocks
         self._parents: list[Optional[bytes]] = [None] * capacity_blocks
         self._free_slots: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() gives slot 0 first
+        self._writing: dict[bytes, int] = {}  # hash -> its slot, while a put copies its payload there (unlocked)
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)  # notified when a put's blocks are written (or given back)
         # hash -> how many promotions in flight will read it: never evicted while held (see `hold`).
         self._holds: dict[bytes, int] = {}
         # slot -> how many `get` calls are copying out of it now (outside the lock): never reused meanwhile
@@ -83,13 +88,20 @@ class CpuTier(LowerTier):
             return block_hash in self._slot_of
 
     def count_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        return self.count_prefixes([block_hashes])[0]
+
+    def count_prefixes(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """Under one taking of the lock, for all the chains."""
         with self._lock:
-            n = 0
-            for h in block_hashes:
-                if h not in self._slot_of:
-                    break
-                n += 1
-            return n
+            return [self._count_prefix(chain) for chain in chains]
+
+    def _count_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        n = 0
+        for h in block_hashes:
+            if h not in self._slot_of:
+                break
+            n += 1
+        return n
 
     def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             dests: Sequence[torch.Tensor]) -> list[bool]:
@@ -205,30 +217,89 @@ class CpuTier(LowerTier):
 
     def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             srcs: Sequence[torch.Tensor], parents: Sequence[bytes | None] | None = None) -> None:
+        """Store the blocks this tier lacks. Their slots are taken under the lock, their payloads copied outside
+        it, and they are found once all are copied: a lookup, a hold or a lend on the step's path waits for no
+        write-down's copies (a document's blocks are tens of megabytes). A put of more blocks than there are
+        slots to take goes in rounds, a round's blocks evicting the earlier rounds' as any put evicts."""
         assert len(block_hashes) == len(token_ids) == len(srcs)
+        assert all(src.numel() == self.layout.block_nbytes and src.dtype == torch.uint8 for src in srcs), \
+            "a payload is a flat uint8 tensor of layout.block_nbytes bytes"
         parents = parents_or_unknown(parents, len(block_hashes))
+        blocks = list(zip(block_hashes, token_ids, srcs, parents))
+        while blocks:
+            blocks = self._put_round(blocks)
+
+    def _put_round(self, blocks: list[tuple[bytes, Sequence[int], torch.Tensor, bytes | None]]) -> list:
+        """Put the blocks, in order, until one finds every slot taken by blocks being written, this round's among
+        them; those left are returned, for the next round."""
         events = self._events()
+        taken: list[tuple[bytes, Sequence[int], torch.Tensor, bytes | None, int]] = []
+        left: list = []
         # Events are handed over under the lock, so that they reach the listener in the order of the changes.
         with self._lock:
-            for h, ids, src, parent in zip(block_hashes, token_ids, srcs, parents):
-                if h in self._slot_of:
-                    self._slot_of.move_to_end(h)
-                    continue
-                assert src.numel() == self.layout.block_nbytes and src.dtype == torch.uint8, \
-                    "a payload is a flat uint8 tensor of layout.block_nbytes bytes"
-                slot = self._free_slots.pop() if self._free_slots else self._evict_lru(events)
-                if slot is None:
-                    self._rejected_puts += 1  # every slot is held by a promotion in flight
-                    continue
-                np.copyto(self._slab_np[slot], src.numpy())
-                self._token_ids[slot] = token_tuple(ids)
-                self._parents[slot] = parent
-                self._slot_of[h] = slot
-                self._stats.puts += 1
-                if events is not None:
-                    events.stored(h, self._token_ids[slot], parent)
+            for k, (h, ids, src, parent) in enumerate(blocks):
+                slot = self._take_slot(h, events, may_wait=not taken)
+                if slot is _NEXT_ROUND:
+                    left = blocks[k:]
+                    break
+                if slot is not None:
+                    taken.append((h, ids, src, parent, slot))
             if events is not None:
                 events.emit(self.event_listener)
+        copied = False
+        try:
+            for _, _, src, _, slot in taken:
+                np.copyto(self._slab_np[slot], src.numpy())
+            copied = True
+        finally:
+            with self._lock:
+                for h, ids, _, parent, slot in taken:
+                    if copied:
+                        self._publish(h, ids, slot, parent, events)
+                    else:
+                        self._give_back(h, slot)
+                self._written.notify_all()
+                if events is not None:
+                    events.emit(self.event_listener)
+        return left
+
+    def _take_slot(self, block_hash: bytes, events: TierEvents | None, may_wait: bool) -> int | object | None:
+        """A slot for a block to be put, kept for it (`_writing`) until its payload is copied; None when the block
+        is here already (now the most recently used) or being put, or every slot is held by a promotion or
+        pinned. When every slot is held or being written: a put that holds no slot yet (`may_wait`) waits for
+        those writes to end; one that does gets `_NEXT_ROUND`, and writes its own first (so puts never wait for
+        one another in a circle)."""
+        if block_hash in self._slot_of:
+            self._slot_of.move_to_end(block_hash)
+            return None
+        if block_hash in self._writing:
+            return None
+        while True:
+            slot = self._free_slots.pop() if self._free_slots else self._evict_lru(events)
+            if slot is not None:
+                self._writing[block_hash] = slot
+                return slot
+            if not self._writing:
+                self._rejected_puts += 1
+                return None
+            if not may_wait:
+                return _NEXT_ROUND
+            self._written.wait()  # blocks being written are evictable once written
+
+    def _publish(self, block_hash: bytes, token_ids: Sequence[int], slot: int, parent: bytes | None,
+                 events: TierEvents | None) -> None:
+        del self._writing[block_hash]
+        self._token_ids[slot] = token_tuple(token_ids)
+        self._parents[slot] = parent
+        self._slot_of[block_hash] = slot
+        self._stats.puts += 1
+        if events is not None:
+            events.stored(block_hash, self._token_ids[slot], parent)
+
+    def _give_back(self, block_hash: bytes, slot: int) -> None:
+        """A put that failed before its copies were done: its slots are free again, its blocks not stored."""
+        del self._writing[block_hash]
+        self._free_slots.append(slot)
 
     def _evict_lru(self, events: TierEvents | None) -> int | None:
         """Free the least recently used slot that no promotion holds and no owner pins, handing its
