@@ -304,15 +304,17 @@ class CpuTier(LowerTier):
     def _evict_lru(self, events: TierEvents | None) -> int | None:
         """Free the least recently used slot that no promotion holds and no owner pins, handing its
         block to `on_evict` first; returns the slot, or None when every block is held or pinned."""
-        h, pinned = None, []
+        h, kept = None, []
         for candidate in self._slot_of:
-            if candidate in self._pin_count:
-                pinned.append(candidate)
-            elif candidate not in self._holds and self._slot_of[candidate] not in self._readers:
+            if candidate in self._pin_count or candidate in self._holds or self._slot_of[candidate] in self._readers:
+                kept.append(candidate)
+            else:
                 h = candidate
                 break
-        for p in pinned:  # never evicted, so their place in the order does not matter: out of the next scan's way
-            self._slot_of.move_to_end(p)
+        # Out of the next scan's way (every eviction of a put scanned them again): a pinned block is never evicted,
+        # so its place does not matter; a held or read one is being promoted, which makes it the most recently used.
+        for k in kept:
+            self._slot_of.move_to_end(k)
         if h is None:
             return None
         slot = self._slot_of.pop(h)
