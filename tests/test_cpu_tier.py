@@ -314,3 +314,29 @@ def test_puts_beyond_the_tiers_slots_evict_as_one_at_a_time_would_also_when_they
     stats = tier.stats()
     assert (stats.used_blocks, stats.puts, stats.extra["rejected_puts"]) == (4, 10 + 36, 0)
     assert len(evicted) == 6 + 36
+
+
+def test_lookups_do_not_wait_for_an_eviction_handed_down_to_the_tier_below():
+    gate, cascading, handed_down = threading.Event(), threading.Event(), []
+
+    def on_evict(block_hash, token_ids, payload_view, parent):  # the disk tier's copy and checksum, held here
+        cascading.set()
+        assert gate.wait(30), "the gate was never opened"
+        handed_down.append((int.from_bytes(block_hash, "big"), payload_view.clone()))
+
+    tier = CpuTier(BF16, capacity_blocks=2, on_evict=on_evict)
+    put_blocks(tier, [1, 2])
+    writer = threading.Thread(target=put_blocks, args=(tier, [3]), daemon=True)
+    writer.start()
+    assert cascading.wait(30)
+    answers = []
+    reader = threading.Thread(target=lambda: answers.append(tier.count_prefix([key(2), key(1)])), daemon=True)
+    reader.start()
+    reader.join(30)
+    stuck = reader.is_alive()
+    gate.set()
+    writer.join(30)
+    assert not stuck, "a lookup waited for an eviction's cascade"
+    assert answers == [1]  # the evicted block is gone from here, while it goes down
+    assert [i for i, _ in handed_down] == [1] and torch.equal(handed_down[0][1], payload(BF16, 1))  # before reuse
+    assert torch.equal(get_one(tier, 3), payload(BF16, 3))

@@ -23,8 +23,9 @@ from kvstrata.tiers.transfer import LentBlocks
 _NEXT_ROUND = object()  # a put's block that must wait for the put's earlier blocks to be written (see `put`)
 
 # on_evict(block_hash, token_ids, payload_view, parent_hash): the view aliases the slot about to be
-# reused, so the callback must copy what it keeps before returning. It runs under the tier's lock and
-# must not call back into this tier. The parent hash is the one the block was put with (or None).
+# reused, so the callback must copy what it keeps before returning. It runs on the putting thread outside
+# the tier's lock (a cascade to disk copies and checksums the block: lookups do not wait for it); the block
+# is no longer found here meanwhile. The parent hash is the one the block was put with (or None).
 EvictCallback = Callable[[bytes, tuple, torch.Tensor, Optional[bytes]], None]
 
 
@@ -234,11 +235,12 @@ class CpuTier(LowerTier):
         them; those left are returned, for the next round."""
         events = self._events()
         taken: list[tuple[bytes, Sequence[int], torch.Tensor, bytes | None, int]] = []
+        evicted: list[tuple[bytes, tuple, bytes | None, int]] = []  # (hash, token ids, parent, slot) of each
         left: list = []
         # Events are handed over under the lock, so that they reach the listener in the order of the changes.
         with self._lock:
             for k, (h, ids, src, parent) in enumerate(blocks):
-                slot = self._take_slot(h, events, may_wait=not taken)
+                slot = self._take_slot(h, events, evicted, may_wait=not taken)
                 if slot is _NEXT_ROUND:
                     left = blocks[k:]
                     break
@@ -248,6 +250,9 @@ class CpuTier(LowerTier):
                 events.emit(self.event_listener)
         copied = False
         try:
+            if self.on_evict is not None:  # each evicted block goes down before its slot is written
+                for h, ids, parent, slot in evicted:
+                    self.on_evict(h, ids, self._slab[slot], parent)
             for _, _, src, _, slot in taken:
                 np.copyto(self._slab_np[slot], src.numpy())
             copied = True
@@ -263,10 +268,11 @@ class CpuTier(LowerTier):
                     events.emit(self.event_listener)
         return left
 
-    def _take_slot(self, block_hash: bytes, events: TierEvents | None, may_wait: bool) -> int | object | None:
-        """A slot for a block to be put, kept for it (`_writing`) until its payload is copied; None when the block
-        is here already (now the most recently used) or being put, or every slot is held by a promotion or
-        pinned. When every slot is held or being written: a put that holds no slot yet (`may_wait`) waits for
+    def _take_slot(self, block_hash: bytes, events: TierEvents | None, evicted: list,
+                   may_wait: bool) -> int | object | None:
+        """A slot for a block to be put, kept for it (`_writing`) until its payload is copied (a block evicted for
+        it is added to `evicted`); None when the block is here already (now the most recently used) or being put,
+        or every slot is held by a promotion or pinned. When every slot is held or being written: a put that holds no slot yet (`may_wait`) waits for
         those writes to end; one that does gets `_NEXT_ROUND`, and writes its own first (so puts never wait for
         one another in a circle)."""
         if block_hash in self._slot_of:
@@ -275,7 +281,7 @@ class CpuTier(LowerTier):
         if block_hash in self._writing:
             return None
         while True:
-            slot = self._free_slots.pop() if self._free_slots else self._evict_lru(events)
+            slot = self._free_slots.pop() if self._free_slots else self._evict_lru(events, evicted)
             if slot is not None:
                 self._writing[block_hash] = slot
                 return slot
@@ -301,9 +307,10 @@ class CpuTier(LowerTier):
         del self._writing[block_hash]
         self._free_slots.append(slot)
 
-    def _evict_lru(self, events: TierEvents | None) -> int | None:
-        """Free the least recently used slot that no promotion holds and no owner pins, handing its
-        block to `on_evict` first; returns the slot, or None when every block is held or pinned."""
+    def _evict_lru(self, events: TierEvents | None, evicted: list) -> int | None:
+        """Free the least recently used slot that no promotion holds and no owner pins, its block added to
+        `evicted` (for `on_evict`, before the slot is written); returns the slot, or None when every block is
+        held or pinned."""
         h, kept = None, []
         for candidate in self._slot_of:
             if candidate in self._pin_count or candidate in self._holds or self._slot_of[candidate] in self._readers:
@@ -318,8 +325,7 @@ class CpuTier(LowerTier):
         if h is None:
             return None
         slot = self._slot_of.pop(h)
-        if self.on_evict is not None:
-            self.on_evict(h, self._token_ids[slot], self._slab[slot], self._parents[slot])
+        evicted.append((h, self._token_ids[slot], self._parents[slot], slot))
         self._token_ids[slot] = None
         self._parents[slot] = None
         self._stats.evictions += 1
