@@ -44,6 +44,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Generator, Iterator, Sequence
 
@@ -142,6 +143,9 @@ class TierHierarchy:
         self._pending: dict[int, bytes] = {}
         # device block id -> the store job last copying it down; waited for before the slot is reused.
         self._stores_in_flight: dict[int, Transfer] = {}
+        # those jobs, in submission order (the order they finish in): let go of from the front once copied,
+        # so that a step does not scan every block of a backlog of write-downs
+        self._store_jobs: deque[Transfer] = deque()
         # Something was cached since the disk tier last held everything (see `persist`).
         self._unpersisted = False
         pool.on_evict = self._on_device_evict
@@ -440,9 +444,11 @@ class TierHierarchy:
     def flush_pending(self) -> int:
         """Hand the queued write-through blocks to the transfer engine in one batch (call after the
         model step that computed them); returns how many."""
-        done = [b for b, job in self._stores_in_flight.items() if job.copied]
-        for b in done:
-            del self._stores_in_flight[b]
+        while self._store_jobs and self._store_jobs[0].copied:
+            job = self._store_jobs.popleft()
+            for b in job.block_ids:
+                if self._stores_in_flight.get(b) is job:  # (not a later job copying the reused block down)
+                    del self._stores_in_flight[b]
         if not self._pending:
             return 0
         block_ids, hashes = list(self._pending), list(self._pending.values())
@@ -462,6 +468,7 @@ class TierHierarchy:
         job = self.transfers.store(block_ids, functools.partial(_put_run, targets, hashes, tokens, parents))
         for b in block_ids:
             self._stores_in_flight[b] = job
+        self._store_jobs.append(job)
         with self._counters_lock:
             for target in targets:
                 self.counters.write_downs[target.name] += len(block_ids)
@@ -653,6 +660,7 @@ class TierHierarchy:
             self._cached.clear()
             self._pending.clear()
             self._stores_in_flight.clear()
+            self._store_jobs.clear()
             if self.event_listener is not None:
                 self.event_listener(AllBlocksCleared("device"))
         return ok
