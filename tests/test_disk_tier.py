@@ -106,10 +106,13 @@ def test_pending_puts_are_served_before_the_writer_commits_them(store_path):
     assert tier.count_prefix([key(0), key(1), key(2), key(3)]) == 3
     assert tier.held([key(3), key(1)]) == [False, True]
     assert get_blocks(tier, range(3)) == [True] * 3
+    chains = [[key(0), key(1), key(2), key(3)], [key(1), key(3), key(2)], [], [key(3)]]
+    assert tier.count_prefixes(chains) == [3, 1, 0, 0]  # many chains, one snapshot
     gate.set()
     tier.flush()
     assert tier.stats().extra["pending_puts"] == 0
     assert tier.held([key(3), key(1), key(0)]) == [False, True, True]  # committed: from the store
+    assert tier.count_prefixes(chains) == [3, 1, 0, 0]
     assert get_blocks(tier, range(3)) == [True] * 3
     tier.close()
 

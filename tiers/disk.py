@@ -180,15 +180,22 @@ class DiskTier(LowerTier):
         return self.count_prefix([block_hash]) == 1
 
     def count_prefix(self, block_hashes: Sequence[bytes]) -> int:
-        pending = self._pending_flags(block_hashes)
+        return self.count_prefixes([block_hashes])[0]
 
-        def count(store, txn) -> int:
-            n = 0
-            while n < len(block_hashes) and (pending[n] or txn.get(block_hashes[n]) is not None):
-                n += 1
-            return n
+    def count_prefixes(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """All the chains in one read snapshot."""
+        pending = [self._pending_flags(chain) for chain in chains]
 
-        return self._in_snapshot("atime", count, default=lambda: _leading_true(pending))
+        def count(store, txn) -> list[int]:
+            counts = []
+            for chain, queued in zip(chains, pending):
+                n = 0
+                while n < len(chain) and (queued[n] or txn.get(chain[n]) is not None):
+                    n += 1
+                counts.append(n)
+            return counts
+
+        return self._in_snapshot("atime", count, default=lambda: [_leading_true(queued) for queued in pending])
 
     def held(self, block_hashes: Sequence[bytes]) -> list[bool]:
         """Each hash, in one snapshot (as `count_prefix`)."""
