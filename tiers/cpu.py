@@ -272,9 +272,9 @@ class CpuTier(LowerTier):
                    may_wait: bool) -> int | object | None:
         """A slot for a block to be put, kept for it (`_writing`) until its payload is copied (a block evicted for
         it is added to `evicted`); None when the block is here already (now the most recently used) or being put,
-        or every slot is held by a promotion or pinned. When every slot is held or being written: a put that holds no slot yet (`may_wait`) waits for
-        those writes to end; one that does gets `_NEXT_ROUND`, and writes its own first (so puts never wait for
-        one another in a circle)."""
+        or every slot is held by a promotion or pinned. When every slot is held or being written: a put that holds
+        no slot yet (`may_wait`) waits for those writes to end; one that does gets `_NEXT_ROUND`, and writes its
+        own first (so puts never wait for one another in a circle)."""
         if block_hash in self._slot_of:
             self._slot_of.move_to_end(block_hash)
             return None
