@@ -101,7 +101,6 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._block_ids: dict[str, tuple[list[KVCacheBlock], array]] = {}  # see `get_block_ids`
         self._lower_lookups: dict[str, tuple[float, list[str]]] = {}  # see `_locate_waiting`
-        self._step_lookups: dict[str, list[str]] = {}  # this step's, for its admissions: see `_admission_lookup`
         self._refusals: dict[str, Refusal] = {}  # see `is_refused`
         # request_id -> how many of its blocks are cached (hashed into the device map) so far.
         self.num_cached_block: dict[str, int] = {}
@@ -178,7 +177,6 @@ class KVCacheManager:
         (and nothing held) when the device has no room for the request's prompt now."""
         hashes = self._prefix_hashes(request)
         found_in = self._admission_lookup(request, hashes)
-        self._lower_lookups[request.request_id] = (time.monotonic(), found_in)  # ordering it uses this one
         plan = self._choose_plan(request, found_in)
         # blocks to compute: the head (while the tail loads) and the prompt after the cut
         fresh = plan.head_end - plan.device_run + -(-request.num_tokens // self.block_size) - plan.cut
@@ -382,15 +380,14 @@ class KVCacheManager:
         trip to a remote server: with 16 requests waiting, those lookups made each step 25x longer. So the
         device's part is read afresh every time, and the lower tiers are asked again only after
         `LOWER_LOOKUP_REFRESH_S`, for all the requests due in one `locate_many` (a burst of arrivals: one round
-        trip, not one each). Such a lookup is also the one their admission in this step starts from
-        (`new_step`, `_admission_lookup`); an admission's lookup is the one ordering uses next."""
+        trip, not one each). Their admissions start from these lookups too (`_admission_lookup`), and ordering
+        from an admission's."""
         now = time.monotonic()
         hashes = [self._prefix_hashes(r) for r in requests]
         due = [k for k, r in enumerate(requests) if self._lookup_due(r.request_id, now)]
         fresh = dict(zip(due, self.hierarchy.locate_many([hashes[k] for k in due])))
         for k, found in fresh.items():
             self._lower_lookups[requests[k].request_id] = (now, found)
-            self._step_lookups[requests[k].request_id] = found
         relocate = self.hierarchy.relocate_on_device
         return [(h, fresh[k] if k in fresh else relocate(h, self._lower_lookups[r.request_id][1]))
                 for k, (r, h) in enumerate(zip(requests, hashes))]
@@ -399,22 +396,23 @@ class KVCacheManager:
         earlier = self._lower_lookups.get(request_id)
         return earlier is None or now - earlier[0] >= LOWER_LOOKUP_REFRESH_S
 
-    def new_step(self) -> None:
-        """A scheduler step begins: lookups made before it no longer stand in for an admission's (see
-        `_admission_lookup`)."""
-        self._step_lookups.clear()
-
     def _admission_lookup(self, request: Request, hashes: list[bytes]) -> list[str]:
-        """`hierarchy.locate` of the prefix an admission starts from. A lookup made for ordering in this step
-        stands in for it, its device part read again, unless a block it found on the device has gone since (the
-        blocks of a burst's admissions were each a round trip to a remote server, after the one that ordered
-        them all). A block gone from a lower tier since then is a miss when it is read: the prefix ends there."""
-        earlier = self._step_lookups.pop(request.request_id, None)
-        if earlier is not None:
-            found = self.hierarchy.relocate_on_device(hashes, earlier)
-            if len(found) >= len(earlier):
+        """`hierarchy.locate` of the prefix an admission starts from. The lookup that ordered the request stands
+        in for it while its lower-tier part is younger than `LOWER_LOOKUP_REFRESH_S`, its device part read again,
+        unless a block it found on the device has gone since: a burst's admissions each cost a round trip to a
+        remote server, which write-throughs keep busy then. A block gone from a lower tier since is a miss when
+        it is read (the prefix ends there, the rest is computed); one that arrived there since is not found.
+        Ordering uses the admission's lookup next, as old as the lower tiers' answers in it."""
+        now = time.monotonic()
+        earlier = self._lower_lookups.get(request.request_id)
+        if earlier is not None and now - earlier[0] < LOWER_LOOKUP_REFRESH_S:
+            found = self.hierarchy.relocate_on_device(hashes, earlier[1])
+            if len(found) >= len(earlier[1]):
+                self._lower_lookups[request.request_id] = (earlier[0], found)
                 return found
-        return self.hierarchy.locate(hashes)
+        found = self.hierarchy.locate(hashes)
+        self._lower_lookups[request.request_id] = (now, found)
+        return found
 
     def is_loading(self, request: Request) -> bool:
         """The request's prefix is being copied up from a lower tier."""
@@ -533,7 +531,6 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
         self._lower_lookups.pop(request.request_id, None)
-        self._step_lookups.pop(request.request_id, None)
         self._refusals.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         self._prefix_tiers.pop(request.request_id, None)

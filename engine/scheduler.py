@@ -146,7 +146,6 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self.kv.new_step()
         self.kv.release_abandoned()
         self._land_tails()
         if not self._lookups_hold():

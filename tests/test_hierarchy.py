@@ -261,15 +261,14 @@ def test_many_chains_are_located_together_asking_each_tier_once_with_the_answers
         h.close()
 
 
-def test_an_admission_starts_from_its_steps_lookup_unless_a_block_that_found_on_the_device_has_left_it():
+def test_an_admission_starts_from_the_lookup_that_priced_it_unless_a_block_it_found_on_the_device_has_left():
     kv = make_stack(device_blocks=32, cpu_blocks=32)
     kv.load_policy = "always_load"
     document = doc(21, 6 * BS)
     run_request(kv, document + [1])  # cached on the device, written through to the CPU tier
     pool = kv.hierarchy.pool
     first, second = (Request(name, document + [2], SamplingParams(max_tokens=1)) for name in ("first", "second"))
-    kv.new_step()
-    assert kv.estimate_uncached_many([first, second])[0].hit_blocks["device"] == 6  # this step's lookup
+    assert kv.estimate_uncached_many([first, second])[0].hit_blocks["device"] == 6  # a lookup for ordering
     locate = kv.hierarchy.locate
     asked = []
     kv.hierarchy.locate = lambda hashes: (asked.append(hashes), locate(hashes))[1]
@@ -278,7 +277,7 @@ def test_an_admission_starts_from_its_steps_lookup_unless_a_block_that_found_on_
     gone = pool.get_cached_block(second.block_hashes[0])  # the document's first block leaves the device
     pool.cached_block_hash_to_block.pop(gone.block_hash)
     gone.block_hash = None
-    # a lookup of its own: the first block is in the CPU tier, where the step's lookup would have ended the prefix
+    # a lookup of its own: the first block is in the CPU tier, where the earlier lookup would have ended the prefix
     assert computed_blocks(kv, second)[2] == {"device": 5 * BS, "cpu": BS, "disk": 0, "remote": 0}
     assert asked == [second.block_hashes[:6]]
     kv.hierarchy.close()
