@@ -400,13 +400,14 @@ class TierHierarchy:
         newly_ids = {b.block_id for b in newly}
         self._unpersisted |= bool(newly)
         stored = []
+        write_through = self.offload == "write_through" and bool(self.lower_tiers)
         for k in range(num_cached_blocks, num_full_blocks):
             block = blocks[k]
             if block.block_id not in newly_ids:
                 continue  # the same content is already cached in another block
             self._cached[block.block_id] = _CachedBlock(tuple(block_tokens[k - num_cached_blocks]),
                                                         block_hashes[k - 1] if k else None)
-            if self.offload == "write_through" and self.lower_tiers:
+            if write_through:
                 self._pending[block.block_id] = block.block_hash
             if self.event_listener is not None:
                 stored.append((block_hashes[k], block_hashes[k - 1] if k else None, block_tokens[k - num_cached_blocks]))
