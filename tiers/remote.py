@@ -71,7 +71,7 @@ for i, key in ipairs(KEYS) do
 end
 return #KEYS
 """
-PREFIX_SCRIPT_SHA = hashlib.sha1(PREFIX_SCRIPT.encode()).hexdigest()
+PREFIX_SCRIPT_SHA = hashlib.sha1(PREFIX_SCRIPT.encode(), usedforsecurity=False).hexdigest()  # its name
 # What the client raises for a server that cannot answer now (down, timeout, reset, failover,
 # loading, a cluster without a slot's owner): every one is a miss, never an error for a request.
 # Where a round trip runs (lookup, read, write), anything else the client raises is taken as one too.
