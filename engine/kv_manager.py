@@ -405,7 +405,7 @@ class KVCacheManager:
         Ordering uses the admission's lookup next, as old as the lower tiers' answers in it."""
         now = time.monotonic()
         earlier = self._lower_lookups.get(request.request_id)
-        if earlier is not None and now - earlier[0] < LOWER_LOOKUP_REFRESH_S:
+        if not self._lookup_due(request.request_id, now):
             found = self.hierarchy.relocate_on_device(hashes, earlier[1])
             if len(found) >= len(earlier[1]):
                 self._lower_lookups[request.request_id] = (earlier[0], found)
