@@ -440,8 +440,11 @@ class LLMEngine:
                                    raw=sampled_logits)
             token_ids = sample(adjusted, params, [self._generators[r.request_id] for r in sampling])
             logprobs = compute_logprobs(sampled_logits, token_ids, [p.logprobs for p in params])
+            # the ids read back first: on a GPU that waits for the device, and a token's time is when it exists,
+            # not when its step was launched (a greedy step's kernels are queued in ~25 ms whatever they compute)
+            token_id_list = token_ids.tolist()
             now = time.perf_counter()
-            for request, token_id, token_logprobs in zip(sampling, token_ids.tolist(), logprobs):
+            for request, token_id, token_logprobs in zip(sampling, token_id_list, logprobs):
                 if token_logprobs is not None:
                     request.append_logprobs(token_logprobs)
                 self._append_token(request, token_id, now)

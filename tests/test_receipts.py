@@ -2,9 +2,11 @@
 however the prefill was chunked, shared or sent back (real requests on the embedded model, fp32, CPU)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvstrata import LLM, SamplingParams, load_config
 from kvstrata.engine.receipt import CacheReceipt, PhaseTimes
@@ -103,3 +105,37 @@ def test_receipts_add_up_for_a_chunked_prefill_and_concurrent_preempted_requests
     for out in concurrent:
         assert_adds_up(out)
     llm.close()
+
+
+class _IdsReadLate(torch.Tensor):
+    """Sampled ids whose read-back takes a while, as on a GPU, where `tolist` waits for the step's kernels."""
+
+    read_at: list[float] = []
+
+    def tolist(self):
+        time.sleep(0.05)
+        _IdsReadLate.read_at.append(time.perf_counter())
+        return super().tolist()
+
+
+def test_a_token_is_timed_when_its_id_is_read_back_not_when_its_step_was_launched(tmp_path, monkeypatch):
+    """On a GPU the host queues a step's kernels long before the device has run them (an 8B model's 7000-token
+    prefill is launched in ~25 ms and computed in over 100): a first token stamped before its id is read back
+    would report the launch, and every TTFT on a GPU would be the host's time alone."""
+    from kvstrata.engine import llm_engine
+
+    real_sample = llm_engine.sample
+    monkeypatch.setattr(llm_engine, "sample", lambda *args: real_sample(*args).as_subclass(_IdsReadLate))
+    _IdsReadLate.read_at.clear()
+    engine = llm_engine.LLMEngine(load_config({
+        "model": {"name": "tiny-llama", "load_format": "dummy", "device": "cpu", "dtype": "float32"},
+        "cache": {"tiers": {"device": {"size": 64}, "cpu": {"size": 0},
+                            "disk": {"path": str(tmp_path / "kv"), "size": 0}}}}))
+    try:
+        request = engine.add_request("r", list(range(100, 140)), SamplingParams(max_tokens=2, temperature=0.0))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.close()
+    assert len(_IdsReadLate.read_at) == 2
+    assert request.first_token_time >= _IdsReadLate.read_at[0]
