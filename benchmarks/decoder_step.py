@@ -164,10 +164,7 @@ def measure_case(loaded, ops, case: Case, context: int, repeats: int) -> dict:
         graphs = ModelRunner(loaded, kv_cache, ops)
         graphs.enable_decode_graphs(case.num_seqs, num_blocks // case.num_seqs, record=True)
         runs["graphs"] = graphs.execute
-    # every path computes the same logits on the same cache (the step rewrites only its own slots)
-    expected = paths.decoder(step)
-    for run in runs.values():
-        torch.testing.assert_close(run(step), expected, atol=1e-2, rtol=1e-2)
+    agreement = check_agreement(runs, step, loaded.dtype)
     times = {path: [] for path in runs}
     for _ in range(2):  # in turn, twice: a drift of the machine shows as a spread, not as a ratio
         for path, run in runs.items():
@@ -175,7 +172,27 @@ def measure_case(loaded, ops, case: Case, context: int, repeats: int) -> dict:
     best = {path: min(t) for path, t in times.items()}
     return {"case": case.name, "num_seqs": case.num_seqs, "new_tokens": case.new, "context": context,
             "decoder_s": best["decoder"], "transformers_s": best["transformers"], "graphs_s": best.get("graphs"),
-            "speedup": best["transformers"] / best["decoder"], "runs_s": times}
+            "speedup": best["transformers"] / best["decoder"], "runs_s": times, "agreement": agreement}
+
+
+def check_agreement(runs: dict, step, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """How far each path's logits are from the decoder's on the same cache (a step rewrites only its own slots):
+    the relative error `|a - b| / |b|` over the logits and the share of rows whose top token is the same.
+
+    In float32 every path must agree (asserted). In bf16 or fp16 they need not, and are only measured: each
+    rounds in its own places (fused kernels, packed products), and a random-normal cache of thousands of keys
+    puts the model far from its training data, where 30 layers amplify rounding. On the embedded model over 64
+    such keys the torch path's bf16 logits are 24% (in norm) from its float32 ones, the Triton path's 5%."""
+    expected = runs["decoder"](step)
+    agreement = {}
+    for path, run in runs.items():
+        got = run(step)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3, msg=lambda m: f"{path}: {m}")
+        difference = (got.double() - expected.double()).norm() / expected.double().norm()
+        same_top = (got.argmax(dim=-1) == expected.argmax(dim=-1)).double().mean()
+        agreement[path] = {"relative_error": float(difference), "same_top_token": float(same_top)}
+    return agreement
 
 
 def markdown(result: dict) -> str:
@@ -187,14 +204,27 @@ def markdown(result: dict) -> str:
              f"({result['timing']}). Speed-up: transformers' time / the decoder's. CUDA graphs: the decode steps "
              "replayed as graphs (CUDA only).", "",
              "| model | dtype | case | context | new tokens | transformers' modules | kvstrata decoder | speed-up "
-             "| decoder, CUDA graphs |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| decoder, CUDA graphs | logits vs the decoder's |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for model in result["models"]:
         for row in model["rows"]:
             graphs = "–" if row.get("graphs_s") is None else f"{row['graphs_s'] * 1e3:.2f} ms"
             lines.append(f"| {model['model']} | {model['dtype']} | {row['case']} | {row['context']} | "
                          f"{row['num_seqs'] * row['new_tokens']} | {row['transformers_s'] * 1e3:.2f} ms | "
-                         f"{row['decoder_s'] * 1e3:.2f} ms | {row['speedup']:.2f}x | {graphs} |")
-    return "\n".join(lines) + "\n"
+                         f"{row['decoder_s'] * 1e3:.2f} ms | {row['speedup']:.2f}x | {graphs} | "
+                         f"{agreement_text(row)} |")
+    return "\n".join(lines + ["", AGREEMENT_NOTE]) + "\n"
+
+
+AGREEMENT_NOTE = ("Logits vs the decoder's: each other path's relative error over the step's logits "
+                  "(|a - b| / |b|) and the share of rows with the same top token. Asserted in float32; in bf16 only "
+                  "measured (`check_agreement`: rounding in other places, amplified by a random cache).")
+
+
+def agreement_text(row: dict) -> str:
+    """The other paths' agreement with the decoder, e.g. `transformers 2.1e-01 (100%)`."""
+    others = {path: a for path, a in (row.get("agreement") or {}).items() if path != "decoder"}
+    return "; ".join(f"{path} {a['relative_error']:.1e} ({a['same_top_token']:.0%})" for path, a in others.items()) \
+        or "–"
 
 
 def main(argv: list[str] | None = None) -> int:

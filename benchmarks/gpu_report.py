@@ -634,19 +634,21 @@ def kernels_lines(k: dict, result: dict) -> list[str]:
 
 
 def step_lines(rows: list[dict], result: dict) -> list[str]:
+    from benchmarks import decoder_step
+
     lines = ["One step through kvstrata's decoder (engine/decoder.py: fused norms, rotary and activation, packed "
              "products) and through transformers' modules on the same weights, paged cache and inputs "
              "(benchmarks/decoder_step.py), in turn; `triton.testing.do_bench` medians, which include the time "
              "the GPU waits for the host's launches. Speed-up: transformers' time / the decoder's. CUDA graphs: "
              "the decode steps replayed as graphs (engine/cuda_graphs.py, `model.cuda_graphs`).", "",
              "| model | dtype | case | context | new tokens | transformers' modules | kvstrata decoder | speed-up | "
-             "decoder, CUDA graphs |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "decoder, CUDA graphs | logits vs the decoder's |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         graphs = "–" if r.get("graphs_s") is None else fmt_ms(r["graphs_s"])
         lines.append(f"| {r['label']} | {r['dtype']} | {r['case']} | {r['context']} | "
                      f"{r['num_seqs'] * r['new_tokens']} | {fmt_ms(r['transformers_s'])} | {fmt_ms(r['decoder_s'])} | "
-                     f"{fmt_x(r['speedup'])} | {graphs} |")
-    return lines + [""]
+                     f"{fmt_x(r['speedup'])} | {graphs} | {decoder_step.agreement_text(r)} |")
+    return lines + ["", decoder_step.AGREEMENT_NOTE, ""]
 
 
 def ttft_lines(rows: list[dict], result: dict) -> list[str]:

@@ -56,3 +56,19 @@ def test_packing_holds_each_weight_once_and_a_second_decoder_copies_nothing():
     assert torch.equal(attn.q_proj.weight, q_weight)
     assert first.layers[0].qkv_bias is not None  # Qwen2's q, k and v biases, packed the same way
     assert torch.equal(first.layers[0].qkv_bias[:q_weight.shape[0]], attn.q_proj.bias)
+
+
+def test_the_step_benchmark_asserts_agreement_in_float32_and_measures_it_in_bf16():
+    from benchmarks.decoder_step import check_agreement
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    off = logits.clone()
+    off[0] = -off[0]  # the first row's top token moves; half the logits' norm is off by twice itself
+    runs = {"decoder": lambda step: logits, "transformers": lambda step: off}
+    with pytest.raises(AssertionError, match="transformers"):
+        check_agreement(runs, None, torch.float32)
+    measured = check_agreement(runs, None, torch.bfloat16)
+    assert measured["decoder"] == {"relative_error": 0.0, "same_top_token": 1.0}
+    assert measured["transformers"]["same_top_token"] == 0.5
+    expected = (2 * logits[0].double().norm() / logits.double().norm()).item()
+    assert measured["transformers"]["relative_error"] == pytest.approx(expected)
