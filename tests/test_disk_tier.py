@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import lmdb
@@ -141,6 +142,24 @@ def test_full_store_evicts_the_least_recently_read_block_and_stays_within_capaci
     assert stats.used_bytes <= capacity
     assert stats.evictions == 1 + 20
     assert get_blocks(tier, range(26, 30)) == [True] * 4
+    tier.close()
+
+
+def test_reads_commit_no_write_until_a_write_or_flush_applies_their_touches(store_path):
+    """A promotion's reads must not pay for write transactions (a commit, an fsync) beside them; the LRU order
+    they set is applied before the next write, which is the only thing that evicts."""
+    capacity = 4 * RecordCodec(BF16).record_nbytes
+    tier = DiskTier(BF16, store_path, capacity)
+    put_blocks(tier, [1, 2, 3, 4])
+    tier.flush()
+    last_write = tier._store.env.info()["last_txnid"]
+    for _ in range(5):
+        assert get_blocks(tier, [1, 2]) == [True, True]
+    time.sleep(0.2)  # a woken writer would have committed by now
+    assert tier._store.env.info()["last_txnid"] == last_write
+    put_blocks(tier, [5])  # 3 is now the least recently read: the touches went in before this eviction
+    tier.flush()
+    assert [tier.contains(key(i)) for i in (1, 2, 3, 4, 5)] == [True, True, False, True, True]
     tier.close()
 
 

@@ -2,7 +2,8 @@
 the disk tier (LMDB transactions) and the remote tier (pipelined round trips) share.
 
 Callers append under `cond` (which a tier may also use to keep its own state, such as a map of
-queued values, consistent with the queue) and notify; the thread takes a batch under `cond`, applies
+queued values, consistent with the queue) and notify, or leave operations that can wait for the next
+notify (a flush notifies, and stopping does); the thread takes a batch under `cond`, applies
 it outside, then counts it as finished. `flush()` waits until everything appended before it was
 applied (or given up on: `apply` counts its own failures and never raises).
 """
@@ -41,9 +42,10 @@ class BatchWriter(Generic[Op]):
         self.enqueued += 1
 
     def flush(self) -> None:
-        """Wait until every operation appended so far is finished."""
+        """Wait until every operation appended so far is finished (those queued without a notify too)."""
         with self.cond:
             target = self.enqueued
+            self.cond.notify_all()
             while self.finished < target and self.alive:
                 self.cond.wait(0.1)
 

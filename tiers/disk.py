@@ -8,7 +8,10 @@ does not verify is a miss, counted as corrupt, and deleted; nothing unverified i
 
 Writes go through ONE background writer thread (tiers/batch_writer.py) that applies many queued
 operations (puts, touches from reads, deletes) in one write transaction. A put is visible at once: until its transaction
-commits, the encoded record is served from the pending map. Crash safety is LMDB's: a transaction
+commits, the encoded record is served from the pending map. A read's touches (the LRU order) wait in the queue
+without waking the writer: they only matter to an eviction, and evictions happen in a write that comes after them in
+the queue, so they are applied first; a flush, a close or a long queue of them applies them too. A promotion's
+reads thus cost no write transaction (a commit and an fsync) beside them. Crash safety is LMDB's: a transaction
 is all or nothing, so after kill -9 a reader sees the last committed state and never a torn value.
 
 No storage fault escapes the tier; each is a miss or a counted, dropped write:
@@ -47,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 _T = TypeVar("_T")
+# touches queued without waking the writer, at most (beyond, the writer takes them): the queue's memory stays bounded
+MAX_LAZY_OPS = 4096
 
 
 def _map_size(capacity_bytes: int, writer_batch: int, record_nbytes: int) -> int:
@@ -234,8 +239,8 @@ class DiskTier(LowerTier):
             self._stats.hits += hits
             self._stats.misses += len(served) - hits
             self._stats.corrupt += len(corrupt)
-        self._enqueue([_Op("touch", h) for h, ok in zip(block_hashes, served) if ok]
-                      + [_Op("delete", h) for h in corrupt])
+        self._enqueue([_Op("touch", h) for h, ok in zip(block_hashes, served) if ok], wake=False)
+        self._enqueue([_Op("delete", h) for h in corrupt])
         return served
 
     def _read_from_store(self, todo: list[int], block_hashes, token_ids, dests, served: list[bool],
@@ -338,7 +343,8 @@ class DiskTier(LowerTier):
             seen.add(h)
         return held
 
-    def _enqueue(self, ops: list[_Op]) -> None:
+    def _enqueue(self, ops: list[_Op], wake: bool = True) -> None:
+        """Queue `ops` for the writer; `wake=False` (touches) leaves them for its next batch (see the module doc)."""
         if not ops:
             return
         with self._cond:
@@ -354,7 +360,8 @@ class DiskTier(LowerTier):
                 elif op.kind == "clear":
                     self._pending.clear()
                 self._writer.append_locked(op)
-            self._cond.notify_all()
+            if wake or len(self._writer.ops) > MAX_LAZY_OPS:
+                self._cond.notify_all()
 
     def pin(self, owner: str, block_hashes: Sequence[bytes], info: dict | None = None) -> None:
         """Pin in the store itself (committed before this returns): the pin survives restarts, and
