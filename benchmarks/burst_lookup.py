@@ -26,8 +26,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import (VOCAB, Case, add_requests, build_engine, each_side_in_turn,  # noqa: E402
-                                    in_turn_parser)
+from benchmarks.engine_host import (VOCAB, Case, add_requests, build_engine, in_turn_parser,  # noqa: E402
+                                    runs_in_turn)
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 BURSTS = (4, 16, 64)          # requests arriving at once
@@ -104,13 +104,9 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return 0
-    runs: dict[str, list[list[dict]]] = {}
-    for repeat, side, measured in each_side_in_turn(__file__, json.dumps({"bursts": args.bursts}), args.baseline,
-                                                    args.repeats):
-        runs.setdefault(side, []).append(measured["figures"])
-        print(f"run {repeat + 1}, {side} ({measured['engine_code']}): " + ", ".join(
-            f"{f['size']}: {f['arrival_s'] * 1e3:.1f} / {f['after_s'] * 1e3:.1f} ms" for f in measured["figures"]),
-            flush=True)
+    measured_runs = runs_in_turn(__file__, json.dumps({"bursts": args.bursts}), args, lambda measured: ", ".join(
+        f"{f['size']}: {f['arrival_s'] * 1e3:.1f} / {f['after_s'] * 1e3:.1f} ms" for f in measured["figures"]))
+    runs = {side: [measured["figures"] for measured in side_runs] for side, side_runs in measured_runs.items()}
     best = {side: [{"size": size, **{figure: min(run[k][figure] for run in side_runs) for figure in FIGURES}}
                    for k, size in enumerate(BURSTS)] for side, side_runs in runs.items()}
     result = results_record("burst_lookup", baseline=args.baseline, repeats=args.repeats, bursts=args.bursts,

@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import each_side_in_turn, in_turn_parser  # noqa: E402
+from benchmarks.engine_host import in_turn_parser, runs_in_turn  # noqa: E402
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 BLOCKS = {"SmolLM2-135M": ((30, 3, 64), 8192), "Llama-3-8B": ((32, 8, 128), 4096)}  # (layers, KV heads, dims), tokens
@@ -48,12 +48,9 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return 0
-    runs: dict[str, list[dict]] = {}
-    for repeat, side, measured in each_side_in_turn(__file__, "-", args.baseline, args.repeats):
-        runs.setdefault(side, []).append(measured)
-        print(f"run {repeat + 1}, {side} ({measured['tiers_code']}): " + ", ".join(
-            f"{name} {measured[name]['gbps']:.2f} GB/s (one thread {measured[name]['gbps_one_thread']:.2f})"
-            for name in BLOCKS), flush=True)
+    runs = runs_in_turn(__file__, "-", args, lambda measured: ", ".join(
+        f"{name} {measured[name]['gbps']:.2f} GB/s (one thread {measured[name]['gbps_one_thread']:.2f})"
+        for name in BLOCKS))
     result = results_record("disk_promotion", baseline=args.baseline, repeats=args.repeats, runs=runs)
     publish(result, report(result), args.out_dir)
     return 0

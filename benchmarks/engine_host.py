@@ -29,7 +29,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
@@ -221,6 +221,17 @@ def run_worker(script: str, worker_arg: str, import_root: Path | None) -> dict:
     done = subprocess.run([sys.executable, script, "--worker", worker_arg], env=env, stdout=subprocess.PIPE,
                           text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def runs_in_turn(script: str, worker_arg: str, args, describe: Callable[[dict], str]) -> dict[str, list[dict]]:
+    """Every side's runs (each_side_in_turn with the standard options `args`), each printed as it comes:
+    `run N, side (code): describe(what it measured)`."""
+    runs: dict[str, list[dict]] = {}
+    for repeat, side, measured in each_side_in_turn(script, worker_arg, args.baseline, args.repeats):
+        runs.setdefault(side, []).append(measured)
+        code = measured.get("engine_code") or measured.get("tiers_code")
+        print(f"run {repeat + 1}, {side} ({code}): {describe(measured)}", flush=True)
+    return runs
 
 
 def in_turn_parser(doc: str, name: str) -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import each_side_in_turn, in_turn_parser  # noqa: E402
+from benchmarks.engine_host import in_turn_parser, runs_in_turn  # noqa: E402
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 DOC_BLOCKS = 437       # a 7000-token document in 16-token blocks
@@ -76,12 +76,9 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return 0
-    runs: dict[str, list[dict]] = {}
-    for repeat, side, measured in each_side_in_turn(__file__, "-", args.baseline, args.repeats):
-        runs.setdefault(side, []).append(measured)
-        print(f"run {repeat + 1}, {side} ({measured['tiers_code']}): median {measured['median_s'] * 1e3:.3f} ms, "
-              f"p99 {measured['p99_s'] * 1e3:.3f} ms, max {measured['max_s'] * 1e3:.3f} ms, "
-              f"writes {measured['write_gbps']:.2f} GB/s", flush=True)
+    runs = runs_in_turn(__file__, "-", args, lambda measured: (
+        f"median {measured['median_s'] * 1e3:.3f} ms, p99 {measured['p99_s'] * 1e3:.3f} ms, "
+        f"max {measured['max_s'] * 1e3:.3f} ms, writes {measured['write_gbps']:.2f} GB/s"))
     result = results_record("lookup_beside_writes", baseline=args.baseline, repeats=args.repeats, runs=runs)
     publish(result, report(result), args.out_dir)
     return 0
