@@ -152,6 +152,7 @@ def test_reads_commit_no_write_until_a_write_or_flush_applies_their_touches(stor
     tier = DiskTier(BF16, store_path, capacity)
     put_blocks(tier, [1, 2, 3, 4])
     tier.flush()
+    time.sleep(0.1)  # the writer is back waiting for work (not still looking at its queue after the flush)
     last_write = tier._store.env.info()["last_txnid"]
     for _ in range(5):
         assert get_blocks(tier, [1, 2]) == [True, True]
