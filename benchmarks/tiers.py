@@ -170,7 +170,7 @@ def markdown(results: dict) -> str:
         "the 1 GiB reference cannot use, hence ratios above 100%; 8k tokens is the fair row. A disk read is one",
         "B-tree lookup, one comparison of the record's header with the expected one (layout, token ids), one",
         "copy out of LMDB's mapping and an xxh3_64 of the copy while it is still in cache; every served read",
-        "also queues an LRU touch that the writer commits in the background. Write-down commits with LMDB's",
+        "also queues an LRU touch, which the writer applies with its next write. Write-down commits with LMDB's",
         "default fsync per batch. Fill threads are for machines where one core's copy (and the disk tier's",
         "checksum) moves fewer bytes a second than the link it feeds, a GPU host's PCIe; where a single copy",
         "already runs near the memory bandwidth, as on a small CPU-only machine, they add little.",
