@@ -57,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import xml.etree.ElementTree as ElementTree
@@ -171,21 +172,42 @@ def run_cuda_tests(plan: Plan) -> dict:
     section fails."""
     with tempfile.TemporaryDirectory(prefix="kvstrata-gpu-tests-") as tmp:
         junit = Path(tmp) / "cuda.xml"
-        command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+        command = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider",
                    "--continue-on-collection-errors", f"--junitxml={junit}", *plan.test_paths]
         started = time.perf_counter()
         # no plugins from other packages: the CUDA tests need none, and one that fails to import (its own
         # dependency missing on a GPU machine set up by hand) stops pytest before any test runs
         env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800, env=env)
+        returncode, lines = run_showing_outcomes(command, env, timeout_s=1800)
         result = junit_counts(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 0, "skipped": 0,
                                                              "not_passed": []}
-    last_line = (done.stdout.strip().splitlines() or done.stderr.strip().splitlines() or [""])[-1]
+    last_line = (lines or [""])[-1]
     if not any(result[key] for key in ("passed", "failed", "errors", "skipped")):
-        last_line = (done.stderr.strip().splitlines() or [last_line])[-1]
-        raise RuntimeError(f"pytest ran no test (exit status {done.returncode}): {last_line}")
-    result.update(seconds=time.perf_counter() - started, returncode=done.returncode, last_line=last_line)
+        raise RuntimeError(f"pytest ran no test (exit status {returncode}): {last_line}")
+    result.update(seconds=time.perf_counter() - started, returncode=returncode, last_line=last_line)
     return result
+
+
+TEST_OUTCOMES = (" PASSED", " FAILED", " ERROR", " SKIPPED", " XFAIL", " XPASS")
+
+
+def run_showing_outcomes(command: list[str], env: dict, timeout_s: float) -> tuple[int, list[str]]:
+    """Run pytest, logging each test's outcome as it comes (a run stopped midway still shows how far it got);
+    its exit status and every line it printed (stdout and stderr together)."""
+    lines: list[str] = []
+    with subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as child:
+        killer = threading.Timer(timeout_s, child.kill)
+        killer.start()
+        try:
+            for line in child.stdout:
+                lines.append(line.rstrip())
+                if any(outcome in line for outcome in TEST_OUTCOMES) and "::" in line:
+                    log(f"tests: {line.strip()}")
+            returncode = child.wait()
+        finally:
+            killer.cancel()
+    return returncode, [line for line in lines if line.strip()]
 
 
 def junit_counts(path: Path) -> dict:
