@@ -337,6 +337,53 @@ def test_lookups_do_not_wait_for_an_eviction_handed_down_to_the_tier_below():
     gate.set()
     writer.join(30)
     assert not stuck, "a lookup waited for an eviction's cascade"
-    assert answers == [1]  # the evicted block is gone from here, while it goes down
+    assert answers == [2]  # the evicted block is still found here while it goes down: no lookup misses it
     assert [i for i, _ in handed_down] == [1] and torch.equal(handed_down[0][1], payload(BF16, 1))  # before reuse
     assert torch.equal(get_one(tier, 3), payload(BF16, 3))
+    assert tier.count_prefix([key(1)]) == 0  # gone once handed down
+
+
+def test_a_block_lent_while_it_is_handed_down_is_not_overwritten_until_released():
+    """A lookup finds a block on its way down, so a promotion may lend it then: the put that evicted it writes
+    the slot only once that lend is released."""
+    gate, cascading = threading.Event(), threading.Event()
+
+    def on_evict(block_hash, token_ids, payload_view, parent):
+        cascading.set()
+        assert gate.wait(30), "the gate was never opened"
+
+    tier = CpuTier(BF16, capacity_blocks=1, on_evict=on_evict)
+    put_blocks(tier, [1])
+    writer = threading.Thread(target=put_blocks, args=(tier, [2]), daemon=True)
+    writer.start()
+    assert cascading.wait(30)
+    lent = tier.lend([key(1)], [tokens(1)])
+    assert lent is not None  # found and lent while it goes down
+    gate.set()
+    writer.join(0.5)
+    assert writer.is_alive(), "the put wrote a slot that is lent"
+    assert torch.equal(lent.slab[lent.rows[0]], payload(BF16, 1))
+    lent.release()
+    writer.join(30)
+    assert not writer.is_alive()
+    assert tier.count_prefix([key(1)]) == 0 and torch.equal(get_one(tier, 2), payload(BF16, 2))
+
+
+def test_a_block_dropped_while_handed_down_leaves_its_slot_to_the_put():
+    gate, cascading = threading.Event(), threading.Event()
+
+    def on_evict(block_hash, token_ids, payload_view, parent):
+        cascading.set()
+        assert gate.wait(30), "the gate was never opened"
+
+    tier = CpuTier(BF16, capacity_blocks=2, on_evict=on_evict)
+    put_blocks(tier, [1, 2])
+    writer = threading.Thread(target=put_blocks, args=(tier, [3]), daemon=True)
+    writer.start()
+    assert cascading.wait(30)
+    assert tier.clear()  # drops block 1 too, whose slot the put has taken
+    gate.set()
+    writer.join(30)
+    put_blocks(tier, [4])  # the free slot; block 3's slot is not free twice
+    assert torch.equal(get_one(tier, 3), payload(BF16, 3)) and torch.equal(get_one(tier, 4), payload(BF16, 4))
+    assert tier.stats().used_blocks == 2

@@ -25,7 +25,8 @@ _NEXT_ROUND = object()  # a put's block that must wait for the put's earlier blo
 # on_evict(block_hash, token_ids, payload_view, parent_hash): the view aliases the slot about to be
 # reused, so the callback must copy what it keeps before returning. It runs on the putting thread outside
 # the tier's lock (a cascade to disk copies and checksums the block: lookups do not wait for it); the block
-# is no longer found here meanwhile. The parent hash is the one the block was put with (or None).
+# is still found here meanwhile, and leaves once the callback has returned (so a lookup never misses a block
+# that is on its way down). The parent hash is the one the block was put with (or None).
 EvictCallback = Callable[[bytes, tuple, torch.Tensor, Optional[bytes]], None]
 
 
@@ -34,7 +35,9 @@ class CpuTier(LowerTier):
 
     Invariants (all under `_lock`): every slot is either in `_free_slots`, the value of exactly one
     entry of `_slot_of`, dropped while a `get` copies out of it (`_dropped_while_read`), or being
-    written by a `put` (`_writing`: not found, not evicted, until its payload is copied);
+    written by a `put` (`_writing`: not found, not evicted, until its payload is copied); a slot a put
+    takes by eviction stays the evicted block's, found and readable, while it is handed down
+    (`_handing_down`, and counted as read, so nothing else evicts or reuses it);
     `_token_ids[slot]` is the token tuple of the block in that slot (`_parents[slot]` its parent's
     hash, where the put gave it: for events and write-downs); a held or pinned block is never
     evicted by LRU (a put that finds every slot held or pinned stores nothing, counted in
@@ -76,6 +79,7 @@ class CpuTier(LowerTier):
         # slot -> how many `get` calls are copying out of it now (outside the lock): never reused meanwhile
         self._readers: dict[int, int] = {}
         self._dropped_while_read: set[int] = set()  # dropped slots that return to the free stack once read
+        self._handing_down: dict[int, bytes] = {}  # slot -> the evicted block still found there (see `_put_round`)
         self._pins: dict[str, Pin] = {}
         self._pin_count: dict[bytes, int] = {}
         self._rejected_puts = 0
@@ -172,6 +176,8 @@ class CpuTier(LowerTier):
         n = self._readers.pop(slot) - 1
         if n > 0:
             self._readers[slot] = n
+        elif slot in self._handing_down:  # a put waits to write it (`_finish_hand_downs`)
+            self._written.notify_all()
         elif slot in self._dropped_while_read:  # dropped mid-read: free for reuse only now
             self._dropped_while_read.remove(slot)
             self._free_slots.append(slot)
@@ -248,16 +254,21 @@ class CpuTier(LowerTier):
                     taken.append((h, ids, src, parent, slot))
             if events is not None:
                 events.emit(self.event_listener)
-        copied = False
+        copied = handed_down = False
         try:
             if self.on_evict is not None:  # each evicted block goes down before its slot is written
                 for h, ids, parent, slot in evicted:
                     self.on_evict(h, ids, self._slab[slot], parent)
+            with self._lock:
+                self._finish_hand_downs(evicted, events)
+                handed_down = True
             for _, _, src, _, slot in taken:
                 np.copyto(self._slab_np[slot], src.numpy())
             copied = True
         finally:
             with self._lock:
+                if not handed_down:
+                    self._finish_hand_downs(evicted, events)
                 for h, ids, _, parent, slot in taken:
                     if copied:
                         self._publish(h, ids, slot, parent, events)
@@ -324,20 +335,36 @@ class CpuTier(LowerTier):
             self._slot_of.move_to_end(k)
         if h is None:
             return None
-        slot = self._slot_of.pop(h)
+        slot = self._slot_of[h]
         evicted.append((h, self._token_ids[slot], self._parents[slot], slot))
-        self._token_ids[slot] = None
-        self._parents[slot] = None
+        self._handing_down[slot] = h  # still found, and read (by the hand-down): see `_finish_hand_downs`
+        self._readers[slot] = self._readers.get(slot, 0) + 1
         self._stats.evictions += 1
-        if events is not None:
-            events.removed(h)
         return slot
+
+    def _finish_hand_downs(self, evicted: list, events: TierEvents | None) -> None:
+        """Under the lock, once the evicted blocks are handed down (or their hand-down failed): each leaves, and its
+        slot is the put's once the reads begun meanwhile (a lend found it) have ended."""
+        for h, _, _, slot in evicted:
+            if self._slot_of.get(h) == slot:  # (not dropped meanwhile)
+                del self._slot_of[h]
+                if events is not None:
+                    events.removed(h)
+            self._token_ids[slot] = None
+            self._parents[slot] = None
+            self._end_read(slot)  # the hand-down's own read
+        for _, _, _, slot in evicted:
+            while slot in self._readers:
+                self._written.wait()
+            del self._handing_down[slot]
 
     def _drop(self, block_hash: bytes, events: TierEvents | None) -> None:
         slot = self._slot_of.pop(block_hash)
         self._token_ids[slot] = None
         self._parents[slot] = None
-        if slot in self._readers:
+        if slot in self._handing_down:
+            pass  # the put that took the slot writes it once the hand-down is over
+        elif slot in self._readers:
             self._dropped_while_read.add(slot)
         else:
             self._free_slots.append(slot)
