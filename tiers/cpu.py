@@ -79,7 +79,7 @@ class CpuTier(LowerTier):
         # slot -> how many `get` calls are copying out of it now (outside the lock): never reused meanwhile
         self._readers: dict[int, int] = {}
         self._dropped_while_read: set[int] = set()  # dropped slots that return to the free stack once read
-        self._handing_down: dict[int, bytes] = {}  # slot -> the evicted block still found there (see `_put_round`)
+        self._handing_down: set[int] = set()  # slots whose evicted block is still found there (see `_put_round`)
         self._pins: dict[str, Pin] = {}
         self._pin_count: dict[bytes, int] = {}
         self._rejected_puts = 0
@@ -337,7 +337,7 @@ class CpuTier(LowerTier):
             return None
         slot = self._slot_of[h]
         evicted.append((h, self._token_ids[slot], self._parents[slot], slot))
-        self._handing_down[slot] = h  # still found, and read (by the hand-down): see `_finish_hand_downs`
+        self._handing_down.add(slot)  # still found, and read (by the hand-down): see `_finish_hand_downs`
         self._readers[slot] = self._readers.get(slot, 0) + 1
         self._stats.evictions += 1
         return slot
@@ -356,7 +356,7 @@ class CpuTier(LowerTier):
         for _, _, _, slot in evicted:
             while slot in self._readers:
                 self._written.wait()
-            del self._handing_down[slot]
+            self._handing_down.remove(slot)
 
     def _drop(self, block_hash: bytes, events: TierEvents | None) -> None:
         slot = self._slot_of.pop(block_hash)

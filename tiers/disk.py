@@ -189,7 +189,7 @@ class DiskTier(LowerTier):
 
     def count_prefixes(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
         """All the chains in one read snapshot."""
-        pending = [self._pending_flags(chain) for chain in chains]
+        pending = self._pending_flags(*chains)
 
         def count(store, txn) -> list[int]:
             counts = []
@@ -204,19 +204,19 @@ class DiskTier(LowerTier):
 
     def held(self, block_hashes: Sequence[bytes]) -> list[bool]:
         """Each hash, in one snapshot (as `count_prefix`)."""
-        pending = self._pending_flags(block_hashes)
+        (pending,) = self._pending_flags(block_hashes)
 
         def each(store, txn) -> list[bool]:
             return [p or txn.get(h) is not None for h, p in zip(block_hashes, pending)]
 
         return self._in_snapshot("atime", each, default=lambda: pending)
 
-    def _pending_flags(self, block_hashes: Sequence[bytes]) -> list[bool]:
-        """Which hashes wait in the writer's queue. Taken before the snapshot that looks up the rest: a put
-        that commits in between is in the snapshot."""
+    def _pending_flags(self, *chains: Sequence[bytes]) -> list[list[bool]]:
+        """Which hashes of each chain wait in the writer's queue, under one taking of its lock. Taken before the
+        snapshot that looks up the rest: a put that commits in between is in the snapshot."""
         self._check_open()
         with self._cond:
-            return [h in self._pending for h in block_hashes]
+            return [[h in self._pending for h in chain] for chain in chains]
 
     def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             dests: Sequence[torch.Tensor]) -> list[bool]:
