@@ -172,26 +172,23 @@ def test_a_held_block_is_never_evicted_and_a_full_tier_of_held_blocks_rejects_pu
 
 
 class PausedReads:
-    """Stands in for numpy in the CPU tier: a copy made on the `reader` thread waits for `go`, so a
+    """Stands in for the CPU tier's block copies: a copy made on the `reader` thread waits for `go`, so a
     test can act on the tier while a read is copying out of a slot (copies run outside the lock)."""
 
-    def __init__(self, np_module):
-        self.np, self.reading, self.go = np_module, threading.Event(), threading.Event()
+    def __init__(self, copy_each):
+        self.copy_each, self.reading, self.go = copy_each, threading.Event(), threading.Event()
 
-    def copyto(self, dst, src):
+    def __call__(self, dests, srcs):
         if threading.current_thread().name == "reader":
             self.reading.set()
             assert self.go.wait(10)
-        self.np.copyto(dst, src)
-
-    def __getattr__(self, name):
-        return getattr(self.np, name)
+        self.copy_each(dests, srcs)
 
 
 def test_a_slot_being_read_is_neither_evicted_nor_reused_until_the_read_ends(monkeypatch):
     import kvstrata.tiers.cpu as cpu_module
-    paused = PausedReads(cpu_module.np)
-    monkeypatch.setattr(cpu_module, "np", paused)
+    paused = PausedReads(cpu_module.copy_each)
+    monkeypatch.setattr(cpu_module, "copy_each", paused)
     tier = CpuTier(BF16, capacity_blocks=2)
     blocks = put_blocks(tier, [1, 2])
     got = {}
@@ -252,19 +249,15 @@ def test_a_lent_slot_is_neither_evicted_nor_reused_until_released_once():
 
 
 class GatedCopies:
-    """numpy for the tier, its block copies held until `gate` is set (`started` is set at the first)."""
+    """The tier's block copies, held until `gate` is set (`started` is set at the first)."""
 
-    def __init__(self):
-        import numpy
-        self.numpy, self.gate, self.started = numpy, threading.Event(), threading.Event()
+    def __init__(self, copy_each):
+        self.copy_each, self.gate, self.started = copy_each, threading.Event(), threading.Event()
 
-    def copyto(self, dest, src):
+    def __call__(self, dests, srcs):
         self.started.set()
         assert self.gate.wait(30), "the gate was never opened"
-        self.numpy.copyto(dest, src)
-
-    def __getattr__(self, name):
-        return getattr(self.numpy, name)
+        self.copy_each(dests, srcs)
 
 
 def test_lookups_holds_and_reads_do_not_wait_for_a_put_to_copy_its_blocks(monkeypatch):
@@ -272,8 +265,8 @@ def test_lookups_holds_and_reads_do_not_wait_for_a_put_to_copy_its_blocks(monkey
 
     tier = CpuTier(BF16, capacity_blocks=8)
     blocks = put_blocks(tier, [1, 2])
-    copies = GatedCopies()
-    monkeypatch.setattr(cpu_module, "np", copies)
+    copies = GatedCopies(cpu_module.copy_each)
+    monkeypatch.setattr(cpu_module, "copy_each", copies)
     writer = threading.Thread(target=put_blocks, args=(tier, [3, 4, 5]))
     writer.start()
     assert copies.started.wait(30)
@@ -294,7 +287,7 @@ def test_lookups_holds_and_reads_do_not_wait_for_a_put_to_copy_its_blocks(monkey
     writer.join(30)
     assert not stuck, "a lookup waited for a put's copies"
     assert answers == [2, False, 2]  # blocks being written are not found until all of the put's are written
-    monkeypatch.setattr(cpu_module, "np", copies.numpy)
+    monkeypatch.setattr(cpu_module, "copy_each", copies.copy_each)
     assert tier.count_prefix([key(i) for i in (1, 2, 3, 4, 5)]) == 5
     assert all(torch.equal(get_one(tier, i), payload(BF16, i)) for i in (3, 4, 5))
     assert torch.equal(get_one(tier, 1), blocks[1])

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvstrata.tiers.base import BlockLayout, as_bytes
-from kvstrata.tiers.transfer import LentBlocks, TransferEngine, contiguous_runs
+from kvstrata.tiers import transfer as transfer_module
+from kvstrata.tiers.transfer import LentBlocks, TransferEngine, contiguous_runs, copy_each, copy_rows
 
 LAYOUT = BlockLayout(num_layers=1, block_size=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 
@@ -82,6 +83,65 @@ def test_lent_blocks_are_copied_straight_from_the_slab_and_released_once_landed(
     job = transfers.load([3, 4, 0], fill, lend_rows(slab, [1, 2, 5], released))
     assert job.wait(10) and job.served == [True, True, True] and released == [1]
     for block, row in ((3, 1), (4, 2), (0, 5)):
+        assert torch.equal(as_bytes(transfers.kv_cache[block]), slab[row])
+    transfers.close()
+
+
+@pytest.fixture
+def foreach_calls(monkeypatch):
+    """How many times torch's one-call copy of a list ran (each call gives up the interpreter lock once)."""
+    calls = []
+    real = torch._foreach_copy_
+
+    def counted(dests, srcs, **kwargs):
+        calls.append(len(dests))
+        real(dests, srcs, **kwargs)
+
+    monkeypatch.setattr(transfer_module.torch, "_foreach_copy_", counted)
+    return calls
+
+
+@pytest.mark.parametrize("num_copies", [1, transfer_module.FEW_COPIES, transfer_module.FEW_COPIES + 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_copy_each_copies_every_pair(num_copies, threads, foreach_calls):
+    dests = [torch.zeros(1000 + k, dtype=torch.uint8) for k in range(num_copies)]
+    srcs = [torch.randint(0, 256, (1000 + k,), dtype=torch.uint8) for k in range(num_copies)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        copy_each(dests, srcs)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(d, s) for d, s in zip(dests, srcs))
+    # many host copies go in one call, unless torch would split each over several threads; a few go one by one
+    assert foreach_calls == ([num_copies] if num_copies > transfer_module.FEW_COPIES and threads == 1 else [])
+
+
+def test_copy_rows_moves_each_row_and_many_runs_in_one_call(foreach_calls):
+    src = torch.randint(0, 256, (12, 64), dtype=torch.uint8)
+    dest = torch.zeros((12, 64), dtype=torch.uint8)
+    dest_rows, src_rows = [9, 0, 1, 2, 7, 5, 11, 3], [0, 4, 5, 6, 11, 2, 9, 1]  # 6 runs
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        copy_rows(dest, dest_rows, src, src_rows)
+    finally:
+        torch.set_num_threads(before)
+    for d, s_row in zip(dest_rows, src_rows):
+        assert torch.equal(dest[d], src[s_row])
+    untouched = [r for r in range(12) if r not in dest_rows]
+    assert not dest[untouched].any()
+    assert foreach_calls == [6]
+
+
+def test_a_lend_in_many_runs_lands_every_block():
+    transfers = TransferEngine(LAYOUT.allocate(16))
+    slab = torch.randint(0, 256, (16, LAYOUT.block_nbytes), dtype=torch.uint8)
+    blocks, rows = [15, 3, 8, 9, 10, 0, 6, 12], [2, 7, 0, 1, 14, 9, 11, 4]
+    released = []
+    job = transfers.load(blocks, fill_with({}), lend_rows(slab, rows, released))
+    assert job.wait(10) and job.served == [True] * len(blocks) and released == [1]
+    for block, row in zip(blocks, rows):
         assert torch.equal(as_bytes(transfers.kv_cache[block]), slab[row])
     transfers.close()
 

@@ -13,12 +13,11 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import torch
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_or_unknown, token_tuple
 from kvstrata.tiers.block_events import TierEvents
-from kvstrata.tiers.transfer import LentBlocks
+from kvstrata.tiers.transfer import LentBlocks, copy_each
 
 _NEXT_ROUND = object()  # a put's block that must wait for the put's earlier blocks to be written (see `put`)
 
@@ -63,10 +62,6 @@ class CpuTier(LowerTier):
         self.pinned = bool(pin_memory and torch.cuda.is_available())
         self._slab = torch.empty((capacity_blocks, layout.block_nbytes), dtype=torch.uint8,
                                  pin_memory=self.pinned)
-        # Host-to-host block copies go through numpy: one plain single-threaded memcpy per block.
-        # torch's copy_ splits each 368 KB block across its intra-op threads, and on a busy machine
-        # the per-copy thread handoff costs more than the copy itself.
-        self._slab_np = self._slab.numpy()
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()
         self._token_ids: list[Optional[tuple[int, ...]]] = [None] * capacity_blocks
         self._parents: list[Optional[bytes]] = [None] * capacity_blocks
@@ -121,9 +116,8 @@ class CpuTier(LowerTier):
             if events is not None:
                 events.emit(self.event_listener)
         try:
-            for slot, dest in zip(slots, dests):
-                if slot is not None:
-                    np.copyto(dest.numpy(), self._slab_np[slot])
+            copy_each([dest for slot, dest in zip(slots, dests) if slot is not None],
+                      [self._slab[slot] for slot in slots if slot is not None])
         finally:
             with self._lock:
                 for slot in slots:
@@ -262,8 +256,7 @@ class CpuTier(LowerTier):
             with self._lock:
                 self._finish_hand_downs(evicted, events)
                 handed_down = True
-            for _, _, src, _, slot in taken:
-                np.copyto(self._slab_np[slot], src.numpy())
+            copy_each([self._slab[slot] for *_, slot in taken], [src for _, _, src, _, _ in taken])
             copied = True
         finally:
             with self._lock:
