@@ -8,8 +8,9 @@ busy step loop. That is the case on a GPU, where the step thread spends its time
 model here is replaced by fixed logits (benchmarks/engine_host.py's engine), so that the step thread is all Python,
 as on a GPU.
 
-Figures per case: the hit's time to first token and its load phase (from its receipt), and the decoding sequences'
-longest step while it is admitted over their median step; median of `--hits` hits.
+Figures per case: the hit's time to first token and its load phase (from its receipt), the decoding sequences'
+longest step while it is admitted over their median step, and how long the step thread waited in those steps (their
+wall time less the thread's own CPU time: waits for the interpreter lock, or for a core); median of `--hits` hits.
 
     python benchmarks/hit_beside_decodes.py --baseline REV --out-dir benchmarks/results
 """
@@ -33,7 +34,7 @@ from benchmarks.machine import provenance_lines, publish, results_record  # noqa
 
 DOC_TOKENS = 7000
 QUESTION_TOKENS = 16
-FIGURES = ("ttft", "load", "gap")  # seconds, seconds, a ratio
+FIGURES = ("ttft", "load", "gap", "stall")  # seconds, seconds, a ratio, seconds
 
 
 @dataclass(frozen=True)
@@ -57,16 +58,21 @@ def cache_config(tier: str, work_dir: Path) -> dict:
     return {"offload": "write_through", "load_policy": "always_load", "tiers": tiers}
 
 
-def timed_step(engine, durations: list[float]) -> None:
-    started = time.perf_counter()
+def timed_step(engine, durations: list[float], stalls: list[float] | None = None) -> None:
+    """One step, its wall time appended to `durations` and (if given) its wall time less the step thread's CPU
+    time to `stalls`."""
+    started, cpu_started = time.perf_counter(), time.thread_time()
     engine.step()
     durations.append(time.perf_counter() - started)
+    if stalls is not None:
+        stalls.append(max(0.0, durations[-1] - (time.thread_time() - cpu_started)))
 
 
-def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float, float, float]:
+def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float, float, float, float]:
     """The document's blocks left in the lower tier only, `case.num_seqs` sequences decoding, then a question on
-    the document: its TTFT and load phase, in seconds, and the longest step from its arrival to its first token
-    over the median decode step before it (the decoding sequences' longest gap; 0 alone)."""
+    the document: its TTFT and load phase, in seconds, the longest step from its arrival to its first token
+    over the median decode step before it (the decoding sequences' longest gap; 0 alone), and the step thread's
+    waits in those steps, in seconds."""
     from kvstrata.engine.sampling import SamplingParams
 
     engine.hierarchy.wait_for_write_downs()
@@ -81,8 +87,9 @@ def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float
     question = f"{tag}-question"
     engine.add_request(question, document + [7 + k for k in range(QUESTION_TOKENS)], SamplingParams(max_tokens=1))
     during: list[float] = []
+    stalls: list[float] = []
     while not engine.requests[question].output_token_ids:
-        timed_step(engine, during)
+        timed_step(engine, during, stalls)
     receipt = engine.requests[question].receipt
     if receipt.cached_tokens_by_tier[case.tier] < DOC_TOKENS - 16:
         raise SystemExit(f"hit_beside_decodes: the question was not served by the {case.tier} tier: {receipt}")
@@ -93,7 +100,7 @@ def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float
     for request_id in [*decoding, question]:
         engine.release(request_id)
     longest_gap = max(during) / statistics.median(before) if case.num_seqs else 0.0
-    return receipt.ttft_ms / 1e3, receipt.load_ms_by_tier[case.tier] / 1e3, longest_gap
+    return receipt.ttft_ms / 1e3, receipt.load_ms_by_tier[case.tier] / 1e3, longest_gap, sum(stalls)
 
 
 def worker(cases: list[HitCase], hits: int) -> dict:
@@ -106,7 +113,7 @@ def worker(cases: list[HitCase], hits: int) -> dict:
 
     torch.set_num_threads(1)
     document = [100 + (j * 13) % (VOCAB - 100) for j in range(DOC_TOKENS)]
-    ttft, load, gap = [], [], []
+    figures: dict[str, list[float]] = {k: [] for k in FIGURES}
     with tempfile.TemporaryDirectory() as work_dir:
         for n, case in enumerate(cases):
             case_dir = Path(work_dir) / f"case{n}"
@@ -117,10 +124,9 @@ def worker(cases: list[HitCase], hits: int) -> dict:
             engine.release("document")
             measured = [one_hit(engine, case, document, f"case{n}-{k}") for k in range(hits + 1)][1:]  # warmed up
             engine.close()
-            ttft.append(statistics.median(m[0] for m in measured))
-            load.append(statistics.median(m[1] for m in measured))
-            gap.append(statistics.median(m[2] for m in measured))
-    return {"engine_code": str(Path(kvstrata.engine.__file__).parent), "ttft": ttft, "load": load, "gap": gap}
+            for k, name in enumerate(FIGURES):
+                figures[name].append(statistics.median(m[k] for m in measured))
+    return {"engine_code": str(Path(kvstrata.engine.__file__).parent), **figures}
 
 
 def main() -> int:
@@ -159,17 +165,21 @@ def report(result: dict) -> list[str]:
              "decode (64-token prompts); the model replaced by fixed logits (benchmarks/engine_host.py's engine, "
              f"one torch thread). Median of {result['hits']} hits after one more, best of {result['repeats']} runs "
              "of each side" + (f", this commit and {baseline} in turn." if baseline else "."), "",
-             "| case | " + " | ".join(f"{names[s]} TTFT ms | load ms | longest gap / median" for s in sides)
+             "| case | " + " | ".join(f"{names[s]} TTFT ms | load ms | longest gap / median | step thread waits ms"
+                                      for s in sides)
              + (f" | TTFT, {baseline} / this |" if baseline else " |"),
-             "|---|" + "---:|---:|---:|" * len(sides) + ("---:|" if baseline else "")]
+             "|---|" + "---:|---:|---:|---:|" * len(sides) + ("---:|" if baseline else "")]
     for c in result["cases"]:
         row = f"| {c['name']} | " + " | ".join(
             f"{c[f'{s}_ttft'] * 1e3:.1f} | {c[f'{s}_load'] * 1e3:.1f} | "
-            + (f"{c[f'{s}_gap']:.1f}x" if c["num_seqs"] else "–") for s in sides)
+            + (f"{c[f'{s}_gap']:.1f}x" if c["num_seqs"] else "–") + f" | {c[f'{s}_stall'] * 1e3:.1f}"
+            for s in sides)
         lines.append(row + (f" | {c['baseline_ttft'] / c['this_ttft']:.2f}x |" if baseline else " |"))
     lines += ["", "Longest gap / median: the longest step from the question's arrival to its first token over the "
               "median decode step before it, that is the decoding sequences' longest gap between two tokens while the "
-              "hit was admitted (the issue's GPU goal: at most 1.5x). Best of the runs' medians, as the other figures."]
+              "hit was admitted (the issue's GPU goal: at most 1.5x). Step thread waits: over the same steps, their wall "
+              "time less the step thread's CPU time, that is its waits for the interpreter lock (or for a core) while "
+              "the transfer threads moved the hit. Best of the runs' medians, as the other figures."]
     return lines
 
 
