@@ -177,9 +177,9 @@ def report(result: dict) -> list[str]:
         lines.append(row + (f" | {c['baseline_ttft'] / c['this_ttft']:.2f}x |" if baseline else " |"))
     lines += ["", "Longest gap / median: the longest step from the question's arrival to its first token over the "
               "median decode step before it, that is the decoding sequences' longest gap between two tokens while the "
-              "hit was admitted (the issue's GPU goal: at most 1.5x). Step thread waits: over the same steps, their wall "
-              "time less the step thread's CPU time, that is its waits for the interpreter lock (or for a core) while "
-              "the transfer threads moved the hit. Best of the runs' medians, as the other figures."]
+              "hit was admitted (the issue's GPU goal: at most 1.5x). Step thread waits: over the same steps, their "
+              "wall time less the step thread's CPU time, that is its waits for the interpreter lock (or for a core) "
+              "while the transfer threads moved the hit. Best of the runs' medians, as the other figures."]
     return lines
 
 

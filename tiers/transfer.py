@@ -6,8 +6,8 @@ with its own worker thread (and CUDA stream), each running its jobs in submissio
 
 - load: where the blocks of a chunk are all in host memory already, `lend(start, n)` (the CPU tier's
   slab) lends them and they are copied straight from there (on CUDA the slab is pinned: no staging
-  copy, one host-to-device copy per run of neighbouring slots, released once landed). Otherwise
-  `fill(start, host_views)` (the hierarchy's reads from the CPU slab or the disk tier) writes each
+  copy, one host-to-device copy per run of neighbouring slots, all queued in one call, released once
+  landed). Otherwise `fill(start, host_views)` (the hierarchy's reads from the CPU slab or the disk tier) writes each
   block's payload into a host buffer; the run is then copied to the device blocks. A large run is
   filled in contiguous parts by several threads at once (`fill_threads`): one core's memcpy, and the
   disk tier's copy plus checksum, move fewer bytes a second than a host-to-device link does. On CUDA the
@@ -317,7 +317,7 @@ class _HostDirection(_Direction):
 
     A job runs beside the step thread and needs the interpreter lock for each Python operation: while the
     engine steps other requests it gets a share of the lock, not all of it, so lent blocks are copied a run of
-    neighbours at a time, not one by one (benchmarks/results/hit_beside_decodes.md)."""
+    neighbours at a time, the runs in one call (`copy_rows`; benchmarks/results/hit_beside_decodes.md)."""
 
     def _views(self, transfer: Transfer) -> list[torch.Tensor]:
         return [self._flat_blocks[b] for b in transfer.block_ids]
