@@ -116,8 +116,8 @@ class CpuTier(LowerTier):
             if events is not None:
                 events.emit(self.event_listener)
         try:
-            copy_each([dest for slot, dest in zip(slots, dests) if slot is not None],
-                      [self._slab[slot] for slot in slots if slot is not None])
+            found = [(dest, self._slab[slot]) for slot, dest in zip(slots, dests) if slot is not None]
+            copy_each([dest for dest, _ in found], [row for _, row in found])
         finally:
             with self._lock:
                 for slot in slots:
