@@ -389,11 +389,16 @@ class LmdbStore:
 
     def is_at_path(self) -> bool:
         """True while the path still names the data file this store mapped (nobody replaced it)."""
+        ours = self.file_id()
+        return ours is not None and file_id(data_file(self.path)) == ours
+
+    def file_id(self) -> tuple[int, int] | None:
+        """The data file this store mapped (device, inode), whatever the path names now."""
         try:
-            ours = os.fstat(self._data_fd)
+            st = os.fstat(self._data_fd)
         except OSError:
-            return False
-        return file_id(data_file(self.path)) == (ours.st_dev, ours.st_ino)
+            return None
+        return st.st_dev, st.st_ino
 
     # -- transactions --------------------------------------------------------------------------
 

@@ -24,28 +24,21 @@ from __future__ import annotations
 
 import struct
 import warnings
-from typing import Sequence, Union
+from typing import Sequence
 
 import numpy as np
 import torch
 import xxhash
 
-from kvstrata.tiers.base import KV_LAYOUT_VERSION, BlockLayout
+from kvstrata.tiers.base import KV_LAYOUT_VERSION, BlockLayout, token_tuple
+from kvstrata.tiers.record_check import CHECKSUM as _CHECKSUM
+from kvstrata.tiers.record_check import Buffer, RecordError, checked_payload, copy_checked
 
 MAGIC = b"KVSBLOCK"
 RECORD_VERSION = 1
 _PREFIX = struct.Struct("<8sHHI")     # magic, version, layout description length, token count
-_CHECKSUM = struct.Struct("<Q")
 _TOKEN_ID_BYTES = 8                   # i64
 _PAYLOAD_ALIGN = 64
-
-# What a tier hands to `decode_into` / `verify`: LMDB buffers, `bytes` from a server, bytearrays.
-Buffer = Union[bytes, bytearray, memoryview]
-
-
-class RecordError(Exception):
-    """A record that does not verify against what the reader expects; the message says why."""
-
 
 def layout_description(layout: BlockLayout) -> bytes:
     """The layout a record was written for, as stored in it: KV layout version, dtype and block shape."""
@@ -73,7 +66,7 @@ class RecordCodec:
         """The record of one block: its token ids and a copy of `payload` (flat uint8, any device)."""
         assert payload.dtype == torch.uint8 and payload.numel() == self.payload_nbytes, \
             "a payload is a flat uint8 tensor of layout.block_nbytes bytes"
-        head = self._head(token_ids)
+        head = self.head(token_ids)
         record = bytearray(self.record_nbytes)
         record[:len(head)] = head
         body = np.frombuffer(record, dtype=np.uint8, offset=self.header_nbytes)
@@ -96,11 +89,7 @@ class RecordCodec:
         the stored bytes, and it checks exactly the bytes the caller will use.
         """
         if dest.device.type == "cpu":
-            checksum, payload = self._checked_header(record, token_ids)
-            dest_np = dest.numpy()
-            np.copyto(dest_np, np.frombuffer(payload, dtype=np.uint8))
-            if xxhash.xxh3_64_intdigest(dest_np) != checksum:
-                raise RecordError("payload checksum mismatch")
+            copy_checked(*self._checked_header(record, token_ids), dest.numpy())
             return
         payload = self.verify(record, token_ids)
         # A read-only source (an LMDB buffer, bytes) makes torch warn; the copy from pageable memory
@@ -117,8 +106,25 @@ class RecordCodec:
             raise RecordError("payload checksum mismatch")
         return payload
 
-    def _head(self, token_ids: Sequence[int]) -> bytes:
-        """The bytes before the checksum of the record of `token_ids`."""
+    @property
+    def reader_fields(self) -> dict:
+        """What a reader process needs to build and check the records of this layout (tiers/disk_reader.py)."""
+        return {"fixed": self._fixed, "padding": self._padding, "token_bytes": self._token_ids.size,
+                "header": self.header_nbytes, "record": self.record_nbytes}
+
+    def pack_token_ids(self, blocks: Sequence[Sequence[int]]) -> bytes | None:
+        """The token ids of `blocks` as their records hold them, one block after another; None if one of them
+        does not fill a block (the in-process read then says why)."""
+        try:
+            packed = np.array([token_tuple(ids) for ids in blocks], dtype="<i8")
+        except (ValueError, OverflowError):
+            return None
+        if packed.shape != (len(blocks), self.layout.block_size):
+            return None
+        return packed.tobytes()
+
+    def head(self, token_ids: Sequence[int]) -> bytes:
+        """The bytes before the checksum of the record of `token_ids`: what a reader compares."""
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.tolist()
         try:
@@ -129,14 +135,11 @@ class RecordCodec:
 
     def _checked_header(self, record: Buffer, token_ids: Sequence[int]) -> tuple[int, memoryview]:
         """The stored checksum and the payload view, once the header is exactly the expected one."""
-        record = memoryview(record)
-        if record.format != "B" or record.ndim != 1:
-            record = record.cast("B")
-        head = self._head(token_ids)
-        if len(record) != self.record_nbytes or bytes(record[:len(head)]) != head:
-            raise RecordError(self._why_not(record, head))
-        (checksum,) = _CHECKSUM.unpack_from(record, len(head))
-        return checksum, record[self.header_nbytes:]
+        head = self.head(token_ids)
+        try:
+            return checked_payload(record, head, self.header_nbytes, self.record_nbytes)
+        except RecordError:
+            raise RecordError(self._why_not(memoryview(record).cast("B"), head)) from None
 
     def _why_not(self, record: memoryview, head: bytes) -> str:
         """Why a record's header is not the expected one (for logs; only called on a mismatch)."""
