@@ -41,9 +41,12 @@ import torch
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_or_unknown
 from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.block_events import AllBlocksCleared
+from kvstrata.tiers.disk_reader import CORRUPT, SERVED
 from kvstrata.tiers.lmdb_store import (DAMAGE_ERRORS, LmdbStore, Meta, StoreDamaged, data_file_bytes, quarantine,
                                        read_u64, replacing)
+from kvstrata.tiers.reader_pool import ReaderPool
 from kvstrata.tiers.record import RecordCodec, RecordError
+from kvstrata.tiers.shared_memory import locate
 from kvstrata.tiers.storage import check_room, format_bytes, prepare_private_dir
 
 logger = logging.getLogger(__name__)
@@ -143,7 +146,7 @@ class DiskTier(LowerTier):
     name = "disk"
 
     def __init__(self, layout: BlockLayout, path: str, capacity_bytes: int, *, writer_batch: int = 64,
-                 check_integrity: bool = True):
+                 check_integrity: bool = True, read_processes: int = 0):
         if writer_batch < 1:
             raise ValueError(f"writer_batch must be >= 1, got {writer_batch}")
         self.layout = layout
@@ -176,6 +179,9 @@ class DiskTier(LowerTier):
         self._writer: BatchWriter[_Op] = BatchWriter("kvstrata-disk-writer", self._take_batch, self._write,
                                                      on_finished=self._forget_committed)
         self._cond = self._writer.cond  # guards the pending map too, so that it always matches the queue
+        # Reads into shared host memory go to these processes (tiers/disk_reader.py); others run here.
+        self._readers = ReaderPool(read_processes) if read_processes > 0 else None
+        self._blocks_read_by_processes = 0  # served by them
         self._atexit = _close_at_exit(weakref.ref(self))
         atexit.register(self._atexit)
 
@@ -232,6 +238,8 @@ class DiskTier(LowerTier):
         for i, record in enumerate(pending):
             if record is not None:
                 served[i] = self._serve(record, block_hashes[i], token_ids[i], dests[i], corrupt)
+        if from_store and self._readers is not None:
+            from_store = self._read_in_reader(from_store, block_hashes, token_ids, dests, served, corrupt)
         while from_store:
             from_store = self._read_from_store(from_store, block_hashes, token_ids, dests, served, corrupt)
         hits = sum(served)
@@ -263,6 +271,40 @@ class DiskTier(LowerTier):
             return []
 
         return self._in_snapshot("blocks", read, default=list)
+
+    def _read_in_reader(self, todo: list[int], block_hashes, token_ids, dests, served: list[bool],
+                        corrupt: list[bytes]) -> list[int]:
+        """Serve blocks `todo` through a reader process, where every destination is shared memory; returns those
+        still to read here (all of them where a destination is private, or no reader answered)."""
+        places = [locate(dests[i]) for i in todo]
+        tokens = self.codec.pack_token_ids([token_ids[i] for i in todo])
+        if any(p is None for p in places) or tokens is None or not self._readers.usable:
+            return todo
+        request = {"op": "read", "keys": [block_hashes[i] for i in todo], "tokens": tokens,
+                   "places": [(p.segment, p.offset) for p in places], **self.codec.reader_fields}
+        with self._gate.shared:  # the store is not replaced while a reader reads it
+            store = self._store
+            if store is None:
+                return []
+            reply = self._readers.read({**request, "path": store.path, "file": store.file_id()},
+                                       {p.segment for p in places})
+        if reply is None:
+            return todo
+        with self._cond:
+            self._blocks_read_by_processes += reply["codes"].count(SERVED)
+        for i, code in zip(todo, reply["codes"]):
+            if code == SERVED:
+                served[i] = True
+            elif code == CORRUPT:
+                logger.debug("disk tier: block %s does not verify; dropping it", block_hashes[i].hex())
+                corrupt.append(block_hashes[i])
+        if reply["error"] is not None:
+            kind, message = reply["error"]
+            if kind == "damaged":
+                self._report_damage(store, StoreDamaged(message))
+            elif kind == "failed":
+                logger.warning("disk tier: a reader's read failed (%s); treating the blocks as misses", message)
+        return []
 
     def _serve(self, record, block_hash: bytes, expected, dest: torch.Tensor, corrupt: list) -> bool:
         try:
@@ -407,6 +449,8 @@ class DiskTier(LowerTier):
             if self._closed:
                 return
             self._closed = True
+        if self._readers is not None:
+            self._readers.close()
         self._writer.stop()
         if self._store is not None:
             self._store.close()
@@ -619,7 +663,9 @@ class DiskTier(LowerTier):
             used_bytes=used_bytes + sum(len(v) for v in pending),
             pinned_blocks=pinned,
             extra={"path": self.path, "file_bytes": data_file_bytes(self.path), "pending_puts": len(pending),
-                   "write_errors": self._write_errors},
+                   "write_errors": self._write_errors,
+                   "read_processes": self._readers.processes if self._readers and self._readers.usable else 0,
+                   "blocks_read_by_processes": self._blocks_read_by_processes},
         )
 
 

@@ -1,0 +1,195 @@
+"""The disk tier's reader processes: blocks read into shared host memory are read by another process, verified
+there, and come out byte-exact; anything that does not verify is a counted miss; a store grown or replaced by
+another process is followed; a reader that dies costs no block (its read is done in this process) and closing
+the tier ends them all."""
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from test_disk_tier import CHILD_PRELUDE, corrupt_value, run_python
+from tier_cases import BF16, FP32, key, payload, put_blocks, tokens
+
+from kvstrata.tiers import reader_pool
+from kvstrata.tiers.disk import DiskTier
+from kvstrata.tiers.shared_memory import Place, is_live, locate, segment_fd, shared_empty
+
+MiB = 1 << 20
+
+
+def read_shared(tier: DiskTier, ids, layout=BF16, toks=None) -> list[bool]:
+    """Read blocks into shared memory and check every served one is byte-exact; returns which were served."""
+    dests = list(shared_empty((len(ids), layout.block_nbytes), torch.uint8))
+    served = tier.get([key(i) for i in ids], toks or [tokens(i, layout) for i in ids], dests)
+    for i, ok, dest in zip(ids, served, dests):
+        if ok:
+            assert torch.equal(dest, payload(layout, i)), f"block {i} served with wrong bytes"
+    return served
+
+
+def by_processes(tier: DiskTier) -> int:
+    return tier.stats().extra["blocks_read_by_processes"]
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    return str(tmp_path / "kvstore")
+
+
+@pytest.mark.parametrize("layout", [BF16, FP32], ids=["bf16", "fp32"])
+def test_blocks_read_by_reader_processes_are_the_stored_bytes(store_path, layout):
+    tier = DiskTier(layout, store_path, 4 * MiB, read_processes=2)
+    put_blocks(tier, range(12), layout)
+    tier.flush()  # committed: served from the store, not from the writer's queue
+    assert read_shared(tier, [*range(12), 99], layout) == [True] * 12 + [False]
+    stats = tier.stats()
+    assert (stats.hits, stats.misses, stats.extra["blocks_read_by_processes"]) == (12, 1, 12)
+    assert stats.extra["read_processes"] == 2
+    tier.close()
+
+
+def test_reads_into_private_memory_or_of_queued_puts_are_served_in_this_process(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=1)
+    put_blocks(tier, [1, 2])
+    tier.flush()
+    dest = torch.empty(BF16.block_nbytes, dtype=torch.uint8)
+    assert tier.get([key(1)], [tokens(1)], [dest]) == [True] and torch.equal(dest, payload(BF16, 1))
+    assert by_processes(tier) == 0
+    gate = threading.Event()
+    commit = tier._commit
+    tier._commit = lambda batch: (gate.wait(), commit(batch))  # hold the writer: the put stays queued
+    put_blocks(tier, [3])
+    assert read_shared(tier, [2, 3]) == [True, True]
+    assert by_processes(tier) == 1  # block 2; block 3 from the writer's queue, here
+    gate.set()
+    tier.close()
+
+
+def test_a_token_mismatch_read_by_a_reader_is_a_counted_miss_and_drops_the_entry(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=1)
+    put_blocks(tier, [1, 2])
+    tier.flush()
+    wrong = tokens(1)
+    wrong[0] += 1
+    assert read_shared(tier, [1, 2], toks=[wrong, tokens(2)]) == [False, True]
+    tier.flush()
+    assert not tier.contains(key(1)) and tier.contains(key(2))
+    assert (tier.stats().corrupt, by_processes(tier)) == (1, 1)
+    tier.close()
+
+
+@pytest.mark.parametrize("mangle", [
+    pytest.param(lambda v: v[:-1] + bytes([v[-1] ^ 0x01]), id="flipped-payload-bit"),
+    pytest.param(lambda v: v[: len(v) // 2], id="truncated"),
+    pytest.param(lambda v: b"\xff" * len(v), id="garbage-header"),
+])
+def test_a_damaged_value_read_by_a_reader_is_a_counted_miss_never_served(store_path, mangle):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, [1, 2])
+    tier.close()
+    corrupt_value(store_path, 1, mangle)
+    tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=1)
+    assert read_shared(tier, [1, 2]) == [False, True]
+    assert (tier.stats().corrupt, by_processes(tier)) == (1, 1)
+    tier.close()
+
+
+def test_a_store_grown_by_another_process_is_read_by_the_readers(store_path):
+    from kvstrata.tiers.base import BlockLayout
+    big = BlockLayout(num_layers=8, block_size=16, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)
+    tier = DiskTier(big, store_path, 4 * MiB, writer_batch=1, read_processes=1)
+    put_blocks(tier, [0], big)
+    tier.flush()
+    assert read_shared(tier, [0], big) == [True]  # the reader has the store open, at its first size
+    run_python(CHILD_PRELUDE + f"""
+from kvstrata.tiers.base import BlockLayout
+L = BlockLayout(num_layers=8, block_size=16, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)
+def payload(i): return tier_cases.payload(L, i)
+tier = DiskTier(L, {store_path!r}, 128 << 20)
+for start in range(0, 320, 32):
+    ids = range(start, start + 32)
+    tier.put([key(i) for i in ids], [tokens(i, L) for i in ids], [payload(i) for i in ids])
+tier.close()
+""")
+    assert read_shared(tier, [318, 319], big) == [True, True]
+    assert by_processes(tier) == 3
+    tier.close()
+
+
+def test_the_readers_follow_a_store_another_process_replaced(tmp_path, caplog):
+    path = str(tmp_path / "kv")
+    tier = DiskTier(BF16, path, 8 * MiB, read_processes=1)
+    put_blocks(tier, range(4))
+    tier.flush()
+    assert read_shared(tier, [0]) == [True]
+    run_python(CHILD_PRELUDE + f"""
+from kvstrata.tiers.lmdb_store import quarantine
+quarantine({path!r}, "found damaged by another process")
+fresh = DiskTier(L, {path!r}, {8 * MiB})
+fresh.put([key(20)], [tokens(20)], [payload(20)])
+fresh.close()
+""")
+    put_blocks(tier, [10])  # the writer finds the store replaced and follows it
+    tier.flush()
+    assert read_shared(tier, [1, 10, 20]) == [False, True, True]
+    assert by_processes(tier) == 3
+    tier.close()
+
+
+def test_a_killed_reader_costs_no_block_and_is_replaced(store_path, caplog):
+    tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=1)
+    put_blocks(tier, range(4))
+    tier.flush()
+    assert read_shared(tier, [0]) == [True]
+    (pid,) = tier._readers.pids
+    os.kill(pid, signal.SIGKILL)
+    assert read_shared(tier, [1, 2, 3]) == [True, True, True]  # read here, by this process
+    assert "a reader process ended" in caplog.text
+    assert read_shared(tier, [0, 1]) == [True, True]  # and by the reader started in its place
+    assert by_processes(tier) == 3
+    tier.close()
+
+
+def test_readers_that_keep_dying_are_given_up_and_every_read_is_still_served(store_path, monkeypatch, caplog):
+    tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=1)
+    put_blocks(tier, range(2))
+    tier.flush()
+    for _ in range(reader_pool.MAX_RESTARTS + 1):
+        (pid,) = tier._readers.pids
+        os.kill(pid, signal.SIGKILL)
+        assert read_shared(tier, [0, 1]) == [True, True]
+    assert "every read from now on" in caplog.text
+    assert tier.stats().extra["read_processes"] == 0
+    assert read_shared(tier, [0, 1]) == [True, True]
+    assert by_processes(tier) == 0
+    tier.close()
+
+
+def test_closing_the_tier_ends_its_reader_processes(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=2)
+    put_blocks(tier, [1])
+    tier.flush()
+    assert read_shared(tier, [1]) == [True]
+    pids = tier._readers.pids
+    tier.close()
+    assert len(pids) == 2
+    for pid in pids:  # ended and reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_shared_memory_is_located_while_a_view_lives_and_freed_after():
+    kv = shared_empty((4, 3, 8), torch.float16)
+    assert torch.count_nonzero(kv) == 0
+    assert locate(kv[2]) == Place(locate(kv).segment, 2 * 3 * 8 * 2)
+    assert locate(kv[:, 1]) is None  # not contiguous: a reader could not write it as one run
+    assert locate(torch.zeros(4)) is None and locate(kv[1].clone()) is None
+    view, segment = kv[3], locate(kv).segment
+    fd = segment_fd(segment)
+    del kv
+    assert is_live(segment) and locate(view) is not None
+    del view
+    assert not is_live(segment) and segment_fd(segment) is None
+    with pytest.raises(OSError):
+        os.fstat(fd)  # its descriptor is closed with it

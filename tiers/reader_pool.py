@@ -1,0 +1,161 @@
+"""The disk tier's reader processes (tiers/disk_reader.py), as the tier sees them: a pool that runs a read in
+an idle one and returns its reply.
+
+Mechanism only: the tier builds each request and decides what a reply means. A reader that dies (its store's
+file cut short under it, a kill) costs the read it was serving, which the tier then does in-process, and is
+replaced; after `MAX_RESTARTS` replacements the pool gives up and the tier reads in-process from then on.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+
+from kvstrata.tiers.disk_reader import recv_message, send_message
+from kvstrata.tiers.shared_memory import is_live, segment_fd
+
+logger = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3
+
+
+class _Reader:
+    """One reader process and the end of its socket; the segments it maps."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # A session of its own: a terminal's Ctrl-C goes to the engine's process, which closes the socket.
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "kvstrata.tiers.disk_reader", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                start_new_session=True)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.segments: set[int] = set()
+
+    def read(self, request: dict, segment_ids: set[int]) -> dict:
+        gone = {s for s in self.segments if not is_live(s)}
+        if gone:
+            send_message(self.sock, {"op": "forget", "ids": sorted(gone)})
+            self.segments -= gone
+        for segment_id in segment_ids - self.segments:
+            fd = segment_fd(segment_id)
+            if fd is None:
+                raise ValueError(f"shared segment {segment_id} is gone")
+            send_message(self.sock, {"op": "segment", "id": segment_id, "nbytes": os.fstat(fd).st_size}, [fd])
+            self.segments.add(segment_id)
+        send_message(self.sock, request)
+        reply, fds = recv_message(self.sock)
+        if fds:
+            raise ValueError("a reader sent descriptors")
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()  # the reader sees the end of its socket and exits
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class ReaderPool:
+    """`processes` reader processes, each serving one read at a time. Thread-safe."""
+
+    def __init__(self, processes: int):
+        if processes < 1:
+            raise ValueError(f"a reader pool needs at least one process, got {processes}")
+        self.processes = processes
+        self._idle: queue.SimpleQueue[_Reader] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._restarts = 0
+        self._closed = False
+        self._broken = False
+        self._running: list[_Reader] = [_Reader() for _ in range(processes)]
+        for reader in self._running:
+            self._idle.put(reader)
+
+    @property
+    def pids(self) -> list[int]:
+        """The reader processes running now."""
+        with self._lock:
+            return [r.process.pid for r in self._running]
+
+    @property
+    def usable(self) -> bool:
+        """False once closed, or given up on (readers kept dying)."""
+        return not (self._closed or self._broken)
+
+    def read(self, request: dict, segment_ids: set[int]) -> dict | None:
+        """The reply of an idle reader to `request` (waiting for one if all are busy), its places in segments
+        `segment_ids`; None if the reader died meanwhile or the pool is not usable."""
+        reader = self._take()
+        if reader is None:
+            return None
+        try:
+            return reader.read(request, segment_ids)
+        except (OSError, EOFError, ValueError) as e:
+            reader = self._replace(reader, e)
+            return None
+        finally:
+            if reader is not None:
+                self._give_back(reader)
+
+    def _take(self) -> _Reader | None:
+        while self.usable:  # (a pool given up on may have no reader left to wait for)
+            try:
+                return self._idle.get(timeout=0.05)
+            except queue.Empty:
+                continue
+        return None
+
+    def _replace(self, reader: _Reader, error: BaseException) -> _Reader | None:
+        reader.close()
+        with self._lock:
+            self._running.remove(reader)
+            self._restarts += 1
+            self._broken = self._broken or self._restarts > MAX_RESTARTS
+            broken, closed = self._broken, self._closed
+        code = reader.process.returncode
+        logger.warning("disk tier: a reader process %s (%s); its blocks are read in this process%s",
+                       f"ended (exit status {code})" if code is not None else "failed", error,
+                       ", and every read from now on" if broken else "")
+        if broken or closed:
+            return None
+        replacement = _Reader()
+        with self._lock:
+            self._running.append(replacement)
+        return replacement
+
+    def _give_back(self, reader: _Reader) -> None:
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._idle.put(reader)
+        if closed:
+            self._stop(reader)
+
+    def close(self) -> None:
+        """Stop the readers (those busy now stop when their read returns)."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                reader = self._idle.get_nowait()
+            except queue.Empty:
+                return
+            self._stop(reader)
+
+    def _stop(self, reader: _Reader) -> None:
+        reader.close()
+        with self._lock:
+            self._running.remove(reader)
