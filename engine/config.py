@@ -288,6 +288,9 @@ class DiskTierConfig(_Section):
     # Relative paths resolve against the current directory when the config is loaded.
     path: Path = Field(default="./kvstore", validate_default=True)
     size: SizeField
+    # Processes that read promoted blocks (tiers/disk_reader.py); 0 reads them in the engine's process.
+    # Left out: as many as the transfer engine's fill threads.
+    read_processes: int | None = Field(default=None, ge=0, le=64)
 
     @field_validator("path", mode="before")
     @classmethod

@@ -43,6 +43,7 @@ from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.hierarchy import TierHierarchy
 from kvstrata.tiers.record import RecordCodec
 from kvstrata.tiers.storage import format_bytes
+from kvstrata.tiers.transfer import DEFAULT_FILL_THREADS, TransferEngine
 
 logger = logging.getLogger("kvstrata")
 LOAD_WAIT_S = 0.05  # the longest an otherwise idle step waits for a prefix load to land
@@ -200,8 +201,11 @@ class LLMEngine:
         if num_device_blocks < 1:
             raise ValueError(f"cache.tiers.device.size: {tiers.device.size} holds no block of "
                              f"{nbytes} bytes")
+        read_processes = self._disk_read_processes()
+        # With the KV cache in host memory the disk tier's readers copy blocks straight into it: it is shared.
+        shared = read_processes > 0 and self.device.type == "cpu"
         kv_cache = self._allocate("cache.tiers.device.size", num_device_blocks,
-                                  lambda: self.layout.allocate(num_device_blocks, self.device))
+                                  lambda: self.layout.allocate(num_device_blocks, self.device, shared=shared))
         pool = BlockPool(num_device_blocks, enable_caching=self.config.cache.enable_prefix_caching)
         cpu = disk = remote = None
         if self.config.cache.enable_prefix_caching:
@@ -215,15 +219,25 @@ class LLMEngine:
             if tiers.disk is not None and not tiers.disk.size.is_off:
                 # a block count means that many stored blocks, each a record: a small header and the payload
                 capacity = tiers.disk.size.to_bytes(RecordCodec(self.layout).record_nbytes)
-                disk = DiskTier(self.layout, str(tiers.disk.path), capacity)
+                disk = DiskTier(self.layout, str(tiers.disk.path), capacity, read_processes=read_processes)
             if tiers.remote is not None:
                 # Connects on first use: a server that is down now is a run of misses, not a failed start.
                 from kvstrata.tiers.remote import RemoteTier  # the `remote` extra: imported only when used
                 r = tiers.remote
                 remote = RemoteTier(self.layout, r.url, cluster=r.cluster, key_prefix=r.key_prefix,
                                     timeout=r.timeout, ttl=r.ttl)
-        return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload, remote=remote,
-                             event_listener=self.block_events)
+        # On CUDA the readers write into the transfer engine's pinned staging: it is shared.
+        transfers = TransferEngine(kv_cache, shared_staging=read_processes > 0)
+        return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload, transfers=transfers,
+                             remote=remote, event_listener=self.block_events)
+
+    def _disk_read_processes(self) -> int:
+        """The disk tier's reader processes (0: none, or no disk tier): by default one per fill thread."""
+        cache = self.config.cache
+        disk = cache.tiers.disk
+        if not cache.enable_prefix_caching or disk is None or disk.size.is_off:
+            return 0
+        return disk.read_processes if disk.read_processes is not None else DEFAULT_FILL_THREADS
 
     @property
     def device_capacity_warning(self) -> str | None:

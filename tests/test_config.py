@@ -372,6 +372,10 @@ def test_size_converts_to_blocks_of_a_given_byte_size():
     ({"model": {"name": "no-such-model"}}, "model.name", "neither the embedded model"),
     ({"router": {"replicas": [{"url": "http://127.0.0.1:8001"}], "max_load_gap": 0}}, "router.max_load_gap",
      "at least 1"),
+    ({"cache": {"tiers": {"disk": {"size": "1GiB", "read_processes": -1}}}}, "cache.tiers.disk.read_processes",
+     "at least 0"),
+    ({"cache": {"tiers": {"disk": {"size": "1GiB", "read_processes": "many"}}}},
+     "cache.tiers.disk.read_processes", "expected an integer"),
 ])
 def test_each_config_error_is_one_line_naming_the_key(source, key, fragment):
     error = config_error(source)

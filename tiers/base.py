@@ -17,6 +17,7 @@ import torch
 from kvstrata.kernels.kv_format import row_width
 from kvstrata.tiers import LOWER_TIER_NAMES, TIER_NAMES  # noqa: F401 - re-exported: the tiers' names, in order
 from kvstrata.tiers.block_events import BlockEventListener, TierEvents
+from kvstrata.tiers.shared_memory import shared_empty
 
 KV_LAYOUT_VERSION = 1  # bump when the block layout changes: it is folded into every hash namespace
 
@@ -44,9 +45,14 @@ class BlockLayout:
     def block_nbytes(self) -> int:
         return self.block_numel * torch.empty((), dtype=self.dtype).element_size()
 
-    def allocate(self, num_blocks: int, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
-        """A block-major KV tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, row]`."""
-        return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device, pin_memory=pin_memory)
+    def allocate(self, num_blocks: int, device: torch.device | str = "cpu", pin_memory: bool = False,
+                 shared: bool = False) -> torch.Tensor:
+        """A block-major KV tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, row]`, zero-filled; in
+        host memory other processes can write (tiers/shared_memory.py) if `shared` and on the host."""
+        shape = (num_blocks, *self.block_shape)
+        if shared and torch.device(device).type == "cpu":
+            return shared_empty(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
 
 
 def token_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:

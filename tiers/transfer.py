@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from kvstrata.tiers.base import as_bytes
+from kvstrata.tiers.shared_memory import pin, shared_empty, unpin
 
 logger = logging.getLogger("kvstrata")
 
@@ -153,7 +154,7 @@ class TransferEngine:
     """Asynchronous batched block copies between the KV cache and host memory (see module doc)."""
 
     def __init__(self, kv_cache: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 fill_threads: int = DEFAULT_FILL_THREADS):
+                 fill_threads: int = DEFAULT_FILL_THREADS, shared_staging: bool = False):
         self.kv_cache = kv_cache
         self.on_cuda = kv_cache.device.type == "cuda"
         block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
@@ -163,7 +164,8 @@ class TransferEngine:
         self._filler = filler = _Filler(fill_threads, max(1, MIN_FILL_PART_BYTES // block_nbytes))
         if self.on_cuda:
             chunk = max(1, staging_bytes // (2 * block_nbytes))  # blocks per half of a staging area
-            self._loads = _CudaDirection("load", kv_cache, chunk, self._completed, filler)
+            # Shared staging: the disk tier's reader processes fill it (tiers/shared_memory.py).
+            self._loads = _CudaDirection("load", kv_cache, chunk, self._completed, filler, shared_staging)
             self._stores = _CudaDirection("store", kv_cache, chunk, self._completed)
         else:
             self._loads = _HostDirection("load", kv_cache, self._completed, filler)
@@ -347,8 +349,10 @@ class _CudaDirection(_Direction):
     """Pinned host staging in two halves, a device staging area, a side stream and events."""
 
     def __init__(self, name: str, kv_cache: torch.Tensor, chunk_blocks: int, completed: threading.Condition,
-                 filler: _Filler | None = None):
+                 filler: _Filler | None = None, shared_staging: bool = False):
         self.chunk = chunk_blocks
+        self.shared_staging = shared_staging
+        self._registered: list[torch.Tensor] = []  # shared staging page-locked by us: unpinned at stop
         self.stream = torch.cuda.Stream(device=kv_cache.device)
         # Staging is allocated by the first job (an engine without lower tiers never pins any).
         self.host: list[torch.Tensor] = []
@@ -361,8 +365,23 @@ class _CudaDirection(_Direction):
 
     def _allocate_staging(self) -> None:
         shape = (self.chunk, *self.kv_cache.shape[1:])
-        self.host = [torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=True) for _ in range(2)]
+        self.host = [self._host_half(shape) for _ in range(2)]
         self.device = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+
+    def _host_half(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.shared_staging:
+            half = shared_empty(shape, self.kv_cache.dtype)
+            if pin(half):
+                self._registered.append(half)
+                return half
+            logger.warning("kvstrata: CUDA would not page-lock shared staging; the disk tier's blocks are read in "
+                           "this process")
+        return torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=True)
+
+    def stop(self) -> None:
+        super().stop()
+        while self._registered:
+            unpin(self._registered.pop())
 
     def _prepare(self, transfer: Transfer) -> None:
         # The job must come after the work queued on the compute stream so far: a store reads blocks
