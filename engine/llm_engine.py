@@ -220,6 +220,7 @@ class LLMEngine:
                 # a block count means that many stored blocks, each a record: a small header and the payload
                 capacity = tiers.disk.size.to_bytes(RecordCodec(self.layout).record_nbytes)
                 disk = DiskTier(self.layout, str(tiers.disk.path), capacity, read_processes=read_processes)
+                disk.share(kv_cache)
             if tiers.remote is not None:
                 # Connects on first use: a server that is down now is a run of misses, not a failed start.
                 from kvstrata.tiers.remote import RemoteTier  # the `remote` extra: imported only when used

@@ -193,3 +193,16 @@ def test_shared_memory_is_located_while_a_view_lives_and_freed_after():
     assert not is_live(segment) and segment_fd(segment) is None
     with pytest.raises(OSError):
         os.fstat(fd)  # its descriptor is closed with it
+
+
+def test_memory_shared_ahead_of_the_reads_is_read_into(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=2)
+    put_blocks(tier, range(3))
+    tier.flush()
+    kv = shared_empty((8, BF16.block_nbytes), torch.uint8)
+    tier.share(kv)
+    tier.share(torch.zeros(4))  # private memory: nothing to share
+    assert tier.get([key(i) for i in range(3)], [tokens(i) for i in range(3)], [kv[5], kv[1], kv[7]]) == [True] * 3
+    assert [torch.equal(kv[b], payload(BF16, i)) for i, b in enumerate((5, 1, 7))] == [True] * 3
+    assert by_processes(tier) == 3
+    tier.close()

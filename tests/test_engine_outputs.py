@@ -145,6 +145,9 @@ def test_hits_from_device_cpu_and_disk_give_the_uncached_outputs(loaded, referen
     assert stats["promotions"] == {"cpu": served["cpu"] // 16, "disk": served["disk"] // 16, "remote": 0}
     assert stats["promotions"]["disk"] > 0 and stats["promotions"]["cpu"] > 0
     assert stats["promotion_failures"] == 0
+    # the disk hit was read by the disk tier's reader processes, into the host KV cache they share
+    disk = stats["tiers"]["disk"]
+    assert 0 < disk["extra"]["blocks_read_by_processes"] <= disk["hits"]
     llm.close()
 
 

@@ -272,6 +272,13 @@ class DiskTier(LowerTier):
 
         return self._in_snapshot("blocks", read, default=list)
 
+    def share(self, dests: torch.Tensor) -> None:
+        """Where `dests` (the memory reads will fill, such as a host KV cache) is shared memory, have the reader
+        processes map it now rather than at the first read into it."""
+        place = locate(dests)
+        if self._readers is not None and place is not None:
+            self._readers.share({place.segment})
+
     def _read_in_reader(self, todo: list[int], block_hashes, token_ids, dests, served: list[bool],
                         corrupt: list[bytes]) -> list[int]:
         """Serve blocks `todo` through a reader process, where every destination is shared memory; returns those

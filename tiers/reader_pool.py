@@ -42,7 +42,8 @@ class _Reader:
         self.sock = ours
         self.segments: set[int] = set()
 
-    def read(self, request: dict, segment_ids: set[int]) -> dict:
+    def share(self, segment_ids: set[int]) -> None:
+        """Have the reader map `segment_ids` (those it lacks) and unmap the segments that are gone."""
         gone = {s for s in self.segments if not is_live(s)}
         if gone:
             send_message(self.sock, {"op": "forget", "ids": sorted(gone)})
@@ -53,6 +54,9 @@ class _Reader:
                 raise ValueError(f"shared segment {segment_id} is gone")
             send_message(self.sock, {"op": "segment", "id": segment_id, "nbytes": os.fstat(fd).st_size}, [fd])
             self.segments.add(segment_id)
+
+    def read(self, request: dict, segment_ids: set[int]) -> dict:
+        self.share(segment_ids)
         send_message(self.sock, request)
         reply, fds = recv_message(self.sock)
         if fds:
@@ -94,6 +98,22 @@ class ReaderPool:
     def usable(self) -> bool:
         """False once closed, or given up on (readers kept dying)."""
         return not (self._closed or self._broken)
+
+    def share(self, segment_ids: set[int]) -> None:
+        """Have every reader map `segment_ids` now, ahead of the reads into them: a reader maps a segment whole,
+        page tables included, which takes a while for a large one (a host KV cache). Returns once each has been
+        asked; they map it while this process goes on."""
+        for _ in range(self.processes):
+            reader = self._take()
+            if reader is None:
+                return
+            try:
+                reader.share(segment_ids)
+            except (OSError, ValueError) as e:
+                reader = self._replace(reader, e)
+            finally:
+                if reader is not None:
+                    self._give_back(reader)
 
     def read(self, request: dict, segment_ids: set[int]) -> dict | None:
         """The reply of an idle reader to `request` (waiting for one if all are busy), its places in segments

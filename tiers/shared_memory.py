@@ -105,7 +105,7 @@ def pin(tensor: torch.Tensor) -> bool:
     """Page-lock a shared tensor for asynchronous copies to and from CUDA devices (as `pin_memory` does to
     memory of its own); False if CUDA refuses. `unpin` it before its last view goes."""
     error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-    return int(error) == 0
+    return int(getattr(error, "value", error)) == 0  # cudaSuccess
 
 
 def unpin(tensor: torch.Tensor) -> None:
