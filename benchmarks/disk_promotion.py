@@ -39,6 +39,7 @@ def worker(_: str) -> dict:
         with tempfile.TemporaryDirectory(prefix="kvstrata-disk-") as store_dir:
             row = measure(tokens, torch.device("cpu"), store_dir, 5, lambda: None, layout=layout)
         measured[name] = {"gbps": row["disk_gbps"], "gbps_one_thread": row["disk_gbps_one_thread"],
+                          "gbps_in_process": row.get("disk_gbps_in_process"),
                           "fill_threads": row["fill_threads"], "mb": row["bytes"] / 1e6}
     return measured
 
@@ -61,8 +62,10 @@ def report(result: dict) -> list[str]:
     any_run = runs["this"][0]
     lines = ["# Promotion from a warm disk tier", "", *provenance_lines(result), "",
              "A document's blocks promoted from a warm disk tier into a block-major KV cache in host memory through "
-             f"the transfer engine ({any_run[next(iter(BLOCKS))]['fill_threads']} fill threads; one in parentheses), "
-             "random bytes, bf16 blocks of 16 tokens; best of 5 promotions after a warm-up (benchmarks/tiers.py's "
+             f"the transfer engine ({any_run[next(iter(BLOCKS))]['fill_threads']} fill threads), as the engine reads "
+             "them (by the disk tier's reader processes, where the code has them; in brackets: the same reads in the "
+             "engine's process on the fill threads) and in parentheses on one fill thread in-process; random bytes, "
+             "bf16 blocks of 16 tokens; best of 5 promotions after a warm-up (benchmarks/tiers.py's "
              "`measure`). Each run in a process of its own"
              + (f", this commit and {baseline} in turn" if baseline else "") + "; every run listed, GB/s.", "",
              "| side | run | " + " | ".join(f"{name} ({any_run[name]['mb']:.0f} MB)" for name in BLOCKS) + " |",
@@ -71,7 +74,9 @@ def report(result: dict) -> list[str]:
         label = "this commit" if side == "this" else baseline
         for k, r in enumerate(side_runs):
             lines.append(f"| {label} | {k + 1} | " + " | ".join(
-                f"{r[name]['gbps']:.2f} ({r[name]['gbps_one_thread']:.2f})" for name in BLOCKS) + " |")
+                f"{r[name]['gbps']:.2f}" + (f" [{r[name]['gbps_in_process']:.2f}]" if r[name].get("gbps_in_process")
+                                            else "") + f" ({r[name]['gbps_one_thread']:.2f})"
+                for name in BLOCKS) + " |")
     if baseline:
         lines += ["", "Best run of each side, this commit over the baseline: " + "; ".join(
             f"{name} {best(runs['this'], name, 'gbps') / best(runs['baseline'], name, 'gbps'):.2f}x "

@@ -628,17 +628,24 @@ def bandwidth_lines(b: dict, result: dict) -> list[str]:
     lines = [f"Limit, measured in this run (best of 5): {h2d['what']} **{h2d['gbps']:.2f} GB/s**; "
              f"{d2h['what']} **{d2h['gbps']:.2f} GB/s**.", "",
              "Promotion through the transfer engine, on a side stream (the CPU tier's pinned rows copied straight "
-             "to the device, a copy per run of neighbours; the disk tier read on the fill threads into pinned "
-             "staging, a copy per chunk), timed from submission until it has landed, best of "
-             f"5 after a warm-up; random bytes, bf16 blocks of 16 tokens; {b['rows'][0].get('fill_threads', '?')} fill "
-             "threads. In parentheses: the same with one fill thread, measured in turn.", "",
+             "to the device, a copy per run of neighbours; the disk tier read by its reader processes, one per fill "
+             "thread, into shared pinned staging, a copy per chunk), timed from submission until it has landed, "
+             f"best of 5 after a warm-up; random bytes, bf16 blocks of 16 tokens; "
+             f"{b['rows'][0].get('fill_threads', '?')} fill threads. In parentheses: the same with one fill thread "
+             "(the disk tier read in the engine's process), measured in turn. Disk in-process: the disk tier's reads "
+             "on the fill threads in the engine's process (before reader processes).", "",
              "| block | bytes per block | tokens | MB | CPU tier -> device GB/s | % of H2D | warm disk -> device "
-             "GB/s | % of H2D | disk write-down GB/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "GB/s | % of H2D | disk in-process GB/s | % of H2D | disk write-down GB/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in b["rows"]:
         cells = [_with_one_thread(r, key, lambda v: f"{v:.2f}") for key in ("cpu_gbps", "disk_gbps")]
         shares = [_with_one_thread(r, key, lambda v: f"{100 * v / h2d['gbps']:.0f}%") for key in ("cpu_gbps", "disk_gbps")]
+        in_process = r.get("disk_gbps_in_process")
+        in_process_cells = (f"{in_process:.2f} | {100 * in_process / h2d['gbps']:.0f}%" if in_process is not None
+                            else "n/a | n/a")
         lines.append(f"| {r['block']} | {r['block_nbytes']:,} | {r['tokens']} | {r['bytes'] / 1e6:.0f} | "
-                     f"{cells[0]} | {shares[0]} | {cells[1]} | {shares[1]} | {r['disk_write_gbps']:.2f} |")
+                     f"{cells[0]} | {shares[0]} | {cells[1]} | {shares[1]} | {in_process_cells} | "
+                     f"{r['disk_write_gbps']:.2f} |")
     return lines + [""]
 
 

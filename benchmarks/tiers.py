@@ -3,8 +3,8 @@ as a fraction of this machine's copy bandwidth, and the disk tier's write-down t
 
 A promotion goes the engine's way: one load job of the transfer engine, timed from submission until it
 has landed. The CPU tier lends its slab's rows (with CUDA the slab is pinned and each run of neighbouring
-rows is one host-to-device copy on a side stream); the disk tier is read into pinned staging, then one
-host-to-device copy per chunk.
+rows is one host-to-device copy on a side stream); the disk tier is read by its reader processes into shared
+pinned staging (or, without CUDA, into the shared host KV cache), then one host-to-device copy per chunk.
 
     python benchmarks/tiers.py [--out benchmarks/results] [--repeats 5]
 
@@ -16,6 +16,7 @@ CPU tier >= 70% of the reference, warm disk >= 50%.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -82,20 +83,30 @@ def block_ids(num_blocks: int, layout: BlockLayout) -> tuple[list[bytes], list[l
     return hashes, tokens
 
 
+def reader_processes_supported() -> bool:
+    """Whether the tiers under test have the disk tier's reader processes (a baseline may predate them)."""
+    return "read_processes" in inspect.signature(DiskTier).parameters
+
+
 def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int, sync,
             layout: BlockLayout = LAYOUT) -> dict:
     """Promotion of `num_tokens` tokens of random blocks of `layout` from a pinned CPU tier and from a
     warm disk tier, each checked to land the source's bytes, and the disk tier's write-down. Each
-    promotion is timed twice in turn: with the transfer engine's fill threads (as the engine runs) and
-    with one fill thread (the tier's read on the load worker alone)."""
+    promotion is timed with the transfer engine's fill threads (as the engine runs) and with one fill thread
+    (the tier's read on the load worker alone); the disk tier's also by its reader processes (`disk_gbps`,
+    as the engine reads it) against the same reads in this process (`disk_gbps_in_process`)."""
     num_blocks = num_tokens // layout.block_size
     nbytes = num_blocks * layout.block_nbytes
     hashes, tokens = block_ids(num_blocks, layout)
     source = layout.allocate(num_blocks)
     source.view(torch.uint8).random_(0, 256)
     srcs = [as_bytes(source[i]) for i in range(num_blocks)]
-    kv = layout.allocate(num_blocks, device=device)
-    engines = {"": TransferEngine(kv), "_one_thread": TransferEngine(kv, fill_threads=1)}
+    readers = reader_processes_supported()
+    # As the engine allocates them where the disk tier has reader processes: a host KV cache, and the pinned
+    # staging of host-to-device copies, in memory the readers share.
+    kv = layout.allocate(num_blocks, device=device, **({"shared": True} if readers else {}))
+    engines = {"": TransferEngine(kv, **({"shared_staging": True} if readers else {})),
+               "_one_thread": TransferEngine(kv, fill_threads=1)}
     ids = list(range(num_blocks))
 
     def promote(tier, transfers):
@@ -109,27 +120,35 @@ def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int,
         job.wait()
         assert all(job.served), f"the {tier.name} tier did not serve every block"
 
-    def promotion_gbps(tier) -> dict[str, float]:
+    def promotion_gbps(tier, suffixes: dict[str, str]) -> dict[str, float]:
+        """The promotion through each engine named in `suffixes` (engine's suffix -> the row's)."""
         row = {}
-        for suffix, transfers in engines.items():
+        for suffix, row_suffix in suffixes.items():
             kv.zero_()
-            row[f"{tier.name}_gbps{suffix}"] = nbytes / best_seconds(lambda: promote(tier, transfers), repeats, sync) / 1e9
+            seconds = best_seconds(lambda: promote(tier, engines[suffix]), repeats, sync)
+            row[f"{tier.name}_gbps{row_suffix}"] = nbytes / seconds / 1e9
             assert torch.equal(kv.cpu().view(torch.uint8), source.view(torch.uint8)), \
                 f"{tier.name} tier promotion returned other bytes"
         return row
 
     cpu = CpuTier(layout, num_blocks, pin_memory=True)
     cpu.put(hashes, tokens, srcs)
-    row = promotion_gbps(cpu)
+    row = promotion_gbps(cpu, {"": "", "_one_thread": "_one_thread"})
 
     path = os.path.join(store_dir, f"store-{num_tokens}-{layout.block_nbytes}")
-    disk = DiskTier(layout, path, 2 * nbytes + (64 << 20), check_integrity=False)
+    capacity = 2 * nbytes + (64 << 20)
+    disk = DiskTier(layout, path, capacity, check_integrity=False)
     start = time.perf_counter()
     disk.put(hashes, tokens, srcs)
     disk.flush()
     write_s = time.perf_counter() - start
-    row.update(promotion_gbps(disk))  # warm: best_seconds reads once first
+    # warm: best_seconds reads once first. Read in this process: on the fill threads, and on one.
+    row.update(promotion_gbps(disk, {"": "_in_process" if readers else "", "_one_thread": "_one_thread"}))
     disk.close()
+    if readers:  # as the engine reads it: by as many reader processes as fill threads
+        disk = DiskTier(layout, path, capacity, check_integrity=False, read_processes=engines[""].fill_threads)
+        row.update(promotion_gbps(disk, {"": ""}))
+        disk.close()
     for transfers in engines.values():
         transfers.close()
     return {"tokens": num_tokens, "blocks": num_blocks, "bytes": nbytes, **row,
@@ -148,16 +167,18 @@ def markdown(results: dict) -> str:
         f"KV tensor on `{results['device']}`; best of {results['repeats']} runs after a warm-up.",
         "",
         f"Promotions run with the transfer engine's {results['rows'][0]['fill_threads']} fill threads (as the engine "
-        "does), and side by side with one (in parentheses).",
+        "does), and side by side with one (in parentheses), the disk tier's read by as many reader processes (as the "
+        "engine reads it) and in this process (in brackets: on the fill threads; in parentheses: on one).",
         "",
         "| tokens | blocks | MB | CPU tier -> device GB/s (one thread) | % of ref (goal 70%) | warm disk -> device GB/s "
-        "(one thread) | % of ref (goal 50%) | disk write-down GB/s (put + flush) |",
+        "[in-process] (one thread) | % of ref (goal 50%) | disk write-down GB/s (put + flush) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["rows"]:
+        in_process = f" [{r['disk_gbps_in_process']:.2f}]" if "disk_gbps_in_process" in r else ""
         lines.append(f"| {r['tokens']} | {r['blocks']} | {r['bytes'] / 1e6:.1f} | {r['cpu_gbps']:.2f} "
                      f"({r['cpu_gbps_one_thread']:.2f}) | {100 * r['cpu_gbps'] / ref:.0f}% "
-                     f"({100 * r['cpu_gbps_one_thread'] / ref:.0f}%) | {r['disk_gbps']:.2f} "
+                     f"({100 * r['cpu_gbps_one_thread'] / ref:.0f}%) | {r['disk_gbps']:.2f}{in_process} "
                      f"({r['disk_gbps_one_thread']:.2f}) | {100 * r['disk_gbps'] / ref:.0f}% "
                      f"({100 * r['disk_gbps_one_thread'] / ref:.0f}%) | {r['disk_write_gbps']:.2f} |")
     lines.append("")
