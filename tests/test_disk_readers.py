@@ -206,3 +206,17 @@ def test_memory_shared_ahead_of_the_reads_is_read_into(store_path):
     assert [torch.equal(kv[b], payload(BF16, i)) for i, b in enumerate((5, 1, 7))] == [True] * 3
     assert by_processes(tier) == 3
     tier.close()
+
+
+def test_readers_that_cannot_start_leave_the_reads_in_this_process(store_path, monkeypatch, caplog):
+    def no_process(*args, **kwargs):
+        raise OSError("Cannot allocate memory")
+
+    monkeypatch.setattr(reader_pool.subprocess, "Popen", no_process)
+    tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=2)
+    assert "cannot start its reader processes (Cannot allocate memory)" in caplog.text
+    put_blocks(tier, [1])
+    tier.flush()
+    assert read_shared(tier, [1]) == [True]
+    assert (tier.stats().extra["read_processes"], by_processes(tier)) == (0, 0)
+    tier.close()

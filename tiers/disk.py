@@ -180,7 +180,7 @@ class DiskTier(LowerTier):
                                                      on_finished=self._forget_committed)
         self._cond = self._writer.cond  # guards the pending map too, so that it always matches the queue
         # Reads into shared host memory go to these processes (tiers/disk_reader.py); others run here.
-        self._readers = ReaderPool(read_processes) if read_processes > 0 else None
+        self._readers = _start_readers(read_processes)
         self._blocks_read_by_processes = 0  # served by them
         self._atexit = _close_at_exit(weakref.ref(self))
         atexit.register(self._atexit)
@@ -674,6 +674,17 @@ class DiskTier(LowerTier):
                    "read_processes": self._readers.processes if self._readers and self._readers.usable else 0,
                    "blocks_read_by_processes": self._blocks_read_by_processes},
         )
+
+
+def _start_readers(processes: int) -> Optional[ReaderPool]:
+    """The reader pool, or None (no processes asked for, or they could not be started: reads run here)."""
+    if processes < 1:
+        return None
+    try:
+        return ReaderPool(processes)
+    except OSError as e:
+        logger.warning("disk tier: cannot start its reader processes (%s); blocks are read in this process", e)
+        return None
 
 
 def _leading_true(flags: Sequence[bool]) -> int:

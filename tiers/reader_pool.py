@@ -84,7 +84,14 @@ class ReaderPool:
         self._restarts = 0
         self._closed = False
         self._broken = False
-        self._running: list[_Reader] = [_Reader() for _ in range(processes)]
+        self._running: list[_Reader] = []
+        try:
+            for _ in range(processes):
+                self._running.append(_Reader())
+        except BaseException:  # none left running
+            for reader in self._running:
+                reader.close()
+            raise
         for reader in self._running:
             self._idle.put(reader)
 
