@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from test_disk_tier import CHILD_PRELUDE, corrupt_value, run_python
+from test_disk_tier import BIG, CHILD_PRELUDE, corrupt_value, grow_in_another_process, run_python
 from tier_cases import BF16, FP32, key, payload, put_blocks, tokens
 
 from kvstrata.tiers import reader_pool
@@ -96,23 +96,12 @@ def test_a_damaged_value_read_by_a_reader_is_a_counted_miss_never_served(store_p
 
 
 def test_a_store_grown_by_another_process_is_read_by_the_readers(store_path):
-    from kvstrata.tiers.base import BlockLayout
-    big = BlockLayout(num_layers=8, block_size=16, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)
-    tier = DiskTier(big, store_path, 4 * MiB, writer_batch=1, read_processes=1)
-    put_blocks(tier, [0], big)
+    tier = DiskTier(BIG, store_path, 4 * MiB, writer_batch=1, read_processes=1)
+    put_blocks(tier, [0], BIG)
     tier.flush()
-    assert read_shared(tier, [0], big) == [True]  # the reader has the store open, at its first size
-    run_python(CHILD_PRELUDE + f"""
-from kvstrata.tiers.base import BlockLayout
-L = BlockLayout(num_layers=8, block_size=16, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)
-def payload(i): return tier_cases.payload(L, i)
-tier = DiskTier(L, {store_path!r}, 128 << 20)
-for start in range(0, 320, 32):
-    ids = range(start, start + 32)
-    tier.put([key(i) for i in ids], [tokens(i, L) for i in ids], [payload(i) for i in ids])
-tier.close()
-""")
-    assert read_shared(tier, [318, 319], big) == [True, True]
+    assert read_shared(tier, [0], BIG) == [True]  # the reader has the store open, at its first size
+    grow_in_another_process(store_path)
+    assert read_shared(tier, [318, 319], BIG) == [True, True]
     assert by_processes(tier) == 3
     tier.close()
 

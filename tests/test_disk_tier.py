@@ -394,9 +394,9 @@ def test_a_full_map_drops_writes_counted_and_later_writes_succeed_once_room_is_m
     tier.close()
 
 
-def test_a_store_grown_by_a_process_with_a_larger_size_is_still_read_and_written(store_path):
-    small = DiskTier(BIG, store_path, 2 * RecordCodec(BIG).record_nbytes, writer_batch=1)
-    # The other process's 80 MiB of blocks outgrow this process's map (LMDB: MDB_MAP_RESIZED).
+def grow_in_another_process(store_path: str) -> None:
+    """Another process puts 320 blocks of `BIG` (80 MiB) in the store at `store_path`, opened 128 MiB large: they
+    outgrow the map of a process that opened it smaller (LMDB: MDB_MAP_RESIZED). Blocks 0-319."""
     run_python(CHILD_PRELUDE + f"""
 from kvstrata.tiers.base import BlockLayout
 L = BlockLayout(num_layers=8, block_size=16, num_kv_heads=8, head_dim=64, dtype=torch.bfloat16)
@@ -407,6 +407,11 @@ for start in range(0, 320, 32):
     tier.put([key(i) for i in ids], [tokens(i, L) for i in ids], [payload(i) for i in ids])
 tier.close()
 """)
+
+
+def test_a_store_grown_by_a_process_with_a_larger_size_is_still_read_and_written(store_path):
+    small = DiskTier(BIG, store_path, 2 * RecordCodec(BIG).record_nbytes, writer_batch=1)
+    grow_in_another_process(store_path)
     assert get_blocks(small, [318, 319], BIG) == [True, True]
     put_blocks(small, [1000], BIG)
     small.flush()
