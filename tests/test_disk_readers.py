@@ -4,7 +4,11 @@ another process is followed; a reader that dies costs no block (its read is done
 the tier ends them all."""
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -209,3 +213,32 @@ def test_readers_that_cannot_start_leave_the_reads_in_this_process(store_path, m
     assert read_shared(tier, [1]) == [True]
     assert (tier.stats().extra["read_processes"], by_processes(tier)) == (0, 0)
     tier.close()
+
+
+def test_readers_exit_when_the_engines_process_is_killed(store_path):
+    """kill -9 of the process that started them leaves no reader behind: each sees its socket close."""
+    engine = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD_PRELUDE + f"""
+tier = DiskTier(L, {store_path!r}, 4 << 20, read_processes=2)
+print(*tier._readers.pids, flush=True)
+import time
+time.sleep(60)
+""")], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in engine.stdout.readline().split()]
+    finally:
+        engine.kill()
+        engine.wait()
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.05)
+    assert not any(_running(pid) for pid in pids)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, nor a zombie waiting for its new parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
