@@ -442,6 +442,8 @@ def test_metrics_expose_cache_tiers_ttft_and_queues(http):
     for name in ("kvstrata_cache_evictions_blocks_total", "kvstrata_cache_write_downs_blocks_total",
                  "kvstrata_cache_promotions_blocks_total", "kvstrata_cache_corrupt_blocks_total"):
         metric_value(text, name, 'tier="cpu"')
+    assert metric_value(text, "kvstrata_cache_disk_read_processes") >= 1  # by default one per fill thread
+    assert metric_value(text, "kvstrata_cache_disk_blocks_read_by_processes_total") >= 0
 
 
 VERDICT = {"type": "object", "properties": {"opened": {"type": "integer", "minimum": 1000, "maximum": 2100},
