@@ -205,7 +205,7 @@ class LLMEngine:
         # With the KV cache in host memory the disk tier's readers copy blocks straight into it: it is shared.
         shared = read_processes > 0 and self.device.type == "cpu"
         kv_cache = self._allocate("cache.tiers.device.size", num_device_blocks,
-                                  lambda: self.layout.allocate(num_device_blocks, self.device, shared=shared))
+                                  lambda: self._allocate_kv_cache(num_device_blocks, shared))
         pool = BlockPool(num_device_blocks, enable_caching=self.config.cache.enable_prefix_caching)
         cpu = disk = remote = None
         if self.config.cache.enable_prefix_caching:
@@ -231,6 +231,15 @@ class LLMEngine:
         transfers = TransferEngine(kv_cache, shared_staging=read_processes > 0)
         return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload, transfers=transfers,
                              remote=remote, event_listener=self.block_events)
+
+    def _allocate_kv_cache(self, num_blocks: int, shared: bool) -> torch.Tensor:
+        if shared:
+            try:
+                return self.layout.allocate(num_blocks, self.device, shared=True)
+            except OSError as exc:  # no anonymous memory files here (a sandbox): the reads stay in this process
+                logger.warning("kvstrata: cannot put the KV cache in shared memory (%s); the disk tier's blocks are "
+                               "read in this process", exc)
+        return self.layout.allocate(num_blocks, self.device)
 
     def _disk_read_processes(self) -> int:
         """The disk tier's reader processes (0: none, or no disk tier): by default one per fill thread."""

@@ -242,3 +242,49 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def tiny_engine_config(store: str, **disk) -> dict:
+    return {"model": {"name": "tiny-llama", "load_format": "dummy", "dtype": "float32", "device": "cpu"},
+            # always_load: with a model this small, recomputing a document may cost less than reading it
+            "cache": {"load_policy": "always_load",
+                      "tiers": {"device": {"size": 64}, "disk": {"path": store, "size": "64MiB", **disk}}}}
+
+
+def disk_hit(llm, prompt: list[int]) -> tuple[list[int], int]:
+    """The prompt's greedy answer once its blocks are on disk only, and the disk-tier tokens it was served."""
+    from kvstrata import SamplingParams
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    first = llm.generate(prompt, greedy)[0]
+    llm.engine.hierarchy.wait_for_write_downs()
+    assert llm.engine.hierarchy.clear_device_cache()
+    again = llm.generate(prompt, greedy)[0]
+    assert again.token_ids == first.token_ids
+    return again.token_ids, again.cached_tokens_by_tier["disk"]
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["readers", "no-shared-memory"])
+def test_an_engines_disk_hits_are_read_by_its_readers_or_in_process_without_shared_memory(
+        tmp_path, monkeypatch, caplog, shared_memory):
+    from kvstrata import LLM, load_config
+    if not shared_memory:
+        def refused(*args):
+            raise OSError("Function not implemented")
+        monkeypatch.setattr(os, "memfd_create", refused)
+    with LLM(load_config(tiny_engine_config(str(tmp_path / "kv")))) as llm:
+        _, disk_tokens = disk_hit(llm, [100 + i for i in range(200)])
+        extra = llm.stats()["tiers"]["disk"]["extra"]
+    assert disk_tokens >= 192
+    if shared_memory:
+        assert extra["blocks_read_by_processes"] >= 12 and extra["read_processes"] >= 1
+    else:
+        assert "cannot put the KV cache in shared memory (Function not implemented)" in caplog.text
+        assert extra["blocks_read_by_processes"] == 0
+
+
+def test_read_processes_zero_reads_in_the_engines_process(tmp_path):
+    from kvstrata import LLM, load_config
+    with LLM(load_config(tiny_engine_config(str(tmp_path / "kv"), read_processes=0))) as llm:
+        _, disk_tokens = disk_hit(llm, [100 + i for i in range(200)])
+        extra = llm.stats()["tiers"]["disk"]["extra"]
+    assert disk_tokens >= 192 and (extra["read_processes"], extra["blocks_read_by_processes"]) == (0, 0)

@@ -370,12 +370,16 @@ class _CudaDirection(_Direction):
 
     def _host_half(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.shared_staging:
-            half = shared_empty(shape, self.kv_cache.dtype)
-            if pin(half):
+            try:
+                half = shared_empty(shape, self.kv_cache.dtype)
+            except OSError as e:
+                half, why = None, str(e)
+            else:
+                why = "CUDA would not page-lock it"
+            if half is not None and pin(half):
                 self._registered.append(half)
                 return half
-            logger.warning("kvstrata: CUDA would not page-lock shared staging; the disk tier's blocks are read in "
-                           "this process")
+            logger.warning("kvstrata: no shared staging (%s); the disk tier's blocks are read in this process", why)
         return torch.empty(shape, dtype=self.kv_cache.dtype, pin_memory=True)
 
     def stop(self) -> None:
