@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import select
 import signal
 import socket
@@ -81,6 +82,7 @@ def test_startup_banner_names_address_model_and_tier_sizes(server):
     for tier in ("device tier:", "cpu tier:", "disk tier:"):
         assert tier in banner
     assert "128 blocks" in banner  # the device tier as configured
+    assert re.search(r"disk tier: .* read by \d+ process", banner)  # its reader processes
 
 
 @pytest.mark.slow

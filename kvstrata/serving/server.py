@@ -182,7 +182,11 @@ def _banner(config: Config, async_engine: AsyncEngine, model_id: str, sock: sock
             lines.append(f"  {'remote tier:':<13}{tier['extra']['url']} (key prefix {tier['extra']['key_prefix']}"
                          f"{', cluster' if tier['extra']['cluster'] else ''})")
             continue
-        where = f" at {config.cache.tiers.disk.path}" if name == "disk" else ""
+        where = ""
+        if name == "disk":
+            readers = tier["extra"].get("read_processes", 0)
+            where = f" at {config.cache.tiers.disk.path}" + (
+                f", read by {readers} process{'es' if readers != 1 else ''}" if readers else "")
         lines.append(f"  {name + ' tier:':<13}{format_bytes(tier['capacity_bytes'])} "
                      f"({tier['capacity_blocks']} blocks of {config.cache.block_size} tokens){where}")
     return "\n".join(lines)
