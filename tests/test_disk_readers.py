@@ -288,3 +288,19 @@ def test_read_processes_zero_reads_in_the_engines_process(tmp_path):
         _, disk_tokens = disk_hit(llm, [100 + i for i in range(200)])
         extra = llm.stats()["tiers"]["disk"]["extra"]
     assert disk_tokens >= 192 and (extra["read_processes"], extra["blocks_read_by_processes"]) == (0, 0)
+
+
+def test_a_stuck_reader_is_killed_after_the_timeout_and_its_read_done_in_process(store_path, monkeypatch, caplog):
+    monkeypatch.setattr(reader_pool, "READ_TIMEOUT_S", 0.5)
+    tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=1)
+    put_blocks(tier, range(3))
+    tier.flush()
+    (pid,) = tier._readers.pids
+    os.kill(pid, signal.SIGSTOP)  # alive, never answering
+    started = time.monotonic()
+    assert read_shared(tier, [0, 1, 2]) == [True] * 3
+    assert time.monotonic() - started < 10
+    assert "a reader process did not answer in 0.5 s and was killed" in caplog.text
+    assert not _running(pid) and tier._readers.pids != [pid]
+    assert read_shared(tier, [0]) == [True] and by_processes(tier) == 1  # by its replacement
+    tier.close()

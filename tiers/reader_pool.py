@@ -21,6 +21,10 @@ from kvstrata.tiers.shared_memory import is_live, segment_fd
 logger = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3
+# The longest a reader may take to take a request or answer it. A read of a batch from a warm page cache takes
+# milliseconds, from a slow disk seconds; beyond this the reader is taken for stuck (stopped, wedged), killed, and
+# its read done in-process: a load never waits on a reader for ever.
+READ_TIMEOUT_S = 30.0
 
 
 class _Reader:
@@ -39,6 +43,7 @@ class _Reader:
             raise
         finally:
             theirs.close()
+        ours.settimeout(READ_TIMEOUT_S)
         self.sock = ours
         self.segments: set[int] = set()
 
@@ -63,8 +68,11 @@ class _Reader:
             raise ValueError("a reader sent descriptors")
         return reply
 
-    def close(self) -> None:
-        self.sock.close()  # the reader sees the end of its socket and exits
+    def close(self, kill: bool = False) -> None:
+        """Stop the reader: it sees the end of its socket and exits (killed at once if `kill`: it failed)."""
+        self.sock.close()
+        if kill:
+            self.process.kill()
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -146,16 +154,17 @@ class ReaderPool:
         return None
 
     def _replace(self, reader: _Reader, error: BaseException) -> _Reader | None:
-        reader.close()
+        stuck = isinstance(error, TimeoutError)
+        reader.close(kill=stuck)
         with self._lock:
             self._running.remove(reader)
             self._restarts += 1
             self._broken = self._broken or self._restarts > MAX_RESTARTS
             broken, closed = self._broken, self._closed
-        code = reader.process.returncode
-        logger.warning("disk tier: a reader process %s (%s); its blocks are read in this process%s",
-                       f"ended (exit status {code})" if code is not None else "failed", error,
-                       ", and every read from now on" if broken else "")
+        what = (f"did not answer in {READ_TIMEOUT_S:g} s and was killed" if stuck
+                else f"ended (exit status {reader.process.returncode})")
+        logger.warning("disk tier: a reader process %s (%s); its blocks are read in this process%s", what,
+                       error or type(error).__name__, ", and every read from now on" if broken else "")
         if broken or closed:
             return None
         replacement = _Reader()
