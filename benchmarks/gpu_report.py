@@ -234,6 +234,16 @@ def promotion_layouts() -> dict:
                                       dtype=torch.bfloat16)}
 
 
+def more_readers(plan: Plan) -> tuple[int, ...]:
+    """Disk reader counts to measure beside the engine's (one per fill thread, at most 4): twice and four times
+    it, up to the host's cores, so that a run shows whether a larger host wants more (one in a smoke run)."""
+    from kvstrata.tiers.transfer import DEFAULT_FILL_THREADS
+    if plan.smoke:
+        return (1,)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return tuple(n for n in (2 * DEFAULT_FILL_THREADS, 4 * DEFAULT_FILL_THREADS) if n <= cores)
+
+
 def measure_bandwidth(plan: Plan) -> dict:
     """The pinned copy limit both ways, then promotion per block layout through the transfer engine."""
     from benchmarks.tiers import measure, reference_bandwidth
@@ -248,7 +258,7 @@ def measure_bandwidth(plan: Plan) -> dict:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvstrata-gpu-stores-") as store_dir:
         for name, layout in promotion_layouts().items():
-            row = measure(plan.promotion_tokens, device, store_dir, 5, sync, layout)
+            row = measure(plan.promotion_tokens, device, store_dir, 5, sync, layout, more_readers(plan))
             rows.append({"block": name, "block_nbytes": layout.block_nbytes, **row})
             log(f"bandwidth: {name} blocks: CPU tier {row['cpu_gbps']:.2f} GB/s, warm disk {row['disk_gbps']:.2f} GB/s")
     return {"limits": limits, "rows": rows}
@@ -646,6 +656,12 @@ def bandwidth_lines(b: dict, result: dict) -> list[str]:
         lines.append(f"| {r['block']} | {r['block_nbytes']:,} | {r['tokens']} | {r['bytes'] / 1e6:.0f} | "
                      f"{cells[0]} | {shares[0]} | {cells[1]} | {shares[1]} | {in_process_cells} | "
                      f"{r['disk_write_gbps']:.2f} |")
+    by_readers = [f"{r['block']}, {n} reader{'s' if n != '1' else ''}: {gbps:.2f} GB/s "
+                  f"({100 * gbps / h2d['gbps']:.0f}% of H2D)"
+                  for r in b["rows"] for n, gbps in r.get("disk_gbps_by_readers", {}).items()]
+    if by_readers:
+        lines += ["", "Warm disk -> device with other counts of reader processes than the engine's (each with as "
+                      "many fill threads): " + "; ".join(by_readers) + "."]
     return lines + [""]
 
 

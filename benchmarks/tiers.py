@@ -89,7 +89,7 @@ def reader_processes_supported() -> bool:
 
 
 def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int, sync,
-            layout: BlockLayout = LAYOUT) -> dict:
+            layout: BlockLayout = LAYOUT, more_readers: tuple[int, ...] = ()) -> dict:
     """Promotion of `num_tokens` tokens of random blocks of `layout` from a pinned CPU tier and from a
     warm disk tier, each checked to land the source's bytes, and the disk tier's write-down. Each
     promotion is timed with the transfer engine's fill threads (as the engine runs) and with one fill thread
@@ -149,6 +149,12 @@ def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int,
         disk = DiskTier(layout, path, capacity, check_integrity=False, read_processes=engines[""].fill_threads)
         row.update(promotion_gbps(disk, {"": ""}))
         disk.close()
+        row["disk_gbps_by_readers"] = {}
+        for n in more_readers:  # other counts, each with as many fill threads (the engine's parts), for the policy
+            engines[f"_{n}"] = TransferEngine(kv, fill_threads=n, shared_staging=True)
+            disk = DiskTier(layout, path, capacity, check_integrity=False, read_processes=n)
+            row["disk_gbps_by_readers"][str(n)] = promotion_gbps(disk, {f"_{n}": ""})["disk_gbps"]
+            disk.close()
     for transfers in engines.values():
         transfers.close()
     return {"tokens": num_tokens, "blocks": num_blocks, "bytes": nbytes, **row,

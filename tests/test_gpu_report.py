@@ -116,6 +116,9 @@ def test_a_smoke_run_writes_every_section_of_the_report(tmp_path):
     assert result["tests"]["failed"] == 0 and result["tests"]["errors"] == 0
     assert result["tests"]["skipped"] > 0 if not torch.cuda.is_available() else result["tests"]["passed"] > 0
     assert [r["block"] for r in result["bandwidth"]["rows"]] == ["SmolLM2-135M", "Llama-3-8B"]
+    for row in result["bandwidth"]["rows"]:  # the disk read as the engine reads it, in-process, and by other counts
+        assert row["disk_gbps"] > 0 and row["disk_gbps_in_process"] > 0 and row["disk_gbps_by_readers"]["1"] > 0
+    assert "Llama-3-8B, 1 reader:" in report
     assert len(result["kernels"]["paging"]) == 3 and len(result["kernels"]["split_kv"]) == 3  # header, rule, one row
     assert {(r["model"], r["case"]) for r in result["step"]} == {
         (m, case.name) for m in gpu_report.MODELS for case in decoder_step.CASES}
