@@ -14,7 +14,7 @@ closes (also when the engine's process dies).
 Messages are msgpack maps, each framed by its length (u32 LE); a segment's descriptor travels with its message.
 From the engine's process:
 
-    {"op": "segment", "id": N, "nbytes": B}   + a descriptor: map it
+    {"op": "segment", "id": N, "nbytes": B}   + a descriptor: map it; reply {"mapped": N} once mapped
     {"op": "forget", "ids": [N, ...]}           unmap them (their memory is freed once nobody maps it)
     {"op": "read", "path": P, "file": [dev, ino], "fixed": b, "padding": b, "token_bytes": T,
      "header": H, "record": R, "keys": [k, ...], "tokens": b, "places": [[segment, offset], ...]}
@@ -95,7 +95,7 @@ class Reader:
             finally:
                 for fd in fds:
                     os.close(fd)
-            return None
+            return {"mapped": message["id"]}
         if op == "forget":
             for segment_id in message["ids"]:
                 self.segments.pop(segment_id, None)

@@ -47,22 +47,34 @@ class _Reader:
         self.sock = ours
         self.segments: set[int] = set()
 
-    def share(self, segment_ids: set[int]) -> None:
-        """Have the reader map `segment_ids` (those it lacks) and unmap the segments that are gone."""
+    def share(self, segment_ids: set[int]) -> list[int]:
+        """Ask the reader to map `segment_ids` (those it lacks) and to unmap the segments that are gone; returns
+        the segments asked for, whose mapping `mapped` waits for."""
         gone = {s for s in self.segments if not is_live(s)}
         if gone:
             send_message(self.sock, {"op": "forget", "ids": sorted(gone)})
             self.segments -= gone
-        for segment_id in segment_ids - self.segments:
+        asked = sorted(segment_ids - self.segments)
+        for segment_id in asked:
             fd = segment_fd(segment_id)
             if fd is None:
                 raise ValueError(f"shared segment {segment_id} is gone")
             send_message(self.sock, {"op": "segment", "id": segment_id, "nbytes": os.fstat(fd).st_size}, [fd])
             self.segments.add(segment_id)
+        return asked
+
+    def mapped(self, asked: list[int]) -> None:
+        """Wait until the reader has mapped the segments `share` asked it to."""
+        for segment_id in asked:
+            if self._reply() != {"mapped": segment_id}:
+                raise ValueError("a reader answered out of turn")
 
     def read(self, request: dict, segment_ids: set[int]) -> dict:
-        self.share(segment_ids)
+        self.mapped(self.share(segment_ids))
         send_message(self.sock, request)
+        return self._reply()
+
+    def _reply(self) -> dict:
         reply, fds = recv_message(self.sock)
         if fds:
             raise ValueError("a reader sent descriptors")
@@ -115,20 +127,30 @@ class ReaderPool:
         return not (self._closed or self._broken)
 
     def share(self, segment_ids: set[int]) -> None:
-        """Have every reader map `segment_ids` now, ahead of the reads into them: a reader maps a segment whole,
-        page tables included, which takes a while for a large one (a host KV cache). Returns once each has been
-        asked; they map it while this process goes on."""
-        for _ in range(self.processes):
-            reader = self._take()
-            if reader is None:
-                return
+        """Have every idle reader map `segment_ids` now, ahead of the reads into them, all at once; returns when
+        they have. A reader maps a segment whole, page tables included, which takes a while for a large one (a
+        host KV cache): paid here, at start-up, not by the first read (nor by the load policy's timed probe)."""
+        taken = []
+        while len(taken) < self.processes:
             try:
-                reader.share(segment_ids)
+                taken.append(self._idle.get_nowait())
+            except queue.Empty:
+                break
+        asked = {}
+        for reader in taken:
+            try:
+                asked[reader] = reader.share(segment_ids)
             except (OSError, ValueError) as e:
+                asked[reader] = e
+        for reader in taken:
+            try:
+                if isinstance(asked[reader], Exception):
+                    raise asked[reader]
+                reader.mapped(asked[reader])
+            except (OSError, EOFError, ValueError) as e:
                 reader = self._replace(reader, e)
-            finally:
-                if reader is not None:
-                    self._give_back(reader)
+            if reader is not None:
+                self._give_back(reader)
 
     def read(self, request: dict, segment_ids: set[int]) -> dict | None:
         """The reply of an idle reader to `request` (waiting for one if all are busy), its places in segments
