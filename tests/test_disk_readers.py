@@ -193,9 +193,10 @@ def test_memory_shared_ahead_of_the_reads_is_read_into(store_path):
     put_blocks(tier, range(3))
     tier.flush()
     kv = shared_empty((8, BF16.block_nbytes), torch.uint8)
-    assert not any(_maps_shared_memory(pid) for pid in tier._readers.pids)
-    tier.share(kv)  # returns once every reader has mapped it: no read (nor the load policy's probe) waits for that
-    assert all(_maps_shared_memory(pid) for pid in tier._readers.pids)
+    assert not any(_maps(pid, "memfd:kvstrata-kv") or _maps(pid, "data.mdb") for pid in tier._readers.pids)
+    tier.share(kv)  # returns once every reader has mapped it and opened the store: no read (nor the load policy's
+    # start-up probe) waits for that
+    assert all(_maps(pid, "memfd:kvstrata-kv") and _maps(pid, "data.mdb") for pid in tier._readers.pids)
     tier.share(torch.zeros(4))  # private memory: nothing to share
     assert tier.get([key(i) for i in range(3)], [tokens(i) for i in range(3)], [kv[5], kv[1], kv[7]]) == [True] * 3
     assert [torch.equal(kv[b], payload(BF16, i)) for i, b in enumerate((5, 1, 7))] == [True] * 3
@@ -308,6 +309,7 @@ def test_a_stuck_reader_is_killed_after_the_timeout_and_its_read_done_in_process
     tier.close()
 
 
-def _maps_shared_memory(pid: int) -> bool:
+def _maps(pid: int, name: str) -> bool:
+    """Whether process `pid` maps a file whose name contains `name`."""
     with open(f"/proc/{pid}/maps") as f:
-        return "memfd:kvstrata-kv" in f.read()
+        return name in f.read()

@@ -274,10 +274,14 @@ class DiskTier(LowerTier):
 
     def share(self, dests: torch.Tensor) -> None:
         """Where `dests` (the memory reads will fill, such as a host KV cache) is shared memory, have the reader
-        processes map it now rather than at the first read into it."""
+        processes map it, and open the store, now rather than at the first read."""
         place = locate(dests)
-        if self._readers is not None and place is not None:
-            self._readers.share({place.segment})
+        if self._readers is None or place is None:
+            return
+        with self._gate.shared:
+            store = self._store
+            if store is not None:
+                self._readers.prepare({place.segment}, {"path": store.path, "file": store.file_id()})
 
     def _read_in_reader(self, todo: list[int], block_hashes, token_ids, dests, served: list[bool],
                         corrupt: list[bytes]) -> list[int]:

@@ -16,6 +16,7 @@ From the engine's process:
 
     {"op": "segment", "id": N, "nbytes": B}   + a descriptor: map it; reply {"mapped": N} once mapped
     {"op": "forget", "ids": [N, ...]}           unmap them (their memory is freed once nobody maps it)
+    {"op": "open", "path": P, "file": [dev, ino]}   open the store now; reply {"opened": bool}
     {"op": "read", "path": P, "file": [dev, ino], "fixed": b, "padding": b, "token_bytes": T,
      "header": H, "record": R, "keys": [k, ...], "tokens": b, "places": [[segment, offset], ...]}
 
@@ -100,6 +101,12 @@ class Reader:
             for segment_id in message["ids"]:
                 self.segments.pop(segment_id, None)
             return None
+        if op == "open":  # ahead of the first read, so that it does not pay for the opening
+            try:
+                opened = self._open(message["path"], tuple(message["file"])) is not None
+            except Exception:  # the first read then says what is wrong
+                opened = False
+            return {"opened": opened}
         if op == "read":
             return self.read(message)
         raise ValueError(f"unknown message {op!r}")

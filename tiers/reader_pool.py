@@ -69,6 +69,17 @@ class _Reader:
             if self._reply() != {"mapped": segment_id}:
                 raise ValueError("a reader answered out of turn")
 
+    def prepare(self, segment_ids: set[int], store: dict) -> list[int]:
+        """`share`, and ask the reader to open the store (`{"path": ..., "file": ...}`) too; `ready` waits."""
+        asked = self.share(segment_ids)
+        send_message(self.sock, {"op": "open", **store})
+        return asked
+
+    def ready(self, asked: list[int]) -> None:
+        self.mapped(asked)
+        if "opened" not in self._reply():
+            raise ValueError("a reader answered out of turn")
+
     def read(self, request: dict, segment_ids: set[int]) -> dict:
         self.mapped(self.share(segment_ids))
         send_message(self.sock, request)
@@ -126,27 +137,28 @@ class ReaderPool:
         """False once closed, or given up on (readers kept dying)."""
         return not (self._closed or self._broken)
 
-    def share(self, segment_ids: set[int]) -> None:
-        """Have every idle reader map `segment_ids` now, ahead of the reads into them, all at once; returns when
-        they have. A reader maps a segment whole, page tables included, which takes a while for a large one (a
-        host KV cache): paid here, at start-up, not by the first read (nor by the load policy's timed probe)."""
+    def prepare(self, segment_ids: set[int], store: dict) -> None:
+        """Have every idle reader map `segment_ids` and open the store now, ahead of the reads, all at once;
+        returns when they have. A reader maps a segment whole, page tables included, which takes a while for a
+        large one (a host KV cache): paid here, at start-up, not by the first read (nor by the load policy's
+        timed probe)."""
         taken = []
         while len(taken) < self.processes:
             try:
                 taken.append(self._idle.get_nowait())
             except queue.Empty:
                 break
-        asked = {}
+        asked: dict[_Reader, list[int] | Exception] = {}
         for reader in taken:
             try:
-                asked[reader] = reader.share(segment_ids)
+                asked[reader] = reader.prepare(segment_ids, store)
             except (OSError, ValueError) as e:
                 asked[reader] = e
         for reader in taken:
             try:
                 if isinstance(asked[reader], Exception):
                     raise asked[reader]
-                reader.mapped(asked[reader])
+                reader.ready(asked[reader])
             except (OSError, EOFError, ValueError) as e:
                 reader = self._replace(reader, e)
             if reader is not None:
