@@ -220,7 +220,6 @@ class LLMEngine:
                 # a block count means that many stored blocks, each a record: a small header and the payload
                 capacity = tiers.disk.size.to_bytes(RecordCodec(self.layout).record_nbytes)
                 disk = DiskTier(self.layout, str(tiers.disk.path), capacity, read_processes=read_processes)
-                disk.share(kv_cache)
             if tiers.remote is not None:
                 # Connects on first use: a server that is down now is a run of misses, not a failed start.
                 from kvstrata.tiers.remote import RemoteTier  # the `remote` extra: imported only when used
@@ -229,6 +228,8 @@ class LLMEngine:
                                     timeout=r.timeout, ttl=r.ttl)
         # On CUDA the readers write into the transfer engine's pinned staging: it is shared.
         transfers = TransferEngine(kv_cache, shared_staging=read_processes > 0)
+        if disk is not None:  # mapped by the readers now: neither the first load nor the start-up probe waits for it
+            disk.share(kv_cache, *transfers.shared_host_buffers())
         return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload, transfers=transfers,
                              remote=remote, event_listener=self.block_events)
 

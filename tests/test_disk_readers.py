@@ -197,6 +197,9 @@ def test_memory_shared_ahead_of_the_reads_is_read_into(store_path):
     tier.share(kv)  # returns once every reader has mapped it and opened the store: no read (nor the load policy's
     # start-up probe) waits for that
     assert all(_maps(pid, "memfd:kvstrata-kv") and _maps(pid, "data.mdb") for pid in tier._readers.pids)
+    staging = shared_empty((2, BF16.block_nbytes), torch.uint8)
+    tier.share(kv, staging)  # several at once: only what a reader lacks is sent
+    assert all(_maps(pid, "memfd:kvstrata-kv", 2) for pid in tier._readers.pids)
     tier.share(torch.zeros(4))  # private memory: nothing to share
     assert tier.get([key(i) for i in range(3)], [tokens(i) for i in range(3)], [kv[5], kv[1], kv[7]]) == [True] * 3
     assert [torch.equal(kv[b], payload(BF16, i)) for i, b in enumerate((5, 1, 7))] == [True] * 3
@@ -309,7 +312,7 @@ def test_a_stuck_reader_is_killed_after_the_timeout_and_its_read_done_in_process
     tier.close()
 
 
-def _maps(pid: int, name: str) -> bool:
-    """Whether process `pid` maps a file whose name contains `name`."""
+def _maps(pid: int, name: str, count: int = 1) -> bool:
+    """Whether process `pid` maps `count` files whose names contain `name`."""
     with open(f"/proc/{pid}/maps") as f:
-        return name in f.read()
+        return len({line.split()[4] for line in f if name in line}) == count  # distinct inodes

@@ -272,16 +272,16 @@ class DiskTier(LowerTier):
 
         return self._in_snapshot("blocks", read, default=list)
 
-    def share(self, dests: torch.Tensor) -> None:
-        """Where `dests` (the memory reads will fill, such as a host KV cache) is shared memory, have the reader
-        processes map it, and open the store, now rather than at the first read."""
-        place = locate(dests)
-        if self._readers is None or place is None:
+    def share(self, *dests: torch.Tensor) -> None:
+        """Where `dests` (the memory reads will fill: a host KV cache, pinned staging) are shared memory, have the
+        reader processes map them, and open the store, now rather than at the first read."""
+        segments = {place.segment for place in map(locate, dests) if place is not None}
+        if self._readers is None or not segments:
             return
         with self._gate.shared:
             store = self._store
             if store is not None:
-                self._readers.prepare({place.segment}, {"path": store.path, "file": store.file_id()})
+                self._readers.prepare(segments, {"path": store.path, "file": store.file_id()})
 
     def _read_in_reader(self, todo: list[int], block_hashes, token_ids, dests, served: list[bool],
                         corrupt: list[bytes]) -> list[int]:

@@ -190,6 +190,12 @@ class TransferEngine:
         """Copy device blocks `block_ids` out (as computed so far) and hand them to `drain`, in the background."""
         return self._stores.submit(Transfer(list(block_ids)), drain)
 
+    def shared_host_buffers(self) -> list[torch.Tensor]:
+        """The host memory that loads are filled into and that other processes may write (the shared pinned
+        staging on CUDA, allocated now), for a tier's reader processes to map ahead of their reads; none with the
+        KV cache in host memory (the fills go straight into it) or without shared staging."""
+        return self._loads.shared_host_buffers()
+
     def wait_any(self, transfers: Sequence[Transfer], timeout: float) -> bool:
         """Wait until one of `transfers` is done (True) or `timeout` seconds pass (False)."""
         with self._completed:
@@ -304,6 +310,9 @@ class _Direction:
             self._completed.notify_all()
 
     # Subclasses: how a job's bytes move.
+    def shared_host_buffers(self) -> list[torch.Tensor]:
+        return []
+
     def _prepare(self, transfer: Transfer) -> None:
         """On the submitting (step) thread, before the job is queued."""
 
@@ -362,6 +371,11 @@ class _CudaDirection(_Direction):
         # Blocks move as bytes: the same copies whatever the cache's dtype (fp8 included, which some
         # indexing ops do not take).
         super().__init__(name, kv_cache.view(torch.uint8), completed, filler)
+
+    def shared_host_buffers(self) -> list[torch.Tensor]:
+        if self.shared_staging and self.device is None:
+            self._allocate_staging()  # on the calling (step) thread, before any job: none is using it
+        return list(self._registered)
 
     def _allocate_staging(self) -> None:
         shape = (self.chunk, *self.kv_cache.shape[1:])
