@@ -228,8 +228,9 @@ def runs_in_turn(script: str, worker_arg: str, args, describe: Callable[[dict], 
     `run N, side (code): describe(what it measured)`."""
     runs: dict[str, list[dict]] = {}
     for repeat, side, measured in each_side_in_turn(script, worker_arg, args.baseline, args.repeats):
+        # where the code was imported from: printed (a check that the sides differ), not kept in the results
+        code = measured.pop("engine_code", None) or measured.pop("tiers_code", None)
         runs.setdefault(side, []).append(measured)
-        code = measured.get("engine_code") or measured.get("tiers_code")
         print(f"run {repeat + 1}, {side} ({code}): {describe(measured)}", flush=True)
     return runs
 
