@@ -128,7 +128,7 @@ class Reader:
                         raise
                     store.adopt_map_size()
         except (StoreDamaged, *DAMAGE_ERRORS) as e:
-            self._close()
+            self.close()
             return {"codes": bytes(codes), "error": ["damaged", f"{type(e).__name__}: {e}"]}
         except Exception as e:  # anything else is a miss for what is left, never a dead reader
             return {"codes": bytes(codes), "error": ["failed", f"{type(e).__name__}: {e}"]}
@@ -165,7 +165,7 @@ class Reader:
         path names another file now (the tier replaced its store, or is about to)."""
         if self.store is not None and self.store.file_id() == wanted and self.store.path == path:
             return self.store
-        self._close()
+        self.close()
         if file_id(data_file(path)) != wanted:
             return None
         # lock=True: this process's snapshots enter the store's reader table, so the writer never reuses a page
@@ -177,11 +177,11 @@ class Reader:
             env.close()
             raise
         if self.store.file_id() != wanted:  # replaced between the look and the opening
-            self._close()
+            self.close()
             return None
         return self.store
 
-    def _close(self) -> None:
+    def close(self) -> None:
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -206,7 +206,7 @@ def serve(sock: socket.socket) -> None:
             if reply is not None:
                 send_message(sock, reply)
     finally:
-        reader._close()
+        reader.close()
 
 
 if __name__ == "__main__":

@@ -148,21 +148,24 @@ class ReaderPool:
                 taken.append(self._idle.get_nowait())
             except queue.Empty:
                 break
-        asked: dict[_Reader, list[int] | Exception] = {}
+        asked: list[tuple[_Reader, list[int]]] = []  # every reader is asked before any is waited for
         for reader in taken:
             try:
-                asked[reader] = reader.prepare(segment_ids, store)
+                asked.append((reader, reader.prepare(segment_ids, store)))
             except (OSError, ValueError) as e:
-                asked[reader] = e
-        for reader in taken:
+                self._back_or_replace(reader, e)
+        for reader, segments in asked:
             try:
-                if isinstance(asked[reader], Exception):
-                    raise asked[reader]
-                reader.ready(asked[reader])
+                reader.ready(segments)
             except (OSError, EOFError, ValueError) as e:
-                reader = self._replace(reader, e)
-            if reader is not None:
+                self._back_or_replace(reader, e)
+            else:
                 self._give_back(reader)
+
+    def _back_or_replace(self, reader: _Reader, error: BaseException) -> None:
+        replacement = self._replace(reader, error)
+        if replacement is not None:
+            self._give_back(replacement)
 
     def read(self, request: dict, segment_ids: set[int]) -> dict | None:
         """The reply of an idle reader to `request` (waiting for one if all are busy), its places in segments
