@@ -10,7 +10,8 @@
         device: {size: 1GiB}
         cpu:    {size: 4GiB, pinned: true}
         disk:   {path: ./kvstore, size: 32GiB}
-        remote: {url: "redis://127.0.0.1:6379/0", cluster: false, key_prefix: kvstrata, timeout: 50ms, ttl: 0}
+        remote: {url: "redis://127.0.0.1:6379/0", cluster: false, key_prefix: kvstrata, timeout: 50ms, ttl: 0,
+                 queue_size: 1GiB}
       offload: write_through    # or on_evict
       pin_share: 0.5            # the most of the CPU and disk tiers that pinned documents may take
       preload: [{file: handbook.txt, cache_salt: null, pin: true}]   # documents cached at start-up
@@ -62,7 +63,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerial
 
 from kvstrata.engine.model_spec import EMBEDDED_MODEL, LENGTH_DEPENDENT_ROPE, PRESETS, ModelShape, model_shape
 from kvstrata.engine.sizes import Size, format_size
-from kvstrata.tiers.remote_url import SECRET_MASK, check_url, masked_url
+from kvstrata.tiers.remote_url import DEFAULT_QUEUE_BYTES, SECRET_MASK, check_url, masked_url
 from kvstrata.tiers.storage import check_room, format_bytes, prepare_private_dir
 
 DEFAULT_DEVICE_TIER_SIZE = Size(nbytes=1024**3)
@@ -326,6 +327,15 @@ class RemoteTierConfig(_Section):
     key_prefix: str = "kvstrata"
     timeout: Duration = 0.05
     ttl: DurationOrZero = 0.0
+    # Records waiting to be written (bytes, or blocks): a burst beyond it is dropped, and counted.
+    queue_size: SizeField = Size(nbytes=DEFAULT_QUEUE_BYTES)
+
+    @field_validator("queue_size")
+    @classmethod
+    def _some_queue(cls, size: Size) -> Size:
+        if size.is_off:
+            raise ValueError("the write queue cannot be empty; give it a size such as 1GiB or a block count")
+        return size
 
     @field_validator("key_prefix")
     @classmethod

@@ -225,7 +225,8 @@ class LLMEngine:
                 from kvstrata.tiers.remote import RemoteTier  # the `remote` extra: imported only when used
                 r = tiers.remote
                 remote = RemoteTier(self.layout, r.url, cluster=r.cluster, key_prefix=r.key_prefix,
-                                    timeout=r.timeout, ttl=r.ttl)
+                                    timeout=r.timeout, ttl=r.ttl,
+                                    queue_bytes=r.queue_size.to_bytes(RecordCodec(self.layout).record_nbytes))
         # On CUDA the readers write into the transfer engine's pinned staging: it is shared.
         transfers = TransferEngine(kv_cache, shared_staging=read_processes > 0)
         if disk is not None:  # mapped by the readers now: neither the first load nor the start-up probe waits for it

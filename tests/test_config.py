@@ -704,9 +704,11 @@ def remote(**fields) -> dict:
 
 
 def test_remote_tier_takes_tls_and_an_acl_user_and_round_trips_with_its_password_masked_when_shown():
-    config = load_config(remote(url=f"rediss://app:{SECRET}@cache.internal:6380/2", timeout="20ms", ttl="24h"))
+    config = load_config(remote(url=f"rediss://app:{SECRET}@cache.internal:6380/2", timeout="20ms", ttl="24h",
+                                queue_size="256MiB"))
     tier = config.cache.tiers.remote
     assert (tier.url, tier.timeout, tier.ttl) == (f"rediss://app:{SECRET}@cache.internal:6380/2", 0.02, 86400.0)
+    assert tier.queue_size.nbytes == 256 << 20
     assert load_config(config.to_dict()) == config
     shown = config.to_yaml() + repr(config) + str(config)
     assert SECRET not in shown and "rediss://app:********@cache.internal:6380/2" in config.to_yaml()
@@ -727,6 +729,8 @@ def test_remote_url_comes_from_the_environment(monkeypatch):
     ({"ttl": "-1s"}, "cache.tiers.remote.ttl", "expected a duration"),
     ({"key_prefix": "two words"}, "cache.tiers.remote.key_prefix", "without spaces"),
     ({"size": "1GiB"}, "cache.tiers.remote.size", "unknown key"),
+    ({"queue_size": 0}, "cache.tiers.remote.queue_size", "cannot be empty"),
+    ({"queue_size": "lots"}, "cache.tiers.remote.queue_size", "bad size"),
 ])
 def test_remote_tier_errors_are_one_line_and_never_show_the_password(fields, key, fragment):
     error = config_error(remote(**fields))

@@ -211,6 +211,26 @@ def test_a_document_one_replica_computed_is_a_remote_hit_on_another_and_lands_in
             stack.hierarchy.close()
 
 
+def test_a_long_document_written_through_in_one_burst_reaches_the_server_whole():
+    """A long prompt's blocks are handed to the remote tier as fast as they are computed (on a GPU, faster than a
+    server takes them): the write queue holds the burst, so another replica finds the whole document, not the part
+    that fitted a queue of a few blocks (a block lost breaks the chain there for every replica)."""
+    from valkey_server import ValkeyServer
+    num_blocks = 600
+    with ValkeyServer() as server:
+        a = make_stack(device_blocks=num_blocks + 8, remote_url=server.url)
+        b = make_stack(device_blocks=num_blocks + 8, remote_url=server.url)
+        document = doc(21, num_blocks * BS + 1)
+        run_request(a, document)
+        a.hierarchy.wait_for_write_downs()
+        a.hierarchy.remote.flush()
+        assert a.hierarchy.remote.stats().extra["dropped_puts"] == 0
+        again = run_request(b, document)  # every served block checked byte for byte
+        assert again.cached_tokens_by_tier["remote"] == num_blocks * BS
+        for stack in (a, b):
+            stack.hierarchy.close()
+
+
 def test_lookup_stops_at_the_first_block_no_tier_holds():
     kv = make_stack(device_blocks=16, cpu_blocks=16)
     base = doc(3, 6 * BS)

@@ -18,6 +18,7 @@ from kvstrata import load_config
 from kvstrata.engine.config import ConfigError
 from kvstrata.engine.hashing import BlockHasher, make_namespace
 from kvstrata.tiers.base import BlockLayout
+from kvstrata.tiers.record import RecordCodec
 from kvstrata.tiers.remote import RemoteTier
 
 PASSWORD = "pa55-w0rd-never-shown"
@@ -169,14 +170,19 @@ def test_hung_server_lookup_is_abandoned_as_a_miss(server):
     fresh.close()
 
 
-def test_full_write_queue_drops_puts_and_close_gives_up_on_a_hung_server(server):
-    tier = tier_on(server.url, timeout=1.0, queue_blocks=2)
+def test_full_write_queue_drops_puts_and_close_gives_up_on_a_hung_server(server, caplog):
+    record_nbytes = RecordCodec(BF16).record_nbytes
+    tier = tier_on(server.url, timeout=1.0, queue_bytes=3 * record_nbytes - 1)  # room for two records
     server.process.send_signal(signal.SIGSTOP)  # the writer's first batch now waits for its timeout
     try:
         put_blocks(tier, [0])
         time.sleep(0.2)  # the writer has taken block 0 and is waiting on the server
-        put_blocks(tier, range(1, 11))
+        with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.remote"):
+            put_blocks(tier, range(1, 11))
         assert tier.stats().extra["dropped_puts"] >= 8  # beyond the queue's 2: dropped, not waited for
+        assert [r.getMessage() for r in caplog.records if "write queue" in r.getMessage()] == [
+            f"remote tier: the write queue for {server.url} is full (2 blocks waiting); dropping writes, counted in "
+            "dropped_puts (cache.tiers.remote.queue_size bounds it)"]  # once, however many are dropped
         tier.close()  # the server never answers: close() ends anyway, counting what it could not send
         stats = tier.stats()
         assert stats.puts == 0 and stats.extra["dropped_puts"] == 11
@@ -270,7 +276,7 @@ def commands_run(server: ValkeyServer) -> dict[str, int]:
 
 
 def test_a_lookup_is_one_command_on_the_server_however_long_the_chain(server):
-    tier = tier_on(server.url, queue_blocks=256)
+    tier = tier_on(server.url)
     written(tier, range(200))
     server.client().config_resetstat()
     chain = [key(i) for i in range(200)]

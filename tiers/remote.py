@@ -51,11 +51,10 @@ from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_
 from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockRemoved
 from kvstrata.tiers.record import RecordCodec, RecordError
-from kvstrata.tiers.remote_url import check_url, masked_url, scrub
+from kvstrata.tiers.remote_url import DEFAULT_QUEUE_BYTES, check_url, masked_url, scrub
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_QUEUE_BLOCKS = 128        # records waiting for the writer; beyond this, puts are dropped
 WRITE_BATCH_BYTES = 8 << 20       # records per pipelined write: about this many bytes
 DRAIN_S = 2.0                     # the longest close() spends sending what is still queued
 BACKOFF_FIRST_S = 0.25            # after a fault, the server is left alone this long, doubling ...
@@ -141,20 +140,23 @@ class RemoteTier(LowerTier):
     """Blocks of `layout` on the Valkey/Redis server (or cluster, `cluster=True`) at `url`.
 
     `timeout` (seconds) bounds every round trip and every lookup; `ttl` (seconds, 0: none) makes
-    stored blocks expire that long after their last write or read. Thread-safe.
+    stored blocks expire that long after their last write or read; `queue_bytes` bounds the records waiting to
+    be written (beyond it, puts are dropped and counted). Thread-safe.
     """
 
     name = "remote"
     keeps_pins = False  # the server evicts by its own policy (see "pins" below)
 
     def __init__(self, layout: BlockLayout, url: str, *, cluster: bool = False, key_prefix: str = "kvstrata",
-                 timeout: float = 0.05, ttl: float = 0.0, queue_blocks: int = DEFAULT_QUEUE_BLOCKS):
+                 timeout: float = 0.05, ttl: float = 0.0, queue_bytes: int = DEFAULT_QUEUE_BYTES):
         try:
             self.url = check_url(url, cluster)
         except ValueError as e:
             raise ValueError(f"cache.tiers.remote.url: {e}") from None
         if timeout <= 0:
             raise ValueError(f"cache.tiers.remote.timeout: must be positive, got {timeout}")
+        if queue_bytes < 1:
+            raise ValueError(f"cache.tiers.remote.queue_size: must be positive, got {queue_bytes}")
         self.layout = layout
         self.codec = RecordCodec(layout)
         self.cluster = cluster
@@ -169,14 +171,18 @@ class RemoteTier(LowerTier):
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-remote-lookup")
         self._script_refused_at: float | None = None  # when the server last refused the lookup script
 
-        self._max_queued = queue_blocks
+        # records the queue holds at most (at least one: a smaller bound would drop every put)
+        self._max_queued = max(1, queue_bytes // self.codec.record_nbytes)
+        self._queued_puts = 0                 # records appended and not yet sent (or given up on)
+        self._queue_full = False              # puts are being dropped for room (logged once, until one fits)
         self._closed = False
         self._drain_deadline = float("inf")
         self._writes_refused = False          # since the last write the server took (log once)
         self._stats = TierStats(name=self.name)
         self._dropped_puts = 0                # queue full, or the server unreachable
         self._write_errors = 0                # the server refused them (full: OOM)
-        self._writer: BatchWriter[_Op] = BatchWriter("kvstrata-remote-writer", _take_batch, self._send)
+        self._writer: BatchWriter[_Op] = BatchWriter("kvstrata-remote-writer", _take_batch, self._send,
+                                                     on_finished=self._sent)
         self._cond = self._writer.cond
         self._pins: dict[str, Pin] = {}
         # Connect now, in the background: the first lookup then pays one round trip, not a connection.
@@ -416,8 +422,8 @@ class RemoteTier(LowerTier):
             self._dropped_puts += len(block_hashes)
             return
         with self._cond:
-            room = max(0, self._max_queued - len(self._writer.ops))
-        self._dropped_puts += max(0, len(block_hashes) - room)
+            room = max(0, self._max_queued - self._queued_puts)
+        self._note_room(len(block_hashes) - room)
         listening = self.event_listener is not None
         parents = parents_or_unknown(parents, len(block_hashes))
         ops = [_Op("put", self._key(h), self.codec.encode(ids, src), h, tuple(ids) if listening else (), parent)
@@ -432,11 +438,30 @@ class RemoteTier(LowerTier):
                 self._dropped_puts += sum(op.kind == "put" for op in ops)
                 return
             for op in ops:
-                if op.kind == "put" and len(self._writer.ops) >= self._max_queued:
-                    self._dropped_puts += 1  # a racing put took the room: dropped, never waited for
-                    continue
+                if op.kind == "put":
+                    if self._queued_puts >= self._max_queued:
+                        self._dropped_puts += 1  # a racing put took the room: dropped, never waited for
+                        continue
+                    self._queued_puts += 1
                 self._writer.append_locked(op)
             self._cond.notify_all()
+
+    def _note_room(self, num_dropped: int) -> None:
+        """Count the puts dropped for a full queue; say so once when it starts, and once when puts fit again."""
+        if num_dropped > 0:
+            self._dropped_puts += num_dropped
+            if not self._queue_full:
+                self._queue_full = True
+                logger.warning("remote tier: the write queue for %s is full (%d blocks waiting); dropping writes, "
+                               "counted in dropped_puts (cache.tiers.remote.queue_size bounds it)", self.shown_url,
+                               self._max_queued)
+        elif self._queue_full:
+            self._queue_full = False
+            logger.warning("remote tier: the write queue for %s has room again", self.shown_url)
+
+    def _sent(self, batch: list[_Op]) -> None:
+        """Under the writer's lock, once a batch is sent or given up on: its records leave the queue's bound."""
+        self._queued_puts -= sum(op.kind == "put" for op in batch)
 
     def discard(self, block_hash: bytes) -> bool:
         client = self._connection()
@@ -502,7 +527,7 @@ class RemoteTier(LowerTier):
         pipe = self._pipeline(client)
         for op in batch:
             if op.kind == "put":
-                pipe.set(op.key, bytes(op.value), px=self.ttl_ms)
+                pipe.set(op.key, memoryview(op.value), px=self.ttl_ms)  # sent as it is, not copied
             else:
                 pipe.unlink(op.key)
         try:
@@ -547,7 +572,7 @@ class RemoteTier(LowerTier):
     def stats(self) -> TierStats:
         """Counters only, never a round trip (the server's own usage: `INFO memory` on it)."""
         with self._cond:
-            queued = len(self._writer.ops)
+            queued = self._queued_puts
         extra = {"url": self.shown_url, "cluster": self.cluster, "key_prefix": self.key_prefix,
                  "reachable": not self.health.down, "faults": self.health.faults, "outages": self.health.outages,
                  "queued_puts": queued, "dropped_puts": self._dropped_puts, "write_errors": self._write_errors}

@@ -1,4 +1,4 @@
-"""The remote tier's server address: checked and shown without its password.
+"""The remote tier's server address: checked and shown without its password; and the tier's write-queue default.
 
 A URL is `redis://[[user]:password@]host[:port][/db]` or `rediss://...` (TLS), as the `redis` client
 reads it; Valkey answers both. The password (an ACL user's, or the default user's) must never reach
@@ -13,6 +13,12 @@ from urllib.parse import SplitResult, unquote, urlsplit
 
 SECRET_MASK = "********"
 URL_SCHEMES = ("redis", "rediss")
+
+# Bytes of records waiting for the remote tier's writer (or in its round trip); beyond this, puts are dropped. A
+# burst must fit: a long document is written through as fast as it is computed (on a GPU, faster than a server
+# takes it), and a chain that loses a block is found only as far as that block by every replica. One 8k-token
+# prompt of a Llama-3-8B-shaped model is 1 GiB of bf16 records; the memory is used only while the writer is behind.
+DEFAULT_QUEUE_BYTES = 1 << 30
 
 
 def masked_url(url: str) -> str:
