@@ -4,7 +4,9 @@ writes a report with every section (slow)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,7 +61,8 @@ def test_cuda_test_counts_come_from_the_junit_xml(tmp_path):
 
 
 def cuda_tests_plan(*paths: Path) -> gpu_report.Plan:
-    return gpu_report.Plan(False, "cuda", ("tests",), (), (), (64,), 1, 1 << 20, 64, 8, 2, tuple(map(str, paths)))
+    return gpu_report.Plan(False, "cuda", ("tests",), (), (), (64,), 1, 1 << 20, 64, 8, 2, tuple(map(str, paths)),
+                           tests_timeout_s=120.0)
 
 
 def test_a_test_module_that_cannot_be_imported_is_one_error_and_the_other_tests_still_run(tmp_path):
@@ -75,6 +78,26 @@ def test_a_test_module_that_cannot_be_imported_is_one_error_and_the_other_tests_
 def test_when_pytest_runs_no_test_the_section_fails_saying_why(tmp_path):
     with pytest.raises(RuntimeError, match="pytest ran no test .*no_such_dir"):
         gpu_report.run_cuda_tests(cuda_tests_plan(tmp_path / "no_such_dir"))
+
+
+def test_the_compiled_kernel_check_is_told_to_stop_ahead_of_the_tests_section_limit(tmp_path):
+    (tmp_path / "test_deadline.py").write_text(
+        "import os, time, pytest\n\n@pytest.mark.cuda\ndef test_deadline():\n"
+        f"    left = float(os.environ['{gpu_report.CUDA_CHECK_DEADLINE_ENV}']) - time.time()\n"
+        f"    assert 0 < left <= 120 - {gpu_report.TESTS_AFTER_CHECK_S}\n")
+    counts = gpu_report.run_cuda_tests(cuda_tests_plan(tmp_path))
+    assert (counts["passed"], counts["failed"]) == (1, 0), counts
+
+
+def test_a_check_stopped_at_its_deadline_keeps_the_lines_it_printed_and_one_that_fails_says_why(tmp_path):
+    from test_kernels_cuda import lines_until
+    printing = "import sys, time\nprint('{\"case\": \"a\"}')\nprint('{\"case\": \"b\"}', flush=True)\ntime.sleep(60)"
+    started = time.time()
+    lines, stopped = lines_until([sys.executable, "-c", printing], dict(os.environ), started + 2, tmp_path / "err")
+    assert lines == ['{"case": "a"}', '{"case": "b"}'] and stopped and time.time() - started < 30
+    failing = "import sys\nprint('{\"case\": \"a\"}')\nsys.exit('no CUDA device here')"
+    with pytest.raises(AssertionError, match="no CUDA device here"):
+        lines_until([sys.executable, "-c", failing], dict(os.environ), time.time() + 60, tmp_path / "err2")
 
 
 def ttft_row(model: str, miss: float, device: float, cpu: float, disk: float, short: float) -> dict:
