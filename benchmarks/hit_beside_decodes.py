@@ -1,5 +1,5 @@
 """What a lower-tier hit costs while other sequences decode: a question on a long document whose blocks are in the
-CPU or the disk tier, admitted alone and beside decoding sequences.
+CPU, the disk or the remote tier (a valkey-server on a loopback port), admitted alone and beside decoding sequences.
 
 The hit's blocks are copied up by the transfer engine's threads while the step thread goes on stepping the others.
 Both need Python's interpreter lock: every Python operation a promotion makes per block is paid at the share of the
@@ -39,7 +39,7 @@ FIGURES = ("ttft", "load", "gap", "stall")  # seconds, seconds, a ratio, seconds
 
 @dataclass(frozen=True)
 class HitCase:
-    tier: str      # where the document's blocks are: "cpu" or "disk"
+    tier: str      # where the document's blocks are: "cpu", "disk" or "remote" (a valkey-server on loopback)
     num_seqs: int  # sequences decoding while the hit is admitted (0: alone)
 
     @property
@@ -48,13 +48,14 @@ class HitCase:
         return f"{self.tier} tier, {beside}"
 
 
-CASES = [HitCase("cpu", 0), HitCase("cpu", 4), HitCase("disk", 0), HitCase("disk", 4)]
+CASES = [HitCase(tier, num_seqs) for tier in ("cpu", "disk", "remote") for num_seqs in (0, 4)]
 
 
-def cache_config(tier: str, work_dir: Path) -> dict:
+def cache_config(tier: str, work_dir: Path, remote_url: str | None = None) -> dict:
     """Write-through (the document reaches its tier as it is computed) and every hit loaded, never recomputed."""
-    tiers = {"cpu": {"size": "512MiB"}} if tier == "cpu" else {"disk": {"path": str(work_dir / "disk"),
-                                                                        "size": "1GiB"}}
+    tiers = {"cpu": {"cpu": {"size": "512MiB"}},
+             "disk": {"disk": {"path": str(work_dir / "disk"), "size": "1GiB"}},
+             "remote": {"remote": {"url": remote_url, "timeout": "1s"}}}[tier]
     return {"offload": "write_through", "load_policy": "always_load", "tiers": tiers}
 
 
@@ -76,6 +77,8 @@ def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float
     from kvstrata.engine.sampling import SamplingParams
 
     engine.hierarchy.wait_for_write_downs()
+    if engine.hierarchy.remote is not None:
+        engine.hierarchy.remote.flush()  # the server has every block written through
     if not engine.hierarchy.clear_device_cache():
         raise SystemExit("hit_beside_decodes: the device cache could not be cleared")
     decoding = add_requests(engine, Case(case.num_seqs, 64, 4000, 0.0), tag)
@@ -114,10 +117,12 @@ def worker(cases: list[HitCase], hits: int) -> dict:
     torch.set_num_threads(1)
     document = [100 + (j * 13) % (VOCAB - 100) for j in range(DOC_TOKENS)]
     figures: dict[str, list[float]] = {k: [] for k in FIGURES}
-    with tempfile.TemporaryDirectory() as work_dir:
+    from tests.valkey_server import ValkeyServer
+
+    with tempfile.TemporaryDirectory() as work_dir, ValkeyServer() as server:
         for n, case in enumerate(cases):
             case_dir = Path(work_dir) / f"case{n}"
-            engine = build_engine(case_dir, cache=cache_config(case.tier, case_dir))
+            engine = build_engine(case_dir, cache=cache_config(case.tier, case_dir, server.url))
             engine.add_request("document", document + [5], SamplingParams(max_tokens=1))
             while engine.has_unfinished_requests():
                 engine.step()
