@@ -190,6 +190,36 @@ def test_full_write_queue_drops_puts_and_close_gives_up_on_a_hung_server(server,
         server.process.send_signal(signal.SIGCONT)
 
 
+def put_chain(tier: RemoteTier, ids) -> None:
+    """Blocks `ids` as one chain: each one's parent is the block before it (block ids[0]'s, ids[0] - 1)."""
+    ids = list(ids)
+    tier.put([key(i) for i in ids], [tokens(i) for i in ids], [payload(BF16, i) for i in ids],
+             [key(i - 1) for i in ids])
+
+
+def test_a_chain_broken_by_a_dropped_block_is_not_sent_past_it_until_that_block_is(server):
+    record_nbytes = RecordCodec(BF16).record_nbytes
+    tier = tier_on(server.url, timeout=2.0, queue_bytes=2 * record_nbytes)  # room for two records
+    server.process.send_signal(signal.SIGSTOP)  # the writer falls behind: blocks 3 and 4 are dropped for room
+    try:
+        put_chain(tier, range(1, 5))
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+    tier.flush()
+    assert tier.stats().extra["dropped_puts"] == 2
+    put_chain(tier, range(5, 7))  # room again, but their chain broke at block 3: no replica could reach them
+    put_chain(tier, [20, 21])     # another chain is sent
+    tier.flush()
+    assert tier.stats().extra["dropped_puts"] == 4
+    assert [tier.count_prefix([key(i)]) for i in (1, 2, 3, 5, 6, 20, 21)] == [1, 1, 0, 0, 0, 1, 1]
+    for ids in (range(3, 5), range(5, 7)):  # the chain written again from where it broke: all of it is sent
+        put_chain(tier, ids)
+        tier.flush()
+    assert tier.count_prefix([key(i) for i in range(1, 7)]) == 6
+    assert get_blocks(tier, range(1, 7)) == [True] * 6
+    tier.close()
+
+
 def test_damaged_value_is_a_counted_miss_and_is_deleted(server):
     tier = tier_on(server.url)
     written(tier, range(3))

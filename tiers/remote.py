@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
 import re
 import threading
@@ -56,6 +57,7 @@ from kvstrata.tiers.remote_url import DEFAULT_QUEUE_BYTES, check_url, masked_url
 logger = logging.getLogger(__name__)
 
 WRITE_BATCH_BYTES = 8 << 20       # records per pipelined write: about this many bytes
+BROKEN_CHAINS_KEPT = 1 << 16      # hashes of dropped blocks remembered, so that their children are dropped too
 DRAIN_S = 2.0                     # the longest close() spends sending what is still queued
 BACKOFF_FIRST_S = 0.25            # after a fault, the server is left alone this long, doubling ...
 BACKOFF_MAX_S = 8.0               # ... up to this
@@ -175,6 +177,7 @@ class RemoteTier(LowerTier):
         self._max_queued = max(1, queue_bytes // self.codec.record_nbytes)
         self._queued_puts = 0                 # records appended and not yet sent (or given up on)
         self._queue_full = False              # puts are being dropped for room (logged once, until one fits)
+        self._broken = _RecentKeys(BROKEN_CHAINS_KEPT)  # hashes of blocks dropped lately: their children are too
         self._closed = False
         self._drain_deadline = float("inf")
         self._writes_refused = False          # since the last write the server took (log once)
@@ -414,21 +417,40 @@ class RemoteTier(LowerTier):
 
     def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             srcs: Sequence[torch.Tensor], parents: Sequence[bytes | None] | None = None) -> None:
-        """Queue the blocks' records for the writer; what does not fit in the queue, or arrives while
-        the server is unreachable, is dropped and counted in `dropped_puts`."""
+        """Queue the blocks' records for the writer; what does not fit in the queue, arrives while the server
+        is unreachable, or follows a block dropped so (`_unbroken`), is dropped and counted in `dropped_puts`."""
         self._check_open()
         assert len(block_hashes) == len(token_ids) == len(srcs)
+        parents = parents_or_unknown(parents, len(block_hashes))
         if not self.health.usable():
             self._dropped_puts += len(block_hashes)
+            with self._cond:
+                self._broken.add(block_hashes)
             return
         with self._cond:
             room = max(0, self._max_queued - self._queued_puts)
-        self._note_room(len(block_hashes) - room)
+            kept = self._unbroken(block_hashes, parents)
+            self._broken.add([block_hashes[i] for i in kept[room:]])
+        self._note_room(len(kept) - room)
+        self._dropped_puts += len(block_hashes) - len(kept)
         listening = self.event_listener is not None
-        parents = parents_or_unknown(parents, len(block_hashes))
-        ops = [_Op("put", self._key(h), self.codec.encode(ids, src), h, tuple(ids) if listening else (), parent)
-               for h, ids, src, parent in zip(block_hashes[:room], token_ids[:room], srcs[:room], parents[:room])]
+        ops = [_Op("put", self._key(block_hashes[i]), self.codec.encode(token_ids[i], srcs[i]), block_hashes[i],
+                   tuple(token_ids[i]) if listening else (), parents[i]) for i in kept[:room]]
         self._enqueue(ops)
+
+    def _unbroken(self, block_hashes: Sequence[bytes], parents: Sequence[bytes | None]) -> list[int]:
+        """The positions of the blocks whose chain is not broken (under `_cond`). A block whose parent was dropped
+        here (no room, or no server) is found by no replica, since a lookup walks the chain from its start: sending
+        it would only take the server's memory, and the writer's time when it is behind. It is dropped too, and
+        remembered, so that its own children are."""
+        kept = []
+        for i, (block_hash, parent) in enumerate(zip(block_hashes, parents)):
+            if parent is not None and parent in self._broken:
+                self._broken.add([block_hash])
+            else:
+                self._broken.discard([block_hash])  # (sent again: its children may follow)
+                kept.append(i)
+        return kept
 
     def _enqueue(self, ops: list[_Op]) -> None:
         if not ops:
@@ -577,6 +599,28 @@ class RemoteTier(LowerTier):
                  "reachable": not self.health.down, "faults": self.health.faults, "outages": self.health.outages,
                  "queued_puts": queued, "dropped_puts": self._dropped_puts, "write_errors": self._write_errors}
         return dataclasses.replace(self._stats, extra=extra)
+
+
+class _RecentKeys:
+    """The most recently added keys, at most `limit` of them."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._keys: dict[bytes, None] = {}  # in the order added
+
+    def add(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._keys.pop(key, None)
+            self._keys[key] = None
+        for oldest in list(itertools.islice(self._keys, max(0, len(self._keys) - self.limit))):
+            del self._keys[oldest]
+
+    def discard(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._keys.pop(key, None)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keys
 
 
 def _take_batch(ops: deque[_Op]) -> list[_Op]:
