@@ -269,15 +269,20 @@ class ModelConfig(_Section):
         return self.name == EMBEDDED_MODEL
 
 
+def _some_size(size: Size, refusal: str) -> Size:
+    """`size`, unless it is zero (which turns a tier off), where some size is needed."""
+    if size.is_off:
+        raise ValueError(f"{refusal}; give it a size such as 1GiB or a block count")
+    return size
+
+
 class DeviceTierConfig(_Section):
     size: SizeField = DEFAULT_DEVICE_TIER_SIZE
 
     @field_validator("size")
     @classmethod
     def _on(cls, size: Size) -> Size:
-        if size.is_off:
-            raise ValueError("the device tier cannot be off; give it a size such as 1GiB or a block count")
-        return size
+        return _some_size(size, "the device tier cannot be off")
 
 
 class CpuTierConfig(_Section):
@@ -333,9 +338,7 @@ class RemoteTierConfig(_Section):
     @field_validator("queue_size")
     @classmethod
     def _some_queue(cls, size: Size) -> Size:
-        if size.is_off:
-            raise ValueError("the write queue cannot be empty; give it a size such as 1GiB or a block count")
-        return size
+        return _some_size(size, "the write queue cannot be empty")
 
     @field_validator("key_prefix")
     @classmethod
