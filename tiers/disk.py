@@ -41,10 +41,10 @@ import torch
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_or_unknown
 from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.block_events import AllBlocksCleared
-from kvstrata.tiers.disk_reader import CORRUPT, SERVED
 from kvstrata.tiers.lmdb_store import (DAMAGE_ERRORS, LmdbStore, Meta, StoreDamaged, data_file_bytes, quarantine,
                                        read_u64, replacing)
-from kvstrata.tiers.reader_pool import ReaderPool
+from kvstrata.tiers.reader_pool import start_readers
+from kvstrata.tiers.reader_process import CORRUPT, SERVED
 from kvstrata.tiers.record import RecordCodec, RecordError
 from kvstrata.tiers.shared_memory import locate
 from kvstrata.tiers.storage import check_room, format_bytes, prepare_private_dir
@@ -180,7 +180,7 @@ class DiskTier(LowerTier):
                                                      on_finished=self._forget_committed)
         self._cond = self._writer.cond  # guards the pending map too, so that it always matches the queue
         # Reads into shared host memory go to these processes (tiers/disk_reader.py); others run here.
-        self._readers = _start_readers(read_processes)
+        self._readers = start_readers(read_processes, "kvstrata.tiers.disk_reader", self.name)
         self._blocks_read_by_processes = 0  # served by them
         self._atexit = _close_at_exit(weakref.ref(self))
         atexit.register(self._atexit)
@@ -678,17 +678,6 @@ class DiskTier(LowerTier):
                    "read_processes": self._readers.processes if self._readers and self._readers.usable else 0,
                    "blocks_read_by_processes": self._blocks_read_by_processes},
         )
-
-
-def _start_readers(processes: int) -> Optional[ReaderPool]:
-    """The reader pool, or None (no processes asked for, or they could not be started: reads run here)."""
-    if processes < 1:
-        return None
-    try:
-        return ReaderPool(processes)
-    except OSError as e:
-        logger.warning("disk tier: cannot start its reader processes (%s); blocks are read in this process", e)
-        return None
 
 
 def _leading_true(flags: Sequence[bool]) -> int:

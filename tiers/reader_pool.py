@@ -1,5 +1,6 @@
-"""The disk tier's reader processes (tiers/disk_reader.py), as the tier sees them: a pool that runs a read in
-an idle one and returns its reply.
+"""A tier's reader processes (tiers/reader_process.py: the disk tier's, tiers/disk_reader.py, and the remote
+tier's, tiers/remote_reader.py), as the tier sees them: a pool that runs a read in an idle one and returns its
+reply.
 
 Mechanism only: the tier builds each request and decides what a reply means. A reader that dies (its store's
 file cut short under it, a kill) costs the read it was serving, which the tier then does in-process, and is
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 
-from kvstrata.tiers.disk_reader import recv_message, send_message
+from kvstrata.tiers.reader_process import recv_message, send_message
 from kvstrata.tiers.shared_memory import is_live, segment_fd
 
 logger = logging.getLogger(__name__)
@@ -28,14 +29,14 @@ READ_TIMEOUT_S = 30.0
 
 
 class _Reader:
-    """One reader process and the end of its socket; the segments it maps."""
+    """One reader process (running module `module`) and the end of its socket; the segments it maps."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # A session of its own: a terminal's Ctrl-C goes to the engine's process, which closes the socket.
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvstrata.tiers.disk_reader", str(theirs.fileno())],
+                [sys.executable, "-m", module, str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 start_new_session=True)
         except BaseException:
@@ -70,7 +71,7 @@ class _Reader:
                 raise ValueError("a reader answered out of turn")
 
     def prepare(self, segment_ids: set[int], store: dict) -> list[int]:
-        """`share`, and ask the reader to open the store (`{"path": ..., "file": ...}`) too; `ready` waits."""
+        """`share`, and ask the reader to open the store (the tier's `open` fields) too; `ready` waits."""
         asked = self.share(segment_ids)
         send_message(self.sock, {"op": "open", **store})
         return asked
@@ -104,12 +105,15 @@ class _Reader:
 
 
 class ReaderPool:
-    """`processes` reader processes, each serving one read at a time. Thread-safe."""
+    """`processes` reader processes, each running module `module` and serving one read at a time, for the tier
+    named `tier` (in what is logged). Thread-safe."""
 
-    def __init__(self, processes: int):
+    def __init__(self, processes: int, module: str, tier: str):
         if processes < 1:
             raise ValueError(f"a reader pool needs at least one process, got {processes}")
         self.processes = processes
+        self.module = module
+        self.tier = tier
         self._idle: queue.SimpleQueue[_Reader] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._restarts = 0
@@ -118,7 +122,7 @@ class ReaderPool:
         self._running: list[_Reader] = []
         try:
             for _ in range(processes):
-                self._running.append(_Reader())
+                self._running.append(_Reader(module))
         except BaseException:  # none left running
             for reader in self._running:
                 reader.close()
@@ -200,11 +204,11 @@ class ReaderPool:
             broken, closed = self._broken, self._closed
         what = (f"did not answer in {READ_TIMEOUT_S:g} s and was killed" if stuck
                 else f"ended (exit status {reader.process.returncode})")
-        logger.warning("disk tier: a reader process %s (%s); its blocks are read in this process%s", what,
+        logger.warning("%s tier: a reader process %s (%s); its blocks are read in this process%s", self.tier, what,
                        error or type(error).__name__, ", and every read from now on" if broken else "")
         if broken or closed:
             return None
-        replacement = _Reader()
+        replacement = _Reader(self.module)
         with self._lock:
             self._running.append(replacement)
         return replacement
@@ -232,3 +236,15 @@ class ReaderPool:
         reader.close()
         with self._lock:
             self._running.remove(reader)
+
+
+def start_readers(processes: int, module: str, tier: str) -> ReaderPool | None:
+    """A pool of `processes` readers running `module` for the tier named `tier`, or None (no processes asked for,
+    or they could not be started: the tier reads in its own process)."""
+    if processes < 1:
+        return None
+    try:
+        return ReaderPool(processes, module, tier)
+    except OSError as e:
+        logger.warning("%s tier: cannot start its reader processes (%s); blocks are read in this process", tier, e)
+        return None
