@@ -334,6 +334,9 @@ class RemoteTierConfig(_Section):
     ttl: DurationOrZero = 0.0
     # Records waiting to be written (bytes, or blocks): a burst beyond it is dropped, and counted.
     queue_size: SizeField = Size(nbytes=DEFAULT_QUEUE_BYTES)
+    # Processes that read promoted blocks (tiers/remote_reader.py); 0 reads them in the engine's process.
+    # Left out: as many as the transfer engine's fill threads.
+    read_processes: int | None = Field(default=None, ge=0, le=64)
 
     @field_validator("queue_size")
     @classmethod

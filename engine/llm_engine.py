@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvstrata.engine.config import Config
+from kvstrata.engine.config import Config, DiskTierConfig, RemoteTierConfig
 from kvstrata.engine.costs import attention_pairs, kv_reads
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.documents import Document, DocumentPlan, DocumentRegistry
@@ -201,9 +201,10 @@ class LLMEngine:
         if num_device_blocks < 1:
             raise ValueError(f"cache.tiers.device.size: {tiers.device.size} holds no block of "
                              f"{nbytes} bytes")
-        read_processes = self._disk_read_processes()
-        # With the KV cache in host memory the disk tier's readers copy blocks straight into it: it is shared.
-        shared = read_processes > 0 and self.device.type == "cpu"
+        disk_readers = self._read_processes(None if tiers.disk is None or tiers.disk.size.is_off else tiers.disk)
+        remote_readers = self._read_processes(tiers.remote)
+        # With the KV cache in host memory the tiers' readers copy blocks straight into it: it is shared.
+        shared = disk_readers + remote_readers > 0 and self.device.type == "cpu"
         kv_cache = self._allocate("cache.tiers.device.size", num_device_blocks,
                                   lambda: self._allocate_kv_cache(num_device_blocks, shared))
         pool = BlockPool(num_device_blocks, enable_caching=self.config.cache.enable_prefix_caching)
@@ -219,18 +220,20 @@ class LLMEngine:
             if tiers.disk is not None and not tiers.disk.size.is_off:
                 # a block count means that many stored blocks, each a record: a small header and the payload
                 capacity = tiers.disk.size.to_bytes(RecordCodec(self.layout).record_nbytes)
-                disk = DiskTier(self.layout, str(tiers.disk.path), capacity, read_processes=read_processes)
+                disk = DiskTier(self.layout, str(tiers.disk.path), capacity, read_processes=disk_readers)
             if tiers.remote is not None:
                 # Connects on first use: a server that is down now is a run of misses, not a failed start.
                 from kvstrata.tiers.remote import RemoteTier  # the `remote` extra: imported only when used
                 r = tiers.remote
                 remote = RemoteTier(self.layout, r.url, cluster=r.cluster, key_prefix=r.key_prefix,
                                     timeout=r.timeout, ttl=r.ttl,
-                                    queue_bytes=r.queue_size.to_bytes(RecordCodec(self.layout).record_nbytes))
+                                    queue_bytes=r.queue_size.to_bytes(RecordCodec(self.layout).record_nbytes),
+                                    read_processes=remote_readers)
         # On CUDA the readers write into the transfer engine's pinned staging: it is shared.
-        transfers = TransferEngine(kv_cache, shared_staging=read_processes > 0)
-        if disk is not None:  # mapped by the readers now: neither the first load nor the start-up probe waits for it
-            disk.share(kv_cache, *transfers.shared_host_buffers())
+        transfers = TransferEngine(kv_cache, shared_staging=disk_readers + remote_readers > 0)
+        for tier in (disk, remote):  # mapped by the readers now: neither the first load nor the start-up probe waits
+            if tier is not None:
+                tier.share(kv_cache, *transfers.shared_host_buffers())
         return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload, transfers=transfers,
                              remote=remote, event_listener=self.block_events)
 
@@ -239,17 +242,16 @@ class LLMEngine:
             try:
                 return self.layout.allocate(num_blocks, self.device, shared=True)
             except OSError as exc:  # no anonymous memory files here (a sandbox): the reads stay in this process
-                logger.warning("kvstrata: cannot put the KV cache in shared memory (%s); the disk tier's blocks are "
-                               "read in this process", exc)
+                logger.warning("kvstrata: cannot put the KV cache in shared memory (%s); the disk and remote tiers' "
+                               "blocks are read in this process", exc)
         return self.layout.allocate(num_blocks, self.device)
 
-    def _disk_read_processes(self) -> int:
-        """The disk tier's reader processes (0: none, or no disk tier): by default one per fill thread."""
-        cache = self.config.cache
-        disk = cache.tiers.disk
-        if not cache.enable_prefix_caching or disk is None or disk.size.is_off:
+    def _read_processes(self, tier: DiskTierConfig | RemoteTierConfig | None) -> int:
+        """The reader processes of the disk or the remote tier (`tier`: its config, None if off): by default one per
+        fill thread."""
+        if not self.config.cache.enable_prefix_caching or tier is None:
             return 0
-        return disk.read_processes if disk.read_processes is not None else DEFAULT_FILL_THREADS
+        return tier.read_processes if tier.read_processes is not None else DEFAULT_FILL_THREADS
 
     @property
     def device_capacity_warning(self) -> str | None:

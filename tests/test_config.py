@@ -376,6 +376,8 @@ def test_size_converts_to_blocks_of_a_given_byte_size():
      "at least 0"),
     ({"cache": {"tiers": {"disk": {"size": "1GiB", "read_processes": "many"}}}},
      "cache.tiers.disk.read_processes", "expected an integer"),
+    ({"cache": {"tiers": {"remote": {"url": "redis://127.0.0.1:6379", "read_processes": 65}}}},
+     "cache.tiers.remote.read_processes", "at most 64"),
 ])
 def test_each_config_error_is_one_line_naming_the_key(source, key, fragment):
     error = config_error(source)

@@ -16,7 +16,9 @@ a block found at lookup and gone at load is a miss, and the prefix ends there.
 Round trips: a lookup (`count_prefix`) is one round trip for the whole run of hashes: on one server a
 script that walks the chain there and stops at the first block it lacks (one command, however long the
 chain); in a cluster, whose keys lie in many slots, a pipelined EXISTS per hash (one round trip per node
-holding some of them). A read (`get`) is one pipelined round trip too. Writes leave the caller at
+holding some of them). A read (`get`) is one pipelined round trip too, made by a reader process
+(tiers/remote_reader.py) where the blocks go to shared host memory, so that the replies' parsing and the records'
+checks do not take the engine's interpreter lock; else, or when no reader answers, in this process. Writes leave the caller at
 once: `put` encodes the records and queues them for a writer thread that sends them in pipelined
 batches. The queue is bounded: a put that finds it full is dropped and counted (a block not shared
 is only a recompute for another replica), never waited for.
@@ -44,15 +46,16 @@ from typing import Optional, Sequence
 
 import redis
 import torch
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode
-from redis.retry import Retry
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_or_unknown
 from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockRemoved
+from kvstrata.tiers.reader_pool import start_readers
+from kvstrata.tiers.reader_process import CORRUPT, SERVED
 from kvstrata.tiers.record import RecordCodec, RecordError
+from kvstrata.tiers.remote_reader import FAULTS, connect, nodes_of, pipeline, read_values
 from kvstrata.tiers.remote_url import DEFAULT_QUEUE_BYTES, check_url, masked_url, scrub
+from kvstrata.tiers.shared_memory import locate
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +76,6 @@ end
 return #KEYS
 """
 PREFIX_SCRIPT_SHA = hashlib.sha1(PREFIX_SCRIPT.encode(), usedforsecurity=False).hexdigest()  # its name
-# What the client raises for a server that cannot answer now (down, timeout, reset, failover,
-# loading, a cluster without a slot's owner): every one is a miss, never an error for a request.
-# Where a round trip runs (lookup, read, write), anything else the client raises is taken as one too.
-FAULTS = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 
 def _is_full(error: BaseException) -> bool:
@@ -143,14 +142,16 @@ class RemoteTier(LowerTier):
 
     `timeout` (seconds) bounds every round trip and every lookup; `ttl` (seconds, 0: none) makes
     stored blocks expire that long after their last write or read; `queue_bytes` bounds the records waiting to
-    be written (beyond it, puts are dropped and counted). Thread-safe.
+    be written (beyond it, puts are dropped and counted); `read_processes` reader processes read the blocks that go
+    to shared host memory (0: every read in this process). Thread-safe.
     """
 
     name = "remote"
     keeps_pins = False  # the server evicts by its own policy (see "pins" below)
 
     def __init__(self, layout: BlockLayout, url: str, *, cluster: bool = False, key_prefix: str = "kvstrata",
-                 timeout: float = 0.05, ttl: float = 0.0, queue_bytes: int = DEFAULT_QUEUE_BYTES):
+                 timeout: float = 0.05, ttl: float = 0.0, queue_bytes: int = DEFAULT_QUEUE_BYTES,
+                 read_processes: int = 0):
         try:
             self.url = check_url(url, cluster)
         except ValueError as e:
@@ -188,6 +189,8 @@ class RemoteTier(LowerTier):
                                                      on_finished=self._sent)
         self._cond = self._writer.cond
         self._pins: dict[str, Pin] = {}
+        self._readers = start_readers(read_processes, "kvstrata.tiers.remote_reader", self.name)
+        self._blocks_read_by_processes = 0
         # Connect now, in the background: the first lookup then pays one round trip, not a connection.
         self._lookups.submit(self._warm_up)
 
@@ -200,16 +203,9 @@ class RemoteTier(LowerTier):
         with self._client_lock:
             if self._client is not None:
                 return self._client
-            options = dict(socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-                           retry=Retry(NoBackoff(), 0))  # our backoff, not the client's retries
             try:
-                if self.cluster:  # connects now, to learn which node serves which slots
-                    # through the URL's node or any other node it has learned: the URL's may be dead
-                    known = [ClusterNode(host, port) for host, port in self._known_nodes]
-                    self._client = redis.RedisCluster.from_url(self.url, startup_nodes=known, **options)
-                    self._known_nodes = [(n.host, n.port) for n in self._client.get_nodes()]
-                else:
-                    self._client = redis.Redis.from_url(self.url, health_check_interval=0, **options)
+                self._client, nodes = connect(self.url, self.cluster, self.timeout, self._known_nodes)
+                self._known_nodes = nodes or self._known_nodes
                 return self._client
             except FAULTS as e:
                 error = e
@@ -224,18 +220,19 @@ class RemoteTier(LowerTier):
             except FAULTS as e:
                 self._fault("connecting", e)
 
-    def _fault(self, what: str, error: BaseException, reconnect: bool = True) -> None:
-        """Count and (once per outage) log a fault; unless the client is only slow (`reconnect`
-        False), drop it so that the next try reconnects (a cluster relearns its slots)."""
-        self.health.fault(what, scrub(f"{type(error).__name__}: {error}", self.url))
+    def _fault(self, what: str, error: BaseException | str, reconnect: bool = True) -> None:
+        """Count and (once per outage) log a fault (an error, or what a reader said of one); unless the client is
+        only slow (`reconnect` False), drop it so that the next try reconnects (a cluster relearns its slots)."""
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.health.fault(what, scrub(message, self.url))
         if reconnect:
             self._disconnect()
 
     def _disconnect(self) -> None:
         with self._client_lock:
             client, self._client = self._client, None
-            if isinstance(client, redis.RedisCluster):  # the nodes it knows now, failed-over ones included
-                self._known_nodes = [(n.host, n.port) for n in client.get_nodes()] or self._known_nodes
+            if client is not None:  # a cluster's nodes it knows now, failed-over ones included
+                self._known_nodes = nodes_of(client) or self._known_nodes
         if client is not None:
             try:
                 client.close()
@@ -244,9 +241,6 @@ class RemoteTier(LowerTier):
 
     def _key(self, block_hash: bytes) -> bytes:
         return f"{self.key_prefix}:{block_hash.hex()}".encode()
-
-    def _pipeline(self, client):
-        return client.pipeline(transaction=False)  # a cluster splits it by node; no MULTI across slots
 
     # -- pins --------------------------------------------------------------------------------
     # The server evicts by its own policy, which a client cannot suspend per key: a pin is only
@@ -328,7 +322,7 @@ class RemoteTier(LowerTier):
         return answers
 
     def _prefix_pipeline(self, client, chains: list[list[bytes]]) -> list:
-        pipe = self._pipeline(client)
+        pipe = pipeline(client)
         for chain in chains:
             pipe.evalsha(PREFIX_SCRIPT_SHA, len(chain), *map(self._key, chain))
         return pipe.execute(raise_on_error=False)
@@ -358,7 +352,7 @@ class RemoteTier(LowerTier):
         client = self._connection()
         if client is None:
             return [False] * len(block_hashes)
-        pipe = self._pipeline(client)
+        pipe = pipeline(client)
         for h in block_hashes:
             pipe.exists(self._key(h))
         try:
@@ -372,46 +366,95 @@ class RemoteTier(LowerTier):
     def get(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],
             dests: Sequence[torch.Tensor]) -> list[bool]:
         """One pipelined GET (GETEX with a ttl, which restarts it) for all the blocks; each value is
-        verified as it is copied into its destination."""
+        verified as it is copied into its destination. In a reader process where every destination is
+        shared memory, else (or when no reader answers) here."""
         self._check_open()
         assert len(block_hashes) == len(token_ids) == len(dests)
         served = [False] * len(block_hashes)
-        records = self._read([self._key(h) for h in block_hashes])
-        corrupt = []
-        for i, record in enumerate(records):
-            if record is None:
-                continue
-            try:
-                self.codec.decode_into(record, token_ids[i], dests[i])
-                served[i] = True
-            except RecordError as e:  # a cache never serves what it cannot verify
-                logger.debug("remote tier: block %s does not verify: %s", block_hashes[i].hex(), e)
-                corrupt.append(_Op("delete", self._key(block_hashes[i]), block_hash=block_hashes[i]))
+        corrupt: list[int] = []
+        todo = list(range(len(block_hashes)))
+        if self._readers is not None:
+            todo = self._read_in_reader(block_hashes, token_ids, dests, served, corrupt)
+        if todo:
+            self._read_here(todo, block_hashes, token_ids, dests, served, corrupt)
         hits = sum(served)
         with self._cond:  # reads of one load may run on several threads at once
             self._stats.hits += hits
             self._stats.misses += len(served) - hits
             self._stats.corrupt += len(corrupt)
-        self._enqueue(corrupt)
+        for i in corrupt:  # a cache never serves what it cannot verify
+            logger.debug("remote tier: block %s does not verify; deleting it", block_hashes[i].hex())
+        self._enqueue([_Op("delete", self._key(block_hashes[i]), block_hash=block_hashes[i]) for i in corrupt])
         return served
+
+    def _read_here(self, todo: list[int], block_hashes, token_ids, dests, served: list[bool],
+                   corrupt: list[int]) -> None:
+        for i, record in zip(todo, self._read([self._key(block_hashes[i]) for i in todo])):
+            if record is None:
+                continue
+            try:
+                self.codec.decode_into(record, token_ids[i], dests[i])
+                served[i] = True
+            except RecordError:
+                corrupt.append(i)
 
     def _read(self, keys: list[bytes]) -> list[bytes | None]:
         client = self._connection()
         if client is None:
             return [None] * len(keys)
-        pipe = self._pipeline(client)
-        for key in keys:
-            if self.ttl_ms:
-                pipe.getex(key, px=self.ttl_ms)
-            else:
-                pipe.get(key)
         try:
-            values = pipe.execute(raise_on_error=False)
+            values = read_values(client, keys, self.ttl_ms)
         except Exception as e:  # likewise
             self._fault("a read", e)
             return [None] * len(keys)
         self.health.ok()
-        return [v if isinstance(v, bytes) else None for v in values]
+        return values
+
+    def _read_in_reader(self, block_hashes, token_ids, dests, served: list[bool], corrupt: list[int]) -> list[int]:
+        """Read the blocks through a reader process, where every destination is shared memory; returns those still
+        to read here (all of them where a destination is private, or no reader answered)."""
+        todo = list(range(len(block_hashes)))
+        places = [locate(d) for d in dests]
+        tokens = self.codec.pack_token_ids(token_ids)
+        if any(p is None for p in places) or tokens is None or not self._readers.usable:
+            return todo
+        if not self.health.usable():  # backing off: misses, as here
+            return []
+        request = {"op": "read", "keys": [self._key(h) for h in block_hashes], "tokens": tokens,
+                   "places": [(p.segment, p.offset) for p in places], **self.codec.reader_fields,
+                   **self._reader_fields()}
+        reply = self._readers.read(request, {p.segment for p in places})
+        if reply is None:
+            return todo
+        with self._cond:
+            self._blocks_read_by_processes += reply["codes"].count(SERVED)
+        for i, code in enumerate(reply["codes"]):
+            if code == SERVED:
+                served[i] = True
+            elif code == CORRUPT:
+                corrupt.append(i)
+        if reply["error"] is None:
+            self.health.ok()
+        else:
+            kind, message = reply["error"]
+            if kind == "fault":
+                self._fault("a read", message)
+            else:
+                logger.warning("remote tier: a reader's read failed (%s); treating the blocks as misses",
+                               scrub(message, self.url))
+        return []
+
+    def _reader_fields(self) -> dict:
+        """What a reader needs to reach the server (tiers/remote_reader.py): sent with every read, so that a reader
+        started in place of a dead one needs no other message. The URL travels over a private socket only."""
+        return {"url": self.url, "cluster": self.cluster, "timeout": self.timeout, "ttl_ms": self.ttl_ms}
+
+    def share(self, *dests: torch.Tensor) -> None:
+        """Where `dests` (the memory reads will fill: a host KV cache, pinned staging) are shared memory, have the
+        reader processes map them, and connect, now rather than at the first read."""
+        segments = {place.segment for place in map(locate, dests) if place is not None}
+        if self._readers is not None and segments:
+            self._readers.prepare(segments, self._reader_fields())
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -530,6 +573,8 @@ class RemoteTier(LowerTier):
             self._drain_deadline = time.monotonic() + DRAIN_S
         self._writer.stop(timeout=DRAIN_S + 2 * self.timeout + 1.0)
         self._lookups.shutdown(wait=False, cancel_futures=True)
+        if self._readers is not None:
+            self._readers.close()
         self._disconnect()
 
     def _check_open(self) -> None:
@@ -546,7 +591,7 @@ class RemoteTier(LowerTier):
         if client is None:
             self._dropped_puts += num_puts
             return
-        pipe = self._pipeline(client)
+        pipe = pipeline(client)
         for op in batch:
             if op.kind == "put":
                 pipe.set(op.key, memoryview(op.value), px=self.ttl_ms)  # sent as it is, not copied
@@ -597,7 +642,9 @@ class RemoteTier(LowerTier):
             queued = self._queued_puts
         extra = {"url": self.shown_url, "cluster": self.cluster, "key_prefix": self.key_prefix,
                  "reachable": not self.health.down, "faults": self.health.faults, "outages": self.health.outages,
-                 "queued_puts": queued, "dropped_puts": self._dropped_puts, "write_errors": self._write_errors}
+                 "queued_puts": queued, "dropped_puts": self._dropped_puts, "write_errors": self._write_errors,
+                 "read_processes": self._readers.processes if self._readers and self._readers.usable else 0,
+                 "blocks_read_by_processes": self._blocks_read_by_processes}
         return dataclasses.replace(self._stats, extra=extra)
 
 

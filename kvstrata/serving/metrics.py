@@ -186,13 +186,16 @@ def _cache_metrics(stats: dict) -> Iterator[Metric]:
     yield _counter("prompt_logprob_cache_served_blocks", "Blocks of prompt log-probabilities given to requests "
                                                          "asking for their prompt's (not computed again).",
                    logprobs["blocks_served"])
-    disk = tiers.get("disk")
-    if disk is not None:
-        extra = disk["extra"]
-        yield _gauge("cache_disk_read_processes", "The disk tier's reader processes running (0: its blocks are read "
-                                                  "in the engine's process).", extra.get("read_processes", 0))
-        yield _counter("cache_disk_blocks_read_by_processes", "Disk-tier blocks read by its reader processes.",
-                       extra.get("blocks_read_by_processes", 0))
+    for name in ("disk", "remote"):
+        tier = tiers.get(name)
+        if tier is not None:
+            extra = tier["extra"]
+            yield _gauge(f"cache_{name}_read_processes", f"The {name} tier's reader processes running (0: its blocks "
+                                                         "are read in the engine's process).",
+                         extra.get("read_processes", 0))
+            yield _counter(f"cache_{name}_blocks_read_by_processes",
+                           f"{name.capitalize()}-tier blocks read by its reader processes.",
+                           extra.get("blocks_read_by_processes", 0))
     remote = tiers.get("remote")
     if remote is not None:  # the server's address is not exported: it may carry a password
         extra = remote["extra"]

@@ -178,15 +178,13 @@ def _banner(config: Config, async_engine: AsyncEngine, model_id: str, sock: sock
         if tier is None:
             lines.append(f"  {name + ' tier:':<13}off")
             continue
+        readers = tier["extra"].get("read_processes", 0)
+        read_by = f", read by {readers} process{'es' if readers != 1 else ''}" if readers else ""
         if name == "remote":  # sized by the server's maxmemory, not here
             lines.append(f"  {'remote tier:':<13}{tier['extra']['url']} (key prefix {tier['extra']['key_prefix']}"
-                         f"{', cluster' if tier['extra']['cluster'] else ''})")
+                         f"{', cluster' if tier['extra']['cluster'] else ''}){read_by}")
             continue
-        where = ""
-        if name == "disk":
-            readers = tier["extra"].get("read_processes", 0)
-            where = f" at {config.cache.tiers.disk.path}" + (
-                f", read by {readers} process{'es' if readers != 1 else ''}" if readers else "")
+        where = f" at {config.cache.tiers.disk.path}{read_by}" if name == "disk" else ""
         lines.append(f"  {name + ' tier:':<13}{format_bytes(tier['capacity_bytes'])} "
                      f"({tier['capacity_blocks']} blocks of {config.cache.block_size} tokens){where}")
     return "\n".join(lines)
