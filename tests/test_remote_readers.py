@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -179,3 +181,11 @@ def test_an_engines_remote_hits_are_read_by_its_readers_unless_none_are_asked_fo
         assert extra["read_processes"] >= 1 and extra["blocks_read_by_processes"] >= 12
     else:
         assert (extra["read_processes"], extra["blocks_read_by_processes"]) == (0, 0)
+
+
+def test_reader_processes_import_neither_torch_nor_the_engine():
+    """A reader starts in a tenth of a second, in place of a dead one too: it must not pay for torch."""
+    code = ("import sys, kvstrata.tiers.disk_reader, kvstrata.tiers.remote_reader; "
+            "print(sorted(m for m in ('torch', 'kvstrata.engine', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "[]"

@@ -17,11 +17,11 @@ Round trips: a lookup (`count_prefix`) is one round trip for the whole run of ha
 script that walks the chain there and stops at the first block it lacks (one command, however long the
 chain); in a cluster, whose keys lie in many slots, a pipelined EXISTS per hash (one round trip per node
 holding some of them). A read (`get`) is one pipelined round trip too, made by a reader process
-(tiers/remote_reader.py) where the blocks go to shared host memory, so that the replies' parsing and the records'
-checks do not take the engine's interpreter lock; else, or when no reader answers, in this process. Writes leave the caller at
-once: `put` encodes the records and queues them for a writer thread that sends them in pipelined
-batches. The queue is bounded: a put that finds it full is dropped and counted (a block not shared
-is only a recompute for another replica), never waited for.
+(tiers/remote_reader.py) where the blocks go to shared host memory, so that the replies' parsing and
+the records' checks do not take the engine's interpreter lock; else, or when no reader answers, in
+this process. Writes leave the caller at once: `put` encodes the records and queues them for a
+writer thread that sends them in pipelined batches. The queue is bounded: a put that finds it full
+is dropped and counted (a block not shared is only a recompute for another replica), never waited for.
 
 Faults are misses. The server down or restarting, a timeout, a reset connection, a cluster node
 failing over, a full server refusing writes (OOM with `noeviction`): the operation answers "not
