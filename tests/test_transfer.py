@@ -5,6 +5,7 @@ reported as unserved blocks (never raised on the caller's thread), and `wait_cop
 a block safe to reuse. On a GPU (`pytest -m cuda`, skipped without one) the same jobs go through
 pinned staging and a side stream per direction.
 """
+import contextlib
 import threading
 import time
 
@@ -313,30 +314,47 @@ def test_on_cuda_blocks_loaded_through_pinned_staging_and_stored_back_equal_the_
     transfers.close()
 
 
+@contextlib.contextmanager
+def tier_with_readers(name: str, layout, work_dir):
+    """The disk or the remote tier (a valkey-server on a loopback port) with two reader processes."""
+    if name == "disk":
+        from kvstrata.tiers.disk import DiskTier
+        tier = DiskTier(layout, str(work_dir / "kv"), 16 << 20, read_processes=2)
+        yield tier
+        tier.close()
+        return
+    from valkey_server import ValkeyServer
+
+    from kvstrata.tiers.remote import RemoteTier
+    with ValkeyServer() as server:
+        tier = RemoteTier(layout, server.url, timeout=1.0, read_processes=2)
+        yield tier
+        tier.close()
+
+
 @pytest.mark.cuda
-def test_on_cuda_disk_blocks_read_by_reader_processes_into_shared_pinned_staging_land_as_stored(tmp_path):
-    from kvstrata.tiers.disk import DiskTier
+@pytest.mark.parametrize("tier_name", ["disk", "remote"])
+def test_on_cuda_blocks_read_by_reader_processes_into_shared_pinned_staging_land_as_stored(tmp_path, tier_name):
     from kvstrata.tiers.shared_memory import locate
     kv = CUDA_LAYOUT.allocate(16, device="cuda")
     transfers = TransferEngine(kv, staging_bytes=6 * CUDA_LAYOUT.block_nbytes, shared_staging=True)
     halves = transfers.shared_host_buffers()
     assert len(halves) == 2 and all(locate(h) is not None and h.is_pinned() for h in halves)
-    disk = DiskTier(CUDA_LAYOUT, str(tmp_path / "kv"), 16 << 20, read_processes=2)
     ids = [9, 2, 14, 5, 0, 11, 7]  # three chunks, through both halves
     hashes, tokens = [bytes([i]) * 16 for i in ids], [[i] * CUDA_LAYOUT.block_size for i in ids]
     source = torch.randint(0, 256, (len(ids), CUDA_LAYOUT.block_nbytes), dtype=torch.uint8)
-    disk.put(hashes, tokens, list(source))
-    disk.flush()
-    disk.share(kv, *halves)
+    with tier_with_readers(tier_name, CUDA_LAYOUT, tmp_path) as tier:
+        tier.put(hashes, tokens, list(source))
+        tier.flush()
+        tier.share(kv, *halves)
 
-    def fill(start, views):
-        return disk.get(hashes[start:start + len(views)], tokens[start:start + len(views)], views)
+        def fill(start, views):
+            return tier.get(hashes[start:start + len(views)], tokens[start:start + len(views)], views)
 
-    load = transfers.load(ids, fill)
-    assert load.wait(60) and load.served == [True] * len(ids) and not load.failed
-    assert all(torch.equal(as_bytes(kv[b]).cpu(), source[i]) for i, b in enumerate(ids))
-    assert disk.stats().extra["blocks_read_by_processes"] == len(ids)
-    disk.close()
+        load = transfers.load(ids, fill)
+        assert load.wait(60) and load.served == [True] * len(ids) and not load.failed
+        assert all(torch.equal(as_bytes(kv[b]).cpu(), source[i]) for i, b in enumerate(ids))
+        assert tier.stats().extra["blocks_read_by_processes"] == len(ids)
     transfers.close()
 
 
