@@ -182,7 +182,8 @@ def run_cuda_tests(plan: Plan) -> dict:
         # told when to stop, so that a section cut short still says which cases passed.
         env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
                CUDA_CHECK_DEADLINE_ENV: str(time.time() + max(plan.tests_timeout_s - TESTS_AFTER_CHECK_S, 1.0))}
-        returncode, lines = run_showing_outcomes(command, env, timeout_s=plan.tests_timeout_s)
+        run = run_until(command, env, time.time() + plan.tests_timeout_s, on_line=show_outcome, cwd=REPO_ROOT)
+        returncode, lines = run.returncode, [line for line in run.lines if line.strip()]
         result = junit_counts(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 0, "skipped": 0,
                                                              "not_passed": []}
     last_line = (lines or [""])[-1]
@@ -197,23 +198,43 @@ TESTS_AFTER_CHECK_S = 60.0  # of the tests section, left to the CUDA tests after
 TEST_OUTCOMES = (" PASSED", " FAILED", " ERROR", " SKIPPED", " XFAIL", " XPASS")
 
 
-def run_showing_outcomes(command: list[str], env: dict, timeout_s: float) -> tuple[int, list[str]]:
-    """Run pytest, logging each test's outcome as it comes (a run stopped midway still shows how far it got);
-    its exit status and every line it printed (stdout and stderr together)."""
+@dataclass
+class ChildRun:
+    returncode: int
+    lines: list[str]  # what it printed on stdout, line by line
+    stopped: bool     # killed at its deadline
+
+
+def run_until(command: list[str], env: dict, deadline: float, on_line=None, stderr=subprocess.STDOUT,
+              cwd: Path | None = None) -> ChildRun:
+    """Run `command` until it ends or `deadline` (a time.time()) passes, when it is killed; each line it prints is
+    handed to `on_line` as it comes, so that a run stopped midway still shows how far it got. `stderr`: where its
+    stderr goes (by default into its stdout)."""
     lines: list[str] = []
-    with subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as child:
-        killer = threading.Timer(timeout_s, child.kill)
+    killed = threading.Event()
+
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True) as child:
+        def kill() -> None:
+            killed.set()
+            child.kill()
+
+        killer = threading.Timer(max(0.0, deadline - time.time()), kill)
         killer.start()
         try:
             for line in child.stdout:
-                lines.append(line.rstrip())
-                if any(outcome in line for outcome in TEST_OUTCOMES) and "::" in line:
-                    log(f"tests: {line.strip()}")
+                lines.append(line.rstrip("\n"))
+                if on_line is not None:
+                    on_line(lines[-1])
             returncode = child.wait()
         finally:
             killer.cancel()
-    return returncode, [line for line in lines if line.strip()]
+    return ChildRun(returncode, lines, killed.is_set() and returncode != 0)
+
+
+def show_outcome(line: str) -> None:
+    """Log a pytest line that gives a test's outcome."""
+    if any(outcome in line for outcome in TEST_OUTCOMES) and "::" in line:
+        log(f"tests: {line.strip()}")
 
 
 def junit_counts(path: Path) -> dict:

@@ -8,23 +8,26 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from kernel_cases import CUDA_CASES, CUDA_LONG_CONTEXT_BATCHES, KV_DTYPE_CASES, LAYER_OPS_CASES
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.gpu_report import CUDA_CHECK_DEADLINE_ENV, run_until  # noqa: E402
+
 pytestmark = pytest.mark.cuda
 ALL_CASES = [c.name for c in CUDA_CASES] + list(KV_DTYPE_CASES) + LAYER_OPS_CASES
 
 
-# A time.time() by which the check stops (the GPU report sets it from its tests section's limit): the cases run
-# by then are reported, the others fail as not reached, where a check killed with pytest reported none.
-CHECK_DEADLINE_ENV = "KVSTRATA_CUDA_CHECK_DEADLINE"
+# By default the check stops after this long; the GPU report sets its deadline (CUDA_CHECK_DEADLINE_ENV) from its
+# tests section's limit: the cases run by then are reported, the others fail as not reached, where a check killed
+# with pytest reported none.
 CHECK_TIMEOUT_S = 1800
 
 
@@ -32,7 +35,7 @@ CHECK_TIMEOUT_S = 1800
 def gpu_results(tmp_path_factory) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("gpu_kernel_check.py")
-    deadline = float(os.environ.get(CHECK_DEADLINE_ENV, time.time() + CHECK_TIMEOUT_S))
+    deadline = float(os.environ.get(CUDA_CHECK_DEADLINE_ENV, time.time() + CHECK_TIMEOUT_S))
     lines, stopped = lines_until([sys.executable, str(script)], env, deadline,
                                  tmp_path_factory.mktemp("gpu-check") / "stderr")
     results = {line["case"]: line for line in map(json.loads, (ln for ln in lines if ln.startswith("{")))
@@ -47,20 +50,11 @@ def gpu_results(tmp_path_factory) -> dict[str, dict]:
 def lines_until(command: list[str], env: dict, deadline: float, stderr_path: Path) -> tuple[list[str], bool]:
     """The command's stdout lines until it ends or `deadline` (a time.time()) passes, when it is killed; and
     whether it was stopped. A command that fails on its own fails the fixture, with the end of its stderr."""
-    lines: list[str] = []
-    with open(stderr_path, "w+") as stderr, subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                                             stderr=stderr, text=True) as child:
-        timer = threading.Timer(max(0.0, deadline - time.time()), child.kill)
-        timer.start()
-        try:
-            lines = [line.rstrip("\n") for line in child.stdout]
-            returncode = child.wait()
-        finally:
-            timer.cancel()
-        stopped = returncode == -signal.SIGKILL and time.time() >= deadline
+    with open(stderr_path, "w+") as stderr:
+        run = run_until(command, env, deadline, stderr=stderr)
         stderr.seek(0)
-        assert returncode == 0 or stopped, stderr.read()[-3000:]
-    return lines, stopped
+        assert run.returncode == 0 or run.stopped, stderr.read()[-3000:]
+    return run.lines, run.stopped
 
 
 @pytest.mark.parametrize("case", [c.name for c in CUDA_CASES])
