@@ -13,27 +13,13 @@ import time
 import pytest
 import torch
 from test_disk_tier import BIG, CHILD_PRELUDE, corrupt_value, grow_in_another_process, run_python
-from tier_cases import BF16, FP32, key, payload, put_blocks, tokens
+from tier_cases import BF16, FP32, by_processes, key, payload, put_blocks, read_shared, tokens
 
 from kvstrata.tiers import reader_pool
 from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.shared_memory import Place, is_live, locate, segment_fd, shared_empty
 
 MiB = 1 << 20
-
-
-def read_shared(tier: DiskTier, ids, layout=BF16, toks=None) -> list[bool]:
-    """Read blocks into shared memory and check every served one is byte-exact; returns which were served."""
-    dests = list(shared_empty((len(ids), layout.block_nbytes), torch.uint8))
-    served = tier.get([key(i) for i in ids], toks or [tokens(i, layout) for i in ids], dests)
-    for i, ok, dest in zip(ids, served, dests):
-        if ok:
-            assert torch.equal(dest, payload(layout, i)), f"block {i} served with wrong bytes"
-    return served
-
-
-def by_processes(tier: DiskTier) -> int:
-    return tier.stats().extra["blocks_read_by_processes"]
 
 
 @pytest.fixture

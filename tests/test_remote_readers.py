@@ -12,33 +12,16 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from test_remote_tier import PASSWORD, tier_on, wait_until, written
-from tier_cases import BF16, FP32, get_blocks, key, payload, tokens
+from test_remote_tier import PASSWORD, damage_blocks_1_and_2, tier_on, wait_until, written
+from tier_cases import BF16, FP32, by_processes, get_blocks, key, read_shared, tokens
 from valkey_server import ValkeyServer, valkey_cluster
 
-from kvstrata.tiers.remote import RemoteTier
-from kvstrata.tiers.shared_memory import shared_empty
 
 
 @pytest.fixture
 def server():
     with ValkeyServer() as s:
         yield s
-
-
-def read_shared(tier: RemoteTier, ids, layout=BF16, toks=None) -> list[bool]:
-    """Read blocks into shared memory and check every served one is byte-exact; returns which were served."""
-    dests = list(shared_empty((len(ids), layout.block_nbytes), torch.uint8))
-    served = tier.get([key(i) for i in ids], toks or [tokens(i, layout) for i in ids], dests)
-    for i, ok, dest in zip(ids, served, dests):
-        if ok:
-            assert torch.equal(dest, payload(layout, i)), f"block {i} served with wrong bytes"
-    return served
-
-
-def by_processes(tier: RemoteTier) -> int:
-    return tier.stats().extra["blocks_read_by_processes"]
 
 
 @pytest.mark.parametrize("layout", [BF16, FP32], ids=["bf16", "fp32"])
@@ -57,11 +40,7 @@ def test_blocks_read_by_reader_processes_are_the_stored_bytes(server, layout):
 def test_a_damaged_or_foreign_value_read_by_a_reader_is_a_counted_miss_and_is_deleted(server):
     tier = tier_on(server.url, read_processes=1)
     written(tier, range(4))
-    raw = server.client()
-    stored = bytearray(raw.get(tier._key(key(1))))
-    stored[-1] ^= 0xFF  # one payload bit flipped
-    raw.set(tier._key(key(1)), bytes(stored))
-    raw.set(tier._key(key(2)), b"not a block record at all")
+    raw = damage_blocks_1_and_2(server, tier)
     assert read_shared(tier, range(4), toks=[tokens(0), tokens(1), tokens(2), tokens(9)]) == [True, False, False,
                                                                                               False]
     tier.flush()

@@ -220,14 +220,21 @@ def test_a_chain_broken_by_a_dropped_block_is_not_sent_past_it_until_that_block_
     tier.close()
 
 
+def damage_blocks_1_and_2(server: ValkeyServer, tier: RemoteTier):
+    """Block 1's record on the server with one payload bit flipped, block 2's replaced by bytes that are no
+    record at all; returns a client of the server."""
+    raw = server.client()
+    stored = bytearray(raw.get(tier._key(key(1))))
+    stored[-1] ^= 0xFF
+    raw.set(tier._key(key(1)), bytes(stored))
+    raw.set(tier._key(key(2)), b"not a block record at all")
+    return raw
+
+
 def test_damaged_value_is_a_counted_miss_and_is_deleted(server):
     tier = tier_on(server.url)
     written(tier, range(3))
-    raw = server.client()
-    stored = bytearray(raw.get(tier._key(key(1))))
-    stored[-1] ^= 0xFF  # one payload bit flipped
-    raw.set(tier._key(key(1)), bytes(stored))
-    raw.set(tier._key(key(2)), b"not a block record at all")
+    raw = damage_blocks_1_and_2(server, tier)
     assert get_blocks(tier, range(3)) == [True, False, False]
     tier.flush()
     assert tier.stats().corrupt == 2

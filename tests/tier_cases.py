@@ -5,6 +5,7 @@ import time
 import torch
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, as_bytes
+from kvstrata.tiers.shared_memory import shared_empty
 
 BF16 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 FP32 = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -28,14 +29,28 @@ def put_blocks(tier: LowerTier, ids, layout: BlockLayout = BF16) -> None:
     tier.put([key(i) for i in ids], [tokens(i, layout) for i in ids], [payload(layout, i) for i in ids])
 
 
-def get_blocks(tier: LowerTier, ids, layout: BlockLayout = BF16, toks=None) -> list[bool]:
-    """Read blocks and check every served one is byte-exact; returns which were served."""
-    dests = [torch.empty(layout.block_nbytes, dtype=torch.uint8) for _ in ids]
+def get_blocks(tier: LowerTier, ids, layout: BlockLayout = BF16, toks=None, shared: bool = False) -> list[bool]:
+    """Read blocks (into shared host memory if `shared`: a tier's reader processes may read them) and check every
+    served one is byte-exact; returns which were served."""
+    if shared:
+        dests = list(shared_empty((len(ids), layout.block_nbytes), torch.uint8))
+    else:
+        dests = [torch.empty(layout.block_nbytes, dtype=torch.uint8) for _ in ids]
     served = tier.get([key(i) for i in ids], toks or [tokens(i, layout) for i in ids], dests)
     for i, ok, dest in zip(ids, served, dests):
         if ok:
             assert torch.equal(dest, payload(layout, i)), f"block {i} served with wrong bytes"
     return served
+
+
+def read_shared(tier: LowerTier, ids, layout: BlockLayout = BF16, toks=None) -> list[bool]:
+    """`get_blocks` into shared host memory."""
+    return get_blocks(tier, ids, layout, toks, shared=True)
+
+
+def by_processes(tier: LowerTier) -> int:
+    """Blocks the tier's reader processes have read."""
+    return tier.stats().extra["blocks_read_by_processes"]
 
 
 class GatedTier(LowerTier):
