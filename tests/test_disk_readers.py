@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 from test_disk_tier import BIG, CHILD_PRELUDE, corrupt_value, grow_in_another_process, run_python
-from tier_cases import BF16, FP32, by_processes, key, payload, put_blocks, read_shared, tokens
+from tier_cases import (BF16, FP32, by_processes, key, kill_a_reader_and_read_on, payload, put_blocks, read_shared,
+                        tokens)
 
 from kvstrata.tiers import reader_pool
 from kvstrata.tiers.disk import DiskTier
@@ -120,13 +121,7 @@ def test_a_killed_reader_costs_no_block_and_is_replaced(store_path, caplog):
     tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=1)
     put_blocks(tier, range(4))
     tier.flush()
-    assert read_shared(tier, [0]) == [True]
-    (pid,) = tier._readers.pids
-    os.kill(pid, signal.SIGKILL)
-    assert read_shared(tier, [1, 2, 3]) == [True, True, True]  # read here, by this process
-    assert "a reader process ended" in caplog.text
-    assert read_shared(tier, [0, 1]) == [True, True]  # and by the reader started in its place
-    assert by_processes(tier) == 3
+    kill_a_reader_and_read_on(tier, caplog)
     tier.close()
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 from test_remote_tier import PASSWORD, damage_blocks_1_and_2, tier_on, wait_until, written
-from tier_cases import BF16, FP32, by_processes, get_blocks, key, read_shared, tokens
+from tier_cases import BF16, FP32, by_processes, get_blocks, key, kill_a_reader_and_read_on, read_shared, tokens
 from valkey_server import ValkeyServer, valkey_cluster
 
 
@@ -80,13 +79,7 @@ def test_a_dead_server_is_misses_through_the_readers_and_a_restarted_one_is_read
 def test_a_killed_reader_costs_no_block_and_is_replaced(server, caplog):
     tier = tier_on(server.url, read_processes=1)
     written(tier, range(4))
-    assert read_shared(tier, [0]) == [True]
-    (pid,) = tier._readers.pids
-    os.kill(pid, signal.SIGKILL)
-    assert read_shared(tier, [1, 2, 3]) == [True, True, True]  # read here, by this process
-    assert "remote tier: a reader process ended" in caplog.text
-    assert read_shared(tier, [0, 1]) == [True, True]  # and by the reader started in its place
-    assert by_processes(tier) == 3
+    kill_a_reader_and_read_on(tier, caplog)
     pids = tier._readers.pids
     tier.close()
     for pid in pids:  # closing the tier ends them

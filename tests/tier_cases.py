@@ -1,4 +1,6 @@
 """Small blocks for the lower-tier tests: two layouts, keys, token ids and payloads derived from an id."""
+import os
+import signal
 import threading
 import time
 
@@ -51,6 +53,18 @@ def read_shared(tier: LowerTier, ids, layout: BlockLayout = BF16, toks=None) -> 
 def by_processes(tier: LowerTier) -> int:
     """Blocks the tier's reader processes have read."""
     return tier.stats().extra["blocks_read_by_processes"]
+
+
+def kill_a_reader_and_read_on(tier: LowerTier, caplog) -> None:
+    """`tier` holds blocks 0-3 and has one reader process: killing it costs no block (the read it missed is done in
+    this process, and said in the log), and the reader started in its place reads the next."""
+    assert read_shared(tier, [0]) == [True]
+    (pid,) = tier._readers.pids
+    os.kill(pid, signal.SIGKILL)
+    assert read_shared(tier, [1, 2, 3]) == [True, True, True]  # read here, by this process
+    assert f"{tier.name} tier: a reader process ended" in caplog.text
+    assert read_shared(tier, [0, 1]) == [True, True]  # and by the reader started in its place
+    assert by_processes(tier) == 3
 
 
 class GatedTier(LowerTier):
