@@ -8,6 +8,11 @@ busy step loop. That is the case on a GPU, where the step thread spends its time
 model here is replaced by fixed logits (benchmarks/engine_host.py's engine), so that the step thread is all Python,
 as on a GPU.
 
+The model here never lets go of the lock, where a GPU's step thread does, while it waits for the device's kernels:
+the cases "whose steps wait N ms on the device" add that wait to every step, the lock let go (a sleep), so that
+the transfer threads run then and the step thread must take the lock back from them after it (SmolLM2's decode
+step on one H100 took 16.7 ms, benchmarks/results/gpu.md).
+
 Figures per case: the hit's time to first token and its load phase (from its receipt), the decoding sequences'
 longest step while it is admitted over their median step, and how long the step thread waited in those steps (their
 wall time less the thread's own CPU time: waits for the interpreter lock, or for a core); median of `--hits` hits.
@@ -41,14 +46,19 @@ FIGURES = ("ttft", "load", "gap", "stall")  # seconds, seconds, a ratio, seconds
 class HitCase:
     tier: str      # where the document's blocks are: "cpu", "disk" or "remote" (a valkey-server on loopback)
     num_seqs: int  # sequences decoding while the hit is admitted (0: alone)
+    device_ms: float = 0.0  # every step also waits this long with the interpreter lock let go, as on a device
 
     @property
     def name(self) -> str:
-        beside = f"beside {self.num_seqs} decoding sequences" if self.num_seqs else "alone"
-        return f"{self.tier} tier, {beside}"
+        plural = "s" if self.num_seqs != 1 else ""
+        beside = f"beside {self.num_seqs} decoding sequence{plural}" if self.num_seqs else "alone"
+        device = f", steps waiting {self.device_ms:g} ms on the device" if self.device_ms else ""
+        return f"{self.tier} tier, {beside}{device}"
 
 
-CASES = [HitCase(tier, num_seqs) for tier in ("cpu", "disk", "remote") for num_seqs in (0, 4)]
+TIERS = ("cpu", "disk", "remote")
+CASES = ([HitCase(tier, num_seqs) for tier in TIERS for num_seqs in (0, 4)]
+         + [HitCase(tier, 1, device_ms=10.0) for tier in TIERS])
 
 
 def cache_config(tier: str, work_dir: Path, remote_url: str | None = None) -> dict:
@@ -106,6 +116,15 @@ def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float
     return receipt.ttft_ms / 1e3, receipt.load_ms_by_tier[case.tier] / 1e3, longest_gap, sum(stalls)
 
 
+def waiting_on_device(execute, seconds: float):
+    """`execute`, then a wait of `seconds` with the interpreter lock let go, as a GPU step's wait for its kernels."""
+    def execute_and_wait(step):
+        logits = execute(step)
+        time.sleep(seconds)
+        return logits
+    return execute_and_wait
+
+
 def worker(cases: list[HitCase], hits: int) -> dict:
     """Every case's hits, in this process (whose `kvstrata` is the code under test)."""
     import torch
@@ -123,6 +142,8 @@ def worker(cases: list[HitCase], hits: int) -> dict:
         for n, case in enumerate(cases):
             case_dir = Path(work_dir) / f"case{n}"
             engine = build_engine(case_dir, cache=cache_config(case.tier, case_dir, server.url))
+            if case.device_ms:
+                engine.runner.execute = waiting_on_device(engine.runner.execute, case.device_ms / 1e3)
             engine.add_request("document", document + [5], SamplingParams(max_tokens=1))
             while engine.has_unfinished_requests():
                 engine.step()
