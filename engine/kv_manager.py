@@ -136,9 +136,11 @@ class KVCacheManager:
         elif request.num_tokens >= (len(request.block_hashes) + 1) * self.block_size:  # a block became full
             self.hasher.extend(request.block_hashes, request.all_token_ids, cache_salt=request.cache_salt)
 
-    def _block_tokens(self, request: Request, start: int, stop: int) -> list[list[int]]:
+    def _block_tokens(self, request: Request, start: int, stop: int) -> list[tuple[int, ...]]:
+        """The token ids of blocks `start .. stop - 1`, a tuple each: the form the tiers keep and compare."""
         bs = self.block_size
-        return [request.token_ids(i * bs, (i + 1) * bs) for i in range(start, stop)]
+        ids = request.token_ids(start * bs, stop * bs)
+        return [tuple(ids[k:k + bs]) for k in range(0, len(ids), bs)]
 
     # ----------------------------------------------------------------- the scheduler's calls
 
@@ -284,8 +286,7 @@ class KVCacheManager:
         return False
 
     def _on_device(self, hashes: list[bytes]) -> bytes:
-        cached = self.pool.get_cached_block
-        return bytes(cached(h) is not None for h in hashes)
+        return bytes(block is not None for block in self.pool.get_cached_blocks(hashes))
 
     def _room_for_load(self, hashes: list[bytes], found_in: list[str], rest: int) -> bool:
         """Whether the blocks `hashes`, laid out as `found_in`, can start loading: the device can take

@@ -219,6 +219,10 @@ def test_blocks_are_lent_for_a_copy_straight_from_the_slab_and_count_as_hits():
     assert [torch.equal(b, blocks[i]) for b, i in zip(lent_bytes(lent), (3, 1))] == [True, True]
     assert tier.stats().hits == 2
     lent.release()
+    again = tier.lend([key(1), key(2)], [tuple(tokens(1)), tuple(tokens(2))])  # token ids as tuples, as the engine's
+    assert [torch.equal(b, blocks[i]) for b, i in zip(lent_bytes(again), (1, 2))] == [True, True]
+    assert tier.stats().hits == 4
+    again.release()
 
 
 def test_a_lend_with_a_missing_or_stale_block_lends_nothing_and_counts_nothing():
@@ -226,6 +230,7 @@ def test_a_lend_with_a_missing_or_stale_block_lends_nothing_and_counts_nothing()
     put_blocks(tier, [1, 2])
     assert tier.lend([key(1), key(9)], [tokens(1), tokens(9)]) is None
     assert tier.lend([key(1), key(2)], [tokens(1), tokens(5)]) is None  # block 2 stored under other tokens
+    assert tier.lend([key(1), key(2)], [tuple(tokens(1)), tuple(tokens(5))]) is None  # as the engine gives them
     stats = tier.stats()
     assert (stats.hits, stats.misses, stats.corrupt) == (0, 0, 0)
     assert tier.contains(key(2))  # the caller's `get` is what finds it stale and drops it

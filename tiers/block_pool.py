@@ -166,6 +166,12 @@ class BlockPool:
         """The block caching `block_hash`, in use or free, or None. Does not touch it."""
         return self.cached_block_hash_to_block.get(block_hash)
 
+    def get_cached_blocks(self, block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock | None]:
+        """`get_cached_block` of each hash, in one pass (a long document's chain is looked up several times an
+        admission, on the step thread)."""
+        get = self.cached_block_hash_to_block.get
+        return [get(h) for h in block_hashes]
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the head of the free queue, each returned with ref_cnt 1.
 

@@ -130,19 +130,21 @@ class CpuTier(LowerTier):
         host-to-device copy needs no staging copy first), if every block is here with its token ids;
         else None, with nothing counted (the caller reads them with `get`). Each lent block counts as a
         hit and as being read: it is neither evicted nor its slot reused until `release()`."""
+        # One pass of plain loops over the blocks, under one taking of the lock: it runs on a transfer thread
+        # beside the step thread, and holds the interpreter lock throughout.
         with self._lock:
             slots = [self._slot_of.get(h) for h in block_hashes]
-            if any(slot is None or self._token_ids[slot] != token_tuple(expected)
-                   for slot, expected in zip(slots, token_ids)):
+            if None in slots or any(self._token_ids[slot] != _as_tuple(expected)
+                                    for slot, expected in zip(slots, token_ids)):
                 return None
-            for block_hash, slot in zip(block_hashes, slots):
-                self._count_read(block_hash, slot)
+            self._count_reads(block_hashes, slots)
         unreleased = list(slots)
 
         def release() -> None:  # once: a second call finds nothing left to release
             with self._lock:
-                while unreleased:
-                    self._end_read(unreleased.pop())
+                for slot in unreleased:
+                    self._end_read(slot)
+                unreleased.clear()
 
         return LentBlocks(self._slab, slots, release)
 
@@ -162,9 +164,15 @@ class CpuTier(LowerTier):
 
     def _count_read(self, block_hash: bytes, slot: int) -> None:
         """A verified block's read begins: a hit, the most recently used, its slot kept until `_end_read`."""
-        self._slot_of.move_to_end(block_hash)
-        self._stats.hits += 1
-        self._readers[slot] = self._readers.get(slot, 0) + 1
+        self._count_reads((block_hash,), (slot,))
+
+    def _count_reads(self, block_hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+        """`_count_read` of each block, in one loop."""
+        move_to_end, readers = self._slot_of.move_to_end, self._readers
+        for block_hash, slot in zip(block_hashes, slots):
+            move_to_end(block_hash)
+            readers[slot] = readers.get(slot, 0) + 1
+        self._stats.hits += len(slots)
 
     def _end_read(self, slot: int) -> None:
         n = self._readers.pop(slot) - 1
@@ -405,3 +413,9 @@ class CpuTier(LowerTier):
             self._stats.used_bytes = used * self.layout.block_nbytes
             self._stats.pinned_blocks = len(self._pin_count)
             return dataclasses.replace(self._stats, extra={"pinned": self.pinned, "rejected_puts": self._rejected_puts})
+
+
+def _as_tuple(token_ids: Sequence[int]) -> tuple[int, ...]:
+    """Token ids as a tuple to compare with a stored one: a tuple is compared as it is (its ints, or int-likes, compare
+    equal to the stored ints), anything else converted (`token_tuple`)."""
+    return token_ids if type(token_ids) is tuple else token_tuple(token_ids)

@@ -198,12 +198,13 @@ class TierHierarchy:
         sent how many of those hashes the tier holds in a row; it returns the chain's tiers."""
         found: list[str] = []
         n = len(block_hashes)
+        on_device = [block is not None for block in self.pool.get_cached_blocks(block_hashes)]
         while len(found) < n:
-            if self.pool.get_cached_block(block_hashes[len(found)]) is not None:
+            if on_device[len(found)]:
                 found.append("device")
                 continue
             end = len(found) + 1  # the run below the device ends where the device holds a block again
-            while end < n and self.pool.get_cached_block(block_hashes[end]) is None:
+            while end < n and not on_device[end]:
                 end += 1
             # The tiers in turn, each asked from where the run's blocks found so far end, until every tier has
             # said that it lacks the next block: one question each for most runs, more where tiers alternate.
@@ -226,8 +227,8 @@ class TierHierarchy:
         lookup per block, no lower tier asked): a block the device holds now is a device hit; one it no
         longer holds ends the prefix unless the earlier lookup placed it in a lower tier."""
         located: list[str] = []
-        for k, block_hash in enumerate(block_hashes):
-            if self.pool.get_cached_block(block_hash) is not None:
+        for k, block in enumerate(self.pool.get_cached_blocks(block_hashes)):
+            if block is not None:
                 located.append("device")
             elif k < len(found) and found[k] != "device":
                 located.append(found[k])
@@ -249,7 +250,7 @@ class TierHierarchy:
         """
         found_in = list(self.locate(block_hashes) if found_in is None else found_in)
         blocks: list[KVCacheBlock | None] = [
-            self.pool.get_cached_block(h) if t == "device" else None for h, t in zip(block_hashes, found_in)]
+            block if t == "device" else None for block, t in zip(self.pool.get_cached_blocks(block_hashes), found_in)]
         self.pool.touch([b for b in blocks if b is not None])
         below = [k for k, t in enumerate(found_in) if t != "device"]
         room = self.pool.num_free_blocks
