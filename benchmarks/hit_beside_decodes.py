@@ -69,14 +69,14 @@ def cache_config(tier: str, work_dir: Path, remote_url: str | None = None) -> di
     return {"offload": "write_through", "load_policy": "always_load", "tiers": tiers}
 
 
-def timed_step(engine, durations: list[float], stalls: list[float] | None = None) -> None:
+def timed_step(engine, durations: list[float], stalls: list[float] | None = None, device_s: float = 0.0) -> None:
     """One step, its wall time appended to `durations` and (if given) its wall time less the step thread's CPU
-    time to `stalls`."""
+    time and the step's wait on the device (`device_s`) to `stalls`."""
     started, cpu_started = time.perf_counter(), time.thread_time()
     engine.step()
     durations.append(time.perf_counter() - started)
     if stalls is not None:
-        stalls.append(max(0.0, durations[-1] - (time.thread_time() - cpu_started)))
+        stalls.append(max(0.0, durations[-1] - (time.thread_time() - cpu_started) - device_s))
 
 
 def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float, float, float, float]:
@@ -102,7 +102,7 @@ def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float
     during: list[float] = []
     stalls: list[float] = []
     while not engine.requests[question].output_token_ids:
-        timed_step(engine, during, stalls)
+        timed_step(engine, during, stalls, case.device_ms / 1e3)
     receipt = engine.requests[question].receipt
     if receipt.cached_tokens_by_tier[case.tier] < DOC_TOKENS - 16:
         raise SystemExit(f"hit_beside_decodes: the question was not served by the {case.tier} tier: {receipt}")
@@ -158,6 +158,7 @@ def worker(cases: list[HitCase], hits: int) -> dict:
 def main() -> int:
     parser = in_turn_parser(__doc__, "hit_beside_decodes")
     parser.add_argument("--hits", type=int, default=5, help="hits per case in a run; their median counts")
+    parser.add_argument("--only", metavar="TEXT", help="run only the cases whose name contains TEXT")
     args = parser.parse_args()
     if args.worker:
         given = json.loads(args.worker)
@@ -165,18 +166,20 @@ def main() -> int:
         return 0
 
     best: dict[str, dict[str, list[float]]] = {}
-    worker_arg = json.dumps({"cases": [asdict(c) for c in CASES], "hits": args.hits})
+    cases = [c for c in CASES if args.only is None or args.only in c.name]
+    if not cases:
+        raise SystemExit(f"hit_beside_decodes: no case's name contains {args.only!r}")
+    worker_arg = json.dumps({"cases": [asdict(c) for c in cases], "hits": args.hits})
     for repeat, side, measured in each_side_in_turn(__file__, worker_arg, args.baseline, args.repeats):
         kept = best.setdefault(side, {k: measured[k] for k in FIGURES})
         for k in FIGURES:
             kept[k] = [min(a, b) for a, b in zip(kept[k], measured[k])]
         print(f"run {repeat + 1}, {side} ({measured['engine_code']}): TTFT "
               + ", ".join(f"{s * 1e3:.1f}" for s in measured["ttft"]) + " ms", flush=True)
-    cases = [{**asdict(case), "name": case.name,
-              **{f"{side}_{k}": best[side][k][n] for side in best for k in FIGURES}}
-             for n, case in enumerate(CASES)]
+    rows = [{**asdict(case), "name": case.name, **{f"{side}_{k}": best[side][k][n] for side in best for k in FIGURES}}
+            for n, case in enumerate(cases)]
     result = results_record("hit_beside_decodes", baseline=args.baseline, repeats=args.repeats, hits=args.hits,
-                            doc_tokens=DOC_TOKENS, question_tokens=QUESTION_TOKENS, cases=cases)
+                            doc_tokens=DOC_TOKENS, question_tokens=QUESTION_TOKENS, cases=rows)
     publish(result, report(result), args.out_dir)
     return 0
 
@@ -198,14 +201,14 @@ def report(result: dict) -> list[str]:
     for c in result["cases"]:
         row = f"| {c['name']} | " + " | ".join(
             f"{c[f'{s}_ttft'] * 1e3:.1f} | {c[f'{s}_load'] * 1e3:.1f} | "
-            + (f"{c[f'{s}_gap']:.1f}x" if c["num_seqs"] else "–") + f" | {c[f'{s}_stall'] * 1e3:.1f}"
+            + (f"{c[f'{s}_gap']:.2f}x" if c["num_seqs"] else "–") + f" | {c[f'{s}_stall'] * 1e3:.1f}"
             for s in sides)
         lines.append(row + (f" | {c['baseline_ttft'] / c['this_ttft']:.2f}x |" if baseline else " |"))
     lines += ["", "Longest gap / median: the longest step from the question's arrival to its first token over the "
               "median decode step before it, that is the decoding sequences' longest gap between two tokens while the "
               "hit was admitted (the issue's GPU goal: at most 1.5x). Step thread waits: over the same steps, their "
-              "wall time less the step thread's CPU time, that is its waits for the interpreter lock (or for a core) "
-              "while the transfer threads moved the hit. Best of the runs' medians, as the other figures."]
+              "wall time less the step thread's CPU time (and less the steps' waits on the device, where they have one), "
+              "that is its waits for the interpreter lock (or for a core) while the transfer threads moved the hit. Best of the runs' medians, as the other figures."]
     return lines
 
 
