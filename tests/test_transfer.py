@@ -6,7 +6,6 @@ a block safe to reuse. On a GPU (`pytest -m cuda`, skipped without one) the same
 pinned staging and a side stream per direction.
 """
 import contextlib
-import sys
 import threading
 import time
 
@@ -198,34 +197,6 @@ def test_wait_any_returns_when_one_job_lands_and_times_out_otherwise():
     gate.set()
     assert transfers.wait_any([slow], timeout=10)
     transfers.close()
-
-
-def test_the_interpreter_switches_threads_often_while_a_job_is_in_flight_and_as_before_once_none_is():
-    """A step thread back from waiting on the device waits for the interpreter lock at most the switch interval
-    while a job's thread holds it; every engine's jobs count, and the setting the process had comes back."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(0.004)
-    first, second = engine(), engine()
-    gates = threading.Event(), threading.Event()
-    try:
-        jobs = [first.load([0], fill_with({0: 1}, gates[0])), second.store([1], lambda start, views: gates[1].wait(10))]
-        assert sys.getswitchinterval() == transfer_module.BUSY_SWITCH_INTERVAL_S
-        gates[0].set()
-        assert jobs[0].wait(10)
-        time.sleep(0.05)
-        assert sys.getswitchinterval() == transfer_module.BUSY_SWITCH_INTERVAL_S  # the other engine's job runs on
-        gates[1].set()
-        assert jobs[1].wait(10)
-        deadline = time.monotonic() + 10
-        while sys.getswitchinterval() != 0.004:  # set back just after the job is done
-            assert time.monotonic() < deadline, "the switch interval was not restored"
-            time.sleep(0.01)
-    finally:
-        gates[0].set()
-        gates[1].set()
-        first.close()
-        second.close()
-        sys.setswitchinterval(before)
 
 
 def test_an_empty_job_is_done_at_once():

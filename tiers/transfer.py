@@ -22,11 +22,6 @@ Completion: a job is done when its worker has seen its last copy complete (a CUD
 by the worker, never a device-wide synchronize and never on the step thread). The step thread only
 polls `done`; it waits (`wait`, `wait_copied`) only for a job it needs now.
 
-While any job is in flight the interpreter switches threads every `BUSY_SWITCH_INTERVAL_S` instead of Python's 5 ms
-(`_BusyInterval`): the jobs' threads share the interpreter lock with the step thread, and a step thread back from
-waiting on the device (a GPU's step waits for its kernels with the lock let go) waited up to that long for a job's
-thread to let go of it.
-
 Invariants the caller relies on:
 - a store job's device blocks are not read after `copied` is set, so a block may be reused once
   `wait_copied()` returns;
@@ -42,7 +37,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -89,39 +83,6 @@ def contiguous_runs(block_ids: Sequence[int], rows: Sequence[int]) -> list[tuple
         else:
             runs.append((block_id, row, 1))
     return runs
-
-class _BusyInterval:
-    """The interpreter's switch interval, `BUSY_SWITCH_INTERVAL_S` while any transfer job of any engine in the
-    process is in flight, else what it was before the first. A thread that wants the interpreter lock waits for
-    the holder to let go of it; one busy in Python lets go at the latest after the switch interval, 5 ms by
-    default: a promotion's lend and release of 437 CPU-tier blocks, a few milliseconds of Python on its thread,
-    made the step that admitted it 5-7 ms longer beside a decode stream whose steps wait 10 ms on the device
-    (benchmarks/results/hit_beside_decodes.md). Mechanism only; thread-safe."""
-
-    def __init__(self, busy_s: float):
-        self.busy_s = busy_s
-        self._lock = threading.Lock()
-        self._jobs = 0
-        self._idle_s: float | None = None
-
-    def enter(self) -> None:
-        with self._lock:
-            self._jobs += 1
-            if self._jobs == 1:
-                self._idle_s = sys.getswitchinterval()
-                sys.setswitchinterval(min(self.busy_s, self._idle_s))
-
-    def exit(self) -> None:
-        with self._lock:
-            self._jobs -= 1
-            if self._jobs == 0 and self._idle_s is not None:
-                sys.setswitchinterval(self._idle_s)
-                self._idle_s = None
-
-
-BUSY_SWITCH_INTERVAL_S = 0.0005
-_busy_interval = _BusyInterval(BUSY_SWITCH_INTERVAL_S)
-
 
 # Host copies through numpy, one call each, when there are at most this many (see copy_each).
 FEW_COPIES = 4
@@ -312,7 +273,6 @@ class _Direction:
             return transfer
         self._prepare(transfer)
         self._last = transfer
-        _busy_interval.enter()
         self._jobs.put((transfer, work))
         return transfer
 
@@ -342,7 +302,6 @@ class _Direction:
                 transfer.served += [False] * (len(transfer.block_ids) - len(transfer.served))
             transfer.seconds = time.perf_counter() - started
             self._finish(transfer)
-            _busy_interval.exit()
 
     def _finish(self, transfer: Transfer) -> None:
         transfer._copied.set()
