@@ -422,8 +422,9 @@ def run_replica_set(name: str, configs: list, loaded, prompts: list[QAPrompt]) -
         records = []
         for i, (prompt, replica) in enumerate(zip(prompts, replica_of(prompts))):
             record = ask(engines[replica], prompt.token_ids)
-            if engines[replica].hierarchy.remote is not None:
-                engines[replica].hierarchy.remote.flush()  # the next replica may ask for it at once
+            if engines[replica].hierarchy.remote is not None:  # the next replica may ask for it at once: its
+                engines[replica].hierarchy.wait_for_write_downs()  # blocks are handed to the remote tier
+                engines[replica].hierarchy.remote.flush()  # and are on the server
             records.append({"index": i, "phase": prompt.phase, "doc": prompt.doc, "question_index": prompt.question_index,
                             "repeat": prompt.repeat, "replica": replica, **record})
         stats = [engine.stats() for engine in engines]
