@@ -244,6 +244,7 @@ def disk_hit(llm, prompt: list[int]) -> tuple[list[int], int]:
     greedy = SamplingParams(max_tokens=4, temperature=0)
     first = llm.generate(prompt, greedy)[0]
     llm.engine.hierarchy.wait_for_write_downs()
+    llm.engine.hierarchy.disk.flush()  # committed: read from the store (the writer's queue is read in-process)
     assert llm.engine.hierarchy.clear_device_cache()
     again = llm.generate(prompt, greedy)[0]
     assert again.token_ids == first.token_ids

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -164,6 +165,35 @@ def test_cpu_evictions_cascade_to_disk_and_disk_hits_refill_cpu(tmp_path):
     assert again.num_cached_tokens == 6 * BS
     # blocks that came up from disk were put in the CPU tier too (it holds exactly these 6 now)
     assert all(h.cpu.contains(x) for x in again.block_hashes[:6])
+
+
+def test_a_disk_hit_lands_before_its_blocks_are_copied_into_the_cpu_tier(tmp_path):
+    """Putting the blocks a load read from disk into the CPU tier (and the evictions to disk that cascades into)
+    is off the load's path: a CPU tier that takes its time does not delay the hit."""
+    kv = make_stack(device_blocks=8, cpu_blocks=6, disk_path=tmp_path / "kv", disk_blocks=64)
+    docs = [doc(i, 6 * BS + 1) for i in range(4)]
+    for d in docs:
+        run_request(kv, d)
+    h = kv.hierarchy
+    h.disk.flush()
+    gate, cpu_put = threading.Event(), h.cpu.put
+
+    def slow_put(*args, **kwargs):
+        assert gate.wait(10)
+        return cpu_put(*args, **kwargs)
+
+    h.cpu.put = slow_put
+    try:
+        req = Request("held-up", list(docs[0]), SamplingParams(max_tokens=1, temperature=0))
+        blocks, num_cached, by_tier = computed_blocks(kv, req)  # landed while every CPU-tier put waits
+        assert by_tier["disk"] == 6 * BS and num_cached == 6 * BS
+        for block, block_hash in zip(blocks, req.block_hashes):
+            assert torch.equal(as_bytes(h.kv_cache[block.block_id]), content_for(block_hash))
+        assert not any(h.cpu.contains(x) for x in req.block_hashes[:6])
+    finally:
+        gate.set()
+    h.wait_for_write_downs()
+    assert all(h.cpu.contains(x) for x in req.block_hashes[:6])  # then copied up, for the next request
 
 
 def test_clearing_every_tier_forgets_every_block_and_pin_and_says_which_tier_it_could_not_reach(tmp_path):
