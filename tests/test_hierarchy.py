@@ -152,13 +152,20 @@ def test_a_device_cache_reset_leaves_the_blocks_below_where_the_next_request_fin
     assert again.cached_tokens_by_tier["cpu"] == 6 * BS
 
 
-def test_cpu_evictions_cascade_to_disk_and_disk_hits_refill_cpu(tmp_path):
+def documents_evicted_to_disk(tmp_path) -> tuple[KVCacheManager, list[list[int]]]:
+    """A stack whose CPU tier holds one 6-block document, and four documents computed on it: the first is long
+    gone from the device and the CPU tier, on disk only (committed)."""
     kv = make_stack(device_blocks=8, cpu_blocks=6, disk_path=tmp_path / "kv", disk_blocks=64)
     docs = [doc(i, 6 * BS + 1) for i in range(4)]
     for d in docs:
         run_request(kv, d)
+    kv.hierarchy.disk.flush()
+    return kv, docs
+
+
+def test_cpu_evictions_cascade_to_disk_and_disk_hits_refill_cpu(tmp_path):
+    kv, docs = documents_evicted_to_disk(tmp_path)
     h = kv.hierarchy
-    h.disk.flush()
     assert h.disk.stats().used_blocks > 0
     again = run_request(kv, docs[0])  # long gone from device and CPU
     assert again.cached_tokens_by_tier["disk"] > 0
@@ -170,12 +177,8 @@ def test_cpu_evictions_cascade_to_disk_and_disk_hits_refill_cpu(tmp_path):
 def test_a_disk_hit_lands_before_its_blocks_are_copied_into_the_cpu_tier(tmp_path):
     """Putting the blocks a load read from disk into the CPU tier (and the evictions to disk that cascades into)
     is off the load's path: a CPU tier that takes its time does not delay the hit."""
-    kv = make_stack(device_blocks=8, cpu_blocks=6, disk_path=tmp_path / "kv", disk_blocks=64)
-    docs = [doc(i, 6 * BS + 1) for i in range(4)]
-    for d in docs:
-        run_request(kv, d)
+    kv, docs = documents_evicted_to_disk(tmp_path)
     h = kv.hierarchy
-    h.disk.flush()
     gate, cpu_put = threading.Event(), h.cpu.put
 
     def slow_put(*args, **kwargs):
