@@ -43,7 +43,7 @@ from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.block_events import AllBlocksCleared
 from kvstrata.tiers.lmdb_store import (DAMAGE_ERRORS, LmdbStore, Meta, StoreDamaged, data_file_bytes, quarantine,
                                        read_u64, replacing)
-from kvstrata.tiers.reader_pool import start_readers
+from kvstrata.tiers.reader_pool import block_read, start_readers
 from kvstrata.tiers.reader_process import CORRUPT, SERVED
 from kvstrata.tiers.record import RecordCodec, RecordError
 from kvstrata.tiers.shared_memory import locate
@@ -287,18 +287,16 @@ class DiskTier(LowerTier):
                         corrupt: list[bytes]) -> list[int]:
         """Serve blocks `todo` through a reader process, where every destination is shared memory; returns those
         still to read here (all of them where a destination is private, or no reader answered)."""
-        places = [locate(dests[i]) for i in todo]
-        tokens = self.codec.pack_token_ids([token_ids[i] for i in todo])
-        if any(p is None for p in places) or tokens is None or not self._readers.usable:
+        read = block_read([block_hashes[i] for i in todo], [token_ids[i] for i in todo], [dests[i] for i in todo],
+                          self.codec)
+        if read is None or not self._readers.usable:
             return todo
-        request = {"op": "read", "keys": [block_hashes[i] for i in todo], "tokens": tokens,
-                   "places": [(p.segment, p.offset) for p in places], **self.codec.reader_fields}
+        request, segments = read
         with self._gate.shared:  # the store is not replaced while a reader reads it
             store = self._store
             if store is None:
                 return []
-            reply = self._readers.read({**request, "path": store.path, "file": store.file_id()},
-                                       {p.segment for p in places})
+            reply = self._readers.read({**request, "path": store.path, "file": store.file_id()}, segments)
         if reply is None:
             return todo
         with self._cond:

@@ -17,7 +17,7 @@ import sys
 import threading
 
 from kvstrata.tiers.reader_process import recv_message, send_message
-from kvstrata.tiers.shared_memory import is_live, segment_fd
+from kvstrata.tiers.shared_memory import is_live, locate, segment_fd
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,19 @@ MAX_RESTARTS = 3
 # milliseconds, from a slow disk seconds; beyond this the reader is taken for stuck (stopped, wedged), killed, and
 # its read done in-process: a load never waits on a reader for ever.
 READ_TIMEOUT_S = 30.0
+
+
+def block_read(keys: list, token_ids, dests, codec) -> tuple[dict, set[int]] | None:
+    """A reader's `read` of the blocks `keys` (records of `codec`'s layout, with `token_ids`) into `dests`, and the
+    shared segments it writes to; None where a destination is private memory, or a block's token ids do not fill
+    it (the tier's own read then says why). The tier adds the fields that say where to read from."""
+    places = [locate(d) for d in dests]
+    tokens = codec.pack_token_ids(token_ids)
+    if any(p is None for p in places) or tokens is None:
+        return None
+    request = {"op": "read", "keys": keys, "tokens": tokens, "places": [(p.segment, p.offset) for p in places],
+               **codec.reader_fields}
+    return request, {p.segment for p in places}
 
 
 class _Reader:

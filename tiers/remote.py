@@ -50,7 +50,7 @@ import torch
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_or_unknown
 from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockRemoved
-from kvstrata.tiers.reader_pool import start_readers
+from kvstrata.tiers.reader_pool import block_read, start_readers
 from kvstrata.tiers.reader_process import CORRUPT, SERVED
 from kvstrata.tiers.record import RecordCodec, RecordError
 from kvstrata.tiers.remote_reader import FAULTS, connect, nodes_of, pipeline, read_values
@@ -414,16 +414,13 @@ class RemoteTier(LowerTier):
         """Read the blocks through a reader process, where every destination is shared memory; returns those still
         to read here (all of them where a destination is private, or no reader answered)."""
         todo = list(range(len(block_hashes)))
-        places = [locate(d) for d in dests]
-        tokens = self.codec.pack_token_ids(token_ids)
-        if any(p is None for p in places) or tokens is None or not self._readers.usable:
+        read = block_read([self._key(h) for h in block_hashes], token_ids, dests, self.codec)
+        if read is None or not self._readers.usable:
             return todo
         if not self.health.usable():  # backing off: misses, as here
             return []
-        request = {"op": "read", "keys": [self._key(h) for h in block_hashes], "tokens": tokens,
-                   "places": [(p.segment, p.offset) for p in places], **self.codec.reader_fields,
-                   **self._reader_fields()}
-        reply = self._readers.read(request, {p.segment for p in places})
+        request, segments = read
+        reply = self._readers.read({**request, **self._reader_fields()}, segments)
         if reply is None:
             return todo
         with self._cond:
