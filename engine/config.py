@@ -139,6 +139,9 @@ Dtype = Annotated[Literal["auto", "float32", "bfloat16", "float16"], BeforeValid
 KVCacheDtype = Annotated[Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "bfloat16", "float16", "float32"],
                          BeforeValidator(_canonical_dtype)]
 SizeField = Annotated[Size, PlainValidator(Size.parse), PlainSerializer(_size_value)]
+# A lower tier's processes that read promoted blocks; 0 reads them in the engine's process. Left out: as many as
+# the transfer engine's fill threads.
+ReadProcesses = Annotated[int | None, Field(ge=0, le=64)]
 PositiveInt = Annotated[int, Field(gt=0)]
 
 
@@ -294,9 +297,7 @@ class DiskTierConfig(_Section):
     # Relative paths resolve against the current directory when the config is loaded.
     path: Path = Field(default="./kvstore", validate_default=True)
     size: SizeField
-    # Processes that read promoted blocks (tiers/disk_reader.py); 0 reads them in the engine's process.
-    # Left out: as many as the transfer engine's fill threads.
-    read_processes: int | None = Field(default=None, ge=0, le=64)
+    read_processes: ReadProcesses = None  # tiers/disk_reader.py
 
     @field_validator("path", mode="before")
     @classmethod
@@ -334,9 +335,7 @@ class RemoteTierConfig(_Section):
     ttl: DurationOrZero = 0.0
     # Records waiting to be written (bytes, or blocks): a burst beyond it is dropped, and counted.
     queue_size: SizeField = Size(nbytes=DEFAULT_QUEUE_BYTES)
-    # Processes that read promoted blocks (tiers/remote_reader.py); 0 reads them in the engine's process.
-    # Left out: as many as the transfer engine's fill threads.
-    read_processes: int | None = Field(default=None, ge=0, le=64)
+    read_processes: ReadProcesses = None  # tiers/remote_reader.py
 
     @field_validator("queue_size")
     @classmethod
