@@ -84,7 +84,8 @@ class _Reader:
                 raise ValueError("a reader answered out of turn")
 
     def prepare(self, segment_ids: set[int], store: dict) -> list[int]:
-        """`share`, and ask the reader to open the store (the tier's `open` fields) too; `ready` waits."""
+        """`share`, and ask the reader to open the tier's store (`store`: the fields of its `open`, a path or a
+        server) too; `ready` waits."""
         asked = self.share(segment_ids)
         send_message(self.sock, {"op": "open", **store})
         return asked
@@ -155,10 +156,10 @@ class ReaderPool:
         return not (self._closed or self._broken)
 
     def prepare(self, segment_ids: set[int], store: dict) -> None:
-        """Have every idle reader map `segment_ids` and open the store now, ahead of the reads, all at once;
-        returns when they have. A reader maps a segment whole, page tables included, which takes a while for a
-        large one (a host KV cache): paid here, at start-up, not by the first read (nor by the load policy's
-        timed probe)."""
+        """Have every idle reader map `segment_ids` and open the tier's store (`store`: its `open` fields) now,
+        ahead of the reads, all at once; returns when they have. A reader maps a segment whole, page tables
+        included, which takes a while for a large one (a host KV cache): paid here, at start-up, not by the first
+        read (nor by the load policy's timed probe)."""
         taken = []
         while len(taken) < self.processes:
             try:
