@@ -64,3 +64,17 @@ def test_the_check_sees_every_way_of_importing_a_forbidden_layer(tmp_path):
                       "def f():\n    import fastapi\n")
     layers = {layer_of(name) for name in imported_modules(source, "engine")}
     assert layers == {FACADE, "kvstrata.serving", "fastapi"}
+
+
+def test_a_checkout_imports_its_own_subpackages_without_an_install(tmp_path):
+    """On a machine set up by hand (a GPU one: the project's copy installed elsewhere, or none), a command run in the
+    checkout imports the checkout's `kvstrata` folder first; its engine, tiers and kernels must come with it, from
+    the checkout, as pyproject's package-dir maps them in an install."""
+    import subprocess
+    import sys
+
+    # -S: no site-packages, so neither an installed nor an editable copy can answer for the checkout
+    code = "import kvstrata.engine, kvstrata.tiers, kvstrata.kernels as k; print(k.__file__)"
+    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert Path(run.stdout.strip()) == REPO / "kernels" / "__init__.py"
