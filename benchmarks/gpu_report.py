@@ -185,7 +185,7 @@ def run_cuda_tests(plan: Plan) -> dict:
         run = run_until(command, env, time.time() + plan.tests_timeout_s, on_line=show_outcome, cwd=REPO_ROOT)
         returncode, lines = run.returncode, [line for line in run.lines if line.strip()]
         result = junit_counts(junit) if junit.exists() else {"passed": 0, "failed": 0, "errors": 0, "skipped": 0,
-                                                             "not_passed": []}
+                                                             "not_passed": [], "why": {}}
     last_line = (lines or [""])[-1]
     if not any(result[key] for key in ("passed", "failed", "errors", "skipped")):
         raise RuntimeError(f"pytest ran no test (exit status {returncode}): {last_line}")
@@ -239,13 +239,16 @@ def show_outcome(line: str) -> None:
 
 def junit_counts(path: Path) -> dict:
     """Passed, failed, errors and skipped test cases of a JUnit XML file, and the names of those that did not pass."""
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "not_passed": []}
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "not_passed": [], "why": {}}
     for case in ElementTree.parse(path).getroot().iter("testcase"):
-        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-        key = {"failure": "failed", "error": "errors", "skipped": "skipped"}.get(outcome, "passed")
+        outcome = next((child for child in case if child.tag in ("failure", "error", "skipped")), None)
+        key = {"failure": "failed", "error": "errors", "skipped": "skipped"}.get(getattr(outcome, "tag", None), "passed")
         counts[key] += 1
         if key in ("failed", "errors"):
-            counts["not_passed"].append(f"{case.get('classname')}::{case.get('name')}")
+            name = f"{case.get('classname')}::{case.get('name')}"
+            counts["not_passed"].append(name)
+            # the report is read where the test's output is gone (a machine lent for minutes): say why it failed
+            counts["why"][name] = ((outcome.get("message") or "").strip().splitlines() or [""])[0][:300]
     return counts
 
 
@@ -657,7 +660,8 @@ def section(result: dict, name: str, heading: str, body) -> list[str]:
 def tests_lines(t: dict, result: dict) -> list[str]:
     return [f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped in "
             f"{t['seconds']:.0f} s (pytest exit status {t['returncode']}: {t['last_line']}).",
-            *(f"- did not pass: `{name}`" for name in t["not_passed"]), ""]
+            *(f"- did not pass: `{name}`" + (f": {t['why'][name]}" if t.get("why", {}).get(name) else "")
+              for name in t["not_passed"]), ""]
 
 
 def bandwidth_lines(b: dict, result: dict) -> list[str]:

@@ -51,13 +51,14 @@ def test_cuda_test_counts_come_from_the_junit_xml(tmp_path):
     junit = tmp_path / "cuda.xml"
     junit.write_text("""<?xml version="1.0"?><testsuites><testsuite name="pytest">
         <testcase classname="tests.test_a" name="test_ok"/>
-        <testcase classname="tests.test_a" name="test_bad"><failure message="x"/></testcase>
+        <testcase classname="tests.test_a" name="test_bad"><failure message="x&#10;second line"/></testcase>
         <testcase classname="tests.test_b" name="test_broken"><error message="y"/></testcase>
         <testcase classname="tests.test_b" name="test_gpu"><skipped message="z"/></testcase>
         </testsuite></testsuites>""")
     counts = gpu_report.junit_counts(junit)
     assert (counts["passed"], counts["failed"], counts["errors"], counts["skipped"]) == (1, 1, 1, 1)
     assert counts["not_passed"] == ["tests.test_a::test_bad", "tests.test_b::test_broken"]
+    assert counts["why"] == {"tests.test_a::test_bad": "x", "tests.test_b::test_broken": "y"}
 
 
 def cuda_tests_plan(*paths: Path) -> gpu_report.Plan:
