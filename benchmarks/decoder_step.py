@@ -14,8 +14,8 @@ Models: SmolLM2-135M (the embedded model), "thin-30", a random-weight model of S
 tiny widths, whose step is nearly all host work (the floor a step cannot go below), and on CUDA a
 Llama-3-8B-shaped model with random weights. On a CPU: the torch path, one thread, best of `--repeats` by process
 CPU time. On CUDA (`--device cuda`; the GPU report's `step` section): the Triton path, `triton.testing.do_bench`
-medians, which include the time the GPU waits for the host's launches; and the decode cases once more with the
-decoder's steps replayed as CUDA graphs (engine/cuda_graphs.py, `model.cuda_graphs`).
+medians, which include the time the GPU waits for the host's launches; and the cases a recorded size holds (the
+decodes and the question) once more, replayed as CUDA graphs (engine/cuda_graphs.py, `model.cuda_graphs`).
 
     python benchmarks/decoder_step.py --out-dir benchmarks/results
 """
@@ -160,10 +160,12 @@ def measure_case(loaded, ops, case: Case, context: int, repeats: int) -> dict:
     kv_cache.normal_()
     paths = Paths(ModelRunner(loaded, kv_cache, ops))
     runs = {"decoder": paths.decoder, "transformers": paths.transformers}
-    if loaded.device.type == "cuda" and case.new == 1:  # a decode step: also replayed as a CUDA graph
+    if loaded.device.type == "cuda":  # a step a recorded size holds (decodes, a question): also replayed as a graph
         graphs = ModelRunner(loaded, kv_cache, ops)
-        graphs.enable_decode_graphs(case.num_seqs, num_blocks // case.num_seqs, record=True)
-        runs["graphs"] = graphs.execute
+        # one sequence more than the case's: a question's size holds a padding sequence beside it
+        graphs.enable_cuda_graphs(case.num_seqs + 1, num_blocks // case.num_seqs, record=True)
+        if graphs.replays(step):
+            runs["graphs"] = graphs.execute
     agreement = check_agreement(runs, step, loaded.dtype)
     times = {path: [] for path in runs}
     for _ in range(2):  # in turn, twice: a drift of the machine shows as a spread, not as a ratio
@@ -201,8 +203,8 @@ def markdown(result: dict) -> str:
              f"Code: commit {result['commit']}; took {result['took_s']:.0f} s.", "",
              "Each step on one sequence's (or 32's) cached context, both forward passes over the same paged KV "
              "cache and inputs, in turn; best of the runs "
-             f"({result['timing']}). Speed-up: transformers' time / the decoder's. CUDA graphs: the decode steps "
-             "replayed as graphs (CUDA only).", "",
+             f"({result['timing']}). Speed-up: transformers' time / the decoder's. CUDA graphs: the steps a recorded "
+             "size holds (decodes and questions), replayed as graphs (CUDA only).", "",
              "| model | dtype | case | context | new tokens | transformers' modules | kvstrata decoder | speed-up "
              "| decoder, CUDA graphs | logits vs the decoder's |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for model in result["models"]:

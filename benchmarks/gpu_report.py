@@ -24,8 +24,8 @@ Sections, in the order they run (all by default, `--sections` picks some):
   against the same kernel in one pass (benchmarks/kernels.py's tables).
 - step: a model step with few tokens (a decode, a 16-token question, 32 decodes) and a 512-token chunk over a
   7k-token context, through kvstrata's decoder and through transformers' modules on the same paged cache
-  (benchmarks/decoder_step.py), per model in bf16: what the host's share of a step costs each; and the decode
-  steps replayed as CUDA graphs.
+  (benchmarks/decoder_step.py), per model in bf16: what the host's share of a step costs each; and the decodes
+  and the question replayed as CUDA graphs.
 - ttft: single-request TTFT of long-document QA, a document of ~4k and ~7k tokens (`--doc-tokens`) plus a
   question from benchmarks/data, for SmolLM2 and a Llama-3-8B-shaped model with random weights
   (`load_format: dummy`), in bf16, fp32 and bf16 with fp8 or int8 K/V (`--dtypes`): a miss, a device hit, a CPU-tier
@@ -358,13 +358,16 @@ def engine_config(plan: Plan, model: ModelCase, dtype: str, prompt_tokens: int, 
 
     blocks = blocks_for(prompt_tokens + plan.stream_tokens, 16)
     model_dtype, _, kv_cache_dtype = dtype.partition("/")  # "bfloat16/fp8": fp8 K/V beside bf16 weights
-    return load_config(GPU_CONFIG, {
+    overrides = {
         "model.name": model.name, "model.load_format": model.load_format, "model.dtype": model_dtype,
         "cache.kv_cache_dtype": kv_cache_dtype or "auto",
         "model.device": plan.device, "cache.block_size": 16, "cache.offload": "write_through",
         "cache.tiers.device.size": 3 * blocks, "cache.tiers.cpu.size": 2 * blocks,
         "cache.tiers.disk.path": str(disk_path), "cache.tiers.disk.size": 2 * blocks,
-        "cache.load_policy": load_policy})
+        "cache.load_policy": load_policy}
+    if plan.device == "cpu":  # a smoke run: graphs need CUDA (the config's choice stands on a GPU)
+        overrides["model.cuda_graphs"] = False
+    return load_config(GPU_CONFIG, overrides)
 
 
 def settle(engine) -> None:
@@ -716,7 +719,8 @@ def step_lines(rows: list[dict], result: dict) -> list[str]:
              "products) and through transformers' modules on the same weights, paged cache and inputs "
              "(benchmarks/decoder_step.py), in turn; `triton.testing.do_bench` medians, which include the time "
              "the GPU waits for the host's launches. Speed-up: transformers' time / the decoder's. CUDA graphs: "
-             "the decode steps replayed as graphs (engine/cuda_graphs.py, `model.cuda_graphs`).", "",
+             "the steps a recorded size holds (decodes and questions) replayed as graphs (engine/cuda_graphs.py, "
+             "`model.cuda_graphs`).", "",
              "| model | dtype | case | context | new tokens | transformers' modules | kvstrata decoder | speed-up | "
              "decoder, CUDA graphs | logits vs the decoder's |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:

@@ -211,8 +211,8 @@ class ModelConfig(_Section):
     # Reductions in an order no batch or chunking changes: cached and uncached outputs then agree bit for bit in
     # every dtype, at a cost (benchmarks/results/batch_invariance.md). Its K/V get their own hash namespace.
     batch_invariant: bool = False
-    # Decode steps replayed as CUDA graphs (engine/cuda_graphs.py) on a CUDA device; ignored on a CPU with device
-    # auto. Off by default until measured on a GPU (benchmarks/gpu_report.py's step section).
+    # Steps of few tokens (decodes, questions) replayed as CUDA graphs (engine/cuda_graphs.py) on a CUDA device;
+    # ignored on a CPU with device auto. On in configs/gpu.yaml; off by default here, where the CPU is the default.
     cuda_graphs: bool = False
 
     @field_validator("name")

@@ -1,23 +1,31 @@
-"""CUDA graphs for decode steps (`model.cuda_graphs`): a step of one new token per sequence replays the kernels
-recorded for its batch size instead of launching them from Python, as vLLM and SGLang do.
+"""CUDA graphs for steps with few tokens (`model.cuda_graphs`): a decode step, a question after a cached document,
+or a question beside decoding sequences replays the kernels recorded for its padded size instead of launching them
+from Python, as vLLM and SGLang do.
 
-A decode step does little arithmetic, so on a GPU its time is the host's: the Python of the forward pass and the
-launch of each kernel (engine/decoder.py: about 11 a layer). A graph replays them all with one launch. It needs
-every launch to have the same shapes and the same arguments at each replay, so a decode step is padded to a
-fixed size:
+Such a step does little arithmetic, so on a GPU its time is the host's: the Python of the forward pass and the
+launch of each kernel (engine/decoder.py: about 11 a layer). On one H200 an eager SmolLM2 decode step took 22.2 ms
+and its graph 1.5 ms (benchmarks/results/gpu.md); a 16-token question costs the eager step as much. A graph replays
+every launch with one, but needs the same shapes and arguments at each replay, so a step is padded to a size,
+`(tokens, sequences)`:
 
-- the batch to the next of `CAPTURE_SIZES` (up to `max_num_seqs`): a padding sequence has one token, id 0, at
-  position 0, a KV slot of -1 (the store skips it) and a context of one key in block 0 (any block: its output
-  row is dropped);
+- a decode step (one new token and its logits per sequence) to `(n, n)`, n the next of `CAPTURE_SIZES` (up to
+  `max_num_seqs`) at or above its sequences;
+- any other step of at most `max_tokens` tokens, wanting at most one logits row a sequence, to the next sequence
+  size above its count plus one, and the next token size that holds its tokens and one for each padding sequence:
+  the last padding sequence takes the tokens left over, so every padding token belongs to a sequence of its own;
+- a padding sequence's tokens are id 0 at positions 0, 1, ... with a KV slot of -1 (the store skips them) and a
+  context of their own count, read from whatever blocks its block-table row holds (any block id there is a valid
+  one; its output rows are dropped, and attention never mixes rows of two sequences);
 - the block table to the model's longest sequence (`max_model_len` keys), which also fixes the attention's
-  split-KV choice (kernels/prefix_prefill.py chooses it from the table's width and the batch's shape, on the
-  host, never from the lengths on the device);
-- `query_start_loc` and the logits rows are then 0, 1, 2, ...: constants of the size.
+  split-KV choice (kernels/prefix_prefill.py chooses it from the table's width and the step's shape, on the host,
+  never from the lengths on the device);
+- the logits rows to one a sequence, the padding ones reading the last token's row.
 
 The step's own values are copied into the static inputs of its size before each replay. A size is recorded the
-first time a step needs it (after one eager run on a side stream, which also compiles the kernels); prefill
-chunks and steps larger than the largest size run eagerly. On a CPU (and in tests) the same padded step runs
-eagerly through the same code (`record=False`): only recording and replay need CUDA.
+first time a step needs it (after one eager run on a side stream, which also compiles the kernels); steps larger
+than the largest sizes, or wanting more logits rows (prompt log-probabilities), run eagerly. On a CPU (and in
+tests) the same padded step runs eagerly through the same code (`record=False`): only recording and replay need
+CUDA.
 """
 from __future__ import annotations
 
@@ -29,20 +37,33 @@ import torch
 
 from kvstrata.engine.decoder import StepInput
 
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # of sequences, and of tokens
+MAX_GRAPH_TOKENS = 512  # the most tokens a recorded step holds: beyond, a step's arithmetic outweighs its launches
 
 
-def static_step(size: int, max_blocks: int, device: torch.device) -> StepInput:
-    """A padded decode step's inputs on the device, inert (every row padding), for a recorded graph to read: their
-    addresses never change, only their values."""
+@dataclass(frozen=True)
+class Size:
+    """A recorded step's shape: its tokens and its sequences (and as many logits rows)."""
+
+    tokens: int
+    seqs: int
+
+
+def static_step(size: Size, max_blocks: int, device: torch.device) -> StepInput:
+    """A padded step's inputs on the device, inert (every row padding, a token a sequence), for a recorded graph to
+    read: their addresses never change, only their values."""
     def zeros(*shape, dtype=torch.int64):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    return StepInput(input_ids=zeros(size), positions=zeros(size), slot_mapping=torch.full((size,), -1, device=device),
-                     block_tables=zeros(size, max_blocks, dtype=torch.int32),
-                     query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
-                     seq_lens=torch.ones(size, dtype=torch.int32, device=device),
-                     logits_indices=torch.arange(size, device=device))
+    seq_lens = torch.ones(size.seqs, dtype=torch.int32, device=device)
+    seq_lens[-1] = size.tokens - size.seqs + 1
+    query_start_loc = torch.arange(size.seqs + 1, dtype=torch.int32, device=device)
+    query_start_loc[-1] = size.tokens
+    return StepInput(input_ids=zeros(size.tokens), positions=zeros(size.tokens),
+                     slot_mapping=torch.full((size.tokens,), -1, device=device),
+                     block_tables=zeros(size.seqs, max_blocks, dtype=torch.int32),
+                     query_start_loc=query_start_loc, seq_lens=seq_lens,
+                     logits_indices=torch.full((size.seqs,), size.tokens - 1, device=device))
 
 
 @dataclass
@@ -52,59 +73,80 @@ class _Recorded:
     logits: torch.Tensor | None         # the graph's output, overwritten by each replay
 
 
-class DecodeGraphs:
-    """Runs decode steps padded to fixed sizes through `forward(step on the device) -> logits [size, vocab]`,
+class StepGraphs:
+    """Runs steps of few tokens padded to fixed sizes through `forward(step on the device) -> logits [seqs, vocab]`,
     recorded as CUDA graphs when `record` (the padding is the same either way)."""
 
     def __init__(self, forward: Callable[[StepInput], torch.Tensor], max_num_seqs: int, max_blocks: int,
-                 device: torch.device, record: bool) -> None:
+                 device: torch.device, record: bool, max_tokens: int = MAX_GRAPH_TOKENS) -> None:
         self.forward = forward
-        self.sizes = [s for s in CAPTURE_SIZES if s < max_num_seqs] + [max_num_seqs]
+        self.seq_sizes = [s for s in CAPTURE_SIZES if s < max_num_seqs] + [max_num_seqs]
+        self.token_sizes = [s for s in CAPTURE_SIZES if s < max_tokens] + [max_tokens]
         self.max_blocks = max_blocks
         self.device = device
         self.record = record
-        self._recorded: dict[int, _Recorded] = {}
+        self._recorded: dict[Size, _Recorded] = {}
         self._pool = None  # one memory pool for every size's graph, as they never run at once
 
     @property
-    def recorded_sizes(self) -> list[int]:
-        return sorted(self._recorded)
+    def recorded_sizes(self) -> list[tuple[int, int]]:
+        """(tokens, sequences) of each size recorded so far."""
+        return sorted((s.tokens, s.seqs) for s in self._recorded)
+
+    def size_of(self, step: StepInput) -> Size | None:
+        """The size that holds `step`, or None when none does (it runs eagerly)."""
+        num_tokens, num_seqs, num_logits = len(step.input_ids), len(step.seq_lens), len(step.logits_indices)
+        if num_seqs == 0 or num_logits > num_seqs or len(step.block_tables[0]) > self.max_blocks:
+            return None
+        if num_tokens == num_seqs == num_logits:  # a decode step: padding sequences of a token each
+            seqs = _next(self.seq_sizes, num_seqs)
+            return None if seqs is None or seqs > self.token_sizes[-1] else Size(seqs, seqs)
+        seqs = _next(self.seq_sizes, num_seqs + 1)  # at least one padding sequence, to hold the padding tokens
+        tokens = None if seqs is None else _next(self.token_sizes, num_tokens + seqs - num_seqs)
+        return None if tokens is None else Size(tokens, seqs)
 
     def fits(self, step: StepInput) -> bool:
-        """A decode step (one new token and its logits per sequence) that a size holds."""
-        num_seqs = len(step.seq_lens)
-        return (0 < num_seqs <= self.sizes[-1] and len(step.input_ids) == num_seqs == len(step.logits_indices)
-                and len(step.block_tables[0]) <= self.max_blocks)
+        return self.size_of(step) is not None
 
     def run(self, step: StepInput) -> torch.Tensor:
-        """The step's logits `[num_seqs, vocab]` (float32; a copy, which the next replay leaves alone)."""
-        num_seqs = len(step.seq_lens)
-        size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+        """The step's logits `[len(logits_indices), vocab]` (float32; a copy, which the next replay leaves alone)."""
+        size = self.size_of(step)
         recorded = self._recorded.get(size) or self._record(size)
-        self._fill(recorded.inputs, step, num_seqs)
+        self._fill(recorded.inputs, step, size)
+        num_logits = len(step.logits_indices)
         if recorded.graph is None:
-            return self.forward(recorded.inputs)[:num_seqs]
+            return self.forward(recorded.inputs)[:num_logits]
         recorded.graph.replay()
-        return recorded.logits[:num_seqs].clone()
+        return recorded.logits[:num_logits].clone()
 
-    def _fill(self, inputs: StepInput, step: StepInput, num_seqs: int) -> None:
-        """The step's values into the first `num_seqs` rows, and the padding rows made inert again: a row an
-        earlier, larger step used would otherwise store K/V into a slot that may belong to another sequence now."""
+    def _fill(self, inputs: StepInput, step: StepInput, size: Size) -> None:
+        """The step's values into the first rows, and the padding rows made inert again: a padding token an
+        earlier step left there would otherwise store K/V into a slot that may belong to another sequence now."""
         def copy(dest: torch.Tensor, data, dtype: torch.dtype) -> None:
             dest.copy_(torch.as_tensor(data, dtype=dtype), non_blocking=True)
 
-        copy(inputs.input_ids[:num_seqs], step.input_ids, torch.int64)
-        copy(inputs.positions[:num_seqs], step.positions, torch.int64)
-        copy(inputs.slot_mapping[:num_seqs], step.slot_mapping, torch.int64)
+        num_tokens, num_seqs, num_logits = len(step.input_ids), len(step.seq_lens), len(step.logits_indices)
+        copy(inputs.input_ids[:num_tokens], step.input_ids, torch.int64)
+        copy(inputs.positions[:num_tokens], step.positions, torch.int64)
+        copy(inputs.slot_mapping[:num_tokens], step.slot_mapping, torch.int64)
         copy(inputs.seq_lens[:num_seqs], step.seq_lens, torch.int32)
+        copy(inputs.query_start_loc[:num_seqs + 1], step.query_start_loc, torch.int32)
+        copy(inputs.logits_indices[:num_logits], step.logits_indices, torch.int64)
         table = torch.as_tensor(step.block_tables, dtype=torch.int32)
-        # columns past a sequence's length are never read, nor are the padding rows' past their first: block ids
-        # left there by an earlier step may stay (any block id is a valid one to read)
+        # columns past a sequence's length are never read: block ids an earlier step left there may stay
         copy(inputs.block_tables[:num_seqs, :table.shape[1]], table, torch.int32)
-        inputs.slot_mapping[num_seqs:].fill_(-1)
-        inputs.seq_lens[num_seqs:].fill_(1)
+        inputs.slot_mapping[num_tokens:].fill_(-1)
+        inputs.logits_indices[num_logits:].fill_(size.tokens - 1)
+        if num_tokens < size.tokens:  # the padding sequences: a token each, the last one the rest
+            inputs.input_ids[num_tokens:].fill_(0)
+            copy(inputs.positions[num_tokens:], _padding_positions(size, num_tokens, num_seqs), torch.int64)
+            padding_seqs = size.seqs - num_seqs
+            lens = [1] * (padding_seqs - 1) + [size.tokens - num_tokens - padding_seqs + 1]
+            copy(inputs.seq_lens[num_seqs:], lens, torch.int32)
+            copy(inputs.query_start_loc[num_seqs + 1:], list(range(num_tokens + 1, num_tokens + padding_seqs))
+                 + [size.tokens], torch.int32)
 
-    def _record(self, size: int) -> _Recorded:
+    def _record(self, size: Size) -> _Recorded:
         inputs = static_step(size, self.max_blocks, self.device)
         if not self.record:
             recorded = _Recorded(inputs, None, None)
@@ -124,3 +166,15 @@ class DecodeGraphs:
             recorded = _Recorded(inputs, graph, logits)
         self._recorded[size] = recorded
         return recorded
+
+
+def _next(sizes: list[int], n: int) -> int | None:
+    """The smallest of `sizes` (ascending) at or above n, or None."""
+    index = bisect.bisect_left(sizes, n)
+    return sizes[index] if index < len(sizes) else None
+
+
+def _padding_positions(size: Size, num_tokens: int, num_seqs: int) -> list[int]:
+    """Positions of the padding tokens: 0 for each padding sequence of one token, then 0, 1, ... for the last."""
+    padding_seqs = size.seqs - num_seqs
+    return [0] * (padding_seqs - 1) + list(range(size.tokens - num_tokens - padding_seqs + 1))

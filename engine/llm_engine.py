@@ -173,7 +173,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, self.hierarchy.kv_cache,
                                   get_ops(self.attention_backend, batch_invariant=config.model.batch_invariant))
         if config.model.cuda_graphs and self.device.type == "cuda":
-            self.runner.enable_decode_graphs(sc.max_num_seqs, -(-self.max_model_len // self.block_size), record=True)
+            self.runner.enable_cuda_graphs(sc.max_num_seqs, -(-self.max_model_len // self.block_size), record=True)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -6,7 +6,7 @@ from contextlib import nullcontext
 import torch
 
 from kvstrata.engine.batch_invariant import BatchInvariantMode
-from kvstrata.engine.cuda_graphs import DecodeGraphs
+from kvstrata.engine.cuda_graphs import StepGraphs
 from kvstrata.engine.decoder import AttentionMetadata, Decoder, StepInput
 from kvstrata.engine.model_loader import LoadedModel
 
@@ -24,22 +24,26 @@ class ModelRunner:
         self.device = loaded.device
         self._decoder = Decoder(loaded.model, ops)  # the transformer body: hidden states, no logits
         self._lm_head = loaded.model.get_output_embeddings()
-        self._graphs: DecodeGraphs | None = None  # see `enable_decode_graphs`
+        self._graphs: StepGraphs | None = None  # see `enable_cuda_graphs`
 
-    def enable_decode_graphs(self, max_num_seqs: int, max_blocks: int, record: bool) -> None:
-        """Run decode steps of up to `max_num_seqs` sequences, block tables up to `max_blocks` wide, padded to
-        fixed sizes, recorded as CUDA graphs when `record` (engine/cuda_graphs.py)."""
-        self._graphs = DecodeGraphs(self._forward, max_num_seqs, max_blocks, self.device, record)
+    def enable_cuda_graphs(self, max_num_seqs: int, max_blocks: int, record: bool) -> None:
+        """Run steps of few tokens (decodes, questions) of up to `max_num_seqs` sequences, block tables up to
+        `max_blocks` wide, padded to fixed sizes, recorded as CUDA graphs when `record` (engine/cuda_graphs.py)."""
+        self._graphs = StepGraphs(self._forward, max_num_seqs, max_blocks, self.device, record)
 
     @property
-    def recorded_graph_sizes(self) -> list[int]:
-        """The decode batch sizes recorded (or, without CUDA, padded to) so far."""
+    def recorded_graph_sizes(self) -> list[tuple[int, int]]:
+        """The (tokens, sequences) sizes recorded (or, without CUDA, padded to) so far."""
         return [] if self._graphs is None else self._graphs.recorded_sizes
+
+    def replays(self, step: StepInput) -> bool:
+        """The step runs padded to a recorded size (a CUDA graph), not eagerly."""
+        return self._graphs is not None and self._graphs.fits(step)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run the step; returns float32 logits `[len(logits_indices), vocab_size]`."""
-        if self._graphs is not None and self._graphs.fits(step):
+        if self.replays(step):
             return self._graphs.run(step)
         return self._forward(StepInput(
             input_ids=self._tensor(step.input_ids, torch.int64),

@@ -1,7 +1,8 @@
-"""Decode steps padded to the fixed sizes CUDA graphs are recorded at (engine/cuda_graphs.py), run eagerly on the
-CPU through the same code (recording and replay themselves need a GPU: tests/test_engine_cuda.py): the padded
-step gives the unpadded step's logits, a padding row never writes K/V, steps that do not fit run as they are,
-and an engine decoding several sequences at once answers as without graphs."""
+"""Steps of few tokens (decodes, questions, questions beside decodes) padded to the fixed sizes CUDA graphs are
+recorded at (engine/cuda_graphs.py), run eagerly on the CPU through the same code (recording and replay themselves
+need a GPU: tests/test_engine_cuda.py): the padded step gives the unpadded step's logits, a padding token never
+writes K/V, steps that do not fit run as they are, and an engine answering several prompts at once answers as
+without graphs."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from test_model_runner import BLOCK_SIZE, Chunk, blocks_for, build_step
 
 from kvstrata import LLM, SamplingParams, load_config
 from kvstrata.engine.config import ConfigError
-from kvstrata.engine.cuda_graphs import CAPTURE_SIZES, DecodeGraphs
+from kvstrata.engine.cuda_graphs import CAPTURE_SIZES, StepGraphs
 from kvstrata.engine.model_runner import ModelRunner
 from kvstrata.kernels import get_ops
 from kvstrata.tiers.base import BlockLayout
@@ -28,7 +29,7 @@ def runner(loaded, graphs: bool) -> ModelRunner:
     kv_cache = layout.allocate(NUM_BLOCKS, "cpu").normal_(generator=torch.Generator().manual_seed(0))
     r = ModelRunner(loaded, kv_cache, get_ops("torch", batch_invariant=True))
     if graphs:
-        r.enable_decode_graphs(max_num_seqs=8, max_blocks=MAX_BLOCKS, record=False)
+        r.enable_cuda_graphs(max_num_seqs=8, max_blocks=MAX_BLOCKS, record=False)
     return r
 
 
@@ -48,7 +49,8 @@ def test_a_padded_decode_step_gives_the_unpadded_steps_logits_and_cache(embedded
     step = decode_step(contexts)
     expected = plain.execute(step)
     logits = padded.execute(step)
-    assert padded.recorded_graph_sizes == [min(s for s in CAPTURE_SIZES if s >= len(contexts))]
+    size = min(s for s in CAPTURE_SIZES if s >= len(contexts))
+    assert padded.recorded_graph_sizes == [(size, size)]
     assert torch.equal(logits, expected)
     assert torch.equal(padded.kv_cache, plain.kv_cache)
 
@@ -61,22 +63,78 @@ def test_padding_rows_left_by_a_larger_step_write_no_kv(embedded_model_fp32):
     blocks, offsets = stale_slots // BLOCK_SIZE, stale_slots % BLOCK_SIZE
     padded.kv_cache[blocks, :, :, offsets] = 7.0  # as if those blocks now held another sequence's K/V
     padded.execute(decode_step([10, 20, 30, 40, 50]))  # 5 sequences: the same size 8
-    assert padded.recorded_graph_sizes == [8]
+    assert padded.recorded_graph_sizes == [(8, 8)]
+    assert bool((padded.kv_cache[blocks, :, :, offsets] == 7.0).all())
+
+
+def question_step(question_tokens: int, context: int, decode_contexts: list[int], want_logits: bool = True):
+    """A question of `question_tokens` after `context` cached positions, beside sequences decoding one token each
+    after theirs (the step that admits a hit beside a decode stream)."""
+    table = blocks_for(context + question_tokens)
+    chunks = [Chunk(list(range(200, 200 + question_tokens)), context, table)]
+    block = len(table)
+    for i, decode_context in enumerate(decode_contexts):
+        decode_table = blocks_for(decode_context + 1, block)
+        block += len(decode_table)
+        chunks.append(Chunk([100 + i], decode_context, decode_table))
+    return build_step(chunks, want_logits=want_logits)
+
+
+@pytest.mark.parametrize("question, context, decodes, size", [
+    (16, 40, [], (32, 2)),            # a question alone: one padding sequence takes 16 padding tokens
+    (11, 0, [30, 7], (16, 4)),         # a short prompt beside two decodes: a padding sequence of 1, one of 2
+    (20, 70, [5, 33, 64, 2], (32, 8)),  # three padding sequences
+])
+def test_a_padded_question_gives_the_unpadded_steps_logits_and_cache(embedded_model_fp32, question, context,
+                                                                      decodes, size):
+    plain, padded = runner(embedded_model_fp32, False), runner(embedded_model_fp32, True)
+    step = question_step(question, context, decodes)
+    expected = plain.execute(step)
+    logits = padded.execute(step)
+    assert padded.recorded_graph_sizes == [size]
+    assert logits.shape == expected.shape == (1 + len(decodes), embedded_model_fp32.model_config.vocab_size)
+    assert torch.equal(logits, expected)
+    assert torch.equal(padded.kv_cache, plain.kv_cache)
+
+
+def test_a_prefill_chunk_that_samples_nothing_is_padded_too(embedded_model_fp32):
+    plain, padded = runner(embedded_model_fp32, False), runner(embedded_model_fp32, True)
+    step = question_step(37, 0, [], want_logits=False)
+    assert padded.execute(step).shape == plain.execute(step).shape == (0, embedded_model_fp32.model_config.vocab_size)
+    assert padded.recorded_graph_sizes == [(64, 2)]
+    assert torch.equal(padded.kv_cache, plain.kv_cache)
+
+
+def test_padding_tokens_left_by_a_larger_question_write_no_kv(embedded_model_fp32):
+    padded = runner(embedded_model_fp32, True)
+    first = question_step(40, 16, [10, 20])  # 42 tokens, 3 sequences: size (64, 4)
+    padded.execute(first)
+    stale_slots = torch.as_tensor(first.slot_mapping[31:])  # rows the next, smaller question leaves as padding
+    blocks, offsets = stale_slots // BLOCK_SIZE, stale_slots % BLOCK_SIZE
+    padded.kv_cache[blocks, :, :, offsets] = 7.0  # as if those blocks now held another sequence's K/V
+    padded.execute(question_step(30, 16, [10]))  # 31 tokens, 2 sequences: the same size
+    assert padded.recorded_graph_sizes == [(64, 4)]
     assert bool((padded.kv_cache[blocks, :, :, offsets] == 7.0).all())
 
 
 def test_steps_a_size_does_not_hold_run_as_they_are(embedded_model_fp32):
-    graphs = DecodeGraphs(lambda step: None, max_num_seqs=4, max_blocks=MAX_BLOCKS, device=torch.device("cpu"),
-                          record=False)
-    assert graphs.sizes == [1, 2, 4]
+    graphs = StepGraphs(lambda step: None, max_num_seqs=4, max_blocks=MAX_BLOCKS, device=torch.device("cpu"),
+                        record=False, max_tokens=64)
+    assert graphs.seq_sizes == [1, 2, 4] and graphs.token_sizes == [1, 2, 4, 8, 16, 32, 64]
     assert graphs.fits(decode_step([10, 20, 30, 40]))
     assert not graphs.fits(decode_step([10, 20, 30, 40, 50]))  # more sequences than the largest size
     assert not graphs.fits(decode_step([MAX_BLOCKS * BLOCK_SIZE]))  # a block table wider than the sizes'
-    assert not graphs.fits(build_step([Chunk([1, 2, 3], 0, [0])]))  # a prefill chunk
-    assert not graphs.fits(build_step([Chunk([1], 5, [0])], want_logits=False))  # no logits wanted
+    assert graphs.fits(build_step([Chunk([1, 2, 3], 0, [0])]))  # a short prefill
+    assert graphs.fits(build_step([Chunk([1], 5, [0])], want_logits=False))  # no logits wanted
+    assert graphs.fits(question_step(60, 0, []))  # 60 tokens and a padding sequence's 4
+    assert not graphs.fits(question_step(64, 0, []))  # no room left for a padding sequence's token
+    assert not graphs.fits(question_step(5, 0, [1, 2, 3]))  # 4 sequences and no room for a padding one
+    prompt_rows = build_step([Chunk([1, 2, 3], 0, [0])])
+    prompt_rows.logits_indices = [0, 1, 2]  # prompt log-probabilities: more logits rows than sequences
+    assert not graphs.fits(prompt_rows)
 
 
-def test_an_engine_decoding_sequences_at_once_answers_as_without_padding(embedded_model_fp32):
+def test_an_engine_answering_prompts_at_once_answers_as_without_padding(embedded_model_fp32):
     from pydoc_data.topics import topics
 
     prompts = [topics["try"][:300], topics["if"][:150] + " Explain.", "Say hello.", topics["while"][:420]]
@@ -85,9 +143,11 @@ def test_an_engine_decoding_sequences_at_once_answers_as_without_padding(embedde
     with LLM(config, loaded_model=embedded_model_fp32) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM(config, loaded_model=embedded_model_fp32) as llm:
-        llm.engine.runner.enable_decode_graphs(max_num_seqs=8, max_blocks=32, record=False)
-        outs = llm.generate(prompts, params)  # four sequences decode, then three, two, one as they finish
-        assert llm.engine.runner.recorded_graph_sizes == [1, 2, 4]
+        llm.engine.runner.enable_cuda_graphs(max_num_seqs=8, max_blocks=32, record=False)
+        outs = llm.generate(prompts, params)  # prefilled, then four sequences decode, then three, two, one
+        sizes = llm.engine.runner.recorded_graph_sizes
+        assert {(1, 1), (2, 2), (4, 4)} <= set(sizes)  # the decodes
+        assert any(tokens > seqs for tokens, seqs in sizes)  # the prompts, up to 512 tokens a step
     assert [o.token_ids for o in outs] == expected
 
 
