@@ -230,7 +230,6 @@ def agreement_text(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import subprocess
     import tempfile
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -255,18 +254,29 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name} {dtype_name} {row['case']}: transformers {row['transformers_s'] * 1e3:.2f} ms, "
                           f"decoder {row['decoder_s'] * 1e3:.2f} ms ({row['speedup']:.2f}x)", flush=True)
                 del loaded
+    write_result(result, "decoder_step", argv, started,
+                 "process CPU time, one thread" if args.device == "cpu" else "CUDA, do_bench medians", markdown,
+                 args.out_dir)
+    return 0
+
+
+def write_result(result: dict, script: str, argv: list[str] | None, started: float, timing: str, markdown_of,
+                 out_dir: Path | None) -> None:
+    """Stamp `result` with the command (benchmarks/`script`.py and `argv`), the machine, the commit, the time taken
+    since `started` and how steps were `timing`; print `markdown_of(result)` and, with `out_dir`, write it and the
+    JSON there as `script`.md and `script`.json."""
+    import subprocess
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                             text=True).stdout.strip()
-    result.update(command="python benchmarks/decoder_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  machine=machine_line(), commit=commit, took_s=time.perf_counter() - started,
-                  timing="process CPU time, one thread" if args.device == "cpu" else "CUDA, do_bench medians")
-    text = markdown(result)
+    result.update(command=f"python benchmarks/{script}.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  machine=machine_line(), commit=commit, took_s=time.perf_counter() - started, timing=timing)
+    text = markdown_of(result)
     print(text)
-    if args.out_dir is not None:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / "decoder_step.md").write_text(text)
-        (args.out_dir / "decoder_step.json").write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{script}.md").write_text(text)
+        (out_dir / f"{script}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

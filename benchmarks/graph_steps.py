@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,6 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
     sys.path.append(str(REPO_ROOT))
 
 from benchmarks import decoder_step  # noqa: E402
-from benchmarks.machine import machine_line  # noqa: E402
 
 SMOLLM2_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -52,13 +50,17 @@ class StandInTokenizer:
 def load(model: str, dtype: torch.dtype, device: str, work_dir: Path):
     from kvstrata.engine import model_loader
 
-    model_loader.embedded_tokenizer = StandInTokenizer  # this process only: its models are random ones
     name = model
     if model == "smollm2-shape":
         (work_dir / model).mkdir(exist_ok=True)
         (work_dir / model / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
         name = str(work_dir / model)
-    return model_loader.load_model(model_loader.resolve_model(name, "dummy"), dtype, device)
+    original = model_loader.embedded_tokenizer
+    model_loader.embedded_tokenizer = StandInTokenizer  # while this random model is built: it reads no text
+    try:
+        return model_loader.load_model(model_loader.resolve_model(name, "dummy"), dtype, device)
+    finally:
+        model_loader.embedded_tokenizer = original
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,17 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    result.update(command="python benchmarks/graph_steps.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  machine=machine_line(), commit=commit, took_s=time.perf_counter() - started,
-                  timing="CUDA, do_bench medians" if args.device.startswith("cuda") else "process CPU time")
-    text = markdown(result)
-    print(text)
-    if args.out_dir is not None:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / "graph_steps.md").write_text(text)
-        (args.out_dir / "graph_steps.json").write_text(json.dumps(result, indent=1) + "\n")
+    decoder_step.write_result(result, "graph_steps", argv, started, "CUDA, do_bench medians"
+                              if args.device.startswith("cuda") else "process CPU time", markdown, args.out_dir)
     return 0
 
 

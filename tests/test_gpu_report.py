@@ -252,3 +252,18 @@ def test_figures_of_another_device_are_not_merged(tmp_path, capsys):
     assert len(err) == 1 and "two devices" in err[0]
     assert not second.exists()
     assert gpu_report.main(["--smoke", "--merge", str(tmp_path / "missing.json"), "--out", str(second)]) == 2
+
+
+def test_graph_steps_builds_smollm2s_shape_without_the_embedded_tokenizer(tmp_path):
+    from benchmarks import graph_steps
+
+    from kvstrata.engine import model_loader
+
+    original = model_loader.embedded_tokenizer
+    loaded = graph_steps.load("smollm2-shape", torch.float32, "cpu", tmp_path)
+    assert model_loader.embedded_tokenizer is original  # the stand-in was for that model alone
+    cfg = loaded.model_config
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (30, 9, 3, 64, 49152)
+    [row] = decoder_step.measure_model(loaded, 16, 1, [c for c in decoder_step.CASES if c.name == "question"])
+    assert row["graphs_s"] is None  # graphs need CUDA; the eager paths agree (asserted in float32)
+    assert row["agreement"]["transformers"]["same_top_token"] == 1.0
