@@ -1,7 +1,8 @@
 """Greedy fp32 outputs of the embedded model on the GPU, with the compiled Triton kernels: with prefix caching off,
-and with a document's prefix served from the device and from the CPU tier; and three questions answered at once
-with decode steps replayed as CUDA graphs (`model.cuda_graphs`) and without. Prints one JSON object. Needs CUDA and
-TRITON_INTERPRET unset; tests/test_engine_cuda.py runs it:
+and with a document's prefix served from the device and from the CPU tier; and three questions on a cached document
+answered at once with steps replayed as CUDA graphs (`model.cuda_graphs`: the step of their three questions, then
+their decodes) and without. Prints one JSON object. Needs CUDA and TRITON_INTERPRET unset; tests/test_engine_cuda.py
+runs it:
 
     python tests/gpu_engine_check.py
 """
@@ -26,8 +27,12 @@ def chat(question: str) -> list[dict]:
 
 
 def config(caching: bool, cuda_graphs: bool = False):
+    # always_load: on a GPU the `auto` policy may rightly recompute a short document rather than load it (one H200
+    # recomputed every CPU-tier hit of SmolLM2's: a step costs the host's time whatever its tokens), and the check
+    # is of what a tier's blocks give, so it must read them
     return load_config({"model": {"dtype": "float32", "device": "cuda", "cuda_graphs": cuda_graphs},
                         "cache": {"enable_prefix_caching": caching, "offload": "write_through",
+                                  "load_policy": "always_load",
                                   "tiers": {"device": {"size": 256}, "cpu": {"size": 256}}}})
 
 
@@ -50,8 +55,11 @@ def main() -> None:
         cpu_hit = answer(llm, QUESTIONS[2])
         backend = llm.engine.attention_backend
     graphs = {}
-    for cuda_graphs in (False, True):  # three sequences decode together: padded to a size of 4 with graphs
-        with LLM(config(caching=False, cuda_graphs=cuda_graphs), loaded_model=loaded) as llm:
+    for cuda_graphs in (False, True):
+        with LLM(config(caching=True, cuda_graphs=cuda_graphs), loaded_model=loaded) as llm:
+            answer(llm, QUESTIONS[0])  # the document, computed eagerly (more tokens than a graph's size)
+            # the three questions over the cached document in one step (a size of (64, 4) with graphs), then
+            # their decodes together (4, 4)
             outs = llm.chat([chat(q) for q in QUESTIONS], GREEDY)
             graphs[str(cuda_graphs).lower()] = {"token_ids": [o.token_ids for o in outs],
                                                 "recorded_sizes": sorted(llm.engine.runner.recorded_graph_sizes)}

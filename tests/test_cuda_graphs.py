@@ -171,3 +171,25 @@ def test_cuda_graphs_with_a_rope_that_follows_the_sequence_length_are_refused_in
         load_config({"model": {**model, "cuda_graphs": True}})
     assert info.value.key == "model.cuda_graphs" and "'dynamic'" in str(info.value) and "\n" not in str(info.value)
     assert not load_config({"model": model}).model.cuda_graphs  # the model itself runs, without graphs
+
+
+def test_questions_on_a_cached_document_answered_at_once_answer_as_without_padding(embedded_model_fp32):
+    from pydoc_data.topics import topics
+
+    document = topics["try"][:3000]
+    questions = ["What is this section about?", "Name one keyword it explains.", "What does finally do?"]
+    chats = [[{"role": "user", "content": f"{document}\n\nQuestion: {q}"}] for q in questions]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    config = {"model": {"dtype": "float32", "device": "cpu"}, "cache": {"tiers": {"device": {"size": 256}}}}
+    answers, sizes = {}, []
+    for graphs in (False, True):
+        with LLM(config, loaded_model=embedded_model_fp32) as llm:
+            if graphs:
+                llm.engine.runner.enable_cuda_graphs(max_num_seqs=8, max_blocks=64, record=False)
+            llm.chat(chats[0], greedy)  # the document: more tokens than any size, run eagerly, then cached
+            outs = llm.chat(chats, greedy)  # the three questions in one step, over the cached document
+            assert all(o.cached_tokens_by_tier["device"] > 0 for o in outs)
+            answers[graphs] = [o.token_ids for o in outs]
+            sizes = llm.engine.runner.recorded_graph_sizes
+    assert (4, 4) in sizes and any(tokens > seqs == 4 for tokens, seqs in sizes)
+    assert answers[True] == answers[False]

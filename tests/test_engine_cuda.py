@@ -35,7 +35,10 @@ def test_fp32_greedy_output_with_a_hit_on_cuda_equals_caching_off(gpu_outputs, t
     assert cached["token_ids"] == uncached["token_ids"]
 
 
-def test_decode_steps_replayed_as_cuda_graphs_give_the_eager_steps_tokens(gpu_outputs):
+def test_questions_and_decodes_replayed_as_cuda_graphs_give_the_eager_steps_tokens(gpu_outputs):
     graphs = gpu_outputs["cuda_graphs"]
-    assert graphs["true"]["recorded_sizes"] and not graphs["false"]["recorded_sizes"]
+    sizes = [tuple(size) for size in graphs["true"]["recorded_sizes"]]  # (tokens, sequences)
+    assert not graphs["false"]["recorded_sizes"]
+    assert any(tokens == seqs for tokens, seqs in sizes)  # decodes
+    assert any(tokens > seqs for tokens, seqs in sizes)   # the step of the three questions
     assert graphs["true"]["token_ids"] == graphs["false"]["token_ids"]
