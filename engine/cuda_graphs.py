@@ -21,8 +21,10 @@ every launch with one, but needs the same shapes and arguments at each replay, s
   never from the lengths on the device);
 - the logits rows to one a sequence, the padding ones reading the last token's row.
 
-The step's own values are copied into the static inputs of its size before each replay. A size is recorded the
-first time a step needs it (after one eager run on a side stream, which also compiles the kernels); steps larger
+The step's own values are copied into the static inputs of its size before each replay. The engine records at
+start the sizes most steps need (`record_common_sizes`: every decode batch, one question of every token size); any
+other size is recorded the first time a step needs it, on that step's path (after one eager run on a side stream,
+which also compiles the kernels: tens of milliseconds a size for SmolLM2, measured for decodes); steps larger
 than the largest sizes, or wanting more logits rows (prompt log-probabilities), run eagerly. On a CPU (and in
 tests) the same padded step runs eagerly through the same code (`record=False`): only recording and replay need
 CUDA.
@@ -104,6 +106,19 @@ class StepGraphs:
         seqs = _next(self.seq_sizes, num_seqs + 1)  # at least one padding sequence, to hold the padding tokens
         tokens = None if seqs is None else _next(self.token_sizes, num_tokens + seqs - num_seqs)
         return None if tokens is None else Size(tokens, seqs)
+
+    def record_common_sizes(self) -> list[tuple[int, int]]:
+        """Record ahead the sizes of every decode batch and of one sequence's prefill of each token size (a
+        question after a cached document, a short prompt), so that a request needing them does not wait for a
+        recording. Returns the (tokens, sequences) sizes recorded."""
+        question_seqs = _next(self.seq_sizes, 2)  # one sequence and its padding one
+        sizes = [Size(seqs, seqs) for seqs in self.seq_sizes if seqs <= self.token_sizes[-1]]
+        if question_seqs is not None:
+            sizes += [Size(tokens, question_seqs) for tokens in self.token_sizes if tokens > question_seqs]
+        for size in sizes:
+            if size not in self._recorded:
+                self._record(size)
+        return [(s.tokens, s.seqs) for s in sizes]
 
     def fits(self, step: StepInput) -> bool:
         return self.size_of(step) is not None

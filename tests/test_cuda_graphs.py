@@ -193,3 +193,13 @@ def test_questions_on_a_cached_document_answered_at_once_answer_as_without_paddi
             sizes = llm.engine.runner.recorded_graph_sizes
     assert (4, 4) in sizes and any(tokens > seqs == 4 for tokens, seqs in sizes)
     assert answers[True] == answers[False]
+
+
+def test_the_sizes_recorded_at_start_hold_every_decode_batch_and_a_question_alone(embedded_model_fp32):
+    padded = runner(embedded_model_fp32, True)
+    recorded = padded.record_common_graphs()
+    assert recorded == [(1, 1), (2, 2), (4, 4), (8, 8)] + [(t, 2) for t in (4, 8, 16, 32, 64, 128, 256, 512)]
+    assert padded.recorded_graph_sizes == sorted(recorded)
+    padded.execute(question_step(16, 40, []))  # a question alone, then three sequences decoding
+    padded.execute(decode_step([17, 70, 3]))
+    assert padded.recorded_graph_sizes == sorted(recorded)  # nothing recorded on a step's path
