@@ -57,14 +57,14 @@ def static_step(size: Size, max_blocks: int, device: torch.device) -> StepInput:
     def zeros(*shape, dtype=torch.int64):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    seq_lens = torch.ones(size.seqs, dtype=torch.int32, device=device)
-    seq_lens[-1] = size.tokens - size.seqs + 1
-    query_start_loc = torch.arange(size.seqs + 1, dtype=torch.int32, device=device)
-    query_start_loc[-1] = size.tokens
-    return StepInput(input_ids=zeros(size.tokens), positions=zeros(size.tokens),
+    def ints(values: list[int], dtype=torch.int64):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    positions, seq_lens, ends = _padding(size, 0, 0)
+    return StepInput(input_ids=zeros(size.tokens), positions=ints(positions),
                      slot_mapping=torch.full((size.tokens,), -1, device=device),
                      block_tables=zeros(size.seqs, max_blocks, dtype=torch.int32),
-                     query_start_loc=query_start_loc, seq_lens=seq_lens,
+                     query_start_loc=ints([0] + ends, torch.int32), seq_lens=ints(seq_lens, torch.int32),
                      logits_indices=torch.full((size.seqs,), size.tokens - 1, device=device))
 
 
@@ -123,9 +123,9 @@ class StepGraphs:
     def fits(self, step: StepInput) -> bool:
         return self.size_of(step) is not None
 
-    def run(self, step: StepInput) -> torch.Tensor:
-        """The step's logits `[len(logits_indices), vocab]` (float32; a copy, which the next replay leaves alone)."""
-        size = self.size_of(step)
+    def run(self, step: StepInput, size: Size) -> torch.Tensor:
+        """The step's logits `[len(logits_indices), vocab]` (float32; a copy, which the next replay leaves alone),
+        padded to `size` (`size_of(step)`)."""
         recorded = self._recorded.get(size) or self._record(size)
         self._fill(recorded.inputs, step, size)
         num_logits = len(step.logits_indices)
@@ -152,14 +152,12 @@ class StepGraphs:
         copy(inputs.block_tables[:num_seqs, :table.shape[1]], table, torch.int32)
         inputs.slot_mapping[num_tokens:].fill_(-1)
         inputs.logits_indices[num_logits:].fill_(size.tokens - 1)
-        if num_tokens < size.tokens:  # the padding sequences: a token each, the last one the rest
+        if num_tokens < size.tokens:
+            positions, seq_lens, ends = _padding(size, num_tokens, num_seqs)
             inputs.input_ids[num_tokens:].fill_(0)
-            copy(inputs.positions[num_tokens:], _padding_positions(size, num_tokens, num_seqs), torch.int64)
-            padding_seqs = size.seqs - num_seqs
-            lens = [1] * (padding_seqs - 1) + [size.tokens - num_tokens - padding_seqs + 1]
-            copy(inputs.seq_lens[num_seqs:], lens, torch.int32)
-            copy(inputs.query_start_loc[num_seqs + 1:], list(range(num_tokens + 1, num_tokens + padding_seqs))
-                 + [size.tokens], torch.int32)
+            copy(inputs.positions[num_tokens:], positions, torch.int64)
+            copy(inputs.seq_lens[num_seqs:], seq_lens, torch.int32)
+            copy(inputs.query_start_loc[num_seqs + 1:], ends, torch.int32)
 
     def _record(self, size: Size) -> _Recorded:
         inputs = static_step(size, self.max_blocks, self.device)
@@ -189,7 +187,11 @@ def _next(sizes: list[int], n: int) -> int | None:
     return sizes[index] if index < len(sizes) else None
 
 
-def _padding_positions(size: Size, num_tokens: int, num_seqs: int) -> list[int]:
-    """Positions of the padding tokens: 0 for each padding sequence of one token, then 0, 1, ... for the last."""
+def _padding(size: Size, num_tokens: int, num_seqs: int) -> tuple[list[int], list[int], list[int]]:
+    """The padding sequences of a step of `num_tokens` tokens in `num_seqs` sequences padded to `size`: their tokens'
+    positions, their lengths and where each ends among the packed tokens. Each holds one token at position 0 but
+    the last, which holds the tokens left over, at positions 0, 1, ..."""
     padding_seqs = size.seqs - num_seqs
-    return [0] * (padding_seqs - 1) + list(range(size.tokens - num_tokens - padding_seqs + 1))
+    last = size.tokens - num_tokens - padding_seqs + 1
+    return ([0] * (padding_seqs - 1) + list(range(last)), [1] * (padding_seqs - 1) + [last],
+            list(range(num_tokens + 1, num_tokens + padding_seqs)) + [size.tokens])

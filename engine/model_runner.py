@@ -47,8 +47,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run the step; returns float32 logits `[len(logits_indices), vocab_size]`."""
-        if self.replays(step):
-            return self._graphs.run(step)
+        size = None if self._graphs is None else self._graphs.size_of(step)  # once: it is on every step's path
+        if size is not None:
+            return self._graphs.run(step, size)
         return self._forward(StepInput(
             input_ids=self._tensor(step.input_ids, torch.int64),
             positions=self._tensor(step.positions, torch.int64),
