@@ -37,10 +37,23 @@ def test_a_prompt_token_id_outside_the_vocabulary_or_not_an_integer_is_refused_i
     ids = [*engine.tokenize(PROMPT) * 200, token_id]  # a long prompt, its bad id last
     with pytest.raises(ValueError, match=r"^prompt token ids must be integers in \[0, 49152\)$"):
         engine.validate_request(ids, SamplingParams(max_tokens=2))
-    if isinstance(token_id, int):  # add_request takes what int() takes, then checks the same
-        with pytest.raises(ValueError, match="must be integers"):
-            engine.add_request("refused", ids, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"^prompt token ids must be integers in \[0, 49152\)$"):
+        engine.add_request("refused", ids, SamplingParams(max_tokens=2))
     assert engine.requests == {}
+
+
+def test_prompt_token_ids_of_any_integer_type_become_ints_and_an_empty_prompt_is_refused(llm):
+    import numpy as np
+
+    engine = llm.engine
+    ids = engine.tokenize(PROMPT)
+    request = engine.add_request("numpy", np.array(ids, dtype=np.int32), SamplingParams(max_tokens=1))
+    assert request.prompt_token_ids == ids and all(type(t) is int for t in request.prompt_token_ids)
+    engine.abort_request("numpy")
+    for empty in ([], (), np.array([], dtype=np.int64)):
+        with pytest.raises(ValueError, match="^prompt is empty$"):
+            engine.add_request("empty", empty, SamplingParams(max_tokens=1))
+    assert "empty" not in engine.requests
 
 
 def test_greedy_logprobs_name_each_generated_token_as_the_likeliest(llm):
