@@ -193,7 +193,10 @@ class KVCacheManager:
             request.tail_recomputed = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES,
                                                          within=request.tail_to_count)
         first = plan.device_run if plan.overlaps else plan.cut  # the prefix the request starts from
-        load = self.hierarchy.acquire_prefix(hashes[:first], self._block_tokens(request, 0, first), found_in[:first])
+        # the tokens of the blocks that load (the device's hits are not read: a document's 443 tuples were
+        # made for nothing at every admission)
+        tokens = [None] * plan.device_run + self._block_tokens(request, plan.device_run, first)
+        load = self.hierarchy.acquire_prefix(hashes[:first], tokens, found_in[:first])
         self.prefix_loads[request.request_id] = load
         if plan.overlaps:  # the tail loads while the request computes the head
             tail = self.hierarchy.acquire_prefix(hashes[plan.head_end:plan.cut],

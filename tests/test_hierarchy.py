@@ -280,6 +280,29 @@ def test_lookup_stops_at_the_first_block_no_tier_holds():
     assert h.locate(req.block_hashes) == ["device", "device"]
 
 
+def test_a_chain_alternating_between_the_device_and_a_lower_tier_is_located_run_by_run_and_relocated_on_the_device():
+    kv = make_stack(device_blocks=32, cpu_blocks=32)
+    h = kv.hierarchy
+    hashes = run_request(kv, doc(31, 6 * BS) + [1]).block_hashes[:6]  # on the device, written through to the CPU tier
+    h.flush_pending()
+    h.wait_for_write_downs()
+
+    def leave_device(k: int) -> None:
+        block = h.pool.cached_block_hash_to_block.pop(hashes[k])
+        block.block_hash = None
+
+    for k in (2, 3, 5):
+        leave_device(k)
+    found = h.locate(hashes)
+    assert found == ["device", "device", "cpu", "cpu", "device", "cpu"]
+    assert h.relocate_on_device(hashes, found) == found
+    leave_device(4)  # the device no longer holds a block the earlier lookup found there: the prefix ends before it
+    assert h.relocate_on_device(hashes, found) == ["device", "device", "cpu", "cpu"]
+    assert h.relocate_on_device(hashes, found[:3]) == ["device", "device", "cpu"]  # nothing known past the lookup
+    assert h.locate(hashes) == ["device", "device", "cpu", "cpu", "cpu", "cpu"]
+    assert h.locate(hashes[:2]) == ["device", "device"] and h.locate([]) == []
+
+
 def test_many_chains_are_located_together_asking_each_tier_once_with_the_answers_of_one_at_a_time(tmp_path,
                                                                                                      monkeypatch):
     from valkey_server import ValkeyServer

@@ -77,13 +77,22 @@ class PrefixHit:
         return {t: self.tiers.count(t) for t in TIER_NAMES}
 
 
+def _run_end(flags: list[bool], start: int) -> int:
+    """Where the run of equal flags from `start` ends: a search in C, where a Python step per block cost a long
+    document's lookup tens of microseconds (it is looked up several times an admission, on the step thread)."""
+    try:
+        return flags.index(not flags[start], start)
+    except ValueError:
+        return len(flags)
+
+
 @dataclass(eq=False)
 class PrefixLoad:
     """A prefix between lookup and landing. Every block in it is held: device hits by their
     ref count, lower-tier hits in their tier and by the device block they are being copied into."""
 
     block_hashes: list[bytes]
-    block_tokens: list[Sequence[int]]
+    block_tokens: list[Sequence[int] | None]  # per leading block; None for some device hits (never read)
     found_in: list[str]                 # per leading block, the tier the walk found it in
     blocks: list[KVCacheBlock]          # per leading block, the device block holding or receiving it
     below: list[int]                    # positions of the blocks found below the device
@@ -200,12 +209,11 @@ class TierHierarchy:
         n = len(block_hashes)
         on_device = [block is not None for block in self.pool.get_cached_blocks(block_hashes)]
         while len(found) < n:
+            end = _run_end(on_device, len(found))
             if on_device[len(found)]:
-                found.append("device")
+                found += ["device"] * (end - len(found))
                 continue
-            end = len(found) + 1  # the run below the device ends where the device holds a block again
-            while end < n and not on_device[end]:
-                end += 1
+            # a run below the device (it ends where the device holds a block again)
             # The tiers in turn, each asked from where the run's blocks found so far end, until every tier has
             # said that it lacks the next block: one question each for most runs, more where tiers alternate.
             tiers, turn = self.lower_tiers, 0
@@ -226,13 +234,18 @@ class TierHierarchy:
         """`found`, an earlier `locate` of the same chain, with the device's part read again (a dict
         lookup per block, no lower tier asked): a block the device holds now is a device hit; one it no
         longer holds ends the prefix unless the earlier lookup placed it in a lower tier."""
+        on_device = [block is not None for block in self.pool.get_cached_blocks(block_hashes)]
         located: list[str] = []
-        for k, block in enumerate(self.pool.get_cached_blocks(block_hashes)):
-            if block is not None:
-                located.append("device")
-            elif k < len(found) and found[k] != "device":
-                located.append(found[k])
-            else:
+        while len(located) < len(on_device):
+            start = len(located)
+            end = _run_end(on_device, start)
+            if on_device[start]:
+                located += ["device"] * (end - start)
+                continue
+            earlier = found[start:end]  # where the earlier lookup placed the blocks the device lacks now
+            below = earlier.index("device") if "device" in earlier else len(earlier)
+            located += earlier[:below]
+            if start + below < end:
                 break
         return located
 
@@ -241,6 +254,7 @@ class TierHierarchy:
         """Find the longest cached prefix of the chain in any tier, hold all of it and start loading
         the part found below the device. Call `finish_prefix` once the result is `ready`.
         `found_in` is a `locate` of the same chain just made (the caller chose where to cut it), or None.
+        `block_tokens` need only be given (not None) for the blocks found below the device: only theirs are read.
         `parent` is the hash of the block before the chain's first when it does not start the chain.
 
         Order of operations: device hits are held first and lower-tier hits are held in their tier,
