@@ -476,6 +476,24 @@ def test_blocks_persisted_on_close_are_disk_hits_in_a_new_process(tmp_path):
     assert req.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 0, "remote": 0}  # the first process computed it
 
 
+def test_a_process_that_exits_without_closing_still_writes_its_cached_blocks_down_without_a_traceback(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        import test_hierarchy as t
+        kv = t.make_stack(device_blocks=64, cpu_blocks=4, disk_path={str(tmp_path / 'kv')!r}, disk_blocks=64)
+        for seed in range(6):  # write-throughs still in flight at exit, the small CPU tier evicting to disk
+            t.run_request(kv, t.doc(seed, 5 * t.BS + 1))
+        # no close()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    kv = make_stack(device_blocks=64, disk_path=tmp_path / "kv", disk_blocks=64)
+    for seed in range(6):
+        assert run_request(kv, doc(seed, 5 * BS + 1)).cached_tokens_by_tier["disk"] == 5 * BS
+    kv.hierarchy.close()
+
+
 def test_idle_write_down_in_chunks_puts_every_cached_block_on_disk(tmp_path):
     kv = make_stack(device_blocks=16, cpu_blocks=6, disk_path=tmp_path / "kv", disk_blocks=64)
     a, b = doc(21, 5 * BS + 1), doc(22, 5 * BS + 1)

@@ -9,8 +9,10 @@ block between tiers is one copy and a disk value is one byte string.
 from __future__ import annotations
 
 import abc
+import atexit
+import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -217,3 +219,19 @@ class LowerTier(abc.ABC):
     def close(self) -> None:
         """Flush and release resources."""
         self.flush()
+
+
+def close_at_exit(closable) -> Callable[[], None]:
+    """Call `closable.close()` at interpreter exit if it is still alive then, without keeping it alive; returns the
+    registered function, for `atexit.unregister` once it is closed. Exit handlers run last registered first, so a
+    whole registered after its parts closes before them (the hierarchy, which still writes blocks down into its
+    tiers, before the disk tier)."""
+    ref = weakref.ref(closable)
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.close()
+
+    atexit.register(close)
+    return close

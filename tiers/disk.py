@@ -29,7 +29,6 @@ import dataclasses
 import logging
 import os
 import threading
-import weakref
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from typing import Callable, Iterator, Optional, Sequence, TypeVar
 import lmdb
 import torch
 
-from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_or_unknown
+from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, close_at_exit, parents_or_unknown
 from kvstrata.tiers.batch_writer import BatchWriter
 from kvstrata.tiers.block_events import AllBlocksCleared
 from kvstrata.tiers.lmdb_store import (DAMAGE_ERRORS, LmdbStore, Meta, StoreDamaged, data_file_bytes, quarantine,
@@ -182,8 +181,7 @@ class DiskTier(LowerTier):
         # Reads into shared host memory go to these processes (tiers/disk_reader.py); others run here.
         self._readers = start_readers(read_processes, "kvstrata.tiers.disk_reader", self.name)
         self._blocks_read_by_processes = 0  # served by them
-        self._atexit = _close_at_exit(weakref.ref(self))
-        atexit.register(self._atexit)
+        self._atexit = close_at_exit(self)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -680,11 +678,3 @@ class DiskTier(LowerTier):
 
 def _leading_true(flags: Sequence[bool]) -> int:
     return next((k for k, flag in enumerate(flags) if not flag), len(flags))
-
-
-def _close_at_exit(tier_ref: "weakref.ReferenceType[DiskTier]"):
-    def close() -> None:
-        tier = tier_ref()
-        if tier is not None:
-            tier.close()
-    return close

@@ -37,6 +37,7 @@ step thread); this file holds the policy:
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import itertools
@@ -50,7 +51,7 @@ from typing import Generator, Iterator, Sequence
 
 import torch
 
-from kvstrata.tiers.base import LOWER_TIER_NAMES, TIER_NAMES, LowerTier, Pin, TierStats
+from kvstrata.tiers.base import LOWER_TIER_NAMES, TIER_NAMES, LowerTier, Pin, TierStats, close_at_exit
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockEventListener, BlockRemoved, BlockStored
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
 from kvstrata.tiers.transfer import LentBlocks, Transfer, TransferEngine
@@ -163,6 +164,10 @@ class TierHierarchy:
         self.event_listener = event_listener
         for tier in self.lower_tiers:
             tier.event_listener = event_listener
+        # A process that exits without closing still writes its cached blocks down, before the tiers close
+        # themselves (a write-down in flight then failed on a closed disk tier, and its blocks were lost).
+        self._closed = False
+        self._atexit = close_at_exit(self)
 
     # ------------------------------------------------------------------ lookup and promotion
 
@@ -705,6 +710,12 @@ class TierHierarchy:
         return {"tiers": tiers, "counters": counters}
 
     def close(self) -> None:
+        """Write every cached block down, then close the transfer engine and the tiers. Safe to call twice, and
+        called at interpreter exit if the owner did not."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._atexit)
         self.persist()
         self.transfers.close()
         for tier in self.lower_tiers:
