@@ -206,8 +206,7 @@ class AsyncEngine:
         far (its text only ever grows); the last one has `finished=True`. Closing or cancelling the
         iterator before that (a client that went away) aborts the request and frees its blocks.
         """
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
-        self.engine.validate_request(prompt_token_ids, params)
+        prompt_token_ids = self.engine.validate_request(prompt_token_ids, params)
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         return self._outputs(_Add(request_id, prompt_token_ids, params, cache_salt, prompt, arrival_time,
@@ -350,9 +349,9 @@ class AsyncEngine:
                 self.engine.release(command.request_id)
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                    cache_salt=command.cache_salt, prompt=command.prompt,
-                                    arrival_time=command.arrival_time, prefill_only=command.prefill_only)
+            self.engine.add_validated_request(command.request_id, command.prompt_token_ids, command.params,
+                                              cache_salt=command.cache_salt, prompt=command.prompt,
+                                              arrival_time=command.arrival_time, prefill_only=command.prefill_only)
         except ValueError as exc:
             command.stream.put(exc)
             return

@@ -188,13 +188,13 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         requests = [(text, token_ids, p.for_choice(i))
                     for (text, token_ids), p in zip(prompts, params) for i in range(p.n)]
-        for _, token_ids, p in requests:
-            self.engine.validate_request(token_ids, p)
+        requests = [(text, self.engine.validate_request(token_ids, p), p) for text, token_ids, p in requests]
         arrival = time.perf_counter()
         ids = []
         for text, token_ids, p in requests:
             rid = f"gen-{next(self._ids)}"
-            self.engine.add_request(rid, token_ids, p, cache_salt=cache_salt, prompt=text, arrival_time=arrival)
+            self.engine.add_validated_request(rid, token_ids, p, cache_salt=cache_salt, prompt=text,
+                                              arrival_time=arrival)
             ids.append(rid)
         sequences = iter([RequestOutput.from_request(r) for r in self.engine.run_until_finished(ids)])
         for rid in ids:

@@ -338,9 +338,19 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     cache_salt: str | None = None, prompt: str | None = None,
                     arrival_time: float | None = None, prefill_only: bool = False) -> Request:
+        """Check the request (`validate_request`) and queue it; ValueError, with nothing queued, if it is refused."""
+        prompt_token_ids = self.validate_request(prompt_token_ids, params)
+        return self.add_validated_request(request_id, prompt_token_ids, params, cache_salt, prompt, arrival_time,
+                                          prefill_only)
+
+    def add_validated_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                              cache_salt: str | None = None, prompt: str | None = None,
+                              arrival_time: float | None = None, prefill_only: bool = False) -> Request:
+        """`add_request` of a prompt that `validate_request` returned, with the params it accepted, not checked
+        again: the front ends (the server's, `LLM.generate`) validate before queueing, on their own thread, and the
+        engine's thread, which every step waits for, only adds."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_token_ids = self.validate_request(prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, cache_salt=cache_salt, prompt=prompt,
                           prefill_only=prefill_only)
         if arrival_time is not None:
