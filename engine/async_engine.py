@@ -352,7 +352,11 @@ class AsyncEngine:
             self.engine.add_validated_request(command.request_id, command.prompt_token_ids, command.params,
                                               cache_salt=command.cache_salt, prompt=command.prompt,
                                               arrival_time=command.arrival_time, prefill_only=command.prefill_only)
-        except ValueError as exc:
+        except ValueError as exc:  # refused: its caller hears why
+            command.stream.put(exc)
+            return
+        except Exception as exc:  # a fault while adding it (nothing is left behind): its caller hears it, none hangs
+            logger.exception("kvstrata: request %s could not be added", command.request_id)
             command.stream.put(exc)
             return
         self._streams[command.request_id] = command.stream

@@ -63,10 +63,10 @@ class DecodingEngine(IdleEngine):
         self.stats_calls += 1
         return {"finished": self.request is not None and self.request.is_finished}
 
-    def validate_request(self, prompt_token_ids, params) -> None:
-        pass
+    def validate_request(self, prompt_token_ids, params) -> list[int]:
+        return list(prompt_token_ids)
 
-    def add_request(self, request_id, prompt_token_ids, params, *args, **kwargs):
+    def add_validated_request(self, request_id, prompt_token_ids, params, *args, **kwargs):
         from kvstrata.engine.request import Request
 
         self.request = Request(request_id, list(prompt_token_ids), params)
@@ -107,6 +107,39 @@ def test_a_busy_engine_thread_publishes_stats_now_and_then_and_always_before_an_
     assert engine.stats_calls < 50
 
 
+class FaultyAddEngine(DecodingEngine):
+    """A DecodingEngine whose first request fails while it is being added (not a refusal: a fault)."""
+
+    def __init__(self):
+        super().__init__()
+        self.faults = 1
+
+    def add_validated_request(self, request_id, prompt_token_ids, params, *args, **kwargs):
+        if self.faults:
+            self.faults -= 1
+            raise RuntimeError("the generator could not be seeded")
+        return super().add_validated_request(request_id, prompt_token_ids, params, *args, **kwargs)
+
+
+def test_a_request_that_fails_while_it_is_added_is_told_so_and_the_engine_serves_the_next():
+    import pytest
+
+    from kvstrata.engine.sampling import SamplingParams
+
+    async_engine = AsyncEngine(FaultyAddEngine())
+
+    async def ask() -> list:
+        return [o async for o in async_engine.generate([1, 2, 3], SamplingParams(max_tokens=3))]
+
+    try:
+        with pytest.raises(RuntimeError, match="could not be seeded"):
+            asyncio.run(asyncio.wait_for(ask(), timeout=30))  # before, the engine thread died and the caller hung
+        assert async_engine.is_running
+        assert len(asyncio.run(asyncio.wait_for(ask(), timeout=30))[-1].token_ids) == 3
+    finally:
+        async_engine.shutdown()
+
+
 class ManyDecodingEngine(DecodingEngine):
     """An LLMEngine answering any number of requests together, a token each per step; each request's
     tokens are its prompt's first token, so that an output found in another request's stream shows."""
@@ -116,7 +149,7 @@ class ManyDecodingEngine(DecodingEngine):
         self.requests: dict = {}
         self.steps = 0
 
-    def add_request(self, request_id, prompt_token_ids, params, *args, **kwargs):
+    def add_validated_request(self, request_id, prompt_token_ids, params, *args, **kwargs):
         from kvstrata.engine.request import Request
 
         self.requests[request_id] = Request(request_id, list(prompt_token_ids), params)
