@@ -125,6 +125,64 @@ def test_a_killed_reader_costs_no_block_and_is_replaced(store_path, caplog):
     tier.close()
 
 
+def killed_while_reading(store_path: str) -> int:
+    """The pid of a process killed inside a read transaction on the store at `store_path`: its reader slot, with
+    the snapshot it read, stays registered in the store's lock file."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        import lmdb
+        env = lmdb.open({store_path!r}, readonly=True, max_dbs=8)
+        txn = env.begin()
+        print("reading", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "reading"
+    child.kill()
+    child.wait()
+    return child.pid
+
+
+def registered_readers(tier: DiskTier) -> set[int]:
+    return {int(line.split()[0]) for line in tier._store.env.readers().splitlines()[1:] if line.strip()}
+
+
+def test_a_process_killed_while_reading_is_cleared_from_the_store_when_the_tier_opens(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=0)
+    put_blocks(tier, range(4))
+    tier.close()
+    # another process keeps the store open throughout (an engine sharing it): LMDB then keeps its reader table as
+    # it is when the tier opens, the dead reader's slot included
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        import lmdb
+        env = lmdb.open({store_path!r}, readonly=True, max_dbs=8)
+        print("open", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        dead = killed_while_reading(store_path)
+        tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=0)
+        assert dead not in registered_readers(tier)  # else the writer never reuses a page freed after its snapshot
+        assert read_shared(tier, [0, 1, 2, 3]) == [True] * 4
+        tier.close()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_process_killed_while_reading_is_cleared_from_the_store_when_a_reader_process_is_replaced(store_path,
+                                                                                                     caplog):
+    tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=1)
+    put_blocks(tier, range(4))
+    tier.flush()
+    dead = killed_while_reading(store_path)  # as a reader process killed in the middle of a read leaves it
+    assert dead in registered_readers(tier)
+    kill_a_reader_and_read_on(tier, caplog)
+    assert dead not in registered_readers(tier)
+    tier.close()
+
+
 def test_readers_that_keep_dying_are_given_up_and_every_read_is_still_served(store_path, monkeypatch, caplog):
     tier = DiskTier(BF16, store_path, 4 * MiB, read_processes=1)
     put_blocks(tier, range(2))

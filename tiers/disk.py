@@ -179,7 +179,8 @@ class DiskTier(LowerTier):
                                                      on_finished=self._forget_committed)
         self._cond = self._writer.cond  # guards the pending map too, so that it always matches the queue
         # Reads into shared host memory go to these processes (tiers/disk_reader.py); others run here.
-        self._readers = start_readers(read_processes, "kvstrata.tiers.disk_reader", self.name)
+        self._readers = start_readers(read_processes, "kvstrata.tiers.disk_reader", self.name,
+                                      on_replaced=self._clear_stale_readers)
         self._blocks_read_by_processes = 0  # served by them
         self._atexit = close_at_exit(self)
 
@@ -462,6 +463,14 @@ class DiskTier(LowerTier):
         if self._store is not None:
             self._store.close()
         atexit.unregister(self._atexit)
+
+    def _clear_stale_readers(self) -> None:
+        """A reader process died, maybe inside a read transaction: clear what it left registered in the store (see
+        `LmdbStore.clear_stale_readers`). Called by the reader pool from inside a read or a prepare, both under the
+        gate, so the store is not replaced meanwhile."""
+        store = self._store
+        if store is not None and (cleared := store.clear_stale_readers()):
+            logger.info("disk tier at '%s': cleared %d reader slot(s) left by dead processes", self.path, cleared)
 
     def _check_open(self) -> None:
         if self._closed:

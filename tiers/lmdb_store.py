@@ -330,6 +330,7 @@ class LmdbStore:
             for name in (DATA_FILE, LOCK_FILE):
                 make_private(os.path.join(path, name))
             store = cls(path, env, create=True)
+            store.clear_stale_readers()  # a process that died reading (a crash, a killed reader) held pages back
             with store.begin(write=True) as txn:
                 fmt = txn.get(b"format", db=store.meta)
                 if fmt is not None and bytes(fmt) != STORE_FORMAT:
@@ -401,6 +402,15 @@ class LmdbStore:
         return st.st_dev, st.st_ino
 
     # -- transactions --------------------------------------------------------------------------
+
+    def clear_stale_readers(self) -> int:
+        """Free the reader slots of processes that died (LMDB's reader check); returns how many. A process killed
+        inside a read transaction leaves its snapshot registered: until cleared, the writer cannot reuse a page freed
+        after it, and the file grows towards a full map with every write."""
+        try:
+            return self.env.reader_check()
+        except lmdb.Error:
+            return 0
 
     def check_size(self) -> None:
         """Raise StoreDamaged if the data file no longer holds every page LMDB uses (it was

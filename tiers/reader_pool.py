@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+from typing import Callable
 
 from kvstrata.tiers.reader_process import recv_message, send_message
 from kvstrata.tiers.shared_memory import is_live, locate, segment_fd
@@ -122,12 +123,13 @@ class ReaderPool:
     """`processes` reader processes, each running module `module` and serving one read at a time, for the tier
     named `tier` (in what is logged). Thread-safe."""
 
-    def __init__(self, processes: int, module: str, tier: str):
+    def __init__(self, processes: int, module: str, tier: str, on_replaced: Callable[[], None] | None = None):
         if processes < 1:
             raise ValueError(f"a reader pool needs at least one process, got {processes}")
         self.processes = processes
         self.module = module
         self.tier = tier
+        self.on_replaced = on_replaced  # called once a dead reader is gone (the tier clears what it left held)
         self._idle: queue.SimpleQueue[_Reader] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._restarts = 0
@@ -220,6 +222,11 @@ class ReaderPool:
                 else f"ended (exit status {reader.process.returncode})")
         logger.warning("%s tier: a reader process %s (%s); its blocks are read in this process%s", self.tier, what,
                        error or type(error).__name__, ", and every read from now on" if broken else "")
+        if self.on_replaced is not None:
+            try:
+                self.on_replaced()
+            except Exception:  # noqa: BLE001 - the pool goes on reading whatever the tier's clean-up did
+                logger.warning("%s tier: cleaning up after a reader process failed", self.tier, exc_info=True)
         if broken or closed:
             return None
         replacement = _Reader(self.module)
@@ -252,13 +259,14 @@ class ReaderPool:
             self._running.remove(reader)
 
 
-def start_readers(processes: int, module: str, tier: str) -> ReaderPool | None:
-    """A pool of `processes` readers running `module` for the tier named `tier`, or None (no processes asked for,
-    or they could not be started: the tier reads in its own process)."""
+def start_readers(processes: int, module: str, tier: str,
+                  on_replaced: Callable[[], None] | None = None) -> ReaderPool | None:
+    """A pool of `processes` readers running `module` for the tier named `tier` (`on_replaced`: see ReaderPool), or
+    None (no processes asked for, or they could not be started: the tier reads in its own process)."""
     if processes < 1:
         return None
     try:
-        return ReaderPool(processes, module, tier)
+        return ReaderPool(processes, module, tier, on_replaced)
     except OSError as e:
         logger.warning("%s tier: cannot start its reader processes (%s); blocks are read in this process", tier, e)
         return None
