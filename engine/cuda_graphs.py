@@ -101,18 +101,22 @@ class StepGraphs:
         if num_seqs == 0 or num_logits > num_seqs or len(step.block_tables[0]) > self.max_blocks:
             return None
         if num_tokens == num_seqs == num_logits:  # a decode step: padding sequences of a token each
-            seqs = _next(self.seq_sizes, num_seqs)
-            return None if seqs is None or seqs > self.token_sizes[-1] else Size(seqs, seqs)
+            return self._decode_size(_next(self.seq_sizes, num_seqs))
         seqs = _next(self.seq_sizes, num_seqs + 1)  # at least one padding sequence, to hold the padding tokens
         tokens = None if seqs is None else _next(self.token_sizes, num_tokens + seqs - num_seqs)
         return None if tokens is None else Size(tokens, seqs)
+
+    def _decode_size(self, seqs: int | None) -> Size | None:
+        """The size of a decode step padded to `seqs` sequences (a token each), if a recorded step may hold that many
+        tokens."""
+        return None if seqs is None or seqs > self.token_sizes[-1] else Size(seqs, seqs)
 
     def record_common_sizes(self) -> list[tuple[int, int]]:
         """Record ahead the sizes of every decode batch and of one sequence's prefill of each token size (a
         question after a cached document, a short prompt), so that a request needing them does not wait for a
         recording. Returns the (tokens, sequences) sizes recorded."""
         question_seqs = _next(self.seq_sizes, 2)  # one sequence and its padding one
-        sizes = [Size(seqs, seqs) for seqs in self.seq_sizes if seqs <= self.token_sizes[-1]]
+        sizes = [size for size in map(self._decode_size, self.seq_sizes) if size is not None]
         if question_seqs is not None:
             sizes += [Size(tokens, question_seqs) for tokens in self.token_sizes if tokens > question_seqs]
         for size in sizes:
