@@ -153,10 +153,11 @@ def test_a_smoke_run_writes_every_section_of_the_report(tmp_path):
     assert all(r["unexpected"] == [] for r in rows), "a request was not served by the tier it was meant to test"
     # each request's receipt: a miss and a device hit load nothing (a lower-tier hit may show no load either,
     # where its load policy recomputed a head while the rest loaded), each looked up and computed its question
-    assert all(r["phases_ms"][kind]["load"] == 0 for r in rows for kind in ("miss", "device"))
+    assert all(r["phases_ms"][kind]["load"] == 0 for r in rows for kind in ("short", "miss", "device"))
     assert all(min(r["phases_ms"][kind]["lookup"], r["phases_ms"][kind]["prefill"]) > 0
-               for r in rows for kind in gpu_report.KINDS)
+               for r in rows for kind in ("short", *gpu_report.KINDS))
     assert "Where the time to first token went" in report
+    assert "| cold 64-token prompt |" in report  # beside the hits: what the host spends on a prompt of few blocks
     assert all(g["hit_cached_tokens_by_tier"]["cpu"] > 0 for g in result["gap"])
 
 
