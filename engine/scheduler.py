@@ -184,6 +184,11 @@ class Scheduler:
     def _uncached_first_step(self, candidates: list[Request]) -> tuple[list[Request], list[Request], int, int]:
         """`uncached_first`'s order and budgets (see the module doc): the candidates and the running
         requests in order, the step's token budget, and the chunk the long prefills share."""
+        if not candidates and len(self.running) <= MIN_STEP_TOKENS and all(
+                self._remaining(r) <= 1 for r in self.running):
+            # Decodes alone, fewer than any cap: every budget holds them, so the step cost is not asked. (Asked, it
+            # refits after every step: a fifth of a decode step's host work, for an answer that changes nothing.)
+            return candidates, list(self.running), self.max_num_batched_tokens, self.max_num_batched_tokens
         context = self._prefill_context()
         capped = min(self.max_num_batched_tokens, self.cost.tokens_within(self.step_target, context))
         candidates, short_tokens = self._order(candidates, capped)

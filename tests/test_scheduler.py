@@ -244,6 +244,23 @@ def test_fcfs_keeps_the_whole_budget_for_the_request_that_came_first():
     assert step(kv, scheduler, clock)[long_request] == 60 * BS  # no step cap, no share
 
 
+def test_decodes_alone_are_scheduled_without_asking_the_step_cost_and_an_arrival_asks_it_again(monkeypatch):
+    kv, scheduler, clock = make_scheduler("uncached_first", step_target=0.01)
+    requests = [add(scheduler, clock, doc(40 + i, 3 * BS), max_tokens=20) for i in range(4)]
+    while not all(r.output_token_ids for r in requests):  # their prompts
+        step(kv, scheduler, clock)
+    fit = scheduler.cost.fit
+    solves = []
+    monkeypatch.setattr(fit, "_solve", lambda real=fit._solve: (solves.append(1), real())[1])
+    for _ in range(10):
+        scheduler.cost.observe(4, 0.001)  # the engine reports each step's time: the fit is out of date
+        assert step(kv, scheduler, clock) == {r: 1 for r in requests}  # every sequence decodes at every step
+    assert not solves  # nothing it could answer would change such a step: no refit after every decode
+    question = add(scheduler, clock, doc(50, 2 * BS))
+    assert step(kv, scheduler, clock)[question] == 2 * BS
+    assert solves  # a request to admit is priced, and the step capped, by the measured cost
+
+
 def test_step_cost_learns_overhead_per_token_and_attention_costs_from_measured_steps():
     cost = StepCost(per_token_s=0.1)  # a prior 100x off: measurements replace it
     overhead, per_token, per_pair, per_read = 1 / 64, 1 / 1024, 1 / 2 ** 20, 1 / 2 ** 16
