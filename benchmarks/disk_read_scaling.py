@@ -33,6 +33,7 @@ from benchmarks.machine import provenance_lines, publish, results_record  # noqa
 
 LAYOUTS = {"SmolLM2-135M": (30, 3, 64), "Llama-3-8B": (32, 8, 128)}  # layers, KV heads, head dim (bf16, 16 tokens)
 RING_BYTES = 64 << 20  # where a process copies to (and, for the memory copy, from): larger than a cache
+BARRIER_TIMEOUT_S = 60.0  # the longest a process waits for the others to start a pass
 
 
 def build_store(path: str, layout_name: str, total_bytes: int) -> dict:
@@ -71,7 +72,16 @@ def warm(path: str) -> None:
 
 def read_share(path: str, store: dict, share: range, start_at, results) -> None:
     """One process: its share of the blocks read from the store twice, then as many bytes copied from its own
-    memory; each timed from the common start (`start_at`, a barrier) to its end."""
+    memory; each timed from the common start (`start_at`, a barrier) to its end. A failure is reported, not
+    left for the others to wait on."""
+    try:
+        results.put(_timed_reads(path, store, share, start_at))
+    except BaseException as e:  # noqa: BLE001 - the parent raises it
+        start_at.abort()  # the others stop waiting for this one
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def _timed_reads(path: str, store: dict, share: range, start_at) -> list[tuple[float, float]]:
     import lmdb
     import numpy as np
     import xxhash
@@ -86,7 +96,7 @@ def read_share(path: str, store: dict, share: range, start_at, results) -> None:
     slots = max(1, RING_BYTES // payload_nbytes)
     timings = []
     for _ in range(2):
-        start_at.wait()
+        start_at.wait(BARRIER_TIMEOUT_S)
         started = time.perf_counter()
         with lmdb_store.begin(db=lmdb_store.blocks) as txn:
             for n, k in enumerate(share):
@@ -96,7 +106,7 @@ def read_share(path: str, store: dict, share: range, start_at, results) -> None:
                              ring[slot:slot + payload_nbytes])
         timings.append((started, time.perf_counter()))
     source = np.ones(RING_BYTES, dtype=np.uint8)
-    start_at.wait()
+    start_at.wait(BARRIER_TIMEOUT_S)
     started = time.perf_counter()
     for n in range(len(share)):  # the same copies and checksums, from this process's own memory
         slot = (n % slots) * payload_nbytes
@@ -104,7 +114,7 @@ def read_share(path: str, store: dict, share: range, start_at, results) -> None:
         xxhash.xxh3_64_intdigest(ring[slot:slot + payload_nbytes])
     timings.append((started, time.perf_counter()))
     lmdb_store.close()
-    results.put(timings)
+    return timings
 
 
 def measure(path: str, store: dict, processes: int) -> dict:
@@ -116,9 +126,12 @@ def measure(path: str, store: dict, processes: int) -> dict:
     workers = [context.Process(target=read_share, args=(path, store, share, start_at, results)) for share in shares]
     for w in workers:
         w.start()
-    timings = [results.get(timeout=600) for _ in workers]
+    timings = [results.get(timeout=10 * BARRIER_TIMEOUT_S) for _ in workers]
     for w in workers:
         w.join()
+    failures = [t for t in timings if isinstance(t, str)]
+    if failures:
+        raise RuntimeError(f"a reader process failed: {failures[0]}")
     nbytes = num_blocks * (store["record"] - store["header"])
     gbps = [nbytes / (max(t[i][1] for t in timings) - min(t[i][0] for t in timings)) / 1e9 for i in range(3)]
     return {"processes": processes, "first_pass_gbps": gbps[0], "second_pass_gbps": gbps[1], "memory_gbps": gbps[2]}
