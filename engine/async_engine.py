@@ -20,6 +20,7 @@ that finish no request and start none publish at most every `BUSY_SNAPSHOT_INTER
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import queue
@@ -36,6 +37,7 @@ from kvstrata.engine.prompts import RenderedDocument
 from kvstrata.engine.receipt import CacheReceipt
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import SamplingParams
+from kvstrata.tiers.base import close_at_exit
 
 logger = logging.getLogger("kvstrata")
 
@@ -45,6 +47,8 @@ IDLE_SNAPSHOT_INTERVAL_S = 1.0
 # How often a busy one does between the steps that finish or start answering a request: the stats walk every
 # tier (a few tenths of a millisecond with a disk tier), a share of every step if taken after each.
 BUSY_SNAPSHOT_INTERVAL_S = 0.25
+# At interpreter exit, the longest the requests still running may take to finish before the engine stops anyway.
+EXIT_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,9 @@ class AsyncEngine:
         self._publish_snapshot()
         self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
         self._thread.start()
+        # A process that exits without shutting down stops the engine's thread before the engine's parts close
+        # themselves (registered after them, this runs first): they are not closed under a step or a write-down.
+        self._atexit = close_at_exit(self, "shutdown", EXIT_WAIT_S)
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -270,6 +277,8 @@ class AsyncEngine:
                 self._accepting = False
                 self._inbox.put(_STOP)
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            atexit.unregister(self._atexit)
 
     # ------------------------------------------------------------------ engine thread
 

@@ -221,17 +221,17 @@ class LowerTier(abc.ABC):
         self.flush()
 
 
-def close_at_exit(closable) -> Callable[[], None]:
-    """Call `closable.close()` at interpreter exit if it is still alive then, without keeping it alive; returns the
-    registered function, for `atexit.unregister` once it is closed. Exit handlers run last registered first, so a
-    whole registered after its parts closes before them (the hierarchy, which still writes blocks down into its
-    tiers, before the disk tier)."""
+def close_at_exit(closable, method: str = "close", *args) -> Callable[[], None]:
+    """Call `closable.<method>(*args)` at interpreter exit if it is still alive then, without keeping it alive;
+    returns the registered function, for `atexit.unregister` once it is closed. Exit handlers run last registered
+    first, so a whole registered after its parts closes before them (the hierarchy, which still writes blocks down
+    into its tiers, before the disk tier)."""
     ref = weakref.ref(closable)
 
     def close() -> None:
         alive = ref()
         if alive is not None:
-            alive.close()
+            getattr(alive, method)(*args)
 
     atexit.register(close)
     return close
