@@ -130,8 +130,9 @@ def measure(path: str, store: dict, processes: int) -> dict:
     for w in workers:
         w.join()
     failures = [t for t in timings if isinstance(t, str)]
-    if failures:
-        raise RuntimeError(f"a reader process failed: {failures[0]}")
+    if failures:  # the one that failed first, not those it left at a broken barrier
+        cause = next((f for f in failures if not f.startswith("BrokenBarrierError")), failures[0])
+        raise RuntimeError(f"a reader process failed: {cause}")
     nbytes = num_blocks * (store["record"] - store["header"])
     gbps = [nbytes / (max(t[i][1] for t in timings) - min(t[i][0] for t in timings)) / 1e9 for i in range(3)]
     return {"processes": processes, "first_pass_gbps": gbps[0], "second_pass_gbps": gbps[1], "memory_gbps": gbps[2]}
