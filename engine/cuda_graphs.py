@@ -22,9 +22,9 @@ every launch with one, but needs the same shapes and arguments at each replay, s
 - the logits rows to one a sequence, the padding ones reading the last token's row.
 
 The step's own values are copied into the static inputs of its size before each replay. The engine records at
-start the sizes most steps need (`record_common_sizes`: every decode batch, one question of every token size); any
-other size is recorded the first time a step needs it, on that step's path (after one eager run on a side stream,
-which also compiles the kernels: tens of milliseconds a size for SmolLM2, measured for decodes); steps larger
+start every size (`record_all_sizes`: 40 with configs/gpu.yaml); a size recorded the first time a step needs it
+would be recorded on that step's path (after one eager run on a side stream, which also compiles the kernels: tens of
+milliseconds a size for SmolLM2); steps larger
 than the largest sizes, or wanting more logits rows (prompt log-probabilities), run eagerly. On a CPU (and in
 tests) the same padded step runs eagerly through the same code (`record=False`): only recording and replay need
 CUDA.
@@ -111,14 +111,15 @@ class StepGraphs:
         tokens."""
         return None if seqs is None or seqs > self.token_sizes[-1] else Size(seqs, seqs)
 
-    def record_common_sizes(self) -> list[tuple[int, int]]:
-        """Record ahead the sizes of every decode batch and of one sequence's prefill of each token size (a
-        question after a cached document, a short prompt), so that a request needing them does not wait for a
-        recording. Returns the (tokens, sequences) sizes recorded."""
-        question_seqs = _next(self.seq_sizes, 2)  # one sequence and its padding one
+    def record_all_sizes(self) -> list[tuple[int, int]]:
+        """Record ahead every size a step may be padded to: each decode batch's, and each (tokens, sequences) of a
+        step with a padding sequence (more tokens than sequences: a question, a short prompt, either beside decoding
+        sequences), so that no step waits for a recording. Recorded when first needed instead, a question beside one
+        decoding sequence made that sequence's token wait 36 ms on one H200 (its median gap 1.8 ms). Returns the
+        (tokens, sequences) sizes recorded."""
         sizes = [size for size in map(self._decode_size, self.seq_sizes) if size is not None]
-        if question_seqs is not None:
-            sizes += [Size(tokens, question_seqs) for tokens in self.token_sizes if tokens > question_seqs]
+        sizes += [Size(tokens, seqs) for seqs in self.seq_sizes if seqs >= 2 for tokens in self.token_sizes
+                  if tokens > seqs]
         for size in sizes:
             if size not in self._recorded:
                 self._record(size)

@@ -197,7 +197,7 @@ class LLMEngine:
         if config.model.cuda_graphs and self.device.type == "cuda":
             self.runner.enable_cuda_graphs(sc.max_num_seqs, -(-self.max_model_len // self.block_size), record=True)
             started = time.perf_counter()
-            recorded = self.runner.record_common_graphs()  # at start, not on the path of the requests needing them
+            recorded = self.runner.record_all_graphs()  # at start, not on the path of the requests needing them
             logger.info("kvstrata: recorded %d CUDA graphs (decodes up to %d sequences, questions up to %d tokens) "
                         "in %.1f s", len(recorded), sc.max_num_seqs, max(t for t, _ in recorded),
                         time.perf_counter() - started)

@@ -31,9 +31,9 @@ class ModelRunner:
         `max_blocks` wide, padded to fixed sizes, recorded as CUDA graphs when `record` (engine/cuda_graphs.py)."""
         self._graphs = StepGraphs(self._forward, max_num_seqs, max_blocks, self.device, record)
 
-    def record_common_graphs(self) -> list[tuple[int, int]]:
-        """Record ahead the graph sizes most steps need (engine/cuda_graphs.py `record_common_sizes`)."""
-        return [] if self._graphs is None else self._graphs.record_common_sizes()
+    def record_all_graphs(self) -> list[tuple[int, int]]:
+        """Record ahead every graph size a step may need (engine/cuda_graphs.py `record_all_sizes`)."""
+        return [] if self._graphs is None else self._graphs.record_all_sizes()
 
     @property
     def recorded_graph_sizes(self) -> list[tuple[int, int]]:

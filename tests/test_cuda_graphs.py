@@ -195,11 +195,14 @@ def test_questions_on_a_cached_document_answered_at_once_answer_as_without_paddi
     assert answers[True] == answers[False]
 
 
-def test_the_sizes_recorded_at_start_hold_every_decode_batch_and_a_question_alone(embedded_model_fp32):
+def test_the_sizes_recorded_at_start_hold_every_step_of_few_tokens(embedded_model_fp32):
     padded = runner(embedded_model_fp32, True)
-    recorded = padded.record_common_graphs()
-    assert recorded == [(1, 1), (2, 2), (4, 4), (8, 8)] + [(t, 2) for t in (4, 8, 16, 32, 64, 128, 256, 512)]
+    recorded = padded.record_all_graphs()
+    tokens = (4, 8, 16, 32, 64, 128, 256, 512)
+    assert recorded == [(1, 1), (2, 2), (4, 4), (8, 8)] + [(t, s) for s in (2, 4, 8) for t in tokens if t > s]
     assert padded.recorded_graph_sizes == sorted(recorded)
     padded.execute(question_step(16, 40, []))  # a question alone, then three sequences decoding
     padded.execute(decode_step([17, 70, 3]))
+    padded.execute(question_step(11, 0, [30, 7]))  # a short prompt beside two decodes
+    padded.execute(question_step(20, 70, [5, 33, 64, 2]))  # a question beside four
     assert padded.recorded_graph_sizes == sorted(recorded)  # nothing recorded on a step's path
