@@ -21,13 +21,12 @@ every launch with one, but needs the same shapes and arguments at each replay, s
   never from the lengths on the device);
 - the logits rows to one a sequence, the padding ones reading the last token's row.
 
-The step's own values are copied into the static inputs of its size before each replay. The engine records at
-start every size (`record_all_sizes`: 40 with configs/gpu.yaml); a size recorded the first time a step needs it
-would be recorded on that step's path (after one eager run on a side stream, which also compiles the kernels: tens of
-milliseconds a size for SmolLM2); steps larger
-than the largest sizes, or wanting more logits rows (prompt log-probabilities), run eagerly. On a CPU (and in
-tests) the same padded step runs eagerly through the same code (`record=False`): only recording and replay need
-CUDA.
+The step's own values are copied into the static inputs of its size before each replay. The engine records every
+size at start (`record_all_sizes`: 40 with configs/gpu.yaml): a size recorded when a step first needs it is recorded
+on that step's path (one eager run on a side stream, which also compiles the kernels, then the recording: tens of
+milliseconds for SmolLM2). Steps larger than the largest sizes, or wanting more logits rows (prompt
+log-probabilities), run eagerly. On a CPU (and in tests) the same padded step runs eagerly through the same code
+(`record=False`): only recording and replay need CUDA.
 """
 from __future__ import annotations
 

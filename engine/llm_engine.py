@@ -402,9 +402,9 @@ class LLMEngine:
         return self.documents.plan(document, cache_salt, pin)
 
     def add_document_request(self, request_id: str, plan: DocumentPlan, arrival_time: float | None = None) -> Request:
-        """The prefill that computes a planned document's blocks (it generates no token)."""
-        return self.add_request(request_id, plan.token_ids, SamplingParams(max_tokens=1),
-                                cache_salt=plan.cache_salt, arrival_time=arrival_time, prefill_only=True)
+        """The prefill that computes a planned document's blocks (it generates no token; `plan_document` checked them)."""
+        return self.add_validated_request(request_id, plan.token_ids, SamplingParams(max_tokens=1),
+                                          cache_salt=plan.cache_salt, arrival_time=arrival_time, prefill_only=True)
 
     def cache_document(self, document: RenderedDocument, cache_salt: str | None = None, pin: bool = True) -> Document:
         """Compute and store a document's blocks (pinned if `pin`), stepping until they are; returns it."""
