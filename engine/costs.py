@@ -2,14 +2,19 @@
 
 Two small linear models, each fitted to recent measurements by least squares:
 
-- `StepCost`, one engine step: `overhead_s + per_token_s * tokens + per_pair_s * pairs + per_read_s * reads`,
-  where `pairs` counts the (query, key) pairs the step's attention scores and `reads` the keys it
+- `StepCost`, one engine step: `fixed + per_token_s * tokens + per_pair_s * pairs + per_read_s * reads`,
+  where the fixed cost is one of two, `replayed_overhead_s` for a step replayed as a recorded CUDA graph and
+  `overhead_s` for a step whose kernels are launched one by one from Python (eager), and where `pairs` counts the (query, key) pairs the step's attention scores and `reads` the keys it
   reads, summed over its sequences: a sequence computing `n` new tokens after `context` computed ones
   scores `n * context + n * (n + 1) / 2` pairs and reads `context + n` keys (once per step, whatever
   `n`: the paged K/V gathered on a CPU, or read from device memory). Reads are what a decode row
   mostly costs (one new token over a long context); without them the fit took a step's decodes for
-  fixed overhead, and the step cap's overhead floor grew with every answer being decoded. It prices
-  waiting work and caps steps (the scheduler) and prices recomputing a prefix (the load policy).
+  fixed overhead, and the step cap's overhead floor grew with every answer being decoded. The two fixed
+  costs are apart because on a GPU they differ by 10-20x (one H200, SmolLM2: a replayed question 1-2 ms,
+  an eager step 20-35 ms whatever its size): with one, fitted mostly from replayed decodes and questions,
+  an eager step of 2256 tokens was priced at 12 ms and took 35, and the load policy recomputed that
+  many tokens of a disk hit beside a load that took 33 ms. It prices waiting work and caps steps (the
+  scheduler) and prices recomputing a prefix (the load policy).
 - `ReadCost`, one load from a lower tier to the device: `latency_s + per_block_s * blocks`, seeded
   by a probe at start-up and refined by every promotion.
 
@@ -115,7 +120,7 @@ class LinearFit:
 
 
 def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (the systems here are 2x2 to 4x4, positive definite)."""
+    """Gaussian elimination with partial pivoting (the systems here are 2x2 to 5x5, positive definite)."""
     n = len(b)
     m = [row[:] + [rhs] for row, rhs in zip(a, b)]
     for col in range(n):
@@ -133,38 +138,62 @@ def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
 
 class StepCost:
     """The engine's measured step time (see the module doc). Before any measurement the per-token
-    cost is a CPU-sized guess and attention is free; the first steps replace both."""
+    cost is a CPU-sized guess and attention is free; the first steps replace both.
+
+    `replay_tokens`: steps of one sequence with at most this many new tokens are replayed as recorded CUDA
+    graphs (0: none is; set by the engine from its model runner), so they are priced with the replayed fixed
+    cost."""
 
     SMALL_STEP_TOKENS = 8  # steps of at most this many tokens (decodes) go in their own window
 
     def __init__(self, per_token_s: float = 2e-3, overhead_s: float = 0.0, per_pair_s: float = 0.0,
-                 per_read_s: float = 0.0):
-        self.fit = LinearFit(prior=(overhead_s, per_token_s, per_pair_s, per_read_s),
-                             scales=(1.0, 512.0, 512.0 * 1024, 2048.0))
+                 per_read_s: float = 0.0, replayed_overhead_s: float = 0.0, replay_tokens: int = 0):
+        # features: (eager, replayed, tokens, pairs, reads), the first two 1 or 0 and never both
+        self.fit = LinearFit(prior=(overhead_s, replayed_overhead_s, per_token_s, per_pair_s, per_read_s),
+                             scales=(1.0, 1.0, 512.0, 512.0 * 1024, 2048.0))
+        self.replay_tokens = replay_tokens
 
     @property
     def overhead_s(self) -> float:
+        """The fixed cost of an eager step (every step where no graph is replayed: all of them on a CPU)."""
         return self.fit.coef[0]
 
     @property
-    def per_token_s(self) -> float:
+    def replayed_overhead_s(self) -> float:
+        """The fixed cost of a step replayed as a recorded CUDA graph."""
         return self.fit.coef[1]
 
     @property
-    def per_pair_s(self) -> float:
+    def per_token_s(self) -> float:
         return self.fit.coef[2]
 
     @property
-    def per_read_s(self) -> float:
+    def per_pair_s(self) -> float:
         return self.fit.coef[3]
 
-    def observe(self, num_tokens: int, seconds: float, num_pairs: int = 0, num_reads: int = 0) -> None:
+    @property
+    def per_read_s(self) -> float:
+        return self.fit.coef[4]
+
+    def observe(self, num_tokens: int, seconds: float, num_pairs: int = 0, num_reads: int = 0,
+                replayed: bool = False) -> None:
         """A step computed `num_tokens` tokens, scoring `num_pairs` attention pairs and reading
-        `num_reads` keys, in `seconds`."""
+        `num_reads` keys, in `seconds`; `replayed`: as a recorded CUDA graph."""
         if num_tokens <= 0:
             return
-        self.fit.observe((1.0, num_tokens, num_pairs, num_reads), seconds,
+        self.fit.observe((float(not replayed), float(replayed), num_tokens, num_pairs, num_reads), seconds,
                          window=int(num_tokens > self.SMALL_STEP_TOKENS))
+
+    def overhead_of(self, num_new_tokens: int) -> float:
+        """The fixed cost of a step of one sequence computing `num_new_tokens`: replayed or eager."""
+        return self.replayed_overhead_s if 0 < num_new_tokens <= self.replay_tokens else self.overhead_s
+
+    def step_s(self, num_new_tokens: int, context: int) -> float:
+        """Seconds of a step of its own computing `num_new_tokens` after `context` computed ones, its fixed
+        cost included (replayed or eager, by its size)."""
+        if num_new_tokens <= 0:
+            return 0.0
+        return self.overhead_of(num_new_tokens) + self.prefill_s(num_new_tokens, context)
 
     def prefill_s(self, num_new_tokens: int, context: int) -> float:
         """Seconds of compute for `num_new_tokens` after `context` computed ones in one step, without

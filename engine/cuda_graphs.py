@@ -94,6 +94,15 @@ class StepGraphs:
         """(tokens, sequences) of each size recorded so far."""
         return sorted((s.tokens, s.seqs) for s in self._recorded)
 
+    @property
+    def replay_tokens(self) -> int:
+        """The most new tokens a step of one sequence (a question, a short prompt) may hold and be replayed as a
+        recorded graph: with its padding sequence, within the largest token size. 0 when nothing is recorded (no
+        CUDA) or no step but a decode has a size (`max_num_seqs` 1)."""
+        if not self.record or _next(self.seq_sizes, 2) is None:
+            return 0
+        return self.token_sizes[-1] - 1
+
     def size_of(self, step: StepInput) -> Size | None:
         """The size that holds `step`, or None when none does (it runs eagerly)."""
         num_tokens, num_seqs, num_logits = len(step.input_ids), len(step.seq_lens), len(step.logits_indices)

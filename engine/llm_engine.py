@@ -201,6 +201,7 @@ class LLMEngine:
             logger.info("kvstrata: recorded %d CUDA graphs (decodes up to %d sequences, questions up to %d tokens) "
                         "in %.1f s", len(recorded), sc.max_num_seqs, max(t for t, _ in recorded),
                         time.perf_counter() - started)
+        self.scheduler.cost.replay_tokens = self.runner.replay_tokens  # such steps are priced at a graph's cost
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -454,7 +455,8 @@ class LLMEngine:
             for _ in self._timed_probe_runs(block_ids, runs):  # untimed: compiles and warms up
                 pass
             for (context, new), seconds in zip(runs, self._timed_probe_runs(block_ids, runs)):
-                self.scheduler.cost.observe(new, seconds, attention_pairs(new, context), kv_reads(new, context))
+                self.scheduler.cost.observe(new, seconds, attention_pairs(new, context), kv_reads(new, context),
+                                            replayed=self.runner.last_step_replayed)
         finally:
             self.hierarchy.pool.free_blocks(blocks)  # never hashed: their K/V are garbage nobody reads
 
@@ -516,7 +518,7 @@ class LLMEngine:
         if not prompt_rows.count:
             if not sampling and self.device.type == "cuda":  # this stream only: never a transfer's copies
                 torch.cuda.current_stream(self.device).synchronize()
-            self.scheduler.observe_step(out, time.perf_counter() - started)
+            self.scheduler.observe_step(out, time.perf_counter() - started, replayed=self.runner.last_step_replayed)
         # The step computed the K/V of the blocks cached at allocation: now they can go down (the
         # transfer engine copies them in the background). A block reused before its copy is done is
         # waited for by the pool's eviction hook, so nothing is lost.
@@ -636,7 +638,8 @@ class LLMEngine:
         - `load_policy`: `cache.load_policy` and the estimates it decides with, all measured: each lower
           tier's delivered read bandwidth and per-load latency (seeded by a probe at start-up, then from
           promotions), and the step cost fit (`overhead_s + per_token_s * tokens + per_pair_s * attention
-          pairs`, engine/costs.py).
+          pairs`, engine/costs.py; `replayed_overhead_s` instead of `overhead_s` for a step replayed as a CUDA
+          graph).
         - `tiers.device.hits` / `misses`: the same hits in blocks; misses are the admitted requests'
           blocks that could have hit (full blocks before the last prompt token) and the device did
           not serve. `tiers.cpu|disk|remote.hits|misses|corrupt`: blocks each lower tier's reads served,
@@ -685,8 +688,8 @@ class LLMEngine:
         return {"policy": kv.load_policy,
                 "read_bytes_per_s": {t: c.bytes_per_s for t, c in kv.read_costs.items()},
                 "read_latency_s": {t: c.latency_s for t, c in kv.read_costs.items()},
-                "step_cost": {"overhead_s": step.overhead_s, "per_token_s": step.per_token_s,
-                              "per_pair_s": step.per_pair_s}}
+                "step_cost": {"overhead_s": step.overhead_s, "replayed_overhead_s": step.replayed_overhead_s,
+                              "per_token_s": step.per_token_s, "per_pair_s": step.per_pair_s}}
 
     def reset_prefix_cache(self, reset_external: bool = False) -> CacheReset:
         """Forget every block cached on the device (vLLM's name), if no request holds one; the lower

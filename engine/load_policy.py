@@ -16,17 +16,20 @@ cut is a prefix boundary, and so is the end of the head.
 - `always_load`: no head, the cut at the end of the prefix.
 - `always_recompute`: no tail; the device hits are kept and everything after them is computed.
 - `auto`: the plan with the smallest estimated time to the prompt's end:
-  `max(head_step, load(tail)) + compute(rest)`, the load a sum over tiers of `ReadCost.load_s` and
-  each compute `StepCost.prefill_s` at its context, all from measured speeds. A head is a step of its
-  own before the one that computes the rest, so it costs the step's fixed cost too
-  (`head_step = StepCost.overhead_s + compute(head)`): where a step's fixed cost exceeds a load, a
-  head never pays. Ties go to loading more.
+  `max(head_step, load(tail)) + rest_step`, the load a sum over tiers of `ReadCost.load_s` and each
+  step `StepCost.step_s` at its context, all from measured speeds. The head is a step of its own
+  before the one that computes the rest, and each costs a step's fixed cost besides its compute: the
+  replayed one where the step is small enough to be replayed as a CUDA graph, the eager one otherwise
+  (on one H200 1-2 ms against 20-35 ms). So where an eager step costs more than a load, a head never
+  pays, and recomputing a whole document pays only where its load is slower than an eager step. Ties
+  go to loading more.
 
 Only cuts at the ends of runs (maximal stretches of blocks held by one tier) need pricing: within a run,
 each further block adds the same load time, while the compute it saves grows with its position (its
 tokens attend to more context), so the total is concave along a run and least at one of its ends. For
 a cut, the head's compute grows and the tail's load shrinks as the head grows, so their maximum is least
-where they cross: found by bisection.
+where they cross: found by bisection. A step's fixed cost jumps where it grows too large to be replayed,
+so the longest replayed head and the first cut whose rest is replayed are priced as well.
 """
 from __future__ import annotations
 
@@ -70,22 +73,22 @@ def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_siz
         for t in tiers:
             counts[t][k + 1] = counts[t][k] + (tier == t)
 
-    def compute_s(start: int, stop: int) -> float:  # blocks start..stop-1, after `start` blocks of context
-        return step_cost.prefill_s((stop - start) * block_size, start * block_size)
-
     def load_s(start: int, stop: int) -> float:
         return sum(read_costs[t].load_s(counts[t][stop] - counts[t][start]) for t in tiers)
 
     def head_step_s(head_end: int) -> float:  # a head is computed in a step of its own
-        return step_cost.overhead_s + compute_s(device_run, head_end) if head_end > device_run else 0.0
+        return step_cost.step_s((head_end - device_run) * block_size, device_run * block_size)
 
     def estimated_s(head_end: int, cut: int) -> float:
-        rest = step_cost.prefill_s(num_tokens - cut * block_size, cut * block_size)
+        rest = step_cost.step_s(num_tokens - cut * block_size, cut * block_size)
         return max(head_step_s(head_end), load_s(head_end, cut)) + rest
+
+    # the longest head whose step is replayed as a CUDA graph: past it the head's fixed cost jumps to an eager step's
+    longest_replayed = device_run + step_cost.replay_tokens // block_size
 
     def best_head_end(cut: int) -> int:
         """The head end where computing the head and loading the tail take the same time (or the
-        nearest block boundary on either side of it, whichever is faster)."""
+        nearest block boundary on either side of it), or the longest replayed head, whichever is faster."""
         lo, hi = device_run, cut  # the crossing lies in (lo, hi]: the head is free at lo and the tail at hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -93,9 +96,13 @@ def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_siz
                 hi = mid
             else:
                 lo = mid
-        return min((lo, hi), key=lambda h: (estimated_s(h, cut), h))
+        candidates = (lo, hi, longest_replayed) if device_run < longest_replayed < cut else (lo, hi)
+        return min(candidates, key=lambda h: (estimated_s(h, cut), h))
 
     cuts = [k for k in range(device_run, n + 1) if k == n or k == device_run or found_in[k] != found_in[k - 1]]
+    first_replayed_rest = -(-(num_tokens - step_cost.replay_tokens) // block_size)
+    if step_cost.replay_tokens and device_run < first_replayed_rest < n:
+        cuts.append(first_replayed_rest)
     plans = [LoadPlan(device_run, best_head_end(cut) if cut > device_run else device_run, cut) for cut in cuts]
     # a head reaching the cut loads nothing: that is computing everything after the device hits
     plans = [LoadPlan(device_run, device_run, device_run) if p.head_end == p.cut else p for p in plans]

@@ -25,6 +25,7 @@ class ModelRunner:
         self._decoder = Decoder(loaded.model, ops)  # the transformer body: hidden states, no logits
         self._lm_head = loaded.model.get_output_embeddings()
         self._graphs: StepGraphs | None = None  # see `enable_cuda_graphs`
+        self.last_step_replayed = False  # the last `execute` replayed a recorded CUDA graph (its cost is another)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_blocks: int, record: bool) -> None:
         """Run steps of few tokens (decodes, questions) of up to `max_num_seqs` sequences, block tables up to
@@ -40,6 +41,11 @@ class ModelRunner:
         """The (tokens, sequences) sizes recorded (or, without CUDA, padded to) so far."""
         return [] if self._graphs is None else self._graphs.recorded_sizes
 
+    @property
+    def replay_tokens(self) -> int:
+        """The most new tokens of a one-sequence step replayed as a recorded CUDA graph (0: none is)."""
+        return 0 if self._graphs is None else self._graphs.replay_tokens
+
     def replays(self, step: StepInput) -> bool:
         """The step runs padded to a recorded size (a CUDA graph), not eagerly."""
         return self._graphs is not None and self._graphs.fits(step)
@@ -48,6 +54,7 @@ class ModelRunner:
     def execute(self, step: StepInput) -> torch.Tensor:
         """Run the step; returns float32 logits `[len(logits_indices), vocab_size]`."""
         size = None if self._graphs is None else self._graphs.size_of(step)  # once: it is on every step's path
+        self.last_step_replayed = size is not None and self._graphs.record
         if size is not None:
             return self._graphs.run(step, size)
         return self._forward(StepInput(

@@ -138,9 +138,10 @@ class Scheduler:
     def cost(self, cost: StepCost) -> None:
         self.kv.step_cost = cost
 
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """The engine reports how long a scheduled step took (it prices work and caps steps)."""
-        self.cost.observe(out.num_tokens, seconds, out.num_attention_pairs, out.num_kv_reads)
+    def observe_step(self, out: SchedulerOutput, seconds: float, replayed: bool = False) -> None:
+        """The engine reports how long a scheduled step took (it prices work and caps steps); `replayed`: as a
+        recorded CUDA graph."""
+        self.cost.observe(out.num_tokens, seconds, out.num_attention_pairs, out.num_kv_reads, replayed=replayed)
 
     # ------------------------------------------------------------------ one step
 

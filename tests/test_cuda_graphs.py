@@ -12,6 +12,7 @@ from test_model_runner import BLOCK_SIZE, Chunk, blocks_for, build_step
 from kvstrata import LLM, SamplingParams, load_config
 from kvstrata.engine.config import ConfigError
 from kvstrata.engine.cuda_graphs import CAPTURE_SIZES, StepGraphs
+from kvstrata.engine.decoder import StepInput
 from kvstrata.engine.model_runner import ModelRunner
 from kvstrata.kernels import get_ops
 from kvstrata.tiers.base import BlockLayout
@@ -206,3 +207,20 @@ def test_the_sizes_recorded_at_start_hold_every_step_of_few_tokens(embedded_mode
     padded.execute(question_step(11, 0, [30, 7]))  # a short prompt beside two decodes
     padded.execute(question_step(20, 70, [5, 33, 64, 2]))  # a question beside four
     assert padded.recorded_graph_sizes == sorted(recorded)  # nothing recorded on a step's path
+
+
+def one_sequence_step(num_tokens: int) -> StepInput:
+    """A step of one sequence computing `num_tokens` after nothing cached, its last token's logits wanted."""
+    return StepInput(input_ids=[0] * num_tokens, positions=list(range(num_tokens)), slot_mapping=[-1] * num_tokens,
+                     block_tables=[[0]], query_start_loc=[0, num_tokens], seq_lens=[num_tokens],
+                     logits_indices=[num_tokens - 1])
+
+
+@pytest.mark.parametrize("max_num_seqs,record,expected", [(64, True, 511), (64, False, 0), (1, True, 0)])
+def test_the_step_cost_is_told_the_longest_one_sequence_step_a_recorded_size_holds(max_num_seqs, record, expected):
+    """The step cost prices steps of one sequence up to `replay_tokens` at a replayed graph's fixed cost: exactly
+    the steps a size holds, and none where nothing is recorded (steps padded on a CPU run eagerly)."""
+    graphs = StepGraphs(lambda step: None, max_num_seqs, MAX_BLOCKS, torch.device("cpu"), record)
+    assert graphs.replay_tokens == expected
+    if expected:
+        assert graphs.fits(one_sequence_step(expected)) and not graphs.fits(one_sequence_step(expected + 1))

@@ -109,6 +109,29 @@ def test_auto_computes_no_head_where_a_step_of_its_own_costs_more_than_the_load(
     assert overlapped.overlaps  # a load longer than a step: computing the head while it loads still pays
 
 
+def test_auto_prices_a_head_as_the_eager_step_it_is_on_a_gpu():
+    """Measured on one H200 (SmolLM2, a 7024-token document on disk after a restart): a replayed step cost 1-2 ms
+    and an eager one 25-35 ms, while loading all 439 blocks took 33 ms. With one fixed cost fitted mostly from
+    replayed steps, `auto` recomputed 2256 tokens as an eager head beside the load (71 ms against 39 ms for
+    loading everything). Priced as eager, the head stays short enough for its step to end before the rest loads."""
+    bs = 16
+    found = ["disk"] * 439
+    disk = ReadCost(1024, latency_s=1.5e-3, per_block_s=72e-6)                 # 439 blocks in ~33 ms
+    gpu = StepCost(per_token_s=5e-6, overhead_s=0.025, replayed_overhead_s=0.0015, replay_tokens=511)
+    p = choose_plan("auto", found, 439 * bs + 17, bs, gpu, {"disk": disk})
+    head_tokens = (p.head_end - p.device_run) * bs
+    assert p.cut == 439 and head_tokens <= 1024
+    assert gpu.step_s(head_tokens, 0) <= disk.load_s(439 - p.head_end)  # the head's step ends before the tail lands
+    # one fixed cost, as before: the same speeds but for the eager steps' made a head of thousands look cheap
+    blended = StepCost(per_token_s=5e-6, overhead_s=0.0015)
+    assert choose_plan("auto", found, 439 * bs + 17, bs, blended, {"disk": disk}).head_end * bs > 3000
+    # a load far slower than computing everything in an eager step: most of the document is computed (its
+    # last blocks at most load while the rest computes)
+    slow_disk = ReadCost(1024, latency_s=1.5e-3, per_block_s=1e-3)             # 439 blocks in ~440 ms
+    slow = choose_plan("auto", found, 439 * bs + 17, bs, gpu, {"disk": slow_disk})
+    assert slow.cut == 0 or slow.head_end >= 0.8 * 439
+
+
 def new_request(tokens: list[int]) -> Request:
     return Request(f"lp-{tokens[0]}-{len(tokens)}", list(tokens), SamplingParams(max_tokens=1, temperature=0))
 

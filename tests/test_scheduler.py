@@ -452,6 +452,27 @@ def test_a_speed_that_changes_is_followed_and_the_old_one_forgotten_after_a_wind
     assert cost.latency_s == pytest.approx(0.004, rel=1e-4)
 
 
+def test_step_cost_learns_the_fixed_cost_of_replayed_and_of_eager_steps_apart():
+    """On a GPU a step replayed as a CUDA graph (decodes, questions) has a fixed cost 10-20x below an eager one
+    (prefill chunks): one fixed cost for both priced a 2256-token eager step at a third of what it took."""
+    eager, replayed, per_token = 0.025, 0.0015, 5e-6
+    cost = StepCost(replay_tokens=511)
+    for _ in range(4):
+        for tokens in (1, 1, 1, 17, 64):
+            cost.observe(tokens, replayed + per_token * tokens, replayed=True)
+        for tokens in (2048, 1024, 4096):
+            cost.observe(tokens, eager + per_token * tokens)
+    assert cost.overhead_s == pytest.approx(eager, rel=0.02)
+    assert cost.replayed_overhead_s == pytest.approx(replayed, rel=0.05)
+    assert cost.per_token_s == pytest.approx(per_token, rel=0.02)
+    # a step of its own is priced by its size: replayed up to replay_tokens, eager beyond
+    assert cost.step_s(511, 0) == pytest.approx(replayed + 511 * per_token, rel=0.02)
+    assert cost.step_s(512, 0) == pytest.approx(eager + 512 * per_token, rel=0.02)
+    assert cost.step_s(0, 100) == 0.0
+    # without graphs (a CPU) every step is eager, whatever its size
+    assert StepCost(overhead_s=0.04, replayed_overhead_s=0.001).step_s(16, 0) == pytest.approx(0.04 + 16 * 2e-3)
+
+
 def test_step_cost_stays_non_negative_by_fitting_again_not_by_clamping():
     # Whole documents and short questions after them: the unconstrained fit wants a negative cost per
     # attention pair. Held at 0, the others must be fitted again, or a whole prefill is overpriced.
