@@ -265,13 +265,15 @@ def promotion_layouts() -> dict:
 
 
 def more_readers(plan: Plan) -> tuple[int, ...]:
-    """Disk reader counts to measure beside the engine's (one per fill thread, at most 4): twice and four times
-    it, up to the host's cores, so that a run shows whether a larger host wants more (one in a smoke run)."""
+    """Disk reader counts to measure beside the engine's (one per fill thread, one per core up to 16): a quarter and
+    half of it, and twice it where the host has the cores, each with its own staging (as many fill threads), so that
+    a run shows whether the default suits the host (one in a smoke run)."""
     from kvstrata.tiers.transfer import DEFAULT_FILL_THREADS
     if plan.smoke:
         return (1,)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return tuple(n for n in (2 * DEFAULT_FILL_THREADS, 4 * DEFAULT_FILL_THREADS) if n <= cores)
+    counts = (DEFAULT_FILL_THREADS // 4, DEFAULT_FILL_THREADS // 2, 2 * DEFAULT_FILL_THREADS)
+    return tuple(n for n in counts if 1 <= n <= cores and n != DEFAULT_FILL_THREADS)
 
 
 def measure_bandwidth(plan: Plan) -> dict:

@@ -389,3 +389,14 @@ def test_on_cuda_a_store_copies_what_the_compute_stream_wrote_before_it_was_subm
     assert job.wait(60)
     assert bool((stored[0] == 42).all()), "the store read the block before the step's write landed"
     transfers.close()
+
+
+@pytest.mark.parametrize("fill_threads", [1, 2, 4, 8, 16])
+def test_each_half_of_the_default_staging_gives_every_fill_thread_a_part(fill_threads):
+    """A chunk is filled in parts of at least MIN_FILL_PART_BYTES, one per fill thread: with staging too small for
+    all of them some threads sat idle (8 or 16 readers moved SmolLM2's blocks no faster than 4 on one H200)."""
+    from kvstrata.tiers.transfer import MIN_FILL_PART_BYTES, MIN_STAGING_BYTES, default_staging_bytes
+
+    staging = default_staging_bytes(fill_threads)
+    assert staging >= MIN_STAGING_BYTES
+    assert staging // 2 >= fill_threads * MIN_FILL_PART_BYTES

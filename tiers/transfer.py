@@ -116,10 +116,23 @@ def copy_rows(dest: torch.Tensor, dest_rows: Sequence[int], src: torch.Tensor, s
     copy_each([dest[d:d + n] for d, _, n in runs], [src[s:s + n] for _, s, n in runs], non_blocking)
 
 
-DEFAULT_STAGING_BYTES = 64 << 20  # per direction, on CUDA only
-# the cores this process may run on (a container's CPU set, not the machine's count), at most 4
-DEFAULT_FILL_THREADS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+# Fill threads: one per core this process may run on (a container's CPU set, not the machine's count), at most 16.
+# A disk reader copies and checksums at one core's memory rate, which is low on some GPU hosts (about 3 GB/s on one
+# H200's): there, warm disk promotions of Llama-3-8B-shaped blocks reached 9.4 GB/s with 4 fill threads (and
+# readers) and 64 MB of staging, 19.0 GB/s with 16 and 256 MB (benchmarks/results/gpu_diag_h200.md).
+MAX_FILL_THREADS = 16
+DEFAULT_FILL_THREADS = min(MAX_FILL_THREADS,
+                           len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 MIN_FILL_PART_BYTES = 4 << 20  # a part read by another thread: large enough to outweigh the handoff
+# Pinned staging per direction, on CUDA only: each half holds a part of 8 MB or more for every fill thread, so that
+# they all read at once (with 64 MB, 8 readers or 16 moved SmolLM2's blocks no faster than 4 did).
+MIN_STAGING_BYTES = 64 << 20
+STAGING_BYTES_PER_FILL_THREAD = 16 << 20
+
+
+def default_staging_bytes(fill_threads: int) -> int:
+    """The pinned staging of each direction for `fill_threads` fill threads (see STAGING_BYTES_PER_FILL_THREAD)."""
+    return max(MIN_STAGING_BYTES, fill_threads * STAGING_BYTES_PER_FILL_THREAD)
 
 
 @dataclass(eq=False)
@@ -153,7 +166,7 @@ class Transfer:
 class TransferEngine:
     """Asynchronous batched block copies between the KV cache and host memory (see module doc)."""
 
-    def __init__(self, kv_cache: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES,
+    def __init__(self, kv_cache: torch.Tensor, staging_bytes: int | None = None,
                  fill_threads: int = DEFAULT_FILL_THREADS, shared_staging: bool = False):
         self.kv_cache = kv_cache
         self.on_cuda = kv_cache.device.type == "cuda"
@@ -163,6 +176,7 @@ class TransferEngine:
         self._closed = False
         self._filler = filler = _Filler(fill_threads, max(1, MIN_FILL_PART_BYTES // block_nbytes))
         if self.on_cuda:
+            staging_bytes = default_staging_bytes(fill_threads) if staging_bytes is None else staging_bytes
             chunk = max(1, staging_bytes // (2 * block_nbytes))  # blocks per half of a staging area
             # Shared staging: the disk tier's reader processes fill it (tiers/shared_memory.py).
             self._loads = _CudaDirection("load", kv_cache, chunk, self._completed, filler, shared_staging)
