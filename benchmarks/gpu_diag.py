@@ -1,0 +1,304 @@
+"""Diagnostics for a GPU host, printed as they are measured and kept in `diag.json` under `$OUT` (or --out-dir):
+
+- a: warm disk promotions through fresh disk tiers (reader processes) and transfer engines, the first against the
+  best of the four after it, for several counts of readers and sizes of pinned staging (random blocks of SmolLM2's
+  and Llama-3-8B's shape);
+- b: a document's disk hit after a restart (a fresh engine on the store another closed; no CPU tier) and two more
+  in the same engine with its device cache dropped, under `auto` and `always_load`: each request's receipt and the
+  timeline of the engine steps that served it (the scheduler's time, the runner's launch time, the step's wall time);
+- c: a decode stream with a CPU-tier hit admitted beside it (as gpu_report's gap section): the stream's gaps and
+  the timeline of the steps around the hit.
+
+    python benchmarks/gpu_diag.py --parts a,b,c --models smollm2 --out-dir DIR
+
+Without CUDA it runs on the CPU on small shapes (`--models tiny` for a two-layer random model): every path, none of
+the cost.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "/tmp/diag"))
+results: dict = {}
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def save():
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "diag.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+# ---------------------------------------------------------------- A: disk promotion, first vs later
+STAGING_CASES = [(4, 4, 64), (8, 8, 64), (8, 8, 256), (16, 16, 256), (4, 4, 256)]  # (readers, fill threads, MB)
+
+def part_a(work: Path):
+    from benchmarks.gpu_report import promotion_layouts
+    from benchmarks.tiers import block_ids
+    from kvstrata.tiers.base import as_bytes
+    from kvstrata.tiers.disk import DiskTier
+    from kvstrata.tiers.transfer import TransferEngine
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    for name, layout in promotion_layouts().items():
+        num_tokens = 8192 if dev.type == "cuda" else 512
+        n = num_tokens // layout.block_size
+        nbytes = n * layout.block_nbytes
+        hashes, tokens = block_ids(n, layout)
+        source = layout.allocate(n)
+        source.view(torch.uint8).random_(0, 256)
+        srcs = [as_bytes(source[i]) for i in range(n)]
+        path = str(work / f"a-{name}")
+        cap = 2 * nbytes + (64 << 20)
+        d = DiskTier(layout, path, cap, check_integrity=False)
+        d.put(hashes, tokens, srcs)
+        d.flush()
+        d.close()
+        del srcs
+        for readers, threads, staging in STAGING_CASES:
+            kv = layout.allocate(n, device=dev, shared=(dev.type == "cpu"))
+            te = TransferEngine(kv, staging_bytes=staging << 20, fill_threads=threads, shared_staging=True)
+            disk = DiskTier(layout, path, cap, check_integrity=False, read_processes=readers)
+            disk.share(kv, *te.shared_host_buffers())
+            times = []
+            for rep in range(5):
+                t0 = time.perf_counter()
+                job = te.load(list(range(n)), lambda s, v: disk.get(hashes[s:s + len(v)], tokens[s:s + len(v)], v))
+                job.wait()
+                times.append(time.perf_counter() - t0)
+                assert all(job.served)
+            disk.close()
+            te.close()
+            row = {"block": name, "readers": readers, "threads": threads, "staging_mb": staging,
+                   "first_gbps": nbytes / times[0] / 1e9, "best_gbps": nbytes / min(times[1:]) / 1e9,
+                   "all_ms": [round(t * 1e3, 1) for t in times]}
+            log(f"A {row}")
+            rows.append(row)
+            del kv, te, disk
+            gc.collect()
+        shutil.rmtree(path, ignore_errors=True)
+    results["a"] = rows
+    save()
+
+
+# ---------------------------------------------------------------- timeline
+class Timeline:
+    def __init__(self, engine):
+        self.engine = engine
+        self.steps = []
+        sched, run, step = engine.scheduler.schedule, engine.runner.execute, engine.step
+        cur = {}
+
+        def schedule():
+            t = time.perf_counter()
+            out = sched()
+            cur["sched"] = time.perf_counter() - t
+            cur["tokens"] = [(s.num_new_tokens, s.context) for s in out.scheduled]
+            return out
+
+        def execute(inp):
+            t = time.perf_counter()
+            r = run(inp)
+            cur["exec_launch"] = time.perf_counter() - t
+            return r
+
+        def wrapped():
+            cur.clear()
+            t = time.perf_counter()
+            r = step()
+            cur["total"] = time.perf_counter() - t
+            cur["t"] = t
+            self.steps.append({k: (round(v * 1e3, 2) if isinstance(v, float) else v) for k, v in cur.items()})
+            return r
+
+        engine.scheduler.schedule = schedule
+        engine.runner.execute = execute
+        engine.step = wrapped
+
+    def dump(self, since=0):
+        t0 = self.steps[since]["t"] if len(self.steps) > since else 0
+        return [dict(s, t=round(s["t"] - t0, 2)) for s in self.steps[since:]]
+
+
+def make_config(model_name, load_format, prompt_tokens, disk_path, policy, cpu=True):
+    from kvstrata import load_config
+
+    from benchmarks.gpu_report import GPU_CONFIG
+    from benchmarks.ttft_workload import blocks_for
+
+    blocks = blocks_for(prompt_tokens + 64, 16)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ov = {"model.name": model_name, "model.load_format": load_format, "model.dtype": "bfloat16" if dev == "cuda" else "float32",
+          "model.device": dev, "cache.block_size": 16, "cache.offload": "write_through",
+          "cache.tiers.device.size": 3 * blocks, "cache.tiers.disk.path": str(disk_path),
+          "cache.tiers.disk.size": 2 * blocks, "cache.load_policy": policy}
+    if cpu:
+        ov["cache.tiers.cpu.size"] = 2 * blocks
+    else:
+        ov["cache.tiers.cpu"] = None
+    if dev == "cpu":
+        ov["model.cuda_graphs"] = False
+    return load_config(GPU_CONFIG, ov)
+
+
+def summarize(rec):
+    r = rec["receipt"]
+    return {"ttft_ms": round(rec["ttft_s"] * 1e3, 2), "cached": rec["cached_tokens_by_tier"],
+            "recomputed": rec["recomputed_tokens_by_tier"],
+            "phases": {k: r[k] for k in ("queue_ms", "lookup_ms", "prefill_ms")}, "load_ms": r["load_ms_by_tier"]}
+
+
+def part_b(work: Path, model_name, load_format, doc_tokens):
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    from benchmarks.gpu_report import document_prompts, drop_device_cache, settle
+    from benchmarks.ttft_pressure import ask, load
+
+    cfg0 = make_config(model_name, load_format, doc_tokens + 200, work / "probe", "auto")
+    loaded, _ = load(cfg0)
+    prompts = document_prompts(loaded.tokenizer, doc_tokens, 8)
+    out = {}
+    for policy in ("auto", "always_load"):
+        disk = work / f"b-{policy}"
+        cfg = make_config(model_name, load_format, len(prompts[0]), disk, policy, cpu=False)
+        salt = f"s-{policy}-{time.time_ns()}"
+        e = LLMEngine(cfg, loaded=loaded)
+        ask(e, prompts[0][:64], cache_salt=salt + "x")
+        miss = ask(e, prompts[0], cache_salt=salt)
+        e.close()
+        del e
+        gc.collect()
+        e = LLMEngine(cfg, loaded=loaded)
+        rc = e.kv_manager.read_costs["disk"]
+        probe = {"latency_ms": rc.latency_s * 1e3 if hasattr(rc, "latency_s") else None,
+                 "per_block_us": rc.per_block_s * 1e6 if hasattr(rc, "per_block_s") else None,
+                 "step_cost": [e.scheduler.cost.overhead_s, e.scheduler.cost.per_token_s, e.scheduler.cost.per_pair_s,
+                               e.scheduler.cost.per_read_s]}
+        tl = Timeline(e)
+        recs = []
+        for k in range(1, 4):
+            n0 = len(tl.steps)
+            rec = ask(e, prompts[k], cache_salt=salt)
+            recs.append({"kind": "first after restart" if k == 1 else "warm engine", **summarize(rec),
+                         "steps": tl.dump(n0)})
+            settle(e)
+            drop_device_cache(e)
+        e.close()
+        del e, tl
+        gc.collect()
+        shutil.rmtree(disk, ignore_errors=True)
+        out[policy] = {"miss": summarize(miss), "probe": probe, "hits": recs}
+        log(f"B {model_name} {policy}: miss {out[policy]['miss']['ttft_ms']} probe {probe}")
+        for r in recs:
+            log(f"   {r['kind']}: {r['ttft_ms']} ms {r['phases']} load {r['load_ms']} recomputed {r['recomputed']}")
+            for s in r["steps"]:
+                log(f"      {s}")
+    results.setdefault("b", {})[model_name] = out
+    save()
+    return loaded, prompts
+
+
+def part_c(work: Path, model_name, load_format, loaded, prompts):
+    """gap: a decode stream with a CPU hit admitted; step timeline."""
+    from kvstrata.engine.llm_engine import LLMEngine
+    from kvstrata.engine.sampling import SamplingParams
+
+    from benchmarks.gpu_report import drop_device_cache
+    from benchmarks.ttft_pressure import ask
+
+    res = []
+    for rep in range(2):
+        disk = work / f"c-{rep}"
+        cfg = make_config(model_name, load_format, len(prompts[0]), disk, "always_load")
+        salt = f"c-{rep}-{time.time_ns()}"
+        e = LLMEngine(cfg, loaded=loaded)
+        ask(e, prompts[0], cache_salt=salt)
+        drop_device_cache(e)
+        tl = Timeline(e)
+        stream = e.add_request("stream", prompts[1][:64], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+                               cache_salt=salt + "-s")
+        times, hit, hit_step = [], None, None
+        while e.has_unfinished_requests():
+            got = e.step()
+            if stream in got:
+                times.append(time.perf_counter())
+            if hit is None and len(times) >= 16:
+                t = time.perf_counter()
+                hit = e.add_request("hit", prompts[1], SamplingParams(max_tokens=1, temperature=0.0), cache_salt=salt,
+                                    arrival_time=t)
+                hit_step = len(tl.steps)
+                res_add = time.perf_counter() - t
+        steps = tl.dump(max(0, hit_step - 3))[:16]
+        gaps = [round((b - a) * 1e3, 2) for a, b in zip(times, times[1:])]
+        e.close()
+        del e, tl
+        gc.collect()
+        shutil.rmtree(disk, ignore_errors=True)
+        r = {"add_request_ms": round(res_add * 1e3, 2), "gaps_ms": gaps, "steps": steps, "hit_ttft_ms": round(hit.ttft_s * 1e3, 2),
+             "hit_receipt": hit.receipt.to_dict() if hasattr(hit, "receipt") and hit.receipt else None}
+        res.append(r)
+        log(f"C {model_name} rep {rep}: add {r['add_request_ms']} ms, gaps {gaps}")
+        for s in steps:
+            log(f"      {s}")
+    results.setdefault("c", {})[model_name] = res
+    save()
+
+
+def main(argv=None):
+    import argparse
+
+    global OUT
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="a,b,c")
+    parser.add_argument("--models", default="smollm2", help="smollm2, llama-3-8b or tiny, comma-separated")
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: $OUT, else /tmp/diag")
+    args = parser.parse_args(argv)
+    if args.out_dir is not None:
+        OUT = args.out_dir
+        OUT.mkdir(parents=True, exist_ok=True)
+    parts, models = args.parts.split(","), args.models.split(",")
+    doc = 7000 if torch.cuda.is_available() else 300
+    work = Path(tempfile.mkdtemp(prefix="diag-"))
+    log(f"device {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}")
+    if "a" in parts:
+        part_a(work)
+    for m in models:
+        name, fmt = {"smollm2": ("smollm2-135m-instruct", "auto"), "llama-3-8b": ("llama-3-8b", "dummy"),
+                     "tiny": ("tiny-llama", "dummy")}[m]
+        loaded = prompts = None
+        if "b" in parts:
+            loaded, prompts = part_b(work, name, fmt, doc)
+        if "c" in parts:
+            if loaded is None:
+                from benchmarks.gpu_report import document_prompts
+                from benchmarks.ttft_pressure import load
+                loaded, _ = load(make_config(name, fmt, doc + 200, work / "probe", "auto"))
+                prompts = document_prompts(loaded.tokenizer, doc, 8)
+            part_c(work, name, fmt, loaded, prompts)
+        del loaded
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    shutil.rmtree(work, ignore_errors=True)
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
