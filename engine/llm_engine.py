@@ -259,6 +259,8 @@ class LLMEngine:
                                     read_processes=remote_readers)
         # On CUDA the readers write into the transfer engine's pinned staging: it is shared.
         transfers = TransferEngine(kv_cache, shared_staging=disk_readers + remote_readers > 0)
+        if cpu is not None or disk is not None or remote is not None:
+            transfers.allocate_staging()  # now: on the first write-down's path it stalled the step beside it
         for tier in (disk, remote):  # mapped by the readers now: neither the first load nor the start-up probe waits
             if tier is not None:
                 tier.share(kv_cache, *transfers.shared_host_buffers())

@@ -204,6 +204,15 @@ class TransferEngine:
         """Copy device blocks `block_ids` out (as computed so far) and hand them to `drain`, in the background."""
         return self._stores.submit(Transfer(list(block_ids)), drain)
 
+    def allocate_staging(self) -> None:
+        """Allocate (and page-lock) both directions' staging now, on the calling thread, if not yet: otherwise the
+        first job of each direction allocates it on its worker. Page-locking holds the CUDA driver, so every CUDA
+        call of the step thread waited for it: on one H200 the first write-down of a fresh engine (64 MB of
+        staging per direction) stalled the step beside it by 33 ms (benchmarks/results/gpu_diag_h200.md). No-op
+        with the KV cache in host memory (no staging)."""
+        self._loads.allocate_staging()
+        self._stores.allocate_staging()
+
     def shared_host_buffers(self) -> list[torch.Tensor]:
         """The host memory that loads are filled into and that other processes may write (the shared pinned
         staging on CUDA, allocated now), for a tier's reader processes to map ahead of their reads; none with the
@@ -324,6 +333,9 @@ class _Direction:
             self._completed.notify_all()
 
     # Subclasses: how a job's bytes move.
+    def allocate_staging(self) -> None:
+        """Allocate the direction's staging now, if it has any and has not yet."""
+
     def shared_host_buffers(self) -> list[torch.Tensor]:
         return []
 
@@ -377,7 +389,8 @@ class _CudaDirection(_Direction):
         self.shared_staging = shared_staging
         self._registered: list[torch.Tensor] = []  # shared staging page-locked by us: unpinned at stop
         self.stream = torch.cuda.Stream(device=kv_cache.device)
-        # Staging is allocated by the first job (an engine without lower tiers never pins any).
+        # Staging is allocated by `allocate_staging`, else by the first job (an engine without lower tiers never
+        # pins any).
         self.host: list[torch.Tensor] = []
         self.device: torch.Tensor | None = None
         # An event per host half: recorded after the last copy that read or wrote it.
@@ -386,9 +399,13 @@ class _CudaDirection(_Direction):
         # indexing ops do not take).
         super().__init__(name, kv_cache.view(torch.uint8), completed, filler)
 
-    def shared_host_buffers(self) -> list[torch.Tensor]:
-        if self.shared_staging and self.device is None:
+    def allocate_staging(self) -> None:
+        if self.device is None:
             self._allocate_staging()  # on the calling (step) thread, before any job: none is using it
+
+    def shared_host_buffers(self) -> list[torch.Tensor]:
+        if self.shared_staging:
+            self.allocate_staging()
         return list(self._registered)
 
     def _allocate_staging(self) -> None:
