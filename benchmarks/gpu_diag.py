@@ -49,8 +49,7 @@ STAGING_CASES = [(4, 4, 64), (8, 8, 64), (8, 8, 256), (16, 16, 256), (4, 4, 256)
 
 def part_a(work: Path):
     from benchmarks.gpu_report import promotion_layouts
-    from benchmarks.tiers import block_ids
-    from kvstrata.tiers.base import as_bytes
+    from benchmarks.tiers import random_blocks
     from kvstrata.tiers.disk import DiskTier
     from kvstrata.tiers.transfer import TransferEngine
 
@@ -60,10 +59,7 @@ def part_a(work: Path):
         num_tokens = 8192 if dev.type == "cuda" else 512
         n = num_tokens // layout.block_size
         nbytes = n * layout.block_nbytes
-        hashes, tokens = block_ids(n, layout)
-        source = layout.allocate(n)
-        source.view(torch.uint8).random_(0, 256)
-        srcs = [as_bytes(source[i]) for i in range(n)]
+        hashes, tokens, _, srcs = random_blocks(n, layout)
         path = str(work / f"a-{name}")
         cap = 2 * nbytes + (64 << 20)
         d = DiskTier(layout, path, cap, check_integrity=False)

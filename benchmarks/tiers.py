@@ -83,6 +83,15 @@ def block_ids(num_blocks: int, layout: BlockLayout) -> tuple[list[bytes], list[l
     return hashes, tokens
 
 
+def random_blocks(num_blocks: int, layout: BlockLayout = LAYOUT):
+    """`num_blocks` blocks of random bytes: their hashes and token ids (`block_ids`), the host tensor holding them
+    and a byte view of each block in it (the payloads a tier is given)."""
+    hashes, tokens = block_ids(num_blocks, layout)
+    source = layout.allocate(num_blocks)
+    source.view(torch.uint8).random_(0, 256)
+    return hashes, tokens, source, [as_bytes(source[i]) for i in range(num_blocks)]
+
+
 def reader_processes_supported() -> bool:
     """Whether the tiers under test have the disk tier's reader processes (a baseline may predate them)."""
     return "read_processes" in inspect.signature(DiskTier).parameters
@@ -97,10 +106,7 @@ def measure(num_tokens: int, device: torch.device, store_dir: str, repeats: int,
     as the engine reads it) against the same reads in this process (`disk_gbps_in_process`)."""
     num_blocks = num_tokens // layout.block_size
     nbytes = num_blocks * layout.block_nbytes
-    hashes, tokens = block_ids(num_blocks, layout)
-    source = layout.allocate(num_blocks)
-    source.view(torch.uint8).random_(0, 256)
-    srcs = [as_bytes(source[i]) for i in range(num_blocks)]
+    hashes, tokens, source, srcs = random_blocks(num_blocks, layout)
     readers = reader_processes_supported()
     # As the engine allocates them where the disk tier has reader processes: a host KV cache, and the pinned
     # staging of host-to-device copies, in memory the readers share.
