@@ -94,12 +94,18 @@ def file_digests(paths: list[Path]) -> dict[Path, str]:
     return digests
 
 
-def digest_cache_path() -> Path:
+def cache_root() -> Path:
+    """The user's cache directory for kvstrata: `$KVSTRATA_CACHE_DIR`, else `$XDG_CACHE_HOME/kvstrata`, else
+    `~/.cache/kvstrata`."""
     root = os.environ.get("KVSTRATA_CACHE_DIR")
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         root = str(Path(xdg) / "kvstrata")
-    return Path(root) / _CACHE_FILE
+    return Path(root)
+
+
+def digest_cache_path() -> Path:
+    return cache_root() / _CACHE_FILE
 
 
 def _stat(path: Path) -> _Stat:

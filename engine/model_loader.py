@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from kvstrata.engine.converted_model import converted_dir, first_line, load_or_convert
 from kvstrata.engine.model_identity import directory_identity, file_identity
 from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, read_config_json, read_shape
 
@@ -112,7 +113,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
         tokenizer, model = _from_pretrained(source, dtype)
         model.to(device).eval().requires_grad_(False)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as exc:
-        raise ValueError(f"model.name: cannot load {source.directory}: {_first_line(exc)}") from None
+        raise ValueError(f"model.name: cannot load {source.directory}: {first_line(exc)}") from None
     return LoadedModel(model, tokenizer, _summarise(model, tokenizer, model_identity(source)), source)
 
 
@@ -125,27 +126,47 @@ def model_identity(source: ModelSource) -> str:
 
 
 def load_tokenizer(source: ModelSource):
-    """The model's tokenizer (with its chat template) alone, without its weights (`kvstrata route`)."""
+    """The model's tokenizer (with its chat template) alone, without its weights (`kvstrata route`). A GGUF's is
+    converted once and kept (engine/converted_model.py)."""
     from transformers import AutoTokenizer
 
-    files = {"local_files_only": True}
-    if source.gguf_file:
-        files["gguf_file"] = source.gguf_file
-    return AutoTokenizer.from_pretrained(source.directory, **files)
+    if not source.gguf_file:
+        return AutoTokenizer.from_pretrained(source.directory, local_files_only=True)
+    return load_or_convert(
+        converted_dir(model_identity(source)) / "tokenizer",
+        lambda copy: AutoTokenizer.from_pretrained(copy, local_files_only=True),
+        lambda: AutoTokenizer.from_pretrained(source.directory, local_files_only=True, gguf_file=source.gguf_file),
+        lambda tokenizer, folder: tokenizer.save_pretrained(folder))
 
 
 def _from_pretrained(source: ModelSource, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    files = {"local_files_only": True}
-    if source.gguf_file:
-        files["gguf_file"] = source.gguf_file
+    def from_files(directory: Path, **files):
+        with _quiet_gguf_dtype_warning():
+            return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=TRANSFORMERS_ATTENTION,
+                                                        local_files_only=True, **files)
+
     tokenizer = load_tokenizer(source)
-    with _quiet_gguf_dtype_warning():
-        model = AutoModelForCausalLM.from_pretrained(
-            source.directory, dtype=dtype, attn_implementation=TRANSFORMERS_ATTENTION, **files
-        )
+    if not source.gguf_file:
+        return tokenizer, from_files(source.directory)
+    # the GGUF's weights in this dtype, converted once and kept (engine/converted_model.py)
+    model = load_or_convert(converted_dir(model_identity(source)) / str(dtype).removeprefix("torch."), from_files,
+                            lambda: from_files(source.directory, gguf_file=source.gguf_file), _save_dequantised)
     return tokenizer, model
+
+
+def _save_dequantised(model: torch.nn.Module, folder: Path) -> None:
+    """A model loaded from a GGUF (its weights dequantised), saved as a plain one: transformers refuses to save a
+    model it marks quantised, though it holds none but dense weights (checked in tests), so its config is written
+    without the GGUF mark and its weights as safetensors (tied ones once)."""
+    from safetensors.torch import save_model
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+    model.generation_config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def build_dummy_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
@@ -172,7 +193,7 @@ def build_dummy_model(source: ModelSource, dtype: torch.dtype, device: torch.dev
             torch.manual_seed(DUMMY_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=TRANSFORMERS_ATTENTION)
     except (ValueError, RuntimeError, KeyError, TypeError) as exc:
-        raise ValueError(f"model.name: cannot build {source.display_name}: {_first_line(exc)}") from None
+        raise ValueError(f"model.name: cannot build {source.display_name}: {first_line(exc)}") from None
     model.eval().requires_grad_(False)
     # The namespace differs from every real model's (theirs end in "@xxh3_128:<weights digest>"), and
     # with the device: the same seed draws other weights on a GPU than on a CPU.
@@ -196,11 +217,6 @@ def _check_runnable(source: ModelSource) -> dict:
     except ValueError as exc:
         raise ValueError(f"model.name: {source.display_name}: {exc}") from None
     return hf_config
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__).strip()
 
 
 @contextmanager

@@ -1,0 +1,136 @@
+"""The embedded model's converted copy (engine/converted_model.py): a start that finds it loads the same tokenizer and
+the same bits as converting the GGUF again, in float32 and bfloat16; a copy missing, half written, damaged or
+unwritable is a miss (the GGUF is converted as before, one warning), never a wrong model."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kvstrata.engine import converted_model
+from kvstrata.engine.converted_model import MANIFEST, load_or_convert
+
+CHAT = [{"role": "system", "content": "Answer from the document."},
+        {"role": "user", "content": "What does `yield from` delegate to?"}]
+
+
+def saved_text(value: str, folder) -> None:
+    (folder / "value.txt").write_text(value)
+
+
+def loaded_text(folder) -> str:
+    return (folder / "value.txt").read_text()
+
+
+class Converter:
+    """A stand-in conversion that counts its calls."""
+
+    def __init__(self, value: str = "converted"):
+        self.value, self.calls = value, 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        return self.value
+
+
+def test_a_copy_is_used_once_written_whole(tmp_path):
+    convert = Converter()
+    folder = tmp_path / "copy"
+    assert load_or_convert(folder, loaded_text, convert, saved_text) == "converted"
+    assert load_or_convert(folder, loaded_text, convert, saved_text) == "converted"
+    assert convert.calls == 1
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert set(manifest["files"]) == {"value.txt"}
+    assert folder.stat().st_mode & 0o777 == 0o700  # the user's alone
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "no manifest", "a file missing", "manifest not json"])
+def test_a_damaged_or_half_written_copy_is_converted_again_and_replaced(tmp_path, damage, caplog):
+    convert = Converter()
+    folder = tmp_path / "copy"
+    load_or_convert(folder, loaded_text, convert, saved_text)
+    if damage == "flip a byte":
+        (folder / "value.txt").write_text("converteD")
+    elif damage == "no manifest":
+        (folder / MANIFEST).unlink()
+    elif damage == "a file missing":
+        (folder / "value.txt").unlink()
+    else:
+        (folder / MANIFEST).write_text("{")
+    with caplog.at_level(logging.WARNING, logger="kvstrata"):
+        assert load_or_convert(folder, loaded_text, convert, saved_text) == "converted"
+    assert convert.calls == 2
+    assert load_or_convert(folder, loaded_text, convert, saved_text) == "converted" and convert.calls == 2  # whole again
+
+
+def test_a_copy_that_fails_to_load_is_converted_again(tmp_path, caplog):
+    convert = Converter()
+    folder = tmp_path / "copy"
+    load_or_convert(folder, loaded_text, convert, saved_text)
+
+    def broken(_folder):
+        raise RuntimeError("unexpected key in the state dict\nmore")
+    with caplog.at_level(logging.WARNING, logger="kvstrata"):
+        assert load_or_convert(folder, broken, convert, saved_text) == "converted"
+    assert convert.calls == 2
+    assert "did not load (unexpected key in the state dict)" in caplog.text
+
+
+def test_an_unwritable_cache_leaves_the_copy_out_with_one_warning(tmp_path, caplog):
+    (tmp_path / "a-file").write_text("")
+    convert = Converter()
+    with caplog.at_level(logging.WARNING, logger="kvstrata"):
+        assert load_or_convert(tmp_path / "a-file" / "copy", loaded_text, convert, saved_text) == "converted"
+    assert convert.calls == 1
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"kvstrata: could not keep a converted copy of the model in {tmp_path / 'a-file' / 'copy'}"]
+
+
+def test_a_failed_save_leaves_no_temporary_folder(tmp_path, caplog):
+    def failing_save(_value, folder):
+        (folder / "part").write_text("half")
+        raise OSError("No space left on device")
+    with caplog.at_level(logging.WARNING, logger="kvstrata"):
+        assert load_or_convert(tmp_path / "copy", loaded_text, Converter(), failing_save) == "converted"
+    assert list(tmp_path.iterdir()) == []
+    assert "No space left on device" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_embedded_model_loads_from_its_copy_as_from_its_gguf(tmp_path, monkeypatch, dtype):
+    """The first load converts the GGUF and keeps the copy; the second reads the copy, and gets the same weights and
+    buffers (bits and dtypes), config, generation config and tokenizer (its ids and chat template)."""
+    from transformers import modeling_gguf_pytorch_utils
+
+    from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
+
+    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path))
+    gguf_reads = []
+    read = modeling_gguf_pytorch_utils.load_gguf_checkpoint
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint",
+                        lambda *a, **k: gguf_reads.append(1) or read(*a, **k))
+    source = resolve_model(EMBEDDED_MODEL)
+    converted = load_model(source, dtype, "cpu")
+    assert gguf_reads
+    gguf_reads.clear()
+    copied = load_model(source, dtype, "cpu")
+    assert not gguf_reads  # neither the weights nor the tokenizer read the GGUF again
+
+    assert copied.model_config == converted.model_config  # the identity (the GGUF's digest) included
+    for (name, a), (other, b) in zip([*converted.model.named_parameters(), *converted.model.named_buffers()],
+                                     [*copied.model.named_parameters(), *copied.model.named_buffers()], strict=True):
+        assert name == other and a.dtype == b.dtype == (torch.float32 if "inv_freq" in name else dtype)
+        assert torch.equal(a, b), name
+    assert (copied.model.get_output_embeddings().weight.data_ptr()
+            == copied.model.get_input_embeddings().weight.data_ptr())  # still tied
+    assert copied.model.generation_config.eos_token_id == converted.model.generation_config.eos_token_id
+    text = "def f(x):\n    return x ** 2  # square\n\u00e9t\u00e9 \U0001F600"
+    assert copied.tokenizer(text)["input_ids"] == converted.tokenizer(text)["input_ids"]
+    assert (copied.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+            == converted.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False))
+    assert copied.tokenizer.decode(copied.tokenizer(text)["input_ids"]) == text
+    copy = converted_model.converted_dir(converted.model_config.identity)
+    assert sorted(p.name for p in copy.iterdir()) == sorted(["tokenizer", str(dtype).removeprefix("torch.")])
