@@ -28,16 +28,13 @@ import tempfile
 from pathlib import Path
 from typing import Callable, TypeVar
 
-import xxhash
-
-from kvstrata.engine.model_identity import cache_root
+from kvstrata.engine.model_identity import cache_root, digest_file
 
 logger = logging.getLogger("kvstrata")
 
 _T = TypeVar("_T")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-_CHUNK_BYTES = 8 << 20
 
 
 def converted_dir(identity: str) -> Path:
@@ -74,7 +71,7 @@ def _verified(directory: Path) -> bool:
         return False
     for name, digest in files.items():
         try:
-            if _digest(directory / name) != digest:
+            if digest_file(directory / name) != digest:
                 logger.warning("kvstrata: the converted copy in %s is damaged (%s); converting the model again",
                                directory, name)
                 return False
@@ -91,7 +88,7 @@ def _write(directory: Path, save: Callable[[Path], None]) -> None:
         directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         temp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))  # mode 0700
         save(temp)
-        files = {p.name: _digest(p) for p in sorted(temp.iterdir()) if p.is_file()}
+        files = {p.name: digest_file(p) for p in sorted(temp.iterdir()) if p.is_file()}
         (temp / MANIFEST).write_text(json.dumps({"version": FORMAT_VERSION, "files": files}), encoding="utf-8")
         if directory.exists() and not _verified(directory):
             shutil.rmtree(directory, ignore_errors=True)
@@ -107,14 +104,6 @@ def _write(directory: Path, save: Callable[[Path], None]) -> None:
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
-
-
-def _digest(path: Path) -> str:
-    digest = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def first_line(exc: BaseException) -> str:

@@ -85,7 +85,7 @@ def file_digests(paths: list[Path]) -> dict[Path, str]:
             if entry is not None and entry.get("stat") == asdict(stat):
                 digests[path] = entry["digest"]
                 continue
-            digests[path] = _digest_file(path)
+            digests[path] = digest_file(path)
             cache.pop(key, None)  # re-inserted last: the newest entries are the ones kept
             cache[key] = {"stat": asdict(stat), "digest": digests[path]}
             changed = True
@@ -113,7 +113,8 @@ def _stat(path: Path) -> _Stat:
     return _Stat(stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
 
 
-def _digest_file(path: Path) -> str:
+def digest_file(path: Path) -> str:
+    """The xxh3_128 hex digest of a file's content, read in chunks."""
     digest = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK_BYTES):
