@@ -68,7 +68,7 @@ def test_a_restart_reads_digests_from_the_cache_instead_of_the_weights(tmp_path,
     def no_reading(path):
         raise AssertionError(f"{path} was read again")
 
-    monkeypatch.setattr(model_identity, "_digest_file", no_reading)
+    monkeypatch.setattr(model_identity, "digest_file", no_reading)
     assert directory_identity("m", directory) == first
 
 
