@@ -140,7 +140,8 @@ def make_config(model_name, load_format, prompt_tokens, disk_path, policy, cpu=T
 
     blocks = blocks_for(prompt_tokens + 64, 16)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    ov = {"model.name": model_name, "model.load_format": load_format, "model.dtype": "bfloat16" if dev == "cuda" else "float32",
+    ov = {"model.name": model_name, "model.load_format": load_format,
+          "model.dtype": "bfloat16" if dev == "cuda" else "float32",
           "model.device": dev, "cache.block_size": 16, "cache.offload": "write_through",
           "cache.tiers.device.size": 3 * blocks, "cache.tiers.disk.path": str(disk_path),
           "cache.tiers.disk.size": 2 * blocks, "cache.load_policy": policy}
@@ -227,8 +228,8 @@ def part_c(work: Path, model_name, load_format, loaded, prompts):
         ask(e, prompts[0], cache_salt=salt)
         drop_device_cache(e)
         tl = Timeline(e)
-        stream = e.add_request("stream", prompts[1][:64], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
-                               cache_salt=salt + "-s")
+        stream_params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+        stream = e.add_request("stream", prompts[1][:64], stream_params, cache_salt=salt + "-s")
         times, hit, hit_step = [], None, None
         while e.has_unfinished_requests():
             got = e.step()
@@ -246,7 +247,8 @@ def part_c(work: Path, model_name, load_format, loaded, prompts):
         del e, tl
         gc.collect()
         shutil.rmtree(disk, ignore_errors=True)
-        r = {"add_request_ms": round(res_add * 1e3, 2), "gaps_ms": gaps, "steps": steps, "hit_ttft_ms": round(hit.ttft_s * 1e3, 2),
+        r = {"add_request_ms": round(res_add * 1e3, 2), "gaps_ms": gaps, "steps": steps,
+             "hit_ttft_ms": round(hit.ttft_s * 1e3, 2),
              "hit_receipt": hit.receipt.to_dict() if hasattr(hit, "receipt") and hit.receipt else None}
         res.append(r)
         log(f"C {model_name} rep {rep}: add {r['add_request_ms']} ms, gaps {gaps}")

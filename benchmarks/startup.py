@@ -75,8 +75,8 @@ def report(result: dict) -> list[str]:
     median = {kind: {key: statistics.median(r[key] for r in runs[kind]) for key in ("load_s", "wall_s")}
               for kind in KINDS}
     lines = ["# Loading the embedded model at start", "", *provenance_lines(result), "",
-             f"SmolLM2-135M (the embedded GGUF) in {result['dtype']} on the CPU, each load in a process of its own, the "
-             f"three kinds in turn, {result['rounds']} rounds (benchmarks/startup.py); medians, every run in "
+             f"SmolLM2-135M (the embedded GGUF) in {result['dtype']} on the CPU, each load in a process of its own, "
+             f"the three kinds in turn, {result['rounds']} rounds (benchmarks/startup.py); medians, every run in "
              "`startup.json`.", "",
              "| start | load_model s | process s (imports included) | GGUF / this (load_model) |",
              "|---|---:|---:|---:|"]

@@ -14,9 +14,9 @@ a copy is never used for another file or another conversion.
 
 A copy is derived data and never trusted blindly: each folder is written in a temporary folder and renamed into place
 whole, with `manifest.json`, the digest of each of its files, written last; a load checks every digest first (about
-0.05 s for SmolLM2's float32 weights, read from the page cache). A copy that is missing, half written, damaged on disk or fails to load is a
-miss: the GGUF is read as before and the copy written again. A copy that cannot be written (a read-only or full
-disk) is left out, with one warning.
+0.05 s for SmolLM2's float32 weights, read from the page cache). A copy that is missing, half written, damaged on
+disk or fails to load is a miss: the GGUF is read as before and the copy written again. A copy that cannot be
+written (a read-only or full disk) is left out, with one warning.
 """
 from __future__ import annotations
 

@@ -144,8 +144,8 @@ def _from_pretrained(source: ModelSource, dtype: torch.dtype):
 
     def from_files(directory: Path, **files):
         with _quiet_gguf_dtype_warning():
-            return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=TRANSFORMERS_ATTENTION,
-                                                        local_files_only=True, **files)
+            return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True,
+                                                        attn_implementation=TRANSFORMERS_ATTENTION, **files)
 
     tokenizer = load_tokenizer(source)
     if not source.gguf_file:

@@ -62,7 +62,8 @@ def test_a_damaged_or_half_written_copy_is_converted_again_and_replaced(tmp_path
     with caplog.at_level(logging.WARNING, logger="kvstrata"):
         assert load_or_convert(folder, loaded_text, convert, saved_text) == "converted"
     assert convert.calls == 2
-    assert load_or_convert(folder, loaded_text, convert, saved_text) == "converted" and convert.calls == 2  # whole again
+    assert load_or_convert(folder, loaded_text, convert, saved_text) == "converted"  # whole again: not converted
+    assert convert.calls == 2
 
 
 def test_a_copy_that_fails_to_load_is_converted_again(tmp_path, caplog):
