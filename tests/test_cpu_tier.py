@@ -145,6 +145,25 @@ def test_discard_and_clear_free_slots():
     assert tier.stats().evictions == 0
 
 
+def test_blocks_put_after_others_were_discarded_sit_in_neighbouring_rows_lent_in_one_run():
+    """A promotion lends a document's rows and copies each run of neighbours at once. Slots given back (the start-up
+    probe's throwaway blocks, for one) used to come back last first: the next document's first blocks went to rows in
+    descending order, a copy each (137 copies for a 437-block hit after the probe's 88 blocks)."""
+    from kvstrata.tiers.transfer import contiguous_runs
+
+    tier = CpuTier(BF16, capacity_blocks=16)
+    put_blocks(tier, range(100, 106))
+    for i in range(100, 106):
+        tier.discard(key(i))
+    put_blocks(tier, range(10))
+    lent = tier.lend([key(i) for i in range(10)], [tokens(i) for i in range(10)])
+    try:
+        assert lent.rows == list(range(10))
+        assert len(contiguous_runs(list(range(50, 60)), lent.rows)) == 1
+    finally:
+        lent.release()
+
+
 def test_pinned_request_without_cuda_falls_back_to_plain_memory():
     tier = CpuTier(BF16, capacity_blocks=1, pin_memory=True)
     assert tier.stats().extra["pinned"] == torch.cuda.is_available()

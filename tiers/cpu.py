@@ -9,6 +9,7 @@ disk) *before* its slot is overwritten. Pinned blocks (`pin`) are skipped by evi
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import threading
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
@@ -65,7 +66,11 @@ class CpuTier(LowerTier):
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()
         self._token_ids: list[Optional[tuple[int, ...]]] = [None] * capacity_blocks
         self._parents: list[Optional[bytes]] = [None] * capacity_blocks
-        self._free_slots: list[int] = list(range(capacity_blocks - 1, -1, -1))  # pop() gives slot 0 first
+        # A heap: a put takes the lowest free slot, so that blocks written one after another (a document) sit in
+        # neighbouring rows, which a promotion lends and copies a run at a time (a slot given back, by the start-up
+        # probe's throwaway blocks for one, would otherwise come back first and send the next document's first
+        # hundreds of blocks to rows in descending order: one copy each).
+        self._free_slots: list[int] = list(range(capacity_blocks))
         self._writing: dict[bytes, int] = {}  # hash -> its slot, while a put copies its payload there (unlocked)
         self._lock = threading.Lock()
         self._written = threading.Condition(self._lock)  # notified when a put's blocks are written (or given back)
@@ -182,7 +187,7 @@ class CpuTier(LowerTier):
             self._written.notify_all()
         elif slot in self._dropped_while_read:  # dropped mid-read: free for reuse only now
             self._dropped_while_read.remove(slot)
-            self._free_slots.append(slot)
+            heapq.heappush(self._free_slots, slot)
 
     def hold(self, block_hashes: Sequence[bytes]) -> None:
         with self._lock:
@@ -293,7 +298,7 @@ class CpuTier(LowerTier):
         if block_hash in self._writing:
             return None
         while True:
-            slot = self._free_slots.pop() if self._free_slots else self._evict_lru(events, evicted)
+            slot = heapq.heappop(self._free_slots) if self._free_slots else self._evict_lru(events, evicted)
             if slot is not None:
                 self._writing[block_hash] = slot
                 return slot
@@ -317,7 +322,7 @@ class CpuTier(LowerTier):
     def _give_back(self, block_hash: bytes, slot: int) -> None:
         """A put that failed before its copies were done: its slots are free again, its blocks not stored."""
         del self._writing[block_hash]
-        self._free_slots.append(slot)
+        heapq.heappush(self._free_slots, slot)
 
     def _evict_lru(self, events: TierEvents | None, evicted: list) -> int | None:
         """Free the least recently used slot that no promotion holds and no owner pins, its block added to
@@ -368,7 +373,7 @@ class CpuTier(LowerTier):
         elif slot in self._readers:
             self._dropped_while_read.add(slot)
         else:
-            self._free_slots.append(slot)
+            heapq.heappush(self._free_slots, slot)
         if events is not None:
             events.removed(block_hash)
 
