@@ -126,6 +126,35 @@ def test_a_document_wholly_in_the_cpu_tier_is_lent_out_of_its_slab_not_read_into
         assert torch.equal(as_bytes(kv.hierarchy.kv_cache[block.block_id]), content_for(h))
 
 
+def test_a_load_takes_device_blocks_in_ascending_ids_so_a_run_of_slab_rows_is_one_copy(monkeypatch):
+    """A request's blocks go back to the free queue tail first, and a load takes blocks off it in that order: given
+    to a document's blocks as they came, descending ids met ascending slab rows, a copy per block (443 for a
+    7k-token document, each a CUDA copy launched on the transfer thread)."""
+    from kvstrata.tiers import transfer
+
+    kv = make_stack(device_blocks=8, cpu_blocks=32)
+    hierarchy, pool = kv.hierarchy, kv.hierarchy.pool
+    tokens = doc(1, 6 * BS + 1)
+    hashes = HASHER.hash(tokens)[:6]
+    block_tokens = [tuple(tokens[i * BS:(i + 1) * BS]) for i in range(6)]
+    hierarchy.cpu.put(hashes, block_tokens, [content_for(h) for h in hashes])  # neighbouring slab rows
+    taken = pool.get_new_blocks(8)
+    pool.free_blocks(list(reversed(taken)))  # as a finished request frees its blocks: the queue now runs 7, 6, ... 0
+    copies = []
+    copy_each = transfer.copy_each
+    monkeypatch.setattr(transfer, "copy_each",
+                        lambda dests, srcs, *args: copies.append(len(dests)) or copy_each(dests, srcs, *args))
+    load = hierarchy.acquire_prefix(hashes, block_tokens)
+    assert load.transfer.wait(5.0)
+    ids = [load.blocks[k].block_id for k in load.below]
+    assert ids == sorted(ids) == [2, 3, 4, 5, 6, 7]
+    assert copies == [1]
+    hit = hierarchy.finish_prefix(load)
+    assert hit.tiers == ["cpu"] * 6
+    for block, h in zip(hit.blocks, hashes):
+        assert torch.equal(as_bytes(hierarchy.kv_cache[block.block_id]), content_for(h))
+
+
 def test_on_evict_copies_down_only_when_the_device_reuses_a_block():
     kv = make_stack(device_blocks=8, cpu_blocks=32, offload="on_evict")
     a, b = doc(1, 6 * BS + 1), doc(2, 6 * BS + 1)

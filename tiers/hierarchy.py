@@ -282,7 +282,10 @@ class TierHierarchy:
         if not below:
             return load
         self._hold_below(load, hold=True)
-        for k, block in zip(below, self.pool.get_new_blocks(len(below))):
+        # In ascending ids: a load copies each run of neighbouring slab rows into neighbouring device blocks with
+        # one copy (transfer.copy_rows), and blocks come off the free queue as requests freed them, tail first,
+        # so that in their order every block of a document freed whole was a copy of its own.
+        for k, block in zip(below, sorted(self.pool.get_new_blocks(len(below)), key=lambda b: b.block_id)):
             load.blocks[k] = block
         load.transfer = self.transfers.load([load.blocks[k].block_id for k in below],
                                             functools.partial(self._read_below, load),
