@@ -5,9 +5,10 @@ Two small linear models, each fitted to recent measurements by least squares:
 - `StepCost`, one engine step: `fixed + per_token_s * tokens + per_pair_s * pairs + per_read_s * reads`,
   where the fixed cost is one of two, `replayed_overhead_s` for a step replayed as a recorded CUDA graph and
   `overhead_s` for a step whose kernels are launched one by one from Python (eager), and where `pairs` counts
-  the (query, key) pairs the step's attention scores and `reads` the keys it reads, summed over its sequences: a sequence computing `n` new tokens after `context` computed ones
-  scores `n * context + n * (n + 1) / 2` pairs and reads `context + n` keys (once per step, whatever
-  `n`: the paged K/V gathered on a CPU, or read from device memory). Reads are what a decode row
+  the (query, key) pairs the step's attention scores and `reads` the keys it reads, summed over its sequences:
+  a sequence computing `n` new tokens after `context` computed ones scores `n * context + n * (n + 1) / 2`
+  pairs and reads `context + n` keys (once per step, whatever `n`: the paged K/V gathered on a CPU, or read
+  from device memory). Reads are what a decode row
   mostly costs (one new token over a long context); without them the fit took a step's decodes for
   fixed overhead, and the step cap's overhead floor grew with every answer being decoded. The two fixed
   costs are apart because on a GPU they differ by 10-20x (one H200, SmolLM2: a replayed question 1-2 ms,
