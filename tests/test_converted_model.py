@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -135,3 +136,4 @@ def test_the_embedded_model_loads_from_its_copy_as_from_its_gguf(tmp_path, monke
     assert copied.tokenizer.decode(copied.tokenizer(text)["input_ids"]) == text
     copy = converted_model.converted_dir(converted.model_config.identity)
     assert sorted(p.name for p in copy.iterdir()) == sorted(["tokenizer", str(dtype).removeprefix("torch.")])
+    shutil.rmtree(copy)  # hundreds of MB that pytest would keep with its last runs' folders
