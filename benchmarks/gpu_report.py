@@ -268,12 +268,13 @@ def more_readers(plan: Plan) -> tuple[int, ...]:
     """Disk reader counts to measure beside the engine's (one per fill thread, one per core up to 16): a quarter and
     half of it, and twice it where the host has the cores, each with its own staging (as many fill threads), so that
     a run shows whether the default suits the host (one in a smoke run)."""
-    from kvstrata.tiers.transfer import DEFAULT_FILL_THREADS
+    from kvstrata.tiers.transfer import default_fill_threads
     if plan.smoke:
         return (1,)
+    engine_count = default_fill_threads(on_gpu=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    counts = (DEFAULT_FILL_THREADS // 4, DEFAULT_FILL_THREADS // 2, 2 * DEFAULT_FILL_THREADS)
-    return tuple(n for n in counts if 1 <= n <= cores and n != DEFAULT_FILL_THREADS)
+    counts = (engine_count // 4, engine_count // 2, 2 * engine_count)
+    return tuple(n for n in counts if 1 <= n <= cores and n != engine_count)
 
 
 def measure_bandwidth(plan: Plan) -> dict:

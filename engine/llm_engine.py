@@ -43,7 +43,7 @@ from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.hierarchy import TierHierarchy
 from kvstrata.tiers.record import RecordCodec
 from kvstrata.tiers.storage import format_bytes
-from kvstrata.tiers.transfer import DEFAULT_FILL_THREADS, TransferEngine
+from kvstrata.tiers.transfer import TransferEngine, default_fill_threads
 
 logger = logging.getLogger("kvstrata")
 LOAD_WAIT_S = 0.05  # the longest an otherwise idle step waits for a prefix load to land
@@ -278,10 +278,12 @@ class LLMEngine:
 
     def _read_processes(self, tier: DiskTierConfig | RemoteTierConfig | None) -> int:
         """The reader processes of the disk or the remote tier (`tier`: its config, None if off): by default one per
-        fill thread."""
+        fill thread of the transfer engine (as many as it will have on this device)."""
         if not self.config.cache.enable_prefix_caching or tier is None:
             return 0
-        return tier.read_processes if tier.read_processes is not None else DEFAULT_FILL_THREADS
+        if tier.read_processes is not None:
+            return tier.read_processes
+        return default_fill_threads(on_gpu=self.device.type == "cuda")
 
     @property
     def device_capacity_warning(self) -> str | None:

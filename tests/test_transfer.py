@@ -435,3 +435,16 @@ def test_on_cuda_allocate_staging_pins_both_directions_before_any_job():
     assert load.wait(10) and all(load.served)
     assert torch.equal(kv.view(torch.uint8).view(16, -1)[ids].cpu(), source)
     transfers.close()
+
+
+@pytest.mark.parametrize("cores,on_gpu,expected", [(32, True, 16), (32, False, 4), (2, True, 2), (2, False, 2)])
+def test_fill_threads_follow_the_cores_up_to_16_on_a_gpu_and_4_beside_a_model_on_the_cpu(monkeypatch, cores, on_gpu,
+                                                                                         expected):
+    """Readers on a GPU host move blocks the host's cores copy and check (16 readers doubled the 8B shape's disk
+    promotions against 4 on one H200); on a CPU the same cores run the model's threads."""
+    from kvstrata.tiers import transfer
+
+    monkeypatch.setattr(transfer, "USABLE_CORES", cores)
+    assert transfer.default_fill_threads(on_gpu) == expected
+    if not on_gpu:  # a transfer engine over a host KV cache takes the CPU's default
+        assert TransferEngine(BIG.allocate(4)).fill_threads == expected

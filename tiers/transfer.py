@@ -116,13 +116,22 @@ def copy_rows(dest: torch.Tensor, dest_rows: Sequence[int], src: torch.Tensor, s
     copy_each([dest[d:d + n] for d, _, n in runs], [src[s:s + n] for _, s, n in runs], non_blocking)
 
 
-# Fill threads: one per core this process may run on (a container's CPU set, not the machine's count), at most 16.
-# A disk reader copies and checksums at one core's memory rate, which is low on some GPU hosts (about 3 GB/s on one
+# Fill threads: one per core this process may run on (a container's CPU set, not the machine's count), at most 16
+# with the KV cache on a GPU, at most 4 with it in host memory, where the model's own threads run on those cores. A
+# disk reader copies and checksums at one core's memory rate, which is low on some GPU hosts (about 3 GB/s on one
 # H200's): there, warm disk promotions of Llama-3-8B-shaped blocks reached 9.4 GB/s with 4 fill threads (and
 # readers) and 64 MB of staging, 19.0 GB/s with 16 and 256 MB (benchmarks/results/gpu_diag_h200.md).
 MAX_FILL_THREADS = 16
-DEFAULT_FILL_THREADS = min(MAX_FILL_THREADS,
-                           len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+MAX_FILL_THREADS_ON_HOST = 4
+USABLE_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_fill_threads(on_gpu: bool) -> int:
+    """The fill threads (and each lower tier's reader processes) of a transfer engine whose KV cache is on a GPU
+    (`on_gpu`) or in host memory."""
+    return min(MAX_FILL_THREADS if on_gpu else MAX_FILL_THREADS_ON_HOST, USABLE_CORES)
+
+
 MIN_FILL_PART_BYTES = 4 << 20  # a part read by another thread: large enough to outweigh the handoff
 # Pinned staging per direction, on CUDA only: each half holds a part of 8 MB or more for every fill thread, so that
 # they all read at once (with 64 MB, 8 readers or 16 moved SmolLM2's blocks no faster than 4 did).
@@ -167,9 +176,10 @@ class TransferEngine:
     """Asynchronous batched block copies between the KV cache and host memory (see module doc)."""
 
     def __init__(self, kv_cache: torch.Tensor, staging_bytes: int | None = None,
-                 fill_threads: int = DEFAULT_FILL_THREADS, shared_staging: bool = False):
+                 fill_threads: int | None = None, shared_staging: bool = False):
         self.kv_cache = kv_cache
         self.on_cuda = kv_cache.device.type == "cuda"
+        fill_threads = default_fill_threads(self.on_cuda) if fill_threads is None else fill_threads
         block_nbytes = kv_cache[0].numel() * kv_cache.element_size()
         # Completions wake `wait_any`; one condition for both directions.
         self._completed = threading.Condition()
