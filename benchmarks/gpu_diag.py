@@ -1,4 +1,4 @@
-"""Diagnostics for a GPU host, printed as they are measured and kept in `diag.json` under `$OUT` (or --out-dir):
+"""Diagnostics for a GPU host, printed as they are measured and kept in `diag.json` in `--out-dir`:
 
 - a: warm disk promotions through fresh disk tiers (reader processes) and transfer engines, the first against the
   best of the four after it, for several counts of readers and sizes of pinned staging (random blocks of SmolLM2's
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -31,7 +30,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
 
 import torch  # noqa: E402
 
-OUT = Path(os.environ.get("OUT", "/tmp/diag"))
+OUT = Path("gpu_diag")  # where diag.json goes: `--out-dir`
 results: dict = {}
 
 
@@ -265,11 +264,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="a,b,c")
     parser.add_argument("--models", default="smollm2", help="smollm2, llama-3-8b or tiny, comma-separated")
-    parser.add_argument("--out-dir", type=Path, default=None, help="default: $OUT, else /tmp/diag")
+    parser.add_argument("--out-dir", type=Path, default=OUT, help="where diag.json is written (default: ./gpu_diag)")
     args = parser.parse_args(argv)
-    if args.out_dir is not None:
-        OUT = args.out_dir
-        OUT.mkdir(parents=True, exist_ok=True)
+    OUT = args.out_dir
     parts, models = args.parts.split(","), args.models.split(",")
     doc = 7000 if torch.cuda.is_available() else 300
     work = Path(tempfile.mkdtemp(prefix="diag-"))
