@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvstrata.engine.config import Config, DiskTierConfig, RemoteTierConfig
-from kvstrata.engine.costs import attention_pairs, kv_reads
+from kvstrata.engine.costs import StepCost, attention_pairs, kv_reads
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.documents import Document, DocumentPlan, DocumentRegistry
 from kvstrata.engine.hashing import BlockHasher
@@ -440,10 +440,15 @@ class LLMEngine:
 
     def _probe_step_cost(self) -> None:
         """Seed the step cost (it caps steps and prices recomputing) with timed runs of the model on
-        throwaway tokens in free blocks: a prefill, a decode over it and a short prefill, after one
-        untimed round that compiles the kernels (a first request does not pay for it). Without it the
-        first steps on a GPU are priced by a CPU-sized guess, and a long prompt alone is cut into many
-        short steps."""
+        throwaway tokens in free blocks: two prefills of different lengths, a decode over the longer and a
+        short prefill, after one untimed round that compiles the kernels (a first request does not pay for
+        it). Without it the first steps on a GPU are priced by a CPU-sized guess, and a long prompt alone is
+        cut into many short steps.
+
+        The probed cost starts from no per-token guess at all: started from the CPU's (2 ms a token), the fit's
+        weak prior, in what the runs leave undecided, held the per-token cost up and the eager fixed cost at 0, and
+        on one H200 the load policy then recomputed 1000-2000 tokens of each hit in an eager step of 20-35 ms. Two
+        eager prefills of different lengths tell their fixed cost from their cost per token."""
         bs = self.block_size
         if self.device.type not in PROBE_TOKENS:
             return
@@ -452,10 +457,11 @@ class LLMEngine:
                 self.max_model_len - 1)
         if n < PROBE_SHORT_TOKENS:
             return  # no room for a probe: the first steps teach the cost
+        self.scheduler.cost = StepCost(per_token_s=0.0, replay_tokens=self.runner.replay_tokens)
         blocks = self.hierarchy.pool.get_new_blocks(-(-(n + 1) // bs))
         try:
             block_ids = [b.block_id for b in blocks]
-            runs = [(0, n), (n, 1), (0, PROBE_SHORT_TOKENS)]  # (context, new tokens)
+            runs = [(0, n), (0, n // 2), (n, 1), (0, PROBE_SHORT_TOKENS)]  # (context, new tokens)
             for _ in self._timed_probe_runs(block_ids, runs):  # untimed: compiles and warms up
                 pass
             for (context, new), seconds in zip(runs, self._timed_probe_runs(block_ids, runs)):

@@ -473,6 +473,22 @@ def test_step_cost_learns_the_fixed_cost_of_replayed_and_of_eager_steps_apart():
     assert StepCost(overhead_s=0.04, replayed_overhead_s=0.001).step_s(16, 0) == pytest.approx(0.04 + 16 * 2e-3)
 
 
+def test_from_no_per_token_guess_two_eager_prefills_and_replayed_steps_tell_each_cost_apart():
+    """The engine's start-up probe on one H200: an eager 2048-token prefill 25 ms, an eager 1024-token one 22 ms, a
+    replayed decode over 2048 tokens 1.8 ms, a replayed 16-token prompt 2.5 ms. From the CPU's per-token guess the
+    fit, underdetermined, kept the eager fixed cost at 0 and priced a 1216-token head at 15 ms (it took over 25)."""
+    probe = [(0, 2048, 0.025, False), (0, 1024, 0.022, False), (2048, 1, 0.0018, True), (0, 16, 0.0025, True)]
+
+    def probed(cost: StepCost) -> StepCost:
+        for context, new, seconds, replayed in probe:
+            cost.observe(new, seconds, attention_pairs(new, context), context + new, replayed=replayed)
+        return cost
+    cost = probed(StepCost(per_token_s=0.0, replay_tokens=511))
+    assert cost.overhead_s == pytest.approx(0.019, rel=0.05)
+    assert cost.step_s(1216, 0) > 0.02 and cost.step_s(16, 7024) < 0.005  # an eager head, a replayed question
+    assert probed(StepCost(replay_tokens=511)).overhead_s == 0  # from the CPU's guess
+
+
 def test_step_cost_stays_non_negative_by_fitting_again_not_by_clamping():
     # Whole documents and short questions after them: the unconstrained fit wants a negative cost per
     # attention pair. Held at 0, the others must be fitted again, or a whole prefill is overpriced.

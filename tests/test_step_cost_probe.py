@@ -37,7 +37,7 @@ def test_a_fresh_engine_has_timed_its_model_and_left_the_pool_as_it_was(tmp_path
     engine = tiny_engine(tmp_path)
     try:
         cost = engine.scheduler.cost
-        assert cost.fit.num_observations == 3  # a prefill, a decode over it, a short prefill
+        assert cost.fit.num_observations == 4  # two prefills, a decode over the longer, a short prefill
         assert cost.fit.coef != cost.fit.prior  # the runs priced the steps, not the guess
         pool = engine.hierarchy.pool
         assert pool.num_free_blocks == pool.num_blocks and pool.num_cached_blocks == 0  # nothing kept
@@ -78,7 +78,7 @@ def test_what_the_probe_wrote_into_free_blocks_never_reaches_an_answer(tmp_path,
     monkeypatch.setitem(llm_engine.PROBE_TOKENS, "cpu", 64)
     probed = tiny_engine(tmp_path / "b")
     try:
-        assert probed.scheduler.cost.fit.num_observations == 3
+        assert probed.scheduler.cost.fit.num_observations == 4
         assert greedy_tokens(probed, prompt) == expected
     finally:
         probed.close()
