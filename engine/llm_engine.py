@@ -201,7 +201,12 @@ class LLMEngine:
             logger.info("kvstrata: recorded %d CUDA graphs (decodes up to %d sequences, questions up to %d tokens) "
                         "in %.1f s", len(recorded), sc.max_num_seqs, max(t for t, _ in recorded),
                         time.perf_counter() - started)
-        self.scheduler.cost.replay_tokens = self.runner.replay_tokens  # such steps are priced at a graph's cost
+        # Steps a graph replays are priced at a graph's fixed cost. On a GPU the cost starts from no per-token guess:
+        # from the CPU's (2 ms a token), the fit's weak prior, in what the probe's runs leave undecided, held the
+        # per-token cost up and the eager fixed cost at 0, and on one H200 the load policy recomputed 1000-2000
+        # tokens of each hit in an eager step of 20-35 ms.
+        self.scheduler.cost = StepCost(replay_tokens=self.runner.replay_tokens,
+                                       **({"per_token_s": 0.0} if self.device.type == "cuda" else {}))
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -443,12 +448,8 @@ class LLMEngine:
         throwaway tokens in free blocks: two prefills of different lengths, a decode over the longer and a
         short prefill, after one untimed round that compiles the kernels (a first request does not pay for
         it). Without it the first steps on a GPU are priced by a CPU-sized guess, and a long prompt alone is
-        cut into many short steps.
-
-        The probed cost starts from no per-token guess at all: started from the CPU's (2 ms a token), the fit's
-        weak prior, in what the runs leave undecided, held the per-token cost up and the eager fixed cost at 0, and
-        on one H200 the load policy then recomputed 1000-2000 tokens of each hit in an eager step of 20-35 ms. Two
-        eager prefills of different lengths tell their fixed cost from their cost per token."""
+        cut into many short steps. Two eager prefills of different lengths tell their fixed cost from their cost
+        per token."""
         bs = self.block_size
         if self.device.type not in PROBE_TOKENS:
             return
@@ -457,7 +458,6 @@ class LLMEngine:
                 self.max_model_len - 1)
         if n < PROBE_SHORT_TOKENS:
             return  # no room for a probe: the first steps teach the cost
-        self.scheduler.cost = StepCost(per_token_s=0.0, replay_tokens=self.runner.replay_tokens)
         blocks = self.hierarchy.pool.get_new_blocks(-(-(n + 1) // bs))
         try:
             block_ids = [b.block_id for b in blocks]
