@@ -504,18 +504,15 @@ class LLMEngine:
         for request in prefilled:  # a document's blocks are computed: nothing to generate
             self._finish(request, RequestStatus.FINISHED_LENGTH)
         sampling = [s.request for s in out.scheduled if s.samples and not s.request.prefill_only]
+        token_ids = self._sample(sampling, sampled_logits) if sampling else None
+        # The next step's admission work that does not depend on this step's tokens, done while the device
+        # computes them (on a CPU the step is computed already: the same work, only earlier).
+        prepare_started = time.perf_counter()
+        self.scheduler.prepare_next_step()
+        prepare_s = time.perf_counter() - prepare_started
         if sampling:
-            params = [r.sampling_params for r in sampling]
-            prompts = [self._penalised_prompts.get(r.request_id, r.prompt_token_ids) for r in sampling]
-            adjusted = adjust_logits(sampled_logits, params, prompts, [r.output_token_ids for r in sampling],
-                                     self.loaded.model_config.eos_token_ids)
-            adjusted = mask_logits(adjusted, [self._grammar_matchers.get(r.request_id) for r in sampling],
-                                   raw=sampled_logits)
-            token_ids = sample(adjusted, params, [self._generators[r.request_id] for r in sampling])
-            logprobs = compute_logprobs(sampled_logits, token_ids, [p.logprobs for p in params])
-            # the ids read back first: on a GPU that waits for the device, and a token's time is when it exists,
-            # not when its step was launched (a greedy step's kernels are queued in ~25 ms whatever they compute)
-            token_id_list = token_ids.tolist()
+            logprobs = compute_logprobs(sampled_logits, token_ids, [r.sampling_params.logprobs for r in sampling])
+            token_id_list = self._read_back(token_ids)
             now = time.perf_counter()
             for request, token_id, token_logprobs in zip(sampling, token_id_list, logprobs):
                 if token_logprobs is not None:
@@ -526,14 +523,36 @@ class LLMEngine:
         # waits here, or the cost would never learn from one on a GPU (its time is the device's).
         # A step with prompt rows also ran the vocabulary projection over them: not a step the model prices.
         if not prompt_rows.count:
-            if not sampling and self.device.type == "cuda":  # this stream only: never a transfer's copies
-                torch.cuda.current_stream(self.device).synchronize()
-            self.scheduler.observe_step(out, time.perf_counter() - started, replayed=self.runner.last_step_replayed)
+            step_s = time.perf_counter() - started
+            if self.device.type == "cuda":
+                if not sampling:  # this stream only: never a transfer's copies
+                    torch.cuda.current_stream(self.device).synchronize()
+                step_s = time.perf_counter() - started
+            else:  # the step was computed before the next one's admission work began: not its cost
+                step_s -= prepare_s
+            self.scheduler.observe_step(out, step_s, replayed=self.runner.last_step_replayed)
         # The step computed the K/V of the blocks cached at allocation: now they can go down (the
         # transfer engine copies them in the background). A block reused before its copy is done is
         # waited for by the pool's eviction hook, so nothing is lost.
         self.hierarchy.flush_pending()
         return sampling + prefilled
+
+    def _sample(self, sampling: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """Each request's next token id from its row of `logits` (penalties, grammar and sampling parameters
+        applied); on a GPU, launched and not yet read back."""
+        params = [r.sampling_params for r in sampling]
+        prompts = [self._penalised_prompts.get(r.request_id, r.prompt_token_ids) for r in sampling]
+        adjusted = adjust_logits(logits, params, prompts, [r.output_token_ids for r in sampling],
+                                 self.loaded.model_config.eos_token_ids)
+        adjusted = mask_logits(adjusted, [self._grammar_matchers.get(r.request_id) for r in sampling], raw=logits)
+        return sample(adjusted, params, [self._generators[r.request_id] for r in sampling])
+
+    @staticmethod
+    def _read_back(token_ids: torch.Tensor) -> list[int]:
+        """The sampled ids on the host. On a GPU this waits for the step's kernels, so the ids are read back
+        before anything is timed: a token's time is when it exists, not when its step was launched (a greedy
+        step's kernels are queued in ~25 ms whatever they compute)."""
+        return token_ids.tolist()
 
     def _build_step_input(self, out: SchedulerOutput) -> tuple[StepInput, _PromptRows]:
         """The step's packed input. Its logits rows: each sampling request's last new token, in

@@ -163,6 +163,40 @@ class Scheduler:
         self._admit_waiting(out, candidates, budget, long_chunk, to_come)
         return out
 
+    def prepare_next_step(self) -> None:
+        """The next step's admission work that does not depend on the step now running, which the engine has
+        this do while the device computes that step: finish the loads that have landed (their blocks cached
+        on the device), look up the requests that arrived, and start the loads of the first ones in order
+        (while sequence slots last) whose prefix is found below the device. Nothing is admitted to run: the
+        next `schedule` admits, from what this found. On one H200 this work cost the next step 2.4 ms of
+        host time at a 7k-token CPU-tier hit's lookup and 1.7 ms at its landing, beside decodes whose device
+        took about 1.6 ms a step (benchmarks/results/gpu_diag_h200.md): done here, most of it is hidden."""
+        self.kv.finish_landed_loads()
+        if all(r.status == RequestStatus.LOADING for r in self.waiting):
+            return  # nobody to look up (a landed load is admitted by the next step, first)
+        to_come = self.kv.blocks_to_come([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens])
+        candidates = self._candidates(to_come)
+        if self.policy == "uncached_first":
+            candidates, _ = self._order(candidates, self.max_num_batched_tokens)
+        num_seqs = len(self.running) + self.num_loading
+        for request in candidates:
+            if request.status == RequestStatus.LOADING:
+                continue  # landed: the next step admits it first
+            if num_seqs >= self.max_num_seqs or not self._loads_below(request):
+                break  # the next step decides: it may compute (which takes its budget), or wait for a slot
+            if self._waits_for(request, to_come):
+                continue
+            # no room yet: the next step asks again once this one's finished requests have freed theirs
+            if not self.kv.start_prefix(request, refuse=False):
+                break
+            request.status = RequestStatus.LOADING
+            num_seqs += 1
+            to_come |= self.kv.blocks_loading_for(request)
+
+    def _loads_below(self, request: Request) -> bool:
+        """Its lookup found part of the prefix it would use below the device: admitted, it would wait for a load."""
+        return any(n for tier, n in self._estimate(request).hit_blocks.items() if tier != "device")
+
     def _candidates(self, to_come: set[bytes]) -> list[Request]:
         """The waiting requests this step may admit, in queue order: those whose load is not in flight, or,
         while every sequence slot is taken, only the landed loads (each holds its slot already). The others

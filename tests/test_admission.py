@@ -161,6 +161,72 @@ def test_a_request_aborted_while_loading_releases_its_blocks_once_the_load_lands
     assert all(kv.pool.get_cached_block(h) is not None for h in req.block_hashes[:6])
 
 
+# ------------------------------------------------------------------ the next step's admission work, beside a step
+
+
+def test_a_lower_tier_hit_arriving_during_a_step_starts_loading_and_lands_before_the_next_step():
+    """The engine has the scheduler prepare the next step while the device computes one: a question arriving
+    during a decode step is looked up and its load started then, and once the load is in, its blocks are
+    cached on the device during the following step; the step after admits it, served right and counted once."""
+    kv = make_stack(device_blocks=32, cpu_blocks=16, gate_cpu=True)
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
+    document = doc(20, 6 * BS + 1)
+    put_below(kv, document, 6)
+    decoding = new_request(doc(21, 2 * BS), max_tokens=10)
+    scheduler.add_request(decoding)
+    fake_step(kv, scheduler)  # its prefill
+    kv.hierarchy.cpu.gate.clear()
+
+    out = scheduler.schedule()  # a decode step runs...
+    question = new_request(document)
+    scheduler.add_request(question)  # ...when the question arrives
+    scheduler.update_after_step(out)
+    scheduler.prepare_next_step()
+    decoding.output_token_ids.append(1)  # the step's token, read back
+    assert question.status == RequestStatus.LOADING and kv.is_loading(question) and question.phases.phase == "load"
+
+    out = scheduler.schedule()
+    assert [s.request for s in out.scheduled] == [decoding]  # the question's load is in flight
+    kv.hierarchy.cpu.gate.set()
+    kv.wait_for_loads(timeout=10)
+    scheduler.update_after_step(out)
+    scheduler.prepare_next_step()  # the load is in: its blocks are cached on the device now, not at admission
+    decoding.output_token_ids.append(1)
+    assert all(kv.pool.get_cached_block(h) is not None for h in question.block_hashes[:6])
+    assert not kv.hierarchy.cpu.inner._holds
+    assert question.status == RequestStatus.LOADING and question.num_computed_tokens == 0
+
+    out = scheduler.schedule()
+    assert [s.request for s in out.scheduled] == [decoding, question]
+    assert question.num_computed_tokens == 6 * BS and question.cached_tokens_by_tier["cpu"] == 6 * BS
+    assert_prefix_bytes(kv, kv.req_to_blocks[question.request_id][:6], question.block_hashes)
+    assert kv.stats().queries == 2 and kv.stats().hit_blocks["cpu"] == 6
+
+
+def test_preparing_the_next_step_neither_refuses_for_room_nor_touches_device_hits():
+    """Room is judged by the next step, after this one's finished requests have freed theirs: looking ahead,
+    a load the device has no room for yet is not started, and the request is not remembered as refused. A
+    request whose prefix is on the device is left to the next step too (it computes, which takes its budget)."""
+    kv = make_stack(device_blocks=10, cpu_blocks=16)
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
+    on_device = run_request(kv, doc(22, 3 * BS + 1))
+    document = doc(23, 6 * BS + 1)
+    put_below(kv, document, 6)
+    hog = new_request(doc(24, 5 * BS), max_tokens=10)
+    scheduler.add_request(hog)
+    fake_step(kv, scheduler)  # 6 blocks taken: no room for the document's 7
+    question, device_hit = new_request(document), new_request(on_device.prompt_token_ids)
+    scheduler.add_request(question)
+    scheduler.add_request(device_hit)
+    scheduler.prepare_next_step()
+    for request in (question, device_hit):
+        assert request.status == RequestStatus.WAITING and not kv.holds_prefix(request)
+        assert not kv.is_refused(request)
+    scheduler.finish(hog, RequestStatus.FINISHED_ABORTED)
+    scheduler.prepare_next_step()
+    assert question.status == RequestStatus.LOADING and device_hit.status == RequestStatus.WAITING
+
+
 # ---------------------------------------------------------------------------------------- counters
 
 
@@ -429,9 +495,10 @@ def test_a_request_preempted_while_it_waits_for_its_tail_counts_the_wait_as_load
     assert sum(stats.hit_blocks.values()) + stats.recomputed_blocks["cpu"] == 12
 
 
-def _compute_step(kv, scheduler: Scheduler) -> list[Request]:
+def _compute_step(kv, scheduler: Scheduler, prepare: bool = False) -> list[Request]:
     """One engine step without a model, as `fake_step`, but 'computing' only the blocks the step's new
-    tokens fall in (a served block keeps the bytes its tier gave it, so a wrong promotion shows)."""
+    tokens fall in (a served block keeps the bytes its tier gave it, so a wrong promotion shows);
+    `prepare`: the next step's admission work done before the tokens are sampled, as the engine does."""
     out = scheduler.schedule()
     for s in out.scheduled:
         req, blocks = s.request, kv.req_to_blocks[s.request.request_id]
@@ -439,6 +506,8 @@ def _compute_step(kv, scheduler: Scheduler) -> list[Request]:
             if k < len(req.block_hashes):
                 as_bytes(kv.hierarchy.kv_cache[blocks[k].block_id]).copy_(content_for(req.block_hashes[k]))
     scheduler.update_after_step(out)
+    if prepare:
+        scheduler.prepare_next_step()
     sampled = [s.request for s in out.scheduled if s.samples]
     for req in sampled:
         if not req.output_token_ids:  # its first token: the prompt's blocks hold what they should
@@ -449,15 +518,17 @@ def _compute_step(kv, scheduler: Scheduler) -> list[Request]:
     return sampled
 
 
+@pytest.mark.parametrize("prepare", [False, True], ids=["admitting-in-schedule", "preparing-beside-steps"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
 def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count_once_and_leak_nothing(
-        policy, seed, tmp_path):
+        policy, seed, prepare, tmp_path):
     """Requests on shared documents under a small device, a gated CPU tier and a disk tier, with
     loads left in flight, preemptions, aborts, device resets, failing reads, blocks put below and
     taken away, documents pinned and unpinned at random: every first token sees its prompt's right
     bytes, each prompt block is reported once (cached or recomputed) and counted as reported, and
-    once all are done every device block is free and nothing is held in the CPU tier."""
+    once all are done every device block is free and nothing is held in the CPU tier. With `prepare`,
+    the next step's lookups, loads and landings are started during each step, as the engine does."""
     import random
 
     from kvstrata.engine.costs import ReadCost, StepCost
@@ -501,7 +572,7 @@ def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count
                 kv.hierarchy.pin(f"doc{d}", hashes_of(documents[d]), [documents[d][k * BS:(k + 1) * BS]
                                                                       for k in range(blocks)], {})
         else:
-            for request in _compute_step(kv, scheduler):
+            for request in _compute_step(kv, scheduler, prepare):
                 if len(request.output_token_ids) == request.sampling_params.max_tokens:
                     scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
                     live.remove(request)
@@ -511,7 +582,7 @@ def test_random_admissions_preemptions_aborts_and_resets_serve_right_bytes_count
     kv.hierarchy.cpu.fail_reads = False
     while live:
         kv.wait_for_loads(timeout=1)
-        for request in _compute_step(kv, scheduler):
+        for request in _compute_step(kv, scheduler, prepare):
             if len(request.output_token_ids) == request.sampling_params.max_tokens:
                 scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
                 live.remove(request)

@@ -104,6 +104,7 @@ class PrefixLoad:
     read_s: dict[str, float] = field(default_factory=dict)
     # the hash of the block before the first one (a tail's head ends there): its KV events' parent
     parent: bytes | None = None
+    hit: PrefixHit | None = None  # what `finish_prefix` made of it, once called
 
     @property
     def ready(self) -> bool:
@@ -394,6 +395,8 @@ class TierHierarchy:
         2000-token hit's load under memory pressure.
         """
         assert load.ready, "finish_prefix before the load has landed"
+        if load.hit is not None:  # finished already: as soon as it landed, while the device computed a step
+            return load.hit
         served = dict(zip(load.below, load.served_from))
         end = next((k for k in load.below if served[k] is None), len(load.found_in))
         arrived = [k for k in load.below if served[k] is not None]
@@ -407,7 +410,7 @@ class TierHierarchy:
                                  targets=[self.cpu])
         self._hold_below(load, hold=False)
         self.pool.free_blocks(list(reversed(load.blocks[end:])))
-        hit = PrefixHit(blocks=load.blocks[:end], tiers=[served.get(k) or "device" for k in range(end)])
+        hit = load.hit = PrefixHit(blocks=load.blocks[:end], tiers=[served.get(k) or "device" for k in range(end)])
         by_tier = hit.blocks_by_tier
         with self._counters_lock:
             for name in LOWER_TIER_NAMES:
