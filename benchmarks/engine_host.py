@@ -108,6 +108,20 @@ def build_engine(work_dir: Path, queue: Case | None = None, remote_url: str | No
     return engine
 
 
+def add_during_next_step(engine, add: Callable[[], object]) -> None:
+    """Have `add` (which adds a request) run while the engine's next step computes, as the server adds a request
+    that arrives then (`LLMEngine.take_arrivals`); an engine without that hook (a baseline from before it) runs it
+    now, at the start of that step, which is where its server took such a request."""
+    if not hasattr(engine, "take_arrivals"):
+        add()
+        return
+
+    def arrive() -> None:
+        engine.take_arrivals = None
+        add()
+    engine.take_arrivals = arrive
+
+
 def add_requests(engine, case: Case, tag: str) -> list[str]:
     from kvstrata.engine.sampling import SamplingParams
 

@@ -7,9 +7,11 @@
   in the same engine with its device cache dropped, under `auto` and `always_load`: each request's receipt and the
   timeline of the engine steps that served it (the scheduler's time, the runner's launch time, the step's wall time);
 - c: a decode stream with a CPU-tier hit admitted beside it (as gpu_report's gap section): the stream's gaps and
-  the timeline of the steps around the hit.
+  the timeline of the steps around the hit (with the next step's admission work done while each computes);
+- d: CPU-tier hits alone under `auto` and `always_load`: each one's receipt and its steps' timeline, and the
+  step cost the load policy priced them with.
 
-    python benchmarks/gpu_diag.py --parts a,b,c --models smollm2 --out-dir DIR
+    python benchmarks/gpu_diag.py --parts a,b,c,d --models smollm2 --out-dir DIR
 
 Without CUDA it runs on the CPU on small shapes (`--models tiny` for a two-layer random model): every path, none of
 the cost.
@@ -113,6 +115,13 @@ class Timeline:
             cur["exec_launch"] = time.perf_counter() - t
             return r
 
+        prepare = getattr(engine.scheduler, "prepare_next_step", None)
+
+        def prepare_next_step():  # the next step's admission work, while the device computes this one
+            t = time.perf_counter()
+            prepare()
+            cur["prepare"] = time.perf_counter() - t
+
         def wrapped():
             cur.clear()
             t = time.perf_counter()
@@ -124,6 +133,8 @@ class Timeline:
 
         engine.scheduler.schedule = schedule
         engine.runner.execute = execute
+        if prepare is not None:
+            engine.scheduler.prepare_next_step = prepare_next_step
         engine.step = wrapped
 
     def dump(self, since=0):
@@ -215,6 +226,7 @@ def part_c(work: Path, model_name, load_format, loaded, prompts):
     from kvstrata.engine.llm_engine import LLMEngine
     from kvstrata.engine.sampling import SamplingParams
 
+    from benchmarks.engine_host import add_during_next_step
     from benchmarks.gpu_report import drop_device_cache
     from benchmarks.ttft_pressure import ask
 
@@ -229,31 +241,68 @@ def part_c(work: Path, model_name, load_format, loaded, prompts):
         tl = Timeline(e)
         stream_params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
         stream = e.add_request("stream", prompts[1][:64], stream_params, cache_salt=salt + "-s")
-        times, hit, hit_step = [], None, None
+        times, hits, hit_step = [], [], None
         while e.has_unfinished_requests():
             got = e.step()
             if stream in got:
                 times.append(time.perf_counter())
-            if hit is None and len(times) >= 16:
-                t = time.perf_counter()
-                hit = e.add_request("hit", prompts[1], SamplingParams(max_tokens=1, temperature=0.0), cache_salt=salt,
-                                    arrival_time=t)
+            if len(times) == 16 and stream in got:  # the hit arrives while the next step computes, as in a server
                 hit_step = len(tl.steps)
-                res_add = time.perf_counter() - t
+                add_during_next_step(e, lambda: hits.append(e.add_request(
+                    "hit", prompts[1], SamplingParams(max_tokens=1, temperature=0.0), cache_salt=salt)))
         steps = tl.dump(max(0, hit_step - 3))[:16]
         gaps = [round((b - a) * 1e3, 2) for a, b in zip(times, times[1:])]
         e.close()
         del e, tl
         gc.collect()
         shutil.rmtree(disk, ignore_errors=True)
-        r = {"add_request_ms": round(res_add * 1e3, 2), "gaps_ms": gaps, "steps": steps,
-             "hit_ttft_ms": round(hit.ttft_s * 1e3, 2),
+        hit = hits[0]
+        r = {"gaps_ms": gaps, "steps": steps, "hit_ttft_ms": round(hit.ttft_s * 1e3, 2),
              "hit_receipt": hit.receipt.to_dict() if hasattr(hit, "receipt") and hit.receipt else None}
         res.append(r)
-        log(f"C {model_name} rep {rep}: add {r['add_request_ms']} ms, gaps {gaps}")
+        log(f"C {model_name} rep {rep}: gaps {gaps}")
         for s in steps:
             log(f"      {s}")
     results.setdefault("c", {})[model_name] = res
+    save()
+
+
+def part_d(work: Path, model_name, load_format, loaded, prompts):
+    """CPU-tier hits alone under `auto` and `always_load`: each request's receipt and its steps' timeline."""
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    from benchmarks.gpu_report import drop_device_cache, settle
+    from benchmarks.ttft_pressure import ask
+
+    out = {}
+    for policy in ("auto", "always_load"):
+        cfg = make_config(model_name, load_format, len(prompts[0]), work / f"d-{policy}", policy)
+        salt = f"d-{policy}-{time.time_ns()}"
+        e = LLMEngine(cfg, loaded=loaded)
+        miss = ask(e, prompts[0], cache_salt=salt)
+        settle(e)
+        drop_device_cache(e)
+        tl = Timeline(e)
+        recs = []
+        for k in range(1, 4):
+            n0 = len(tl.steps)
+            recs.append({**summarize(ask(e, prompts[k], cache_salt=salt)), "steps": tl.dump(n0)})
+            settle(e)
+            drop_device_cache(e)
+        cost = e.scheduler.cost
+        out[policy] = {"miss": summarize(miss), "hits": recs, "step_cost": {
+            "overhead_ms": cost.overhead_s * 1e3, "replayed_overhead_ms": cost.replayed_overhead_s * 1e3,
+            "per_token_us": cost.per_token_s * 1e6, "cpu_read": vars(e.kv_manager.read_costs["cpu"])}}
+        e.close()
+        del e, tl
+        gc.collect()
+        shutil.rmtree(work / f"d-{policy}", ignore_errors=True)
+        log(f"D {model_name} {policy}: miss {out[policy]['miss']['ttft_ms']} cost {out[policy]['step_cost']}")
+        for r in recs:
+            log(f"   {r['ttft_ms']} ms {r['phases']} load {r['load_ms']} recomputed {r['recomputed']}")
+            for step in r["steps"]:
+                log(f"      {step}")
+    results.setdefault("d", {})[model_name] = out
     save()
 
 
@@ -262,7 +311,7 @@ def main(argv=None):
 
     global OUT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="a,b,c")
+    parser.add_argument("--parts", default="a,b,c,d")
     parser.add_argument("--models", default="smollm2", help="smollm2, llama-3-8b or tiny, comma-separated")
     parser.add_argument("--out-dir", type=Path, default=OUT, help="where diag.json is written (default: ./gpu_diag)")
     args = parser.parse_args(argv)
@@ -279,13 +328,16 @@ def main(argv=None):
         loaded = prompts = None
         if "b" in parts:
             loaded, prompts = part_b(work, name, fmt, doc)
-        if "c" in parts:
+        if "c" in parts or "d" in parts:
             if loaded is None:
                 from benchmarks.gpu_report import document_prompts
                 from benchmarks.ttft_pressure import load
                 loaded, _ = load(make_config(name, fmt, doc + 200, work / "probe", "auto"))
                 prompts = document_prompts(loaded.tokenizer, doc, 8)
-            part_c(work, name, fmt, loaded, prompts)
+            if "c" in parts:
+                part_c(work, name, fmt, loaded, prompts)
+        if "d" in parts and loaded is not None:
+            part_d(work, name, fmt, loaded, prompts)
         del loaded
         gc.collect()
         if torch.cuda.is_available():

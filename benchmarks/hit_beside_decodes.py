@@ -10,8 +10,10 @@ as on a GPU.
 
 The model here never lets go of the lock, where a GPU's step thread does, while it waits for the device's kernels:
 the cases "whose steps wait N ms on the device" add that wait to every step, the lock let go (a sleep), so that
-the transfer threads run then and the step thread must take the lock back from them after it (SmolLM2's decode
-step on one H100 took 16.7 ms, benchmarks/results/gpu.md).
+the transfer threads run then and the step thread must take the lock back from them after it. The wait counts
+from the step's launch and ends when its tokens are read back (`DeviceWait`): the host work the engine does
+between (the next step's admission work) is hidden in it, as on a GPU. SmolLM2's decode step waits about 1.6 ms
+for the device on one H200 (benchmarks/results/gpu_diag_h200.md); 10 ms is a larger model's.
 
 Figures per case: the hit's time to first token and its load phase (from its receipt), the decoding sequences'
 longest step while it is admitted over their median step, and how long the step thread waited in those steps (their
@@ -33,8 +35,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import (VOCAB, Case, add_requests, build_engine, each_side_in_turn,  # noqa: E402
-                                    in_turn_parser)
+from benchmarks.engine_host import (VOCAB, Case, add_during_next_step, add_requests, build_engine,  # noqa: E402
+                                    each_side_in_turn, in_turn_parser)
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 DOC_TOKENS = 7000
@@ -58,7 +60,9 @@ class HitCase:
 
 TIERS = ("cpu", "disk", "remote")
 CASES = ([HitCase(tier, num_seqs) for tier in TIERS for num_seqs in (0, 4)]
-         + [HitCase(tier, 1, device_ms=10.0) for tier in TIERS])
+         + [HitCase(tier, 1, device_ms=10.0) for tier in TIERS]
+         # SmolLM2's decode step on one H200 waits about 1.6 ms for its device (benchmarks/results/gpu_diag_h200.md)
+         + [HitCase(tier, 1, device_ms=2.0) for tier in ("cpu", "disk")])
 
 
 def cache_config(tier: str, work_dir: Path, remote_url: str | None = None) -> dict:
@@ -69,13 +73,15 @@ def cache_config(tier: str, work_dir: Path, remote_url: str | None = None) -> di
     return {"offload": "write_through", "load_policy": "always_load", "tiers": tiers}
 
 
-def timed_step(engine, durations: list[float], stalls: list[float] | None = None, device_s: float = 0.0) -> None:
+def timed_step(engine, durations: list[float], stalls: list[float] | None = None) -> None:
     """One step, its wall time appended to `durations` and (if given) its wall time less the step thread's CPU
-    time and the step's wait on the device (`device_s`) to `stalls`."""
-    started, cpu_started = time.perf_counter(), time.thread_time()
+    time and its wait for the device (`DeviceWait`) to `stalls`."""
+    device = getattr(engine, "device_wait", None)
+    started, cpu_started, waited = time.perf_counter(), time.thread_time(), device.waited_s if device else 0.0
     engine.step()
     durations.append(time.perf_counter() - started)
     if stalls is not None:
+        device_s = device.waited_s - waited if device else 0.0
         stalls.append(max(0.0, durations[-1] - (time.thread_time() - cpu_started) - device_s))
 
 
@@ -98,11 +104,12 @@ def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float
     for _ in range(16):
         timed_step(engine, before)
     question = f"{tag}-question"
-    engine.add_request(question, document + [7 + k for k in range(QUESTION_TOKENS)], SamplingParams(max_tokens=1))
+    add_during_next_step(engine, lambda: engine.add_request(question, document + list(range(7, 7 + QUESTION_TOKENS)),
+                                                            SamplingParams(max_tokens=1)))
     during: list[float] = []
     stalls: list[float] = []
-    while not engine.requests[question].output_token_ids:
-        timed_step(engine, during, stalls, case.device_ms / 1e3)
+    while question not in engine.requests or not engine.requests[question].output_token_ids:
+        timed_step(engine, during, stalls)
     receipt = engine.requests[question].receipt
     if receipt.cached_tokens_by_tier[case.tier] < DOC_TOKENS - 16:
         raise SystemExit(f"hit_beside_decodes: the question was not served by the {case.tier} tier: {receipt}")
@@ -116,13 +123,34 @@ def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float
     return receipt.ttft_ms / 1e3, receipt.load_ms_by_tier[case.tier] / 1e3, longest_gap, sum(stalls)
 
 
-def waiting_on_device(execute, seconds: float):
-    """`execute`, then a wait of `seconds` with the interpreter lock let go, as a GPU step's wait for its kernels."""
-    def execute_and_wait(step):
-        logits = execute(step)
-        time.sleep(seconds)
+class DeviceWait:
+    """A device under the engine: each step's kernels take `seconds` from its launch, and reading its tokens back
+    waits for them with the interpreter lock let go, as on a GPU, where the host goes on with the next step's
+    admission work meanwhile (`Scheduler.prepare_next_step`). An engine that reads its tokens back at once (a
+    baseline before that work moved there) waits in the launch instead: there was nothing to do between."""
+
+    def __init__(self, engine, seconds: float):
+        self.seconds, self.waited_s, self._ready_at = seconds, 0.0, 0.0
+        self._execute, engine.runner.execute = engine.runner.execute, self._launch
+        self._read_back = getattr(engine, "_read_back", None)
+        if self._read_back is not None:
+            engine._read_back = self._wait_and_read
+
+    def _launch(self, step):
+        logits = self._execute(step)
+        self._ready_at = time.perf_counter() + self.seconds
+        if self._read_back is None:
+            self._wait()
         return logits
-    return execute_and_wait
+
+    def _wait_and_read(self, token_ids):
+        self._wait()
+        return self._read_back(token_ids)
+
+    def _wait(self) -> None:
+        started = time.perf_counter()
+        time.sleep(max(0.0, self._ready_at - started))
+        self.waited_s += time.perf_counter() - started
 
 
 def worker(cases: list[HitCase], hits: int) -> dict:
@@ -143,7 +171,7 @@ def worker(cases: list[HitCase], hits: int) -> dict:
             case_dir = Path(work_dir) / f"case{n}"
             engine = build_engine(case_dir, cache=cache_config(case.tier, case_dir, server.url))
             if case.device_ms:
-                engine.runner.execute = waiting_on_device(engine.runner.execute, case.device_ms / 1e3)
+                engine.device_wait = DeviceWait(engine, case.device_ms / 1e3)
             engine.add_request("document", document + [5], SamplingParams(max_tokens=1))
             while engine.has_unfinished_requests():
                 engine.step()

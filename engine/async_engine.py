@@ -185,6 +185,7 @@ class AsyncEngine:
         # or if closing failed.
         self.final_stats: dict | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._taken: list = []  # commands taken from the inbox during a step, to apply after it
         # Guards `_accepting` together with putting into the inbox, so that no add can land behind _STOP.
         self._lock = threading.Lock()
         self._accepting = True
@@ -192,6 +193,7 @@ class AsyncEngine:
         # Owned by the engine thread only.
         self._streams: dict[str, _Stream] = {}
         self._publish_snapshot()
+        engine.take_arrivals = self._add_arrivals
         self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
         self._thread.start()
         # A process that exits without shutting down stops the engine's thread before the engine's parts close
@@ -305,7 +307,8 @@ class AsyncEngine:
         while not (stop_requested and not self.engine.has_unfinished_requests()):
             idle = not self.engine.has_unfinished_requests()
             # Idle time writes the cache down to disk in small chunks, checking the inbox between them.
-            wrote_down = idle and not stop_requested and self._inbox.empty() and self._write_down_idle()
+            wrote_down = (idle and not stop_requested and not self._taken and self._inbox.empty()
+                          and self._write_down_idle())
             for command in self._take_commands(wait=idle and not stop_requested and not wrote_down):
                 if command is _STOP:
                     stop_requested = True
@@ -329,11 +332,25 @@ class AsyncEngine:
             logger.exception("kvstrata: writing the cache down while idle failed")
             return False
 
+    def _add_arrivals(self) -> None:
+        """During a step, while the device computes it (`LLMEngine.take_arrivals`): add the requests queued in the
+        inbox, up to its first other command, which waits for the step's end with those behind it (aborts and
+        calls change what the step is computing; the inbox's order is kept)."""
+        while not self._taken:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._apply(command)
+            else:
+                self._taken.append(command)
+
     def _take_commands(self, wait: bool) -> list:
-        """The commands in the inbox; with `wait`, waits for one, but no longer than the idle
-        snapshot interval (the caller republishes the snapshot either way)."""
-        commands = []
-        if wait:
+        """The commands in the inbox (first those taken during the last step); with `wait`, waits for one, but no
+        longer than the idle snapshot interval (the caller republishes the snapshot either way)."""
+        commands, self._taken = self._taken, []
+        if wait and not commands:
             with contextlib.suppress(queue.Empty):
                 commands.append(self._inbox.get(timeout=IDLE_SNAPSHOT_INTERVAL_S))
         while True:

@@ -13,7 +13,7 @@ import logging
 import time
 from array import array
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -208,6 +208,10 @@ class LLMEngine:
         self.scheduler.cost = StepCost(replay_tokens=self.runner.replay_tokens,
                                        **({"per_token_s": 0.0} if self.device.type == "cuda" else {}))
         self.requests: dict[str, Request] = {}
+        # Called during each step while the device computes it, before the next step's admission work: a serving
+        # loop adds the requests that arrived meanwhile (engine/async_engine.py), which are then looked up and
+        # their loads started in the step's shadow rather than at the start of the next step.
+        self.take_arrivals: Callable[[], object] | None = None
         self._generators: dict[str, torch.Generator | None] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         # The prompt's token ids on the device, for requests with a repetition penalty (it reads them at
@@ -508,6 +512,8 @@ class LLMEngine:
         # The next step's admission work that does not depend on this step's tokens, done while the device
         # computes them (on a CPU the step is computed already: the same work, only earlier).
         prepare_started = time.perf_counter()
+        if self.take_arrivals is not None:
+            self.take_arrivals()
         self.scheduler.prepare_next_step()
         prepare_s = time.perf_counter() - prepare_started
         if sampling:

@@ -6,7 +6,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from kvstrata.engine.async_engine import AsyncEngine
+from kvstrata.engine.async_engine import AsyncEngine, _Abort, _Add, _Stream
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 
@@ -206,6 +206,54 @@ def test_each_step_reaches_each_event_loop_in_one_wake_up_with_every_stream_its_
         assert outputs[-1].finished and outputs[-1].token_ids == [token] * 200
         assert all(o.token_ids == [token] * len(o.token_ids) for o in outputs)
     assert len(wake_ups) <= 2 * engine.steps + 20  # a few more for the requests' adds and the shutdown
+
+
+class ArrivalsDuringAStepEngine(ManyDecodingEngine):
+    """Requests arrive while its third step computes: an add, an abort of the running request, another add.
+    It takes its arrivals then (`LLMEngine.take_arrivals`, which the AsyncEngine sets)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        super().__init__()
+        self.loop = loop
+        self.async_engine: AsyncEngine | None = None
+        self.take_arrivals = None
+        self.aborted: list[tuple[str, int]] = []  # (request id, steps run before its abort)
+        self.mid_step: tuple[list[str], list] | None = None  # the requests and aborts seen within the third step
+
+    def abort_request(self, request_id: str) -> None:
+        from kvstrata.engine.request import RequestStatus
+
+        self.requests[request_id].status = RequestStatus.FINISHED_ABORTED
+        self.aborted.append((request_id, self.steps))
+
+    def step(self) -> list:
+        if self.steps == 2:
+            for command in (self.add("b"), _Abort("a"), self.add("c")):
+                self.async_engine._submit(command)
+            self.take_arrivals()  # the device computes the step meanwhile
+            self.mid_step = (sorted(self.requests), list(self.aborted))
+        return super().step()
+
+    def add(self, request_id: str) -> _Add:
+        from kvstrata.engine.sampling import SamplingParams
+
+        return _Add(request_id, [1], SamplingParams(max_tokens=5), None, None, time.perf_counter(), _Stream(self.loop))
+
+
+def test_requests_arriving_during_a_step_are_added_in_it_and_any_other_command_waits_for_its_end():
+    """A request queued while a step computes joins the engine within that step (its lookup and load start in
+    the step's shadow); an abort waits for the step's end, and so does every command behind it, in order."""
+    loop = asyncio.new_event_loop()
+    engine = ArrivalsDuringAStepEngine(loop)
+    async_engine = engine.async_engine = AsyncEngine(engine)
+    try:
+        async_engine._submit(engine.add("a"))
+        _wait_until(lambda: engine.mid_step is not None and "c" in engine.requests)
+    finally:
+        async_engine.shutdown()
+        loop.close()
+    assert engine.mid_step == (["a", "b"], [])
+    assert engine.aborted == [("a", 3)]  # after the third step, before the fourth
 
 
 def test_after_shutdown_the_stats_as_of_the_close_are_kept():
