@@ -41,6 +41,7 @@ from benchmarks.machine import provenance_lines, publish, results_record  # noqa
 
 DOC_TOKENS = 7000
 QUESTION_TOKENS = 16
+MAX_STEPS_TO_FIRST_TOKEN = 1000  # a hit's first token comes within a few steps: many more is a hang, not a figure
 FIGURES = ("ttft", "load", "gap", "stall")  # seconds, seconds, a ratio, seconds
 
 
@@ -110,6 +111,10 @@ def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float
     stalls: list[float] = []
     while question not in engine.requests or not engine.requests[question].output_token_ids:
         timed_step(engine, during, stalls)
+        if len(during) > MAX_STEPS_TO_FIRST_TOKEN:
+            request = engine.requests.get(question)
+            raise SystemExit(f"hit_beside_decodes: no first token after {len(during)} steps "
+                             f"({request and request.status}, {request and request.phases.phase})")
     receipt = engine.requests[question].receipt
     if receipt.cached_tokens_by_tier[case.tier] < DOC_TOKENS - 16:
         raise SystemExit(f"hit_beside_decodes: the question was not served by the {case.tier} tier: {receipt}")
