@@ -517,9 +517,13 @@ class KVCacheManager:
         if num_needed > len(reserved) + self.pool.num_free_blocks:
             if new_computed_blocks:
                 self.pool.free_blocks(list(reversed(new_computed_blocks)))
-                self._release_reserved(request)  # it is looked up again, and reserves again, later
-            if not blocks:  # a waiting request's admission
+            if not blocks:  # a waiting request's admission: it is looked up again, and reserves again, later
                 del self.req_to_blocks[request.request_id]
+                self._release_reserved(request)  # (whatever its prefix came to: a load that failed whole has none)
+                tail = self.tails.pop(request.request_id, None)
+                if tail is not None:
+                    self._abandoned.append(tail.load)
+                    self.release_abandoned()
                 self._refuse(request)
             return None
         blocks.extend(new_computed_blocks)

@@ -227,6 +227,33 @@ def test_preparing_the_next_step_neither_refuses_for_room_nor_touches_device_hit
     assert question.status == RequestStatus.LOADING and device_hit.status == RequestStatus.WAITING
 
 
+def test_a_load_that_failed_whole_and_found_no_room_at_admission_leaves_no_block_held():
+    """A request's load fails whole (nothing served: its prefix is empty) and, at its admission, the device has no
+    room for the prompt it must now compute: it goes back to the queue holding nothing, its blocks set aside for
+    the rest of its prompt released too, so that looking it up again reserves afresh and nothing is lost."""
+    kv = make_stack(device_blocks=16, cpu_blocks=16, gate_cpu=True)
+    pool = kv.pool
+    document = doc(31, 6 * BS + 1)
+    put_below(kv, document, 6)
+    cpu = kv.hierarchy.cpu
+    cpu.gate.clear()
+    request = new_request(document)
+    assert kv.get_computed_blocks(request) is None and request.request_id in kv.reserved
+    cpu.fail_reads = True
+    cpu.gate.set()
+    blocks, num_cached, _ = computed_blocks(kv, request)
+    assert (blocks, num_cached) == ([], 0)
+    hog = pool.get_new_blocks(pool.num_free_blocks - 2)  # room for 3 blocks with the reserved one, not for 7
+    assert kv.allocate_slots(request, request.num_tokens, blocks) is None
+    assert request.request_id not in kv.reserved
+    pool.free_blocks(hog)
+    cpu.fail_reads = False
+    blocks, num_cached, _ = computed_blocks(kv, request)  # looked up again: loads, and reserves again
+    assert num_cached == 6 * BS and kv.allocate_slots(request, 1, blocks) is not None
+    kv.free(request)
+    assert pool.num_free_blocks == pool.num_blocks
+
+
 # ---------------------------------------------------------------------------------------- counters
 
 
