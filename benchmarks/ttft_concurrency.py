@@ -192,12 +192,18 @@ def run_streams(driver: Driver, requests: list[dict], streams: int) -> None:
 def run_poisson(driver: Driver, requests: list[dict], plan: list[float]) -> None:
     start = time.perf_counter()
     pending = deque(zip(plan, requests))
-    while pending or driver.engine.has_unfinished_requests():
+
+    def submit_due() -> None:
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
-            # due while the last step ran: its TTFT counts from when it was due, as a server's would
+            # due while a step ran: its TTFT counts from when it was due, as a server's would
             due, spec = pending.popleft()
             driver.submit(spec, arrival_time=start + due)
+
+    # as the server does, the engine takes those due while a step computes within that step
+    driver.engine.take_arrivals = submit_due
+    while pending or driver.engine.has_unfinished_requests():
+        submit_due()
         if driver.engine.has_unfinished_requests():
             driver.step()
         elif pending:

@@ -48,31 +48,43 @@ def test_a_question_that_arrived_while_its_document_was_being_read_is_neither_hi
 
 
 class SlowStepEngine:
-    """An engine stand-in whose every step takes 0.2 s and finishes what it was given."""
+    """An engine stand-in whose every step takes 0.2 s, takes its arrivals halfway (`LLMEngine.take_arrivals`)
+    and finishes what it was given."""
 
     def __init__(self):
         self.arrivals: dict[str, float] = {}
         self.pending: list[str] = []
+        self.take_arrivals = None
+        self.added_mid_step: list[str] = []
+        self.stepping = False
 
     def add_request(self, request_id, token_ids, params, arrival_time):
         self.arrivals[request_id] = arrival_time
         self.pending.append(request_id)
+        if self.stepping:
+            self.added_mid_step.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)
 
     def step(self):
-        time.sleep(0.2)
+        self.stepping = True
+        time.sleep(0.1)
+        if self.take_arrivals is not None:
+            self.take_arrivals()
+        time.sleep(0.1)
+        self.stepping = False
         self.pending.clear()
         return []
 
 
-def test_a_poisson_arrival_due_during_a_step_counts_its_ttft_from_when_it_was_due():
+def test_a_poisson_arrival_due_during_a_step_is_taken_within_it_its_ttft_counted_from_when_it_was_due():
     engine = SlowStepEngine()
     specs = [{"index": i, "doc": 0, "token_ids": [1, 2, 3]} for i in range(2)]
     run_poisson(Driver(engine, params=None), specs, plan=[0.0, 0.05])  # the second is due mid-step
     first, second = engine.arrivals["c0"], engine.arrivals["c1"]
     assert second - first == pytest.approx(0.05, abs=0.01)  # not the 0.2 s step it was sent after
+    assert engine.added_mid_step == ["c1"]  # as a server takes it: in the step's shadow, not after the step
 
 
 class StreamingEngine:
