@@ -111,8 +111,9 @@ def build_engine(work_dir: Path, queue: Case | None = None, remote_url: str | No
 def add_during_next_step(engine, add: Callable[[], object]) -> None:
     """Have `add` (which adds a request) run while the engine's next step computes, as the server adds a request
     that arrives then (`LLMEngine.take_arrivals`); an engine without that hook (a baseline from before it) runs it
-    now, at the start of that step, which is where its server took such a request."""
-    if not hasattr(engine, "take_arrivals"):
+    now, at the start of that step, which is where its server took such a request; so does an idle engine (no
+    step computes: the request arrives between steps)."""
+    if not hasattr(engine, "take_arrivals") or not engine.has_unfinished_requests():
         add()
         return
 

@@ -529,12 +529,10 @@ class LLMEngine:
         # waits here, or the cost would never learn from one on a GPU (its time is the device's).
         # A step with prompt rows also ran the vocabulary projection over them: not a step the model prices.
         if not prompt_rows.count:
+            if not sampling and self.device.type == "cuda":  # this stream only: never a transfer's copies
+                torch.cuda.current_stream(self.device).synchronize()
             step_s = time.perf_counter() - started
-            if self.device.type == "cuda":
-                if not sampling:  # this stream only: never a transfer's copies
-                    torch.cuda.current_stream(self.device).synchronize()
-                step_s = time.perf_counter() - started
-            else:  # the step was computed before the next one's admission work began: not its cost
+            if self.device.type != "cuda":  # computed before the next step's admission work began: not its cost
                 step_s -= prepare_s
             self.scheduler.observe_step(out, step_s, replayed=self.runner.last_step_replayed)
         # The step computed the K/V of the blocks cached at allocation: now they can go down (the
