@@ -113,6 +113,7 @@ class Plan:
     stream_lead: int         # its tokens before the hit arrives
     test_paths: tuple[str, ...]  # where `pytest -m cuda` looks
     tests_timeout_s: float       # the tests section's limit (the compiled-kernel check stops ahead of it)
+    block_size: int = 16         # tokens per KV block in the engines' configs (cache.block_size)
 
 
 def make_plan(args) -> Plan:
@@ -122,9 +123,9 @@ def make_plan(args) -> Plan:
                        for m in models)
         # ... and one test file stands in for the suite: without CUDA every cuda test is skipped anyway
         return Plan(True, "cpu", tuple(args.sections), models, tuple(args.dtypes), (48, 96), 1,
-                    16 << 20, 64, 8, 2, ("tests/test_transfer.py",), args.tests_timeout)
+                    16 << 20, 64, 8, 2, ("tests/test_transfer.py",), args.tests_timeout, args.block_size)
     return Plan(False, "cuda", tuple(args.sections), models, tuple(args.dtypes), tuple(args.doc_tokens),
-                args.repeats, 1 << 30, 8192, 64, 16, ("tests",), args.tests_timeout)
+                args.repeats, 1 << 30, 8192, 64, 16, ("tests",), args.tests_timeout, args.block_size)
 
 
 STARTED = time.perf_counter()
@@ -361,12 +362,12 @@ def engine_config(plan: Plan, model: ModelCase, dtype: str, prompt_tokens: int, 
 
     from benchmarks.ttft_workload import blocks_for
 
-    blocks = blocks_for(prompt_tokens + plan.stream_tokens, 16)
+    blocks = blocks_for(prompt_tokens + plan.stream_tokens, plan.block_size)
     model_dtype, _, kv_cache_dtype = dtype.partition("/")  # "bfloat16/fp8": fp8 K/V beside bf16 weights
     overrides = {
         "model.name": model.name, "model.load_format": model.load_format, "model.dtype": model_dtype,
         "cache.kv_cache_dtype": kv_cache_dtype or "auto",
-        "model.device": plan.device, "cache.block_size": 16, "cache.offload": "write_through",
+        "model.device": plan.device, "cache.block_size": plan.block_size, "cache.offload": "write_through",
         "cache.tiers.device.size": 3 * blocks, "cache.tiers.cpu.size": 2 * blocks,
         "cache.tiers.disk.path": str(disk_path), "cache.tiers.disk.size": 2 * blocks,
         "cache.load_policy": load_policy}
@@ -740,7 +741,7 @@ def step_lines(rows: list[dict], result: dict) -> list[str]:
 
 def ttft_lines(rows: list[dict], result: dict) -> list[str]:
     lines = [f"Document `{DOCUMENT}` cut to each length, plus a question (benchmarks/data); configs/gpu.yaml "
-             f"with tiers sized for one document; median of {result['plan']['repeats']} passes after a warm-up. "
+             f"with {result['plan'].get('block_size', 16)}-token blocks and tiers sized for one document; median of {result['plan']['repeats']} passes after a warm-up. "
              "Miss: nothing cached. Device hit: the document cached on the device. CPU-tier hit: the device's "
              "cached blocks dropped, the document written through to the CPU tier. Disk hit: a fresh engine "
              "(empty device and CPU tiers) on the disk store the first one closed, page cache warm. Every hit "
@@ -831,6 +832,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tests-timeout", type=float, default=1800.0, metavar="SECONDS",
                    help="the tests section's limit; the compiled-kernel check stops a minute before it, so the "
                         "cases it reached are reported (on one H100 the section did not finish in 237 s)")
+    p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64),
+                   help="tokens per KV block in every engine the run makes (cache.block_size): a hit's host work "
+                        "is per block, so larger blocks make a long document's hit cheaper to admit")
     p.add_argument("--smoke", action="store_true",
                    help="every section on the CPU with tiny shapes (needs --out): checks the report runs")
     args = p.parse_args(argv)
@@ -898,6 +902,10 @@ def read_earlier_run(path: Path, result: dict) -> dict:
     if (name, smoke) != (result["device"]["name"], result["plan"]["smoke"]):
         raise ValueError(f"{path} was measured on {name!r}, this run is on {result['device']['name']!r}: "
                          "figures from two devices do not make one report")
+    block_size = earlier["plan"].get("block_size", 16)
+    if block_size != result["plan"]["block_size"]:
+        raise ValueError(f"{path} was measured with {block_size}-token blocks, this run uses "
+                         f"{result['plan']['block_size']}: their TTFTs do not make one table")
     return earlier
 
 
@@ -965,7 +973,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python benchmarks/gpu_report.py" + "".join(f" {shlex.quote(a)}" for a in argv),
               "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "source": source_state(),
               "plan": {"smoke": plan.smoke, "sections": list(plan.sections), "models": [m.key for m in plan.models],
-                       "dtypes": list(plan.dtypes), "doc_tokens": list(plan.doc_tokens), "repeats": plan.repeats},
+                       "dtypes": list(plan.dtypes), "doc_tokens": list(plan.doc_tokens), "repeats": plan.repeats,
+                       "block_size": plan.block_size},
               "device": describe_device(plan)}
     earlier = None
     if args.merge:

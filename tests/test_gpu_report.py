@@ -255,6 +255,23 @@ def test_figures_of_another_device_are_not_merged(tmp_path, capsys):
     assert gpu_report.main(["--smoke", "--merge", str(tmp_path / "missing.json"), "--out", str(second)]) == 2
 
 
+def test_a_run_with_another_block_size_is_its_own_report(tmp_path, capsys):
+    """`--block-size`: every engine of the run keeps its KV in blocks of that many tokens, and the report says so;
+    its TTFTs are not merged into a report measured with another size."""
+    first = tmp_path / "first.md"  # (the smoke run's prompts are of 88 and 135 tokens: two or three blocks)
+    assert gpu_report.main(["--smoke", "--sections", "ttft", "--models", "smollm2", "--dtypes", "bfloat16",
+                            "--block-size", "32", "--out", str(first)]) == 0
+    result = json.loads(first.with_suffix(".json").read_text())
+    assert result["plan"]["block_size"] == 32 and "with 32-token blocks" in first.read_text()
+    assert all(r["unexpected"] == [] for r in result["ttft"])
+    capsys.readouterr()
+    second = tmp_path / "second.md"
+    assert gpu_report.main(["--smoke", "--sections", "kernels", "--merge", str(first.with_suffix(".json")),
+                            "--out", str(second)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "32-token blocks" in err[0] and not second.exists()
+
+
 def test_graph_steps_builds_smollm2s_shape_without_the_embedded_tokenizer(tmp_path):
     from benchmarks import graph_steps
 
