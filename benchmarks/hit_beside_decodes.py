@@ -50,28 +50,32 @@ class HitCase:
     tier: str      # where the document's blocks are: "cpu", "disk" or "remote" (a valkey-server on loopback)
     num_seqs: int  # sequences decoding while the hit is admitted (0: alone)
     device_ms: float = 0.0  # every step also waits this long with the interpreter lock let go, as on a device
+    block_size: int = 16  # tokens per KV block: a hit's host work is per block (437 of them here at 16)
 
     @property
     def name(self) -> str:
         plural = "s" if self.num_seqs != 1 else ""
         beside = f"beside {self.num_seqs} decoding sequence{plural}" if self.num_seqs else "alone"
         device = f", steps waiting {self.device_ms:g} ms on the device" if self.device_ms else ""
-        return f"{self.tier} tier, {beside}{device}"
+        blocks = f", {self.block_size}-token blocks" if self.block_size != 16 else ""
+        return f"{self.tier} tier, {beside}{device}{blocks}"
 
 
 TIERS = ("cpu", "disk", "remote")
 CASES = ([HitCase(tier, num_seqs) for tier in TIERS for num_seqs in (0, 4)]
          + [HitCase(tier, 1, device_ms=10.0) for tier in TIERS]
          # SmolLM2's decode step on one H200 waits about 1.6 ms for its device (benchmarks/results/gpu_diag_h200.md)
-         + [HitCase(tier, 1, device_ms=2.0) for tier in ("cpu", "disk")])
+         + [HitCase(tier, 1, device_ms=2.0) for tier in ("cpu", "disk")]
+         + [HitCase("cpu", num_seqs, device_ms=2.0 if num_seqs else 0.0, block_size=block_size)
+            for block_size in (32, 64) for num_seqs in (0, 1)])
 
 
-def cache_config(tier: str, work_dir: Path, remote_url: str | None = None) -> dict:
+def cache_config(tier: str, work_dir: Path, remote_url: str | None = None, block_size: int = 16) -> dict:
     """Write-through (the document reaches its tier as it is computed) and every hit loaded, never recomputed."""
     tiers = {"cpu": {"cpu": {"size": "512MiB"}},
              "disk": {"disk": {"path": str(work_dir / "disk"), "size": "1GiB"}},
              "remote": {"remote": {"url": remote_url, "timeout": "1s"}}}[tier]
-    return {"offload": "write_through", "load_policy": "always_load", "tiers": tiers}
+    return {"offload": "write_through", "load_policy": "always_load", "tiers": tiers, "block_size": block_size}
 
 
 def timed_step(engine, durations: list[float], stalls: list[float] | None = None) -> None:
@@ -116,7 +120,7 @@ def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float
             raise SystemExit(f"hit_beside_decodes: no first token after {len(during)} steps "
                              f"({request and request.status}, {request and request.phases.phase})")
     receipt = engine.requests[question].receipt
-    if receipt.cached_tokens_by_tier[case.tier] < DOC_TOKENS - 16:
+    if receipt.cached_tokens_by_tier[case.tier] < DOC_TOKENS - case.block_size:
         raise SystemExit(f"hit_beside_decodes: the question was not served by the {case.tier} tier: {receipt}")
     for request_id in decoding:
         engine.abort_request(request_id)
@@ -174,7 +178,7 @@ def worker(cases: list[HitCase], hits: int) -> dict:
     with tempfile.TemporaryDirectory() as work_dir, ValkeyServer() as server:
         for n, case in enumerate(cases):
             case_dir = Path(work_dir) / f"case{n}"
-            engine = build_engine(case_dir, cache=cache_config(case.tier, case_dir, server.url))
+            engine = build_engine(case_dir, cache=cache_config(case.tier, case_dir, server.url, case.block_size))
             if case.device_ms:
                 engine.device_wait = DeviceWait(engine, case.device_ms / 1e3)
             engine.add_request("document", document + [5], SamplingParams(max_tokens=1))
