@@ -636,3 +636,55 @@ def test_a_span_of_a_requests_tokens_reads_across_its_prompt_and_its_output():
     for start in range(8):
         for stop in range(start, 8):
             assert request.token_ids(start, stop) == request.all_token_ids[start:stop]
+
+
+# ------------------------------------------------------------------ the engine: arrivals during a step
+
+
+def test_a_question_arriving_during_a_step_is_looked_up_in_it_and_answered_as_without_a_cache(tmp_path):
+    """The engine takes arrivals while the device computes a step (`LLMEngine.take_arrivals`, which the server's
+    loop sets) and does the next step's admission work then: a question on a document the CPU tier holds is
+    loading when the step it arrived in returns, the decoding request beside it goes on, and both get what
+    they get from an engine without a cache."""
+    from kvstrata import load_config
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    def engine(caching: bool) -> LLMEngine:
+        return LLMEngine(load_config({
+            "model": {"name": "tiny-llama", "load_format": "dummy", "device": "cpu", "dtype": "float32"},
+            "cache": {"enable_prefix_caching": caching, "offload": "write_through", "load_policy": "always_load",
+                      "tiers": {"device": {"size": 256}, "cpu": {"size": 256 if caching else 0},
+                                "disk": {"path": str(tmp_path / f"kv-{caching}"), "size": 0}}}}))
+
+    document, question = list(range(100, 100 + 20 * BS)), [7, 8, 9]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    cached = engine(True)
+    try:
+        cached.add_request("document", document + [5], SamplingParams(max_tokens=1))
+        while cached.has_unfinished_requests():
+            cached.step()
+        cached.hierarchy.wait_for_write_downs()
+        assert cached.hierarchy.clear_device_cache()
+        stream = cached.add_request("stream", list(range(300, 340)), SamplingParams(max_tokens=12, temperature=0.0))
+        while len(stream.output_token_ids) < 2:
+            cached.step()
+        arrived = []
+        cached.take_arrivals = lambda: arrived.append(cached.add_request("question", document + question, greedy))
+        cached.step()
+        assert len(arrived) == 1 and arrived[0].status == RequestStatus.LOADING
+        cached.take_arrivals = None
+        while cached.has_unfinished_requests():
+            cached.step()
+        answers = {r.request_id: r.output_token_ids for r in (stream, arrived[0])}
+        assert arrived[0].cached_tokens_by_tier["cpu"] == 20 * BS
+    finally:
+        cached.close()
+    uncached = engine(False)
+    try:
+        alone = [uncached.add_request("stream", list(range(300, 340)), SamplingParams(max_tokens=12, temperature=0.0)),
+                 uncached.add_request("question", document + question, greedy)]
+        while uncached.has_unfinished_requests():
+            uncached.step()
+        assert answers == {r.request_id: r.output_token_ids for r in alone}
+    finally:
+        uncached.close()
