@@ -164,6 +164,21 @@ def make_config(model_name, load_format, prompt_tokens, disk_path, policy, cpu=T
     return load_config(GPU_CONFIG, ov)
 
 
+def close_engine(engine, disk: Path) -> None:
+    """Close an engine (its cache goes down to disk) and remove its disk tier's store; the caller drops the
+    engine and collects (its parts refer to each other: only a collection frees its KV cache)."""
+    engine.close()
+    shutil.rmtree(disk, ignore_errors=True)
+
+
+def log_hits(recs: list[dict]) -> None:
+    for r in recs:
+        log(f"   {r.get('kind', 'hit')}: {r['ttft_ms']} ms {r['phases']} load {r['load_ms']} "
+            f"recomputed {r['recomputed']}")
+        for step in r["steps"]:
+            log(f"      {step}")
+
+
 def summarize(rec):
     r = rec["receipt"]
     return {"ttft_ms": round(rec["ttft_s"] * 1e3, 2), "cached": rec["cached_tokens_by_tier"],
@@ -206,16 +221,12 @@ def part_b(work: Path, model_name, load_format, doc_tokens):
                          "steps": tl.dump(n0)})
             settle(e)
             drop_device_cache(e)
-        e.close()
+        close_engine(e, disk)
         del e, tl
         gc.collect()
-        shutil.rmtree(disk, ignore_errors=True)
         out[policy] = {"miss": summarize(miss), "probe": probe, "hits": recs}
         log(f"B {model_name} {policy}: miss {out[policy]['miss']['ttft_ms']} probe {probe}")
-        for r in recs:
-            log(f"   {r['kind']}: {r['ttft_ms']} ms {r['phases']} load {r['load_ms']} recomputed {r['recomputed']}")
-            for s in r["steps"]:
-                log(f"      {s}")
+        log_hits(recs)
     results.setdefault("b", {})[model_name] = out
     save()
     return loaded, prompts
@@ -252,10 +263,9 @@ def part_c(work: Path, model_name, load_format, loaded, prompts):
                     "hit", prompts[1], SamplingParams(max_tokens=1, temperature=0.0), cache_salt=salt)))
         steps = tl.dump(max(0, hit_step - 3))[:16]
         gaps = [round((b - a) * 1e3, 2) for a, b in zip(times, times[1:])]
-        e.close()
+        close_engine(e, disk)
         del e, tl
         gc.collect()
-        shutil.rmtree(disk, ignore_errors=True)
         hit = hits[0]
         r = {"gaps_ms": gaps, "steps": steps, "hit_ttft_ms": round(hit.ttft_s * 1e3, 2),
              "hit_receipt": hit.receipt.to_dict() if hasattr(hit, "receipt") and hit.receipt else None}
@@ -289,19 +299,16 @@ def part_d(work: Path, model_name, load_format, loaded, prompts):
             recs.append({**summarize(ask(e, prompts[k], cache_salt=salt)), "steps": tl.dump(n0)})
             settle(e)
             drop_device_cache(e)
-        cost = e.scheduler.cost
+        cost, read = e.scheduler.cost, e.kv_manager.read_costs["cpu"]
         out[policy] = {"miss": summarize(miss), "hits": recs, "step_cost": {
             "overhead_ms": cost.overhead_s * 1e3, "replayed_overhead_ms": cost.replayed_overhead_s * 1e3,
-            "per_token_us": cost.per_token_s * 1e6, "cpu_read": vars(e.kv_manager.read_costs["cpu"])}}
-        e.close()
+            "per_token_us": cost.per_token_s * 1e6, "replay_tokens": cost.replay_tokens,
+            "cpu_read_latency_ms": read.latency_s * 1e3, "cpu_read_per_block_us": read.per_block_s * 1e6}}
+        close_engine(e, work / f"d-{policy}")
         del e, tl
         gc.collect()
-        shutil.rmtree(work / f"d-{policy}", ignore_errors=True)
         log(f"D {model_name} {policy}: miss {out[policy]['miss']['ttft_ms']} cost {out[policy]['step_cost']}")
-        for r in recs:
-            log(f"   {r['ttft_ms']} ms {r['phases']} load {r['load_ms']} recomputed {r['recomputed']}")
-            for step in r["steps"]:
-                log(f"      {step}")
+        log_hits(recs)
     results.setdefault("d", {})[model_name] = out
     save()
 

@@ -53,15 +53,21 @@ def fake_step(kv, scheduler: Scheduler) -> list[Request]:
     return sampled
 
 
+def a_document_below_and_a_request_decoding(kv, scheduler: Scheduler, seed: int) -> tuple[list[int], Request]:
+    """A document whose 6 blocks only the CPU tier holds, and a request past its prefill, decoding."""
+    document = doc(seed, 6 * BS + 1)
+    put_below(kv, document, 6)
+    decoding = new_request(doc(seed + 1, 2 * BS), max_tokens=10)
+    scheduler.add_request(decoding)
+    fake_step(kv, scheduler)  # its prefill
+    return document, decoding
+
+
 @pytest.mark.parametrize("offload", ["write_through", "on_evict"])
 def test_a_loading_request_waits_while_another_keeps_decoding(offload):
     kv = make_stack(device_blocks=32, cpu_blocks=16, offload=offload, gate_cpu=True)
     scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
-    document = doc(1, 6 * BS + 1)
-    put_below(kv, document, 6)
-    decoding = new_request(doc(2, 2 * BS), max_tokens=10)
-    scheduler.add_request(decoding)
-    fake_step(kv, scheduler)  # its prefill
+    document, decoding = a_document_below_and_a_request_decoding(kv, scheduler, 1)
 
     kv.hierarchy.cpu.gate.clear()  # the CPU tier's reads now wait: the load stays in flight
     loading = new_request(document)
@@ -170,11 +176,7 @@ def test_a_lower_tier_hit_arriving_during_a_step_starts_loading_and_lands_before
     cached on the device during the following step; the step after admits it, served right and counted once."""
     kv = make_stack(device_blocks=32, cpu_blocks=16, gate_cpu=True)
     scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
-    document = doc(20, 6 * BS + 1)
-    put_below(kv, document, 6)
-    decoding = new_request(doc(21, 2 * BS), max_tokens=10)
-    scheduler.add_request(decoding)
-    fake_step(kv, scheduler)  # its prefill
+    document, decoding = a_document_below_and_a_request_decoding(kv, scheduler, 20)
     kv.hierarchy.cpu.gate.clear()
 
     out = scheduler.schedule()  # a decode step runs...
