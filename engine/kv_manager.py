@@ -124,6 +124,9 @@ class KVCacheManager:
         block_nbytes = hierarchy.kv_cache[0].numel() * hierarchy.kv_cache.element_size()
         self.read_costs: dict[str, ReadCost] = {t: ReadCost(block_nbytes) for t in TIER_NAMES if t != "device"}
         self.step_cost = StepCost()
+        # A head computed while its tail loads is counted on to run beside the load on a CPU, not on a GPU
+        # (engine/load_policy.py).
+        self.heads_overlap_loads = hierarchy.kv_cache.device.type != "cuda"
 
     # ----------------------------------------------------------------- hashing
 
@@ -341,7 +344,7 @@ class KVCacheManager:
     def _choose_plan(self, request: Request, found_in: list[str]) -> LoadPlan:
         """What of the found prefix to use, load and recompute (`cache.load_policy`, engine/load_policy.py)."""
         return choose_plan(self.load_policy, found_in, request.num_tokens, self.block_size, self.step_cost,
-                           self.read_costs)
+                           self.read_costs, overlap=self.heads_overlap_loads)
 
     def _measure_load(self, load: PrefixLoad) -> None:
         """Fold a landed load into each serving tier's read cost: the job's time, shared between the

@@ -24,6 +24,17 @@ cut is a prefix boundary, and so is the end of the head.
   pays, and recomputing a whole document pays only where its load is slower than an eager step. Ties
   go to loading more.
 
+Where a head's step is not counted on to run while its tail loads (`overlap=False`: the KV cache on a GPU),
+the plan is priced `head_step + load(tail) + rest_step`: a head then pays only where computing its blocks beats
+loading them. On one H200 no head chosen beside a load paid for itself: a disk hit's 2256-token eager head,
+priced before eager steps had a fixed cost of their own, took 35-40 ms beside a 33 ms load (the first token at
+46-71 ms against 38-41 ms loading everything); a 3790-token disk hit with a head of about 1000 tokens took
+48.7 ms against a 23.8 ms miss; a SmolLM2 CPU-tier hit's 496-token replayed head waited 1.4 ms for its tail after
+its step and spent the 4 ms a faster load had saved (benchmarks/results/gpu_diag_h200.md, gpu.md). Why that
+tail did not land during the head's step is not known (benchmarks/gpu_diag.py part d times it); until it is, a
+head on a GPU is priced as if it did not overlap. On a CPU a head beside its tail's load gave the first token
+1.7x sooner (benchmarks/results/load_policy.md).
+
 Only cuts at the ends of runs (maximal stretches of blocks held by one tier) need pricing: within a run,
 each further block adds the same load time, while the compute it saves grows with its position (its
 tokens attend to more context), so the total is concave along a run and least at one of its ends. For
@@ -57,8 +68,9 @@ class LoadPlan:
 
 
 def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_size: int,
-                step_cost: StepCost, read_costs: Mapping[str, ReadCost]) -> LoadPlan:
-    """The plan for the prefix `found_in` (the tier of each leading block) of a `num_tokens`-token request."""
+                step_cost: StepCost, read_costs: Mapping[str, ReadCost], overlap: bool = True) -> LoadPlan:
+    """The plan for the prefix `found_in` (the tier of each leading block) of a `num_tokens`-token request;
+    `overlap`: whether a head's step runs while its tail loads (see the module doc)."""
     n = len(found_in)
     device_run = next((k for k, tier in enumerate(found_in) if tier != "device"), n)
     if policy == "always_load" or device_run == n:
@@ -81,14 +93,21 @@ def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_siz
 
     def estimated_s(head_end: int, cut: int) -> float:
         rest = step_cost.step_s(num_tokens - cut * block_size, cut * block_size)
-        return max(head_step_s(head_end), load_s(head_end, cut)) + rest
+        head, tail = head_step_s(head_end), load_s(head_end, cut)
+        return (max(head, tail) if overlap else head + tail) + rest
 
     # the longest head whose step is replayed as a CUDA graph: past it the head's fixed cost jumps to an eager step's
     longest_replayed = device_run + step_cost.replay_tokens // block_size
 
     def best_head_end(cut: int) -> int:
         """The head end where computing the head and loading the tail take the same time (or the
-        nearest block boundary on either side of it), or the longest replayed head, whichever is faster."""
+        nearest block boundary on either side of it), or the longest replayed head, whichever is faster;
+        without overlap, the end of a run (along one, each block adds the same load time to one side and a
+        growing compute time to the other) or the longest replayed head."""
+        if not overlap:
+            ends = [k for k in range(device_run, cut) if k == device_run or found_in[k] != found_in[k - 1]]
+            candidates = [*ends, *([longest_replayed] if device_run < longest_replayed < cut else [])]
+            return min(candidates, key=lambda h: (estimated_s(h, cut), h))
         lo, hi = device_run, cut  # the crossing lies in (lo, hi]: the head is free at lo and the tail at hi
         while hi - lo > 1:
             mid = (lo + hi) // 2

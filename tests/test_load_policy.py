@@ -132,6 +132,29 @@ def test_auto_prices_a_head_as_the_eager_step_it_is_on_a_gpu():
     assert slow.cut == 0 or slow.head_end >= 0.8 * 439
 
 
+def test_without_overlap_a_head_is_computed_only_where_that_beats_loading_it():
+    """On a GPU a head's step is not counted on to run while its tail loads (on one H200 no head chosen beside a
+    load paid for itself; engine/load_policy.py): priced one after the other, the head that meets its tail's load
+    halfway is not worth its step, but recomputing the blocks a slow tier holds before a fast one still is."""
+    def auto(found: list[str], cpu: ReadCost, disk: ReadCost, overlap: bool) -> LoadPlan:
+        return choose_plan("auto", found, len(found) * BS + 1, BS, compute(), {"cpu": cpu, "disk": disk},
+                           overlap=overlap)
+
+    found = ["device"] * 2 + ["cpu"] * 64
+    medium = ReadCost(1024, latency_s=0.0, per_block_s=0.01)  # as in the overlapping case above
+    assert auto(found, medium, fast(), overlap=True).overlaps
+    no_overlap = auto(found, medium, fast(), overlap=False)
+    assert not no_overlap.overlaps and no_overlap in (LoadPlan(2, 2, 66), LoadPlan(2, 2, 2))
+    split = ["disk"] * 16 + ["cpu"] * 16  # a slow tier's blocks first, a fast one's after
+    assert auto(split, fast(), slow(), overlap=False) == LoadPlan(0, 16, 32)
+    assert auto(found, fast(), fast(), overlap=False) == LoadPlan(2, 2, 66)  # loading is far faster: all loaded
+    assert auto(found, slow(), fast(), overlap=False) == LoadPlan(2, 2, 2)   # far slower: all computed
+
+
+def test_the_kv_manager_prices_heads_as_overlapping_their_loads_on_a_cpu():
+    assert make_stack(device_blocks=8, cpu_blocks=8).heads_overlap_loads  # on a GPU it is False
+
+
 def new_request(tokens: list[int]) -> Request:
     return Request(f"lp-{tokens[0]}-{len(tokens)}", list(tokens), SamplingParams(max_tokens=1, temperature=0))
 
