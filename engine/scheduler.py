@@ -172,8 +172,9 @@ class Scheduler:
         host time at a 7k-token CPU-tier hit's lookup and 1.7 ms at its landing, beside decodes whose device
         took about 1.6 ms a step (benchmarks/results/gpu_diag_h200.md): done here, most of it is hidden."""
         self.kv.finish_landed_loads()
-        if all(r.status == RequestStatus.LOADING for r in self.waiting):
-            return  # nobody to look up (a landed load is admitted by the next step, first)
+        if (len(self.running) + self.num_loading >= self.max_num_seqs
+                or all(r.status == RequestStatus.LOADING for r in self.waiting)):
+            return  # no sequence slot to start a load in, or nobody to look up (a landed load is admitted next)
         to_come = self.kv.blocks_to_come([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens])
         candidates = self._candidates(to_come)
         if self.policy == "uncached_first":
