@@ -191,6 +191,8 @@ class KVCacheManager:
         its lower-tier holds let go), before its request is admitted or its tail joins it. The engine calls
         this while the device computes a step: on a GPU, the host work of caching a 7k-token document's 443
         blocks was 1.7 ms of the next step's, on the path of every sequence decoding beside it."""
+        if not self.prefix_loads and not self.tails:
+            return  # (every decode step asks)
         for load in [*self.prefix_loads.values(), *(tail.load for tail in self.tails.values())]:
             if load.hit is None and load.ready:
                 self._finish_load(load)

@@ -172,11 +172,15 @@ class Scheduler:
         host time at a 7k-token CPU-tier hit's lookup and 1.7 ms at its landing, beside decodes whose device
         took about 1.6 ms a step (benchmarks/results/gpu_diag_h200.md): done here, most of it is hidden."""
         self.kv.finish_landed_loads()
-        if (len(self.running) + self.num_loading >= self.max_num_seqs
+        if (not self.waiting or len(self.running) + self.num_loading >= self.max_num_seqs
                 or all(r.status == RequestStatus.LOADING for r in self.waiting)):
             return  # no sequence slot to start a load in, or nobody to look up (a landed load is admitted next)
+        if self._refused is not None and self.kv.is_refused(self._refused):
+            return  # the device had no room for the last admissions, and has none now: the next step asks again
         to_come = self.kv.blocks_to_come([r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens])
         candidates = self._candidates(to_come)
+        if not any(r.status != RequestStatus.LOADING and self._loads_below(r) for r in candidates):
+            return  # no load to start: ordering a queue of misses behind a full device at every step cost 0.1 ms
         if self.policy == "uncached_first":
             candidates, _ = self._order(candidates, self.max_num_batched_tokens)
         num_seqs = len(self.running) + self.num_loading
