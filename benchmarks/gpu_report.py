@@ -741,7 +741,8 @@ def step_lines(rows: list[dict], result: dict) -> list[str]:
 
 def ttft_lines(rows: list[dict], result: dict) -> list[str]:
     lines = [f"Document `{DOCUMENT}` cut to each length, plus a question (benchmarks/data); configs/gpu.yaml "
-             f"with {result['plan'].get('block_size', 16)}-token blocks and tiers sized for one document; median of {result['plan']['repeats']} passes after a warm-up. "
+             f"with {result['plan'].get('block_size', 16)}-token blocks and tiers sized for one document; "
+             f"median of {result['plan']['repeats']} passes after a warm-up. "
              "Miss: nothing cached. Device hit: the document cached on the device. CPU-tier hit: the device's "
              "cached blocks dropped, the document written through to the CPU tier. Disk hit: a fresh engine "
              "(empty device and CPU tiers) on the disk store the first one closed, page cache warm. Every hit "
