@@ -142,9 +142,7 @@ class KVCacheManager:
     def _block_tokens(self, request: Request, start: int, stop: int) -> list[tuple[int, ...]]:
         """The token ids of blocks `start .. stop - 1`, a tuple each: the form the tiers keep and compare."""
         bs = self.block_size
-        ids = request.token_ids(start * bs, stop * bs)
-        if len(ids) % bs:  # (a block not full: the caller's range runs past the known tokens)
-            return [tuple(ids[k:k + bs]) for k in range(0, len(ids), bs)]
+        ids = request.token_ids(start * bs, stop * bs)  # full blocks only: the ones a chain hash names
         return list(zip(*[iter(ids)] * bs))  # each block's tuple made in C: 437 a document
 
     # ----------------------------------------------------------------- the scheduler's calls

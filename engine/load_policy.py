@@ -98,6 +98,8 @@ def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_siz
 
     # the longest head whose step is replayed as a CUDA graph: past it the head's fixed cost jumps to an eager step's
     longest_replayed = device_run + step_cost.replay_tokens // block_size
+    # where each run of blocks held by one tier starts, after the device hits (and the prefix's end)
+    run_ends = [k for k in range(device_run, n + 1) if k == n or k == device_run or found_in[k] != found_in[k - 1]]
 
     def best_head_end(cut: int) -> int:
         """The head end where computing the head and loading the tail take the same time (or the
@@ -105,7 +107,7 @@ def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_siz
         without overlap, the end of a run (along one, each block adds the same load time to one side and a
         growing compute time to the other) or the longest replayed head."""
         if not overlap:
-            ends = [k for k in range(device_run, cut) if k == device_run or found_in[k] != found_in[k - 1]]
+            ends = [k for k in run_ends if k < cut]
             candidates = [*ends, *([longest_replayed] if device_run < longest_replayed < cut else [])]
             return min(candidates, key=lambda h: (estimated_s(h, cut), h))
         lo, hi = device_run, cut  # the crossing lies in (lo, hi]: the head is free at lo and the tail at hi
@@ -118,7 +120,7 @@ def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_siz
         candidates = (lo, hi, longest_replayed) if device_run < longest_replayed < cut else (lo, hi)
         return min(candidates, key=lambda h: (estimated_s(h, cut), h))
 
-    cuts = [k for k in range(device_run, n + 1) if k == n or k == device_run or found_in[k] != found_in[k - 1]]
+    cuts = list(run_ends)
     first_replayed_rest = -(-(num_tokens - step_cost.replay_tokens) // block_size)
     if step_cost.replay_tokens and device_run < first_replayed_rest < n:
         cuts.append(first_replayed_rest)
