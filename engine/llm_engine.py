@@ -505,8 +505,6 @@ class LLMEngine:
             self._record_prompt_logprobs(logits[len(sampled_logits):], prompt_rows)
         self.scheduler.update_after_step(out)
         prefilled = [s.request for s in out.scheduled if s.samples and s.request.prefill_only]
-        for request in prefilled:  # a document's blocks are computed: nothing to generate
-            self._finish(request, RequestStatus.FINISHED_LENGTH)
         sampling = [s.request for s in out.scheduled if s.samples and not s.request.prefill_only]
         token_ids = self._sample(sampling, sampled_logits) if sampling else None
         # The next step's admission work that does not depend on this step's tokens, done while the device
@@ -535,6 +533,11 @@ class LLMEngine:
             if self.device.type != "cuda":  # computed before the next step's admission work began: not its cost
                 step_s -= prepare_s
             self.scheduler.observe_step(out, step_s, replayed=self.runner.last_step_replayed)
+        # A document's blocks are computed: nothing to generate. Freed only now that the step has been read back
+        # (or waited for): a load started in the step's shadow may be given any free block, and copies into it at
+        # once, beside the step (tiers/transfer.py).
+        for request in prefilled:
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
         # The step computed the K/V of the blocks cached at allocation: now they can go down (the
         # transfer engine copies them in the background). A block reused before its copy is done is
         # waited for by the pool's eviction hook, so nothing is lost.

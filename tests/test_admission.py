@@ -690,3 +690,36 @@ def test_a_question_arriving_during_a_step_is_looked_up_in_it_and_answered_as_wi
         assert answers == {r.request_id: r.output_token_ids for r in alone}
     finally:
         uncached.close()
+
+
+def test_no_block_a_step_computes_is_free_while_the_step_runs_so_a_load_started_then_cannot_overwrite_it():
+    """Loads started in a step's shadow (`LLMEngine.take_arrivals`, `Scheduler.prepare_next_step`) copy into
+    free blocks at once, beside the step on a GPU (tiers/transfer.py): so no block of the step may be free
+    until the step has been read back. A document sent to be cached (prefill only) is the case: it finishes
+    in the step that computes its last blocks."""
+    from kvstrata import load_config
+    from kvstrata.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(load_config({
+        "model": {"name": "tiny-llama", "load_format": "dummy", "device": "cpu", "dtype": "float32"},
+        "cache": {"tiers": {"device": {"size": 256}, "cpu": {"size": 0}, "disk": {"size": 0}}}}))
+    try:
+        stream = engine.add_request("stream", list(range(300, 340)), SamplingParams(max_tokens=8, temperature=0.0))
+        engine.step()
+        document = engine.add_request("document", list(range(100, 100 + 4 * BS)), SamplingParams(max_tokens=1),
+                                      prefill_only=True)
+        in_shadow = []
+
+        def look():  # what a load started now could be given, against what the step computes
+            free = {b.block_id for b in engine.kv_manager.pool.free_block_queue.get_all_free_blocks()}
+            in_step = {b for r in (stream, document) for b in engine.kv_manager.get_block_ids(r)}
+            in_shadow.append((free & in_step, document.is_finished))
+
+        engine.take_arrivals = look
+        finished = engine.step()
+        assert in_shadow == [(set(), False)], "a block the step computes was free during the step"
+        assert document in finished and document.is_finished
+        assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks - len(
+            engine.kv_manager.get_block_ids(stream)), "the document's blocks were not freed after the step"
+    finally:
+        engine.close()

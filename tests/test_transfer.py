@@ -391,6 +391,23 @@ def test_on_cuda_a_store_copies_what_the_compute_stream_wrote_before_it_was_subm
     transfers.close()
 
 
+@pytest.mark.cuda
+def test_on_cuda_a_load_lands_while_the_compute_stream_is_still_busy():
+    """A load started while a step computes (in its shadow) copies beside the step, not after it: it writes free
+    blocks only, which no queued step touches."""
+    kv = CUDA_LAYOUT.allocate(4, device="cuda")
+    transfers = TransferEngine(kv)
+    source = torch.randint(0, 256, (2, CUDA_LAYOUT.block_nbytes), dtype=torch.uint8)
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(2_000_000_000)  # about a second of a busy compute stream
+    job = transfers.load([1, 3], fill_from(source))
+    assert job.wait(60) and job.served == [True, True]
+    assert not compute.query(), "the load waited for the compute stream"
+    compute.synchronize()
+    assert all(torch.equal(as_bytes(kv[b]).cpu(), source[i]) for i, b in enumerate([1, 3]))
+    transfers.close()
+
+
 @pytest.mark.parametrize("fill_threads", [1, 2, 4, 8, 16])
 def test_each_half_of_the_default_staging_gives_every_fill_thread_a_part(fill_threads):
     """A chunk is filled in parts of at least MIN_FILL_PART_BYTES, one per fill thread: with staging too small for

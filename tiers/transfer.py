@@ -26,6 +26,9 @@ Invariants the caller relies on:
 - a store job's device blocks are not read after `copied` is set, so a block may be reused once
   `wait_copied()` returns;
 - a load job writes only its own device blocks, and nothing after `done` is set;
+- the caller hands a load only blocks that no step queued on the device still reads or writes (free
+  blocks, freed once their step was read back): on CUDA a load does not wait for the compute stream, so
+  one started while a step computes copies beside it;
 - a failure inside `fill` or `drain` is logged and ends the job: a load then reports the failed
   chunk's blocks and every later one as not served; nothing is raised on the step thread;
 - `fill` may run on several threads at once, for disjoint parts of a job (the tiers' reads are
@@ -152,7 +155,7 @@ class Transfer:
     served: list[bool] = field(default_factory=list)
     failed: bool = False
     seconds: float = 0.0  # how long the job took on its worker, from its start to its completion
-    _after: object = None  # CUDA: an event on the compute stream that the job's copies wait for
+    _after: object = None  # CUDA, stores: an event on the compute stream that the job's copies wait for
     _copied: threading.Event = field(default_factory=threading.Event)
     _done: threading.Event = field(default_factory=threading.Event)
 
@@ -443,9 +446,12 @@ class _CudaDirection(_Direction):
             unpin(self._registered.pop())
 
     def _prepare(self, transfer: Transfer) -> None:
-        # The job must come after the work queued on the compute stream so far: a store reads blocks
-        # the last step computed; a load overwrites blocks that a finished step may still have read.
-        transfer._after = torch.cuda.current_stream(self.kv_cache.device).record_event()
+        # A store must come after the work queued on the compute stream so far: it reads blocks the last step
+        # computed. A load need not: it writes free blocks only, and no queued step touches one (the caller's
+        # invariant: a block is freed only once the step that used it has been read back). So a load started
+        # while a step computes copies beside it instead of after it.
+        if self.name == "store":
+            transfer._after = torch.cuda.current_stream(self.kv_cache.device).record_event()
 
     def _chunks(self, transfer: Transfer):
         if self.device is None:
@@ -462,7 +468,6 @@ class _CudaDirection(_Direction):
 
     def _load(self, transfer: Transfer, work: tuple[Fill, Lend | None]) -> None:
         fill, lend = work
-        self.stream.wait_event(transfer._after)
         lent_chunks: list[LentBlocks] = []
         try:
             for half, start, ids in self._chunks(transfer):
