@@ -135,9 +135,8 @@ def one_hit(engine, case: HitCase, document: list[int], tag: str) -> tuple[float
 class DeviceWait:
     """A device under the engine: each step's kernels take `seconds` from its launch, and reading its tokens back
     waits for them with the interpreter lock let go, as on a GPU, where the host goes on with the next step's
-    admission work meanwhile (`Scheduler.prepare_next_step`), then lands the loads that land before the step is done.
-    An engine that reads its tokens back at once (a baseline before that work moved there) waits in the launch
-    instead: there was nothing to do between."""
+    admission work meanwhile (`Scheduler.prepare_next_step`). An engine that reads its tokens back at once (a
+    baseline before that work moved there) waits in the launch instead: there was nothing to do between."""
 
     def __init__(self, engine, seconds: float):
         self.seconds, self.waited_s, self._ready_at = seconds, 0.0, 0.0
@@ -145,20 +144,6 @@ class DeviceWait:
         self._read_back = getattr(engine, "_read_back", None)
         if self._read_back is not None:
             engine._read_back = self._wait_and_read
-        # An engine that lands loads while its device computes (`finish_loads_until`) asks this device whether
-        # the step is done; the time it waits there for a load is the device's, not a stall.
-        self._finish_loads_until = getattr(engine.kv_manager, "finish_loads_until", None)
-        if self._finish_loads_until is not None:
-            engine._step_computed = lambda: self._computed
-            engine.kv_manager.finish_loads_until = self._land_while_computing
-
-    def _computed(self) -> bool:
-        return time.perf_counter() >= self._ready_at
-
-    def _land_while_computing(self, stop, poll_s: float) -> None:
-        started, cpu_started = time.perf_counter(), time.thread_time()
-        self._finish_loads_until(stop, poll_s)
-        self.waited_s += max(0.0, time.perf_counter() - started - (time.thread_time() - cpu_started))
 
     def _launch(self, step):
         logits = self._execute(step)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from kvstrata.engine.costs import ReadCost, StepCost
 from kvstrata.engine.hashing import BlockHasher
@@ -196,20 +196,6 @@ class KVCacheManager:
         for load in [*self.prefix_loads.values(), *(tail.load for tail in self.tails.values())]:
             if load.hit is None and load.ready:
                 self._finish_load(load)
-
-    def finish_loads_until(self, stop: Callable[[], bool], poll_s: float) -> None:
-        """Finish each load as it lands (`finish_landed_loads`) until `stop()` is true or none is left in flight,
-        checking `stop` at least every `poll_s` seconds. The engine waits so for a step's device work: a load
-        landing then is cached there, not in the next step's `schedule`, on the path of every sequence decoding.
-        One that lands after the step (or is seen after it: the host may be late) is left to the next step, which
-        has its own device time to cache it in, or admits it."""
-        while not stop():
-            in_flight = [load.transfer for load in (*self.prefix_loads.values(), *(t.load for t in self.tails.values()))
-                         if load.hit is None and not load.ready]
-            if not in_flight:
-                return
-            if self.hierarchy.transfers.wait_any(in_flight, poll_s) and not stop():
-                self.finish_landed_loads()
 
     def _finish_load(self, load: PrefixLoad) -> PrefixHit:
         """`finish_prefix`, its load timed once (pricing later loads)."""

@@ -47,7 +47,6 @@ from kvstrata.tiers.transfer import TransferEngine, default_fill_threads
 
 logger = logging.getLogger("kvstrata")
 LOAD_WAIT_S = 0.05  # the longest an otherwise idle step waits for a prefix load to land
-LANDING_POLL_S = 5e-5  # while loads are in flight, how often the host asks whether the device is done with a step
 
 # Blocks of prompt log-probabilities kept (engine/prompt_logprobs.py; about 2.7 KB each): enough for
 # what the device and the tiers below it hold of the documents being scored, within a bound.
@@ -508,15 +507,12 @@ class LLMEngine:
         prefilled = [s.request for s in out.scheduled if s.samples and s.request.prefill_only]
         sampling = [s.request for s in out.scheduled if s.samples and not s.request.prefill_only]
         token_ids = self._sample(sampling, sampled_logits) if sampling else None
-        computed = self._step_computed()
         # The next step's admission work that does not depend on this step's tokens, done while the device
-        # computes them (on a CPU the step is computed already: the same work, only earlier). Then, until the
-        # device is done, the loads that land meanwhile are cached.
+        # computes them (on a CPU the step is computed already: the same work, only earlier).
         prepare_started = time.perf_counter()
         if self.take_arrivals is not None:
             self.take_arrivals()
         self.scheduler.prepare_next_step()
-        self.kv_manager.finish_loads_until(computed, LANDING_POLL_S)
         prepare_s = time.perf_counter() - prepare_started
         if sampling:
             logprobs = compute_logprobs(sampled_logits, token_ids, [r.sampling_params.logprobs for r in sampling])
@@ -557,15 +553,6 @@ class LLMEngine:
                                  self.loaded.model_config.eos_token_ids)
         adjusted = mask_logits(adjusted, [self._grammar_matchers.get(r.request_id) for r in sampling], raw=logits)
         return sample(adjusted, params, [self._generators[r.request_id] for r in sampling])
-
-    def _step_computed(self) -> Callable[[], bool]:
-        """Whether the device has finished the work queued so far (the step just launched), asked without
-        waiting: a CUDA event's query. On a CPU the step was computed at its launch."""
-        if self.device.type != "cuda":
-            return lambda: True
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event.query
 
     @staticmethod
     def _read_back(token_ids: torch.Tensor) -> list[int]:

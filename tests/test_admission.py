@@ -205,41 +205,6 @@ def test_a_lower_tier_hit_arriving_during_a_step_starts_loading_and_lands_before
     assert kv.stats().queries == 2 and kv.stats().hit_blocks["cpu"] == 6
 
 
-def test_a_load_landing_while_the_device_computes_is_cached_then_and_the_wait_ends_with_the_step():
-    """After the next step's admission work, the engine waits for the device's step by finishing the loads that
-    land meanwhile (`KVCacheManager.finish_loads_until`): a load landing during the step is cached in it, and the
-    wait ends as soon as the step is done or nothing is left in flight."""
-    import threading
-
-    kv = make_stack(device_blocks=32, cpu_blocks=16, gate_cpu=True)
-    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
-    document, decoding = a_document_below_and_a_request_decoding(kv, scheduler, 25)
-    kv.hierarchy.cpu.gate.clear()
-    out = scheduler.schedule()
-    question = new_request(document)
-    scheduler.add_request(question)
-    scheduler.update_after_step(out)
-    scheduler.prepare_next_step()
-    assert kv.is_loading(question)
-
-    kv.finish_loads_until(lambda: True, 1e-3)  # the step is done: the host reads its tokens back at once
-    assert kv.pool.get_cached_block(question.block_hashes[0]) is None
-
-    step_done = threading.Event()
-    watchdog = threading.Timer(30, step_done.set)  # a step that never ended would hang the test, not pass it
-    watchdog.start()
-    threading.Timer(0.05, kv.hierarchy.cpu.gate.set).start()  # the load lands while the device computes
-    kv.finish_loads_until(step_done.is_set, 1e-3)
-    watchdog.cancel()
-    assert not step_done.is_set(), "the wait outlasted the loads in flight"
-    assert all(kv.pool.get_cached_block(h) is not None for h in question.block_hashes[:6])
-    assert not kv.hierarchy.cpu.inner._holds
-    decoding.output_token_ids.append(1)  # the step's token, read back
-    out = scheduler.schedule()
-    assert [s.request for s in out.scheduled] == [decoding, question]
-    assert_prefix_bytes(kv, kv.req_to_blocks[question.request_id][:6], question.block_hashes)
-
-
 def test_preparing_the_next_step_neither_refuses_for_room_nor_touches_device_hits():
     """Room is judged by the next step, after this one's finished requests have freed theirs: looking ahead,
     a load the device has no room for yet is not started, and the request is not remembered as refused. A
