@@ -397,6 +397,7 @@ def test_on_cuda_a_load_lands_while_the_compute_stream_is_still_busy():
     blocks only, which no queued step touches."""
     kv = CUDA_LAYOUT.allocate(4, device="cuda")
     transfers = TransferEngine(kv)
+    transfers.allocate_staging()  # pinning and device allocations may wait for the device: done before it is busy
     source = torch.randint(0, 256, (2, CUDA_LAYOUT.block_nbytes), dtype=torch.uint8)
     compute = torch.cuda.current_stream()
     torch.cuda._sleep(2_000_000_000)  # about a second of a busy compute stream
