@@ -525,10 +525,7 @@ class KVCacheManager:
             if not blocks:  # a waiting request's admission: it is looked up again, and reserves again, later
                 del self.req_to_blocks[request.request_id]
                 self._release_reserved(request)  # (whatever its prefix came to: a load that failed whole has none)
-                tail = self.tails.pop(request.request_id, None)
-                if tail is not None:
-                    self._abandoned.append(tail.load)
-                    self.release_abandoned()
+                self._abandon_loads(request)
                 self._refuse(request)
             return None
         blocks.extend(new_computed_blocks)
@@ -561,11 +558,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its unique suffix is evicted before shared roots.
         A prefix still loading is released once it lands (its device blocks are being written)."""
-        tail = self.tails.pop(request.request_id, None)
-        loads = [x for x in (self.prefix_loads.pop(request.request_id, None), tail and tail.load) if x is not None]
-        if loads:
-            self._abandoned.extend(loads)
-            self.release_abandoned()
+        self._abandon_loads(request)
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
         self._lower_lookups.pop(request.request_id, None)
@@ -575,6 +568,14 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(list(reversed(blocks)))
         self._release_reserved(request)
+
+    def _abandon_loads(self, request: Request) -> None:
+        """Let go of the request's prefix load and tail, if any: released now if landed, else once they land."""
+        tail = self.tails.pop(request.request_id, None)
+        loads = [x for x in (self.prefix_loads.pop(request.request_id, None), tail and tail.load) if x is not None]
+        if loads:
+            self._abandoned.extend(loads)
+            self.release_abandoned()
 
     def _release_reserved(self, request: Request) -> None:
         reserved = self.reserved.pop(request.request_id, [])

@@ -106,10 +106,9 @@ def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_siz
         nearest block boundary on either side of it), or the longest replayed head, whichever is faster;
         without overlap, the end of a run (along one, each block adds the same load time to one side and a
         growing compute time to the other) or the longest replayed head."""
+        replayed = [longest_replayed] if device_run < longest_replayed < cut else []
         if not overlap:
-            ends = [k for k in run_ends if k < cut]
-            candidates = [*ends, *([longest_replayed] if device_run < longest_replayed < cut else [])]
-            return min(candidates, key=lambda h: (estimated_s(h, cut), h))
+            return min([*(k for k in run_ends if k < cut), *replayed], key=lambda h: (estimated_s(h, cut), h))
         lo, hi = device_run, cut  # the crossing lies in (lo, hi]: the head is free at lo and the tail at hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -117,8 +116,7 @@ def choose_plan(policy: str, found_in: Sequence[str], num_tokens: int, block_siz
                 hi = mid
             else:
                 lo = mid
-        candidates = (lo, hi, longest_replayed) if device_run < longest_replayed < cut else (lo, hi)
-        return min(candidates, key=lambda h: (estimated_s(h, cut), h))
+        return min([lo, hi, *replayed], key=lambda h: (estimated_s(h, cut), h))
 
     cuts = list(run_ends)
     first_replayed_rest = -(-(num_tokens - step_cost.replay_tokens) // block_size)
