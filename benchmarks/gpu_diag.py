@@ -9,9 +9,13 @@
 - c: a decode stream with a CPU-tier hit admitted beside it (as gpu_report's gap section): the stream's gaps and
   the timeline of the steps around the hit (with the next step's admission work done while each computes);
 - d: CPU-tier hits alone under `auto` and `always_load`: each one's receipt and its steps' timeline, and the
-  step cost the load policy priced them with.
+  step cost the load policy priced them with;
+- e: would loading a CPU-tier hit layer by layer pay (random blocks of both shapes, 7000 tokens): the copy of a
+  document's pinned rows in groups of layers (a copy per block and group, or one strided 2-D copy per group), a
+  question's compute (modelled as device sleeps) after the whole load against layer by layer beside it, and whether
+  a captured CUDA graph's waits on external events honour events recorded after capture.
 
-    python benchmarks/gpu_diag.py --parts a,b,c,d --models smollm2 --out-dir DIR
+    python benchmarks/gpu_diag.py --parts a,b,c,d,e --models smollm2 --out-dir DIR
 
 Without CUDA it runs on the CPU on small shapes (`--models tiny` for a two-layer random model): every path, none of
 the cost.
@@ -30,6 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(REPO_ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 OUT = Path("gpu_diag")  # where diag.json goes: `--out-dir`
@@ -313,12 +318,269 @@ def part_d(work: Path, model_name, load_format, loaded, prompts):
     save()
 
 
+# ---------------------------------------------------------------- E: would loading layer by layer pay?
+# A CPU-tier hit now lands whole before its question computes. Loading it layer by layer would let layer l compute
+# once its own layer's blocks are in (SGLang HiCache's layer-wise loading). With the block-major layout a layer is
+# a slice of every block: these measure what moving such slices costs, what overlapping them with a question's
+# compute would save, and whether a captured CUDA graph honours per-layer waits on events recorded after capture.
+LAYER_GROUPS = (1, 2, 4, 8, 0)  # groups of layers moved apart (0: one per layer)
+LAYER_COMPUTE_MS = (0.08, 0.22)  # a question's compute per layer: SmolLM2's and the 8B shape's device hits, one H200
+
+
+def part_e():
+    from benchmarks.gpu_report import promotion_layouts
+
+    cuda = torch.cuda.is_available()
+    out = {}
+    for name, layout in promotion_layouts().items():
+        n = (7000 if cuda else 256) // layout.block_size
+        # the CPU tier's slab rows (pinned, lent to a load) and the device blocks they go to, as bytes
+        dev = "cuda" if cuda else "cpu"
+        src = torch.empty((n, layout.block_nbytes), dtype=torch.uint8, pin_memory=cuda)
+        src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8, device=dev))  # (made on the device: fast)
+        dst = torch.zeros_like(src, device=dev)
+        layers = layout.num_layers
+        copies = []
+        for mode in ("per_block", "2d"):
+            for groups in LAYER_GROUPS:
+                row = _guarded(lambda: _best_group_copy(src, dst, layers, groups or layers, mode))
+                copies.append({"mode": mode, "groups": groups or layers, **row})
+                log(f"E {name} copy {copies[-1]}")
+        overlap = []
+        for layer_ms in LAYER_COMPUTE_MS:
+            row = _guarded(lambda: _overlap_trial(src, dst, layers, layer_ms))
+            overlap.append({"layer_ms": layer_ms, **row})
+            log(f"E {name} overlap {overlap[-1]}")
+        graph = _guarded(lambda: _graph_waits(layers, LAYER_COMPUTE_MS[0])) if cuda else None
+        log(f"E {name} graph {graph}")
+        out[name] = {"blocks": n, "mb": round(n * layout.block_nbytes / 1e6, 1), "copies": copies,
+                     "overlap": overlap, "graph": graph}
+        del src, dst
+        gc.collect()
+    results["e"] = out
+    save()
+
+
+def _guarded(measure) -> dict:
+    """`measure()`, or what went wrong: one failed trial must not cost the rest of a run on a lent GPU."""
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001 - a diagnostic records its failures
+        log(f"E failed: {e!r}")
+        return {"error": repr(e)}
+
+
+def _group_bounds(block_nbytes: int, layers: int, groups: int) -> list[tuple[int, int]]:
+    """Each group's byte range within a block: whole layers, as even as they divide."""
+    layer_nbytes = block_nbytes // layers
+    cuts = [layers * k // groups * layer_nbytes for k in range(groups + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def _copy_group(src: torch.Tensor, dst: torch.Tensor, lo: int, hi: int, mode: str) -> None:
+    """Bytes `lo:hi` of every block: one copy per block (`per_block`), or one strided copy for all (`2d`)."""
+    if mode == "per_block":
+        if dst.is_cuda:
+            torch._foreach_copy_([dst[b, lo:hi] for b in range(len(dst))], [src[b, lo:hi] for b in range(len(src))],
+                                 non_blocking=True)
+        else:
+            for b in range(len(dst)):
+                np.copyto(dst[b, lo:hi].numpy(), src[b, lo:hi].numpy())
+    elif dst.is_cuda:
+        _memcpy_2d(dst[:, lo:hi], src[:, lo:hi])
+    else:
+        np.copyto(dst[:, lo:hi].numpy(), src[:, lo:hi].numpy())
+
+
+def _best_group_copy(src, dst, layers: int, groups: int, mode: str, repeats: int = 5) -> dict:
+    """The copy of every block in `groups` groups of layers, best of `repeats`: its total time, the time until the
+    first group had landed (the earliest a question's first layer could start), the host's time issuing it."""
+    bounds = _group_bounds(src.shape[1], layers, groups)
+    runs = []
+    for _ in range(repeats):
+        dst.zero_()
+        if dst.is_cuda:
+            torch.cuda.synchronize()
+            stream = torch.cuda.Stream()
+            start, landed = torch.cuda.Event(enable_timing=True), [torch.cuda.Event(enable_timing=True) for _ in bounds]
+            with torch.cuda.stream(stream):
+                start.record()
+                issued = time.perf_counter()
+                for (lo, hi), event in zip(bounds, landed):
+                    _copy_group(src, dst, lo, hi, mode)
+                    event.record()
+                issue_s = time.perf_counter() - issued
+            stream.synchronize()
+            first_ms, total_ms = start.elapsed_time(landed[0]), start.elapsed_time(landed[-1])
+        else:
+            started = time.perf_counter()
+            first_ms = None
+            for lo, hi in bounds:
+                _copy_group(src, dst, lo, hi, mode)
+                first_ms = first_ms or (time.perf_counter() - started) * 1e3
+            total_ms = (time.perf_counter() - started) * 1e3
+            issue_s = total_ms / 1e3
+        runs.append({"total_ms": round(total_ms, 3), "first_group_ms": round(first_ms, 3),
+                     "issue_ms": round(issue_s * 1e3, 3)})
+    assert torch.equal(dst.cpu(), src), "a copy in groups of layers moved other bytes"
+    best = min(runs, key=lambda r: r["total_ms"])
+    return {**best, "gbps": round(src.numel() / best["total_ms"] / 1e6, 2)}
+
+
+_cudart = None
+
+
+def _memcpy_2d(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` of two 2-D byte views with rows apart (pinned host to device), as one cudaMemcpy2DAsync on
+    the current stream: torch's own copy of strided views goes through a pageable contiguous copy."""
+    global _cudart
+    if _cudart is None:
+        import ctypes
+        with open("/proc/self/maps") as maps:  # the CUDA runtime torch has loaded
+            path = next(line.split()[-1] for line in maps if "libcudart.so" in line)
+        _cudart = ctypes.CDLL(path)
+        _cudart.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                              ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    rows, width = dst.shape
+    error = _cudart.cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), width, rows,
+                                      4, torch.cuda.current_stream().cuda_stream)  # 4: cudaMemcpyDefault
+    if error:
+        raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {error}")
+
+
+def _overlap_trial(src, dst, layers: int, layer_ms: float) -> dict:
+    """A question computing `layers` layers of `layer_ms` each (modelled as a wait on the device, a sleep on the
+    host) beside a load of every block: after the whole load has landed (today), and layer by layer, layer l
+    once its own slices have (2-D copies, one a layer). Also each alone."""
+    bounds = _group_bounds(src.shape[1], layers, layers)
+    run = _device_trial if dst.is_cuda else _host_trial
+    timed = {"compute_alone_ms": run(src, dst, bounds, layer_ms, copy=False, layered=False),
+             "copy_then_compute_ms": run(src, dst, bounds, layer_ms, copy=True, layered=False),
+             "layer_by_layer_ms": run(src, dst, bounds, layer_ms, copy=True, layered=True)}
+    timed = {k: round(v, 3) for k, v in timed.items()}
+    return {**timed, "layered_saves": round(timed["copy_then_compute_ms"] / timed["layer_by_layer_ms"], 2)}
+
+
+def _sleep_cycles_per_ms() -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def _device_trial(src, dst, bounds, layer_ms: float, copy: bool, layered: bool, repeats: int = 5) -> float:
+    cycles = int(_sleep_cycles_per_ms() * layer_ms)
+    compute, load = torch.cuda.Stream(), torch.cuda.Stream()  # neither the default stream, which others may wait for
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        landed = [torch.cuda.Event() for _ in bounds]
+        start.record(compute)
+        if copy:
+            load.wait_event(start)
+            with torch.cuda.stream(load):
+                if layered:
+                    for (lo, hi), event in zip(bounds, landed):
+                        _memcpy_2d(dst[:, lo:hi], src[:, lo:hi])
+                        event.record()
+                else:
+                    dst.copy_(src, non_blocking=True)
+                    landed[-1].record()
+        with torch.cuda.stream(compute):
+            for layer, event in enumerate(landed):
+                if copy and (layered or layer == 0):
+                    compute.wait_event(event if layered else landed[-1])
+                torch.cuda._sleep(cycles)
+        end.record(compute)
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
+
+
+def _host_trial(src, dst, bounds, layer_ms: float, copy: bool, layered: bool, repeats: int = 3) -> float:
+    import threading
+
+    best = float("inf")
+    for _ in range(repeats):
+        landed = [threading.Event() for _ in bounds]
+
+        def load():
+            for (lo, hi), event in zip(bounds, landed):
+                np.copyto(dst[:, lo:hi].numpy(), src[:, lo:hi].numpy())
+                if layered:
+                    event.set()
+            for event in landed:
+                event.set()
+
+        started = time.perf_counter()
+        loader = threading.Thread(target=load) if copy else None
+        if loader is not None:
+            loader.start()
+        for layer, event in enumerate(landed):
+            if copy:
+                (event if layered else landed[-1]).wait()
+            time.sleep(layer_ms / 1e3)
+        best = min(best, (time.perf_counter() - started) * 1e3)
+        if loader is not None:
+            loader.join()
+    return best
+
+
+def _graph_waits(layers: int, layer_ms: float) -> dict:
+    """A captured CUDA graph of `layers` sleeps, each after a wait on an external event: its replay time with
+    nothing in flight, with the events recorded behind a busy side stream before the replay's launch, and after
+    it. A wait honoured makes the replay last about as long as the side stream's busy time."""
+    cycles_per_ms = _sleep_cycles_per_ms()
+    events = [torch.cuda.Event(external=True) for _ in range(layers)]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for event in events:
+            event.record()  # made now: a wait on an event never recorded is no wait
+    side.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for event in events:
+            event.wait()
+            torch.cuda._sleep(int(cycles_per_ms * layer_ms))
+    busy_ms = 20.0
+    compute = torch.cuda.Stream()  # not the default stream, which others may wait for
+
+    def replay(record_before: bool | None) -> float:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if record_before is not None:
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(int(cycles_per_ms * busy_ms))
+                if record_before:
+                    for event in events:
+                        event.record()
+        with torch.cuda.stream(compute):
+            start.record()
+            graph.replay()
+            end.record()
+        if record_before is False:
+            with torch.cuda.stream(side):
+                for event in events:
+                    event.record()
+        end.synchronize()
+        return round(start.elapsed_time(end), 3)
+
+    idle, before, after = replay(None), replay(True), replay(False)
+    return {"compute_ms": round(layers * layer_ms, 3), "side_busy_ms": busy_ms, "replay_idle_ms": idle,
+            "replay_events_recorded_before_ms": before, "replay_events_recorded_after_ms": after,
+            "waits_honoured_recorded_before": before >= 0.9 * busy_ms,
+            "waits_honoured_recorded_after": after >= 0.9 * busy_ms}
+
+
 def main(argv=None):
     import argparse
 
     global OUT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="a,b,c,d")
+    parser.add_argument("--parts", default="a,b,c,d,e")
     parser.add_argument("--models", default="smollm2", help="smollm2, llama-3-8b or tiny, comma-separated")
     parser.add_argument("--out-dir", type=Path, default=OUT, help="where diag.json is written (default: ./gpu_diag)")
     args = parser.parse_args(argv)
@@ -329,6 +591,8 @@ def main(argv=None):
     log(f"device {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}")
     if "a" in parts:
         part_a(work)
+    if "e" in parts:
+        part_e()
     for m in models:
         name, fmt = {"smollm2": ("smollm2-135m-instruct", "auto"), "llama-3-8b": ("llama-3-8b", "dummy"),
                      "tiny": ("tiny-llama", "dummy")}[m]
