@@ -399,6 +399,7 @@ def test_on_cuda_a_load_lands_while_the_compute_stream_is_still_busy():
     transfers = TransferEngine(kv)
     transfers.allocate_staging()  # pinning and device allocations may wait for the device: done before it is busy
     source = torch.randint(0, 256, (2, CUDA_LAYOUT.block_nbytes), dtype=torch.uint8)
+    transfers.load([1, 3], fill_from(torch.zeros_like(source))).wait()  # so may the first allocations on its stream
     compute = torch.cuda.current_stream()
     torch.cuda._sleep(2_000_000_000)  # about a second of a busy compute stream
     job = transfers.load([1, 3], fill_from(source))
