@@ -2,7 +2,7 @@
 
 - a: warm disk promotions through fresh disk tiers (reader processes) and transfer engines, the first against the
   best of the four after it, for several counts of readers and sizes of pinned staging (random blocks of SmolLM2's
-  and Llama-3-8B's shape);
+  and Llama-3-8B's shape), and the last one's fill parts by staging chunk (when each began and ended);
 - b: a document's disk hit after a restart (a fresh engine on the store another closed; no CPU tier) and two more
   in the same engine with its device cache dropped, under `auto` and `always_load`: each request's receipt and the
   timeline of the engine steps that served it (the scheduler's time, the runner's launch time, the step's wall time);
@@ -78,18 +78,28 @@ def part_a(work: Path):
             te = TransferEngine(kv, staging_bytes=staging << 20, fill_threads=threads, shared_staging=True)
             disk = DiskTier(layout, path, cap, check_integrity=False, read_processes=readers)
             disk.share(kv, *te.shared_host_buffers())
-            times = []
+            times, parts = [], []
+
+            def fill(start, views):  # each part a fill thread reads, timed
+                began = time.perf_counter()
+                served = disk.get(hashes[start:start + len(views)], tokens[start:start + len(views)], views)
+                parts.append((start, began, time.perf_counter()))
+                return served
+
             for rep in range(5):
+                parts.clear()
                 t0 = time.perf_counter()
-                job = te.load(list(range(n)), lambda s, v: disk.get(hashes[s:s + len(v)], tokens[s:s + len(v)], v))
+                job = te.load(list(range(n)), fill)
                 job.wait()
                 times.append(time.perf_counter() - t0)
                 assert all(job.served)
+            chunk = getattr(te._loads, "chunk", n)  # blocks a half of the staging holds (CUDA)
             disk.close()
             te.close()
             row = {"block": name, "readers": readers, "threads": threads, "staging_mb": staging,
                    "first_gbps": nbytes / times[0] / 1e9, "best_gbps": nbytes / min(times[1:]) / 1e9,
-                   "all_ms": [round(t * 1e3, 1) for t in times]}
+                   "all_ms": [round(t * 1e3, 1) for t in times],
+                   "last_by_chunk": fill_timeline(parts, t0, chunk)}
             log(f"A {row}")
             rows.append(row)
             del kv, te, disk
@@ -97,6 +107,23 @@ def part_a(work: Path):
         shutil.rmtree(path, ignore_errors=True)
     results["a"] = rows
     save()
+
+
+def fill_timeline(parts: list[tuple[int, float, float]], t0: float, chunk: int) -> list[dict]:
+    """A promotion's fill parts (first block, start, end), by staging chunk: when the chunk's first part began and
+    its last ended (ms from the job's submission), its parts' median and slowest time (one slow reader holds its
+    whole chunk up), and how many ran."""
+    by_chunk: dict[int, list[tuple[float, float]]] = {}
+    for start, began, ended in parts:
+        by_chunk.setdefault(start // chunk, []).append(((began - t0) * 1e3, (ended - t0) * 1e3))
+    rows = []
+    for k in sorted(by_chunk):
+        spans = by_chunk[k]
+        took = sorted(b - a for a, b in spans)
+        rows.append({"chunk": k, "parts": len(spans), "began_ms": round(min(a for a, _ in spans), 2),
+                     "ended_ms": round(max(b for _, b in spans), 2), "median_part_ms": round(took[len(took) // 2], 2),
+                     "slowest_part_ms": round(took[-1], 2)})
+    return rows
 
 
 # ---------------------------------------------------------------- timeline

@@ -17,6 +17,10 @@ def test_every_part_records_its_figures(tmp_path, monkeypatch):
     result = json.loads((tmp_path / "diag.json").read_text())
     assert [(r["readers"], r["threads"]) for r in result["a"]] == [(2, 2), (2, 2)]  # both block shapes
     assert all(r["first_gbps"] > 0 and r["best_gbps"] > 0 for r in result["a"])
+    for r in result["a"]:  # the last promotion's fill parts: each chunk's span holds its parts
+        assert r["last_by_chunk"] and all(
+            c["parts"] >= 1 and c["began_ms"] <= c["ended_ms"] and c["median_part_ms"] <= c["slowest_part_ms"]
+            for c in r["last_by_chunk"])
     for policy, run in result["b"]["tiny-llama"].items():
         assert [h["kind"] for h in run["hits"]] == ["first after restart", "warm engine", "warm engine"]
         for hit in run["hits"]:
