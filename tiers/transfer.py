@@ -215,7 +215,14 @@ class TransferEngine:
 
     def store(self, block_ids: Sequence[int], drain: Drain) -> Transfer:
         """Copy device blocks `block_ids` out (as computed so far) and hand them to `drain`, in the background."""
-        return self._stores.submit(Transfer(list(block_ids)), drain)
+        transfer = Transfer(list(block_ids))
+        if self.on_cuda and transfer.block_ids:
+            # A store must come after the work queued on the compute stream so far: it reads blocks the last step
+            # computed. A load need not: it writes free blocks only, and no queued step touches one (the caller's
+            # invariant: a block is freed only once the step that used it has been read back). So a load started
+            # while a step computes copies beside it instead of after it.
+            transfer._after = torch.cuda.current_stream(self.kv_cache.device).record_event()
+        return self._stores.submit(transfer, drain)
 
     def allocate_staging(self) -> None:
         """Allocate (and page-lock) both directions' staging now, on the calling thread, if not yet: otherwise the
@@ -307,7 +314,6 @@ class _Direction:
         if not transfer.block_ids:
             self._finish(transfer)
             return transfer
-        self._prepare(transfer)
         self._last = transfer
         self._jobs.put((transfer, work))
         return transfer
@@ -351,9 +357,6 @@ class _Direction:
 
     def shared_host_buffers(self) -> list[torch.Tensor]:
         return []
-
-    def _prepare(self, transfer: Transfer) -> None:
-        """On the submitting (step) thread, before the job is queued."""
 
     def _load(self, transfer: Transfer, work: tuple[Fill, Lend | None]) -> None:
         raise NotImplementedError
@@ -444,14 +447,6 @@ class _CudaDirection(_Direction):
         super().stop()
         while self._registered:
             unpin(self._registered.pop())
-
-    def _prepare(self, transfer: Transfer) -> None:
-        # A store must come after the work queued on the compute stream so far: it reads blocks the last step
-        # computed. A load need not: it writes free blocks only, and no queued step touches one (the caller's
-        # invariant: a block is freed only once the step that used it has been read back). So a load started
-        # while a step computes copies beside it instead of after it.
-        if self.name == "store":
-            transfer._after = torch.cuda.current_stream(self.kv_cache.device).record_event()
 
     def _chunks(self, transfer: Transfer):
         if self.device is None:
