@@ -100,14 +100,23 @@ def test_config_check_of_a_bad_override_is_one_line_and_exit_2(tmp_path):
     assert_one_line_error(result, "cache.hash: unknown value 'md5'")
 
 
-def test_config_check_needs_neither_torch_nor_transformers(tmp_path):
+@pytest.mark.parametrize("cpu_flags", [{"avx2"}, {"avx2", "avx512f", "amx_tile", "amx_bf16"}],
+                         ids=["without-amx", "with-amx"])
+def test_config_check_needs_neither_torch_nor_transformers(tmp_path, cpu_flags):
+    # Sizes in blocks need the block's dtype, so `dtype: auto` asks whether the CPU has AMX: on either CPU
+    # the answer must come without torch (the probe's flags are patched, so this runs the same everywhere).
     probe = ("import sys, contextlib, io\n"
+             "from kvstrata.engine.config import probes\n"
+             f"probes._cpuinfo_flags = lambda: set({sorted(cpu_flags)!r})\n"
+             "probes._kernel_grants_amx = lambda: True\n"
              "from kvstrata.cli import main\n"
              "with contextlib.redirect_stdout(io.StringIO()):\n"
              f"    assert main(['config', 'check', {str(CONFIGS / 'pressure.yaml')!r}]) == 0\n"
              "heavy = sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules)\n"
              "assert not heavy, heavy\n")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "KVSTRATA_CPU_AMX"}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                            env=env)
     assert result.returncode == 0, result.stderr
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstrata.engine import config as config_module
+from kvstrata.engine.config import machine, probes
+from kvstrata.engine.model_spec import EMBEDDED_MODEL
 from kvstrata.engine.config import ENV_OVERRIDES, ConfigError, load_config
 from kvstrata.engine.sizes import Size
 from kvstrata.tiers import TIER_NAMES, storage
@@ -56,14 +57,14 @@ def config_error(source, overrides=None) -> ConfigError:
 @pytest.mark.parametrize("name", ["default.yaml", "pressure.yaml"])
 def test_shipped_config_loads_on_a_laptop(name, tmp_path):
     config = load_config(CONFIGS / name)
-    assert config.model.name == config_module.EMBEDDED_MODEL
+    assert config.model.name == EMBEDDED_MODEL
     assert enabled_tiers(config) == ("device", "cpu", "disk")
     assert config.cache.tiers.disk.path.parent == tmp_path  # ./kvstore... resolved against the current directory
 
 
 def test_gpu_config_loads_on_a_gpu_server(monkeypatch):
-    monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: 256 * GiB)
-    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index, explicit=False: 80 * GiB)
+    monkeypatch.setattr(machine, "available_ram_bytes", lambda: 256 * GiB)
+    monkeypatch.setattr(machine, "gpu_memory_bytes", lambda index, explicit=False: 80 * GiB)
     monkeypatch.setattr(storage, "room_bytes", lambda path: 1024 * GiB)
     config = load_config(CONFIGS / "gpu.yaml")
     assert config.cache.tiers.device.size == Size(nbytes=8 * GiB)
@@ -72,8 +73,8 @@ def test_gpu_config_loads_on_a_gpu_server(monkeypatch):
 
 
 def test_gpu_config_is_refused_where_its_cpu_tier_does_not_fit(monkeypatch):
-    monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: 16 * GiB)
-    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index, explicit=False: 80 * GiB)
+    monkeypatch.setattr(machine, "available_ram_bytes", lambda: 16 * GiB)
+    monkeypatch.setattr(machine, "gpu_memory_bytes", lambda index, explicit=False: 80 * GiB)
     assert config_error(CONFIGS / "gpu.yaml").key == "cache.tiers.cpu.size"
 
 
@@ -173,7 +174,7 @@ def test_the_kv_cache_dtype_is_the_models_unless_set(kv_cache_dtype, model_dtype
 @pytest.fixture
 def two_gpus(monkeypatch):
     """A machine with cuda:0 and cuda:1 of 80 GiB each (as nvidia-smi or torch would report them)."""
-    monkeypatch.setattr(config_module, "_gpu_memory_bytes",
+    monkeypatch.setattr(machine, "gpu_memory_bytes",
                         lambda index, explicit=False: 80 * GiB if index < 2 else None)
 
 
@@ -195,7 +196,7 @@ def test_cuda_device_the_machine_lacks_is_refused(two_gpus):
 def test_cuda_device_on_a_machine_without_a_gpu_is_refused_by_asking_torch(monkeypatch):
     import torch
 
-    monkeypatch.setattr(config_module.shutil, "which", lambda name: None)  # no nvidia-smi
+    monkeypatch.setattr(machine.shutil, "which", lambda name: None)  # no nvidia-smi
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     error = config_error({"model": {"device": "cuda"}})
     assert error.key == "model.device" and "no CUDA device is visible" in str(error)
@@ -474,7 +475,7 @@ def test_device_tier_on_cpu_larger_than_ram_is_refused():
 
 
 def test_device_tier_larger_than_the_gpu_is_refused(monkeypatch):
-    monkeypatch.setattr(config_module, "_gpu_memory_bytes", lambda index, explicit=False: 8 * GiB)
+    monkeypatch.setattr(machine, "gpu_memory_bytes", lambda index, explicit=False: 8 * GiB)
     error = config_error({"cache": {"tiers": {"device": {"size": "16GiB"}}}})  # device: auto finds the GPU
     assert error.key == "cache.tiers.device.size" and "cuda:0" in str(error)
     assert load_config({"cache": {"tiers": {"device": {"size": "4GiB"}}}}).cache.tiers.device.size.nbytes == 4 * GiB
@@ -493,9 +494,9 @@ def test_block_counts_are_checked_like_byte_sizes_with_the_models_block_size(tie
     """A block count is bytes once the model's shape (read without loading it) and dtype are known:
     the same limit refuses 1000 blocks and accepts 999 whether the size says blocks or bytes."""
     limit = 999 * SMOLLM2_FP32_BLOCK_NBYTES + SMOLLM2_FP32_BLOCK_NBYTES // 2
-    monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: limit if tier != "disk" else 100 * GiB)
+    monkeypatch.setattr(machine, "available_ram_bytes", lambda: limit if tier != "disk" else 100 * GiB)
     monkeypatch.setattr(storage, "room_bytes", lambda path: limit)
-    monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: False)  # auto: float32
+    monkeypatch.setattr(probes, "cpu_has_amx", lambda: False)  # auto: float32
     cpu_tier_only = {"device": {"size": 1}} if tier == "cpu" else {}
 
     def tiers(size):
@@ -503,7 +504,7 @@ def test_block_counts_are_checked_like_byte_sizes_with_the_models_block_size(tie
         return {"model": {"device": "cpu"}, "cache": {"tiers": {**cpu_tier_only, tier: {"size": size, **extra}}}}
 
     if tier == "cpu":  # the device tier on the CPU takes its share of the RAM first
-        monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: limit + SMOLLM2_FP32_BLOCK_NBYTES)
+        monkeypatch.setattr(machine, "available_ram_bytes", lambda: limit + SMOLLM2_FP32_BLOCK_NBYTES)
     load_config(tiers(999))
     load_config(tiers(f"{999 * SMOLLM2_FP32_BLOCK_NBYTES}B"))
     error = config_error(tiers(1000))
@@ -527,7 +528,7 @@ def test_config_sizes_a_block_as_the_engine_lays_it_out(kv_cache_dtype):
 
     config = load_config({"model": {"dtype": "float32"}, "cache": {"kv_cache_dtype": kv_cache_dtype}})
     layout = BlockLayout(30, config.cache.block_size, 3, 64, getattr(torch, config.resolved_kv_cache_dtype()))
-    assert config_module._TierBytes(config).block_nbytes == layout.block_nbytes
+    assert machine.TierBytes(config).block_nbytes == layout.block_nbytes
 
 
 def test_a_block_count_far_beyond_the_machine_is_refused_before_serving():
@@ -537,15 +538,15 @@ def test_a_block_count_far_beyond_the_machine_is_refused_before_serving():
 
 
 def test_pinned_cpu_tier_counts_what_the_allocator_rounds_it_up_to(two_gpus, monkeypatch):
-    monkeypatch.setattr(config_module, "_available_ram_bytes", lambda: 48 * GiB)
+    monkeypatch.setattr(machine, "available_ram_bytes", lambda: 48 * GiB)
     tiers = {"device": {"size": "1GiB"}, "cpu": {"size": "33GiB"}}
     error = config_error({"model": {"device": "cuda"}, "cache": {"tiers": tiers}})
     assert error.key == "cache.tiers.cpu.size" and "64.0 GiB once rounded up" in str(error)
     unpinned = {**tiers, "cpu": {"size": "33GiB", "pinned": False}}
     assert load_config({"model": {"device": "cuda"}, "cache": {"tiers": unpinned}}).cache.tiers.cpu.size.nbytes \
         == 33 * GiB
-    assert config_module.pinned_allocation_bytes(32 * GiB) == 32 * GiB
-    assert config_module.pinned_allocation_bytes(32 * GiB + 1) == 64 * GiB
+    assert machine.pinned_allocation_bytes(32 * GiB) == 32 * GiB
+    assert machine.pinned_allocation_bytes(32 * GiB + 1) == 64 * GiB
 
 
 # ---------------------------------------------------------------------------------- what auto means
@@ -561,34 +562,58 @@ def test_a_half_precision_dtype_much_slower_than_float32_on_the_cpu_is_warned_ab
 
 @pytest.mark.parametrize("amx, dtype", [(False, "float32"), (True, "bfloat16")])
 def test_auto_dtype_on_a_cpu_is_float32_unless_it_has_amx(monkeypatch, amx, dtype):
-    monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(probes, "cpu_has_amx", lambda: amx)
     assert load_config({"model": {"device": "cpu"}}).resolved_dtype() == dtype
 
 
 @pytest.mark.parametrize("capability, dtype", [((9, 0), "bfloat16"), ((8, 0), "bfloat16"), ((7, 5), "float16")])
 def test_auto_dtype_on_a_gpu_is_bfloat16_where_it_computes_it_natively(two_gpus, monkeypatch, capability, dtype):
-    monkeypatch.setattr(config_module, "_cuda_capability", lambda index: capability)
+    monkeypatch.setattr(probes, "_cuda_capability", lambda index: capability)
     assert load_config({"model": {"device": "cuda:1"}}).resolved_dtype() == dtype
 
 
 def test_explicit_dtype_is_kept_whatever_the_machine(monkeypatch):
-    monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: True)
+    monkeypatch.setattr(probes, "cpu_has_amx", lambda: True)
     assert load_config({"model": {"device": "cpu", "dtype": "fp32"}}).resolved_dtype() == "float32"
-    monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: False)
+    monkeypatch.setattr(probes, "cpu_has_amx", lambda: False)
     assert load_config({"model": {"device": "cpu", "dtype": "bf16"}}).resolved_dtype() == "bfloat16"
 
 
-def test_this_machines_cpu_check_agrees_with_torch():
+def test_this_machines_cpu_check_agrees_with_torch(monkeypatch):
     import torch
 
-    assert config_module._cpu_has_amx() == torch.cpu._is_amx_tile_supported()
+    monkeypatch.delenv(probes.AMX_OVERRIDE_VARIABLE, raising=False)
+    assert probes.cpu_has_amx() == torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.parametrize("flags, kernel_grants, amx", [
+    ({"avx2", "fma"}, True, False),                              # an AVX2 CPU
+    ({"avx512f", "avx512_bf16"}, True, False),                   # AVX-512 without tiles
+    ({"avx512f", "amx_tile", "amx_bf16", "amx_int8"}, True, True),  # Sapphire Rapids and later
+    ({"amx_tile", "amx_int8"}, True, False),                     # tiles without bfloat16
+    ({"amx_tile", "amx_bf16"}, False, False),                    # a kernel that refuses the tile state
+    (None, True, False),                                         # no /proc/cpuinfo (not Linux)
+])
+def test_the_amx_probe_reads_the_cpu_flags_and_the_kernel_never_torch(monkeypatch, flags, kernel_grants, amx):
+    monkeypatch.delenv(probes.AMX_OVERRIDE_VARIABLE, raising=False)
+    monkeypatch.setattr(probes, "_cpuinfo_flags", lambda: flags)
+    monkeypatch.setattr(probes, "_kernel_grants_amx", lambda: kernel_grants)
+    assert probes.cpu_has_amx() is amx
+    assert load_config({"model": {"device": "cpu"}}).resolved_dtype() == ("bfloat16" if amx else "float32")
+
+
+@pytest.mark.parametrize("forced, amx", [("1", True), ("0", False)])
+def test_the_amx_probe_can_be_forced_either_way(monkeypatch, forced, amx):
+    monkeypatch.setenv(probes.AMX_OVERRIDE_VARIABLE, forced)
+    monkeypatch.setattr(probes, "_cpuinfo_flags", lambda: {"amx_tile", "amx_bf16"} if not amx else {"avx2"})
+    assert probes.cpu_has_amx() is amx
 
 
 @pytest.mark.parametrize("usable, physical, threads", [(1, 1, 1), (2, 2, 1), (2, 1, 1), (4, 2, 1), (4, 4, 4),
                                                        (8, 4, 4), (6, 8, 6), (64, 32, 16)])
 def test_auto_threads_is_one_per_physical_core_capped_and_one_on_two_cores(monkeypatch, usable, physical, threads):
-    monkeypatch.setattr(config_module.os, "sched_getaffinity", lambda pid: set(range(usable)))
-    monkeypatch.setattr(config_module.psutil, "cpu_count", lambda logical=True: physical)
+    monkeypatch.setattr(probes.os, "sched_getaffinity", lambda pid: set(range(usable)))
+    monkeypatch.setattr(probes.psutil, "cpu_count", lambda logical=True: physical)
     config = load_config()
     assert config.model.threads == "auto" and config.resolved_threads() == threads
     assert load_config({"model": {"threads": 3}}).resolved_threads() == 3

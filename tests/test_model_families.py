@@ -185,11 +185,11 @@ def tiny_dummy(tmp_path: Path, **model) -> dict:
 def test_auto_dtype_is_what_stats_and_metrics_report_and_what_the_cache_is_keyed_by(tmp_path, monkeypatch):
     """`auto` resolves before anything is hashed: an engine asked for float32 by name finds the
     blocks an `auto` engine (a CPU without AMX) wrote, and stats and /metrics say float32."""
-    from kvstrata.engine import config as config_module
+    from kvstrata.engine.config import probes
     from kvstrata.engine.async_engine import EngineSnapshot
     from kvstrata.serving.metrics import ServingMetrics
 
-    monkeypatch.setattr(config_module, "_cpu_has_amx", lambda: False)
+    monkeypatch.setattr(probes, "cpu_has_amx", lambda: False)
     prompt = "The library opens at nine and closes at six. " * 8
     with LLM(load_config(tiny_dummy(tmp_path, dtype="auto", threads=1))) as auto:
         assert auto.generate(prompt, GREEDY)[0].cached_tokens == 0
