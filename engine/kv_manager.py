@@ -213,7 +213,9 @@ class KVCacheManager:
         # blocks to compute: the head (while the tail loads) and the prompt after the cut
         fresh = plan.head_end - plan.device_run + -(-request.num_tokens // self.block_size) - plan.cut
         used = [*range(plan.device_run), *range(plan.head_end, plan.cut)]
-        if not self._room_for_load([hashes[k] for k in used], [found_in[k] for k in used], fresh):
+        # a load, or a head computed before its tail (which may be all on the device), reserves the rest
+        reserves = plan.overlaps or any(found_in[k] != "device" for k in used)
+        if reserves and not self._room_for_load([hashes[k] for k in used], [found_in[k] for k in used], fresh):
             if refuse:
                 self._refuse(request)
             return None
@@ -234,7 +236,7 @@ class KVCacheManager:
                                                  self._block_tokens(request, plan.head_end, plan.cut),
                                                  found_in[plan.head_end:plan.cut], parent=hashes[plan.head_end - 1])
             self.tails[request.request_id] = Tail(tail, plan.head_end, plan.cut)
-        if load.transfer is not None or plan.overlaps:
+        if reserves:
             self.reserved[request.request_id] = self.pool.get_new_blocks(fresh)
         if load.transfer is not None:  # submitted: the load phase starts, landed or not
             self._enter_load_phase(request, load)
@@ -323,11 +325,8 @@ class KVCacheManager:
 
     def _room_for_load(self, hashes: list[bytes], found_in: list[str], rest: int) -> bool:
         """Whether the blocks `hashes`, laid out as `found_in`, can start loading: the device can take
-        those found below it and `rest` more, once its device hits (some now free and cached) are held.
-        Trivially so when all are on the device: nothing loads."""
+        those found below it and `rest` more, once its device hits (some now free and cached) are held."""
         below = sum(1 for t in found_in if t != "device")
-        if not below:
-            return True
         device_hits = (self.pool.get_cached_block(h) for h, t in zip(hashes, found_in) if t == "device")
         free_hits = sum(1 for b in device_hits if b is not None and b.ref_cnt == 0)
         return self.pool.num_free_blocks - free_hits >= below + rest

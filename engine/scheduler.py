@@ -213,7 +213,12 @@ class Scheduler:
         # Each is priced (to order them, or to see whether it waits for a block to come) or, first come first
         # served, each that a free slot may admit: all in one batch, which their admissions then start from.
         self._price(eligible if self.policy == "uncached_first" or to_come else eligible[:max(free_slots, 0)])
-        return [r for r in eligible if not self._waits_for(r, to_come)]
+        # Landed loads first, under either policy: each holds device blocks and a sequence slot, and a request
+        # ahead of it that the device has no room for may fit only once they have run (first come first
+        # served, a preempted request at the head, refused for room that two landed loads behind it held,
+        # waited for ever, and so did they).
+        return sorted((r for r in eligible if not self._waits_for(r, to_come)),
+                      key=lambda r: r.status != RequestStatus.LOADING)
 
     def _price(self, requests: list[Request]) -> None:
         """Look up the requests not priced yet in this step together: the lower tiers are asked once for all of them

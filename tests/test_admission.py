@@ -723,3 +723,67 @@ def test_no_block_a_step_computes_is_free_while_the_step_runs_so_a_load_started_
             engine.kv_manager.get_block_ids(stream)), "the document's blocks were not freed after the step"
     finally:
         engine.close()
+
+
+def test_a_head_recomputed_before_a_tail_the_device_holds_waits_for_room_instead_of_raising():
+    """A prefix whose first block only the CPU tier holds and whose next ones are cached on the device:
+    `auto` computes the first while the rest "loads" (from the device: nothing is read). Its prompt's
+    other blocks are reserved as for any load, so it must wait when the device cannot hold them
+    (found 1 time in 40: `cannot allocate 5 blocks: only 4 free`, raised on the step path)."""
+    from kvstrata.engine.costs import ReadCost, StepCost
+
+    kv = make_stack(device_blocks=16, cpu_blocks=16)
+    kv.step_cost = StepCost(per_token_s=1e-3)
+    kv.read_costs["cpu"] = ReadCost(1024, latency_s=0.0, per_block_s=8e-3)  # a block loads slower than it computes
+    document = doc(41, 6 * BS + 1)
+    run_request(kv, document)  # cached on the device and written through to the CPU tier
+    hits = computed_blocks(kv, new_request(document))[0]
+    kv.pool.free_blocks(hits[:1])  # to the free queue's tail, block 0 first: evicted before the others
+    kv.pool.free_blocks(list(reversed(hits[1:])))
+    others = kv.pool.get_new_blocks(kv.pool.num_free_blocks - 5)  # evicts block 0: 5 blocks left, all cached
+    assert [kv.pool.get_cached_block(h) is not None for h in hashes_of(document)] == [False] + [True] * 5
+    request = new_request(document + doc(42, 3 * BS))  # 10 blocks: 1 found in the CPU tier, 5 on the device
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
+    scheduler.add_request(request)
+    assert fake_step(kv, scheduler) == [] and request.status == RequestStatus.WAITING  # no room: it waits
+    assert not kv.reserved and kv.pool.num_free_blocks == 5
+    kv.pool.free_blocks(others)
+    while fake_step(kv, scheduler) != [request]:
+        kv.wait_for_loads(timeout=10)
+    assert request.num_cached_tokens + request.recomputed_tokens_by_tier["cpu"] == 6 * BS
+    assert request.cached_tokens_by_tier["device"] == 5 * BS
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
+def test_landed_loads_are_admitted_before_a_preempted_request_the_device_has_no_room_for(policy):
+    """First come first served too: two loads land while the request preempted before them waits at the
+    head of the queue for room that their blocks hold. Admitted first, they finish and make that room
+    (behind it, all three waited for ever)."""
+    kv = make_stack(device_blocks=23, cpu_blocks=32, gate_cpu=True)
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4, policy=policy)
+    big = new_request(doc(50, 12 * BS + 3), max_tokens=4)
+    scheduler.add_request(big)
+    fake_step(kv, scheduler)  # its prefill: 13 blocks
+    documents = [doc(51 + d, 4 * BS + 1) for d in range(2)]
+    for document in documents:
+        put_below(kv, document, 4)
+    kv.hierarchy.cpu.gate.clear()
+    loading = [new_request(document) for document in documents]
+    for request in loading:
+        scheduler.add_request(request)
+    fake_step(kv, scheduler)
+    assert all(r.status == RequestStatus.LOADING for r in loading)  # 5 blocks each, held while they load
+    assert kv.pool.num_free_blocks == 0
+    scheduler._preempt(scheduler.running.pop())  # to the head of the queue: it needs 14 blocks, 13 are free
+    kv.hierarchy.cpu.gate.set()
+    kv.hierarchy.transfers.wait_idle()
+    finished = []
+    for _ in range(20):
+        for request in fake_step(kv, scheduler):
+            if len(request.output_token_ids) == request.sampling_params.max_tokens:
+                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+                finished.append(request)
+        if not scheduler.has_unfinished_requests():
+            break
+    assert finished[:2] == loading and finished[2:] == [big]
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
