@@ -284,6 +284,18 @@ class ServerConfig(_Section):
     # Bodies larger than this are refused (413) before they are parsed.
     max_request_body: Annotated[int, BeforeValidator(request_body_limit),
                                 PlainSerializer(format_size)] = DEFAULT_MAX_REQUEST_BODY
+    # Each request appended to this Mooncake-format trace (kvstrata/trace.py: lengths and ids derived from
+    # chain hashes, never token ids or text), for `kvstrata plan`; None: no trace is written.
+    trace_log: Path | None = None
+
+    @field_validator("trace_log", mode="before")
+    @classmethod
+    def _absolute_trace_log(cls, path: Any) -> Path | None:
+        if path is None:
+            return None
+        if not isinstance(path, (str, Path)) or not str(path).strip():
+            raise ValueError(f"expected a file path, got {short_repr(path)}")
+        return Path(os.path.abspath(Path(path).expanduser()))
 
     @field_validator("host")
     @classmethod
@@ -367,7 +379,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _tiers_fit_the_machine(self, info: ValidationInfo) -> Config:
-        machine.check_tiers_fit(self, disk=not _disk_read_only(info))
+        if (info.context or {}).get("for_machine", True):
+            machine.check_tiers_fit(self, disk=not _disk_read_only(info))
         return self
 
     def resolved_device(self) -> str:
