@@ -258,7 +258,8 @@ class Planner:
         per_id, bs = self.per_id, self.block_size
         offsets = range(per_id)
         order = itertools.count()
-        for k, request in enumerate(requests):
+        # in arrival order (a server's own trace is written as requests end); the sort is stable
+        for k, request in enumerate(sorted(requests, key=lambda r: r.timestamp_ms)):
             now = request.timestamp_ms / 1000.0
             for engine in engines:
                 engine.finish_until(now)
@@ -277,49 +278,60 @@ class Planner:
 
     def _serve(self, engine: ReplayEngine, chain: list, num_tokens: int, output_length: int, now: float,
                order: int, tally: Tally) -> None:
+        """One request, as `TierHierarchy.acquire_prefix` / `finish_prefix` and the engine's caching treat it."""
         bs, pool = self.block_size, engine.pool
         tally.requests += 1
         tally.prompt_tokens += num_tokens
         max_hit = (num_tokens - 1) // bs  # the last token is always computed, for its logits
         found = engine.locate(chain[:max_hit])
         plan = choose_plan(self.load_policy, found, num_tokens, bs, self.step_cost, self.read_costs)
-        total_blocks = -(-(num_tokens + output_length) // bs)
-        hits = pool.get_cached_blocks(chain[:plan.device_run])
+        # used as they are: the device hits before the plan's head and those among its loaded tail
+        on_device = [*range(plan.device_run), *(k for k in range(plan.head_end, plan.cut) if found[k] == "device")]
+        below = [k for k in range(plan.head_end, plan.cut) if found[k] != "device"]
+        hits = pool.get_cached_blocks([chain[k] for k in on_device])
         pool.touch(hits)
+        held = {t.name: [chain[k] for k in below if found[k] == t.name] for t in engine.lower_tiers}
+        for tier in engine.lower_tiers:  # so that no write-down the allocation causes evicts them
+            tier.hold(held[tier.name])
+        total_blocks = -(-(num_tokens + output_length) // bs)
         wait_until = engine.make_room(total_blocks - len(hits))
         if wait_until is None:  # larger than the device tier: it cannot run here; counted, never cached
             pool.free_blocks(reversed(hits))
+            for tier in engine.lower_tiers:
+                tier.release(held[tier.name])
             tally.too_large += 1
             return
         if wait_until > now:
             tally.waited += 1
         start = max(now, wait_until)
-        # device hits may have been freed by nothing (they are held), so the plan stands
-        new = pool.get_new_blocks(total_blocks - len(hits))
-        blocks = hits + new
-        loaded = found[plan.head_end:plan.cut]
-        for tier_name, run in itertools.groupby(range(plan.head_end, plan.cut), key=lambda k: found[k]):
-            run_hashes = [chain[k] for k in run]
-            tier = next(t for t in engine.lower_tiers if t.name == tier_name)
-            tier.touch(run_hashes)
-            tally.promotions[tier_name] += len(run_hashes)
-        n_full = len(chain)
-        newly = pool.cache_full_blocks(blocks, chain, plan.device_run, n_full)
-        promoted_up = [chain[k] for k in range(plan.head_end, plan.cut) if found[k] in ("disk", "remote")]
-        if promoted_up and engine.cpu is not None:  # the next miss on the device is a cheap, local one
-            engine._write_down(promoted_up, [engine.cpu])
-        if self.config.cache.offload == "write_through" and newly:
-            promoted = set(range(plan.head_end, plan.cut))
-            computed = [b.block_hash for b in newly if b.block_hash is not None]
-            if promoted:
-                loaded_hashes = {chain[k] for k in promoted}
-                computed = [h for h in computed if h not in loaded_hashes]
+        new = iter(pool.get_new_blocks(total_blocks - len(hits)))
+        hit_at = dict(zip(on_device, hits))
+        blocks = [hit_at[k] if k in hit_at else next(new) for k in range(len(chain))]
+        blocks.extend(new)  # the prompt's partial block and the answer's: never cached
+        for tier in engine.lower_tiers:
+            if held[tier.name]:
+                tier.touch(held[tier.name])  # read: the most recently used
+                tier.release(held[tier.name])
+                tally.promotions[tier.name] += len(held[tier.name])
+        # cache the blocks that were not device hits, a run of them at a time (a hit is cached already)
+        newly = []
+        for is_hit, run in itertools.groupby(range(plan.device_run, len(chain)), key=hit_at.__contains__):
+            if not is_hit:
+                run = list(run)
+                newly += pool.cache_full_blocks(blocks, chain, run[0], run[-1] + 1)
+        loaded = {chain[k] for k in below}
+        if engine.cpu is not None:  # disk and remote hits are copied up: the next miss is a cheap, local one
+            up = [h for t in ("disk", "remote") for h in held.get(t, ())]
+            if up:
+                engine._write_down(up, [engine.cpu])
+        if self.config.cache.offload == "write_through":
+            computed = [b.block_hash for b in newly if b.block_hash not in loaded]
             if computed:
                 engine._write_down(computed)
         served = tally.served_tokens
-        served["device"] += plan.device_run * bs
-        for tier_name in loaded:
-            served[tier_name] += bs
+        served["device"] += len(on_device) * bs
+        for k in below:
+            served[found[k]] += bs
         ttft = self._ttft_s(found, plan, num_tokens)
         tally.ttft_s.append(ttft + (start - now))
         done = start + ttft + output_length * self.speeds.decode_s_per_token

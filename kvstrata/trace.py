@@ -114,8 +114,10 @@ class TraceWriter:
         self._offset_ms = _last_timestamp(self.path)
         self._start = time.monotonic()
 
-    def log(self, block_hashes: Sequence[bytes], num_tokens: int, output_length: int) -> None:
-        record = {"timestamp": round(self._offset_ms + (time.monotonic() - self._start) * 1000.0),
+    def log(self, block_hashes: Sequence[bytes], num_tokens: int, output_length: int, ago_s: float = 0.0) -> None:
+        """One request that arrived `ago_s` seconds ago (it is logged when it ends, its timestamp its arrival)."""
+        elapsed_ms = max((time.monotonic() - self._start - ago_s) * 1000.0, 0.0)
+        record = {"timestamp": round(self._offset_ms + elapsed_ms),
                   "input_length": int(num_tokens), "output_length": int(output_length),
                   "hash_ids": trace_ids(block_hashes, self.block_size, num_tokens, self.block_tokens)}
         line = json.dumps(record, separators=(", ", ": ")) + "\n"
@@ -143,3 +145,25 @@ def _last_timestamp(path: Path) -> float:
         except (ValueError, KeyError, TypeError):
             continue
     return 0.0
+
+
+class TraceLog:
+    """A request listener (engine/async_engine.py `RequestListener`) that passes every event on to `inner` and
+    appends each finished request to `writer`: its arrival, its lengths and its prompt's ids. Runs on the engine
+    thread: one short buffered write per request."""
+
+    def __init__(self, inner, writer: TraceWriter) -> None:
+        self.inner = inner
+        self.writer = writer
+
+    def on_first_token(self, receipt) -> None:
+        self.inner.on_first_token(receipt)
+
+    def on_token_gap(self, gap_s: float) -> None:
+        self.inner.on_token_gap(gap_s)
+
+    def on_finished(self, finished) -> None:
+        self.inner.on_finished(finished)
+        if finished.num_prompt_tokens > 0:
+            self.writer.log(finished.block_hashes, finished.num_prompt_tokens, finished.num_generated_tokens,
+                            ago_s=finished.e2e_s)

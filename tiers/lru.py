@@ -7,7 +7,7 @@ the end; a put into a full tier evicts from the front, skipping blocks that must
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Callable, Hashable, Sequence
 
 Key = Hashable
@@ -43,7 +43,8 @@ class LruIndex:
         self.capacity_blocks = capacity_blocks
         self.on_evict = on_evict
         self.order: OrderedDict[Key, None] = OrderedDict()
-        self.hits = self.puts = self.evictions = 0
+        self._holds: Counter[Key] = Counter()  # blocks a promotion will read: never evicted meanwhile
+        self.hits = self.puts = self.evictions = self.rejected_puts = 0
 
     def contains(self, block_hash: Key) -> bool:
         return block_hash in self.order
@@ -58,6 +59,16 @@ class LruIndex:
 
     def count_prefixes(self, chains: Sequence[Sequence[Key]]) -> list[int]:
         return [self.count_prefix(chain) for chain in chains]
+
+    def hold(self, block_hashes: Sequence[Key]) -> None:
+        """Keep these blocks from eviction until `release` (holds nest), as a tier's `hold` does."""
+        self._holds.update(block_hashes)
+
+    def release(self, block_hashes: Sequence[Key]) -> None:
+        self._holds.subtract(block_hashes)
+        for h in block_hashes:
+            if self._holds[h] <= 0:
+                del self._holds[h]
 
     def touch(self, block_hashes: Sequence[Key]) -> None:
         """Blocks read (served): the most recently used, each a hit."""
@@ -74,14 +85,13 @@ class LruIndex:
                 order.move_to_end(h)
                 continue
             if self.capacity_blocks is not None and len(order) >= self.capacity_blocks:
-                victim = lru_victim(order, _nothing_stays)
+                victim = lru_victim(order, self._holds.__contains__)
+                if victim is None:  # every block is held: nothing is stored (a tier's rejected put)
+                    self.rejected_puts += 1
+                    continue
                 if self.on_evict is not None:
                     self.on_evict(victim)
                 del order[victim]
                 self.evictions += 1
             order[h] = None
             self.puts += 1
-
-
-def _nothing_stays(_key: Key) -> bool:
-    return False

@@ -1,0 +1,172 @@
+"""`kvstrata plan` against an independent LRU replay, its speed, and a sweep's plot.
+
+    python benchmarks/planner.py sample benchmarks/data/traces/sample_trace.jsonl   # the shipped sample
+    python benchmarks/planner.py accuracy --trace conversation_trace.jsonl            # -> results/planner.{json,md}
+
+`accuracy` replays a Mooncake-format trace (the FAST'25 conversation trace: kvcache-ai/Mooncake,
+FAST25-release/traces/conversation_trace.jsonl, Apache-2.0; not shipped here) through the planner with a
+device tier of 10,000 trace blocks, and with a device + CPU tier (`offload: on_evict`) of 10k + 40k trace
+blocks, and compares each hit ratio with `lru_hit_ratio`, a plain LRU of trace ids of the whole capacity
+(the Mooncake paper's Table 1 policy). It does so with each id one 16-token block (`--trace-block-tokens 16`)
+and with each id its 512 tokens (32 blocks of 16). Then it sweeps the CPU tier's size and plots it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BLOCK_SIZE = 16
+
+
+def lru_hit_ratio(requests: Sequence, capacity_ids: int, block_tokens: int, block_size: int = BLOCK_SIZE) -> float:
+    """Share of prompt tokens found by a plain LRU of `capacity_ids` trace ids: a request hits its leading ids
+    held (at most all but its last token, rounded down to a block), then every id of it becomes the most recently
+    used, the least recently used going when full. Nothing of kvstrata is used: it is the oracle."""
+    lru: OrderedDict = OrderedDict()
+    hit = total = 0
+    for r in requests:
+        n = len(r.hash_ids)
+        tokens = min(max(r.input_length, (n - 1) * block_tokens + 1), n * block_tokens) if n else r.input_length
+        k = 0
+        for i in r.hash_ids:
+            if i not in lru:
+                break
+            k += 1
+        hit += min(k * block_tokens, (tokens - 1) // block_size * block_size)
+        total += tokens
+        for i in r.hash_ids:
+            if i in lru:
+                lru.move_to_end(i)
+            else:
+                lru[i] = None
+                if len(lru) > capacity_ids:
+                    lru.popitem(last=False)
+    return hit / total
+
+
+def make_sample(num_requests: int = 400, seed: int = 0) -> list[dict]:
+    """A Mooncake-format trace of multi-turn conversations: a few system prompts shared by many sessions,
+    each turn's prompt the previous turn's context plus the answer and a new message (ids extend the
+    previous turn's), sessions interleaved, arrivals about 300 ms apart. Deterministic in `seed`."""
+    rng = random.Random(seed)
+    next_id = 0
+
+    def new_ids(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    systems = [new_ids(rng.randint(1, 4)) for _ in range(6)]
+    sessions: list[dict] = []
+    records = []
+    t = 0
+    while len(records) < num_requests:
+        t += int(rng.expovariate(1 / 300))
+        if not sessions or rng.random() < 0.3:
+            sessions.append({"ids": list(rng.choice(systems)), "turns": rng.randint(1, 8)})
+        s = rng.choice(sessions)
+        s["ids"] += new_ids(rng.randint(1, 6))
+        input_length = (len(s["ids"]) - 1) * 512 + rng.randint(1, 512)
+        output_length = rng.randint(20, 600)
+        records.append({"timestamp": t, "input_length": input_length, "output_length": output_length,
+                        "hash_ids": list(s["ids"])})
+        s["turns"] -= 1
+        if s["turns"] == 0:
+            sessions.remove(s)
+        else:
+            s["ids"] += new_ids(1)  # the answer becomes part of the next turn's context
+    return records
+
+
+def plan_json(trace: str, config: str, *args: str) -> tuple[dict, float]:
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "kvstrata", "plan", "--config", config, "--trace", trace, "--json",
+                          *args], check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    return json.loads(out.strip().splitlines()[-1]), time.perf_counter() - started
+
+
+def accuracy(trace: str, config: str) -> dict:
+    from kvstrata.trace import read_trace
+
+    requests = read_trace(trace)
+    rows = []
+    for block_tokens in (16, 512):
+        per_id = block_tokens // BLOCK_SIZE
+        for name, device, cpu in (("device 10k", 10_000, 0), ("device 10k + cpu 40k (on_evict)", 10_000, 40_000)):
+            sets = [f"cache.tiers.device.size={device * per_id}", "cache.offload=on_evict"]
+            if cpu:
+                sets.append(f"cache.tiers.cpu.size={cpu * per_id}")
+            args = [a for s in sets for a in ("--set", s)]
+            result, wall_s = plan_json(trace, config, "--trace-block-tokens", str(block_tokens), *args)
+            oracle = lru_hit_ratio(requests, device + cpu, block_tokens)
+            rows.append({"case": name, "trace_block_tokens": block_tokens, "planner": result["hit_ratio"],
+                         "by_tier": result["by_tier"], "lru_oracle": oracle,
+                         "difference": result["hit_ratio"] - oracle, "replay_s": result["replay_s"],
+                         "wall_s": wall_s, "requests": result["requests"]})
+            print(json.dumps(rows[-1]), flush=True)
+    return {"trace": Path(trace).name, "requests": len(requests), "rows": rows}
+
+
+def write_results(data: dict, plot: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "planner.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    lines = ["# kvstrata plan: accuracy and speed", "",
+             f"Trace: `{data['trace']}` ({data['requests']} requests), the Mooncake FAST'25 conversation trace "
+             "(kvcache-ai/Mooncake, Apache-2.0; not shipped). Config: `model: llama-3-8b` (dummy weights, "
+             "bfloat16), 16-token blocks, sizes as block counts. Oracle: a plain LRU of trace ids of the same "
+             "total capacity (`lru_hit_ratio` in benchmarks/planner.py).", "",
+             "Command: `python benchmarks/planner.py accuracy --trace conversation_trace.jsonl`", "",
+             "| case | tokens per id | planner hit ratio | LRU oracle | difference | replay (s) | wall (s) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in data["rows"]:
+        lines.append(f"| {r['case']} | {r['trace_block_tokens']} | {r['planner']:.4f} | {r['lru_oracle']:.4f} | "
+                     f"{r['difference']:+.4f} | {r['replay_s']:.1f} | {r['wall_s']:.1f} |")
+    if data.get("sweep"):
+        lines += ["", f"Sweep (`{data['sweep']['command']}`):", "", "```", data["sweep"]["table"], "```", "",
+                  f"![sweep]({Path(plot).name})"]
+    (RESULTS / "planner.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    sample = commands.add_parser("sample", help="write the generated sample trace")
+    sample.add_argument("out")
+    sample.add_argument("--requests", type=int, default=400)
+    acc = commands.add_parser("accuracy", help="planner against the LRU oracle, its speed, and a sweep's plot")
+    acc.add_argument("--trace", required=True)
+    acc.add_argument("--config", default=str(ROOT / "benchmarks" / "data" / "traces" / "plan_llama3_8b.yaml"))
+    acc.add_argument("--plot", default=str(RESULTS / "planner.png"))
+    args = parser.parse_args(argv)
+    if args.command == "sample":
+        with open(args.out, "w", encoding="utf-8") as f:
+            for record in make_sample(args.requests):
+                f.write(json.dumps(record) + "\n")
+        return 0
+    data = accuracy(args.trace, args.config)
+    sweep_args = ["--trace-block-tokens", "512", "--set", "cache.offload=on_evict",
+                  "--sweep", "cache.tiers.cpu.size=0,128GiB,512GiB,1TiB", "--sweep",
+                  "cache.tiers.device.size=20GiB,40GiB", "--plot", args.plot]
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "kvstrata", "plan", "--config", args.config, "--trace", args.trace,
+                          *sweep_args], check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    data["sweep"] = {"command": "kvstrata plan --config plan_llama3_8b.yaml --trace conversation_trace.jsonl "
+                                + " ".join(a for a in sweep_args if not a.endswith(".png")) + " --plot planner.png",
+                     "table": out.strip(), "wall_s": time.perf_counter() - started}
+    print(out)
+    write_results(data, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
