@@ -155,12 +155,22 @@ class ReplayEngine:
         # write-downs go to the CPU tier (or disk without one) and the remote tier
         self.down = [t for t in (cpu if cpu is not None else disk, remote) if t is not None]
         self.running: list[tuple[float, int, list]] = []  # (finish time, order, blocks) heap
+        self.evicted: list = []  # on_evict: device blocks whose slot an allocation is reusing, to write down
 
     def _on_device_evict(self, block_id: int, block_hash) -> None:
-        # write_through wrote every cached block down when it was computed; on_evict writes it now
+        # write_through wrote every cached block down when it was computed; on_evict writes it down, in one batch
+        # once the allocation is done (`allocate`): nothing reads the lower tiers in between, so it is the same
         self.tally.device_evictions += 1
         if self.offload == "on_evict":
-            self._write_down([block_hash])
+            self.evicted.append(block_hash)
+
+    def allocate(self, num_blocks: int) -> list:
+        """`BlockPool.get_new_blocks`, the cached blocks it reuses written down first."""
+        blocks = self.pool.get_new_blocks(num_blocks)
+        if self.evicted:
+            self._write_down(self.evicted)
+            self.evicted = []
+        return blocks
 
     def _on_cpu_evict(self, block_hash) -> None:
         if not self.disk.contains(block_hash):
@@ -304,7 +314,7 @@ class Planner:
         if wait_until > now:
             tally.waited += 1
         start = max(now, wait_until)
-        new = iter(pool.get_new_blocks(total_blocks - len(hits)))
+        new = iter(engine.allocate(total_blocks - len(hits)))
         hit_at = dict(zip(on_device, hits))
         blocks = [hit_at[k] if k in hit_at else next(new) for k in range(len(chain))]
         blocks.extend(new)  # the prompt's partial block and the answer's: never cached
