@@ -103,21 +103,26 @@ def measure(config_path: str | None, overrides: list[str], out: str | Path) -> S
     config = load_config(config_path, overrides)
     llm = LLM(config)
     try:
-        llm.generate([[1] * 32], SamplingParams(max_tokens=2, temperature=0.0))  # warm up
+        prompt = [[1 + i % 100 for i in range(64)]]
+        llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0))  # warm up
+
+        def timed(max_tokens: int) -> float:
+            started = time.perf_counter()
+            out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0))
+            assert len(out[0].token_ids) == max_tokens
+            return time.perf_counter() - started
+
         decode_tokens = 32
-        out1 = llm.generate([[1] * 32], SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0,
-                                                       ignore_eos=True))[0]
+        decode_s = max(min(timed(decode_tokens + 1) for _ in range(2)) - min(timed(1) for _ in range(2)), 0.0)
         stats = llm.stats()
     finally:
         llm.close()
-    total_s = getattr(out1, "total_s", None) or getattr(out1, "e2e_s", None)
     policy = stats["load_policy"]
-    decode_s = ((total_s - out1.ttft_s) / max(len(out1.token_ids) - 1, 1)) if total_s else DEFAULT_SPEEDS.decode_s_per_token
-    speeds = Speeds(step=dict(policy["step_cost"]),
+    speeds = Speeds(step={k: float(v) for k, v in policy["step_cost"].items()},
                     reads={t: {"latency_s": policy["read_latency_s"][t], "bytes_per_s": policy["read_bytes_per_s"][t]}
                            for t in policy["read_bytes_per_s"] if policy["read_bytes_per_s"][t] > 0},
-                    decode_s_per_token=decode_s,
-                    source=f"{platform.node()} {stats['device']} {stats['model']} {time.strftime('%Y-%m-%d')}")
+                    decode_s_per_token=decode_s / decode_tokens,
+                    source=f"{platform.node()}, {stats['device']}, {stats['model']}, {time.strftime('%Y-%m-%d')}")
     Path(out).write_text(json.dumps({"version": PROFILE_VERSION, **asdict(speeds)}, indent=2) + "\n", encoding="utf-8")
     return speeds
 
