@@ -2,6 +2,11 @@
 
     python benchmarks/planner.py sample benchmarks/data/traces/sample_trace.jsonl   # the shipped sample
     python benchmarks/planner.py accuracy --trace conversation_trace.jsonl            # -> results/planner.{json,md}
+    python benchmarks/planner.py serve-check                                          # -> results/planner_serve.json
+
+`serve-check` plays a tiny trace (token ids synthesized from its ids) against `kvstrata serve` on this machine,
+one request after another, with `server.trace_log` on, and compares the TTFT the server measures with the TTFT
+`kvstrata plan` projects for the same trace from a profile `kvstrata plan --measure` wrote with the same config.
 
 `accuracy` replays a Mooncake-format trace (the FAST'25 conversation trace: kvcache-ai/Mooncake,
 FAST25-release/traces/conversation_trace.jsonl, Apache-2.0; not shipped here) through the planner with a
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -137,6 +143,79 @@ def write_results(data: dict, plot: str) -> None:
     (RESULTS / "planner.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+SERVE_BLOCK_TOKENS = 32  # tokens an id stands for in the serve check: short prompts for a shared 2-core CPU
+SERVE_SETTINGS = ("model.dtype=float32", "cache.tiers.device.size=48", "cache.tiers.cpu.size=256",
+                  "cache.offload=write_through")
+
+
+def tiny_trace(num_requests: int = 16, max_ids: int = 8, output_length: int = 4) -> list[dict]:
+    """The sample's conversations cut to their first `max_ids` ids, each id `SERVE_BLOCK_TOKENS` tokens,
+    requests 30 s apart (played one after another: no queueing, which the planner does not project)."""
+    records = []
+    for k, r in enumerate(make_sample(num_requests, seed=1)):
+        ids = r["hash_ids"][:max_ids]
+        records.append({"timestamp": 30_000 * k, "input_length": len(ids) * SERVE_BLOCK_TOKENS,
+                        "output_length": output_length, "hash_ids": ids})
+    return records
+
+
+def synthesized_tokens(hash_ids: Sequence[int], block_tokens: int, vocab: int = 49152) -> list[int]:
+    """Token ids for a trace request: each id's tokens a function of the id alone, so equal ids give equal
+    tokens and a shared run of leading ids a shared prefix."""
+    tokens = []
+    for i in hash_ids:
+        rng = random.Random(i)
+        tokens += [rng.randrange(100, vocab) for _ in range(block_tokens)]
+    return tokens
+
+
+def serve_check(work: Path) -> dict:
+    import httpx
+
+    sys.path.insert(0, str(ROOT))
+    from tests.server_process import DEFAULT_CONFIG, ServerProcess
+
+    shutil.rmtree(work, ignore_errors=True)  # a disk tier left by an earlier run would serve this one's prompts
+    work.mkdir(parents=True)
+    trace = work / "tiny_trace.jsonl"
+    records = tiny_trace()
+    trace.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    disk = work / "kvstore"
+    settings = [*SERVE_SETTINGS, f"cache.tiers.disk.path={disk}", "cache.tiers.disk.size=256MiB"]
+    sets = [a for s in settings for a in ("--set", s)]
+    profile = work / "profile.json"
+    subprocess.run([sys.executable, "-m", "kvstrata", "plan", "--measure", str(profile), "--config",
+                    str(DEFAULT_CONFIG), *sets], check=True, cwd=ROOT, capture_output=True)
+    recorded = work / "served_trace.jsonl"
+    recorded.unlink(missing_ok=True)
+    server = ServerProcess(work / "kvstore_serve", *SERVE_SETTINGS[1:], f"server.trace_log={recorded}")
+    measured = []
+    try:
+        for r in records:
+            body = {"prompt": synthesized_tokens(r["hash_ids"], SERVE_BLOCK_TOKENS), "max_tokens": r["output_length"],
+                    "min_tokens": r["output_length"], "temperature": 0.0}
+            answer = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300).json()
+            measured.append({"ttft_ms": answer["kvstrata"]["ttft_ms"],
+                             "cached_tokens_by_tier": answer["kvstrata"]["cached_tokens_by_tier"]})
+    finally:
+        server.terminate()
+    planned, _ = plan_json(str(trace), str(DEFAULT_CONFIG), "--profile", str(profile), "--trace-block-tokens",
+                           str(SERVE_BLOCK_TOKENS), *[a for s in settings for a in ("--set", s)])
+    from_log, _ = plan_json(str(recorded), str(DEFAULT_CONFIG), "--profile", str(profile), *sets)
+    ttfts = sorted(m["ttft_ms"] for m in measured)
+    prompt_tokens = sum(r["input_length"] for r in records)
+    served_hit = sum(sum(m["cached_tokens_by_tier"].values()) for m in measured) / prompt_tokens
+    mean = sum(ttfts) / len(ttfts)
+    return {"requests": len(records), "block_tokens": SERVE_BLOCK_TOKENS, "settings": settings,
+            "profile": json.loads(profile.read_text()),
+            "served": {"ttft_ms_mean": mean, "ttft_ms_p50": ttfts[len(ttfts) // 2], "hit_ratio": served_hit},
+            "planned": {"ttft_ms_mean": planned["ttft_ms"]["mean"], "ttft_ms_p50": planned["ttft_ms"]["p50"],
+                        "hit_ratio": planned["hit_ratio"], "by_tier": planned["by_tier"]},
+            "ttft_mean_ratio": planned["ttft_ms"]["mean"] / mean,
+            "trace_log": {"requests": from_log["requests"], "hit_ratio": from_log["hit_ratio"],
+                          "mode": oct(recorded.stat().st_mode & 0o777)}}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -147,7 +226,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     acc.add_argument("--trace", required=True)
     acc.add_argument("--config", default=str(ROOT / "benchmarks" / "data" / "traces" / "plan_llama3_8b.yaml"))
     acc.add_argument("--plot", default=str(RESULTS / "planner.png"))
+    check = commands.add_parser("serve-check", help="projected against served TTFT on a tiny trace")
+    check.add_argument("--work", default="/tmp/kvstrata_plan_check")
     args = parser.parse_args(argv)
+    if args.command == "serve-check":
+        data = serve_check(Path(args.work))
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "planner_serve.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        print(json.dumps({k: data[k] for k in ("served", "planned", "ttft_mean_ratio", "trace_log")}, indent=2))
+        return 0
     if args.command == "sample":
         with open(args.out, "w", encoding="utf-8") as f:
             for record in make_sample(args.requests):

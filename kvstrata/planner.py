@@ -112,6 +112,13 @@ def measure(config_path: str | None, overrides: list[str], out: str | Path) -> S
             assert len(out[0].token_ids) == max_tokens
             return time.perf_counter() - started
 
+        # prefills of several lengths, none cached: the step cost the engine fits from its own steps (it starts from
+        # a short probe) then holds for the prompt lengths a trace asks for
+        room = llm.engine.hierarchy.pool.num_blocks * config.cache.block_size // 2
+        for k, n in enumerate(n for n in (64, 128, 256, 512, 1024) if n <= room):
+            for repeat in range(2):
+                fresh = [100 + (7919 * (i + 1) * (k + 1) * (repeat + 3)) % 40000 for i in range(n)]
+                llm.generate([fresh], SamplingParams(max_tokens=1, temperature=0.0))
         decode_tokens = 32
         decode_s = max(min(timed(decode_tokens + 1) for _ in range(2)) - min(timed(1) for _ in range(2)), 0.0)
         stats = llm.stats()
@@ -149,8 +156,8 @@ class ReplayEngine:
     `LruIndex` lower tiers; the write-down policy of `TierHierarchy` (see tiers/hierarchy.py)."""
 
     def __init__(self, device_blocks: int, cpu: LruIndex | None, disk: LruIndex | None, remote: LruIndex | None,
-                 offload: str, tally: Tally) -> None:
-        self.pool = BlockPool(device_blocks, on_evict=self._on_device_evict)
+                 offload: str, tally: Tally, enable_caching: bool = True) -> None:
+        self.pool = BlockPool(device_blocks, enable_caching=enable_caching, on_evict=self._on_device_evict)
         self.cpu, self.disk, self.remote = cpu, disk, remote
         self.offload = offload
         self.tally = tally
@@ -268,7 +275,8 @@ class Planner:
         disk = LruIndex("disk", cap["disk"]) if cap["disk"] else None
         remote = LruIndex("remote", None) if cap["remote"] is None else None
         engines = [ReplayEngine(max(cap["device"], 1), LruIndex("cpu", cap["cpu"]) if cap["cpu"] else None, disk,
-                                remote, self.config.cache.offload, tally) for _ in range(self.replicas)]
+                                remote, self.config.cache.offload, tally, self.config.cache.enable_prefix_caching)
+                   for _ in range(self.replicas)]
         choose = self._prefix_router(engines) if self.route == "prefix" and len(engines) > 1 else None
         per_id, bs = self.per_id, self.block_size
         offsets = range(per_id)
