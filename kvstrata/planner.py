@@ -15,10 +15,10 @@ ids' span); its last token is always computed, as in serving. A running request 
 its answer's blocks until it is done: its projected prefill, then `output_length` tokens at the profile's
 decode speed; a request that finds too few free device blocks waits for running ones to finish.
 
-What the replay projects, per request, is the time to first token of the prompt alone (the load policy's
-estimate of its plan: the head's compute beside the tail's load, then the rest), from speeds measured on the
-serving machine (`kvstrata plan --measure` writes them) or, without a profile, stated defaults. It does not
-model queueing behind other requests' steps.
+What the replay projects, per request, is the time to first token: the wait for device room, if any, then
+the load policy's estimate of its plan (the head's compute beside the tail's load, then the rest), from speeds
+measured on the serving machine (`kvstrata plan --measure` writes them) or, without a profile, stated
+defaults. It does not model sharing steps with other running requests (their decodes and prefills).
 """
 from __future__ import annotations
 
