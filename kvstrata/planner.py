@@ -127,7 +127,8 @@ def measure(config_path: str | None, overrides: list[str], out: str | Path) -> S
     policy = stats["load_policy"]
     speeds = Speeds(step={k: float(v) for k, v in policy["step_cost"].items()},
                     reads={t: {"latency_s": policy["read_latency_s"][t], "bytes_per_s": policy["read_bytes_per_s"][t]}
-                           for t in policy["read_bytes_per_s"] if policy["read_bytes_per_s"][t] > 0},
+                           for t in policy["read_bytes_per_s"]  # the tiers the config has, which the probe timed
+                           if policy["read_bytes_per_s"][t] > 0 or policy["read_latency_s"][t] > 0},
                     decode_s_per_token=decode_s / decode_tokens,
                     source=f"{platform.node()}, {stats['device']}, {stats['model']}, {time.strftime('%Y-%m-%d')}")
     Path(out).write_text(json.dumps({"version": PROFILE_VERSION, **asdict(speeds)}, indent=2) + "\n", encoding="utf-8")
@@ -207,6 +208,8 @@ class ReplayEngine:
             return None
         finished_at = 0.0
         while self.pool.num_free_blocks < num_blocks:
+            if not self.running:  # (the request's own device hits hold the rest)
+                return None
             finished_at, _, blocks = heapq.heappop(self.running)
             self.pool.free_blocks(reversed(blocks))
         return finished_at

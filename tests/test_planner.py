@@ -158,6 +158,50 @@ def test_trace_log_is_private_and_holds_no_tokens(tmp_path):
     assert set(json.loads(text.splitlines()[0])) == {"timestamp", "input_length", "output_length", "hash_ids"}
 
 
+@pytest.mark.slow
+def test_served_requests_land_in_the_trace_log_and_plan(tmp_path, capsys):
+    import httpx
+
+    from tests.server_process import ServerProcess
+
+    path = tmp_path / "served.jsonl"
+    server = ServerProcess(tmp_path / "kvstore", f"server.trace_log={path}")
+    document = [1000 + (i * 37) % 20000 for i in range(600)]
+    try:
+        for question in ([5, 6, 7], [8, 9]):
+            answer = httpx.post(f"{server.base_url}/v1/completions", timeout=300,
+                                json={"prompt": document + question, "max_tokens": 3, "temperature": 0.0})
+            assert answer.status_code == 200
+    finally:
+        assert server.terminate() == 0
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    first, second = read_trace(path)
+    assert (first.input_length, second.input_length) == (603, 602)
+    assert first.hash_ids[0] == second.hash_ids[0] and second.timestamp_ms >= first.timestamp_ms
+    for line in path.read_text().splitlines():  # lengths and ids, no token ids
+        record = json.loads(line)
+        assert set(record) == {"timestamp", "input_length", "output_length", "hash_ids"}
+        assert not set(record["hash_ids"]) & set(document)
+    assert main(["plan", "--trace", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["requests"] == 2
+
+
+@pytest.mark.slow
+def test_measured_profile_prices_the_plan(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    tiny = ["--set", "model.name=tiny-llama", "--set", "model.load_format=dummy", "--set", "model.dtype=float32",
+            "--set", "cache.tiers.device.size=256", "--set", "cache.tiers.cpu.size=256"]
+    assert main(["plan", "--measure", str(profile), *tiny]) == 0
+    measured = json.loads(profile.read_text())
+    assert measured["step"]["per_token_s"] > 0 and measured["decode_s_per_token"] > 0
+    assert set(measured["reads"]) == {"cpu"}  # the CPU tier's load probe; no disk or remote tier here
+    assert measured["reads"]["cpu"]["latency_s"] + measured["reads"]["cpu"]["bytes_per_s"] > 0
+    capsys.readouterr()
+    assert main(["plan", "--trace", str(SAMPLE), "--profile", str(profile), "--json", *tiny]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["speeds"].startswith("measured:") and result["ttft_ms"]["mean"] > 0
+
+
 def test_trace_log_key_is_a_path(tmp_path):
     config = load_config({"server": {"trace_log": "t.jsonl"}}, for_machine=False)
     assert config.server.trace_log.is_absolute() and config.server.trace_log.name == "t.jsonl"
