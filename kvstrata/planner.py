@@ -242,7 +242,7 @@ class Planner:
     """Replays a trace through the tiers `config` describes (sizes for the machine being planned)."""
 
     def __init__(self, config, speeds: Speeds, trace_block_tokens: int = TRACE_BLOCK_TOKENS,
-                 replicas: int = 1, route: str = "round_robin") -> None:
+                 replicas: int = 1, route: str = "round_robin", remote_size: str | int | None = None) -> None:
         from kvstrata.engine.config.machine import TierBytes
 
         cache = config.cache
@@ -261,7 +261,10 @@ class Planner:
         self.capacity = {"device": sizing(tiers.device.size) // self.block_nbytes,
                          "cpu": sizing(tiers.cpu.size) // self.block_nbytes if tiers.cpu else 0,
                          "disk": sizing(tiers.disk.size) // self.block_nbytes if tiers.disk else 0,
-                         "remote": None if tiers.remote else 0}  # the remote server's memory bounds it: not here
+                         # the remote server's own memory bounds it, which the config does not say: unbounded
+                         # unless given here
+                         "remote": (self._blocks(remote_size, sizing) if remote_size is not None else None)
+                         if tiers.remote else 0}
         self.speeds = speeds
         self.step_cost = speeds.step_cost()
         self.read_costs = speeds.read_costs(self.block_nbytes)
@@ -270,13 +273,24 @@ class Planner:
         self.route = route
         _use_hierarchy_lookup()
 
+    def _blocks(self, size: str | int, sizing) -> int:
+        from kvstrata.engine.sizes import Size
+
+        try:
+            parsed = Size.parse(size)
+        except ValueError as exc:
+            raise ValueError(f"--remote-size: {exc}") from None
+        if parsed.is_off:
+            raise ValueError("--remote-size: must be more than 0 (leave the remote tier out to turn it off)")
+        return max(sizing(parsed) // self.block_nbytes, 1)
+
     def replay(self, requests: Sequence[TraceRequest]) -> dict[str, Any]:
         started = time.perf_counter()
         tally = Tally()
         cap = self.capacity
         # replicas share one disk and one remote tier; each has its own device and CPU tiers
         disk = LruIndex("disk", cap["disk"]) if cap["disk"] else None
-        remote = LruIndex("remote", None) if cap["remote"] is None else None
+        remote = LruIndex("remote", cap["remote"]) if cap["remote"] != 0 else None
         engines = [ReplayEngine(max(cap["device"], 1), LruIndex("cpu", cap["cpu"]) if cap["cpu"] else None, disk,
                                 remote, self.config.cache.offload, tally, self.config.cache.enable_prefix_caching)
                    for _ in range(self.replicas)]
@@ -584,6 +598,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="plan N engines sharing the disk and remote tiers")
     parser.add_argument("--route", default="round_robin", choices=ROUTES,
                         help="how requests reach the replicas (prefix: the router's own placement)")
+    parser.add_argument("--remote-size", metavar="SIZE", help="the remote server's memory for blocks, e.g. 512GiB "
+                                                               "(its maxmemory; default: unbounded)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -611,7 +627,8 @@ def run(args: argparse.Namespace) -> int:
     requests = read_trace(args.trace, args.limit)
     if not requests:
         raise ValueError(f"{args.trace}: the trace holds no request")
-    planner_args = {"trace_block_tokens": args.trace_block_tokens, "replicas": args.replicas, "route": args.route}
+    planner_args = {"trace_block_tokens": args.trace_block_tokens, "replicas": args.replicas, "route": args.route,
+                    "remote_size": args.remote_size}
     if not args.sweep:
         config = load_config(args.config, overrides, for_machine=False)
         result = Planner(config, speeds, **planner_args).replay(requests)

@@ -117,6 +117,8 @@ def test_replicas_share_the_remote_tier(sample):
     result = Planner(config, DEFAULT_SPEEDS, 16, replicas=3).replay(sample)
     assert result["by_tier"]["remote"] > 0.1  # a turn often lands on another replica than its previous turn
     assert result["capacity_blocks"]["remote"] is None
+    bounded = Planner(config, DEFAULT_SPEEDS, 16, replicas=3, remote_size=200).replay(sample)
+    assert bounded["evictions"]["remote"] > 0 and bounded["by_tier"]["remote"] < result["by_tier"]["remote"]
 
 
 def test_lru_index_never_evicts_a_held_block():
