@@ -13,7 +13,8 @@ FAST25-release/traces/conversation_trace.jsonl, Apache-2.0; not shipped here) th
 device tier of 10,000 trace blocks, and with a device + CPU tier (`offload: on_evict`) of 10k + 40k trace
 blocks, and compares each hit ratio with `lru_hit_ratio`, a plain LRU of trace ids of the whole capacity
 (the Mooncake paper's Table 1 policy). It does so with each id one 16-token block (`--trace-block-tokens 16`)
-and with each id its 512 tokens (32 blocks of 16). Then it sweeps the CPU tier's size and plots it.
+and with each id its 512 tokens (32 blocks of 16). Then it plans eight replicas routed round-robin and by
+prefix, and sweeps the CPU and device tiers' sizes of eight prefix-routed replicas, with a plot.
 """
 from __future__ import annotations
 
@@ -119,7 +120,16 @@ def accuracy(trace: str, config: str) -> dict:
                          "difference": result["hit_ratio"] - oracle, "replay_s": result["replay_s"],
                          "wall_s": wall_s, "requests": result["requests"]})
             print(json.dumps(rows[-1]), flush=True)
-    return {"trace": Path(trace).name, "requests": len(requests), "rows": rows}
+    replicas = []
+    for route in ("round_robin", "prefix"):
+        result, wall_s = plan_json(trace, config, "--replicas", "8", "--route", route, *REPLICA_SETS)
+        replicas.append({"route": route, "hit_ratio": result["hit_ratio"], "by_tier": result["by_tier"],
+                         "ttft_ms": result["ttft_ms"], "replay_s": result["replay_s"], "wall_s": wall_s})
+        print(json.dumps(replicas[-1]), flush=True)
+    return {"trace": Path(trace).name, "requests": len(requests), "rows": rows, "replicas": replicas}
+
+
+REPLICA_SETS = ("--set", "cache.tiers.device.size=40GiB", "--set", "cache.tiers.cpu.size=256GiB")
 
 
 def write_results(data: dict, plot: str) -> None:
@@ -136,6 +146,15 @@ def write_results(data: dict, plot: str) -> None:
     for r in data["rows"]:
         lines.append(f"| {r['case']} | {r['trace_block_tokens']} | {r['planner']:.4f} | {r['lru_oracle']:.4f} | "
                      f"{r['difference']:+.4f} | {r['replay_s']:.1f} | {r['wall_s']:.1f} |")
+    if data.get("replicas"):
+        lines += ["", "Eight replicas, each with a 40GiB device tier and a 256GiB CPU tier (`--replicas 8 --route R "
+                      + " ".join(REPLICA_SETS) + "`), assumed default speeds:", "",
+                  "| route | hit ratio | device | cpu | projected mean TTFT (ms) | p90 (ms) | replay (s) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in data["replicas"]:
+            lines.append(f"| {r['route']} | {r['hit_ratio']:.3f} | {r['by_tier']['device']:.3f} | "
+                         f"{r['by_tier']['cpu']:.3f} | {r['ttft_ms']['mean']:.0f} | {r['ttft_ms']['p90']:.0f} | "
+                         f"{r['replay_s']:.1f} |")
     if data.get("sweep"):
         lines += ["", f"Sweep (`{data['sweep']['command']}`):", "", "```", data["sweep"]["table"], "```", "",
                   f"![sweep]({Path(plot).name})"]
@@ -265,14 +284,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f.write(json.dumps(record) + "\n")
         return 0
     data = accuracy(args.trace, args.config)
-    sweep_args = ["--trace-block-tokens", "512", "--set", "cache.offload=on_evict",
-                  "--sweep", "cache.tiers.cpu.size=0,128GiB,512GiB,1TiB", "--sweep",
-                  "cache.tiers.device.size=20GiB,40GiB", "--plot", args.plot]
+    sweep_args = ["--replicas", "8", "--route", "prefix", "--sweep", "cache.tiers.cpu.size=0,64GiB,256GiB,1TiB",
+                  "--sweep", "cache.tiers.device.size=40GiB,60GiB"]
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "kvstrata", "plan", "--config", args.config, "--trace", args.trace,
-                          *sweep_args], check=True, capture_output=True, text=True, cwd=ROOT).stdout
+                          *sweep_args, "--plot", args.plot], check=True, capture_output=True, text=True,
+                         cwd=ROOT).stdout
     data["sweep"] = {"command": "kvstrata plan --config plan_llama3_8b.yaml --trace conversation_trace.jsonl "
-                                + " ".join(a for a in sweep_args if not a.endswith(".png")) + " --plot planner.png",
+                                + " ".join(sweep_args) + " --plot planner.png",
                      "table": out.strip(), "wall_s": time.perf_counter() - started}
     print(out)
     write_results(data, args.plot)
