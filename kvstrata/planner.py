@@ -507,7 +507,10 @@ def recommend(points: list[Point], target: float) -> Point:
 
 def plot_sweep(points: list[Point], sweeps: list[tuple[str, list[str]]], path: str | Path) -> None:
     """Hit ratio and projected mean TTFT against the first swept key, one line per value of the others."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("--plot needs matplotlib (pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
