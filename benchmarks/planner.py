@@ -292,7 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          cwd=ROOT).stdout
     data["sweep"] = {"command": "kvstrata plan --config plan_llama3_8b.yaml --trace conversation_trace.jsonl "
                                 + " ".join(sweep_args) + " --plot planner.png",
-                     "table": out.strip(), "wall_s": time.perf_counter() - started}
+                     # (the plot's path, this machine's, left out)
+                     "table": "\n".join(line for line in out.strip().splitlines() if not line.startswith("wrote ")),
+                     "wall_s": time.perf_counter() - started}
     print(out)
     write_results(data, args.plot)
     return 0
