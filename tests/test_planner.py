@@ -215,6 +215,11 @@ def test_planning_does_not_check_this_machine():
     with pytest.raises(ConfigError):
         load_config(raw)
     assert load_config(raw, for_machine=False).cache.tiers.cpu.size.nbytes == 900 << 40
+    gpu = {**raw, "model": {**BASE["model"], "device": "cuda:15", "dtype": "auto"}}  # a GPU this machine lacks
+    with pytest.raises(ConfigError, match="model.device"):
+        load_config(gpu)
+    planned = Planner(load_config(gpu, for_machine=False), DEFAULT_SPEEDS)
+    assert planned.block_nbytes == 32 * 2 * 16 * 8 * 128 * 2  # Llama-3-8B's block in bfloat16, a GPU's auto dtype
 
 
 @pytest.mark.parametrize("bad, message", [
