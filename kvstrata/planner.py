@@ -392,7 +392,7 @@ class Planner:
     def _prefix_router(self, engines: list[ReplayEngine]):
         """The router's own placement (kvstrata/serving/router.py `ReplicaSet.choose`) over the engines,
         each replica's index answered from its replayed device and CPU tiers."""
-        from kvstrata.serving.router import ROUTING_MEDIA, Replica, ReplicaSet
+        from kvstrata.serving.router import Replica, ReplicaSet
 
         class ReplayedIndex:
             def __init__(self, engine: ReplayEngine) -> None:
@@ -404,7 +404,6 @@ class Planner:
         replicas = [Replica(config=None, subscriber=None, index=ReplayedIndex(e)) for e in engines]
         replica_set = ReplicaSet(replicas, max_load_gap=16)
         engine_of = {id(r): e for r, e in zip(replicas, engines)}
-        assert ROUTING_MEDIA
 
         def choose(chain: list) -> ReplayEngine:
             for r, e in zip(replicas, engines):
