@@ -69,6 +69,9 @@ class FinishedRequest:
     e2e_s: float                 # from its arrival to its end
     num_prompt_tokens: int
     num_generated_tokens: int
+    # the chain hashes of its full blocks, the prompt's first (a trace of the traffic names prompts by them:
+    # kvstrata/trace.py)
+    block_hashes: tuple[bytes, ...] = ()
 
 
 class RequestListener(Protocol):
@@ -95,7 +98,8 @@ class _NoListener:
 
 def _finished(request: Request) -> FinishedRequest:
     return FinishedRequest(request.status.value, time.perf_counter() - request.arrival_time,
-                           request.num_prompt_tokens, len(request.output_token_ids))
+                           request.num_prompt_tokens, len(request.output_token_ids),
+                           tuple(request.block_hashes))
 
 
 class EngineStoppedError(RuntimeError):

@@ -6,6 +6,7 @@
     kvstrata bench  ttft --config F [benchmark options ...]
     kvstrata bench  concurrency --config F [benchmark options ...]
     kvstrata config check FILE [--set key=value ...]
+    kvstrata plan   --config F --trace T [--sweep key=v1,v2 ...] [--plot P] [--replicas N --route R] [--json]
     kvstrata cache  stats|clear --config F [--tier disk|remote]
     kvstrata cache  documents add FILE [--prompt] [--cache-salt S] [--no-pin] | list | unpin ID  [--url U | --config F]
 
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvstrata import __version__
+from kvstrata import __version__, planner
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -106,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file", metavar="FILE")
     _add_override_argument(check)
     check.set_defaults(run=_config_check)
+
+    plan = commands.add_parser("plan", help="size the tiers from a trace of real traffic (kvstrata/planner.py)")
+    _add_config_arguments(plan)
+    planner.add_arguments(plan)
+    plan.set_defaults(run=planner.run)
 
     cache = commands.add_parser("cache", help="inspect or empty the lower tiers that outlive a process (disk, remote)")
     cache_commands = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")

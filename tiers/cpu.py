@@ -18,6 +18,7 @@ import torch
 
 from kvstrata.tiers.base import BlockLayout, LowerTier, Pin, TierStats, parents_or_unknown, token_tuple
 from kvstrata.tiers.block_events import TierEvents
+from kvstrata.tiers.lru import lru_victim
 from kvstrata.tiers.transfer import LentBlocks, copy_each
 
 _NEXT_ROUND = object()  # a put's block that must wait for the put's earlier blocks to be written (see `put`)
@@ -328,17 +329,8 @@ class CpuTier(LowerTier):
         """Free the least recently used slot that no promotion holds and no owner pins, its block added to
         `evicted` (for `on_evict`, before the slot is written); returns the slot, or None when every block is
         held or pinned."""
-        h, kept = None, []
-        for candidate in self._slot_of:
-            if candidate in self._pin_count or candidate in self._holds or self._slot_of[candidate] in self._readers:
-                kept.append(candidate)
-            else:
-                h = candidate
-                break
-        # Out of the next scan's way (every eviction of a put scanned them again): a pinned block is never evicted,
-        # so its place does not matter; a held or read one is being promoted, which makes it the most recently used.
-        for k in kept:
-            self._slot_of.move_to_end(k)
+        h = lru_victim(self._slot_of, lambda candidate: (candidate in self._pin_count or candidate in self._holds
+                                                         or self._slot_of[candidate] in self._readers))
         if h is None:
             return None
         slot = self._slot_of[h]

@@ -17,7 +17,8 @@
       preload: [{file: handbook.txt, cache_salt: null, pin: true}]   # documents cached at start-up
       load_policy: auto         # or always_load, always_recompute
     scheduler: {max_num_batched_tokens: 2048, max_num_seqs: 32}
-    server: {host: 127.0.0.1, port: 8000, model_alias: null, api_key: null, max_request_body: 32MiB}
+    server: {host: 127.0.0.1, port: 8000, model_alias: null, api_key: null, max_request_body: 32MiB,
+             trace_log: null}     # trace_log: a Mooncake-format trace of the traffic, for `kvstrata plan`
     events: {endpoint: "tcp://127.0.0.1:5557", replay_endpoint: null, replay_buffer: 10000,
              queue_size: 100000, topic: ""}     # KV events; off when left out
     router: {host: 127.0.0.1, port: 8080, health_interval: 1s, request_timeout: 600s,

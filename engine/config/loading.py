@@ -34,7 +34,7 @@ ENV_OVERRIDES = (
 
 def load_config(source: str | os.PathLike | Mapping | Config | None = None,
                 overrides: Mapping[str, Any] | list[str] | str | None = None, *,
-                disk_read_only: bool = False) -> Config:
+                disk_read_only: bool = False, for_machine: bool = True) -> Config:
     """Load and validate a config.
 
     `source`: a YAML file path, a dict shaped like the YAML, an existing Config, or None (the
@@ -44,6 +44,8 @@ def load_config(source: str | os.PathLike | Mapping | Config | None = None,
     `ENV_OVERRIDES`; not re-applied to an existing Config) < overrides.
     `disk_read_only`: for a command that only reads the disk store (`kvstrata cache stats`): its
     path is then neither created nor required to be writable or roomy.
+    `for_machine` False: the config describes another machine (`kvstrata plan` sizes tiers before they
+    are bought): no tier is checked against this machine's memory or disk, and no disk path is touched.
     Raises ConfigError, one line naming the key, for any problem.
     """
     env_sources: dict[str, str] = {}
@@ -57,7 +59,8 @@ def load_config(source: str | os.PathLike | Mapping | Config | None = None,
     for key, value in parse_overrides(overrides).items():
         _set_dotted(raw, key, value)
         env_sources.pop(key, None)
-    return _validate(raw, env_sources, {"disk_read_only": disk_read_only})
+    return _validate(raw, env_sources, {"disk_read_only": disk_read_only or not for_machine,
+                                        "for_machine": for_machine})
 
 
 def _read_source(source: Any) -> dict[str, Any]:

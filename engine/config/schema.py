@@ -60,11 +60,11 @@ class ModelConfig(_Section):
 
     @field_validator("device")
     @classmethod
-    def _known_device(cls, device: str) -> str:
+    def _known_device(cls, device: str, info: ValidationInfo) -> str:
         canonical = device.strip().lower()
         if not DEVICE_RE.match(canonical):
             raise ValueError(f"unknown device {device!r} (expected auto, cpu, cuda or cuda:N)")
-        if canonical.startswith("cuda"):
+        if canonical.startswith("cuda") and _for_machine(info):
             index = int(canonical.partition(":")[2] or 0)
             if machine.gpu_memory_bytes(index, explicit=True) is None:
                 raise ValueError(f"{canonical}: no such CUDA device on this machine "
@@ -284,6 +284,18 @@ class ServerConfig(_Section):
     # Bodies larger than this are refused (413) before they are parsed.
     max_request_body: Annotated[int, BeforeValidator(request_body_limit),
                                 PlainSerializer(format_size)] = DEFAULT_MAX_REQUEST_BODY
+    # Each request appended to this Mooncake-format trace (kvstrata/trace.py: lengths and ids derived from
+    # chain hashes, never token ids or text), for `kvstrata plan`; None: no trace is written.
+    trace_log: Path | None = None
+
+    @field_validator("trace_log", mode="before")
+    @classmethod
+    def _absolute_trace_log(cls, path: Any) -> Path | None:
+        if path is None:
+            return None
+        if not isinstance(path, (str, Path)) or not str(path).strip():
+            raise ValueError(f"expected a file path, got {short_repr(path)}")
+        return Path(os.path.abspath(Path(path).expanduser()))
 
     @field_validator("host")
     @classmethod
@@ -367,7 +379,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _tiers_fit_the_machine(self, info: ValidationInfo) -> Config:
-        machine.check_tiers_fit(self, disk=not _disk_read_only(info))
+        if _for_machine(info):
+            machine.check_tiers_fit(self, disk=not _disk_read_only(info))
         return self
 
     def resolved_device(self) -> str:
@@ -410,3 +423,9 @@ class Config(_Section):
 def _disk_read_only(info: ValidationInfo) -> bool:
     """Validating for a command that only reads the disk store (`load_config(disk_read_only=True)`)."""
     return bool((info.context or {}).get("disk_read_only"))
+
+
+def _for_machine(info: ValidationInfo) -> bool:
+    """Validating a config to run here, not one describing another machine (`load_config(for_machine=False)`:
+    `kvstrata plan` sizes the tiers of a machine not yet bought, which may have GPUs this one lacks)."""
+    return bool((info.context or {}).get("for_machine", True))

@@ -99,7 +99,7 @@ def serve(config: Config) -> None:
     the cache down to disk. Ctrl-C raises KeyboardInterrupt at the end (the CLI exits 130); SIGTERM
     returns normally (exit 0)."""
     sock = bind_socket(config.server.host, config.server.port)
-    async_engine = tokenizers = server = publisher = None
+    async_engine = tokenizers = server = publisher = trace = None
     try:
         from kvstrata.engine.async_engine import AsyncEngine
         from kvstrata.engine.llm_engine import LLMEngine
@@ -112,6 +112,10 @@ def serve(config: Config) -> None:
         async_engine = AsyncEngine(llm_engine)
         metrics = ServingMetrics(lambda: async_engine.snapshot, events=publisher)
         async_engine.listener = metrics  # set before any request: the engine thread reads it for requests only
+        if config.server.trace_log is not None:  # each request appended to a trace for `kvstrata plan`
+            from kvstrata.trace import TraceLog, TraceWriter
+            trace = TraceWriter(config.server.trace_log, config.cache.block_size)
+            async_engine.listener = TraceLog(metrics, trace)
         model_id = config.server.model_alias or config.model.name
         drain = DrainState()
         app = build_app(async_engine, model_id, metrics=metrics, tokenizers=tokenizers, drain=drain,
@@ -128,6 +132,8 @@ def serve(config: Config) -> None:
             async_engine.shutdown()
         if publisher is not None:  # after the engine's close, whose write-down to disk it reports
             publisher.close()
+        if trace is not None:
+            trace.close()
     print(stopped_message(config, async_engine.final_stats), flush=True)
     if server.received_signal == signal.SIGINT:
         raise KeyboardInterrupt
