@@ -364,3 +364,25 @@ def test_a_subscriber_sees_device_cpu_and_disk_blocks_come_and_go(tmp_path, embe
         index.apply(event)
     assert index.prefix_length(hashes_b, ("device",)) == 0 and index.prefix_length(hashes_b, ("cpu",)) == 3
 
+
+
+@pytest.mark.slow
+def test_the_python_api_publishes_when_its_config_has_events(embedded_model_fp32):
+    from kvstrata import LLM, SamplingParams
+
+    pub, replay = free_ports(2)
+    config = load_config({"model": {"dtype": "float32", "device": "cpu"},
+                          "events": {"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}})
+    subscriber = KVEventSubscriber(config.events.endpoint, config.events.replay_endpoint)
+    with LLM(config, loaded_model=embedded_model_fp32) as llm:
+        llm.generate(list(range(1000, 1050)), SamplingParams(max_tokens=1, temperature=0.0))
+        events = collect_until(subscriber, lambda seen: any(isinstance(e, BlockStored) for e in seen))
+    subscriber.close()
+    assert next(e for e in events if isinstance(e, BlockStored)).medium == "device"
+
+
+def test_drain_timeout_fits_kubernetes_grace_and_write_back_means_on_evict():
+    config = load_config({"cache": {"offload": "write_back"}})
+    assert config.cache.offload == "on_evict"
+    assert 0 < config.server.drain_timeout < 30 and config.server.stats_interval == 10.0
+    assert load_config(None, ["server.drain_timeout=5s"]).server.drain_timeout == 5.0
