@@ -111,9 +111,10 @@ def serve(config: Config) -> None:
         llm_engine = LLMEngine(config, block_events=publisher)
         tokenizers = TokenizerPool(llm_engine.tokenizer)  # copied before the engine thread uses the original
         async_engine = AsyncEngine(llm_engine)
-        metrics = ServingMetrics(lambda: async_engine.snapshot, events=publisher)
-        async_engine.listener = metrics  # set before any request: the engine thread reads it for requests only
         model_id = config.server.model_alias or config.model.name
+        metrics = ServingMetrics(lambda: async_engine.snapshot, events=publisher,
+                                 model_name=model_id if config.server.vllm_metrics else None)
+        async_engine.listener = metrics  # set before any request: the engine thread reads it for requests only
         drain = DrainState()
         app = build_app(async_engine, model_id, metrics=metrics, tokenizers=tokenizers, drain=drain,
                         api_key=config.server.api_key, max_request_body=config.server.max_request_body)
