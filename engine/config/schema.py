@@ -289,9 +289,6 @@ class ServerConfig(_Section):
     # On SIGTERM, how long requests in flight may finish before they are aborted and the cache is
     # written down: below Kubernetes' default 30 s grace period, so the write-down has time too.
     drain_timeout: DurationOrZero = 25.0
-    # While requests run, one log line this often: requests, tokens/s, hit rate and bytes promoted per tier.
-    stats_interval: DurationOrZero = 10.0  # 0: no stats lines
-    access_log: bool = False  # one log line per HTTP request (method, path, status, time)
     vllm_metrics: bool = True  # also export the vllm:* series vLLM's dashboards and autoscalers read
 
     @field_validator("host")
