@@ -131,13 +131,21 @@ class LLM:
         """`config`: a YAML path, a dict, a Config, or None (defaults). `loaded_model` lets several
         engines in one process share one loaded model (same dtype and device). `events` hears every
         block the tiers store, evict and clear; to publish them as vLLM does, pass
-        `kvstrata.serving.events.KVEventPublisher(config.events)` (this API knows nothing of ZMQ, so
-        the config's `events` section alone publishes nothing here)."""
+        `kvstrata.serving.events.KVEventPublisher(config.events)`; with none given, a config with an
+        `events` section gets one of its own, closed by `close()`."""
         self.config = config if isinstance(config, Config) else load_config(config)
+        self._publisher = None
         if self.config.events is not None and events is None:
-            logger.warning("events: the Python API publishes KV events only when given a publisher: "
-                           "LLM(config, events=KVEventPublisher(config.events))")
-        self.engine = LLMEngine(self.config, loaded=loaded_model, block_events=events)
+            # Imported here, not above: the engine itself knows nothing of ZMQ; this user-facing entry
+            # point does what `kvstrata serve` does with the same config.
+            from kvstrata.serving.events import KVEventPublisher
+            events = self._publisher = KVEventPublisher(self.config.events)
+        try:
+            self.engine = LLMEngine(self.config, loaded=loaded_model, block_events=events)
+        except BaseException:
+            if self._publisher is not None:
+                self._publisher.close()
+            raise
         self._ids = itertools.count()
 
     @property
@@ -234,7 +242,11 @@ class LLM:
 
     def close(self) -> None:
         """Flush pending write-downs to disk (so the next process finds them) and release the tiers."""
-        self.engine.close()
+        try:
+            self.engine.close()
+        finally:
+            if self._publisher is not None:  # after the engine's close, whose write-down it reports
+                self._publisher.close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -10,7 +10,8 @@ import zmq
 
 from kvstrata.cli import main
 from kvstrata.engine.config import ConfigError, load_config
-from kvstrata.serving.events import BlockIndex, KVEventPublisher, KVEventSubscriber
+from kvstrata.serving.events import (BlockIndex, KVEventPublisher, KVEventSubscriber, WireFormat, decode_batch,
+                                     encode_batch)
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvstrata.tiers.cpu import CpuTier
 from kvstrata.tiers.disk import DiskTier
@@ -94,27 +95,63 @@ def test_a_tier_without_a_listener_builds_no_event():
 
 # -- the wire -----------------------------------------------------------------------------------
 
-class VllmBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+# vLLM's event structs, written from vllm/distributed/kv_events.py: today's (tagged maps, the fields
+# after `lora_name` optional and omitted when unset) and, array-like, the form before it.
+class VllmKVCacheEvent(msgspec.Struct, omit_defaults=True, tag=True):
+    pass
+
+
+class VllmBlockStored(VllmKVCacheEvent, tag="BlockStored"):  # vLLM tags by class name
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class VllmBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class VllmAllBlocksCleared(VllmKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VllmEventBatch(msgspec.Struct, omit_defaults=True):
+    ts: float
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class LegacyBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
 
 
-class VllmBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
-    block_hashes: list[bytes]
+class LegacyBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
     medium: str | None
 
 
-class VllmAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+class LegacyAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
     pass
 
 
-class VllmEventBatch(msgspec.Struct, array_like=True):
+class LegacyEventBatch(msgspec.Struct, array_like=True):
     ts: float
-    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
+    events: list[LegacyBlockStored | LegacyBlockRemoved | LegacyAllBlocksCleared]
 
 
 def subscribe(config) -> zmq.Socket:
@@ -134,18 +171,60 @@ def publish_until_heard(publisher, sub, event) -> list[bytes]:
     raise AssertionError("no batch reached the subscriber")
 
 
-def test_a_router_reading_vllm_events_decodes_ours():
-    with KVEventPublisher(events_config()) as publisher:
+def published_payload(config, event) -> bytes:
+    with KVEventPublisher(config) as publisher:
         sub = subscribe(publisher.config)
-        topic, seq, payload_bytes = publish_until_heard(
-            publisher, sub, BlockStored([b"\x01" * 16, b"\x02" * 16], None, list(range(32)), 16, "cpu"))
+        topic, seq, payload = publish_until_heard(publisher, sub, event)
         sub.close()
-    batch = msgspec.msgpack.Decoder(VllmEventBatch).decode(payload_bytes)
-    assert topic == b"" and len(seq) == 8 and batch.ts == pytest.approx(time.time(), abs=60)
+    assert topic == b"" and len(seq) == 8
+    return payload
+
+
+WIRE_EVENTS = [BlockStored([b"\x01" * 16, b"\x02" * 16], b"\x09" * 16, list(range(32)), 16, "cpu"),
+               BlockRemoved([b"\x01" * 16], "device"), AllBlocksCleared("disk")]
+
+
+@pytest.mark.parametrize("fmt, batch_type", [("vllm", VllmEventBatch), ("vllm_legacy", LegacyEventBatch)])
+def test_a_router_reading_vllm_events_decodes_ours(fmt, batch_type):
+    payload = published_payload(events_config(format=fmt), WIRE_EVENTS[0])
+    batch = msgspec.msgpack.Decoder(batch_type).decode(payload)
+    assert batch.ts == pytest.approx(time.time(), abs=60)
     stored = batch.events[0]
-    assert isinstance(stored, VllmBlockStored)
+    assert type(stored).__name__.endswith("BlockStored")
     assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size, stored.lora_id,
-            stored.medium) == ([b"\x01" * 16, b"\x02" * 16], None, list(range(32)), 16, None, "cpu")
+            stored.medium) == ([b"\x01" * 16, b"\x02" * 16], b"\x09" * 16, list(range(32)), 16, None, "CPU")
+    if fmt == "vllm":
+        assert stored.lora_name is None and stored.extra_keys is None
+
+
+@pytest.mark.parametrize("fmt, batch_type", [("vllm", VllmEventBatch), ("vllm_legacy", LegacyEventBatch)])
+@pytest.mark.parametrize("int_hashes", [False, True])
+def test_every_event_kind_decodes_in_both_formats_with_vllm_media_and_hashes(fmt, batch_type, int_hashes):
+    fmt_ = WireFormat(maps=fmt == "vllm", int_hashes=int_hashes)
+    batch = msgspec.msgpack.Decoder(batch_type).decode(encode_batch(WIRE_EVENTS, 1.5, fmt_))
+    stored, removed, cleared = batch.events
+    h1 = int.from_bytes(b"\x01" * 8, "big") if int_hashes else b"\x01" * 16
+    assert stored.block_hashes[0] == h1 and removed.block_hashes == [h1]
+    assert stored.parent_block_hash == (int.from_bytes(b"\x09" * 8, "big") if int_hashes else b"\x09" * 16)
+    assert (stored.medium, removed.medium) == ("CPU", "GPU")
+    assert type(cleared).__name__.endswith("AllBlocksCleared")
+    # Our own reader gives back our tiers' names, whichever form it reads.
+    _, ours = decode_batch(encode_batch(WIRE_EVENTS, 1.5, fmt_))
+    assert [e.medium for e in ours] == ["cpu", "device", "disk"]
+
+
+def test_the_router_index_matches_a_publisher_sending_int_hashes():
+    index = BlockIndex()
+    _, events = decode_batch(encode_batch([BlockStored([b"\x01" * 16, b"\x02" * 16], None, [], 1, "device")], 0.0,
+                                          WireFormat(int_hashes=True)))
+    for event in events:
+        index.apply(event)
+    assert index.prefix_length([b"\x01" * 16, b"\x02" * 16, b"\x03" * 16], ("device",)) == 2
+
+
+def test_vllm_kv_events_config_names_are_accepted():
+    config = events_config(buffer_steps=7, max_queue_size=9, publisher="zmq")
+    assert (config.replay_buffer, config.queue_size, config.format, config.int_hashes) == (7, 9, "vllm", False)
 
 
 def test_a_subscriber_that_missed_batches_recovers_them_through_replay():
@@ -285,3 +364,25 @@ def test_a_subscriber_sees_device_cpu_and_disk_blocks_come_and_go(tmp_path, embe
         index.apply(event)
     assert index.prefix_length(hashes_b, ("device",)) == 0 and index.prefix_length(hashes_b, ("cpu",)) == 3
 
+
+
+@pytest.mark.slow
+def test_the_python_api_publishes_when_its_config_has_events(embedded_model_fp32):
+    from kvstrata import LLM, SamplingParams
+
+    pub, replay = free_ports(2)
+    config = load_config({"model": {"dtype": "float32", "device": "cpu"},
+                          "events": {"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}})
+    subscriber = KVEventSubscriber(config.events.endpoint, config.events.replay_endpoint)
+    with LLM(config, loaded_model=embedded_model_fp32) as llm:
+        llm.generate(list(range(1000, 1050)), SamplingParams(max_tokens=1, temperature=0.0))
+        events = collect_until(subscriber, lambda seen: any(isinstance(e, BlockStored) for e in seen))
+    subscriber.close()
+    assert next(e for e in events if isinstance(e, BlockStored)).medium == "device"
+
+
+def test_drain_timeout_fits_kubernetes_grace_and_write_back_means_on_evict():
+    config = load_config({"cache": {"offload": "write_back"}})
+    assert config.cache.offload == "on_evict"
+    assert 0 < config.server.drain_timeout < 30
+    assert load_config(None, ["server.drain_timeout=5s"]).server.drain_timeout == 5.0

@@ -448,6 +448,25 @@ def test_metrics_expose_cache_tiers_ttft_and_queues(http):
     assert metric_value(text, "kvstrata_cache_disk_blocks_read_by_processes_total") >= 0
 
 
+def test_metrics_expose_vllm_named_series_beside_ours(client, http):
+    """Dashboards and autoscalers built for vLLM read these names, labelled with the served model."""
+    client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=1, temperature=0,
+                                   messages=document_chat("Who keeps the keys?"))
+    text = http.get("/metrics").text
+    label = 'model_name="smollm2-135m-instruct"'
+    queries = metric_value(text, "vllm:prefix_cache_queries_total", label)
+    assert queries == metric_value(text, "kvstrata_prefix_cache_queries_tokens_total") > 0
+    hits = metric_value(text, "vllm:prefix_cache_hits_total", label)
+    assert hits == metric_value(text, "kvstrata_prefix_cache_hits_tokens_total", 'tier="device"')
+    assert metric_value(text, "vllm:external_prefix_cache_queries_total", label) == queries - hits
+    assert metric_value(text, "vllm:external_prefix_cache_hits_total", label) >= 0
+    assert 0 <= metric_value(text, "vllm:kv_cache_usage_perc", label) <= 1
+    assert metric_value(text, "vllm:num_requests_running", label) == 0
+    assert metric_value(text, "vllm:num_requests_waiting", label) == 0
+    assert metric_value(text, "vllm:time_to_first_token_seconds_count", label) == \
+        metric_value(text, "kvstrata_time_to_first_token_seconds_count")
+
+
 VERDICT = {"type": "object", "properties": {"opened": {"type": "integer", "minimum": 1000, "maximum": 2100},
                                           "rebuilt_wing": {"enum": ["east", "west", "north", "south"]}},
            "required": ["opened", "rebuilt_wing"], "additionalProperties": False}

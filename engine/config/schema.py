@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator,
+from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator,
                       ValidationInfo, field_validator, model_validator)
 
 from kvstrata.engine.config.fields import (DEVICE_RE, FieldError, KV_CACHE_DTYPES, Dtype, Duration, DurationOrZero,
@@ -227,7 +227,9 @@ class CacheConfig(_Section):
     block_size: Literal[8, 16, 32, 64] = 16
     hash: Literal["xxh3_128", "sha256"] = "xxh3_128"
     tiers: TiersConfig = TiersConfig()
-    offload: Literal["write_through", "on_evict"] = "write_through"
+    # write_back: LMCache's and SGLang's name for on_evict (a block goes down when it leaves the device)
+    offload: Annotated[Literal["write_through", "on_evict"],
+                       BeforeValidator(lambda v: "on_evict" if v == "write_back" else v)] = "write_through"
     pin_share: Fraction = 0.5
     preload: tuple[PreloadConfig, ...] = ()
     # whether a prefix found below the device is loaded or recomputed (engine/load_policy.py)
@@ -284,6 +286,10 @@ class ServerConfig(_Section):
     # Bodies larger than this are refused (413) before they are parsed.
     max_request_body: Annotated[int, BeforeValidator(request_body_limit),
                                 PlainSerializer(format_size)] = DEFAULT_MAX_REQUEST_BODY
+    # On SIGTERM, how long requests in flight may finish before they are aborted and the cache is
+    # written down: below Kubernetes' default 30 s grace period, so the write-down has time too.
+    drain_timeout: DurationOrZero = 25.0
+    vllm_metrics: bool = True  # also export the vllm:* series vLLM's dashboards and autoscalers read
     # Each request appended to this Mooncake-format trace (kvstrata/trace.py: lengths and ids derived from
     # chain hashes, never token ids or text), for `kvstrata plan`; None: no trace is written.
     trace_log: Path | None = None
@@ -310,9 +316,13 @@ class EventsConfig(_Section):
 
     endpoint: ZmqEndpoint
     replay_endpoint: ZmqEndpoint | None = None  # None: `next_endpoint(endpoint)`, filled in at load
-    replay_buffer: PositiveInt = 10_000
-    queue_size: PositiveInt = 100_000
+    # vLLM's KVEventsConfig names are accepted too (buffer_steps, max_queue_size, publisher).
+    replay_buffer: PositiveInt = Field(10_000, validation_alias=AliasChoices("replay_buffer", "buffer_steps"))
+    queue_size: PositiveInt = Field(100_000, validation_alias=AliasChoices("queue_size", "max_queue_size"))
     topic: str = ""
+    publisher: Literal["zmq"] = "zmq"
+    format: Literal["vllm", "vllm_legacy"] = "vllm"  # vllm: today's tagged maps; vllm_legacy: the arrays
+    int_hashes: bool = False  # block hashes as vLLM's 64-bit ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
     @model_validator(mode="after")
     def _replay_beside(self) -> EventsConfig:

@@ -12,16 +12,29 @@ queued, encodes it and sends it:
   number (8 bytes, big-endian); it gets back, one message each, `[seq, payload]` for every batch
   still kept (the last `events.replay_buffer`) from that number on, then `[-1 as 8 signed bytes, b""]`.
 
-The payload is vLLM's `KVEventBatch` with msgspec's array-like, tagged encoding:
+The payload is vLLM's `KVEventBatch`, in one of two forms (`events.format`):
 
-    [ts, [event, ...]]                     ts: the batch's wall-clock time (seconds since the epoch)
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-    ["BlockRemoved", block_hashes, medium]
-    ["AllBlocksCleared", medium]
+- `vllm` (the default; vLLM's current form): msgspec maps, each event tagged by its `type`:
 
-Block hashes are the engine's chain hashes as raw bytes (msgpack bin: 16 bytes with xxh3_128, 32 with
-sha256); `lora_id` is always nil; `medium` is the tier's name (device, cpu, disk, ...). vLLM's
-AllBlocksCleared has no fields: a decoder typed after it ignores the trailing medium.
+      {"ts": ts, "events": [event, ...]}       ts: the batch's wall-clock time (seconds since the epoch)
+      {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h, "token_ids": [...],
+       "block_size": n, "lora_id": nil, "medium": "GPU", "lora_name": nil}
+      {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}
+      {"type": "AllBlocksCleared", "medium": "GPU"}
+
+- `vllm_legacy` (vLLM before it moved to maps): msgspec's array-like, tagged encoding:
+
+      [ts, [event, ...]]
+      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]
+      ["BlockRemoved", block_hashes, medium]
+      ["AllBlocksCleared", medium]
+
+Media carry vLLM's names: `GPU` for the device tier, `CPU` for pinned CPU, and `DISK` and `REMOTE`
+for the tiers vLLM does not have. Block hashes are the engine's chain hashes as raw bytes (msgpack
+bin: 16 bytes with xxh3_128, 32 with sha256), or with `events.int_hashes` their last 8 bytes as a
+64-bit unsigned integer, as vLLM sends them under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES. `lora_id` and
+`lora_name` are always nil (no adapters). vLLM's AllBlocksCleared has no fields: a decoder typed after
+it ignores the medium (maps: an unknown key; arrays: a trailing element).
 """
 from __future__ import annotations
 
@@ -47,40 +60,100 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 CLOSE_TIMEOUT_S = 2.0
 
 
-def encode_event(event: BlockEvent) -> list:
-    """One event in vLLM's array-like, tagged form."""
+# Our tiers' names and vLLM's for them; the wire carries vLLM's, the decoder gives back ours.
+WIRE_MEDIA = {"device": "GPU", "cpu": "CPU", "disk": "DISK", "remote": "REMOTE"}
+TIER_OF_MEDIUM = {wire: tier for tier, wire in WIRE_MEDIA.items()}
+
+
+def wire_medium(medium: str | None) -> str | None:
+    return WIRE_MEDIA.get(medium, medium) if medium is not None else None
+
+
+def tier_medium(medium: str | None) -> str | None:
+    """A medium read off the wire as our tier's name (vLLM's name or ours; unknown ones as sent)."""
+    if medium is None:
+        return None
+    return TIER_OF_MEDIUM.get(medium.upper(), medium)
+
+
+def int_block_hash(block_hash: bytes) -> int:
+    """vLLM's 64-bit form of a block hash: its last 8 bytes, big-endian, unsigned."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """How events are put on the wire (`events.format`, `events.int_hashes`)."""
+    maps: bool = True          # vLLM's current tagged maps; False: the legacy arrays
+    int_hashes: bool = False
+
+    @classmethod
+    def of(cls, config: EventsConfig) -> WireFormat:
+        return cls(maps=config.format == "vllm", int_hashes=config.int_hashes)
+
+    def hashes(self, hashes: list[bytes]) -> list:
+        return [int_block_hash(h) for h in hashes] if self.int_hashes else list(hashes)
+
+    def parent(self, block_hash: bytes | None):
+        return int_block_hash(block_hash) if self.int_hashes and block_hash is not None else block_hash
+
+
+DEFAULT_FORMAT = WireFormat()
+
+
+def encode_event(event: BlockEvent, fmt: WireFormat = DEFAULT_FORMAT) -> list | dict:
+    """One event in vLLM's tagged form: a map with its `type` or, legacy, an array led by its tag."""
+    medium = wire_medium(event.medium)
     if isinstance(event, BlockStored):
-        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                None, event.medium]
-    if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", event.block_hashes, event.medium]
-    if isinstance(event, AllBlocksCleared):
-        return ["AllBlocksCleared", event.medium]
-    raise TypeError(f"not a block event: {event!r}")
+        fields = {"block_hashes": fmt.hashes(event.block_hashes), "parent_block_hash": fmt.parent(event.parent_block_hash),
+                  "token_ids": list(event.token_ids), "block_size": event.block_size, "lora_id": None,
+                  "medium": medium, "lora_name": None}
+    elif isinstance(event, BlockRemoved):
+        fields = {"block_hashes": fmt.hashes(event.block_hashes), "medium": medium}
+    elif isinstance(event, AllBlocksCleared):
+        fields = {"medium": medium}
+    else:
+        raise TypeError(f"not a block event: {event!r}")
+    tag = type(event).__name__
+    return {"type": tag, **fields} if fmt.maps else [tag, *fields.values()]
 
 
-def encode_batch(events: list[BlockEvent], ts: float) -> bytes:
-    return msgpack.packb([ts, [encode_event(e) for e in events]], use_bin_type=True)
+def encode_batch(events: list[BlockEvent], ts: float, fmt: WireFormat = DEFAULT_FORMAT) -> bytes:
+    encoded = [encode_event(e, fmt) for e in events]
+    return msgpack.packb({"ts": ts, "events": encoded} if fmt.maps else [ts, encoded], use_bin_type=True)
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[BlockEvent]]:
-    """The inverse of `encode_batch` (what `kvstrata route` reads); ValueError on anything else."""
+    """A batch in either form (ours or any vLLM's), media as our tiers' names; ValueError on anything else."""
     try:
-        ts, raw_events = msgpack.unpackb(payload, raw=False)
-        return float(ts), [_decode_event(e) for e in raw_events]
-    except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+        batch = msgpack.unpackb(payload, raw=False)
+        ts, raw_events = (batch["ts"], batch["events"]) if isinstance(batch, dict) else batch[:2]
+        return float(ts), [e for e in map(_decode_event, raw_events) if e is not None]
+    except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException) as exc:
         raise ValueError(f"not a KV event batch: {exc}") from None
 
 
-def _decode_event(raw: list) -> BlockEvent:
+def _decode_event(raw: list | dict) -> BlockEvent | None:
+    if isinstance(raw, dict):
+        tag = raw["type"]
+        get = raw.get
+        if tag == "BlockStored":
+            return BlockStored(list(raw["block_hashes"]), raw["parent_block_hash"], list(raw["token_ids"]),
+                               int(raw["block_size"]), tier_medium(get("medium")))
+        if tag == "BlockRemoved":
+            return BlockRemoved(list(raw["block_hashes"]), tier_medium(get("medium")))
+        if tag == "AllBlocksCleared":
+            return AllBlocksCleared(tier_medium(get("medium")))
+        return None  # a kind of event newer than this reader: skipped, as vLLM's readers skip unknown tags
     tag = raw[0]
     if tag == "BlockStored":
-        return BlockStored(list(raw[1]), raw[2], list(raw[3]), int(raw[4]), raw[6] if len(raw) > 6 else None)
+        return BlockStored(list(raw[1]), raw[2], list(raw[3]), int(raw[4]),
+                           tier_medium(raw[6]) if len(raw) > 6 else None)
     if tag == "BlockRemoved":
-        return BlockRemoved(list(raw[1]), raw[2])
+        return BlockRemoved(list(raw[1]), tier_medium(raw[2]) if len(raw) > 2 else None)
     if tag == "AllBlocksCleared":
-        return AllBlocksCleared(raw[1] if len(raw) > 1 else None)
-    raise ValueError(f"unknown event {tag!r}")
+        return AllBlocksCleared(tier_medium(raw[1]) if len(raw) > 1 else None)
+    return None
 
 
 class KVEventPublisher:
@@ -95,6 +168,7 @@ class KVEventPublisher:
         self.config = config
         self._context = context or zmq.Context.instance()
         self._topic = config.topic.encode()
+        self._format = WireFormat.of(config)
         self._queue: queue.Queue[BlockEvent] = queue.Queue(maxsize=config.queue_size)
         self._drop_lock = threading.Lock()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.replay_buffer)
@@ -167,7 +241,7 @@ class KVEventPublisher:
 
     def _publish(self, events: list[BlockEvent]) -> None:
         seq = self.published_batches
-        payload = encode_batch(events, time.time())
+        payload = encode_batch(events, time.time(), self._format)
         try:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -326,8 +400,8 @@ class BlockIndex:
         """How many leading blocks of a chain are held in any of `media`."""
         held = [self.by_medium.get(m, ()) for m in media]
         n = 0
-        for h in block_hashes:
-            if not any(h in s for s in held):
+        for h in block_hashes:  # a publisher with `events.int_hashes` holds vLLM's 64-bit form of each
+            if not any(h in s or int_block_hash(h) in s for s in held):
                 break
             n += 1
         return n

@@ -2,7 +2,7 @@
 
 Shutting down, in order: the first SIGTERM (or Ctrl-C) starts a drain: new API requests get a 503
 and `/health` turns 503 (so a load balancer stops sending), while the requests in flight finish
-(streams to their last event), for at most GRACEFUL_SHUTDOWN_S. Then the listening socket closes,
+(streams to their last event), for at most `server.drain_timeout`. Then the listening socket closes,
 the engine stops and writes the cache down to the disk tier, and the last line printed says
 whether that worked. A second signal ends the drain at once.
 """
@@ -30,8 +30,8 @@ from kvstrata.serving.tokenizer_pool import TokenizerPool
 if TYPE_CHECKING:
     from kvstrata.engine.async_engine import AsyncEngine
 
-# How long a drain waits for the requests in flight before they are cancelled (and so aborted).
-GRACEFUL_SHUTDOWN_S = 60
+# How long a drain waits for the requests in flight before they are cancelled (and so aborted):
+# `server.drain_timeout`.
 # After the drain, how long uvicorn waits for what is left before cancelling it.
 CANCEL_AFTER_DRAIN_S = 5
 
@@ -42,9 +42,10 @@ class _Server(uvicorn.Server):
     does not re-raise the signal afterwards, so the process lives on to write its cache down: `serve`
     closes the engine and returns."""
 
-    def __init__(self, config: uvicorn.Config, drain: DrainState):
+    def __init__(self, config: uvicorn.Config, drain: DrainState, drain_timeout: float):
         super().__init__(config)
         self.drain = drain
+        self.drain_timeout = drain_timeout
         self.received_signal: int | None = None
         self._drain_deadline = 0.0
 
@@ -64,7 +65,7 @@ class _Server(uvicorn.Server):
         if self.received_signal is None:
             self.received_signal = sig
             self.drain.draining = True
-            self._drain_deadline = time.monotonic() + GRACEFUL_SHUTDOWN_S
+            self._drain_deadline = time.monotonic() + self.drain_timeout
             return
         super().handle_exit(sig, frame)
 
@@ -110,19 +111,21 @@ def serve(config: Config) -> None:
         llm_engine = LLMEngine(config, block_events=publisher)
         tokenizers = TokenizerPool(llm_engine.tokenizer)  # copied before the engine thread uses the original
         async_engine = AsyncEngine(llm_engine)
-        metrics = ServingMetrics(lambda: async_engine.snapshot, events=publisher)
+        model_id = config.server.model_alias or config.model.name
+        metrics = ServingMetrics(lambda: async_engine.snapshot, events=publisher,
+                                 model_name=model_id if config.server.vllm_metrics else None)
         async_engine.listener = metrics  # set before any request: the engine thread reads it for requests only
         if config.server.trace_log is not None:  # each request appended to a trace for `kvstrata plan`
             from kvstrata.trace import TraceLog, TraceWriter
             trace = TraceWriter(config.server.trace_log, config.cache.block_size)
             async_engine.listener = TraceLog(metrics, trace)
-        model_id = config.server.model_alias or config.model.name
         drain = DrainState()
         app = build_app(async_engine, model_id, metrics=metrics, tokenizers=tokenizers, drain=drain,
                         api_key=config.server.api_key, max_request_body=config.server.max_request_body)
         print(_banner(config, async_engine, model_id, sock), flush=True)
         server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                        timeout_graceful_shutdown=CANCEL_AFTER_DRAIN_S), drain)
+                                        timeout_graceful_shutdown=CANCEL_AFTER_DRAIN_S), drain,
+                         config.server.drain_timeout)
         server.run(sockets=[sock])
     finally:
         sock.close()
