@@ -10,7 +10,8 @@ in a product of fixed shape; cuBLAS picks tiles and split-K from M. A CUDA reduc
 from the row count.
 
 The cures, each with a torch reference beside the Triton kernel:
-- `linear`: every row is its own [1, K] x [K, N] product (torch: one batched product over rows, the weight shared;
+- `linear`: rows in tiles of a fixed height, every tile one [T, K] x [K, N] product, K never split (torch: one
+  batched product over the tiles, the weight shared, T chosen by CPU family and dtype in `LINEAR_TILE_ROWS`;
   Triton: fixed BLOCK_M x BLOCK_N tiles walking K in fixed BLOCK_K steps, never split-K, whatever M is).
 - `mean_last_dim`: each row reduced alone in a fixed order (torch's CPU reduction already reduces an inner axis
   row by row whatever their number; Triton: one program per row).
