@@ -2,6 +2,7 @@
 
     python benchmarks/batch_invariance.py ops         # which ops give a row other bits when the call's shape changes
     python benchmarks/batch_invariance.py trace       # the first op whose bits differ, prompt whole vs. cut in two
+    python benchmarks/batch_invariance.py tiles       # the invariant linear's cost by rows per tile (its table)
     python benchmarks/batch_invariance.py cost        # prefill TTFT and decode step time, both modes
 
 Results and their reading: benchmarks/results/batch_invariance.md. How often greedy answers differ cached vs.
@@ -25,6 +26,7 @@ from kvstrata import LLM, SamplingParams, load_config  # noqa: E402
 from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model  # noqa: E402
 from kvstrata.engine.model_runner import ModelRunner, StepInput  # noqa: E402
 from kvstrata.kernels import get_ops  # noqa: E402
+from kvstrata.kernels.batch_invariant import cpu_matrix_isa, linear_tile_rows, reference_linear  # noqa: E402
 from kvstrata.tiers.base import BlockLayout  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -52,6 +54,11 @@ def ops(args) -> None:
         changed = [m for m in (1, 2, 3, 4, 8, 16, 64, 255) if not torch.equal(F.linear(x[5:5 + m], weight),
                                                                                 whole[5:5 + m])]
         print(f"| F.linear [M, 576] x [576, 1536], M rows of 300 | {dtype} | M in {changed or 'none'} |")
+        whole = reference_linear(x, weight)
+        changed = [m for m in (1, 2, 3, 4, 8, 16, 64, 255) if not torch.equal(reference_linear(x[5:5 + m], weight),
+                                                                                whole[5:5 + m])]
+        print(f"| invariant linear ({linear_tile_rows(dtype)}-row tiles), same shapes | {dtype} | "
+              f"M in {changed or 'none'} |")
         squares = x.float().pow(2)
         changed = [m for m in (1, 2, 7, 64) if not torch.equal(squares[5:5 + m].mean(-1), squares.mean(-1)[5:5 + m])]
         print(f"| RMSNorm's mean over 576 | {dtype} | M in {changed or 'none'} |")
@@ -65,6 +72,37 @@ def ops(args) -> None:
             prefill_attention(q[:, c:].transpose(0, 1), k, v, 0.125), whole[c:])]
         print(f"| attention of rows c.. after a cached prefix of c (padded or masked SDPA) vs. whole | {dtype} | "
               f"c in {changed or 'none'} |")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tiles: what the invariant linear costs against F.linear for each rows-per-tile, a decode row and a prefill.
+
+def tiles(args) -> None:
+    import torch.nn.functional as F
+
+    print(f"CPU: {cpu_matrix_isa()} (torch capability {torch.backends.cpu.get_cpu_capability()}), "
+          f"{torch.get_num_threads()} thread(s); [M, 576] x [576, 1536], median of {args.repeats}\n")
+    print("| dtype | rows per tile | 1 row | 1 row vs F.linear | 512 rows | 512 rows vs F.linear | chosen |")
+    print("|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(512, 576, generator=gen).to(dtype)
+        weight = (torch.randn(1536, 576, generator=gen) / 24).to(dtype)
+        base = [_median_s(lambda m=m: F.linear(x[:m], weight), args.repeats) for m in (1, 512)]
+        for tile in (1, 4, 8, 16, 32, 64):
+            t = [_median_s(lambda m=m: reference_linear(x[:m], weight, tile_rows=tile), args.repeats) for m in (1, 512)]
+            print(f"| {dtype} | {tile} | {t[0] * 1e3:.3f} ms | {t[0] / base[0]:.2f}x | {t[1] * 1e3:.1f} ms | "
+                  f"{t[1] / base[1]:.2f}x | {'yes' if tile == linear_tile_rows(dtype) else ''} |")
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -150,30 +188,35 @@ def trace(args) -> None:
 # cost: prefill TTFT of a cold prompt and the decode step time after it, both modes, median of repeats.
 
 def cost(args) -> None:
-    loaded = load_model(resolve_model(EMBEDDED_MODEL), torch.bfloat16, "cpu")
-    tokens = loaded.tokenizer.encode(document("execmodel", 20000))[:args.length]
-    rows = []
-    for invariant in (False, True):
-        llm = LLM(load_config({"model": {"dtype": "bfloat16", "device": "cpu", "attention_backend": "torch",
-                                         "batch_invariant": invariant},
-                               "cache": {"enable_prefix_caching": False}}), loaded_model=loaded)
-        ttfts, steps = [], []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            out = llm.generate(tokens, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))[0]
-            total = time.perf_counter() - start
-            ttfts.append(out.ttft_s)
-            steps.append((total - out.ttft_s) / (args.tokens - 1))
-        llm.close()
-        rows.append((invariant, statistics.median(ttfts), statistics.median(steps)))
-    print(f"prompt of {len(tokens)} tokens, {args.tokens} tokens decoded, bfloat16, torch path, "
-          f"{torch.get_num_threads()} thread(s), median of {args.repeats}\n")
-    print("| mode | prefill TTFT | decode step | TTFT ratio | step ratio |")
-    print("|---|---|---|---|---|")
-    base_ttft, base_step = rows[0][1], rows[0][2]
-    for invariant, ttft, step in rows:
-        print(f"| {'invariant' if invariant else 'default'} | {ttft * 1e3:.0f} ms | {step * 1e3:.1f} ms | "
-              f"{ttft / base_ttft:.2f}x | {step / base_step:.2f}x |")
+    print(f"CPU: {cpu_matrix_isa()} (torch capability {torch.backends.cpu.get_cpu_capability()}), "
+          f"{torch.get_num_threads()} thread(s), torch path, median of {args.repeats}\n")
+    print("| dtype | mode | prefill TTFT | decode step | TTFT ratio | step ratio |")
+    print("|---|---|---|---|---|---|")
+    for dtype in args.dtypes:
+        loaded = load_model(resolve_model(EMBEDDED_MODEL), getattr(torch, dtype), "cpu")
+        tokens = loaded.tokenizer.encode(document("execmodel", 20000))[:args.length]
+        rows = [(invariant, *_prefill_and_step(loaded, tokens, dtype, invariant, args)) for invariant in (False, True)]
+        base_ttft, base_step = rows[0][1], rows[0][2]
+        for invariant, ttft, step in rows:
+            print(f"| {dtype} | {'invariant' if invariant else 'default'} | {ttft * 1e3:.0f} ms | "
+                  f"{step * 1e3:.1f} ms | {ttft / base_ttft:.2f}x | {step / base_step:.2f}x |")
+    print(f"\nprompt of {len(tokens)} tokens, {args.tokens} tokens decoded")
+
+
+def _prefill_and_step(loaded, tokens, dtype: str, invariant: bool, args) -> tuple[float, float]:
+    """Median TTFT of a cold prompt and median decode step after it."""
+    llm = LLM(load_config({"model": {"dtype": dtype, "device": "cpu", "attention_backend": "torch",
+                                     "batch_invariant": invariant},
+                           "cache": {"enable_prefix_caching": False}}), loaded_model=loaded)
+    ttfts, steps = [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        out = llm.generate(tokens, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))[0]
+        total = time.perf_counter() - start
+        ttfts.append(out.ttft_s)
+        steps.append((total - out.ttft_s) / (args.tokens - 1))
+    llm.close()
+    return statistics.median(ttfts), statistics.median(steps)
 
 
 def main(argv=None) -> None:
@@ -181,6 +224,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ops")
+    sub.add_parser("tiles").add_argument("--repeats", type=int, default=7)
     p = sub.add_parser("trace")
     p.add_argument("--length", type=int, default=200)
     p.add_argument("--cuts", type=int, nargs="+", default=[96, 160, 192])
@@ -188,11 +232,12 @@ def main(argv=None) -> None:
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--tokens", type=int, default=17)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"$ python benchmarks/batch_invariance.py {' '.join(argv or sys.argv[1:])}\n")
-    {"ops": ops, "trace": trace, "cost": cost}[args.command](args)
+    {"ops": ops, "tiles": tiles, "trace": trace, "cost": cost}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ in a product of fixed shape; cuBLAS picks tiles and split-K from M. A CUDA reduc
 from the row count.
 
 The cures, each with a torch reference beside the Triton kernel:
-- `linear`: every row is its own [1, K] x [K, N] product (torch: one batched product over rows, the weight shared;
+- `linear`: rows in tiles of a fixed height, every tile one [T, K] x [K, N] product, K never split (torch: one
+  batched product over the tiles, the weight shared, T chosen by CPU family and dtype in `LINEAR_TILE_ROWS`;
   Triton: fixed BLOCK_M x BLOCK_N tiles walking K in fixed BLOCK_K steps, never split-K, whatever M is).
 - `mean_last_dim`: each row reduced alone in a fixed order (torch's CPU reduction already reduces an inner axis
   row by row whatever their number; Triton: one program per row).
@@ -22,12 +23,64 @@ import torch
 from kvstrata.kernels.triton_compat import check_launchable, tl, triton
 
 
-def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with every row of `x` computed as its own product (one bmm over the rows, the
-    weight broadcast, not copied): a row's bits cannot depend on the others. On this CPU bf16 costs about what
-    `F.linear` costs (benchmarks/results/batch_invariance.md); float32 gives up MKL's GEMM for it."""
-    rows = x.reshape(-1, 1, x.shape[-1])
-    out = torch.bmm(rows, weight.t().expand(rows.shape[0], -1, -1)).view(*x.shape[:-1], weight.shape[0])
+# Rows per fixed-shape product of `reference_linear`, by the CPU's widest matrix unit and the dtype. A product of
+# one shape runs one kernel, so a row's bits depend only on its own values whatever else is in the call (checked in
+# tests/test_batch_invariant_outputs.py for every tile here). Measured on AVX2 (benchmarks/results/batch_invariance.md,
+# one thread, [M, 576] x [576, 1536]): bfloat16 costs the same per row alone as in any tile (its kernel computes one
+# row at a time anyway), so 1; float32 alone forgoes MKL's GEMM (2.5x F.linear over 512 rows) while 16-row tiles
+# cost 1.6x, and a lone decode row padded to 16 costs ~10x its own product. AVX-512 and AMX were not measured here:
+# their tiles follow the units' shapes (AMX: 16 rows a tile register) and must be re-measured on such a CPU.
+LINEAR_TILE_ROWS = {
+    ("amx", torch.bfloat16): 32, ("amx", torch.float32): 16,
+    ("avx512", torch.bfloat16): 16, ("avx512", torch.float32): 16,
+    ("avx2", torch.bfloat16): 1, ("avx2", torch.float32): 16,
+}
+
+
+def cpu_matrix_isa() -> str:
+    """'amx', 'avx512' or 'avx2' (anything narrower counts as avx2): the widest unit a CPU GEMM may use. Tests
+    patch this to check every tile's invariance on any CPU."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
+        return "amx" if _cpu_flags() >= {"amx_tile", "amx_bf16"} else "avx512"
+    return "avx2"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def linear_tile_rows(dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
+    """Rows per product for `reference_linear` on this device; 1 (one product per row) off the CPU and for dtypes
+    the table does not name."""
+    if torch.device(device).type != "cpu":
+        return 1
+    return LINEAR_TILE_ROWS.get((cpu_matrix_isa(), dtype), 1)
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     tile_rows: int | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with the rows of `x` cut into tiles of `tile_rows` (the last padded with zeros),
+    every tile one [tile_rows, K] x [K, N] product of one batched call, the weight broadcast, not copied, K never
+    split: a row's bits cannot depend on how many rows share the call. `tile_rows` defaults to
+    `linear_tile_rows`."""
+    tile = tile_rows or linear_tile_rows(x.dtype, x.device)
+    K, N = x.shape[-1], weight.shape[0]
+    rows = x.reshape(-1, K)
+    M = rows.shape[0]
+    pad = -M % tile
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, K)])
+    tiles = rows.view(-1, tile, K)
+    out = torch.bmm(tiles, weight.t().expand(tiles.shape[0], -1, -1)).view(-1, N)
+    out = (out[:M] if pad else out).view(*x.shape[:-1], N)
     return out + bias if bias is not None else out
 
 

@@ -17,6 +17,7 @@ from kvstrata.engine import llm_engine
 from kvstrata.engine.config import ConfigError
 from kvstrata.engine.hashing import make_namespace
 from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
+from kvstrata.kernels import batch_invariant
 from kvstrata.kernels.batch_invariant import (LINEAR_BLOCK_M, linear, mean_last_dim, reference_linear,
                                               reference_mean_last_dim)
 
@@ -64,6 +65,22 @@ def test_row_kernels_give_a_row_the_same_bits_whatever_the_number_of_rows(dtype)
         torch.testing.assert_close(whole, squares.mean(-1, keepdim=True))
         assert torch.equal(kernel(squares[9:10], keepdim=True), whole[9:10])
         assert torch.equal(kernel(squares[5:50]), whole[5:50, 0])
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "amx"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_tiles_chosen_for_each_cpu_give_a_row_the_same_bits_whatever_shares_the_call(monkeypatch, isa, dtype):
+    """With detection patched to each CPU family, the torch linear uses that family's tile (the table's entry), and
+    a row's bits do not change with the call's height or its place in it (the last tile padded or full)."""
+    monkeypatch.setattr(batch_invariant, "cpu_matrix_isa", lambda: isa)
+    tile = batch_invariant.linear_tile_rows(dtype)
+    assert tile == batch_invariant.LINEAR_TILE_ROWS[(isa, dtype)]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2 * tile + 37, 64, generator=gen).to(dtype)
+    weight = (torch.randn(48, 64, generator=gen) / 8).to(dtype)
+    whole = reference_linear(x, weight)
+    for start, rows in ((0, 1), (3, 1), (1, tile), (tile - 1, tile + 2), (5, x.shape[0] - 5)):
+        assert torch.equal(reference_linear(x[start:start + rows], weight), whole[start:start + rows])
 
 
 # ---------------------------------------------------------------------------------------------------------------
