@@ -1,5 +1,5 @@
 """The GPU report: what the tiers cost and buy on one GPU, in one command anyone with a GPU can run, with
-every GPU goal of DESIGN.md (and of the GPU hit-path issue) met or not.
+every GPU goal of docs/design.md (and of the GPU hit-path issue) met or not.
 
     make gpu-report                                     # = python benchmarks/gpu_report.py
     python benchmarks/gpu_report.py --sections bandwidth,ttft --models smollm2
@@ -566,7 +566,7 @@ def row_of(result: dict, model: str, dtype: str = "bfloat16") -> dict | None:
 
 
 def goals(result: dict) -> list:
-    """DESIGN.md's GPU figures and the GPU hit-path issue's, each as a measured ratio against its target."""
+    """docs/design.md's GPU figures and the GPU hit-path issue's, each as a measured ratio against its target."""
     from benchmarks.ttft_stats import Goal, ratio
 
     out = []

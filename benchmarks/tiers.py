@@ -10,7 +10,7 @@ pinned staging (or, without CUDA, into the shared host KV cache), then one host-
 
 The reference is a plain torch copy of a large buffer on a CPU-only machine; with CUDA it is
 pinned host-to-device bandwidth (the CPU tier is pinned then). Blocks are SmolLM2-135M-sized
-(30 layers, 3 KV heads, head_dim 64, block_size 16, bf16: 368,640 bytes). Goals (DESIGN.md):
+(30 layers, 3 KV heads, head_dim 64, block_size 16, bf16: 368,640 bytes). Goals (docs/design.md):
 CPU tier >= 70% of the reference, warm disk >= 50%.
 """
 from __future__ import annotations
