@@ -23,9 +23,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.ttft_pressure import DEFAULT_DATA, command_line, render_chat, save_result  # noqa: E402
-from benchmarks.machine import machine_line  # noqa: E402
-from benchmarks.ttft_workload import cut_document, load_document, load_questions  # noqa: E402
+from benchmarks.harness import render_chat, save_result  # noqa: E402
+from benchmarks.machine import command_line, machine_line  # noqa: E402
+from benchmarks.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -222,7 +222,7 @@ def part_b(work: Path, model_name, load_format, doc_tokens):
     from kvstrata.engine.llm_engine import LLMEngine
 
     from benchmarks.gpu_report import document_prompts, drop_device_cache, settle
-    from benchmarks.ttft_pressure import ask, load
+    from benchmarks.harness import ask, load
 
     cfg0 = make_config(model_name, load_format, doc_tokens + 200, work / "probe", "auto")
     loaded, _ = load(cfg0)
@@ -271,7 +271,7 @@ def part_c(work: Path, model_name, load_format, loaded, prompts):
 
     from benchmarks.engine_host import add_during_next_step
     from benchmarks.gpu_report import drop_device_cache
-    from benchmarks.ttft_pressure import ask
+    from benchmarks.harness import ask
 
     res = []
     for rep in range(2):
@@ -314,7 +314,7 @@ def part_d(work: Path, model_name, load_format, loaded, prompts):
     from kvstrata.engine.llm_engine import LLMEngine
 
     from benchmarks.gpu_report import drop_device_cache, settle
-    from benchmarks.ttft_pressure import ask
+    from benchmarks.harness import ask
 
     out = {}
     for policy in ("auto", "always_load"):
@@ -629,7 +629,7 @@ def main(argv=None):
         if "c" in parts or "d" in parts:
             if loaded is None:
                 from benchmarks.gpu_report import document_prompts
-                from benchmarks.ttft_pressure import load
+                from benchmarks.harness import load
                 loaded, _ = load(make_config(name, fmt, doc + 200, work / "probe", "auto"))
                 prompts = document_prompts(loaded.tokenizer, doc, 8)
             if "c" in parts:

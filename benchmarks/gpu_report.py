@@ -1,5 +1,5 @@
 """The GPU report: what the tiers cost and buy on one GPU, in one command anyone with a GPU can run, with
-every GPU goal of DESIGN.md (and of the GPU hit-path issue) met or not.
+every GPU goal of docs/design.md (and of the GPU hit-path issue) met or not.
 
     make gpu-report                                     # = python benchmarks/gpu_report.py
     python benchmarks/gpu_report.py --sections bandwidth,ttft --models smollm2
@@ -282,7 +282,8 @@ def more_readers(plan: Plan) -> tuple[int, ...]:
 
 def measure_bandwidth(plan: Plan) -> dict:
     """The pinned copy limit both ways, then promotion per block layout through the transfer engine."""
-    from benchmarks.tiers import measure, reference_bandwidth
+    from benchmarks.machine import reference_bandwidth
+    from benchmarks.tiers import measure
 
     device = torch.device(plan.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -393,7 +394,8 @@ def drop_device_cache(engine) -> None:
 def document_prompts(tokenizer, doc_tokens: int, count: int) -> list[list[int]]:
     """`count` chat prompts on DOCUMENT cut to `doc_tokens` tokens, each with a question not asked before
     (the development set's questions, then the same rephrased)."""
-    from benchmarks.ttft_pressure import DEFAULT_DATA, render_chat
+    from benchmarks.harness import render_chat
+    from benchmarks.ttft_workload import DEFAULT_DATA
     from benchmarks.ttft_workload import cut_document, load_document, load_questions, qa_content, rephrased
 
     questions = load_questions(DEFAULT_DATA)[DOCUMENT]
@@ -422,7 +424,7 @@ def ttft_pass(plan: Plan, model: ModelCase, dtype: str, loaded, prompts: list[li
               salt: str) -> dict:
     """One pass: a cold short prompt, then the document asked four times: a miss, a device hit, a CPU-tier
     hit, and a disk hit in a fresh engine on the store the first one closed. Each kind's `ask` record."""
-    from benchmarks.ttft_pressure import ask
+    from benchmarks.harness import ask
 
     def miss_device_cpu(engine) -> dict:
         records = {"short": ask(engine, prompts[0][:SHORT_PROMPT_TOKENS], cache_salt=f"{salt}-short")}
@@ -490,7 +492,7 @@ def gap_run(plan: Plan, model: ModelCase, dtype: str, loaded, prompts: list[list
     """A decode stream runs; after `stream_lead` tokens a question on a document the CPU tier holds arrives."""
     from kvstrata.engine.sampling import SamplingParams
 
-    from benchmarks.ttft_pressure import ask
+    from benchmarks.harness import ask
 
     def stream_with_a_hit(engine):
         ask(engine, prompts[0], cache_salt=salt)  # the document, computed once and written through
@@ -531,7 +533,7 @@ def gap_run(plan: Plan, model: ModelCase, dtype: str, loaded, prompts: list[list
 def measure_model(plan: Plan, model: ModelCase, dtype: str, work_dir: Path, result: dict) -> None:
     """The TTFT rows and the gap run of one model in one dtype (loaded once), appended to `result` as they
     are measured, so that a later failure loses none of them."""
-    from benchmarks.ttft_pressure import load
+    from benchmarks.harness import load
 
     run_gap = "gap" in plan.sections and (dtype == GAP_DTYPE or GAP_DTYPE not in plan.dtypes)
     if "ttft" not in plan.sections and not run_gap:
@@ -566,7 +568,7 @@ def row_of(result: dict, model: str, dtype: str = "bfloat16") -> dict | None:
 
 
 def goals(result: dict) -> list:
-    """DESIGN.md's GPU figures and the GPU hit-path issue's, each as a measured ratio against its target."""
+    """docs/design.md's GPU figures and the GPU hit-path issue's, each as a measured ratio against its target."""
     from benchmarks.ttft_stats import Goal, ratio
 
     out = []
@@ -967,7 +969,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     elif os.environ.pop("TRITON_INTERPRET", "0") not in ("", "0"):
         log("TRITON_INTERPRET was set: ignored, the report runs the compiled kernels")
-    from benchmarks.ttft_pressure import source_state
+    from benchmarks.machine import source_state
 
     plan = make_plan(args)
     out = Path(args.out) if args.out else DEFAULT_OUT

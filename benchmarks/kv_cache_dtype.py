@@ -31,9 +31,9 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.cache_invariance import measure_each  # noqa: E402
-from benchmarks.machine import machine_line  # noqa: E402
-from benchmarks.ttft_pressure import DEFAULT_DATA, command_line, render_chat, save_result  # noqa: E402
-from benchmarks.ttft_workload import cut_document, load_document  # noqa: E402
+from benchmarks.machine import command_line, machine_line  # noqa: E402
+from benchmarks.harness import render_chat, save_result  # noqa: E402
+from benchmarks.ttft_workload import DEFAULT_DATA, cut_document, load_document  # noqa: E402
 
 GIB = 1024**3
 

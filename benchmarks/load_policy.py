@@ -35,11 +35,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.machine import machine_line  # noqa: E402
-from benchmarks.ttft_pressure import (DEFAULT_DATA, _set_tiers, ask, command_line, load, render_chat,  # noqa: E402
-                                      save_result)
+from benchmarks.machine import command_line, machine_line  # noqa: E402
+from benchmarks.harness import ask, load, render_chat, save_result, set_tiers  # noqa: E402
+from benchmarks.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
 from benchmarks.ttft_stats import percentile  # noqa: E402
-from benchmarks.ttft_workload import cut_document, load_document, load_questions  # noqa: E402
 
 SCENARIOS = ("fast", "slow", "split", "overlap")
 POLICIES = ("always_load", "always_recompute", "auto")
@@ -94,7 +93,7 @@ def build_engine(scenario: str, policy: str, base, loaded, doc_blocks: int, args
     wrap = {"fast": contextlib.nullcontext, "slow": lambda: slowed("CpuTier", slow_s),
             "split": lambda: slowed("DiskTier", slow_s), "overlap": lambda: slowed("CpuTier", overlap_s)}[scenario]()
     with wrap:
-        return LLMEngine(_set_tiers(base, overrides), loaded=loaded)
+        return LLMEngine(set_tiers(base, overrides), loaded=loaded)
 
 
 def ask_from_below(engine, scenario: str, prompt: list[int], doc_blocks: int) -> dict:

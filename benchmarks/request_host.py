@@ -51,7 +51,7 @@ def prompts(kind: str, n: int, salt: str) -> tuple[list[int], str]:
 
 def ask_kind(engine, kind: str, n: int, salt: str) -> dict:
     """One request of `kind` alone through the engine; its record (benchmarks/ttft_pressure.py `ask`)."""
-    from benchmarks.ttft_pressure import ask
+    from benchmarks.harness import ask
 
     engine.hierarchy.wait_for_write_downs()  # the request runs alone: nothing written down beside it
     if kind == "cpu" and not engine.hierarchy.clear_device_cache():
@@ -74,7 +74,7 @@ def worker(_: str) -> dict:
 
     import kvstrata.engine
 
-    from benchmarks.ttft_pressure import ask
+    from benchmarks.harness import ask
 
     torch.set_num_threads(1)
     measured = {}

@@ -23,8 +23,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.ttft_pressure import ask, command_line, render_chat, save_result  # noqa: E402
-from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.harness import ask, render_chat, save_result  # noqa: E402
+from benchmarks.machine import command_line, machine_line  # noqa: E402
 from benchmarks.ttft_stats import percentile  # noqa: E402
 from benchmarks.ttft_workload import cut_document, load_document  # noqa: E402
 

@@ -10,7 +10,7 @@ pinned staging (or, without CUDA, into the shared host KV cache), then one host-
 
 The reference is a plain torch copy of a large buffer on a CPU-only machine; with CUDA it is
 pinned host-to-device bandwidth (the CPU tier is pinned then). Blocks are SmolLM2-135M-sized
-(30 layers, 3 KV heads, head_dim 64, block_size 16, bf16: 368,640 bytes). Goals (DESIGN.md):
+(30 layers, 3 KV heads, head_dim 64, block_size 16, bf16: 368,640 bytes). Goals (docs/design.md):
 CPU tier >= 70% of the reference, warm disk >= 50%.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.machine import best_seconds, machine_line, reference_bandwidth  # noqa: E402
 from kvstrata.tiers.base import BlockLayout, as_bytes  # noqa: E402
 from kvstrata.tiers.cpu import CpuTier  # noqa: E402
 from kvstrata.tiers.disk import DiskTier  # noqa: E402
@@ -41,40 +41,6 @@ from kvstrata.tiers.transfer import TransferEngine  # noqa: E402
 LAYOUT = BlockLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
 TOKEN_COUNTS = (1024, 4096, 8192)
 GOALS = {"cpu": 0.70, "disk": 0.50}
-
-
-def best_seconds(fn, repeats: int, sync) -> float:
-    """Fastest of `repeats` timed calls (after one warm-up call): the machine's capability, not its noise."""
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def reference_bandwidth(device: torch.device, repeats: int, sync, direction: str = "h2d",
-                        nbytes: int = 1 << 30) -> tuple[float, str]:
-    """Bytes per second of the copy a promotion is measured against: with CUDA a pinned host buffer
-    copied to the device (`direction` "h2d") or back ("d2h"); on a CPU-only machine host memcpy."""
-    size = f"{nbytes / (1 << 30):g} GiB" if nbytes >= 1 << 30 else f"{nbytes >> 20} MiB"
-    if device.type == "cuda":
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        src, dst = (host, on_device) if direction == "h2d" else (on_device, host)
-        what = f"pinned {'host-to-device' if direction == 'h2d' else 'device-to-host'} copy of {size}"
-        seconds = best_seconds(lambda: dst.copy_(src, non_blocking=True), repeats, sync)
-        return nbytes / seconds, what
-    # On the host, the faster of torch's (multi-threaded) copy and numpy's single memcpy: on a busy
-    # machine torch's thread handoff can make it the slower one, which would flatter every ratio.
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty(nbytes, dtype=torch.uint8)
-    torch_s = best_seconds(lambda: dst.copy_(src), repeats, sync)
-    numpy_s = best_seconds(lambda: np.copyto(dst.numpy(), src.numpy()), repeats, sync)
-    return nbytes / min(torch_s, numpy_s), f"host memcpy of {size} (the faster of torch copy_ and numpy copyto)"
 
 
 def block_ids(num_blocks: int, layout: BlockLayout) -> tuple[list[bytes], list[list[int]]]:

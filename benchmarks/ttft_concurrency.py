@@ -33,8 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.machine import machine_line  # noqa: E402
-from benchmarks.ttft_pressure import LoadSampler, load, render_chat, source_state  # noqa: E402
+from benchmarks.machine import machine_line, source_state  # noqa: E402
+from benchmarks.harness import LoadSampler, load, render_chat  # noqa: E402
 from benchmarks.ttft_stats import MISS, hit_tier, summarize  # noqa: E402
 from benchmarks.ttft_workload import (DOC_PREFIX, REPHRASINGS, cut_document, load_document,  # noqa: E402
                                       load_questions, zipf_order)

@@ -50,16 +50,13 @@ import argparse
 import cProfile
 import gc
 import io
-import itertools
 import json
 import os
 import pstats
-import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import asdict
@@ -70,11 +67,13 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import ttft_report  # noqa: E402
-from benchmarks.machine import machine_line  # noqa: E402
+from benchmarks.harness import LoadSampler, ask, load, render_chat, save_result, set_tiers  # noqa: E402
+from benchmarks.machine import (best_seconds, command_line, machine_line, reference_bandwidth, repo_relative,  # noqa: E402
+                                source_state)
 from benchmarks.peers import LLAMA_CPP_MISSING, HFGeneratePeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
 from benchmarks.ttft_stats import (MISS, TIERS, hit_tier, mean_cached_by_tier, percentile,  # noqa: E402
                                    summarize, worst_receipt_error)
-from benchmarks.ttft_workload import (QAPrompt, blocks_for, build_workload, cut_document,  # noqa: E402
+from benchmarks.ttft_workload import (DEFAULT_DATA, QAPrompt, blocks_for, build_workload, cut_document,  # noqa: E402
                                       load_document, load_questions, qa_content, working_set_blocks)
 
 CONFIGURATIONS = ("recompute", "device_only", "device_cpu", "device_cpu_disk", "disk_after_restart")
@@ -84,11 +83,9 @@ REPLICAS = "replicas"  # opt-in: it starts a valkey-server; measured as replicas
 NUM_REPLICAS = 2
 PEERS = ("hf_generate", "llama_cpp_ram_cache", "llama_cpp_disk_cache")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEFAULT_DATA = REPO_ROOT / "benchmarks" / "data" / "longdoc_qa_dev.jsonl"
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pressure.yaml"
 PROFILE_QUESTION = "Summarize this section in one sentence."
 PROFILE_TOP = 14
-_request_ids = itertools.count()
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -154,47 +151,6 @@ def _names(parser: argparse.ArgumentParser, text: str, known: tuple[str, ...], o
 
 # ---------------------------------------------------------------------------------------------- machine
 
-class LoadSampler:
-    """Samples the 1-minute load average every few seconds while the benchmark runs (a shared
-    machine makes timings noisy; the report says how busy it was)."""
-
-    def __init__(self, interval_s: float = 5.0):
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
-
-    def _run(self, interval_s: float) -> None:
-        while not self._stop.is_set():
-            self.samples.append(os.getloadavg()[0])
-            self._stop.wait(interval_s)
-
-    def __enter__(self) -> "LoadSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict:
-        s = self.samples or [os.getloadavg()[0]]
-        return {"min": min(s), "mean": sum(s) / len(s), "max": max(s), "samples": len(s)}
-
-
-def source_state() -> dict:
-    """The commit measured, and whether the engine's sources differed from it (a run on a dirty tree
-    measures code no commit holds)."""
-    def git(*argv: str) -> str:
-        try:
-            return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.rstrip()  # porcelain lines start with a space
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    changed = git("status", "--porcelain", "--", "engine", "tiers", "kernels", "kvstrata")
-    return {"commit": git("rev-parse", "--short", "HEAD") or None,
-            "engine_sources_modified": [line[3:] for line in changed.splitlines()]}
-
-
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -208,26 +164,6 @@ def versions() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- engine
-
-def ask(engine, token_ids, cache_salt: str | None = None) -> dict:
-    """Send one prompt through the engine alone (as `LLM.generate` does) and return its record."""
-    from kvstrata.engine.llm import RequestOutput
-    from kvstrata.engine.sampling import SamplingParams
-
-    request_id = f"ttft-{next(_request_ids)}"
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    engine.add_request(request_id, list(token_ids), params, cache_salt=cache_salt, arrival_time=time.perf_counter())
-    while engine.has_unfinished_requests():
-        engine.step()
-    out = RequestOutput.from_request(engine.requests[request_id])
-    engine.release(request_id)
-    by_tier = {t: int(out.cached_tokens_by_tier.get(t, 0)) for t in TIERS}
-    return {"ttft_s": out.ttft_s, "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": sum(by_tier.values()),
-            "computed_tokens": len(out.prompt_token_ids) - sum(by_tier.values()),
-            "cached_tokens_by_tier": by_tier, "hit_tier": hit_tier(by_tier, len(out.prompt_token_ids)),
-            "recomputed_tokens_by_tier": {t: int(out.recomputed_tokens_by_tier.get(t, 0)) for t in TIERS},
-            "receipt": out.receipt.to_dict(), "text": out.text}
-
 
 def run_prompts(engine, prompts: list[QAPrompt]) -> list[dict]:
     records = []
@@ -249,15 +185,6 @@ def tier_overrides(name: str, device_blocks: int, working_set: int, disk_path: P
         overrides["cache.tiers.disk.path"] = str(disk_path)
         overrides["cache.tiers.disk.size"] = 4 * working_set
     return overrides
-
-
-def _set_tiers(base, overrides: dict):
-    from kvstrata import load_config
-
-    # a section set to None first, then sized, becomes a fresh section with its defaults plus the size
-    nulls = {k: v for k, v in overrides.items() if v is None}
-    config = load_config(base, nulls)
-    return load_config(config, {k: v for k, v in overrides.items() if v is not None})
 
 
 def tier_sizes(config) -> dict:
@@ -388,7 +315,7 @@ def run_replicas(base, loaded, prompts: list[QAPrompt], device_blocks: int, work
                                       "--maxmemory-policy", "allkeys-lru")
                 for o in overrides:
                     o["cache.tiers.remote.url"] = server.url
-            configs = [_set_tiers(base, o) for o in overrides]
+            configs = [set_tiers(base, o) for o in overrides]
             results[variant] = run_replica_set(variant, configs, loaded, prompts)
             if server is not None:
                 results[variant]["remote_read"] = measure_remote_read(server.url, layout, prompts)
@@ -440,7 +367,6 @@ def run_replica_set(name: str, configs: list, loaded, prompts: list[QAPrompt]) -
 def measure_remote_read(url: str, layout, prompts: list[QAPrompt], repeats: int = 5) -> dict:
     """One document's blocks read from the remote tier the engine's way (one load job of the transfer
     engine into a block-major KV tensor), best of `repeats`, against this machine's memcpy."""
-    from benchmarks.tiers import best_seconds, reference_bandwidth
     from kvstrata.tiers.base import as_bytes
     from kvstrata.tiers.remote import RemoteTier
     from kvstrata.tiers.transfer import TransferEngine
@@ -495,8 +421,8 @@ def measure_cold_slowdown(base, loaded, prompts, device_blocks, working_set, pai
     from kvstrata.engine.llm_engine import LLMEngine
 
     disk_path = work_dir / "cold_disk"
-    off = LLMEngine(_set_tiers(base, tier_overrides("device_only", device_blocks, working_set, None)), loaded=loaded)
-    on = LLMEngine(_set_tiers(base, tier_overrides("device_cpu_disk", device_blocks, working_set, disk_path)),
+    off = LLMEngine(set_tiers(base, tier_overrides("device_only", device_blocks, working_set, None)), loaded=loaded)
+    on = LLMEngine(set_tiers(base, tier_overrides("device_cpu_disk", device_blocks, working_set, disk_path)),
                    loaded=loaded)
     samples = {"off": [], "on": []}
     try:
@@ -531,7 +457,7 @@ def run_sweep(base, loaded, prompts: list[QAPrompt], fractions: list[float], min
         device_blocks = max(round(fraction * working_set), min_blocks)
         for name in SWEEP_CONFIGURATIONS:
             disk_path = work_dir / f"sweep_disk_{fraction}_{name}"
-            config = _set_tiers(base, tier_overrides(name, device_blocks, working_set, disk_path))
+            config = set_tiers(base, tier_overrides(name, device_blocks, working_set, disk_path))
             engine = LLMEngine(config, loaded=loaded)
             try:
                 records = run_prompts(engine, prompts)
@@ -625,13 +551,6 @@ def build_prompts(args, tokenizer, doc_tokens: int, num_docs: int, num_questions
                           lambda content: render_chat(tokenizer, content))
 
 
-def render_chat(tokenizer, content: str) -> list[int]:
-    """One user message, rendered as the engine renders chats."""
-    from kvstrata.engine import prompts
-
-    return prompts.render_chat(tokenizer, [{"role": "user", "content": content}])
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--concurrency" in argv:  # the concurrent section lives in its own module
@@ -659,20 +578,6 @@ def main(argv: list[str] | None = None) -> int:
         result["notes"] = Path(args.notes).read_text()
     write_outputs(result, args)
     return 0
-
-
-def load(config):
-    """The config's model in its resolved dtype, and the seconds loading took."""
-    from kvstrata.engine.model_loader import load_model, resolve_model
-
-    import torch
-
-    dtype = config.resolved_dtype()
-    print(f"loading {config.model.name} ({dtype}) ...", flush=True)
-    started = time.perf_counter()
-    loaded = load_model(resolve_model(config.model.name, config.model.load_format), getattr(torch, dtype),
-                        config.resolved_device())
-    return loaded, time.perf_counter() - started
 
 
 def run_benchmark(args, work_dir: Path) -> dict:
@@ -750,7 +655,7 @@ def run_configurations(names: list[str], args, base, loaded, prompts: list[QAPro
     lru_prompt, mru_prompt = least_and_most_recent(prompts)
     for name in names:
         print(f"configuration {name} ...", flush=True)
-        config = _set_tiers(base, tier_overrides(name, device_blocks, working_set, disk_path))
+        config = set_tiers(base, tier_overrides(name, device_blocks, working_set, disk_path))
         if name == REPLICAS:
             for variant, result in run_replicas(base, loaded, prompts, device_blocks, working_set,
                                                 disk_path.parent / "replicas").items():
@@ -790,25 +695,13 @@ def _profiler_for(name: str, lru_prompt: QAPrompt, mru_prompt: QAPrompt, render)
 
 def describe_workload(prompts: list[QAPrompt], working_set: int, device_blocks: int, block_size: int, args) -> dict:
     lengths = [len(p.token_ids) for p in prompts]
-    return {"data": _relative(args.data), "documents": sorted({p.doc for p in prompts}, key=lambda d: d),
+    return {"data": repo_relative(args.data), "documents": sorted({p.doc for p in prompts}, key=lambda d: d),
             "doc_tokens": args.doc_tokens, "questions_per_doc": args.questions, "zipf_requests": args.zipf_requests,
             "zipf_exponent": args.zipf_exponent, "seed": args.seed, "num_requests": len(prompts), "threads": args.threads,
             "order": [[p.phase, p.doc, p.question_index] for p in prompts],
             "prompt_tokens": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)},
             "block_size": block_size, "working_set_blocks": working_set, "device_blocks": device_blocks,
             "pressure": working_set / device_blocks}
-
-
-def _relative(path: str) -> str:
-    try:
-        return os.path.relpath(path, REPO_ROOT)
-    except ValueError:
-        return path
-
-
-def command_line() -> str:
-    argv = [_relative(sys.argv[0])] + [_relative(a) if os.path.isabs(a) else a for a in sys.argv[1:]]
-    return "python " + " ".join(shlex.quote(a) for a in argv)
 
 
 def scrub_paths(text: str, work_dir: str) -> str:
@@ -820,15 +713,6 @@ def scrub_paths(text: str, work_dir: str) -> str:
     for old, new in replacements:
         text = text.replace(old, new)
     return text
-
-
-def save_result(out_dir: str | Path, name: str, result: dict, report: str) -> None:
-    """`<out_dir>/<name>.json` and `<name>.md` (the other benchmarks' outputs; this one's are write_outputs')."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out_dir / f"{name}.md").write_text(report)
-    print(report)
 
 
 def write_outputs(result: dict, args) -> None:

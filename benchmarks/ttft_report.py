@@ -48,7 +48,7 @@ def local_disk_hit_p50(result: dict) -> tuple[float | None, str]:
 
 
 def goals(result: dict) -> list[Goal]:
-    """The figures DESIGN.md holds us to, from this run's measurements (None where one was not run)."""
+    """The figures docs/design.md holds us to, from this run's measurements (None where one was not run)."""
     p50s = tier_p50s(result)
     recompute, cpu_hit, disk_hit = p50s["miss"], p50s["cpu_hit"], p50s["disk_hit_after_restart"]
     device_hit, device_hit_name = device_hit_p50(result)
@@ -289,7 +289,7 @@ def markdown(result: dict) -> str:
         *_configuration_table(result), "",
         *_hit_tier_table(result), "",
         "## Where the TTFT went (cache receipts)", "",
-        "Each request's receipt partitions its TTFT (README, \"Cache receipts\"); means per kind of request. "
+        "Each request's receipt partitions its TTFT (docs/http.md, \"Cache receipts\"); means per kind of request. "
         "The prefill saved is an estimate from the engine's measured step cost (`engine/costs.py`), made at "
         "admission; next to it, its ratio to the mean prefill the `recompute` configuration measured for whole "
         "prompts (a hit saves all but its last block or so, so a right estimate is a little under 1x).", "",

@@ -5,7 +5,7 @@ A request's tokens are split into full blocks of `block_size`; block i is named 
     h_i = H(h_{i-1} || tokens_i || cbor(extra_keys_i)),      h_{-1} = H(namespace)
 
 so a hash names the whole prefix up to and including its block, not just the block's own
-tokens. Invariants users rely on (DESIGN.md, "Invariants"):
+tokens. Invariants users rely on (docs/design.md, "Invariants"):
 
 - Same tokens + same extra keys + same namespace -> same hashes, in every process and after
   restarts: only byte-level, seedless hashes are used (never Python's `hash()`), and tokens are

@@ -1,4 +1,4 @@
-"""`kvstrata`, the command line (DESIGN.md, "CLI").
+"""`kvstrata`, the command line (docs/design.md, "CLI").
 
     kvstrata serve  --config F [--host H] [--port P] [--api-key KEY] [--set key=value ...]
     kvstrata route  --config F [--host H] [--port P] [--replica URL[,EVENTS] ...]

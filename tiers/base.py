@@ -1,6 +1,6 @@
 """What every tier shares: the shape of one block, the lower-tier interface, tier statistics.
 
-One block is one contiguous extent in every tier (DESIGN.md, "KV layout"): its payload is
+One block is one contiguous extent in every tier (docs/design.md, "KV layout"): its payload is
 `[num_layers, 2, block_size, num_kv_heads, row]` of `dtype`, i.e. `BlockLayout.block_nbytes`
 bytes, where a row is head_dim values (int8: followed by their scale, kernels/kv_format.py).
 Lower tiers move payloads as flat uint8 tensors of exactly that many bytes, so moving a

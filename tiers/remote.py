@@ -8,7 +8,7 @@ Values are the same self-verifying records the disk tier stores: a value that do
 written for another layout, another token sequence, or not ours at all) is a miss, counted as
 corrupt, and deleted.
 
-Eviction is the server's own: run it with `maxmemory` and `maxmemory-policy allkeys-lru` (README,
+Eviction is the server's own: run it with `maxmemory` and `maxmemory-policy allkeys-lru` (docs/tiers.md,
 "Replicas sharing a remote tier"); with `ttl` every stored block also expires that long after it
 was last written or read. The tier therefore keeps no capacity and holds nothing against eviction:
 a block found at lookup and gone at load is a miss, and the prefix ends there.

@@ -1,4 +1,4 @@
-"""The engine's configuration: YAML in, typed frozen objects out (DESIGN.md, "YAML").
+"""The engine's configuration: YAML in, typed frozen objects out (docs/design.md, "YAML").
 
     model:  {name: smollm2-135m-instruct, load_format: auto, dtype: auto, device: auto, attention_backend: auto,
              max_model_len: null, threads: auto, batch_invariant: false, cuda_graphs: false}

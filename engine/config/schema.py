@@ -236,7 +236,7 @@ class CacheConfig(_Section):
     load_policy: Literal["auto", "always_load", "always_recompute"] = "auto"
     # what the K/V are kept in, on the device and in every tier: auto is the model's dtype; fp8 (e4m3)
     # halves a bf16 block and quarters a float32 one; int8 (scaled rows) nearly so, losing less
-    # (README, "KV cache dtype")
+    # (docs/dtype.md, "KV cache dtype")
     kv_cache_dtype: KVCacheDtype = "auto"
 
     @field_validator("tiers", mode="before")
@@ -261,7 +261,7 @@ class CacheConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    """How requests share the engine's steps (README, "Scheduling under concurrency").
+    """How requests share the engine's steps (docs/scheduling.md, "Scheduling under concurrency").
 
     `policy`: `uncached_first` admits waiting requests by the work left after the cache lookup,
     short first, with aging; `fcfs` in arrival order. Under `uncached_first`, while a first token is at
@@ -309,7 +309,7 @@ class ServerConfig(_Section):
         return check_host(host)
 
 class EventsConfig(_Section):
-    """KV events (README, "KV events"): the tiers' BlockStored / BlockRemoved / AllBlocksCleared,
+    """KV events (docs/events.md, "KV events"): the tiers' BlockStored / BlockRemoved / AllBlocksCleared,
     published as vLLM does, msgpack over a ZMQ PUB socket bound at `endpoint`, with a ROUTER socket
     at `replay_endpoint` (default: the next port) that resends the last `replay_buffer` batches.
     At most `queue_size` events wait for the publisher thread; more are dropped and counted."""
@@ -354,7 +354,7 @@ class ReplicaConfig(_Section):
 
 
 class RouterConfig(_Section):
-    """`kvstrata route` (README, "Cache-aware routing"): where it listens and the replicas it sends to.
+    """`kvstrata route` (docs/routing.md, "Cache-aware routing"): where it listens and the replicas it sends to.
     The config's `model` and `cache` sections must be the replicas' (same model, dtype, block size
     and hash), so that the router names blocks as they do."""
 

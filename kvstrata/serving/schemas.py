@@ -276,7 +276,7 @@ class Usage(BaseModel):
 
 
 class KvstrataInfo(BaseModel):
-    """The request's cache receipt (engine/receipt.py; README, "Cache receipts"): measured milliseconds,
+    """The request's cache receipt (engine/receipt.py; docs/http.md, "Cache receipts"): measured milliseconds,
     queue + lookup + load + prefill = ttft. The parts are null only if no token was generated."""
 
     cached_tokens_by_tier: dict[str, int]

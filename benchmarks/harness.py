@@ -1,0 +1,102 @@
+"""Driving an engine for a benchmark, shared by every suite: load the config's model, render a chat
+message, ask one prompt and keep its record, resize the tiers, sample the machine's load while a run
+goes on, and save a result. Nothing here is an entry point."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.ttft_stats import TIERS, hit_tier
+
+_request_ids = itertools.count()
+
+
+class LoadSampler:
+    """Samples the 1-minute load average every few seconds while the benchmark runs (a shared
+    machine makes timings noisy; the report says how busy it was)."""
+
+    def __init__(self, interval_s: float = 5.0):
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.is_set():
+            self.samples.append(os.getloadavg()[0])
+            self._stop.wait(interval_s)
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        s = self.samples or [os.getloadavg()[0]]
+        return {"min": min(s), "mean": sum(s) / len(s), "max": max(s), "samples": len(s)}
+
+
+def load(config):
+    """The config's model in its resolved dtype, and the seconds loading took."""
+    from kvstrata.engine.model_loader import load_model, resolve_model
+
+    import torch
+
+    dtype = config.resolved_dtype()
+    print(f"loading {config.model.name} ({dtype}) ...", flush=True)
+    started = time.perf_counter()
+    loaded = load_model(resolve_model(config.model.name, config.model.load_format), getattr(torch, dtype),
+                        config.resolved_device())
+    return loaded, time.perf_counter() - started
+
+
+def render_chat(tokenizer, content: str) -> list[int]:
+    """One user message, rendered as the engine renders chats."""
+    from kvstrata.engine import prompts
+
+    return prompts.render_chat(tokenizer, [{"role": "user", "content": content}])
+
+
+def ask(engine, token_ids, cache_salt: str | None = None) -> dict:
+    """Send one prompt through the engine alone (as `LLM.generate` does) and return its record."""
+    from kvstrata.engine.llm import RequestOutput
+    from kvstrata.engine.sampling import SamplingParams
+
+    request_id = f"ttft-{next(_request_ids)}"
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.add_request(request_id, list(token_ids), params, cache_salt=cache_salt, arrival_time=time.perf_counter())
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = RequestOutput.from_request(engine.requests[request_id])
+    engine.release(request_id)
+    by_tier = {t: int(out.cached_tokens_by_tier.get(t, 0)) for t in TIERS}
+    return {"ttft_s": out.ttft_s, "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": sum(by_tier.values()),
+            "computed_tokens": len(out.prompt_token_ids) - sum(by_tier.values()),
+            "cached_tokens_by_tier": by_tier, "hit_tier": hit_tier(by_tier, len(out.prompt_token_ids)),
+            "recomputed_tokens_by_tier": {t: int(out.recomputed_tokens_by_tier.get(t, 0)) for t in TIERS},
+            "receipt": out.receipt.to_dict(), "text": out.text}
+
+
+def set_tiers(base, overrides: dict):
+    """`base` with its tiers resized by `overrides` (dotted keys; None turns a tier off)."""
+    from kvstrata import load_config
+
+    # a section set to None first, then sized, becomes a fresh section with its defaults plus the size
+    nulls = {k: v for k, v in overrides.items() if v is None}
+    config = load_config(base, nulls)
+    return load_config(config, {k: v for k, v in overrides.items() if v is not None})
+
+
+def save_result(out_dir: str | Path, name: str, result: dict, report: str) -> None:
+    """`<out_dir>/<name>.json` and `<name>.md` (the other benchmarks' outputs; this one's are write_outputs')."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / f"{name}.md").write_text(report)
+    print(report)
