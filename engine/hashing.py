@@ -69,6 +69,9 @@ def get_digest_fn(algo: str) -> DigestFn:
         raise ValueError(f"unknown hash algorithm {algo!r}; expected one of {sorted(HASH_ALGOS)}") from None
 
 
+BATCH_INVARIANT_VERSION = 2  # 1: one product per row; 2: rows in fixed tiles per CPU family
+
+
 def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version: int, algo: str,
                    batch_invariant: bool = False, kv_dtype: str | None = None) -> bytes:
     """The canonical CBOR encoding of everything that makes a KV block mean something.
@@ -97,7 +100,9 @@ def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version
         "hash_scheme": HASH_SCHEME_VERSION,
     }
     if batch_invariant:
-        fields["batch_invariant"] = True
+        # The mode's own version: its products changed form (rows in fixed tiles, not one by one), so
+        # K/V stored by an earlier form are other bits and must not mix with new ones.
+        fields["batch_invariant"] = BATCH_INVARIANT_VERSION
     if kv_dtype is not None and kv_dtype != dtype:
         fields["kv_dtype"] = kv_dtype
     return cbor2.dumps(fields, canonical=True)
