@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -30,7 +32,10 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2          # bad config or arguments (argparse uses 2 too)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
-PERSISTENT_TIERS = ("disk", "remote")  # the tiers `kvstrata cache` reaches: the others live in a process
+PERSISTENT_TIERS = ("disk", "remote")
+LOG_LEVEL_VARIABLE = "KVSTRATA_LOG_LEVEL"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the tiers `kvstrata cache` reaches: the others live in a process
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     try:
+        configure_logging(args.log_level or os.environ.get(LOG_LEVEL_VARIABLE, "").strip() or "info")
         return args.run(args)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
@@ -54,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstrata", description="An LLM inference engine with a tiered prefix KV cache.")
     parser.add_argument("--version", action="version", version=f"kvstrata {__version__}")
+    parser.add_argument("--log-level", metavar="LEVEL", default=None,
+                        help=f"{', '.join(LOG_LEVELS)} (default: ${LOG_LEVEL_VARIABLE}, else info)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -451,6 +459,28 @@ def _plain(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+def configure_logging(level: str) -> None:
+    """Timestamped lines with their level and logger on stderr, for kvstrata's loggers (the engine's,
+    the server's, the router's); without it, Python prints warnings bare and drops INFO lines."""
+    name = level.strip().lower()
+    if name not in LOG_LEVELS:
+        raise ValueError(f"--log-level: unknown level {level!r} (expected {', '.join(LOG_LEVELS)})")
+    logger = logging.getLogger("kvstrata")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logger.addHandler(handler)
+    logger.setLevel(name.upper())
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record comes (a caller may have replaced it since)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
 
 
 def _print_error(exc: BaseException) -> None:

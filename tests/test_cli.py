@@ -374,3 +374,26 @@ def test_cache_commands_on_an_unreachable_remote_tier(tmp_path, capsys):
     result = kvstrata("cache", "clear", "--tier", "remote", "--config", config, cwd=tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "remote tier redis://" in result.stderr and "hunter2" not in result.stderr + result.stdout
+
+
+def test_log_lines_carry_time_level_and_logger_at_the_level_asked(tmp_path, monkeypatch, capsys):
+    import logging
+    import re
+
+    monkeypatch.setenv("KVSTRATA_LOG_LEVEL", "warning")
+    assert cli.main(["config", "check", str(CONFIGS / "default.yaml")]) == 0
+    logging.getLogger("kvstrata.tiers.disk").info("not shown at warning")
+    logging.getLogger("kvstrata.tiers.disk").warning("a disk warning")
+    assert cli.main(["--log-level", "debug", "config", "check", str(CONFIGS / "default.yaml")]) == 0  # the flag wins
+    logging.getLogger("kvstrata.engine").info("an engine line")
+    err = capsys.readouterr().err
+    assert "not shown" not in err
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ WARNING kvstrata\.tiers\.disk: a disk warning$", err, re.M)
+    assert re.search(r" INFO kvstrata\.engine: an engine line$", err, re.M)
+    assert err.count("a disk warning") == 1  # one handler, however often main runs
+
+
+def test_an_unknown_log_level_is_one_line_and_exit_2(capsys):
+    assert cli.main(["--log-level", "loud", "config", "check", str(CONFIGS / "default.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "kvstrata: error: --log-level: unknown level 'loud' (expected debug, info, warning, error, critical)"
