@@ -131,15 +131,12 @@ class LLM:
         """`config`: a YAML path, a dict, a Config, or None (defaults). `loaded_model` lets several
         engines in one process share one loaded model (same dtype and device). `events` hears every
         block the tiers store, evict and clear; to publish them as vLLM does, pass
-        `kvstrata.serving.events.KVEventPublisher(config.events)`; with none given, a config with an
-        `events` section gets one of its own, closed by `close()`."""
+        `kvstrata.serving.events.KVEventPublisher(config.events)`; with none given, `kvstrata.LLM`
+        gives a config with an `events` section a publisher of its own, closed by `close()`."""
         self.config = config if isinstance(config, Config) else load_config(config)
         self._publisher = None
         if self.config.events is not None and events is None:
-            # Imported here, not above: the engine itself knows nothing of ZMQ; this user-facing entry
-            # point does what `kvstrata serve` does with the same config.
-            from kvstrata.serving.events import KVEventPublisher
-            events = self._publisher = KVEventPublisher(self.config.events)
+            events = self._publisher = self._own_event_publisher(self.config.events)
         try:
             self.engine = LLMEngine(self.config, loaded=loaded_model, block_events=events)
         except BaseException:
@@ -147,6 +144,11 @@ class LLM:
                 self._publisher.close()
             raise
         self._ids = itertools.count()
+
+    def _own_event_publisher(self, events_config) -> Any:
+        """The publisher a config's `events` section asks for: none here, where the engine knows nothing of
+        ZMQ; `kvstrata.LLM`, the public face, publishes as `kvstrata serve` does."""
+        return None
 
     @property
     def tokenizer(self):

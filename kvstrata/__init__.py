@@ -22,9 +22,12 @@ _find_subpackages_in_checkout()
 
 def __getattr__(name: str):
     # Lazy: `import kvstrata` (e.g. for `kvstrata config check`) must not pay for torch/transformers.
-    if name in ("LLM", "RequestOutput"):
-        from kvstrata.engine import llm
-        return getattr(llm, name)
+    if name == "LLM":
+        from kvstrata.llm import LLM
+        return LLM
+    if name == "RequestOutput":
+        from kvstrata.engine.llm import RequestOutput
+        return RequestOutput
     if name == "SamplingParams":
         from kvstrata.engine.sampling import SamplingParams
         return SamplingParams

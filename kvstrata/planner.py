@@ -115,17 +115,26 @@ def measure(config_path: str | None, overrides: list[str], out: str | Path) -> S
         # prefills of several lengths, none cached: the step cost the engine fits from its own steps (it starts from
         # a short probe) then holds for the prompt lengths a trace asks for
         room = llm.engine.hierarchy.pool.num_blocks * config.cache.block_size // 2
+        prefills: list[tuple[int, float]] = []  # (prompt tokens, seconds to its first token)
         for k, n in enumerate(n for n in (64, 128, 256, 512, 1024) if n <= room):
             for repeat in range(2):
                 fresh = [100 + (7919 * (i + 1) * (k + 1) * (repeat + 3)) % 40000 for i in range(n)]
+                started = time.perf_counter()
                 llm.generate([fresh], SamplingParams(max_tokens=1, temperature=0.0))
+                prefills.append((n, time.perf_counter() - started))
         decode_tokens = 32
-        decode_s = max(min(timed(decode_tokens + 1) for _ in range(2)) - min(timed(1) for _ in range(2)), 0.0)
+        longer = min(timed(decode_tokens + 1) for _ in range(2))
+        decode_s = longer - min(timed(1) for _ in range(2))
+        if decode_s <= 0:  # noise larger than the decodes: count the whole call as decoding (an upper bound)
+            decode_s = longer
         stats = llm.stats()
     finally:
         llm.close()
     policy = stats["load_policy"]
-    speeds = Speeds(step={k: float(v) for k, v in policy["step_cost"].items()},
+    step = {k: float(v) for k, v in policy["step_cost"].items()}
+    if step.get("per_token_s", 0.0) <= 0:  # the engine's fit found no slope (a noisy machine): the prefills' own
+        step["per_token_s"] = _slope(prefills)
+    speeds = Speeds(step=step,
                     reads={t: {"latency_s": policy["read_latency_s"][t], "bytes_per_s": policy["read_bytes_per_s"][t]}
                            for t in policy["read_bytes_per_s"]  # the tiers the config has, which the probe timed
                            if policy["read_bytes_per_s"][t] > 0 or policy["read_latency_s"][t] > 0},
@@ -660,3 +669,12 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - `kvstr
     from kvstrata.cli import main as cli_main
     return cli_main(["plan", *(argv if argv is not None else sys.argv[1:])])
 
+
+def _slope(points: list[tuple[int, float]]) -> float:
+    """Seconds per token of a least-squares line through (tokens, seconds); at least a nanosecond."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    cov = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    return max(cov / var if var else mean_y / max(mean_x, 1), 1e-9)
