@@ -35,7 +35,7 @@ from kvstrata.engine.llm import RequestOutput
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import RenderedDocument
 from kvstrata.engine.receipt import CacheReceipt
-from kvstrata.engine.request import Request
+from kvstrata.engine.request import Request, RequestFailedError, RequestStatus
 from kvstrata.engine.sampling import SamplingParams
 from kvstrata.tiers.base import close_at_exit
 
@@ -65,7 +65,7 @@ class EngineSnapshot:
 class FinishedRequest:
     """A request that ended, as a listener hears of it."""
 
-    finish_reason: str           # stop, length, abort
+    finish_reason: str           # stop, length, abort, error
     e2e_s: float                 # from its arrival to its end
     num_prompt_tokens: int
     num_generated_tokens: int
@@ -399,6 +399,12 @@ class AsyncEngine:
         for request in updated:
             stream = self._streams.get(request.request_id)
             if stream is None:
+                continue
+            if request.status == RequestStatus.FINISHED_ERROR:  # its caller hears why; the engine goes on
+                self.listener.on_finished(_finished(request))
+                del self._streams[request.request_id]
+                self.engine.release(request.request_id)
+                stream.put(RequestFailedError(f"the engine failed this request: {request.error}"))
                 continue
             output = RequestOutput.from_request(request)
             if not stream.saw_first_token and output.receipt is not None:

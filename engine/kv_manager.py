@@ -554,6 +554,12 @@ class KVCacheManager:
                                     num_cached, num_full)
         self.num_cached_block[request.request_id] = num_full
 
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """Forget the device cache entries of the request's blocks from the one holding token `num_tokens` on: the
+        step that was to compute their K/V failed (`TierHierarchy.uncache_blocks`)."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        self.hierarchy.uncache_blocks(blocks[num_tokens // self.block_size:])
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its unique suffix is evicted before shared roots.
         A prefix still loading is released once it lands (its device blocks are being written)."""

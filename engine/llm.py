@@ -15,7 +15,7 @@ from kvstrata.engine.llm_engine import CacheReset, LLMEngine
 from kvstrata.engine.prompts import render_document
 from kvstrata.tiers import TIER_NAMES
 from kvstrata.engine.receipt import CacheReceipt
-from kvstrata.engine.request import Request
+from kvstrata.engine.request import Request, RequestFailedError, RequestStatus
 from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
 from kvstrata.tiers.block_events import BlockEventListener
 
@@ -157,7 +157,12 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
-        """Generate for one prompt or a list; prompts are text or token ids. Outputs keep the order."""
+        """Generate for one prompt or a list; prompts are text or token ids. Outputs keep the order.
+
+        An internal error of the engine's that ends a prompt's request (`RequestStatus.FINISHED_ERROR`: a fault
+        while admitting it, or in a step it was in) raises `RequestFailedError` naming the prompt, once every
+        other request of the call has run to its end; the traceback is in the `kvstrata` log, and the engine goes
+        on serving later calls."""
         return self._run(self._normalise_prompts(prompts), sampling_params, cache_salt)
 
     def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
@@ -206,9 +211,16 @@ class LLM:
             self.engine.add_validated_request(rid, token_ids, p, cache_salt=cache_salt, prompt=text,
                                               arrival_time=arrival)
             ids.append(rid)
-        sequences = iter([RequestOutput.from_request(r) for r in self.engine.run_until_finished(ids)])
+        finished = self.engine.run_until_finished(ids)
         for rid in ids:
             self.engine.release(rid)
+        prompt_of = [k for k, p in enumerate(params) for _ in range(p.n)]
+        failed = [(k, r) for k, r in zip(prompt_of, finished) if r.status == RequestStatus.FINISHED_ERROR]
+        if failed:
+            k, request = failed[0]
+            raise RequestFailedError(f"prompt {k} failed: {request.error}" + (
+                f" (and {len(failed) - 1} other request(s) of this call)" if len(failed) > 1 else ""))
+        sequences = iter([RequestOutput.from_request(r) for r in finished])
         return [RequestOutput.of_sequences([next(sequences) for _ in range(p.n)]) for p in params]
 
     def cache_document(self, messages: Sequence[dict] | None = None, prompt: str | None = None, *,

@@ -8,6 +8,7 @@ the serving layer publishes them. Without it no event is built.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -490,13 +491,69 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[Request]:
-        """Schedule, run the model once, sample; returns the requests that got a token or finished."""
-        out = self.scheduler.schedule()
+        """Schedule, run the model once, sample; returns the requests that got a token or finished.
+
+        An internal error fails only the requests it concerns, which are returned finished with `FINISHED_ERROR`
+        and `Request.error` saying what failed (logged once, with its traceback); the engine goes on with the
+        others: an error while one request is handled on its own (its lookup, admission, blocks:
+        `Scheduler.fail`) fails that request, one in the step's model run or sampling fails the step's requests
+        (`_fail_step`), and one in scheduling that no single request's handling raised fails every request
+        (none can be told apart: `_fail_unfinished`)."""
+        try:
+            out = self.scheduler.schedule()
+        except Exception as exc:
+            return self._fail_unfinished(exc)
         if not out.scheduled:
             # Nothing can run until a prefix load lands: wait for one (briefly, so that a caller
             # feeding new requests between steps is not kept waiting).
             self.kv_manager.wait_for_loads(timeout=LOAD_WAIT_S)
-            return []
+            return self._take_failed()
+        try:
+            updated = self._run_step(out)
+        except Exception as exc:
+            updated = self._fail_step(out, exc)
+        return updated + self._take_failed()
+
+    def _take_failed(self) -> list[Request]:
+        """The requests the scheduler failed since the last step, forgotten here as a finished one is."""
+        failed = self.scheduler.take_failed()
+        for request in failed:
+            self._drop_request_state(request.request_id)
+        return failed
+
+    def _fail_unfinished(self, error: Exception) -> list[Request]:
+        """Scheduling failed outside any one request's handling: every unfinished request ends with
+        `FINISHED_ERROR`, let go as an abort is, and the engine is left empty to serve new ones."""
+        logger.error("kvstrata: scheduling failed; the %d unfinished requests end with an error, the engine goes on",
+                     sum(not r.is_finished for r in self.requests.values()), exc_info=error)
+        failed = [r for r in self.requests.values() if not r.is_finished]
+        for request in failed:
+            request.error = f"internal error while scheduling ({type(error).__name__})"
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+        return failed + self._take_failed()
+
+    def _fail_step(self, out: SchedulerOutput, error: Exception) -> list[Request]:
+        """The step's model run or sampling failed: each request in it that has not finished ends with
+        `FINISHED_ERROR`. Blocks the step was to compute, cached when they were allocated, are forgotten first if
+        the model did not run (their K/V were never written): no later request may be served them."""
+        logger.error("kvstrata: a step of %d requests failed; they end with an error, the engine goes on",
+                     len(out.scheduled), exc_info=error)
+        if not out.computed:
+            for s in out.scheduled:
+                self.kv_manager.uncache_from(s.request, s.context)
+        if self.device.type == "cuda":  # nothing launched may still write a block about to be free
+            with contextlib.suppress(Exception):
+                torch.cuda.current_stream(self.device).synchronize()
+        batch = list({id(s.request): s.request for s in out.scheduled}.values())
+        for request in batch:
+            if not request.is_finished:
+                request.error = f"internal error while computing its step ({type(error).__name__})"
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+        self.hierarchy.flush_pending()
+        return batch
+
+    def _run_step(self, out: SchedulerOutput) -> list[Request]:
+        """Run the scheduled step: the model, then sampling; returns the requests that got a token or finished."""
         started = time.perf_counter()
         step_input, prompt_rows = self._build_step_input(out)
         logits = self.runner.execute(step_input)
@@ -648,10 +705,14 @@ class LLMEngine:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
-        self._grammar_matchers.pop(request.request_id, None)
-        self._generators.pop(request.request_id, None)
-        self._detokenizers.pop(request.request_id, None)
-        self._penalised_prompts.pop(request.request_id, None)
+        self._drop_request_state(request.request_id)
+
+    def _drop_request_state(self, request_id: str) -> None:
+        """What the engine keeps for a request while it runs (the scheduler has let it go)."""
+        self._grammar_matchers.pop(request_id, None)
+        self._generators.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
+        self._penalised_prompts.pop(request_id, None)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (its outputs have been taken)."""

@@ -19,11 +19,19 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"      # EOS or a stop string
     FINISHED_LENGTH = "length"     # max_tokens or the model's context
     FINISHED_ABORTED = "abort"
+    # An internal error while handling it (its admission, its blocks, the step it was in): it alone ends,
+    # its blocks freed; `Request.error` says what failed.
+    FINISHED_ERROR = "error"
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+
+
+class RequestFailedError(RuntimeError):
+    """A request ended by an internal error of the engine's (`RequestStatus.FINISHED_ERROR`); the engine
+    goes on with the others. The message is one line; the traceback is in the engine's log."""
 
 
 @dataclass(eq=False)
@@ -51,6 +59,7 @@ class Request:
     # built once, not at every output snapshot.
     shown_prompt_logprobs: list[TokenLogprobs] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: str | None = None  # what failed, one line, when it ended with FINISHED_ERROR
     # Tokens whose K/V are in the device cache (computed or served from a tier).
     num_computed_tokens: int = 0
     # Chain hashes of the request's full blocks (prompt + output so far), extended as tokens arrive.

@@ -48,20 +48,29 @@ preempted (its blocks freed, to be recomputed later, mostly from the cache).
     may be mid-prefill at once; the long ones are given the budget least work left first, so that one
     finishes before the next instead of all finishing late.
 
+An internal error while one request is handled on its own (its lookup and load start, its admission, its
+blocks for the step, its tail landing) fails that request alone (`fail`): its blocks and holds are let go as an
+abort's are, it ends with `FINISHED_ERROR`, and the engine takes it from `take_failed` to tell its caller; the
+other requests go on.
+
 Receipts (engine/receipt.py): the KV manager's lookup starts a request's lookup phase (and its load
 phase, when it loads); admission here starts its prefill phase; a request sent back (its admission
 found the device full, or it was preempted) returns to the queue phase.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from kvstrata.engine.costs import MIN_STEP_TOKENS, StepCost, attention_pairs, kv_reads
 from kvstrata.engine.kv_manager import KVCacheManager, UncachedEstimate
 from kvstrata.engine.request import Request, RequestStatus
+from kvstrata.tiers.block_pool import KVCacheBlock
+
+logger = logging.getLogger("kvstrata")
 
 POLICIES = ("fcfs", "uncached_first")
 AGING = 4.0              # a request is overdue once it has waited this many times its own estimated cost
@@ -83,6 +92,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    computed: bool = False  # the step's K/V are computed (`update_after_step` has run)
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +127,7 @@ class Scheduler:
         self._refused: Request | None = None  # the request whose refusal for room ended the last admissions
         self._step_span = (0.0, 0.0)  # when the last step was scheduled and when its compute ended
         self._last_waiting_arrival = -float("inf")  # the latest arrival that found a step running
+        self._failed: list[Request] = []  # ended by an internal error, not yet taken by the engine (`fail`)
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -191,8 +202,12 @@ class Scheduler:
                 break  # the next step decides: it may compute (which takes its budget), or wait for a slot
             if self._waits_for(request, to_come):
                 continue
-            # no room yet: the next step asks again once this one's finished requests have freed theirs
-            if not self.kv.start_prefix(request, refuse=False):
+            try:
+                started = self.kv.start_prefix(request, refuse=False)
+            except Exception as exc:
+                self.fail(request, exc, "looking up its prefix")
+                continue
+            if not started:  # no room yet: the next step asks again once this one's finished requests have freed theirs
                 break
             request.status = RequestStatus.LOADING
             num_seqs += 1
@@ -272,15 +287,18 @@ class Scheduler:
     def _land_tails(self) -> None:
         """Running requests that computed the head of their prefix while its tail loaded: the tail's
         blocks join them once it has landed; until then they wait in their load phase."""
-        for request in self.running:
+        for request in list(self.running):
             barrier = self.kv.barrier(request)
             if barrier is None or request.num_computed_tokens < barrier:
                 continue
-            if self.kv.tail_ready(request):
-                self.kv.land_tail(request)
-                request.enter_phase("prefill")
-            elif request.phases.phase != "load":
-                self.kv.wait_for_tail(request)
+            try:
+                if self.kv.tail_ready(request):
+                    self.kv.land_tail(request)
+                    request.enter_phase("prefill")
+                elif request.phases.phase != "load":
+                    self.kv.wait_for_tail(request)
+            except Exception as exc:
+                self.fail(request, exc, "landing its prefix's tail")
 
     def _remaining(self, request: Request) -> int:
         """Tokens the request can compute now: up to the end of its prompt, or to its barrier."""
@@ -344,7 +362,7 @@ class Scheduler:
         `long_chunk` between them. When the device cannot hold a request's next tokens, the newest
         running request not yet scheduled this step gives way. Returns the budget and long chunk left."""
         scheduled: set[str] = set()
-        for request in running:
+        for request in list(running):  # (a copy: a request that fails leaves `self.running`)
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted to make room earlier in this step
@@ -352,20 +370,29 @@ class Scheduler:
             num_new = self._chunk(self._remaining(request), budget, long_chunk)
             if num_new <= 0:
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
-                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
-                self.running.remove(victim)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                out.scheduled.append(self._scheduled(request, num_new))
-                scheduled.add(request.request_id)
-                budget, long_chunk = self._spend(out.scheduled[-1], budget, long_chunk)
+            try:
+                fits = self._make_room(out, request, num_new, scheduled)
+            except Exception as exc:
+                self.fail(request, exc, "allocating its blocks")
                 continue
-            break  # the request itself was preempted: the device is full
+            if not fits:
+                break  # the request itself was preempted: the device is full
+            out.scheduled.append(self._scheduled(request, num_new))
+            scheduled.add(request.request_id)
+            budget, long_chunk = self._spend(out.scheduled[-1], budget, long_chunk)
         return budget, long_chunk
+
+    def _make_room(self, out: SchedulerOutput, request: Request, num_new: int, scheduled: set[str]) -> bool:
+        """Give a running request slots for `num_new` more tokens, preempting the newest running requests not
+        scheduled this step while the device cannot hold them; False once the request itself gave way."""
+        while self.kv.allocate_slots(request, num_new) is None:
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
 
     @staticmethod
     def _spend(scheduled: ScheduledRequest, budget: int, long_chunk: int) -> tuple[int, int]:
@@ -394,7 +421,12 @@ class Scheduler:
                 break
             if self._waits_for(request, to_come):
                 continue
-            computed = self.kv.get_computed_blocks(request)  # the lookup and load phases start there
+            try:
+                computed = self.kv.get_computed_blocks(request)  # the lookup and load phases start there
+            except Exception as exc:
+                self.fail(request, exc, "looking up its prefix")
+                num_seqs -= landed
+                continue
             if computed is None and not self.kv.holds_prefix(request):
                 request.enter_phase("queue")
                 self._refused = request
@@ -404,7 +436,13 @@ class Scheduler:
                 num_seqs += 1
                 to_come |= self.kv.blocks_loading_for(request)
                 continue
-            if not self._admit(request, computed, budget, long_chunk, out):
+            try:
+                admitted = self._admit(request, computed, budget, long_chunk, out)
+            except Exception as exc:
+                self.fail(request, exc, "being admitted", held=computed[0])
+                num_seqs -= landed
+                continue
+            if not admitted:
                 request.enter_phase("queue")
                 if landed:  # its prefix was just released (still cached on the device): retried later
                     request.status = RequestStatus.WAITING
@@ -454,6 +492,26 @@ class Scheduler:
         self._step_span = (self._step_span[0], self.clock())
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+        out.computed = True
+
+    def fail(self, request: Request, error: BaseException, doing: str, held: Sequence[KVCacheBlock] = ()) -> None:
+        """An internal error while handling `request` alone (`doing` says what): it ends with `FINISHED_ERROR`, its
+        blocks, holds and loads let go as an abort's are (and `held`: prefix blocks handed to it that it does not own
+        yet), and waits in `take_failed` for the engine to tell its caller. Logged once, with the traceback."""
+        logger.error("kvstrata: request %s failed while %s; the other requests go on", request.request_id, doing,
+                     exc_info=error)
+        owned = {id(b) for b in self.kv.req_to_blocks.get(request.request_id, ())}
+        unowned = [b for b in held if id(b) not in owned]
+        if unowned:
+            self.kv.pool.free_blocks(reversed(unowned))
+        request.error = f"internal error while {doing} ({type(error).__name__})"
+        self.finish(request, RequestStatus.FINISHED_ERROR)
+        self._failed.append(request)
+
+    def take_failed(self) -> list[Request]:
+        """The requests `fail` ended since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take a request out (finished or aborted) and release its blocks."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "load_config", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestFailedError", "load_config",
+           "__version__"]
 
 
 def _find_subpackages_in_checkout() -> None:
@@ -28,6 +29,9 @@ def __getattr__(name: str):
     if name == "RequestOutput":
         from kvstrata.engine.llm import RequestOutput
         return RequestOutput
+    if name == "RequestFailedError":
+        from kvstrata.engine.request import RequestFailedError
+        return RequestFailedError
     if name == "SamplingParams":
         from kvstrata.engine.sampling import SamplingParams
         return SamplingParams

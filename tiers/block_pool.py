@@ -255,6 +255,18 @@ class BlockPool:
             newly_cached.append(block)
         return newly_cached
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> list[tuple[int, BlockHash]]:
+        """Forget the hash of each of `blocks` that has one (their K/V will never be computed: the step that was
+        to compute them failed), so that nobody is served them; `on_evict` is not called. Returns the
+        (block id, hash) of each forgotten."""
+        forgotten = []
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached_block_hash_to_block[block.block_hash]
+                forgotten.append((block.block_id, block.block_hash))
+                block.block_hash = None
+        return forgotten
+
     def reset_prefix_cache(self) -> bool:
         """Forget every hash, if no block is in use (else do nothing and return False).
 

@@ -453,6 +453,16 @@ class TierHierarchy:
             self._report_device_stored(stored)
         return newly
 
+    def uncache_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Forget the device cache entries of `blocks`, cached at allocation (as a step's blocks are) by a step that
+        then failed: their K/V were never computed, so nothing of them is served or written down."""
+        forgotten = self.pool.uncache_blocks(blocks)
+        for block_id, _ in forgotten:
+            self._pending.pop(block_id, None)
+            self._cached.pop(block_id, None)
+        if forgotten and self.event_listener is not None:
+            self.event_listener(BlockRemoved([h for _, h in forgotten], "device"))
+
     def _cache_on_device(self, blocks: list[KVCacheBlock], hashes: Sequence[bytes],
                          tokens: Sequence[Sequence[int]], parents: Sequence[bytes | None]) -> set[int]:
         """Promoted blocks are already below: cache them without queueing a write-through. Returns the ids of

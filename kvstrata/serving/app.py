@@ -77,6 +77,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
     which sets `draining` on SIGTERM."""
     from kvstrata.engine.async_engine import EngineStoppedError
     from kvstrata.engine.documents import PinLimitError, UnknownDocumentError
+    from kvstrata.engine.request import RequestFailedError
     from kvstrata.engine.sampling import SamplingParams
 
     drain = drain or DrainState()
@@ -92,6 +93,11 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
     @app.exception_handler(EngineStoppedError)
     async def _engine_stopped(_: Request, exc: EngineStoppedError) -> Response:
         return service_unavailable(str(exc)).response()
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, exc: RequestFailedError) -> Response:
+        # the engine logged the traceback once and serves the other requests: this client hears one line
+        return APIError(500, str(exc), error_type="server_error").response()
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_id:

@@ -5,7 +5,8 @@
     404  an unknown model (`code: model_not_found`) or route
     405  a route asked with the wrong method
     413  a body over `server.max_request_body` (`code: request_too_large`)
-    500  a fault of the server's own (logged with its traceback; the client gets one line)
+    500  a fault of the server's own (logged with its traceback; the client gets one line), or an internal
+         error of the engine's that ended this request alone (the others go on)
     503  the server is shutting down, or its engine failed
 
 Messages are one line and never echo a secret.

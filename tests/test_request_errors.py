@@ -1,0 +1,137 @@
+"""An internal error on the step path fails only the requests it concerns: the engine goes on, the failed request
+ends once with an error and its blocks freed, the others get what they get without the fault. On random weights
+of a tiny shape (`load_format: dummy`): what is tested is the engine's bookkeeping, not the model."""
+from __future__ import annotations
+
+import pytest
+
+from kvstrata import SamplingParams, load_config
+from kvstrata.engine.kv_manager import KVCacheManager
+from kvstrata.engine.llm import LLM
+from kvstrata.engine.llm_engine import LLMEngine
+from kvstrata.engine.request import RequestFailedError, RequestStatus
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+DOCUMENT = list(range(100, 100 + 4 * BS))
+PROMPTS = {"a": DOCUMENT + [7, 8, 9], "b": DOCUMENT + [10, 11], "c": list(range(300, 300 + 2 * BS + 5))}
+
+
+def tiny_config() -> dict:
+    return {"model": {"name": "tiny-llama", "load_format": "dummy", "device": "cpu", "dtype": "float32"},
+            "cache": {"offload": "write_through",
+                      "tiers": {"device": {"size": 64}, "cpu": {"size": 64}, "disk": {"size": 0}}}}
+
+
+@pytest.fixture
+def engine():
+    engine = LLMEngine(load_config(tiny_config()))
+    yield engine
+    engine.close()
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def run(engine: LLMEngine, prompts: dict[str, list[int]]) -> tuple[dict[str, list[int]], list]:
+    """Add the prompts (the document cached first, so that later ones hit it), step until done; the token ids of
+    each that finished normally, and every request the steps returned finished (as often as they returned it)."""
+    ended = []
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        ended += [r for r in engine.step() if r.is_finished]
+    outputs = {r.request_id: r.output_token_ids for r in ended if r.status != RequestStatus.FINISHED_ERROR}
+    for request in ended:
+        engine.release(request.request_id)
+    return outputs, ended
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    pool = engine.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    kv = engine.kv_manager
+    assert not (kv.req_to_blocks or kv.prefix_loads or kv.reserved or kv.tails or engine.requests)
+
+
+def warm(engine: LLMEngine) -> None:
+    """The document computed and cached on the device (and written through to the CPU tier)."""
+    run(engine, {"document": DOCUMENT + [5]})
+
+
+@pytest.mark.parametrize("fault", ["lookup", "admission"])
+def test_an_admission_error_fails_that_request_once_and_the_others_get_their_outputs(engine, monkeypatch, fault):
+    warm(engine)
+    expected, _ = run(engine, PROMPTS)
+    assert set(expected) == set(PROMPTS)
+
+    # "lookup": the lookup itself raises; "admission": the lookup hands it the document's cached blocks, then
+    # giving it slots raises (the blocks it was handed must be let go)
+    patched = "get_computed_blocks" if fault == "lookup" else "allocate_slots"
+    original = getattr(KVCacheManager, patched)
+
+    def faulty(self, request, *args, **kwargs):
+        if request.request_id == "b":
+            if fault == "lookup" or args[1:] and args[1]:  # (allocate_slots: at admission, with the prefix)
+                raise Injected("injected")
+        return original(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheManager, patched, faulty)
+    outputs, ended = run(engine, PROMPTS)
+    failed = [r for r in ended if r.request_id == "b"]
+    assert len(failed) == 1 and failed[0].status == RequestStatus.FINISHED_ERROR
+    assert failed[0].error == f"internal error while {'looking up its prefix' if fault == 'lookup' else 'being admitted'} (Injected)"
+    assert len(ended) == len(PROMPTS)  # every request ended once
+    assert outputs == {k: v for k, v in expected.items() if k != "b"}
+    assert_all_blocks_free(engine)
+    monkeypatch.undo()
+    assert run(engine, {"b": PROMPTS["b"]})[0] == {"b": expected["b"]}  # the engine still serves
+
+
+def test_an_error_in_the_model_run_fails_the_step_s_requests_and_the_next_request_is_answered(engine, monkeypatch):
+    expected, _ = run(engine, {"c": PROMPTS["c"]})
+    assert engine.reset_prefix_cache(reset_external=True)
+    written = engine.stats()["write_downs"]["cpu"]
+    execute = engine.runner.execute
+    runs = []
+
+    def faulty(step_input):
+        runs.append(step_input)
+        if len(runs) == 1:
+            raise Injected("injected")
+        return execute(step_input)
+
+    monkeypatch.setattr(engine.runner, "execute", faulty)
+    _, ended = run(engine, {"c": PROMPTS["c"], "a": PROMPTS["a"]})
+    assert sorted((r.request_id, r.status) for r in ended) == [("a", RequestStatus.FINISHED_ERROR),
+                                                               ("c", RequestStatus.FINISHED_ERROR)]
+    assert ended[0].error == "internal error while computing its step (Injected)"
+    assert_all_blocks_free(engine)
+    engine.hierarchy.wait_for_write_downs()
+    # the blocks the failed step was to compute were cached when allocated: forgotten, so nothing serves them
+    assert engine.hierarchy.pool.num_cached_blocks == 0
+    again = engine.add_request("again", PROMPTS["c"], GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert again.output_token_ids == expected["c"] and again.num_cached_tokens == 0
+    # the retry's two full blocks were written down, none of the failed step's
+    assert engine.stats()["write_downs"]["cpu"] - written == 2
+
+
+def test_llm_generate_raises_a_clear_error_for_a_failed_prompt_and_serves_the_next_call(monkeypatch):
+    with LLM(tiny_config()) as llm:
+        original = KVCacheManager.get_computed_blocks
+
+        def faulty(self, request):
+            if request.prompt_token_ids == PROMPTS["b"]:
+                raise Injected("injected")
+            return original(self, request)
+
+        monkeypatch.setattr(KVCacheManager, "get_computed_blocks", faulty)
+        with pytest.raises(RequestFailedError,
+                           match=r"^prompt 1 failed: internal error while looking up its prefix \(Injected\)$"):
+            llm.generate([PROMPTS["a"], PROMPTS["b"], PROMPTS["c"]], GREEDY)
+        assert_all_blocks_free(llm.engine)
+        assert llm.generate(PROMPTS["a"], GREEDY)[0].finish_reason == "length"
