@@ -62,7 +62,8 @@ def warm(engine: LLMEngine) -> None:
 
 
 @pytest.mark.parametrize("fault", ["lookup", "admission"])
-def test_an_admission_error_fails_that_request_once_and_the_others_get_their_outputs(engine, monkeypatch, fault):
+def test_an_admission_error_fails_that_request_once_and_the_others_get_their_outputs(engine, monkeypatch, caplog,
+                                                                                    fault):
     warm(engine)
     expected, _ = run(engine, PROMPTS)
     assert set(expected) == set(PROMPTS)
@@ -79,7 +80,10 @@ def test_an_admission_error_fails_that_request_once_and_the_others_get_their_out
         return original(self, request, *args, **kwargs)
 
     monkeypatch.setattr(KVCacheManager, patched, faulty)
+    caplog.clear()
     outputs, ended = run(engine, PROMPTS)
+    logged = [r for r in caplog.records if r.exc_info]
+    assert len(logged) == 1 and "request b failed" in logged[0].getMessage()  # its traceback, logged once
     failed = [r for r in ended if r.request_id == "b"]
     assert len(failed) == 1 and failed[0].status == RequestStatus.FINISHED_ERROR
     assert failed[0].error == f"internal error while {'looking up its prefix' if fault == 'lookup' else 'being admitted'} (Injected)"
@@ -135,3 +139,59 @@ def test_llm_generate_raises_a_clear_error_for_a_failed_prompt_and_serves_the_ne
             llm.generate([PROMPTS["a"], PROMPTS["b"], PROMPTS["c"]], GREEDY)
         assert_all_blocks_free(llm.engine)
         assert llm.generate(PROMPTS["a"], GREEDY)[0].finish_reason == "length"
+
+
+# ------------------------------------------------------------------ under the server
+
+
+def test_under_the_server_an_admission_error_answers_that_client_500_and_the_others_as_without_it(monkeypatch):
+    import asyncio
+    import json
+
+    import httpx
+
+    from kvstrata.engine.async_engine import AsyncEngine
+    from kvstrata.serving.app import build_app
+    from kvstrata.serving.metrics import ServingMetrics
+    from kvstrata.serving.tokenizer_pool import TokenizerPool
+
+    async_engine = AsyncEngine(LLMEngine(load_config(tiny_config())))
+    app = build_app(async_engine, "tiny", metrics=ServingMetrics(lambda: async_engine.snapshot),
+                    tokenizers=TokenizerPool(async_engine.engine.tokenizer, 1), max_request_body=1 << 20)
+    bodies = {k: {"prompt": prompt, "max_tokens": 6, "temperature": 0} for k, prompt in PROMPTS.items()}
+    streamed = {"prompt": PROMPTS["b"], "max_tokens": 6, "temperature": 0, "stream": True}
+
+    async def send_together() -> dict[str, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            responses = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies.values()),
+                                             http.post("/v1/completions", json=streamed))
+        return dict(zip([*bodies, "streamed"], responses))
+
+    try:
+        alone = asyncio.run(send_together())
+        assert all(r.status_code == 200 for r in alone.values())
+        original = KVCacheManager.get_computed_blocks
+
+        def faulty(self, request):
+            if request.prompt_token_ids == PROMPTS["b"]:
+                raise Injected("injected")
+            return original(self, request)
+
+        monkeypatch.setattr(KVCacheManager, "get_computed_blocks", faulty)
+        faulted = asyncio.run(send_together())
+        failed = faulted.pop("b")
+        assert failed.status_code == 500
+        assert failed.json() == {"error": {
+            "message": "the engine failed this request: internal error while looking up its prefix (Injected)",
+            "type": "server_error", "param": None, "code": None}}
+        # a stream has its status line sent already: the error comes as its event
+        events = [json.loads(line[6:]) for line in faulted.pop("streamed").text.splitlines()
+                  if line.startswith("data: {")]
+        assert events[-1]["error"]["type"] == "server_error" and "(Injected)" in events[-1]["error"]["message"]
+        for key, response in faulted.items():
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == alone[key].json()["choices"][0]["text"]
+        assert async_engine.is_running
+    finally:
+        async_engine.shutdown()
+    assert_all_blocks_free(async_engine.engine)
