@@ -37,6 +37,7 @@ from kvstrata.engine.prompts import RenderedDocument
 from kvstrata.engine.receipt import CacheReceipt
 from kvstrata.engine.request import Request, RequestFailedError, RequestStatus
 from kvstrata.engine.sampling import SamplingParams
+from kvstrata.engine.watchdog import Watchdog
 from kvstrata.tiers.base import close_at_exit
 
 logger = logging.getLogger("kvstrata")
@@ -180,7 +181,9 @@ class AsyncEngine:
         async_engine.shutdown()                  # finishes in-flight requests, then engine.close()
     """
 
-    def __init__(self, engine: LLMEngine, listener: RequestListener | None = None):
+    def __init__(self, engine: LLMEngine, listener: RequestListener | None = None, watchdog_timeout: float = 0.0):
+        """`watchdog_timeout`: seconds without progress of a step or a prefix load before the log says so
+        (engine/watchdog.py; `scheduler.watchdog_timeout`); 0: not watched."""
         self.engine = engine
         self.listener: RequestListener = listener or _NoListener()
         # The latest snapshot: replaced whole (one reference assignment), so readers see the old or the new.
@@ -198,6 +201,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._publish_snapshot()
         engine.take_arrivals = self._add_arrivals
+        self.watchdog = Watchdog(watchdog_timeout)
         self._thread = threading.Thread(target=self._run, name="kvstrata-engine", daemon=True)
         self._thread.start()
         # A process that exits without shutting down stops the engine's thread before the engine's parts close
@@ -296,6 +300,7 @@ class AsyncEngine:
             self.error = exc
             self._fail_all(EngineStoppedError(f"the engine failed: {exc}"))
         finally:
+            self.watchdog.stop()
             self._refuse_queued_commands()
             self._close_engine()
 
@@ -318,10 +323,20 @@ class AsyncEngine:
                     stop_requested = True
                 else:
                     self._apply(command)
-            updated = self.engine.step() if self.engine.has_unfinished_requests() else []
+            updated = self._step() if self.engine.has_unfinished_requests() else []
             if self._snapshot_due(updated):
                 self._publish_snapshot()
             self._deliver(updated)
+
+    def _step(self) -> list[Request]:
+        """One engine step, watched (engine/watchdog.py)."""
+        self.watchdog.step_started()
+        try:
+            return self.engine.step()
+        finally:
+            self.watchdog.step_ended()
+            if self.watchdog.enabled:
+                self.watchdog.check_loads(self.engine.kv_manager.loads_in_flight())
 
     def _snapshot_due(self, updated: list[Request]) -> bool:
         """After a step that finished or started answering a request, whenever idle, else now and then."""

@@ -617,6 +617,11 @@ class KVCacheManager:
         load = self.prefix_loads.get(request.request_id)
         return set() if load is None else _in_flight(load)
 
+    def loads_in_flight(self) -> list[str]:
+        """The requests whose prefix, or tail, is still being copied up."""
+        return [*(rid for rid, load in self.prefix_loads.items() if not load.ready),
+                *(rid for rid, tail in self.tails.items() if not tail.load.ready)]
+
     def holds_prefix(self, request: Request) -> bool:
         """The request has been looked up and holds its prefix (loading, or landed and not yet admitted)."""
         return request.request_id in self.prefix_loads

@@ -705,6 +705,8 @@ def test_environment_is_not_reapplied_to_an_existing_config(monkeypatch):
     ({"step_target": 0}, "scheduler.step_target", "duration such as 50ms"),
     ({"long_prefill_share": 0}, "scheduler.long_prefill_share", "fraction in (0, 1]"),
     ({"long_prefill_share": 1.5}, "scheduler.long_prefill_share", "fraction in (0, 1]"),
+    ({"watchdog_timeout": "-1s"}, "scheduler.watchdog_timeout", "duration such as 50ms"),
+    ({"watchdog_timeout": "soon"}, "scheduler.watchdog_timeout", "duration such as 50ms"),
 ])
 def test_scheduler_policy_step_target_and_share_errors_are_one_line(scheduler, key, fragment):
     with pytest.raises(ConfigError) as info:
@@ -719,6 +721,13 @@ def test_step_target_takes_milliseconds_seconds_or_a_number_and_round_trips():
         assert load_config(config.to_dict()) == config
     default = load_config().scheduler
     assert (default.policy, default.step_target, default.long_prefill_share) == ("uncached_first", 0.25, 0.25)
+
+
+def test_watchdog_timeout_is_a_duration_on_by_default_and_0_turns_it_off():
+    assert load_config().scheduler.watchdog_timeout == 60.0
+    assert load_config({"scheduler": {"watchdog_timeout": "90s"}}).scheduler.watchdog_timeout == 90.0
+    config = load_config({"scheduler": {"watchdog_timeout": 0}})
+    assert config.scheduler.watchdog_timeout == 0.0 and load_config(config.to_dict()) == config
 
 
 # ------------------------------------------------------------------------------------- remote tier

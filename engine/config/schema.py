@@ -276,6 +276,8 @@ class SchedulerConfig(_Section):
     policy: Literal["fcfs", "uncached_first"] = "uncached_first"
     step_target: Duration = 0.25
     long_prefill_share: Fraction = 0.25
+    # A step or a prefix load with no progress for this long is named in the log, once (engine/watchdog.py); 0: off.
+    watchdog_timeout: DurationOrZero = 60.0
 
 class ServerConfig(_Section):
     host: str = "127.0.0.1"

@@ -110,7 +110,7 @@ def serve(config: Config) -> None:
             publisher = KVEventPublisher(config.events)
         llm_engine = LLMEngine(config, block_events=publisher)
         tokenizers = TokenizerPool(llm_engine.tokenizer)  # copied before the engine thread uses the original
-        async_engine = AsyncEngine(llm_engine)
+        async_engine = AsyncEngine(llm_engine, watchdog_timeout=config.scheduler.watchdog_timeout)
         model_id = config.server.model_alias or config.model.name
         metrics = ServingMetrics(lambda: async_engine.snapshot, events=publisher,
                                  model_name=model_id if config.server.vllm_metrics else None)
