@@ -165,10 +165,10 @@ class KVCacheManager:
         load = self.prefix_loads[request.request_id]
         if not load.ready:
             return None
-        del self.prefix_loads[request.request_id]
         hit = self._finish_load(load)
         self._account_load(request, load)
         self._prefix_tiers[request.request_id] = hit.tiers
+        del self.prefix_loads[request.request_id]  # last: a fault before leaves the prefix held for `free` to let go
         by_tier = {t: n * self.block_size for t, n in hit.blocks_by_tier.items()}
         return hit.blocks, hit.num_blocks * self.block_size, by_tier
 
@@ -277,11 +277,12 @@ class KVCacheManager:
     def land_tail(self, request: Request) -> None:
         """The head is computed and the tail has landed: its blocks follow the head's, and the request's
         computed tokens jump over them (to where the tail ends, or to its first block not served)."""
-        tail = self.tails.pop(request.request_id)
+        tail = self.tails[request.request_id]
         hit = self._finish_load(tail.load)
         self._account_load(request, tail.load)
         blocks = self.req_to_blocks[request.request_id]
         assert len(blocks) == tail.start and request.num_computed_tokens == tail.start * self.block_size
+        del self.tails[request.request_id]  # only now: a fault before leaves the tail held for `free` to let go
         blocks.extend(hit.blocks)
         self.num_cached_block[request.request_id] = tail.start + hit.num_blocks
         request.num_computed_tokens += hit.num_blocks * self.block_size
@@ -531,10 +532,10 @@ class KVCacheManager:
         # prefix blocks come only at a request's first scheduling, and they are all cached already
         self.num_cached_block.setdefault(request.request_id, len(new_computed_blocks))
         from_reserve = min(num_needed, len(reserved))
-        new_blocks = reserved[:from_reserve]
+        # from the pool first: a fault there leaves the reserve whole, for `free` to let go
+        fresh = self.pool.get_new_blocks(num_needed - from_reserve) if num_needed > from_reserve else []
+        new_blocks = reserved[:from_reserve] + fresh
         del reserved[:from_reserve]
-        if num_needed > from_reserve:
-            new_blocks += self.pool.get_new_blocks(num_needed - from_reserve)
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, total)
         return new_blocks

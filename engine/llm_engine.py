@@ -30,7 +30,7 @@ from kvstrata.engine.model_runner import ModelRunner, StepInput
 from kvstrata.engine.prompt_logprobs import PromptLogprobCache
 from kvstrata.engine.prompts import (RenderedDocument, document_prefix_messages, render_chat, render_document,
                                     tokenize_text)
-from kvstrata.engine.request import Request, RequestStatus
+from kvstrata.engine.request import Request, RequestFailedError, RequestStatus
 from kvstrata.engine.sampling import (MAX_LOGPROBS, SamplingParams, adjust_logits, compute_logprobs, make_generator,
                                       sample)
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
@@ -427,9 +427,11 @@ class LLMEngine:
         request_id = f"document-{plan.document_id}-{time.monotonic_ns()}"
         self.add_document_request(request_id, plan)
         try:
-            self.run_until_finished([request_id])
+            (request,) = self.run_until_finished([request_id])
         finally:
             self.release(request_id)
+        if request.status == RequestStatus.FINISHED_ERROR:  # its blocks were never computed: nothing to register
+            raise RequestFailedError(f"caching the document failed: {request.error}")
         return self.documents.register(plan)
 
     def _preload_documents(self) -> None:

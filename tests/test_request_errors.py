@@ -86,7 +86,8 @@ def test_an_admission_error_fails_that_request_once_and_the_others_get_their_out
     assert len(logged) == 1 and "request b failed" in logged[0].getMessage()  # its traceback, logged once
     failed = [r for r in ended if r.request_id == "b"]
     assert len(failed) == 1 and failed[0].status == RequestStatus.FINISHED_ERROR
-    assert failed[0].error == f"internal error while {'looking up its prefix' if fault == 'lookup' else 'being admitted'} (Injected)"
+    doing = "looking up its prefix" if fault == "lookup" else "being admitted"
+    assert failed[0].error == f"internal error while {doing} (Injected)"
     assert len(ended) == len(PROMPTS)  # every request ended once
     assert outputs == {k: v for k, v in expected.items() if k != "b"}
     assert_all_blocks_free(engine)
@@ -195,3 +196,128 @@ def test_under_the_server_an_admission_error_answers_that_client_500_and_the_oth
     finally:
         async_engine.shutdown()
     assert_all_blocks_free(async_engine.engine)
+
+
+# ------------------------------------------------------------------ the core, faults at random
+
+
+@pytest.mark.parametrize("prepare", [False, True], ids=["admitting-in-schedule", "preparing-beside-steps"])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("policy", ["fcfs", "uncached_first"])
+def test_random_faults_in_lookups_loads_and_allocations_fail_only_their_requests_and_leak_nothing(
+        policy, seed, prepare):
+    """The scheduler and KV manager over a gated CPU tier (loads left in flight, tails landing after their heads),
+    with internal errors raised at random, for some requests, where a request's lookup starts, where a landed
+    load is taken, where its blocks are allocated and cached, and where its tail lands: each such request ends
+    once, failed; the others end with the right bytes served; at the end every device block is free and nothing
+    is held in the CPU tier."""
+    import random
+
+    from test_admission import _compute_step, put_below
+    from test_hierarchy import doc, make_stack
+
+    from kvstrata.engine.costs import ReadCost, StepCost
+    from kvstrata.engine.request import Request
+    from kvstrata.engine.scheduler import Scheduler
+
+    rng = random.Random(seed)
+    kv = make_stack(device_blocks=40, cpu_blocks=24, gate_cpu=True, offload="write_through")
+    kv.step_cost = StepCost(per_token_s=1e-3)
+    kv.read_costs["cpu"] = ReadCost(1024, latency_s=0.0, per_block_s=[1e-4, 8e-3][seed % 2])  # load, or overlap
+    scheduler = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, policy=policy)
+    bs = kv.block_size
+    doomed: set[str] = set()
+    armed = [False]
+
+    def faulty(function, where: str):
+        def call(request, *args, **kwargs):
+            if request.request_id in doomed and rng.random() < 0.3:
+                raise Injected(where)
+            return function(request, *args, **kwargs)
+        return call
+
+    def allocate_slots(request, *args, **kwargs):  # the pool's allocation faults while this request asks
+        armed[0] = request.request_id in doomed and rng.random() < 0.3
+        try:
+            return original_allocate(request, *args, **kwargs)
+        finally:
+            armed[0] = False
+
+    def get_new_blocks(n):
+        if armed[0]:
+            raise Injected("get_new_blocks")
+        return original_get_new_blocks(n)
+
+    original_allocate, original_get_new_blocks = kv.allocate_slots, kv.pool.get_new_blocks
+    kv.allocate_slots, kv.pool.get_new_blocks = allocate_slots, get_new_blocks
+    for name in ("_start_prefix", "_account_load", "_cache_full_blocks", "land_tail"):
+        setattr(kv, name, faulty(getattr(kv, name), name))
+
+    documents = [doc(100 + d, rng.randint(4, 12) * bs) for d in range(4)]
+    gate, done, failed, live = kv.hierarchy.cpu.gate, [], [], []
+
+    def step() -> None:
+        for request in _compute_step(kv, scheduler, prepare):
+            if len(request.output_token_ids) == request.sampling_params.max_tokens:
+                scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+                live.remove(request)
+                done.append(request)
+        for request in scheduler.take_failed():
+            assert request.status == RequestStatus.FINISHED_ERROR and request.error.endswith("(Injected)")
+            live.remove(request)  # (twice: not in `live` any more, and this raises)
+            failed.append(request)
+
+    for n in range(250):
+        op = rng.random()
+        if op < 0.2 and len(live) < 8:
+            request = Request(f"r{n}", rng.choice(documents) + doc(1000 + n, rng.randint(1, 20)),
+                              SamplingParams(max_tokens=rng.randint(1, 4), temperature=0))
+            if rng.random() < 0.4:
+                doomed.add(request.request_id)
+            scheduler.add_request(request)
+            live.append(request)
+        elif op < 0.25 and scheduler.running:
+            scheduler._preempt(scheduler.running.pop(rng.randrange(len(scheduler.running))))
+        elif op < 0.32:
+            gate.clear() if gate.is_set() else gate.set()
+        elif op < 0.36:  # a document only below the device: its head may be computed while its tail loads
+            document = rng.choice(documents)
+            put_below(kv, document, len(document) // bs)
+            kv.hierarchy.clear_device_cache()  # (refused while a block is in use)
+        else:
+            step()
+            kv.wait_for_loads(timeout=0.001)
+    gate.set()  # the loads land (their tails too), the faults go on
+    for _ in range(2000):
+        if not live:
+            break
+        kv.wait_for_loads(timeout=1)
+        step()
+    assert not live, "requests never ended"
+    kv.hierarchy.transfers.wait_idle()
+    kv.release_abandoned()
+    assert done and failed
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks and all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    assert not (kv.req_to_blocks or kv.prefix_loads or kv.reserved or kv.tails or kv._abandoned)
+    assert not kv.hierarchy.cpu.inner._holds
+
+
+def test_a_fault_while_a_tail_lands_fails_its_request_and_lets_the_tail_go():
+    """A head computed while its tail loads (test_admission's overlapping stack); taking the landed tail raises:
+    the request ends failed and the tail's blocks, which it did not own yet, are freed with its others."""
+    from test_admission import fake_step, overlapping_stack
+
+    kv, scheduler, request = overlapping_stack()
+    assert fake_step(kv, scheduler) == [] and kv.barrier(request) is not None  # the head computed
+    kv.hierarchy.cpu.gate.set()
+    kv.wait_for_loads(timeout=10)
+    account_load = kv._account_load
+    kv._account_load = lambda r, load: (_ for _ in ()).throw(Injected("injected"))
+    assert fake_step(kv, scheduler) == []
+    assert scheduler.take_failed() == [request]
+    assert request.error == "internal error while landing its prefix's tail (Injected)"
+    kv._account_load = account_load
+    kv.hierarchy.transfers.wait_idle()
+    kv.release_abandoned()
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks and not kv.hierarchy.cpu.inner._holds
+    assert not (kv.req_to_blocks or kv.tails or kv.prefix_loads or kv.reserved)
