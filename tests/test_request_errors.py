@@ -157,7 +157,8 @@ def test_under_the_server_an_admission_error_answers_that_client_500_and_the_oth
     from kvstrata.serving.tokenizer_pool import TokenizerPool
 
     async_engine = AsyncEngine(LLMEngine(load_config(tiny_config())))
-    app = build_app(async_engine, "tiny", metrics=ServingMetrics(lambda: async_engine.snapshot),
+    metrics = async_engine.listener = ServingMetrics(lambda: async_engine.snapshot)
+    app = build_app(async_engine, "tiny", metrics=metrics,
                     tokenizers=TokenizerPool(async_engine.engine.tokenizer, 1), max_request_body=1 << 20)
     bodies = {k: {"prompt": prompt, "max_tokens": 6, "temperature": 0} for k, prompt in PROMPTS.items()}
     streamed = {"prompt": PROMPTS["b"], "max_tokens": 6, "temperature": 0, "stream": True}
@@ -193,6 +194,7 @@ def test_under_the_server_an_admission_error_answers_that_client_500_and_the_oth
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["text"] == alone[key].json()["choices"][0]["text"]
         assert async_engine.is_running
+        assert 'kvstrata_requests_finished_total{finish_reason="error"} 2.0' in metrics.render().decode()
     finally:
         async_engine.shutdown()
     assert_all_blocks_free(async_engine.engine)

@@ -69,7 +69,7 @@ class ServingMetrics:
             f"{PREFIX}_e2e_request_latency_seconds", "Time from a request's arrival to its end (finished or aborted).",
             buckets=E2E_BUCKETS, registry=self.registry)
         self.requests_finished = Counter(
-            f"{PREFIX}_requests_finished_total", "Requests that ended, by why they ended (stop, length, abort).",
+            f"{PREFIX}_requests_finished_total", "Requests that ended, by why they ended (stop, length, abort, error).",
             ["finish_reason"], registry=self.registry)
         self.prompt_tokens = Counter(
             f"{PREFIX}_prompt_tokens_total", "Prompt tokens of the requests that ended.", registry=self.registry)
