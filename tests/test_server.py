@@ -463,6 +463,7 @@ def test_metrics_expose_vllm_named_series_beside_ours(client, http):
     assert 0 <= metric_value(text, "vllm:kv_cache_usage_perc", label) <= 1
     assert metric_value(text, "vllm:num_requests_running", label) == 0
     assert metric_value(text, "vllm:num_requests_waiting", label) == 0
+    assert metric_value(text, "vllm:num_preemptions_total", label) == 0  # a lone request has room
     assert metric_value(text, "vllm:time_to_first_token_seconds_count", label) == \
         metric_value(text, "kvstrata_time_to_first_token_seconds_count")
 
