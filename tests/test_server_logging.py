@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvstrata.engine.config import load_config
-from kvstrata.serving.stats_log import (GENERATION_TOKENS, HIT_TOKENS, PROMOTED_BLOCKS, PROMPT_TOKENS, RUNNING,
+from kvstrata.serving.stats_log import (CAPACITY_BLOCKS, GENERATION_TOKENS, HIT_TOKENS, PROMOTED_BLOCKS, PROMPT_TOKENS, RUNNING,
                                         WAITING, Reading, StatsLogger, stats_line)
 from serving_fakes import MODEL, client, fake_app
 
@@ -51,10 +51,12 @@ def reading(at: float, **fields) -> Reading:
 
 
 def test_stats_line_gives_rates_and_per_tier_hits_and_promoted_bytes_over_the_interval():
-    before = reading(0.0, prompt_tokens=1000, generation_tokens=10, hit_tokens={"device": 100, "cpu": 0},
+    before = reading(0.0, prompt_tokens=1000, generation_tokens=10,
+                     hit_tokens={"device": 100, "cpu": 0, "disk": 0, "remote": 0},
                      promoted_blocks={"cpu": 1, "disk": 0, "remote": 0})
     after = reading(2.0, running=2, waiting=1, prompt_tokens=1400, generation_tokens=30,
-                    hit_tokens={"device": 200, "cpu": 200}, promoted_blocks={"cpu": 5, "disk": 2, "remote": 0})
+                    hit_tokens={"device": 200, "cpu": 200, "disk": 0, "remote": 0},
+                    promoted_blocks={"cpu": 5, "disk": 2, "remote": 0})
     line = stats_line(before, after, block_bytes=1024)
     assert line == ("stats: 2 running, 1 waiting; prompt 200.0 tokens/s, generation 10.0 tokens/s; prefix hits "
                     "device 25.0%, cpu 50.0%, disk 0.0%, remote 0.0%; promoted cpu 4.0 KiB, disk 2.0 KiB, remote 0 B")
@@ -74,6 +76,7 @@ def test_stats_logger_logs_from_the_registry_every_interval_while_busy(caplog):
     Counter(GENERATION_TOKENS.removesuffix("_total"), "", registry=registry)
     hits = Counter(HIT_TOKENS.removesuffix("_total"), "", ["tier"], registry=registry)
     Counter(PROMOTED_BLOCKS.removesuffix("_total"), "", ["tier"], registry=registry)
+    Gauge(CAPACITY_BLOCKS, "", ["tier"], registry=registry).labels(tier="device").set(64)  # the only tier on
     with caplog.at_level(logging.INFO, logger="kvstrata.stats"):
         logger = StatsLogger(registry, block_bytes=1024, interval=0.05).start()
         try:
@@ -88,7 +91,7 @@ def test_stats_logger_logs_from_the_registry_every_interval_while_busy(caplog):
         finally:
             logger.stop()
     (first, *_) = [r.getMessage() for r in caplog.records if r.name == "kvstrata.stats"]
-    assert first.startswith("stats: 1 running, 0 waiting; prompt ") and "device 50.0%" in first
+    assert first.startswith("stats: 1 running, 0 waiting; prompt ") and first.endswith("prefix hits device 50.0%")
 
 
 @pytest.mark.parametrize("value, expected", [("0", 0.0), ("2s", 2.0), ("500ms", 0.5)])

@@ -30,7 +30,8 @@ PROMPT_TOKENS = "kvstrata_prefix_cache_queries_tokens_total"
 GENERATION_TOKENS = "kvstrata_generation_tokens_total"
 HIT_TOKENS = "kvstrata_prefix_cache_hits_tokens_total"
 PROMOTED_BLOCKS = "kvstrata_cache_promotions_blocks_total"
-SERIES = (RUNNING, WAITING, PROMPT_TOKENS, GENERATION_TOKENS, HIT_TOKENS, PROMOTED_BLOCKS)
+CAPACITY_BLOCKS = "kvstrata_cache_capacity_blocks"  # exported for the tiers that are on: the line names only those
+SERIES = (RUNNING, WAITING, PROMPT_TOKENS, GENERATION_TOKENS, HIT_TOKENS, PROMOTED_BLOCKS, CAPACITY_BLOCKS)
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ def read_registry(registry: CollectorRegistry, now: float | None = None) -> Read
         waiting=values.get((WAITING, ""), 0.0),
         prompt_tokens=values.get((PROMPT_TOKENS, ""), 0.0),
         generation_tokens=values.get((GENERATION_TOKENS, ""), 0.0),
-        hit_tokens={t: values.get((HIT_TOKENS, t), 0.0) for t in TIER_NAMES},
-        promoted_blocks={t: values.get((PROMOTED_BLOCKS, t), 0.0) for t in LOWER_TIER_NAMES})
+        hit_tokens={t: values.get((HIT_TOKENS, t), 0.0) for t in TIER_NAMES if (CAPACITY_BLOCKS, t) in values},
+        promoted_blocks={t: values.get((PROMOTED_BLOCKS, t), 0.0) for t in LOWER_TIER_NAMES
+                         if (CAPACITY_BLOCKS, t) in values})
 
 
 def stats_line(before: Reading, after: Reading, block_bytes: int) -> str | None:
@@ -67,14 +69,14 @@ def stats_line(before: Reading, after: Reading, block_bytes: int) -> str | None:
     seconds = max(after.taken_at - before.taken_at, 1e-9)
     prompt = after.prompt_tokens - before.prompt_tokens
     generated = after.generation_tokens - before.generation_tokens
-    hits = {t: after.hit_tokens.get(t, 0.0) - before.hit_tokens.get(t, 0.0) for t in TIER_NAMES}
-    promoted = {t: after.promoted_blocks.get(t, 0.0) - before.promoted_blocks.get(t, 0.0) for t in LOWER_TIER_NAMES}
+    hits = {t: n - before.hit_tokens.get(t, 0.0) for t, n in after.hit_tokens.items()}
+    promoted = {t: n - before.promoted_blocks.get(t, 0.0) for t, n in after.promoted_blocks.items()}
     if not (after.running or after.waiting or prompt or generated or any(promoted.values())):
         return None
     rates = ", ".join(f"{t} {100 * n / prompt:.1f}%" if prompt else f"{t} -" for t, n in hits.items())
     moved = ", ".join(f"{t} {format_bytes(n * block_bytes)}" for t, n in promoted.items())
     return (f"stats: {after.running:.0f} running, {after.waiting:.0f} waiting; prompt {prompt / seconds:.1f} tokens/s, "
-            f"generation {generated / seconds:.1f} tokens/s; prefix hits {rates}; promoted {moved}")
+            f"generation {generated / seconds:.1f} tokens/s; prefix hits {rates}" + (f"; promoted {moved}" if moved else ""))
 
 
 class StatsLogger:
