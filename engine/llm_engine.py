@@ -192,6 +192,7 @@ class LLMEngine:
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_batched_tokens, sc.max_num_seqs, policy=sc.policy,
                                    step_target=sc.step_target, long_prefill_share=sc.long_prefill_share)
+        self.num_preemptions = 0  # running requests sent back to wait, their blocks freed (stats())
         self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
         self.runner = ModelRunner(self.loaded, self.hierarchy.kv_cache,
                                   get_ops(self.attention_backend, batch_invariant=config.model.batch_invariant))
@@ -505,6 +506,7 @@ class LLMEngine:
             out = self.scheduler.schedule()
         except Exception as exc:
             return self._fail_unfinished(exc)
+        self.num_preemptions += len(out.preempted)
         if not out.scheduled:
             # Nothing can run until a prefix load lands: wait for one (briefly, so that a caller
             # feeding new requests between steps is not kept waiting).
@@ -748,6 +750,7 @@ class LLMEngine:
           loaded (gone, corrupt, a fault); the request recomputed from there.
         - `write_downs[tier]`: blocks handed down to each lower tier.
         - `device_evictions`: cached device blocks whose slot was reused.
+        - `num_preemptions`: times a running request was sent back to wait, its blocks freed, for room.
         - `prompt_logprob_cache`: blocks of prompt log-probabilities kept, and blocks of them given to
           requests asking for their prompt's (which then skip computing those blocks when cached).
         """
@@ -769,6 +772,7 @@ class LLMEngine:
             "promotion_failures": counters["promotion_failures"],
             "write_downs": counters["write_downs"],
             "device_evictions": counters["device_evictions"],
+            "num_preemptions": self.num_preemptions,
             "prompt_logprob_cache": {"blocks": len(self.kv_manager.prompt_logprobs),
                                      "blocks_served": self.kv_manager.prompt_logprobs.blocks_served},
             "corrupt": {name: s.get("corrupt", 0) for name, s in tiers.items()},

@@ -1,6 +1,7 @@
 """`kvstrata`, the command line (docs/design.md, "CLI").
 
-    kvstrata serve  --config F [--host H] [--port P] [--api-key KEY] [--set key=value ...]
+    kvstrata serve  [MODEL] [--config F] [--set key=value ...] [vLLM's flags: --max-model-len N --dtype D
+                    --kv-cache-dtype D --block-size N --served-model-name NAME --host H --port P --api-key KEY ...]
     kvstrata route  --config F [--host H] [--port P] [--replica URL[,EVENTS] ...]
     kvstrata ask    --config F --doc FILE [--question Q ...] [QUESTION ...] [--max-tokens N]
     kvstrata bench  ttft --config F [benchmark options ...]
@@ -64,12 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"{', '.join(LOG_LEVELS)} (default: ${LOG_LEVEL_VARIABLE}, else info)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                                description="Flags beat --set, which beats the environment, which beats --config.")
+    serve.add_argument("model_positional", nargs="?", metavar="MODEL",
+                       help="the embedded model's name or a local model directory (as model.name; vLLM's MODEL)")
     _add_config_arguments(serve)
-    serve.add_argument("--host", help="address to listen on (overrides server.host)")
-    serve.add_argument("--port", type=int, help="port to listen on (overrides server.port)")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (overrides server.api_key; "
-                                         "$KVSTRATA_API_KEY keeps it out of the process list)")
+    _add_engine_arguments(serve)
     serve.set_defaults(run=_serve)
 
     route = commands.add_parser("route", help="route OpenAI API requests to the replica holding their prefix")
@@ -161,6 +162,19 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     _add_override_argument(parser)
 
 
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's common flags (engine/config/engine_args.py), each naming the config key it sets. Values
+    are strings here, parsed and checked with the config, so a bad one is one line, not argparse's usage."""
+    from kvstrata.engine.config.engine_args import ENGINE_ARGS
+
+    for arg in ENGINE_ARGS:
+        if arg.kind is bool:
+            parser.add_argument(arg.flag, dest=arg.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{arg.help} ({arg.key})")
+        else:
+            parser.add_argument(arg.flag, dest=arg.name, metavar=arg.name.upper(), help=f"{arg.help} ({arg.key})")
+
+
 def _add_override_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config key, e.g. --set cache.tiers.cpu.size=2GiB (repeatable)")
@@ -187,11 +201,29 @@ def _load(args: argparse.Namespace, disk_read_only: bool = False, **extra_overri
 
 
 def _serve(args: argparse.Namespace) -> int:
-    config = _load(args, **{"server.host": args.host, "server.port": args.port, "server.api_key": args.api_key})
+    config = serve_config(args)
     from kvstrata.serving.server import serve
 
     serve(config)
     return EXIT_OK
+
+
+def serve_config(args: argparse.Namespace):
+    """`kvstrata serve`'s config: --config, then the environment, then --set, then vLLM's flags (MODEL
+    among them): the more specific spelling wins, and a flag is as specific as it gets."""
+    from kvstrata.engine.config import ConfigError
+    from kvstrata.engine.config.engine_args import BY_NAME, blame_engine_arg, engine_arg_overrides, parse_arg_text
+
+    if args.model_positional is not None and args.model is not None and args.model_positional != args.model:
+        raise ValueError(f"MODEL {args.model_positional!r} and --model {args.model!r} disagree; give one")
+    given = {name: getattr(args, name) for name in BY_NAME}
+    given["model"] = args.model_positional or args.model
+    given = {name: parse_arg_text(BY_NAME[name], value) if isinstance(value, str) else value
+             for name, value in given.items()}
+    try:
+        return _load(args, **engine_arg_overrides(given, lambda arg: arg.flag))
+    except ConfigError as exc:
+        raise blame_engine_arg(exc, given, lambda arg: "MODEL" if arg.name == "model" else arg.flag) from None
 
 
 def _route(args: argparse.Namespace) -> int:

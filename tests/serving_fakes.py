@@ -98,10 +98,10 @@ class FakeAsyncEngine:
 
 
 def fake_app(engine: FakeAsyncEngine | None = None, *, api_key: str | None = None, max_request_body: int = 1 << 20,
-             drain: DrainState | None = None):
+             drain: DrainState | None = None, access_log: bool = False):
     engine = engine or FakeAsyncEngine()
     return build_app(engine, MODEL, metrics=ServingMetrics(lambda: None), tokenizers=TokenizerPool(ByteTokenizer(), 2),
-                     api_key=api_key, max_request_body=max_request_body, drain=drain)
+                     api_key=api_key, max_request_body=max_request_body, drain=drain, access_log=access_log)
 
 
 def client(app) -> httpx.AsyncClient:

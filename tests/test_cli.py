@@ -12,6 +12,7 @@ import yaml
 
 from kvstrata import cli
 from kvstrata.engine.config import ENV_OVERRIDES, load_config
+from test_config import write_model_dir
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -189,6 +190,54 @@ def test_serve_takes_the_api_key_from_the_environment_and_the_flag_wins(monkeypa
     assert cli.main(["serve"]) == 0
     assert cli.main(["serve", "--api-key", "from-the-flag"]) == 0
     assert [config.server.api_key for config in served] == ["from-the-environment", "from-the-flag"]
+
+
+def serve_config(*argv: str):
+    """The config `kvstrata serve ARGV` would serve, built without loading a model."""
+    return cli.serve_config(cli.build_parser().parse_args(["serve", *argv]))
+
+
+def test_serve_takes_a_model_directory_and_vllm_flags_onto_their_config_keys(tmp_path):
+    model_dir = write_model_dir(tmp_path / "my-llama")
+    config = serve_config(str(model_dir), "--max-model-len", "1024", "--dtype", "bf16", "--kv-cache-dtype", "fp8",
+                          "--block-size", "32", "--served-model-name", "my-llama", "--host", "0.0.0.0",
+                          "--port", "9001", "--api-key", "123", "--max-num-seqs", "4",
+                          "--no-enable-prefix-caching")
+    assert config.model.name == str(model_dir) and config.model.max_model_len == 1024
+    assert (config.model.dtype, config.cache.kv_cache_dtype, config.cache.block_size) == ("bfloat16", "fp8", 32)
+    assert (config.server.model_alias, config.server.host, config.server.port) == ("my-llama", "0.0.0.0", 9001)
+    assert config.server.api_key == "123"  # a key of digits stays a string
+    assert config.scheduler.max_num_seqs == 4 and config.cache.enable_prefix_caching is False
+    assert serve_config("--model", str(model_dir)).model.name == str(model_dir)
+
+
+def test_serve_flags_beat_set_which_beats_the_config_file(tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", {"model": {"max_model_len": 512}, "cache": {"block_size": 8},
+                                            "scheduler": {"max_num_seqs": 3}})
+    config = serve_config("--config", str(path), "--set", "model.max_model_len=1024", "--set", "cache.block_size=64",
+                          "--block-size", "32")
+    assert (config.model.max_model_len, config.cache.block_size) == (1024, 32)
+    assert config.scheduler.max_num_seqs == 3  # what no flag or --set names comes from the file
+    assert serve_config("--config", str(path)).cache.block_size == 8
+
+
+def test_serve_without_flags_keeps_the_config_file_and_defaults(tmp_path):
+    assert serve_config() == load_config()
+    assert serve_config("--config", str(CONFIGS / "default.yaml")) == load_config(CONFIGS / "default.yaml")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--max-model-len", "lots"], "--max-model-len: expected an integer, got 'lots'"),
+    (["--max-model-len", "999999"], "--max-model-len (model.max_model_len): 999999 is more than the model's limit"),
+    (["--block-size", "12"], "--block-size (cache.block_size): unknown value 12"),
+    (["--dtype", "fp9"], "--dtype (model.dtype): unknown value 'fp9'"),
+    (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype (cache.kv_cache_dtype): unknown value 'fp4'"),
+    (["--port", "70000"], "--port (server.port): must be at most 65535"),
+    (["no-such-model-dir"], "MODEL (model.name): 'no-such-model-dir' is neither"),
+    (["a", "--model", "b"], "MODEL 'a' and --model 'b' disagree"),
+])
+def test_serve_with_a_bad_flag_value_is_one_line_naming_the_flag_and_exit_2(tmp_path, argv, fragment):
+    assert_one_line_error(kvstrata("serve", *argv, cwd=tmp_path), fragment)
 
 
 def test_ask_hands_document_and_all_questions_to_qa(monkeypatch, tmp_path):

@@ -16,8 +16,11 @@ import torch
 
 from kvstrata import LLM, SamplingParams, load_config
 from kvstrata.engine import llm_engine
+from kvstrata.engine.async_engine import EngineSnapshot
 from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
+from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.tiers import TIER_NAMES
+from server_process import metric_value
 
 pytestmark = pytest.mark.slow
 
@@ -198,6 +201,9 @@ def test_chunked_prefill_and_preemption_do_not_change_outputs(loaded, reference,
         assert out.token_ids == reference[key][0], key
     assert any(o.num_preemptions for o in outs), "the pool was meant to be too small for all three at once"
     assert llm.engine.hierarchy.pool.num_free_blocks == llm.engine.hierarchy.pool.num_blocks
+    # the server's scrape counts every preemption the requests went through, as vLLM's counter does
+    scrape = ServingMetrics(lambda: EngineSnapshot(llm.stats(), 0, 0), model_name="m").render().decode()
+    assert metric_value(scrape, "vllm:num_preemptions_total", 'model_name="m"') == sum(o.num_preemptions for o in outs)
     llm.close()
 
 

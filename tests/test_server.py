@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from kvstrata.serving import stats_log
 from server_process import (REPO, ServerProcess, aborted_requests, metric_value, raw_post, read_response,
                             serve_command, server_env)
 
@@ -463,6 +464,9 @@ def test_metrics_expose_vllm_named_series_beside_ours(client, http):
     assert 0 <= metric_value(text, "vllm:kv_cache_usage_perc", label) <= 1
     assert metric_value(text, "vllm:num_requests_running", label) == 0
     assert metric_value(text, "vllm:num_requests_waiting", label) == 0
+    assert metric_value(text, "vllm:num_preemptions_total", label) == 0  # a lone request has room
+    for series in stats_log.SERIES:  # the periodic stats line is read from these
+        assert f"\n{series}" in text, series
     assert metric_value(text, "vllm:time_to_first_token_seconds_count", label) == \
         metric_value(text, "kvstrata_time_to_first_token_seconds_count")
 

@@ -292,6 +292,11 @@ class ServerConfig(_Section):
     # written down: below Kubernetes' default 30 s grace period, so the write-down has time too.
     drain_timeout: DurationOrZero = 25.0
     vllm_metrics: bool = True  # also export the vllm:* series vLLM's dashboards and autoscalers read
+    # A line per HTTP request on the `kvstrata.access` logger: method, path, status, time, request id (never a body).
+    access_log: bool = False
+    # Seconds between the stats lines logged while the server is busy (requests, tokens/s, hits and promotions
+    # per tier); 0: none.
+    stats_interval: DurationOrZero = 10.0
     # Each request appended to this Mooncake-format trace (kvstrata/trace.py: lengths and ids derived from
     # chain hashes, never token ids or text), for `kvstrata plan`; None: no trace is written.
     trace_log: Path | None = None

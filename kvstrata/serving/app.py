@@ -39,7 +39,7 @@ from kvstrata import __version__
 from kvstrata.engine.prompts import render_chat, render_document, tokenize_text
 from kvstrata.serving.errors import APIError, install_error_handlers, service_unavailable
 from kvstrata.serving.metrics import ServingMetrics
-from kvstrata.serving.middleware import APIKeyCheck, BodySizeLimit, DrainState, RequestGate
+from kvstrata.serving.middleware import AccessLog, APIKeyCheck, BodySizeLimit, DrainState, RequestGate
 from kvstrata.serving.responses import (SSEResponse, StreamSettings, chat_events, chat_logprobs, choice_receipt,
                                         completion_events, json_response, last_outputs, output_completion_logprobs,
                                         prompt_logprobs_by_token, response_receipt, token_texts, usage)
@@ -72,9 +72,10 @@ _REQUEST_NAMES = {"structured_outputs": "response_format"}
 
 
 def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, tokenizers: TokenizerPool,
-              api_key: str | None = None, max_request_body: int, drain: DrainState | None = None) -> FastAPI:
+              api_key: str | None = None, max_request_body: int, drain: DrainState | None = None,
+              access_log: bool = False) -> FastAPI:
     """The app serving `engine` under the model id `model_id`. `drain`: shared with the server,
-    which sets `draining` on SIGTERM."""
+    which sets `draining` on SIGTERM. `access_log`: a line per request (`server.access_log`)."""
     from kvstrata.engine.async_engine import EngineStoppedError
     from kvstrata.engine.documents import PinLimitError, UnknownDocumentError
     from kvstrata.engine.request import RequestFailedError
@@ -87,6 +88,8 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
     app.add_middleware(BodySizeLimit, max_bytes=max_request_body)
     app.add_middleware(RequestGate, state=drain)
     app.add_middleware(APIKeyCheck, api_key=api_key)
+    if access_log:  # outermost: a refused request (401, 413, 503) is logged too
+        app.add_middleware(AccessLog)
     created = int(time.time())
     max_model_len = engine.engine.max_model_len
 

@@ -248,6 +248,8 @@ def _vllm_metrics(snapshot: EngineSnapshot, model_name: str) -> Iterator[Metric]
     capacity = device["capacity_blocks"]
     yield one(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
               device["used_blocks"] / capacity if capacity else 0.0)
+    yield one(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+              stats["num_preemptions"])
     yield one(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.",
               snapshot.num_running)
     yield one(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",

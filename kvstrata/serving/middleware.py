@@ -1,5 +1,6 @@
 """What every request passes before a route sees it (plain ASGI, outermost first):
 
+    AccessLog       one line per HTTP request when `server.access_log` is on (method, path, status, time, id)
     APIKeyCheck     an API route needs `Authorization: Bearer <server.api_key>` when a key is set (401)
     RequestGate     counts the API requests in flight; once the server drains, refuses new ones (503)
     BodySizeLimit   a body over `server.max_request_body` is refused (413) before it is parsed
@@ -12,6 +13,9 @@ and Prometheus need no secret.
 from __future__ import annotations
 
 import hmac
+import logging
+import time
+import uuid
 from dataclasses import dataclass
 
 from kvstrata.engine.sizes import format_size
@@ -55,6 +59,52 @@ class APIKeyCheck:
                     presented = token.strip()
         # Constant time: how long the comparison takes says nothing of how much of the key matched.
         return hmac.compare_digest(presented, self._expected)
+
+
+access_logger = logging.getLogger("kvstrata.access")
+REQUEST_ID_HEADER = b"x-request-id"
+
+
+class AccessLog:
+    """One INFO line on `kvstrata.access` per HTTP request, when it ends: `POST /v1/completions 200 12.3 ms
+    id=...`. Never the body, the query string or a header but the id: prompts and the API key stay out of
+    logs. The id is the client's `X-Request-Id` when it sends one (as vLLM echoes it), else a new one; it
+    is sent back in the response's `X-Request-Id`, so a client can find its line."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _header(scope, REQUEST_ID_HEADER) or uuid.uuid4().hex
+        status = 0  # no response started: the client went away first
+        started = time.perf_counter()
+
+        async def send_with_id(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (REQUEST_ID_HEADER, request_id.encode("latin-1"))]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            access_logger.info("%s %s %d %.1f ms id=%s", scope["method"], scope["path"], status,
+                               (time.perf_counter() - started) * 1e3, request_id)
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            text = value.decode("latin-1").strip()
+            # a client's id goes into a log line: printable, short, one token
+            if text and len(text) <= 128 and text.isprintable() and " " not in text:
+                return text
+    return None
 
 
 @dataclass

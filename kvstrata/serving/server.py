@@ -25,6 +25,7 @@ from kvstrata.tiers.storage import format_bytes
 from kvstrata.serving.app import build_app
 from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving.middleware import DrainState
+from kvstrata.serving.stats_log import StatsLogger
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ def serve(config: Config) -> None:
     the cache down to disk. Ctrl-C raises KeyboardInterrupt at the end (the CLI exits 130); SIGTERM
     returns normally (exit 0)."""
     sock = bind_socket(config.server.host, config.server.port)
-    async_engine = tokenizers = server = publisher = trace = None
+    async_engine = tokenizers = server = publisher = trace = stats_log = None
     try:
         from kvstrata.engine.async_engine import AsyncEngine
         from kvstrata.engine.llm_engine import LLMEngine
@@ -121,13 +122,19 @@ def serve(config: Config) -> None:
             async_engine.listener = TraceLog(metrics, trace)
         drain = DrainState()
         app = build_app(async_engine, model_id, metrics=metrics, tokenizers=tokenizers, drain=drain,
-                        api_key=config.server.api_key, max_request_body=config.server.max_request_body)
+                        api_key=config.server.api_key, max_request_body=config.server.max_request_body,
+                        access_log=config.server.access_log)
         print(_banner(config, async_engine, model_id, sock), flush=True)
+        if config.server.stats_interval > 0:
+            stats_log = StatsLogger(metrics.registry, llm_engine.layout.block_nbytes,
+                                    config.server.stats_interval).start()
         server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=CANCEL_AFTER_DRAIN_S), drain,
                          config.server.drain_timeout)
         server.run(sockets=[sock])
     finally:
+        if stats_log is not None:
+            stats_log.stop()
         sock.close()
         if tokenizers is not None:
             tokenizers.close()
