@@ -25,7 +25,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.harness import render_chat, save_result  # noqa: E402
 from benchmarks.machine import command_line, machine_line  # noqa: E402
-from benchmarks.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
+from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -178,7 +178,7 @@ def make_config(model_name, load_format, prompt_tokens, disk_path, policy, cpu=T
     from kvstrata import load_config
 
     from benchmarks.gpu_report import GPU_CONFIG
-    from benchmarks.ttft_workload import blocks_for
+    from benchmarks.lib.ttft_workload import blocks_for
 
     blocks = blocks_for(prompt_tokens + 64, 16)
     dev = "cuda" if torch.cuda.is_available() else "cpu"

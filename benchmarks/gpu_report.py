@@ -361,7 +361,7 @@ def engine_config(plan: Plan, model: ModelCase, dtype: str, prompt_tokens: int, 
     tiers twice."""
     from kvstrata import load_config
 
-    from benchmarks.ttft_workload import blocks_for
+    from benchmarks.lib.ttft_workload import blocks_for
 
     blocks = blocks_for(prompt_tokens + plan.stream_tokens, plan.block_size)
     model_dtype, _, kv_cache_dtype = dtype.partition("/")  # "bfloat16/fp8": fp8 K/V beside bf16 weights
@@ -395,8 +395,8 @@ def document_prompts(tokenizer, doc_tokens: int, count: int) -> list[list[int]]:
     """`count` chat prompts on DOCUMENT cut to `doc_tokens` tokens, each with a question not asked before
     (the development set's questions, then the same rephrased)."""
     from benchmarks.harness import render_chat
-    from benchmarks.ttft_workload import DEFAULT_DATA
-    from benchmarks.ttft_workload import cut_document, load_document, load_questions, qa_content, rephrased
+    from benchmarks.lib.ttft_workload import DEFAULT_DATA
+    from benchmarks.lib.ttft_workload import cut_document, load_document, load_questions, qa_content, rephrased
 
     questions = load_questions(DEFAULT_DATA)[DOCUMENT]
     document = cut_document(load_document(DOCUMENT), doc_tokens,
@@ -448,7 +448,7 @@ def found_tier(record: dict) -> str:
     """The tier that held most of a request's prefix at lookup, whether the load policy (`auto` in
     configs/gpu.yaml) loaded those blocks or recomputed some of them while the rest loaded: a CPU-tier hit
     that recomputes its first blocks beside the load is still a CPU-tier hit, timed as users get it."""
-    from benchmarks.ttft_stats import hit_tier
+    from benchmarks.lib.ttft_stats import hit_tier
 
     found = {t: n + record["recomputed_tokens_by_tier"].get(t, 0) for t, n in record["cached_tokens_by_tier"].items()}
     return hit_tier(found, record["prompt_tokens"])
@@ -569,7 +569,7 @@ def row_of(result: dict, model: str, dtype: str = "bfloat16") -> dict | None:
 
 def goals(result: dict) -> list:
     """docs/design.md's GPU figures and the GPU hit-path issue's, each as a measured ratio against its target."""
-    from benchmarks.ttft_stats import Goal, ratio
+    from benchmarks.lib.ttft_stats import Goal, ratio
 
     out = []
     bandwidth = result.get("bandwidth") or {}

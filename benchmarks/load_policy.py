@@ -37,8 +37,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.machine import command_line, machine_line  # noqa: E402
 from benchmarks.harness import ask, load, render_chat, save_result, set_tiers  # noqa: E402
-from benchmarks.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
-from benchmarks.ttft_stats import percentile  # noqa: E402
+from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
+from benchmarks.lib.ttft_stats import percentile  # noqa: E402
 
 SCENARIOS = ("fast", "slow", "split", "overlap")
 POLICIES = ("always_load", "always_recompute", "auto")

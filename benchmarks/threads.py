@@ -25,8 +25,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.harness import ask, render_chat, save_result  # noqa: E402
 from benchmarks.machine import command_line, machine_line  # noqa: E402
-from benchmarks.ttft_stats import percentile  # noqa: E402
-from benchmarks.ttft_workload import cut_document, load_document  # noqa: E402
+from benchmarks.lib.ttft_stats import percentile  # noqa: E402
+from benchmarks.lib.ttft_workload import cut_document, load_document  # noqa: E402
 
 KINDS = ("short_miss", "device_hit", "document_miss")
 SHORT_PROMPT = ("You are a helpful assistant. Answer in one sentence: why does a cache make repeated work "

@@ -14,9 +14,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.ttft_report import dtype_table, goals, tier_p50s  # noqa: E402
-from benchmarks.ttft_stats import Goal, hit_tier, mean_cached_by_tier, percentile, ratio, summarize  # noqa: E402
-from benchmarks.ttft_workload import (ROUND_ROBIN, ZIPF, blocks_for, build_workload, cut_document,  # noqa: E402
+from benchmarks.lib.ttft_report import dtype_table, goals, tier_p50s  # noqa: E402
+from benchmarks.lib.ttft_stats import Goal, hit_tier, mean_cached_by_tier, percentile, ratio, summarize  # noqa: E402
+from benchmarks.lib.ttft_workload import (ROUND_ROBIN, ZIPF, blocks_for, build_workload, cut_document,  # noqa: E402
                                       load_questions, round_robin_order, working_set_blocks, zipf_order)
 
 

@@ -2,7 +2,6 @@
 
     python benchmarks/ttft_concurrency.py [--config configs/pressure.yaml] [--streams 4 | --rate 0.5]
     kvstrata bench concurrency --config configs/pressure.yaml [options]
-    python benchmarks/ttft_pressure.py --concurrency [options]
 
 Long-document QA under load: each request is one document plus a question; documents are drawn
 Zipf-like (the first documents are asked about most), so most requests find their document cached
@@ -29,14 +28,12 @@ import time
 from collections import OrderedDict, deque
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks.machine import machine_line, source_state  # noqa: E402
 from benchmarks.harness import LoadSampler, load, render_chat  # noqa: E402
-from benchmarks.ttft_stats import MISS, hit_tier, summarize  # noqa: E402
-from benchmarks.ttft_workload import (DOC_PREFIX, REPHRASINGS, cut_document, load_document,  # noqa: E402
+from benchmarks.lib.ttft_stats import MISS, hit_tier, summarize  # noqa: E402
+from benchmarks.lib.ttft_workload import (DOC_PREFIX, REPHRASINGS, cut_document, load_document,  # noqa: E402
                                       load_questions, zipf_order)
 
 POLICIES = ("fcfs", "uncached_first")
@@ -401,7 +398,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out_dir, "ttft_concurrency.md").write_text(report)
         Path(args.out_dir, "ttft_concurrency.json").write_text(json.dumps(result, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

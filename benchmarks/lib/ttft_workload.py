@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 ROUND_ROBIN = "round_robin"
 ZIPF = "zipf"
 DOC_PREFIX = "pydoc_data.topics:"
-DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "longdoc_qa_dev.jsonl"  # the development set
+DEFAULT_DATA = Path(__file__).resolve().parents[1] / "data" / "longdoc_qa_dev.jsonl"  # the development set
 
 # (document index, question index) in the order the requests are sent
 Order = list[tuple[int, int]]

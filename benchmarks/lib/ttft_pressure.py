@@ -62,18 +62,17 @@ from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
-from benchmarks import ttft_report  # noqa: E402
-from benchmarks.harness import LoadSampler, ask, load, render_chat, save_result, set_tiers  # noqa: E402
+from benchmarks.lib import ttft_report  # noqa: E402
+from benchmarks.harness import (LoadSampler, ask, load, module_command, render_chat, save_result,
+                                set_tiers)  # noqa: E402
 from benchmarks.machine import (best_seconds, command_line, machine_line, reference_bandwidth, repo_relative,  # noqa: E402
                                 source_state)
-from benchmarks.peers import LLAMA_CPP_MISSING, HFGeneratePeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
-from benchmarks.ttft_stats import (MISS, TIERS, hit_tier, mean_cached_by_tier, percentile,  # noqa: E402
+from benchmarks.lib.peers import LLAMA_CPP_MISSING, HFGeneratePeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
+from benchmarks.lib.ttft_stats import (MISS, TIERS, hit_tier, mean_cached_by_tier, percentile,  # noqa: E402
                                    summarize, worst_receipt_error)
-from benchmarks.ttft_workload import (DEFAULT_DATA, QAPrompt, blocks_for, build_workload, cut_document,  # noqa: E402
+from benchmarks.lib.ttft_workload import (DEFAULT_DATA, QAPrompt, blocks_for, build_workload, cut_document,  # noqa: E402
                                       load_document, load_questions, qa_content, working_set_blocks)
 
 CONFIGURATIONS = ("recompute", "device_only", "device_cpu", "device_cpu_disk", "disk_after_restart")
@@ -123,9 +122,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--notes", default=None, help="a markdown file of observations to include in the report")
     p.add_argument("--from-json", default=None,
                    help="rewrite the report and plots from an earlier run's JSON (with --notes), measuring nothing")
-    p.add_argument("--concurrency", action="store_true",
-                   help="run the concurrent section instead (benchmarks/ttft_concurrency.py: fcfs against "
-                        "uncached_first under N streams or Poisson arrivals; its options follow)")
     p.add_argument("--restart-child", default=None, help=argparse.SUPPRESS)  # internal: a fresh process
     args = p.parse_args(argv)
     args.configs = _names(p, args.configs, (*CONFIGURATIONS, REPLICAS), "--configs")
@@ -270,7 +266,7 @@ def run_disk_after_restart(config, prompts: list[QAPrompt], profile_ids, work_di
     spec = {"config": config.to_dict(), "prompts": [asdict(p) for p in prompts], "out": str(out_path),
             "profile": profile_ids is not None, "profile_token_ids": list(profile_ids or [])}
     spec_path.write_text(json.dumps(spec))
-    command = [sys.executable, str(Path(__file__).resolve()), "--restart-child", str(spec_path)]
+    command = module_command(__file__, "--restart-child", str(spec_path))
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -552,11 +548,6 @@ def build_prompts(args, tokenizer, doc_tokens: int, num_docs: int, num_questions
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--concurrency" in argv:  # the concurrent section lives in its own module
-        from benchmarks import ttft_concurrency
-        argv.remove("--concurrency")
-        return ttft_concurrency.main(argv)
     args = parse_args(argv)
     if args.restart_child:
         run_restart_child(args.restart_child)
@@ -728,9 +719,3 @@ def write_outputs(result: dict, args) -> None:
         written += ttft_report.plots(result, out_dir / f"{args.name}.png", out_dir / sweep_name)
     print(ttft_report.goals_table(result))
     print("wrote " + ", ".join(str(p) for p in written))
-
-
-if __name__ == "__main__":
-    exit_status = main()
-    if exit_status:  # run through `kvstrata bench ttft` (runpy), a success returns instead of raising SystemExit
-        sys.exit(exit_status)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.ttft_stats import MISS, TIERS, Goal, p50_of, ratio, worst_receipt_error
+from benchmarks.lib.ttft_stats import MISS, TIERS, Goal, p50_of, ratio, worst_receipt_error
 
 ROUND_ROBIN = "round_robin"
 
