@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import in_turn_parser, runs_in_turn  # noqa: E402
+from benchmarks.lib.engine_host import in_turn_parser, runs_in_turn  # noqa: E402
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 BLOCKS = {"SmolLM2-135M": ((30, 3, 64), 8192), "Llama-3-8B": ((32, 8, 128), 4096)}  # (layers, KV heads, dims), tokens

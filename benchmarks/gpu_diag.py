@@ -269,7 +269,7 @@ def part_c(work: Path, model_name, load_format, loaded, prompts):
     from kvstrata.engine.llm_engine import LLMEngine
     from kvstrata.engine.sampling import SamplingParams
 
-    from benchmarks.engine_host import add_during_next_step
+    from benchmarks.lib.engine_host import add_during_next_step
     from benchmarks.gpu_report import drop_device_cache
     from benchmarks.harness import ask
 

@@ -71,7 +71,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` pac
 
 import torch  # noqa: E402
 
-from benchmarks.engine_host import add_during_next_step  # noqa: E402
+from benchmarks.lib.engine_host import add_during_next_step  # noqa: E402
 
 SECTIONS = ("tests", "bandwidth", "kernels", "step", "ttft", "gap")
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu.md"

@@ -2,7 +2,7 @@
 model, and a report with a row for each."""
 import pytest
 
-from benchmarks import startup
+from benchmarks.lib import startup
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ through `AsyncEngine` to readers on an event loop, and through the HTTP server t
 
 The engine steps on one thread of the server's process; the event loop that streams every client's tokens
 (uvicorn and FastAPI: a server-sent event per token per client) runs on another, and both need Python's
-interpreter lock. Pure Python beside the step thread slows it (benchmarks/results/background_threads.md), so the
+interpreter lock. Pure Python beside the step thread slows it (benchmarks/results/archive/background_threads.md), so the
 serving layer's work per token is paid by every step, by every client. The model is replaced by fixed logits
 (benchmarks/engine_host.py's engine), so that the host's work is all there is to time: on a GPU this is the work
 between two model steps.
@@ -34,11 +34,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import VOCAB, build_engine, each_side_in_turn, in_turn_parser  # noqa: E402
+from benchmarks.lib.engine_host import VOCAB, build_engine, each_side_in_turn, in_turn_parser  # noqa: E402
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 PROMPT_TOKENS = 64
@@ -138,7 +138,7 @@ def run_async(engine, num_seqs: int) -> StepTimes:
         async for _ in async_engine.generate(prompt, params):
             pass
 
-    async def main() -> None:
+    async def main(argv: list[str] | None = None) -> None:
         await asyncio.gather(*(read(p) for p in prompts(num_seqs)))
 
     try:
@@ -209,7 +209,7 @@ def worker(seq_counts: list[int]) -> dict:
     return {"engine_code": str(Path(kvstrata.engine.__file__).parent), **figures}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = in_turn_parser(__doc__, "serving_host")
     parser.add_argument("--seqs", default="4,16,32", help="numbers of sequences decoding together (at most the "
                         "default scheduler.max_num_seqs, 32)")
@@ -261,7 +261,3 @@ def report(result: dict) -> list[str]:
             f"{row['num_seqs']} sequences {row['baseline_http_period_ms'] / row['this_http_period_ms']:.2f}x"
             for row in result["rows"]) + "."]
     return lines
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,9 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
@@ -96,7 +94,3 @@ def main(argv: list[str] | None = None) -> int:
     result = results_record("startup", dtype=args.dtype, rounds=args.rounds, runs=measure(args.rounds, args.dtype))
     publish(result, report(result), args.out_dir)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -31,12 +31,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
 from benchmarks.decoder_step import THIN_30  # noqa: E402  (a 30-layer model of tiny widths, random weights)
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
+from benchmarks.harness import module_command  # noqa: E402
 
 LOGIT_ROWS = 257  # rows of the fixed logits table; a prime, so that sequences do not fall into step
 VOCAB = 2048      # the tokenizer's first tokens (see the module doc)
@@ -233,7 +234,7 @@ def run_worker(script: str, worker_arg: str, import_root: Path | None) -> dict:
     env = dict(os.environ)
     if import_root is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(import_root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    done = subprocess.run([sys.executable, script, "--worker", worker_arg], env=env, stdout=subprocess.PIPE,
+    done = subprocess.run(module_command(script, "--worker", worker_arg), env=env, stdout=subprocess.PIPE,
                           text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -279,8 +280,8 @@ def each_side_in_turn(script: str, worker_arg: str, baseline: str | None,
                                cwd=REPO_ROOT, check=False)
 
 
-def main() -> int:
-    args = in_turn_parser(__doc__, "engine_host").parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = in_turn_parser(__doc__, "engine_host").parse_args(argv)
     if args.worker:
         print(json.dumps(worker([Case(**c) for c in json.loads(args.worker)])))
         return 0
@@ -318,7 +319,3 @@ def report(result: dict) -> list[str]:
     lines += ["", "Tensor ops: the outermost ATen operations of a decode step outside the model, on the step's thread "
               "(torch's profiler, 16 steps): on a GPU each launches a kernel or a copy."]
     return lines
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,9 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -87,7 +85,7 @@ def decode_step_seconds(llm, batch: int, tokens: int) -> float:
     return statistics.median(steps[1:])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,32", help="structured rows per step, comma separated")
     p.add_argument("--tokens", type=int, default=24, help="tokens generated per request for the decode step")
@@ -95,7 +93,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     import torch
 
@@ -126,7 +124,3 @@ def main() -> int:
                      f"{r['decode_step_s'] * 1000:.1f} ms | {r['share']:.1%} |")
     write_results(args.out_dir, result, lines)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,11 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a script (see benchmarks/engine_host.py)
     sys.path.append(str(REPO_ROOT))
 
-from benchmarks.engine_host import VOCAB, build_engine, in_turn_parser, runs_in_turn  # noqa: E402
+from benchmarks.lib.engine_host import VOCAB, build_engine, in_turn_parser, runs_in_turn  # noqa: E402
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
 DOC_TOKENS = 7072      # 442 blocks of 16
@@ -96,8 +96,8 @@ def worker(_: str) -> dict:
     return {"engine_code": str(Path(kvstrata.engine.__file__).parent), "kinds": measured}
 
 
-def main() -> int:
-    args = in_turn_parser(__doc__, "request_host").parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = in_turn_parser(__doc__, "request_host").parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return 0
@@ -141,7 +141,3 @@ def report(result: dict) -> list[str]:
                      f"CPU-tier hit / cold prompt {best['cpu']['ttft_ms'] / best['cold']['ttft_ms']:.2f}x, "
                      f"miss / cold prompt {best['miss']['ttft_ms'] / best['cold']['ttft_ms']:.2f}x")
     return lines
-
-
-if __name__ == "__main__":
-    sys.exit(main())

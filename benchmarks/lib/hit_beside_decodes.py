@@ -31,11 +31,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
-from benchmarks.engine_host import (VOCAB, Case, add_during_next_step, add_requests, build_engine,  # noqa: E402
+from benchmarks.lib.engine_host import (VOCAB, Case, add_during_next_step, add_requests, build_engine,  # noqa: E402
                                     each_side_in_turn, in_turn_parser)
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 
@@ -192,11 +192,11 @@ def worker(cases: list[HitCase], hits: int) -> dict:
     return {"engine_code": str(Path(kvstrata.engine.__file__).parent), **figures}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = in_turn_parser(__doc__, "hit_beside_decodes")
     parser.add_argument("--hits", type=int, default=5, help="hits per case in a run; their median counts")
     parser.add_argument("--only", metavar="TEXT", help="run only the cases whose name contains TEXT")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         given = json.loads(args.worker)
         print(json.dumps(worker([HitCase(**c) for c in given["cases"]], given["hits"])))
@@ -247,7 +247,3 @@ def report(result: dict) -> list[str]:
               "wall time less the step thread's CPU time (and less the steps' waits on the device, where they have one), "
               "that is its waits for the interpreter lock (or for a core) while the transfer threads moved the hit. Best of the runs' medians, as the other figures."]
     return lines
-
-
-if __name__ == "__main__":
-    sys.exit(main())
