@@ -55,7 +55,7 @@ STAGING_CASES = [(4, 4, 64), (8, 8, 64), (8, 8, 256), (16, 16, 256), (4, 4, 256)
 
 def part_a(work: Path):
     from benchmarks.gpu_report import promotion_layouts
-    from benchmarks.tiers import random_blocks
+    from benchmarks.lib.promotion import random_blocks
     from kvstrata.tiers.disk import DiskTier
     from kvstrata.tiers.transfer import TransferEngine
 

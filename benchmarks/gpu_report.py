@@ -16,7 +16,7 @@ Sections, in the order they run (all by default, `--sections` picks some):
 - tests: `pytest -m cuda` in a child process (the compiled kernels, the transfer engine's CUDA path, an
   engine on the GPU), counted from its JUnit XML.
 - bandwidth: pinned host-to-device and device-to-host copies of 1 GiB, the limit; then promotion from a
-  pinned CPU tier and from a warm disk tier through the engine's transfer path (benchmarks/tiers.py's
+  pinned CPU tier and from a warm disk tier through the engine's transfer path (benchmarks/lib/promotion.py's
   `measure`: the CPU tier's pinned rows lent and copied straight to the device, the disk tier read into
   pinned staging, on a side stream) as a share of the host-to-device figure, for SmolLM2's block and a
   Llama-3-8B-shaped one (32 layers, 8 KV heads, head_dim 128), random bytes.
@@ -260,7 +260,7 @@ def junit_counts(path: Path) -> dict:
 def promotion_layouts() -> dict:
     from kvstrata.tiers.base import BlockLayout
 
-    from benchmarks.tiers import LAYOUT
+    from benchmarks.lib.promotion import LAYOUT
 
     return {"SmolLM2-135M": LAYOUT,
             "Llama-3-8B": BlockLayout(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128,
@@ -283,7 +283,7 @@ def more_readers(plan: Plan) -> tuple[int, ...]:
 def measure_bandwidth(plan: Plan) -> dict:
     """The pinned copy limit both ways, then promotion per block layout through the transfer engine."""
     from benchmarks.machine import reference_bandwidth
-    from benchmarks.tiers import measure
+    from benchmarks.lib.promotion import measure
 
     device = torch.device(plan.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

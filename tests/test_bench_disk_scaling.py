@@ -1,6 +1,6 @@
 """The disk read scaling benchmark on a small store: every process reads its whole share through the readers' record
 checks (a record that failed them would raise) and the figures are positive."""
-from benchmarks import disk_read_scaling
+from benchmarks.lib import disk_read_scaling
 
 
 def test_disk_read_scaling_reads_every_share_through_the_record_checks(tmp_path):

@@ -1,4 +1,4 @@
-"""Promotion from a warm disk tier through the transfer engine (benchmarks/tiers.py's `measure`), this commit's
+"""Promotion from a warm disk tier through the transfer engine (benchmarks/lib/promotion.py's `measure`), this commit's
 tiers against `--baseline`'s, each in a process of its own, in turn: a document's blocks read on the fill threads
 (and on one), verified and copied into the KV cache, for SmolLM2-135M's blocks and Llama-3-8B-shaped ones.
 
@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
     sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
@@ -30,7 +30,7 @@ def worker(_: str) -> dict:
     import kvstrata.tiers
     from kvstrata.tiers.base import BlockLayout
 
-    from benchmarks.tiers import measure
+    from benchmarks.lib.promotion import measure
 
     measured = {"tiers_code": str(Path(kvstrata.tiers.__file__).parent)}
     for name, ((layers, kv_heads, head_dim), tokens) in BLOCKS.items():
@@ -44,8 +44,8 @@ def worker(_: str) -> dict:
     return measured
 
 
-def main() -> int:
-    args = in_turn_parser(__doc__, "disk_promotion").parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = in_turn_parser(__doc__, "disk_promotion").parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return 0
@@ -65,7 +65,7 @@ def report(result: dict) -> list[str]:
              f"the transfer engine ({any_run[next(iter(BLOCKS))]['fill_threads']} fill threads), as the engine reads "
              "them (by the disk tier's reader processes, where the code has them; in brackets: the same reads in the "
              "engine's process on the fill threads) and in parentheses on one fill thread in-process; random bytes, "
-             "bf16 blocks of 16 tokens; best of 5 promotions after a warm-up (benchmarks/tiers.py's "
+             "bf16 blocks of 16 tokens; best of 5 promotions after a warm-up (benchmarks/lib/promotion.py's "
              "`measure`). Each run in a process of its own"
              + (f", this commit and {baseline} in turn" if baseline else "") + "; every run listed, GB/s.", "",
              "| side | run | " + " | ".join(f"{name} ({any_run[name]['mb']:.0f} MB)" for name in BLOCKS) + " |",
@@ -87,7 +87,3 @@ def report(result: dict) -> list[str]:
 
 def best(runs: list[dict], name: str, key: str) -> float:
     return max(r[name][key] for r in runs)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

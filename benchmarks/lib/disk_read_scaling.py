@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
     sys.path.append(str(REPO_ROOT))
 
@@ -138,12 +138,12 @@ def measure(path: str, store: dict, processes: int) -> dict:
     return {"processes": processes, "first_pass_gbps": gbps[0], "second_pass_gbps": gbps[1], "memory_gbps": gbps[2]}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", default="1,2,4,8,16", help="counts of reader processes, comma separated")
     parser.add_argument("--gib", type=float, default=1.0, help="the store's size per layout, GiB")
     parser.add_argument("--out-dir", default=None, help="write disk_read_scaling.md and .json here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     counts = [int(n) for n in args.processes.split(",")]
     rows = []
     for name in LAYOUTS:
@@ -173,7 +173,3 @@ def report(result: dict) -> list[str]:
         lines.append(f"| {r['layout']} | {r['processes']} | {r['first_pass_gbps']:.2f} | {r['second_pass_gbps']:.2f} "
                      f"| {r['memory_gbps']:.2f} | {r['first_pass_gbps'] / r['memory_gbps']:.2f} |")
     return lines
-
-
-if __name__ == "__main__":
-    sys.exit(main())

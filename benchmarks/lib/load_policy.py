@@ -31,9 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks.machine import command_line, machine_line  # noqa: E402
 from benchmarks.harness import ask, load, render_chat, save_result, set_tiers  # noqa: E402
@@ -186,7 +184,3 @@ def markdown(result: dict) -> str:
         verdicts.append(f"- {scenario}: auto / faster of load and recompute = {ratio:.2f} "
                         f"({'within' if ratio <= 1.1 else 'NOT within'} 10%)")
     return "\n".join(lines + ["", *verdicts]) + "\n"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,9 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` and `tests` packages importable
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 import torch  # noqa: E402
 
@@ -92,7 +90,3 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     result = results_record("remote_lookup", lookups=args.lookups, rows=measure(args.lookups))
     publish(result, report(result), args.out_dir)
-
-
-if __name__ == "__main__":
-    main()

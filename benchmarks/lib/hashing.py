@@ -34,9 +34,7 @@ import cbor2
 import numpy as np
 import xxhash
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks.machine import machine_line  # noqa: E402
 from kvstrata.engine.hashing import block_hashes, make_namespace  # noqa: E402
@@ -46,7 +44,7 @@ INPUT_LENGTHS = (2048, 8192, 32768)
 VOCAB_SIZE = 49152
 GOAL_NS_PER_TOKEN = 25.0
 GOAL_SPEEDUP = 5.0
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
 
 @dataclass
@@ -216,7 +214,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Load average: {load_average}")
     write_results(rows, command, machine, args.repeats, load_average, args.out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
