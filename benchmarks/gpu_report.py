@@ -305,7 +305,7 @@ def measure_bandwidth(plan: Plan) -> dict:
 
 def measure_kernels(plan: Plan) -> dict:
     """benchmarks/kernels.py's tables: on CUDA its own cases; in a smoke run one tiny case of each, interpreted."""
-    from benchmarks import kernels
+    from benchmarks.lib import paging as kernels
 
     device = torch.device(plan.device)
     if plan.smoke:
@@ -328,7 +328,7 @@ def measure_steps(plan: Plan) -> list[dict]:
     smoke run."""
     from kvstrata.engine.model_loader import load_model, resolve_model
 
-    from benchmarks import decoder_step
+    from benchmarks.lib import decoder_step
 
     rows = []
     for model in plan.models:
@@ -723,7 +723,7 @@ def kernels_lines(k: dict, result: dict) -> list[str]:
 
 
 def step_lines(rows: list[dict], result: dict) -> list[str]:
-    from benchmarks import decoder_step
+    from benchmarks.lib import decoder_step
 
     lines = ["One step through kvstrata's decoder (engine/decoder.py: fused norms, rotary and activation, packed "
              "products) and through transformers' modules on the same weights, paged cache and inputs "

@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import decoder_step, gpu_report  # noqa: E402
+from benchmarks.lib import decoder_step, gpu_report  # noqa: E402
 
 SECTION_HEADINGS = ("## Device", "## Goals", "## CUDA tests (`pytest -m cuda`)", "## Copy bandwidth and promotion",
                     "## Prefix-prefill kernel", "## A model step: kvstrata's decoder against transformers' modules",

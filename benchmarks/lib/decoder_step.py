@@ -30,11 +30,9 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
-from benchmarks.kernels import time_cpu, time_cuda  # noqa: E402  (best CPU time of a thread; do_bench median)
+from benchmarks.lib.paging import time_cpu, time_cuda  # noqa: E402  (best CPU time of a thread; do_bench median)
 from benchmarks.machine import machine_line  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -277,7 +275,3 @@ def write_result(result: dict, script: str, argv: list[str] | None, started: flo
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"{script}.md").write_text(text)
         (out_dir / f"{script}.json").write_text(json.dumps(result, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
