@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import gpu_diag
+from benchmarks.lib import gpu_diag
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The GPU report (benchmarks/gpu_report.py): it refuses to write GPU figures without CUDA, counts the CUDA tests from
+"""The GPU report (`benchmarks/gpu.py report`, benchmarks/lib/gpu_report.py): it refuses to write GPU figures without CUDA, counts the CUDA tests from
 their JUnit XML, judges each goal from measured ratios, and its `--smoke` run (every section on the CPU, tiny shapes)
 writes a report with every section (slow)."""
 from __future__ import annotations
@@ -187,7 +187,7 @@ def test_a_report_made_in_several_runs_keeps_what_each_measured(tmp_path):
     assert result["kernels"]["split_kv"]
     report = second.read_text()
     assert "## Copy bandwidth and promotion" in report and "## Prefix-prefill kernel" in report
-    assert "Merged with the figures of `python benchmarks/gpu_report.py --smoke --sections bandwidth" in report
+    assert "Merged with the figures of `python benchmarks/gpu.py report --smoke --sections bandwidth" in report
 
 
 def test_ttft_rows_measured_again_replace_the_earlier_ones_and_the_others_stay():
@@ -273,7 +273,7 @@ def test_a_run_with_another_block_size_is_its_own_report(tmp_path, capsys):
 
 
 def test_graph_steps_builds_smollm2s_shape_without_the_embedded_tokenizer(tmp_path):
-    from benchmarks import graph_steps
+    from benchmarks.lib import graph_steps
 
     from kvstrata.engine import model_loader
 

@@ -30,9 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -54,7 +52,7 @@ def save():
 STAGING_CASES = [(4, 4, 64), (8, 8, 64), (8, 8, 256), (16, 16, 256), (4, 4, 256)]  # (readers, fill threads, MB)
 
 def part_a(work: Path):
-    from benchmarks.gpu_report import promotion_layouts
+    from benchmarks.lib.gpu_report import promotion_layouts
     from benchmarks.lib.promotion import random_blocks
     from kvstrata.tiers.disk import DiskTier
     from kvstrata.tiers.transfer import TransferEngine
@@ -177,7 +175,7 @@ class Timeline:
 def make_config(model_name, load_format, prompt_tokens, disk_path, policy, cpu=True):
     from kvstrata import load_config
 
-    from benchmarks.gpu_report import GPU_CONFIG
+    from benchmarks.lib.gpu_report import GPU_CONFIG
     from benchmarks.lib.ttft_workload import blocks_for
 
     blocks = blocks_for(prompt_tokens + 64, 16)
@@ -221,7 +219,7 @@ def summarize(rec):
 def part_b(work: Path, model_name, load_format, doc_tokens):
     from kvstrata.engine.llm_engine import LLMEngine
 
-    from benchmarks.gpu_report import document_prompts, drop_device_cache, settle
+    from benchmarks.lib.gpu_report import document_prompts, drop_device_cache, settle
     from benchmarks.harness import ask, load
 
     cfg0 = make_config(model_name, load_format, doc_tokens + 200, work / "probe", "auto")
@@ -270,7 +268,7 @@ def part_c(work: Path, model_name, load_format, loaded, prompts):
     from kvstrata.engine.sampling import SamplingParams
 
     from benchmarks.lib.engine_host import add_during_next_step
-    from benchmarks.gpu_report import drop_device_cache
+    from benchmarks.lib.gpu_report import drop_device_cache
     from benchmarks.harness import ask
 
     res = []
@@ -313,7 +311,7 @@ def part_d(work: Path, model_name, load_format, loaded, prompts):
     """CPU-tier hits alone under `auto` and `always_load`: each request's receipt and its steps' timeline."""
     from kvstrata.engine.llm_engine import LLMEngine
 
-    from benchmarks.gpu_report import drop_device_cache, settle
+    from benchmarks.lib.gpu_report import drop_device_cache, settle
     from benchmarks.harness import ask
 
     out = {}
@@ -355,7 +353,7 @@ LAYER_COMPUTE_MS = (0.08, 0.22)  # a question's compute per layer: SmolLM2's and
 
 
 def part_e():
-    from benchmarks.gpu_report import promotion_layouts
+    from benchmarks.lib.gpu_report import promotion_layouts
 
     cuda = torch.cuda.is_available()
     out = {}
@@ -628,7 +626,7 @@ def main(argv=None):
             loaded, prompts = part_b(work, name, fmt, doc)
         if "c" in parts or "d" in parts:
             if loaded is None:
-                from benchmarks.gpu_report import document_prompts
+                from benchmarks.lib.gpu_report import document_prompts
                 from benchmarks.harness import load
                 loaded, _ = load(make_config(name, fmt, doc + 200, work / "probe", "auto"))
                 prompts = document_prompts(loaded.tokenizer, doc, 8)
@@ -643,7 +641,3 @@ def main(argv=None):
     shutil.rmtree(work, ignore_errors=True)
     log("done")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -65,9 +65,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 import torch  # noqa: E402
 
@@ -973,7 +971,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = make_plan(args)
     out = Path(args.out) if args.out else DEFAULT_OUT
-    result = {"command": "python benchmarks/gpu_report.py" + "".join(f" {shlex.quote(a)}" for a in argv),
+    result = {"command": "python benchmarks/gpu.py report" + "".join(f" {shlex.quote(a)}" for a in argv),
               "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "source": source_state(),
               "plan": {"smoke": plan.smoke, "sections": list(plan.sections), "models": [m.key for m in plan.models],
                        "dtypes": list(plan.dtypes), "doc_tokens": list(plan.doc_tokens), "repeats": plan.repeats,
@@ -1009,7 +1007,3 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {out} and {out.with_suffix('.json').name}")
     tests = result.get("tests") or {}
     return 1 if result.get("errors") or tests.get("failed") or tests.get("errors") else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

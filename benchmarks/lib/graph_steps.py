@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
     sys.path.append(str(REPO_ROOT))
 
@@ -94,7 +94,3 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(result: dict) -> str:
     title = "# Steps of few tokens as CUDA graphs (random weights: SmolLM2's shape and the Llama-3-8B shape)"
     return "\n".join([title] + decoder_step.markdown(result).splitlines()[1:]) + "\n"
-
-
-if __name__ == "__main__":
-    sys.exit(main())
