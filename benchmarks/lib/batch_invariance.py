@@ -236,9 +236,5 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"$ python benchmarks/batch_invariance.py {' '.join(argv or sys.argv[1:])}\n")
+    print(f"$ python benchmarks/invariance.py batch {' '.join(argv or sys.argv[1:])}\n")
     {"ops": ops, "tiles": tiles, "trace": trace, "cost": cost}[args.command](args)
-
-
-if __name__ == "__main__":
-    main()

@@ -26,11 +26,9 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
-from benchmarks.cache_invariance import measure_each  # noqa: E402
+from benchmarks.lib.cache_invariance import measure_each  # noqa: E402
 from benchmarks.machine import command_line, machine_line  # noqa: E402
 from benchmarks.harness import render_chat, save_result  # noqa: E402
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document  # noqa: E402
@@ -158,7 +156,3 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {e['key']['mean']:.4f} / {e['key']['max']:.4f} | "
                      f"{e['value']['mean']:.4f} / {e['value']['max']:.4f} |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

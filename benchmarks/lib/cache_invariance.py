@@ -19,9 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks.harness import render_chat, save_result  # noqa: E402
 from benchmarks.machine import command_line, machine_line  # noqa: E402
@@ -118,7 +116,3 @@ def markdown(result: dict) -> str:
         where = [str(r["first_difference"]) for r in m["prompts"] if not r["same"]]
         lines.append(f"| {dtype} | {m['differ']} of {m['total']} | {', '.join(where) or '–'} |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    sys.exit(main())
