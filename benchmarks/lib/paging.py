@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true",
+                        help="one small case in float32: every kernel checked against SDPA, timings not worth keeping")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
@@ -228,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         dtypes, ours, timer, name = [torch.float32, torch.bfloat16], reference_prefix_prefill, time_cpu, \
             "torch reference_prefix_prefill"
         machine = machine_line()
+    if args.quick:
+        cases, dtypes = [Case(SMOLLM2, 2, 64, 16)], [torch.float32]
     print(f"machine: {machine}; ours = {name}; block size {BLOCK_SIZE}")
     if not on_cuda:
         print("(CPU run: the Triton kernel's figures, split-KV among them, need a GPU)")
@@ -237,4 +241,4 @@ def main(argv: list[str] | None = None) -> None:
         print()
         print("Split-KV: a question over a cached document")
         print()
-        split_kv_table(QUESTION_CASES, [torch.bfloat16], timer, args.repeats, device)
+        split_kv_table(cases if args.quick else QUESTION_CASES, [torch.bfloat16], timer, args.repeats, device)

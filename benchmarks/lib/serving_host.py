@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = in_turn_parser(__doc__, "serving_host")
     parser.add_argument("--seqs", default="4,16,32", help="numbers of sequences decoding together (at most the "
                         "default scheduler.max_num_seqs, 32)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
