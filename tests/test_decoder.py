@@ -1,5 +1,5 @@
 """The decoder (engine/decoder.py) computes, on the torch path, the bits transformers' own modules compute on the
-same weights over the same paged KV cache (benchmarks/decoder_step.py runs them so, as the engine did before the
+same weights over the same paged KV cache (benchmarks/lib/decoder_step.py runs them so, as the engine did before the
 decoder), for every supported family's parts; and packing a model's projections holds its weights once."""
 from __future__ import annotations
 

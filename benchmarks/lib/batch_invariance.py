@@ -1,12 +1,12 @@
 """Where and how often caching changes bfloat16 outputs, and what `model.batch_invariant` costs (CPU, torch path).
 
-    python benchmarks/batch_invariance.py ops         # which ops give a row other bits when the call's shape changes
-    python benchmarks/batch_invariance.py trace       # the first op whose bits differ, prompt whole vs. cut in two
-    python benchmarks/batch_invariance.py tiles       # the invariant linear's cost by rows per tile (its table)
-    python benchmarks/batch_invariance.py cost        # prefill TTFT and decode step time, both modes
+    python benchmarks/invariance.py batch ops         # which ops give a row other bits when the call's shape changes
+    python benchmarks/invariance.py batch trace       # the first op whose bits differ, prompt whole vs. cut in two
+    python benchmarks/invariance.py batch tiles       # the invariant linear's cost by rows per tile (its table)
+    python benchmarks/invariance.py batch cost        # prefill TTFT and decode step time, both modes
 
 Results and their reading: benchmarks/results/batch_invariance.md. How often greedy answers differ cached vs.
-uncached is benchmarks/cache_invariance.py's measure (with `--set model.batch_invariant=true` for the mode). The
+uncached is benchmarks/lib/cache_invariance.py's measure (with `--set model.batch_invariant=true` for the mode). The
 prompts here are the Python reference manual's topics (shipped with Python: `pydoc_data.topics`).
 """
 from __future__ import annotations

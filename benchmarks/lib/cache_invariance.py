@@ -7,7 +7,7 @@ engine with prefix caching off gives to the same prompt. Both engines share one 
 only difference is where the document's K/V came from: computed in this prompt's prefill, or
 computed earlier (in another pass, cut into other chunks) and read from the cache.
 
-    python benchmarks/cache_invariance.py [--dtype float32,bfloat16] [--docs 4] [--doc-tokens 1000]
+    python benchmarks/invariance.py cache [--dtype float32,bfloat16] [--docs 4] [--doc-tokens 1000]
 
 Writes `<out-dir>/<name>.json` and `.md` (`--name`, default `cache_invariance`): per dtype, how many
 answers differ and where the first differing token is. This measures outputs, not time: a busy

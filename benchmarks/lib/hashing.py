@@ -13,7 +13,7 @@ last >= 20 ms of CPU); the medians are in the JSON. Time is the process's CPU ti
 (`time.process_time_ns`), not wall-clock: the code is single-threaded, and CPU time does not count
 the time other processes on a busy machine hold the core. Run:
 
-    python benchmarks/hashing.py            # prints the table, writes benchmarks/results/hashing.{md,json}
+    python benchmarks/tiers.py hashing            # prints the table, writes benchmarks/results/hashing.{md,json}
 """
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = random.Random(args.seed)
     rows = [measure(n, args.repeats, rng) for n in INPUT_LENGTHS]
-    command = "python benchmarks/hashing.py" + ("" if argv is None and len(sys.argv) == 1 else
+    command = "python benchmarks/tiers.py hashing" + ("" if argv is None and len(sys.argv) == 1 else
                                                 " " + " ".join(sys.argv[1:] if argv is None else argv))
     machine = machine_line(xxhash=xxhash.VERSION, cbor2=importlib.metadata.version("cbor2"), numpy=np.__version__)
     load_average = ", ".join(f"{x:.1f}" for x in os.getloadavg())

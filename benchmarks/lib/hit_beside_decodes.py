@@ -5,7 +5,7 @@ The hit's blocks are copied up by the transfer engine's threads while the step t
 Both need Python's interpreter lock: every Python operation a promotion makes per block is paid at the share of the
 lock the step thread leaves it, so a promotion that takes milliseconds alone may take many times that beside a
 busy step loop. That is the case on a GPU, where the step thread spends its time in Python launching kernels. The
-model here is replaced by fixed logits (benchmarks/engine_host.py's engine), so that the step thread is all Python,
+model here is replaced by fixed logits (benchmarks/lib/engine_host.py's engine), so that the step thread is all Python,
 as on a GPU.
 
 The model here never lets go of the lock, where a GPU's step thread does, while it waits for the device's kernels:
@@ -19,7 +19,7 @@ Figures per case: the hit's time to first token and its load phase (from its rec
 longest step while it is admitted over their median step, and how long the step thread waited in those steps (their
 wall time less the thread's own CPU time: waits for the interpreter lock, or for a core); median of `--hits` hits.
 
-    python benchmarks/hit_beside_decodes.py --baseline REV --out-dir benchmarks/results
+    python benchmarks/host.py hit-beside-decodes --baseline REV --out-dir benchmarks/results
 """
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ def report(result: dict) -> list[str]:
     lines = ["# A lower-tier hit beside decoding sequences", "", *provenance_lines(result), "",
              f"A question of {result['question_tokens']} tokens on a {result['doc_tokens']}-token document whose "
              "blocks are in the named tier only (the device's dropped), admitted alone or while other sequences "
-             "decode (64-token prompts); the model replaced by fixed logits (benchmarks/engine_host.py's engine, "
+             "decode (64-token prompts); the model replaced by fixed logits (benchmarks/lib/engine_host.py's engine, "
              f"one torch thread). Median of {result['hits']} hits after one more, best of {result['repeats']} runs "
              "of each side" + (f", this commit and {baseline} in turn." if baseline else "."), "",
              "| case | " + " | ".join(f"{names[s]} TTFT ms | load ms | longest gap / median | step thread waits ms"

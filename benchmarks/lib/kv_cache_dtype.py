@@ -15,7 +15,7 @@ computes them (an `auto` cache), kept in each format and read back, as a relativ
 difference over the norm, per layer, K and V apart), beside fp8 with a scale of its own per row (what a
 scaled fp8 cache could at best do; not an option) to show where fp8 loses.
 
-    python benchmarks/kv_cache_dtype.py [--kv-dtypes auto,bfloat16,int8,fp8,fp8_e5m2] [--docs 4] [--doc-tokens 1000]
+    python benchmarks/invariance.py kv-dtype [--kv-dtypes auto,bfloat16,int8,fp8,fp8_e5m2] [--docs 4] [--doc-tokens 1000]
 
 Writes `<out-dir>/kv_cache_dtype.json` and `.md`.
 """

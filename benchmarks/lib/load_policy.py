@@ -17,7 +17,7 @@ Each scenario runs `always_load`, `always_recompute` and `auto`, one engine each
 `--rounds` questions, the tokens loaded and recomputed, and auto's p50 against the faster of the other two
 (the goal: within 10%).
 
-    python benchmarks/load_policy.py [--doc-tokens 1000] [--rounds 3] [--slow-ms-per-block 500] [--set key=value ...]
+    python benchmarks/tiers.py load-policy [--doc-tokens 1000] [--rounds 3] [--slow-ms-per-block 500] [--set key=value ...]
 
 Writes `<out-dir>/load_policy.json` and `load_policy.md`.
 """

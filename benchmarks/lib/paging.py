@@ -18,7 +18,7 @@ Figures are reported as ratios `ours / SDPA` (1.0 = paging costs nothing).
 
 Every timed function is first checked to give the baseline's output on the very problem it is timed on.
 
-    python benchmarks/kernels.py                 # prints markdown tables
+    python benchmarks/kernels.py paging                 # prints markdown tables
 """
 from __future__ import annotations
 

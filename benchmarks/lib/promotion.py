@@ -6,7 +6,7 @@ has landed. The CPU tier lends its slab's rows (with CUDA the slab is pinned and
 rows is one host-to-device copy on a side stream); the disk tier is read by its reader processes into shared
 pinned staging (or, without CUDA, into the shared host KV cache), then one host-to-device copy per chunk.
 
-    python benchmarks/tiers.py [--out benchmarks/results] [--repeats 5]
+    python benchmarks/tiers.py promotion [--out benchmarks/results] [--repeats 5]
 
 The reference is a plain torch copy of a large buffer on a CPU-only machine; with CUDA it is
 pinned host-to-device bandwidth (the CPU tier is pinned then). Blocks are SmolLM2-135M-sized
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     reference = max(reference, reference_bandwidth(device, args.repeats, sync)[0])
     results = {"machine": machine_line(), "device": str(device), "reference": what,
                "reference_gbps": reference / 1e9, "repeats": args.repeats, "rows": rows,
-               "command": " ".join(["python", "benchmarks/tiers.py", "promotion", *(sys.argv[1:] if argv is None else argv)])}
+               "command": " ".join(["python", "benchmarks/tiers.py promotion", "promotion", *(sys.argv[1:] if argv is None else argv)])}
     table = markdown(results)
     print(table)
     os.makedirs(args.out, exist_ok=True)

@@ -5,7 +5,7 @@ up in a cluster, or on a server that refuses scripts), side by side in one run a
 A lookup runs on the step thread's path: the scheduler waits for it when it orders or admits a request. Its client
 side is Python; the step thread needs the interpreter lock for it.
 
-    python benchmarks/remote_lookup.py [--out-dir benchmarks/results]
+    python benchmarks/tiers.py remote-lookup [--out-dir benchmarks/results]
 """
 from __future__ import annotations
 

@@ -7,13 +7,13 @@ On a GPU a question over a cached document is one step of few tokens, replayed a
 blocks, walking the tiers, holding its hits, building the step, sampling, releasing the blocks) comes on top of it,
 and that work grows with the prompt's blocks. The goal that a device hit costs at most 1.5x a cold 64-token prompt
 (the context length no longer shows) is met only if it stays small. Here the model is replaced by a table of fixed
-logits (benchmarks/engine_host.py's thin engine, one torch thread), with a CPU and a disk tier as configs/gpu.yaml
+logits (benchmarks/lib/engine_host.py's thin engine, one torch thread), with a CPU and a disk tier as configs/gpu.yaml
 has them, so that only the engine's work is timed: a request's time to first token, from before `add_request` to
 its first token, as its cache receipt (engine/receipt.py) measures it.
 
 `--baseline REV` times the same requests on the engine of another commit, in turn with this one.
 
-    python benchmarks/request_host.py --baseline 0776041 --out-dir benchmarks/results
+    python benchmarks/host.py request --baseline 0776041 --out-dir benchmarks/results
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # run as a script (see benchmarks/engine_host.py)
+if str(REPO_ROOT) not in sys.path:  # run as a script (see benchmarks/lib/engine_host.py)
     sys.path.append(str(REPO_ROOT))
 
 from benchmarks.lib.engine_host import VOCAB, build_engine, in_turn_parser, runs_in_turn  # noqa: E402
@@ -50,7 +50,7 @@ def prompts(kind: str, n: int, salt: str) -> tuple[list[int], str]:
 
 
 def ask_kind(engine, kind: str, n: int, salt: str) -> dict:
-    """One request of `kind` alone through the engine; its record (benchmarks/ttft_pressure.py `ask`)."""
+    """One request of `kind` alone through the engine; its record (benchmarks/lib/ttft_pressure.py `ask`)."""
     from benchmarks.harness import ask
 
     engine.hierarchy.wait_for_write_downs()  # the request runs alone: nothing written down beside it
@@ -118,7 +118,7 @@ def report(result: dict) -> list[str]:
     sides = ["this"] + (["baseline"] if baseline else [])
     label = {"this": "this commit", "baseline": baseline}
     lines = ["# What a request costs the host before its first token", "", *provenance_lines(result), "",
-             "One request at a time through the thin engine (benchmarks/engine_host.py: the model replaced by fixed "
+             "One request at a time through the thin engine (benchmarks/lib/engine_host.py: the model replaced by fixed "
              "logits, one torch thread), with a CPU and a disk tier; time to first token from before `add_request`, "
              f"and its phases (engine/receipt.py), median of {result['asks']} requests, best of {result['repeats']} "
              "runs of each side" + (f", this commit and {baseline} in turn." if baseline else "."), "",

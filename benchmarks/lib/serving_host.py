@@ -5,7 +5,7 @@ The engine steps on one thread of the server's process; the event loop that stre
 (uvicorn and FastAPI: a server-sent event per token per client) runs on another, and both need Python's
 interpreter lock. Pure Python beside the step thread slows it (benchmarks/results/archive/background_threads.md), so the
 serving layer's work per token is paid by every step, by every client. The model is replaced by fixed logits
-(benchmarks/engine_host.py's engine), so that the host's work is all there is to time: on a GPU this is the work
+(benchmarks/lib/engine_host.py's engine), so that the host's work is all there is to time: on a GPU this is the work
 between two model steps.
 
 For each number of sequences, while all of them decode:
@@ -18,7 +18,7 @@ For each number of sequences, while all of them decode:
 The figures are the step period (the time from one step's start to the next: the inter-token gap every client
 sees) and the step itself (the time inside `LLMEngine.step`). Best of `--repeats`. Run:
 
-    python benchmarks/serving_host.py --out-dir benchmarks/results
+    python benchmarks/host.py serving --out-dir benchmarks/results
 """
 from __future__ import annotations
 
@@ -242,7 +242,7 @@ def report(result: dict) -> list[str]:
     names = {"this": "this commit", "baseline": result["baseline"]}
     lines = ["# What serving a decode step costs the engine's thread", "", *provenance_lines(result), "",
              f"{result['prompt_tokens']}-token prompts, {result['answer_tokens']}-token answers (greedy), the model "
-             "replaced by fixed logits (benchmarks/engine_host.py's engine, one torch thread); every figure is the "
+             "replaced by fixed logits (benchmarks/lib/engine_host.py's engine, one torch thread); every figure is the "
              "mean over the steps in which all the sequences decode, best of "
              f"{result['repeats']} runs. Period: from one step's start to the next (the gap between two tokens of a "
              "stream). Inside: the time in `LLMEngine.step`.", ""]

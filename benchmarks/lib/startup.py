@@ -7,7 +7,7 @@ in turn for `--rounds` rounds, each with a cache directory of its own (`KVSTRATA
 cannot be written (no copy is kept, as before); for "first start", an empty one; for "later start", one a first
 start filled. Timed: `load_model` in the process, and the process from launch to exit (the imports included).
 
-    python benchmarks/startup.py --rounds 3 --out-dir benchmarks/results
+    python benchmarks/host.py startup --rounds 3 --out-dir benchmarks/results
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def report(result: dict) -> list[str]:
               for kind in KINDS}
     lines = ["# Loading the embedded model at start", "", *provenance_lines(result), "",
              f"SmolLM2-135M (the embedded GGUF) in {result['dtype']} on the CPU, each load in a process of its own, "
-             f"the three kinds in turn, {result['rounds']} rounds (benchmarks/startup.py); medians, every run in "
+             f"the three kinds in turn, {result['rounds']} rounds (benchmarks/lib/startup.py); medians, every run in "
              "`startup.json`.", "",
              "| start | load_model s | process s (imports included) | GGUF / this (load_model) |",
              "|---|---:|---:|---:|"]

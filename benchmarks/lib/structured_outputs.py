@@ -12,7 +12,7 @@ B structured rows, side by side with the decode step of B plain requests measure
 Each mask figure is the median of `--repeats` steps; the decode step is the median step of generating
 `--tokens` tokens for B prompts at once. Run:
 
-    python benchmarks/structured_outputs.py     # writes benchmarks/results/structured_outputs.{md,json}
+    python benchmarks/host.py structured-outputs     # writes benchmarks/results/structured_outputs.{md,json}
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """TTFT under concurrency: cached questions and new documents at once, `fcfs` against `uncached_first`.
 
-    python benchmarks/ttft_concurrency.py [--config configs/pressure.yaml] [--streams 4 | --rate 0.5]
+    python benchmarks/ttft.py concurrency [--config configs/pressure.yaml] [--streams 4 | --rate 0.5]
     kvstrata bench concurrency --config configs/pressure.yaml [options]
 
 Long-document QA under load: each request is one document plus a question; documents are drawn
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         alone = run_hits_alone(fresh_config("alone"), loaded, requests, hit_indices, args)
     outputs = [[r["token_ids"] for r in sorted(res["records"], key=lambda r: r["index"])] for res in results.values()]
     arrivals = f"{args.streams} closed-loop streams" if args.rate is None else f"Poisson arrivals at {args.rate}/s"
-    result = {"command": " ".join(["python", "benchmarks/ttft_concurrency.py", *(sys.argv[1:] if argv is None else argv)]),
+    result = {"command": " ".join(["python", "benchmarks/lib/ttft_concurrency.py", *(sys.argv[1:] if argv is None else argv)]),
               "machine": machine_line(), "code": source_state(), "load_average_1min": load_sampler.summary(),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
               "took_s": time.time() - started,

@@ -39,7 +39,7 @@ scheduler). Each configuration's first request is a cold warm-up (its prompt wit
 `cache_salt`, so it hits nothing and leaves nothing behind for the workload), reported apart.
 
     kvstrata bench ttft --config configs/pressure.yaml [--set k=v ...] [options below]
-    python benchmarks/ttft_pressure.py --config configs/pressure.yaml [options]
+    python benchmarks/ttft.py pressure --config configs/pressure.yaml [options]
 
 Writes `<out-dir>/<name>.json` (every measurement, the command, the machine, the load average),
 `<name>.md` (tables and goals), `<name>.png` and `ttft_sweep.png` (`<name>_sweep.png` for another name).
