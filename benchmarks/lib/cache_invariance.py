@@ -16,7 +16,6 @@ machine does not change it.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

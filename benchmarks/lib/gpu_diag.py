@@ -25,7 +25,6 @@ from __future__ import annotations
 import gc
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -55,7 +55,6 @@ import os
 import pstats
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections import OrderedDict
