@@ -1,6 +1,8 @@
 """The benchmark suites as a whole: each entry point lists its subcommands and answers `--help` (every
-subcommand's too, which imports its module), a bad subcommand is one line, the quick modes run, and the
-modules import one way (entry points -> helpers and benchmarks/lib, never an entry point, no circles)."""
+subcommand's too, which imports its module), a bad subcommand is one line, the quick modes run (the other
+suites' runs are in their own tests: test_bench_ttft, test_bench_kv_cache_dtype, test_gpu_report,
+test_bench_startup, test_soak, ...), and the modules import one way (entry points -> helpers and
+benchmarks/lib, never an entry point, no circles)."""
 from __future__ import annotations
 
 import ast
@@ -82,15 +84,6 @@ def test_planner_quick_mode_writes_a_sample_trace(tmp_path):
     out = tmp_path / "trace.jsonl"
     assert suite("planner").main(["sample", str(out), "--requests", "20"]) in (0, None)
     assert len(out.read_text().splitlines()) == 20
-
-
-def test_gpu_report_refuses_without_cuda_through_the_suite(tmp_path, capsys):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: the report would run")
-    assert suite("gpu").main(["report", "--out", str(tmp_path / "gpu.md")]) == 2
-    assert not (tmp_path / "gpu.md").exists()
 
 
 def _benchmark_imports(path: Path) -> set[str]:
