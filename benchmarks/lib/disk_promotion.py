@@ -10,13 +10,10 @@ pinned staging that the host-to-device copies drain (the GPU report's `bandwidth
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
-    sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
 from benchmarks.lib.engine_host import in_turn_parser, runs_in_turn  # noqa: E402
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402

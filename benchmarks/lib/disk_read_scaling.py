@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
-    sys.path.append(str(REPO_ROOT))
 
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
 

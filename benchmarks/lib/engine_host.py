@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 import tomllib
@@ -32,8 +31,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
-    sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
 from benchmarks.lib.decoder_step import THIN_30  # noqa: E402  (a 30-layer model of tiny widths, random weights)
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,8 +22,6 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable
-    sys.path.append(str(REPO_ROOT))
 
 from benchmarks.lib import decoder_step  # noqa: E402
 

@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
-    sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
 from benchmarks.lib.engine_host import (VOCAB, Case, add_during_next_step, add_requests, build_engine,  # noqa: E402
                                     each_side_in_turn, in_turn_parser)

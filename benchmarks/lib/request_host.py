@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # run as a script (see benchmarks/lib/engine_host.py)
-    sys.path.append(str(REPO_ROOT))
 
 from benchmarks.lib.engine_host import VOCAB, build_engine, in_turn_parser, runs_in_turn  # noqa: E402
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402

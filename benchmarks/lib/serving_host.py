@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # run as a script: make the `benchmarks` package importable, after
-    sys.path.append(str(REPO_ROOT))  # PYTHONPATH, where a baseline's `kvstrata` comes first (see --baseline)
 
 from benchmarks.lib.engine_host import VOCAB, build_engine, each_side_in_turn, in_turn_parser  # noqa: E402
 from benchmarks.machine import provenance_lines, publish, results_record  # noqa: E402
