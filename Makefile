@@ -38,7 +38,7 @@ bench: $(STAMP)
 
 # On a machine with a CUDA GPU: the CUDA tests and the GPU figures, into benchmarks/results/gpu.md.
 gpu-report: $(STAMP)
-	$(PY) benchmarks/gpu_report.py $(GPU_REPORT_ARGS)
+	$(PY) benchmarks/gpu.py report $(GPU_REPORT_ARGS)
 
 clean:
 	rm -rf $(VENV) kvstore .pytest_cache

@@ -1,18 +1,60 @@
-"""Driving an engine for a benchmark, shared by every suite: load the config's model, render a chat
-message, ask one prompt and keep its record, resize the tiers, sample the machine's load while a run
-goes on, and save a result. Nothing here is an entry point."""
+"""Shared by every suite: run a suite's subcommand (each lives in benchmarks/lib/), run one of those modules in a
+process of its own, and drive an engine for a benchmark: load the config's model, render a chat message, ask one
+prompt and keep its record, resize the tiers, sample the machine's load while a run goes on, and save a result.
+Nothing here is an entry point."""
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.ttft_stats import TIERS, hit_tier
+from benchmarks.lib.ttft_stats import TIERS, hit_tier
 
 _request_ids = itertools.count()
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One measurement of a suite: its name on the command line, the module in benchmarks/lib/ whose
+    `main(argv)` runs it, and one line of help."""
+
+    name: str
+    module: str
+    help: str
+
+
+def run_suite(doc: str, subcommands: tuple[Subcommand, ...], argv: list[str] | None = None) -> int:
+    """`SUITE.py SUBCOMMAND [options]`: the subcommand's module is imported only when it runs, so that `--help`
+    and a bad name answer at once, without torch or a model."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    by_name = {s.name: s for s in subcommands}
+    if not argv or argv[0] in ("-h", "--help"):
+        width = max(len(name) for name in by_name)
+        print(doc.strip() + "\n\nsubcommands (`SUBCOMMAND --help` for its options):")
+        print("\n".join(f"  {s.name:<{width}}  {s.help}" for s in subcommands))
+        return 0 if argv else 2
+    chosen = by_name.get(argv[0])
+    if chosen is None:
+        print(f"error: unknown subcommand {argv[0]!r}; choose one of {', '.join(by_name)}", file=sys.stderr)
+        return 2
+    return importlib.import_module(f"benchmarks.lib.{chosen.module}").main(argv[1:]) or 0
+
+
+def module_command(module_file: str, *args: str) -> list[str]:
+    """A command line that runs `main(args)` of the benchmarks/lib module at `module_file` in a new process (a
+    module there is no script of its own): for measurements that need a fresh process or another commit's code."""
+    module = f"benchmarks.lib.{Path(module_file).stem}"
+    # the checkout goes last, so that a baseline's `kvstrata` first on PYTHONPATH is the one imported
+    code = (f"import sys; sys.path = [p for p in sys.path if p] + [{str(REPO_ROOT)!r}]; "
+            f"from {module} import main; sys.exit(main(sys.argv[1:]))")
+    return [sys.executable, "-c", code, *args]
 
 
 class LoadSampler:

@@ -41,7 +41,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks.machine import command_line, machine_line  # noqa: E402
 from benchmarks.harness import load, save_result  # noqa: E402
-from benchmarks.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
+from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
 
 ANSWERS = (" It runs once the loop ends without a break.", " It is never executed.",
            " Only when an exception is raised.", " It depends on the interpreter.")

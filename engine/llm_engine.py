@@ -147,7 +147,7 @@ def checked_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
 def freeze_long_lived_objects() -> None:
     """Leave the objects that exist now out of the garbage collector's full collections: the model's modules, the
     tokenizer, the tiers live as long as the engine, and a full collection walked all of them (some 400,000), a
-    pause of about 180 ms in the step it fell in (benchmarks/results/gc_pause.md). Collected first, so that no
+    pause of about 180 ms in the step it fell in (benchmarks/results/archive/gc_pause.md). Collected first, so that no
     garbage is kept. Process-wide, as vLLM's engine does it; `LLMEngine.close` undoes it."""
     gc.collect()
     gc.freeze()

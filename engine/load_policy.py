@@ -31,7 +31,7 @@ priced before eager steps had a fixed cost of their own, took 35-40 ms beside a 
 46-71 ms against 38-41 ms loading everything); a 3790-token disk hit with a head of about 1000 tokens took
 48.7 ms against a 23.8 ms miss; a SmolLM2 CPU-tier hit's 496-token replayed head waited 1.4 ms for its tail after
 its step and spent the 4 ms a faster load had saved (benchmarks/results/gpu_diag_h200.md, gpu.md). Why that
-tail did not land during the head's step is not known (benchmarks/gpu_diag.py part d times it); until it is, a
+tail did not land during the head's step is not known (benchmarks/lib/gpu_diag.py part d times it); until it is, a
 head on a GPU is priced as if it did not overlap. On a CPU a head beside its tail's load gave the first token
 1.7x sooner (benchmarks/results/load_policy.md).
 

@@ -95,13 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run a benchmark")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    ttft = benchmarks.add_parser("ttft", help="time to first token under memory pressure (benchmarks/ttft_pressure.py); "
-                                              "options after --config go to the benchmark")
+    ttft = benchmarks.add_parser("ttft", help="time to first token under memory pressure (benchmarks/ttft.py "
+                                              "pressure); options after --config go to the benchmark")
     _add_config_arguments(ttft)
     ttft.set_defaults(run=_bench_ttft, passes_extra_args=True)
     concurrency = benchmarks.add_parser(
         "concurrency", help="TTFT of cached questions and new documents at once, fcfs against uncached_first "
-                            "(benchmarks/ttft_concurrency.py); options after --config go to the benchmark")
+                            "(benchmarks/ttft.py concurrency); options after --config go to the benchmark")
     _add_config_arguments(concurrency)
     concurrency.set_defaults(run=_bench_concurrency, passes_extra_args=True)
     scoring = benchmarks.add_parser(
@@ -256,43 +256,47 @@ def _ask(args: argparse.Namespace) -> int:
 
 
 def _bench_ttft(args: argparse.Namespace) -> int:
-    """Run benchmarks/ttft_pressure.py as a script, with --config, --set and any further options."""
-    return _run_benchmark("ttft_pressure", args)
+    """`benchmarks/ttft.py pressure`, with --config, --set and any further options."""
+    return _run_benchmark("ttft", ["pressure"], args)
 
 
 def _bench_concurrency(args: argparse.Namespace) -> int:
-    """Run benchmarks/ttft_concurrency.py as a script, with --config, --set and any further options."""
-    return _run_benchmark("ttft_concurrency", args)
+    """`benchmarks/ttft.py concurrency`, with --config, --set and any further options."""
+    return _run_benchmark("ttft", ["concurrency"], args)
 
 
 def _bench_scoring(args: argparse.Namespace) -> int:
-    """Run benchmarks/scoring.py as a script, with --config, --set and any further options."""
-    return _run_benchmark("scoring", args)
+    """`benchmarks/scoring.py`, with --config, --set and any further options."""
+    return _run_benchmark("scoring", [], args)
 
 
-def _run_benchmark(name: str, args: argparse.Namespace) -> int:
+def _run_benchmark(suite: str, subcommand: list[str], args: argparse.Namespace) -> int:
     _load(args)  # a bad config fails here, in one line, before the benchmark loads a model
-    script = _find_benchmark(name)
+    script = _find_benchmark(suite)
     script_args = ["--config", args.config] if args.config else []
     for override in args.overrides:
         script_args += ["--set", override]
     saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv = [str(script), *script_args, *args.extra]
+    sys.argv = [str(script), *subcommand, *script_args, *args.extra]
     sys.path.insert(0, str(script.parent.parent))  # so the script can import the `benchmarks` package
     try:
         runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:  # a suite ends with sys.exit(its status)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     return EXIT_OK
 
 
-def _find_benchmark(name: str) -> Path:
-    # Benchmarks live beside the packages in a source checkout; try it, then the current directory.
+def _find_benchmark(suite: str) -> Path:
+    # The suites live in the source tree, beside the packages, not in an installed wheel: try the tree this
+    # module was imported from, then the current directory.
     for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
-        script = root / "benchmarks" / f"{name}.py"
+        script = root / "benchmarks" / f"{suite}.py"
         if script.is_file():
             return script
-    raise ValueError(f"bench: benchmarks/{name}.py not found; run from a kvstrata source checkout")
+    raise ValueError(f"bench: the benchmarks live in the source tree, not in the installed package: run "
+                     f"`kvstrata bench` in a clone of kvstrata (benchmarks/{suite}.py not found)")
 
 
 def _config_check(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""The GPU diagnostics on the CPU (small shapes, a two-layer random model): every part runs and records what its
+"""The GPU diagnostics (`benchmarks/gpu.py diag`) on the CPU (small shapes, a two-layer random model): every part runs and records what its
 readers of `diag.json` read: promotions that served every block, hits served from the disk tier after a restart
 with the steps that served them, a decode stream's gaps around a CPU-tier hit, CPU-tier hits alone, and copies of a
 document in groups of layers beside a modelled question."""
@@ -6,14 +6,15 @@ import json
 
 import pytest
 
-from benchmarks import gpu_diag
+from benchmarks import gpu
+from benchmarks.lib import gpu_diag
 
 pytestmark = pytest.mark.slow
 
 
 def test_every_part_records_its_figures(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_diag, "STAGING_CASES", [(2, 2, 64)])
-    assert gpu_diag.main(["--parts", "a,b,c,d,e", "--models", "tiny", "--out-dir", str(tmp_path)]) == 0
+    assert gpu.main(["diag", "--parts", "a,b,c,d,e", "--models", "tiny", "--out-dir", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "diag.json").read_text())
     assert [(r["readers"], r["threads"]) for r in result["a"]] == [(2, 2), (2, 2)]  # both block shapes
     assert all(r["first_gbps"] > 0 and r["best_gbps"] > 0 for r in result["a"])

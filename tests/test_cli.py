@@ -173,6 +173,26 @@ def test_bench_with_a_bad_config_fails_before_running(tmp_path):
     assert_one_line_error(result, "model.dtype")
 
 
+@pytest.mark.parametrize("benchmark, module", [("ttft", "ttft_pressure"), ("concurrency", "ttft_concurrency")])
+def test_bench_runs_the_suites_subcommand_with_the_config_and_options(monkeypatch, benchmark, module):
+    ran = []
+    # the suite (benchmarks/ttft.py) imports its subcommand's module when it runs: this one records its options
+    monkeypatch.setitem(sys.modules, f"benchmarks.lib.{module}", types.SimpleNamespace(main=ran.append))
+    config, argv = str(CONFIGS / "pressure.yaml"), list(sys.argv)
+    assert cli.main(["bench", benchmark, "--config", config, "--set", "model.threads=1", "--docs", "2"]) == 0
+    assert ran == [["--config", config, "--set", "model.threads=1", "--docs", "2"]]
+    assert sys.argv == argv  # the caller's command line again, after the suite saw `ttft.py SUBCOMMAND ...`
+
+
+def test_bench_outside_a_source_tree_says_where_to_run_it(monkeypatch, tmp_path, capsys):
+    # installed from a wheel, the package has no benchmarks/ beside it; nor has the current directory
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "kvstrata" / "cli.py"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "ttft", "--config", str(CONFIGS / "pressure.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run `kvstrata bench` in a clone of kvstrata" in err
+
+
 def test_serve_hands_the_config_with_host_and_port_flags_to_the_server(monkeypatch):
     served = []
     monkeypatch.setitem(sys.modules, "kvstrata.serving.server", types.SimpleNamespace(serve=served.append))

@@ -1,4 +1,4 @@
-"""The GPU report (benchmarks/gpu_report.py): it refuses to write GPU figures without CUDA, counts the CUDA tests from
+"""The GPU report (`benchmarks/gpu.py report`, benchmarks/lib/gpu_report.py): it refuses to write GPU figures without CUDA, counts the CUDA tests from
 their JUnit XML, judges each goal from measured ratios, and its `--smoke` run (every section on the CPU, tiny shapes)
 writes a report with every section (slow)."""
 from __future__ import annotations
@@ -16,7 +16,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import decoder_step, gpu_report  # noqa: E402
+from benchmarks import gpu  # noqa: E402
+from benchmarks.lib import decoder_step, gpu_report  # noqa: E402
 
 SECTION_HEADINGS = ("## Device", "## Goals", "## CUDA tests (`pytest -m cuda`)", "## Copy bandwidth and promotion",
                     "## Prefix-prefill kernel", "## A model step: kvstrata's decoder against transformers' modules",
@@ -27,7 +28,7 @@ SECTION_HEADINGS = ("## Device", "## Goals", "## CUDA tests (`pytest -m cuda`)",
 def test_without_cuda_the_report_refuses_in_one_line_and_writes_nothing(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "gpu.md"
-    assert gpu_report.main(["--out", str(out)]) == 2
+    assert gpu.main(["report", "--out", str(out)]) == 2  # as `benchmarks/gpu.py report` runs it
     err = capsys.readouterr().err
     assert "no CUDA device" in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
@@ -187,7 +188,7 @@ def test_a_report_made_in_several_runs_keeps_what_each_measured(tmp_path):
     assert result["kernels"]["split_kv"]
     report = second.read_text()
     assert "## Copy bandwidth and promotion" in report and "## Prefix-prefill kernel" in report
-    assert "Merged with the figures of `python benchmarks/gpu_report.py --smoke --sections bandwidth" in report
+    assert "Merged with the figures of `python benchmarks/gpu.py report --smoke --sections bandwidth" in report
 
 
 def test_ttft_rows_measured_again_replace_the_earlier_ones_and_the_others_stay():
@@ -273,7 +274,7 @@ def test_a_run_with_another_block_size_is_its_own_report(tmp_path, capsys):
 
 
 def test_graph_steps_builds_smollm2s_shape_without_the_embedded_tokenizer(tmp_path):
-    from benchmarks import graph_steps
+    from benchmarks.lib import graph_steps
 
     from kvstrata.engine import model_loader
 

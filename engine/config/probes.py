@@ -91,7 +91,7 @@ def default_threads() -> int:
 
     Why one there: intra-op threads meet at a barrier after every operator, so a request runs at the
     pace of its slowest thread, and on two cores any other busy process deschedules one of the two.
-    Measured on a 2-core machine shared with other work (benchmarks/results/threads.md): with two
+    Measured on a 2-core machine shared with other work (benchmarks/results/archive/threads.md): with two
     threads a 58-token prompt took 15x longer at the median than with one (13 s against 0.9 s) and
     a 500-token prefill 4x longer. Where the machine is otherwise idle, `model.threads: 2` may be faster.
     """

@@ -238,7 +238,7 @@ async def json_response(tokenizers: TokenizerPool, answer: CompletionResponse | 
     """A whole (not streamed) answer as JSON, written by pydantic's compiled serializer on a pool thread.
     FastAPI's default for a returned model (`jsonable_encoder`, in Python, on the event loop) took 1.08 s
     of CPU for an answer with the prompt log-probabilities of 3.5k tokens (20 alternatives each),
-    stalling every other client meanwhile; this takes 0.09 s, off the loop (benchmarks/results/answer_json.md)."""
+    stalling every other client meanwhile; this takes 0.09 s, off the loop (benchmarks/results/archive/answer_json.md)."""
     body = await tokenizers.run(_json_bytes, answer)
     return Response(body, media_type="application/json")
 

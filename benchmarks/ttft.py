@@ -1,0 +1,37 @@
+"""Time to first token: long-document QA under memory pressure, and under concurrency.
+
+    python benchmarks/ttft.py pressure --config configs/pressure.yaml --threads 1      # or `make bench`
+    python benchmarks/ttft.py concurrency --config configs/pressure.yaml --streams 4
+
+`pressure` measures recompute, each tier set-up, a restart on the disk tier, the replicas sharing a remote tier
+(`--configs ...,replicas`), dtypes side by side (`--dtype`) and the peers (transformers, llama.cpp) on the same
+prompts; `concurrency` runs `scheduler.policy` fcfs against uncached_first under N streams or Poisson arrivals
+(the server under guidellm: benchmarks/results/guidellm.md). The workload, statistics, report and peers are
+modules of benchmarks/lib/ (ttft_workload, ttft_stats, ttft_report, peers).
+
+Retired (git keeps them): `threads.py` timed TTFT per torch thread count, the measurement behind
+`model.threads: auto` (results/archive/threads.md); `background_threads.py` found native work beside the step
+thread costs a hit 1.07-1.34x while a pure-Python thread costs it 59x at the default switch interval, which is why
+the server keeps the step thread's neighbours native (results/archive/background_threads.md).
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: import `benchmarks`
+
+from benchmarks.harness import Subcommand, run_suite  # noqa: E402
+
+SUBCOMMANDS = (
+    Subcommand("pressure", "ttft_pressure", "TTFT with the working set 4x the device tier, per tier set-up, "
+               "restart, replicas, dtypes and peers"),
+    Subcommand("concurrency", "ttft_concurrency", "fcfs against uncached_first: hit and miss TTFT, token gaps, "
+               "throughput under streams or Poisson arrivals"),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_suite(__doc__, SUBCOMMANDS, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The benchmark suites as a whole: each entry point lists its subcommands and answers `--help` (every
+subcommand's too, which imports its module), a bad subcommand is one line, the quick modes run (the other
+suites' runs are in their own tests: test_bench_ttft, test_bench_kv_cache_dtype, test_gpu_report,
+test_bench_startup, test_soak, ...), and the modules import one way (entry points -> helpers and
+benchmarks/lib, never an entry point, no circles)."""
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+BENCH = REPO_ROOT / "benchmarks"
+ENTRY_POINTS = sorted(p.stem for p in BENCH.glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+# the suites that dispatch to benchmarks/lib (harness.run_suite); soak, planner and scoring parse their own options
+SUITES = [name for name in ENTRY_POINTS if "SUBCOMMANDS" in (BENCH / f"{name}.py").read_text()]
+
+
+def suite(name: str):
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def test_the_benchmarks_are_a_few_suites():
+    assert {"ttft", "tiers", "kernels", "gpu", "host", "invariance"} <= set(SUITES)
+    assert len(ENTRY_POINTS) <= 10, ENTRY_POINTS
+
+
+@pytest.mark.parametrize("name", SUITES)
+def test_a_suite_lists_every_subcommand_with_its_help(name, capsys):
+    assert suite(name).main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for subcommand in suite(name).SUBCOMMANDS:
+        assert f"  {subcommand.name}  " in out or f"  {subcommand.name} " in out, subcommand.name
+
+
+@pytest.mark.parametrize("name", SUITES)
+def test_every_subcommand_answers_help(name, capsys):
+    # --help imports the subcommand's module and builds its parser: a module moved without its imports fails here
+    for subcommand in suite(name).SUBCOMMANDS:
+        with pytest.raises(SystemExit) as exit_:
+            suite(name).main([subcommand.name, "--help"])
+        assert exit_.value.code == 0, subcommand.name
+        assert "usage:" in capsys.readouterr().out, subcommand.name
+
+
+@pytest.mark.parametrize("name", sorted(set(ENTRY_POINTS) - set(SUITES)))
+def test_the_other_entry_points_answer_help(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        suite(name).main(["--help"])
+    assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_an_unknown_or_missing_subcommand_is_one_line(capsys):
+    assert suite("tiers").main(["promote"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown subcommand 'promote'" in err and "promotion" in err
+    assert suite("tiers").main([]) == 2  # the list of subcommands, as a usage error
+
+
+def test_kernels_quick_mode_checks_paging_against_sdpa(capsys):
+    assert suite("kernels").main(["paging", "--quick", "--repeats", "1", "--device", "cpu"]) in (0, None)
+    assert "| SmolLM2-135M prefill: 2 x (64 cached + 16 new) | float32 |" in capsys.readouterr().out
+
+
+def test_tiers_disk_readers_reads_every_layout_through_the_record_checks(tmp_path):
+    assert suite("tiers").main(["disk-readers", "--processes", "2", "--gib", "0.005", "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "disk_read_scaling.json").read_text())
+    assert [row["layout"] for row in result["rows"]] == ["SmolLM2-135M", "Llama-3-8B"]
+    for row in result["rows"]:
+        assert row["processes"] == 2 and row["blocks"] > 0
+        assert min(row["first_pass_gbps"], row["second_pass_gbps"], row["memory_gbps"]) > 0
+    assert result["command"].startswith("python ")  # the report quotes what ran it
+    assert "| SmolLM2-135M | 2 |" in (tmp_path / "disk_read_scaling.md").read_text()
+
+
+def test_planner_quick_mode_writes_a_sample_trace(tmp_path):
+    out = tmp_path / "trace.jsonl"
+    assert suite("planner").main(["sample", str(out), "--requests", "20"]) in (0, None)
+    assert len(out.read_text().splitlines()) == 20
+
+
+def _benchmark_imports(path: Path) -> set[str]:
+    """The `benchmarks` modules `path` imports, dotted below `benchmarks` (`lib.harness`, `machine`, ...)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "benchmarks":
+            base = node.module.split(".", 1)[1] if "." in node.module else ""
+            if base in ("", "lib"):  # `from benchmarks import x`, `from benchmarks.lib import x`
+                names |= {f"{base}.{alias.name}".lstrip(".") for alias in node.names}
+            else:
+                names.add(base)
+        elif isinstance(node, ast.Import):
+            names |= {a.name.split(".", 1)[1] for a in node.names if a.name.startswith("benchmarks.")}
+    return names
+
+
+def test_no_benchmark_imports_another_entry_point():
+    # Entry points share code through harness, machine and benchmarks/lib only, so that none runs another's
+    # import-time setup and no two import each other (ttft_pressure.py and machine.py once did).
+    modules = {str(p.relative_to(BENCH).with_suffix("")).replace("/", "."): p for p in BENCH.rglob("*.py")
+               if "data" not in p.parts and p.name != "__init__.py"}
+    for name, path in sorted(modules.items()):
+        imported = _benchmark_imports(path)
+        assert not imported & set(ENTRY_POINTS), f"{name} imports entry points {imported & set(ENTRY_POINTS)}"
+        assert imported <= set(modules), f"{name} imports {imported - set(modules)}, which do not exist"
+        if name.startswith("lib."):
+            assert 'if __name__ == "__main__"' not in path.read_text(), f"{name} is a script; run it from a suite"
+    # and no circles among the helpers
+    graph = {name: _benchmark_imports(path) & set(modules) for name, path in modules.items()}
+    state: dict[str, str] = {}
+
+    def visit(name: str, trail: tuple[str, ...]) -> None:
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            assert state.get(dep) != "open", f"import circle: {' -> '.join((*trail, name, dep))}"
+            if dep not in state:
+                visit(dep, (*trail, name))
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, ())
