@@ -252,7 +252,7 @@ class Soak:
             return
         with self.disk._gate.shared, store.begin(write=True) as txn:
             record = txn.get(h, db=store.blocks)
-            if record is None:
+            if not record:  # (gone, or cut to nothing already)
                 return
             txn.put(h, damaged(bytes(record), rng), db=store.blocks)
         self.cpu.inner.discard(h)
@@ -269,7 +269,7 @@ class Soak:
             return
         client, key = self.server.client(), self.remote._key(h)
         record = client.get(key)
-        if record is None:
+        if not record:
             return
         client.set(key, damaged(record, rng))
         self.cpu.inner.discard(h)
