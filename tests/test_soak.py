@@ -83,3 +83,20 @@ def test_a_failing_seed_is_reported_with_its_seed_and_a_short_trace(monkeypatch,
     assert f"seed {seed} FAILED: RuntimeError: injected" in out
     trace = eval(out.split("ops): ")[1].splitlines()[0])  # noqa: S307 - our own printed list
     assert trace[-1][0] == "preempt" and len(trace) < len(soak.make_workload(seed, 8).ops)
+
+
+def test_a_request_the_engine_fails_internally_is_a_finding(monkeypatch):
+    """The scheduler turns an internal error on one request's path into that request's failure (a server stays up);
+    the harness injects no fault that may end a request so, so it reports one rather than letting it pass."""
+    from kvstrata.engine.kv_manager import KVCacheManager
+
+    real = KVCacheManager.get_computed_blocks
+
+    def faulty(self, request, *args, **kwargs):
+        if request.request_id.endswith("3"):
+            raise ValueError("injected")
+        return real(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheManager, "get_computed_blocks", faulty)
+    failures = [soak.run_seed(seed, 30) for seed in range(5)]
+    assert any(f is not None and "failed inside the engine" in f and "ValueError" in f for f in failures)
