@@ -206,7 +206,7 @@ def command_run(args) -> None:
                         for key in into:
                             into[key] += figures[key]
             rows.append((dtype, threads, merged))
-    write_report(args, rows, raw)
+            write_report(args, rows, raw)  # after each setting: a long run stopped early keeps what it measured
 
 
 def write_report(args, rows, raw) -> None:
