@@ -7,7 +7,7 @@ import torch
 
 from kvstrata.engine.batch_invariant import BatchInvariantMode
 from kvstrata.engine.cuda_graphs import StepGraphs
-from kvstrata.engine.decoder import AttentionMetadata, Decoder, StepInput
+from kvstrata.engine.decoder import AttentionMetadata, Decoder, StepInput, store_transposed
 from kvstrata.engine.model_loader import LoadedModel
 
 __all__ = ["ModelRunner", "StepInput"]  # StepInput: defined with the forward pass, imported from here
@@ -24,6 +24,8 @@ class ModelRunner:
         self.device = loaded.device
         self._decoder = Decoder(loaded.model, ops)  # the transformer body: hidden states, no logits
         self._lm_head = loaded.model.get_output_embeddings()
+        if self._decoder.transposed:
+            store_transposed(self._lm_head.weight)
         self._graphs: StepGraphs | None = None  # see `enable_cuda_graphs`
         self.last_step_replayed = False  # the last `execute` replayed a recorded CUDA graph (its cost is another)
 

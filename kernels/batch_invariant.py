@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.kernels import cpu_features
 from kvstrata.kernels.triton_compat import check_launchable, tl, triton
 
 
@@ -38,23 +39,10 @@ LINEAR_TILE_ROWS = {
 
 
 def cpu_matrix_isa() -> str:
-    """'amx', 'avx512' or 'avx2' (anything narrower counts as avx2): the widest unit a CPU GEMM may use. Tests
-    patch this to check every tile's invariance on any CPU."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability.startswith("AVX512"):
-        return "amx" if _cpu_flags() >= {"amx_tile", "amx_bf16"} else "avx512"
-    return "avx2"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """'amx', 'avx512' or 'avx2' (anything narrower counts as avx2): the widest unit a CPU GEMM may use, by the
+    probe the engine's `dtype: auto` asks too (kernels/cpu_features.py; `KVSTRATA_CPU_AMX` forces its AMX answer).
+    Tests patch this to check every tile's invariance on any CPU."""
+    return cpu_features.cpu_matrix_family()
 
 
 def linear_tile_rows(dtype: torch.dtype, device: torch.device | str = "cpu") -> int:

@@ -3,6 +3,8 @@ same weights over the same paged KV cache (benchmarks/lib/decoder_step.py runs t
 decoder), for every supported family's parts; and packing a model's projections holds its weights once."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_model_families import _families
@@ -56,6 +58,21 @@ def test_packing_holds_each_weight_once_and_a_second_decoder_copies_nothing():
     assert torch.equal(attn.q_proj.weight, q_weight)
     assert first.layers[0].qkv_bias is not None  # Qwen2's q, k and v biases, packed the same way
     assert torch.equal(first.layers[0].qkv_bias[:q_weight.shape[0]], attn.q_proj.bias)
+    # on the CPU's torch path the pack is stored [in, out] (MKL's plain product, no copy of the weight per call)
+    assert packed.t().is_contiguous() and attn.q_proj.weight.shape == q_weight.shape
+
+
+def test_a_pack_in_the_other_layout_is_made_anew_and_the_modules_follow_it():
+    """A Triton decoder after a torch one on the same model (tests do this) packs its rows row-major again: the
+    modules' weights are then views of the new pack, with the same values, and the torch decoder keeps its own."""
+    loaded = loaded_tiny(_families()["mistral"], torch.float32)
+    attn = loaded.model.get_decoder().layers[0].self_attn
+    q_weight = attn.q_proj.weight.clone()
+    torch_pack = Decoder(loaded.model, get_ops("torch")).layers[0].qkv
+    row_major = dataclasses.replace(get_ops("torch"), name="triton")  # the layout follows the backend's name
+    pack = Decoder(loaded.model, row_major).layers[0].qkv
+    assert pack.is_contiguous() and attn.q_proj.weight.data_ptr() == pack.data_ptr()
+    assert torch.equal(attn.q_proj.weight, q_weight) and torch.equal(torch_pack, pack)
 
 
 def test_the_step_benchmark_asserts_agreement_in_float32_and_measures_it_in_bf16():

@@ -116,3 +116,21 @@ else:
     raise AssertionError("get_ops('triton') worked without triton")
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("kv_len", [1, 16, 37])
+def test_decode_reading_values_in_place_matches_the_gathered_decode(kv_len):
+    """The CPU decode weighs V's rows where the paged cache holds them (no gathered copy): same values as the
+    gathered decode, on blocks out of order, in a layer other than the first."""
+    from kvstrata.kernels.prefix_prefill import (decode_attention, decode_attention_in_place, gather_sequence_kv,
+                                                 reads_values_in_place)
+
+    gen = torch.Generator().manual_seed(kv_len)
+    num_layers, block_size, kv_heads, head_dim, heads = 3, 16, 2, 32, 6
+    kv_cache = torch.randn(9, num_layers, 2, block_size, kv_heads, head_dim, generator=gen)
+    block_table = torch.tensor([7, 2, 5, 0], dtype=torch.int32)
+    query = torch.randn(heads, head_dim, generator=gen)
+    assert reads_values_in_place(kv_cache, query) and not reads_values_in_place(kv_cache.bfloat16(), query)
+    key, value = gather_sequence_kv(kv_cache, 1, block_table, kv_len)
+    in_place = decode_attention_in_place(query, key, kv_cache, 1, block_table, kv_len, 0.2)
+    torch.testing.assert_close(in_place, decode_attention(query, key, value, 0.2), rtol=1e-5, atol=1e-6)

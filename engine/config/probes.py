@@ -6,12 +6,11 @@ cheap, and its answer must not depend on whether torch happens to be imported.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
-import platform
 
 import psutil
+
+from kvstrata.kernels import cpu_features
 
 # `model.threads: auto` never picks more: past this, one request's matmuls gain little from more
 # threads and a busy machine's scheduling noise grows (see `default_threads`).
@@ -38,51 +37,32 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-# What `dtype: auto` assumes of the CPU can be forced: "1" as if it had AMX, "0" as if not (a container
-# whose /proc/cpuinfo hides the flags; the test suite, run both ways on any machine).
-AMX_OVERRIDE_VARIABLE = "KVSTRATA_CPU_AMX"
-_ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl: ask the kernel for an extended state component
-_XFEATURE_XTILEDATA = 18       # the AMX tile data
-_SYS_ARCH_PRCTL = 158          # x86_64
+# The CPU's flags are read by kernels/cpu_features.py, which the kernels ask too; the names here stay so that tests
+# patch the flags and the kernel's answer for this module alone.
+AMX_OVERRIDE_VARIABLE = cpu_features.AMX_OVERRIDE_VARIABLE
 
 
 def cpu_has_amx() -> bool:
-    """Whether this CPU multiplies bfloat16 in AMX tiles and the kernel lets this process use them.
+    """Whether this CPU multiplies bfloat16 in AMX tiles and the kernel lets this process use them
+    (`KVSTRATA_CPU_AMX` forces the answer).
 
     The same test as torch's (and oneDNN's): the CPU lists `amx_tile` and `amx_bf16`, and the kernel
     grants the tile data state (Linux asks each process to request it). Read from /proc/cpuinfo and one
     system call, never by importing torch, so the answer costs nothing and is the same in every process."""
-    forced = os.environ.get(AMX_OVERRIDE_VARIABLE, "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
+    forced = cpu_features.forced_amx()
+    if forced is not None:
+        return forced
     flags = _cpuinfo_flags()
-    if flags is None or not {"amx_tile", "amx_bf16"} <= flags:
-        return False
-    return _kernel_grants_amx()
+    return flags is not None and cpu_features.AMX_FLAGS <= flags and _kernel_grants_amx()
 
 
-@functools.cache
 def _kernel_grants_amx() -> bool:
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
-    except (OSError, AttributeError):
-        return False
+    return cpu_features.kernel_grants_amx()
 
 
 def _cpuinfo_flags() -> set[str] | None:
     """The first CPU's feature flags from /proc/cpuinfo; None where it does not say (not Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
-            for line in cpuinfo:
-                name, _, value = line.partition(":")
-                if name.strip() == "flags":
-                    return set(value.split())
-    except OSError:
-        pass
-    return None
+    return cpu_features.cpuinfo_flags()
 
 
 def default_threads() -> int:
