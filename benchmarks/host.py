@@ -26,6 +26,8 @@ SUBCOMMANDS = (
     Subcommand("hit-beside-decodes", "hit_beside_decodes",
                "a lower-tier hit's TTFT beside four decoding sequences, and their longest step"),
     Subcommand("startup", "startup", "the embedded model's load at start: from its GGUF, first and later starts"),
+    Subcommand("cpu-step", "cpu_step",
+               "a device hit's TTFT and decode ms/token on the CPU, beside another checkout and transformers"),
     Subcommand("structured-outputs", "structured_outputs",
                "the grammar mask of B structured rows against B plain decode steps"),
 )

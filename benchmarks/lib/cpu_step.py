@@ -2,8 +2,8 @@
 device) and the decode time per token, through `LLM.generate`, against transformers' `generate` on the same
 weights with the document's KV kept between calls (its equivalent of a hit), same dtype, same threads.
 
-    python benchmarks/cpu_step.py run --baseline-root ../other-checkout --out benchmarks/results/cpu_step.md
-    python benchmarks/cpu_step.py profile --dtype float32 --threads 1     # cProfile + torch.profiler of this tree
+    python benchmarks/host.py cpu-step run --baseline-root ../other-checkout --out benchmarks/results/cpu_step.md
+    python benchmarks/host.py cpu-step profile --dtype float32 --threads 1     # cProfile + torch.profiler of this tree
 
 `run` measures each side in its own process, in alternating rounds, so that a busy machine slows all sides alike:
 this tree's kvstrata (and transformers, in the same process), and, with `--baseline-root`, the kvstrata of another
@@ -28,7 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.harness import module_command
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 DOC_TOPICS = ("compound", "execmodel", "import", "types", "specialnames")  # pydoc_data.topics: plain English text
 
@@ -64,7 +66,8 @@ def measure_kvstrata(dtype: str, threads: int, doc_tokens: int, question_tokens:
     import kvstrata
     from kvstrata import LLM, SamplingParams, load_config
 
-    config = load_config(REPO_ROOT / "configs" / "default.yaml",
+    # the imported checkout's own default config: another commit's schema may not know this tree's keys
+    config = load_config(Path(kvstrata.__file__).resolve().parents[1] / "configs" / "default.yaml",
                          {"model": {"dtype": dtype, "threads": threads},
                           "cache": {"tiers": {"device": {"size": "256MiB"}, "cpu": {"size": 0}, "disk": {"size": 0}}}})
     llm = LLM(config)
@@ -156,7 +159,7 @@ def _crop(cache, length: int) -> None:
 def run_side(args, root: Path, with_transformers: bool) -> dict:
     """One side's figures, measured in a fresh process with `root` first on PYTHONPATH."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(":"))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "side", "--dtype", args.dtype_now, "--threads",
+    cmd = [*module_command(__file__, "side"), "--dtype", args.dtype_now, "--threads",
            str(args.threads_now), "--doc-tokens", str(args.doc_tokens), "--question-tokens", str(args.question_tokens),
            "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats)]
     if with_transformers:
@@ -214,7 +217,7 @@ def write_report(args, rows, raw) -> None:
     from benchmarks.machine import cpu_name
 
     lines = [f"# CPU step: device-hit TTFT and decode time per token", "",
-             f"Command: `python benchmarks/cpu_step.py {' '.join(args.argv)}`", "",
+             f"Command: `python benchmarks/host.py cpu-step {' '.join(args.argv)}`", "",
              f"CPU: {cpu_name()}, {os.cpu_count()} cores; flags: `{cpu_flags_line()}`", "",
              f"A {args.doc_tokens}-token document cached on the device, {args.question_tokens}-token questions, "
              f"{args.decode_tokens} decoded tokens; medians of {args.repeats} repeats x {args.rounds} rounds "
@@ -259,7 +262,8 @@ def command_profile(args) -> None:
     import torch
     from kvstrata import LLM, SamplingParams, load_config
 
-    config = load_config(REPO_ROOT / "configs" / "default.yaml",
+    # the imported checkout's own default config: another commit's schema may not know this tree's keys
+    config = load_config(Path(kvstrata.__file__).resolve().parents[1] / "configs" / "default.yaml",
                          {"model": {"dtype": args.dtype[0], "threads": args.threads[0]},
                           "cache": {"tiers": {"device": {"size": "256MiB"}, "cpu": {"size": 0}, "disk": {"size": 0}}}})
     llm = LLM(config)
