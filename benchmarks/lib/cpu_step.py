@@ -304,6 +304,3 @@ def main(argv: list[str] | None = None) -> None:
     args.argv = argv
     {"run": command_run, "side": command_side, "profile": command_profile}[args.command](args)
 
-
-if __name__ == "__main__":
-    main()
