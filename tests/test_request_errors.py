@@ -61,6 +61,18 @@ def warm(engine: LLMEngine) -> None:
     run(engine, {"document": DOCUMENT + [5]})
 
 
+def fail_lookups_of(prompt: list[int], monkeypatch) -> None:
+    """From now on the prefix lookup of any request with this prompt raises."""
+    original = KVCacheManager.get_computed_blocks
+
+    def faulty(self, request):
+        if request.prompt_token_ids == prompt:
+            raise Injected("injected")
+        return original(self, request)
+
+    monkeypatch.setattr(KVCacheManager, "get_computed_blocks", faulty)
+
+
 @pytest.mark.parametrize("fault", ["lookup", "admission"])
 def test_an_admission_error_fails_that_request_once_and_the_others_get_their_outputs(engine, monkeypatch, caplog,
                                                                                     fault):
@@ -127,14 +139,7 @@ def test_an_error_in_the_model_run_fails_the_step_s_requests_and_the_next_reques
 
 def test_llm_generate_raises_a_clear_error_for_a_failed_prompt_and_serves_the_next_call(monkeypatch):
     with LLM(tiny_config()) as llm:
-        original = KVCacheManager.get_computed_blocks
-
-        def faulty(self, request):
-            if request.prompt_token_ids == PROMPTS["b"]:
-                raise Injected("injected")
-            return original(self, request)
-
-        monkeypatch.setattr(KVCacheManager, "get_computed_blocks", faulty)
+        fail_lookups_of(PROMPTS["b"], monkeypatch)
         with pytest.raises(RequestFailedError,
                            match=r"^prompt 1 failed: internal error while looking up its prefix \(Injected\)$"):
             llm.generate([PROMPTS["a"], PROMPTS["b"], PROMPTS["c"]], GREEDY)
@@ -172,14 +177,7 @@ def test_under_the_server_an_admission_error_answers_that_client_500_and_the_oth
     try:
         alone = asyncio.run(send_together())
         assert all(r.status_code == 200 for r in alone.values())
-        original = KVCacheManager.get_computed_blocks
-
-        def faulty(self, request):
-            if request.prompt_token_ids == PROMPTS["b"]:
-                raise Injected("injected")
-            return original(self, request)
-
-        monkeypatch.setattr(KVCacheManager, "get_computed_blocks", faulty)
+        fail_lookups_of(PROMPTS["b"], monkeypatch)
         faulted = asyncio.run(send_together())
         failed = faulted.pop("b")
         assert failed.status_code == 500
