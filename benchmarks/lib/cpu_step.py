@@ -171,15 +171,11 @@ def run_side(args, root: Path, with_transformers: bool) -> dict:
 
 
 def cpu_flags_line() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return " ".join(f for f in flags if f.startswith(("avx", "amx")))
-    except OSError:
-        pass
-    return "unknown"
+    """The CPU's vector and matrix flags (avx*, amx*), as the engine's probe reads them."""
+    from kvstrata.kernels.cpu_features import cpuinfo_flags
+
+    flags = cpuinfo_flags()
+    return "unknown" if flags is None else " ".join(sorted(f for f in flags if f.startswith(("avx", "amx"))))
 
 
 def median_ms(values: list[float]) -> float:
