@@ -110,7 +110,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
     if not source.gguf_file:
         _check_runnable(source)  # before reading gigabytes of weights
     try:
-        tokenizer, model = _from_pretrained(source, dtype)
+        with _gguf_parsed_once():
+            tokenizer, model = _from_pretrained(source, dtype)
         model.to(device).eval().requires_grad_(False)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as exc:
         raise ValueError(f"model.name: cannot load {source.directory}: {first_line(exc)}") from None
@@ -217,6 +218,33 @@ def _check_runnable(source: ModelSource) -> dict:
     except ValueError as exc:
         raise ValueError(f"model.name: {source.display_name}: {exc}") from None
     return hf_config
+
+
+@contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF's header three times in one load (for the config, the tokenizer and the
+    weights), and each parse walks the tokenizer's ~100k strings one numpy slice at a time: about a third of a
+    first start each. While loading, the `gguf` package's reader is built once per file and shared; it only
+    maps the file and reads it."""
+    try:
+        import gguf
+    except ImportError:  # a model directory needs no GGUF reader; a GGUF without it fails with transformers' line
+        yield
+        return
+    make_reader = gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def shared_reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = make_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = make_reader
 
 
 @contextmanager
