@@ -9,6 +9,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Test processes share the cores (`make test` runs one per core): each torch on one thread, as the engine is on a
+# 2-core machine, instead of every process spinning a thread per core against the others'.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` run compiled kernels on a GPU: without CUDA they are skipped, saying so."""

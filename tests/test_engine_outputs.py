@@ -300,7 +300,7 @@ def test_a_narrow_cache_holds_fewer_bytes_and_in_batch_invariant_mode_gives_the_
     same bytes whichever tier serves them: with batch-invariant reductions (the K/V of a document do not
     depend on the prefill that computed them) a hit from the device, the CPU or the disk gives the
     uncached narrow engine's answer, log-probabilities bit for bit (int8: the scales travel with the rows)."""
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0)
     narrow = {"kv_cache_dtype": kv_cache_dtype}
     engines = [LLM(load_config(config(tmp_path / name, enable_prefix_caching=caching, **narrow),
                                {"model.batch_invariant": True}), loaded_model=loaded)
@@ -318,7 +318,7 @@ def test_a_narrow_cache_holds_fewer_bytes_and_in_batch_invariant_mode_gives_the_
             assert hierarchy.clear_device_cache()
         if tier == "disk":  # the CPU tier (24 blocks) spills the document to disk while others are asked
             for name in ("import", "execmodel"):
-                llm.chat(chat(DOCS[name], QUESTIONS[0]), greedy)
+                llm.chat(chat(DOCS[name], QUESTIONS[0]), SamplingParams(max_tokens=1))
             hierarchy.cpu.clear()
             assert hierarchy.clear_device_cache()
         out = llm.chat(messages, greedy)[0]

@@ -82,7 +82,7 @@ def same_logprobs(got, want) -> bool:
         and math.isclose(a.logprob, b.logprob, rel_tol=1e-3, abs_tol=1e-3) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])  # the soak (tests/test_soak.py) runs many more workloads, without the model
 def test_random_requests_through_small_tiers_get_what_they_get_alone_without_caching(seed, reference,
                                                                                      embedded_model_fp32, tmp_path):
     rng = random.Random(seed)

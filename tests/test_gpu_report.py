@@ -131,7 +131,8 @@ def test_goals_are_judged_from_the_measured_ratios_and_unmeasured_ones_say_so():
 @pytest.mark.slow
 def test_a_smoke_run_writes_every_section_of_the_report(tmp_path):
     out = tmp_path / "gpu.md"
-    assert gpu_report.main(["--smoke", "--out", str(out), "--dtypes", "bfloat16,bfloat16/fp8,bfloat16/int8"]) == 0
+    # one narrow cache stands in for both (fp8 and int8 take the same paths through the report)
+    assert gpu_report.main(["--smoke", "--out", str(out), "--dtypes", "bfloat16,bfloat16/int8"]) == 0
     report = out.read_text()
     assert "Smoke run on the CPU" in report
     positions = [report.index(heading) for heading in SECTION_HEADINGS]
@@ -150,7 +151,7 @@ def test_a_smoke_run_writes_every_section_of_the_report(tmp_path):
     assert all(r["decoder_s"] > 0 and r["transformers_s"] > 0 for r in result["step"])
     rows = result["ttft"]
     assert {(r["model"], r["dtype"], r["doc_tokens"]) for r in rows} == {
-        (m, dtype, n) for m in gpu_report.MODELS for dtype in ("bfloat16", "bfloat16/fp8", "bfloat16/int8") for n in (48, 96)}
+        (m, dtype, 64) for m in gpu_report.MODELS for dtype in ("bfloat16", "bfloat16/int8")}
     assert all(r["unexpected"] == [] for r in rows), "a request was not served by the tier it was meant to test"
     # each request's receipt: a miss and a device hit load nothing (a lower-tier hit may show no load either,
     # where its load policy recomputed a head while the rest loaded), each looked up and computed its question

@@ -59,13 +59,13 @@ def test_a_cached_prompt_is_computed_again_for_its_logprobs_and_stays_cached_for
 
 
 def test_chunked_and_preempted_prompts_give_each_position_once_and_the_same(embedded_model_fp32, tmp_path):
-    params = SamplingParams(max_tokens=24, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
     prompts = [f"{PROMPT} Copy {i}: {PROMPT}" for i in range(3)]
     with LLM(engine_config(tmp_path / "whole"), loaded_model=embedded_model_fp32) as llm:
         whole = llm.generate(prompts, params)
     # chunks of 32 tokens, and a device pool too small for the three at once: they preempt each other
     small = engine_config(tmp_path / "small", max_num_batched_tokens=32, max_num_seqs=3)
-    small["cache"]["tiers"]["device"]["size"] = 2 * (len(whole[0].prompt_token_ids) + 24) // 16
+    small["cache"]["tiers"]["device"]["size"] = 2 * (len(whole[0].prompt_token_ids) + params.max_tokens) // 16
     with LLM(small, loaded_model=embedded_model_fp32) as llm:
         chunked = llm.generate(prompts, params)
     assert any(o.num_preemptions for o in chunked), "the pool was meant to be too small for all three at once"

@@ -120,7 +120,7 @@ def make_plan(args) -> Plan:
         models = tuple(ModelCase(m.key, f"tiny-llama standing in for {m.label}", "tiny-llama", "dummy")
                        for m in models)
         # ... and one test file stands in for the suite: without CUDA every cuda test is skipped anyway
-        return Plan(True, "cpu", tuple(args.sections), models, tuple(args.dtypes), (48, 96), 1,
+        return Plan(True, "cpu", tuple(args.sections), models, tuple(args.dtypes), (64,), 1,
                     16 << 20, 64, 8, 2, ("tests/test_transfer.py",), args.tests_timeout, args.block_size)
     return Plan(False, "cuda", tuple(args.sections), models, tuple(args.dtypes), tuple(args.doc_tokens),
                 args.repeats, 1 << 30, 8192, 64, 16, ("tests",), args.tests_timeout, args.block_size)
