@@ -23,7 +23,7 @@ import xxhash
 
 from kvstrata.engine.converted_model import converted_dir, first_line, load_or_convert
 from kvstrata.engine.model_identity import directory_identity, file_identity
-from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, read_config_json, read_shape
+from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, is_gguf_file, read_config_json, read_shape
 
 logger = logging.getLogger("kvstrata")
 
@@ -75,7 +75,7 @@ class LoadedModel:
 
 
 def resolve_model(name: str, load_format: str = "auto") -> ModelSource:
-    """Map `model.name` to files on this machine: the embedded model or a model directory (for
+    """Map `model.name` to files on this machine: the embedded model, a model directory or a GGUF file (for
     `load_format: dummy`, a directory's config.json or a preset)."""
     if load_format == "dummy" and name in PRESETS:
         return ModelSource(None, None, name, load_format)
@@ -84,9 +84,12 @@ def resolve_model(name: str, load_format: str = "auto") -> ModelSource:
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(path.resolve(), None, path.resolve().name, load_format)
+    if is_gguf_file(name) and load_format != "dummy":
+        file = path.resolve()  # a link's target: transformers reads the file by its directory and name
+        return ModelSource(file.parent, file.name, path.name)
     presets = f", or with load_format: dummy a preset ({', '.join(PRESETS)})"
-    raise ValueError(f"model.name: {name!r} is neither {EMBEDDED_MODEL!r} nor a local model directory with a "
-                     f"config.json{presets} (models are never downloaded)")
+    raise ValueError(f"model.name: {name!r} is neither {EMBEDDED_MODEL!r}, a local model directory with a "
+                     f"config.json nor a GGUF file{presets} (models are never downloaded)")
 
 
 def _embedded_source() -> ModelSource:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -156,12 +157,109 @@ def _sliding_window(config: Mapping[str, Any]) -> int | None:
 
 
 def model_shape(name: str, load_format: str = "auto") -> ModelShape:
-    """The shape of `model.name` (the embedded model, a preset, or a model directory) without loading it."""
+    """The shape of `model.name` (the embedded model, a preset, a model directory or a GGUF file) without loading
+    it."""
     if load_format == "dummy" and name in PRESETS:
         return read_shape(PRESETS[name])
     if name == EMBEDDED_MODEL:
         return EMBEDDED_SHAPE
+    if is_gguf_file(name):
+        return read_shape(read_gguf_config(Path(name)))
     return read_shape(read_config_json(Path(name)))
+
+
+def is_gguf_file(name: str) -> bool:
+    """A path to a GGUF file (llama.cpp's format): a model kvstrata converts on its first start."""
+    path = Path(name).expanduser()
+    return path.suffix.lower() == ".gguf" and path.is_file()
+
+
+# GGUF metadata (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): a header, then key-value pairs whose
+# values are typed scalars, strings or arrays of them. Only the header's pairs are read, never the tensors.
+GGUF_MAGIC = b"GGUF"
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_MAX_PAIRS = 1 << 16  # a header claiming more is damaged (real ones hold a few dozen)
+
+
+def read_gguf_metadata(path: Path) -> dict[str, Any]:
+    """A GGUF file's metadata: scalars and strings as values, arrays as their length (a vocabulary's 100k strings
+    are skipped, not kept). ValueError, one line, for a file that is not a whole GGUF header."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise ValueError(f"{path} is not a GGUF file")
+            version, _tensors, pairs = struct.unpack("<IQQ", _read(f, 20))
+            if version < 2 or pairs > _GGUF_MAX_PAIRS:
+                raise ValueError(f"{path}: GGUF version {version} with {pairs} metadata pairs is not readable")
+            metadata = {}
+            for _ in range(pairs):
+                key = _read_gguf_string(f)
+                (value_type,) = struct.unpack("<I", _read(f, 4))
+                metadata[key] = _read_gguf_value(f, value_type)
+            return metadata
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: damaged GGUF metadata ({exc})") from None
+
+
+def _read(f, size: int) -> bytes:
+    data = f.read(size)
+    if len(data) != size:
+        raise ValueError(f"{f.name}: the GGUF header ends early")
+    return data
+
+
+_GGUF_MAX_STRING = 1 << 24  # a longer string in a header is damage (the longest real ones are chat templates)
+
+
+def _read_gguf_string(f) -> str:
+    (length,) = struct.unpack("<Q", _read(f, 8))
+    if length > _GGUF_MAX_STRING:
+        raise ValueError(f"{f.name}: damaged GGUF metadata (a string of {length} bytes)")
+    return _read(f, length).decode("utf-8")
+
+
+def _read_gguf_value(f, value_type: int) -> Any:
+    if value_type in _GGUF_SCALARS:
+        form = _GGUF_SCALARS[value_type]
+        return struct.unpack(form, _read(f, struct.calcsize(form)))[0]
+    if value_type == _GGUF_STRING:
+        return _read_gguf_string(f)
+    if value_type == _GGUF_ARRAY:
+        item_type, count = struct.unpack("<IQ", _read(f, 12))
+        if item_type in _GGUF_SCALARS:
+            f.seek(count * struct.calcsize(_GGUF_SCALARS[item_type]), 1)
+        else:
+            for _ in range(count):
+                _read_gguf_value(f, item_type)
+        return count
+    raise ValueError(f"{f.name}: unknown GGUF value type {value_type}")
+
+
+def read_gguf_config(path: Path) -> dict[str, Any]:
+    """A GGUF file's metadata as the transformers config keys `read_shape` reads (transformers' own conversion
+    maps the same keys when it loads the file)."""
+    metadata = read_gguf_metadata(path)
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{path}: its GGUF metadata names no architecture")
+
+    def of_arch(key: str) -> Any:
+        return metadata.get(f"{arch}.{key}")
+
+    config = {"model_type": arch, "num_hidden_layers": of_arch("block_count"),
+              "num_attention_heads": of_arch("attention.head_count"),
+              "num_key_value_heads": of_arch("attention.head_count_kv"), "hidden_size": of_arch("embedding_length"),
+              "head_dim": of_arch("attention.key_length"),
+              "vocab_size": of_arch("vocab_size") or metadata.get("tokenizer.ggml.tokens"),
+              "max_position_embeddings": of_arch("context_length"),
+              "sliding_window": of_arch("attention.sliding_window")}
+    rope_type = of_arch("rope.scaling.type")
+    if rope_type not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": rope_type}
+    return {key: value for key, value in config.items() if value is not None}
 
 
 def read_config_json(directory: Path) -> dict[str, Any]:

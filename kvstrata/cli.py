@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                                 description="Flags beat --set, which beats the environment, which beats --config.")
     serve.add_argument("model_positional", nargs="?", metavar="MODEL",
-                       help="the embedded model's name or a local model directory (as model.name; vLLM's MODEL)")
+                       help="the embedded model's name, a local model directory or a GGUF file "
+                            "(as model.name; vLLM's MODEL)")
     _add_config_arguments(serve)
     _add_engine_arguments(serve)
     serve.set_defaults(run=_serve)

@@ -28,7 +28,8 @@ class EngineArg:
 
 
 ENGINE_ARGS = (
-    EngineArg("model", "model.name", str, "the embedded model's name or a local Hugging Face model directory"),
+    EngineArg("model", "model.name", str,
+              "the embedded model's name, a local Hugging Face model directory or a GGUF file"),
     EngineArg("dtype", "model.dtype", str, "auto, float32, bfloat16 or float16 (bf16, fp16, half, float)"),
     EngineArg("max_model_len", "model.max_model_len", int, "the longest prompt plus output, in tokens"),
     EngineArg("device", "model.device", str, "auto, cpu, cuda or cuda:N"),

@@ -17,7 +17,8 @@ from kvstrata.engine.config.fields import (DEVICE_RE, FieldError, KV_CACHE_DTYPE
                                            request_body_limit, short_repr, some_size)
 from kvstrata.engine.config import machine
 from kvstrata.engine.config.probes import auto_dtype, default_threads
-from kvstrata.engine.model_spec import EMBEDDED_MODEL, LENGTH_DEPENDENT_ROPE, PRESETS, ModelShape, model_shape
+from kvstrata.engine.model_spec import (EMBEDDED_MODEL, LENGTH_DEPENDENT_ROPE, PRESETS, ModelShape, is_gguf_file,
+                                      model_shape)
 from kvstrata.engine.sizes import Size, format_size
 from kvstrata.tiers.remote_url import DEFAULT_QUEUE_BYTES, SECRET_MASK, check_url, masked_url
 from kvstrata.tiers.storage import prepare_private_dir
@@ -55,8 +56,8 @@ class ModelConfig(_Section):
     def _canonical_name(cls, name: str) -> str:
         if name.strip().lower() == EMBEDDED_MODEL:
             return EMBEDDED_MODEL
-        directory = Path(name).expanduser()
-        return os.path.abspath(directory) if directory.is_dir() else name.strip()
+        path = Path(name).expanduser()
+        return os.path.abspath(path) if path.is_dir() or is_gguf_file(name) else name.strip()
 
     @field_validator("device")
     @classmethod
@@ -90,11 +91,12 @@ class ModelConfig(_Section):
         """The model's architecture and KV shape, read from its config (no weights are loaded)."""
         if self.load_format == "dummy" and self.name in PRESETS:
             return model_shape(self.name, self.load_format)
-        if self.name != EMBEDDED_MODEL and not (Path(self.name) / "config.json").is_file():
+        gguf = is_gguf_file(self.name)
+        if self.name != EMBEDDED_MODEL and not gguf and not (Path(self.name) / "config.json").is_file():
             presets = f", or with load_format: dummy a preset ({', '.join(PRESETS)})"
-            raise FieldError("name", f"{self.name!r} is neither the embedded model {EMBEDDED_MODEL!r} nor a "
-                                      f"local model directory with a config.json{presets}")
-        if self.name == EMBEDDED_MODEL and self.load_format == "dummy":
+            raise FieldError("name", f"{self.name!r} is neither the embedded model {EMBEDDED_MODEL!r}, a local "
+                                      f"model directory with a config.json nor a GGUF file{presets}")
+        if (self.name == EMBEDDED_MODEL or gguf) and self.load_format == "dummy":
             raise FieldError("load_format", f"dummy needs a model config: a preset ({', '.join(PRESETS)}) "
                                              "or a model directory")
         try:
