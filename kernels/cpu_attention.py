@@ -1,0 +1,223 @@
+"""Prefix-prefill attention on a CPU as one compiled kernel (kernels/cpu_attention.c), with the signature of
+`prefix_prefill.reference_prefix_prefill`: K/V read straight from the paged cache by the block table (no gather),
+and batch-invariant by construction (a row's bits depend only on its own query and the keys it sees, never on the
+other rows of the call, the thread count, or a cached prefix; see the C file).
+
+The C source is plain C (no torch headers): the system C compiler builds it on first use, in about a second, into
+the user's cache directory, keyed by a hash of the source and the flags. Where there is no compiler, or the build
+fails, one line is logged and `available()` is False; `prefix_prefill` then runs the torch reference. Caches whose
+rows are not float32, bfloat16 or float16 (int8 with a scale per row, fp8) also take the reference.
+
+Threads: the C code splits (sequence, KV head, query block) items over `torch.get_num_threads()` pthreads (not
+OpenMP: a second OpenMP runtime beside torch's can clash); each output is computed wholly by one thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvstrata.kernels import cpu_features
+from kvstrata.kernels.prefix_prefill import reference_prefix_prefill
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
+VECTOR_FLAGS = ("-mavx2", "-mfma")
+COMPILE_TIMEOUT_S = 120
+MAX_HEAD_DIM = 512  # the C file's limits
+MAX_GROUP = 64
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C file's DTYPE_* codes
+_ERRORS = {-2: "out of memory", -3: "could not start a thread", -4: "unsupported shape"}
+
+
+def find_compiler() -> str | None:
+    """The system C compiler: `$CC`, else `cc`, else `gcc`; None where there is none."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def compile_flags() -> tuple[str, ...]:
+    """The flags the kernel is built with: AVX2 and FMA only where this CPU has them (kernels/cpu_features.py)."""
+    return BASE_FLAGS + (VECTOR_FLAGS if cpu_features.has_avx2_fma() else ())
+
+
+def build_dir() -> Path:
+    """Where built kernels are kept: `$KVSTRATA_CACHE_DIR`, else `$XDG_CACHE_HOME/kvstrata`, else
+    `~/.cache/kvstrata` (as the engine's other caches), then `kernels/`; private to the user."""
+    root = os.environ.get("KVSTRATA_CACHE_DIR")
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstrata")
+    return Path(root) / "kernels"
+
+
+def build(compiler: str, flags: tuple[str, ...]) -> Path:
+    """The shared library built from SOURCE with `flags`, compiled unless already in `build_dir()`. It is written
+    under a temporary name and renamed into place, so a concurrent process never loads a half-written file."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), platform.machine().encode(),
+                                     *(f.encode() for f in flags)])).hexdigest()[:16]
+    directory = build_dir()
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    target = directory / f"cpu_attention-{key}.so"
+    if target.exists():
+        return target
+    fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial, "-lm"], capture_output=True,
+                                text=True, timeout=COMPILE_TIMEOUT_S)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"{Path(compiler).name} exited with {result.returncode}: {last}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernel, loaded; None (and one line logged, once) where it cannot be built or loaded."""
+    compiler = find_compiler()
+    if compiler is None:
+        logger.warning("kvstrata: no C compiler (cc or gcc) found; CPU attention runs the torch reference")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(compiler, compile_flags())))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        logger.warning("kvstrata: the CPU attention kernel could not be built (%s); it runs the torch reference",
+                       str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.kvs_prefix_prefill.restype = ctypes.c_int
+    lib.kvs_prefix_prefill.argtypes = [
+        p, ctypes.c_int, i64, i64,                      # query, dtype, strides
+        p, ctypes.c_int, p, i64, ctypes.c_int, ctypes.c_int,  # cache, dtype, strides, num_blocks, layer, block_size
+        p, i64, p, p,                                   # block tables, their row stride, query starts, seq lens
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,  # seqs, heads, kv heads, dim, scale
+        p, i64, i64, ctypes.c_int]                      # out, strides, threads
+    lib.kvs_check_block_tables.restype = ctypes.c_long
+    lib.kvs_check_block_tables.argtypes = [p, i64, p, ctypes.c_int, ctypes.c_int, i64]
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernel runs here (built, or buildable now)."""
+    return library() is not None
+
+
+def supports(kv_cache: torch.Tensor, query: torch.Tensor) -> bool:
+    """Whether the compiled kernel computes this call (else the torch reference does): CPU tensors, a cache and
+    query of float32, bfloat16 or float16, and the kernel built."""
+    return (kv_cache.device.type == "cpu" and query.device.type == "cpu" and kv_cache.dtype in CACHE_DTYPES
+            and query.dtype in CACHE_DTYPES and available())
+
+
+def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                   out: torch.Tensor | None = None, *, batch_invariant: bool = False) -> torch.Tensor:
+    """`reference_prefix_prefill`, computed by the compiled kernel where `supports` says so. Its results are
+    batch-invariant either way, so `batch_invariant` only matters to the reference it falls back to."""
+    if not supports(kv_cache, query):
+        return reference_prefix_prefill(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, scale, out,
+                                        batch_invariant=batch_invariant)
+    call = _checked_call(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out)
+    if out is None:
+        out = torch.empty_like(query)
+    direct = out.dtype == torch.float32 and out.stride(-1) == 1
+    result = out if direct else torch.empty(query.shape, dtype=torch.float32)
+    if query.shape[0] == 0 or call.num_seqs == 0:
+        return out
+    lib = library()
+    status = lib.kvs_prefix_prefill(
+        query.data_ptr(), CACHE_DTYPES[query.dtype], query.stride(0), query.stride(1),
+        kv_cache.data_ptr(), CACHE_DTYPES[kv_cache.dtype], call.cache_strides.data_ptr(), kv_cache.shape[0], layer,
+        kv_cache.shape[3], call.block_tables.data_ptr(), call.block_tables.stride(0), call.query_start.data_ptr(),
+        call.seq_lens.data_ptr(), call.num_seqs, query.shape[1], kv_cache.shape[4], query.shape[2], float(scale),
+        result.data_ptr(), result.stride(0), result.stride(1), torch.get_num_threads())
+    if status == -1:
+        seq = lib.kvs_check_block_tables(call.block_tables.data_ptr(), call.block_tables.stride(0),
+                                         call.seq_lens.data_ptr(), call.num_seqs, kv_cache.shape[3],
+                                         kv_cache.shape[0])
+        raise ValueError(f"prefix_prefill: sequence {seq}'s block table names a block outside the cache's "
+                         f"{kv_cache.shape[0]}")
+    if status != 0:
+        raise RuntimeError(f"prefix_prefill: the CPU attention kernel failed: {_ERRORS.get(status, status)}")
+    if not direct:
+        out.copy_(result)
+    return out
+
+
+class _Call:
+    """The checked, C-ready forms of a call's index tensors."""
+
+    __slots__ = ("block_tables", "query_start", "seq_lens", "num_seqs", "cache_strides")
+
+    def __init__(self, block_tables: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+                 cache_strides: torch.Tensor) -> None:
+        self.block_tables, self.query_start, self.seq_lens = block_tables, query_start, seq_lens
+        self.num_seqs = seq_lens.shape[0]
+        self.cache_strides = cache_strides
+
+
+def _index_tensor(name: str, tensor: torch.Tensor, dims: int) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims or tensor.is_floating_point() \
+            or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise ValueError(f"prefix_prefill: {name} must be a {dims}-D integer tensor")
+    return tensor.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def _checked_call(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None) -> _Call:
+    """Every property the C code relies on, checked, so that bad input is a ValueError and never a bad read.
+    (The block ids themselves are checked by the C code, before it reads anything, against the cache's size.)"""
+    if query.dim() != 3 or query.stride(-1) != 1:
+        raise ValueError(f"prefix_prefill: query must be [tokens, heads, head_dim] with a contiguous last axis, "
+                         f"got shape {tuple(query.shape)} strides {query.stride()}")
+    if kv_cache.dim() != 6 or kv_cache.stride(-1) != 1:
+        raise ValueError(f"prefix_prefill: kv_cache must be [blocks, layers, 2, block_size, kv_heads, head_dim] "
+                         f"with a contiguous last axis, got shape {tuple(kv_cache.shape)}")
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_layers, parts, _, num_kv_heads, row = kv_cache.shape
+    if parts != 2 or row != head_dim:
+        raise ValueError(f"prefix_prefill: kv_cache rows of {row} do not fit query's head_dim {head_dim}")
+    if not 0 < head_dim <= MAX_HEAD_DIM or num_kv_heads == 0 or num_heads % num_kv_heads \
+            or num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"prefix_prefill: {num_heads} query heads over {num_kv_heads} KV heads of {head_dim} "
+                         f"values is not supported")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise ValueError(f"prefix_prefill: layer {layer!r} is not one of the cache's {num_layers}")
+    if out is not None and (out.shape != query.shape or out.device.type != "cpu"):
+        raise ValueError(f"prefix_prefill: out {tuple(out.shape)} does not match query {tuple(query.shape)}")
+    tables = _index_tensor("block_tables", block_tables, 2)
+    starts = _index_tensor("query_start_loc", query_start_loc, 1)
+    lengths = _index_tensor("seq_lens", seq_lens, 1)
+    num_seqs = lengths.shape[0]
+    if starts.shape[0] != num_seqs + 1 or tables.shape[0] < num_seqs:
+        raise ValueError(f"prefix_prefill: {num_seqs} seq_lens need {num_seqs + 1} query_start_loc and as many "
+                         f"block table rows, got {starts.shape[0]} and {tables.shape[0]}")
+    q_lens = starts.diff()
+    if num_seqs and (starts[0] != 0 or starts[-1] != num_tokens or bool((q_lens < 0).any())
+                     or bool((q_lens > lengths).any())):
+        raise ValueError(f"prefix_prefill: query_start_loc {starts.tolist()} and seq_lens {lengths.tolist()} do "
+                         f"not describe {num_tokens} query tokens (each sequence's new tokens within its length)")
+    block_size = kv_cache.shape[3]
+    if num_seqs and int(lengths.max()) > tables.shape[1] * block_size:
+        raise ValueError(f"prefix_prefill: a sequence of {int(lengths.max())} positions needs more than the block "
+                         f"table's {tables.shape[1]} blocks of {block_size}")
+    strides = torch.tensor(kv_cache.stride()[:5], dtype=torch.int64)
+    return _Call(tables, starts, lengths, strides)
