@@ -96,40 +96,168 @@ static void to_float(float *dst, const void *src, int dtype, int n) {
     }
 }
 
-/* exp(x) for x <= 0 (scores minus their running maximum), elementwise and the same instructions for every element
- * (vectorised or not): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative error ~2e-7), times
- * 2^n from the exponent bits. Below -87 the result is flushed to 0 (e^-87 ~ 1.6e-38, under float32's normals). */
-static void exp_nonpositive(float *x, int n) {
-    for (int i = 0; i < n; i++) {
-        float v = x[i];
-        int underflow = !(v >= -87.0f);   /* also -inf and nan */
-        v = underflow ? -87.0f : v;
-        float k = rintf(v * 1.44269504088896341f);
-        float r = MADD(k, -0.693145751953125f, v);   /* ln2 in two parts (Cody-Waite) */
-        r = MADD(k, -1.428606765330187045e-06f, r);
-        float p = 1.0f / 720.0f;
-        p = MADD(p, r, 1.0f / 120.0f);
-        p = MADD(p, r, 1.0f / 24.0f);
-        p = MADD(p, r, 1.0f / 6.0f);
-        p = MADD(p, r, 0.5f);
-        p = MADD(p, r, 1.0f);
-        p = MADD(p, r, 1.0f);
-        int32_t bits = ((int32_t)k + 127) << 23;
-        float two_k;
-        memcpy(&two_k, &bits, 4);
-        x[i] = underflow ? 0.0f : p * two_k;
+/* exp(x) for x <= 0 (scores minus their running maximum), elementwise: x = k ln2 + r, |r| <= ln2 / 2, e^r by a
+ * degree-6 polynomial (relative error ~2e-7), times 2^k from the exponent bits. Below -87 (and -inf, nan) the
+ * result is 0 (e^-87 ~ 1.6e-38, under float32's normals). The AVX2 and the portable versions do the same
+ * operations on every element. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693145751953125f
+#define EXP_LN2_LO 1.428606765330187045e-06f
+#define EXP_FLOOR (-87.0f)
+
+static inline float exp_nonpositive(float v) {
+    int underflow = !(v >= EXP_FLOOR);
+    v = underflow ? EXP_FLOOR : v;
+    float k = rintf(v * EXP_LOG2E);
+    float r = MADD(k, -EXP_LN2_HI, v);
+    r = MADD(k, -EXP_LN2_LO, r);
+    float p = 1.0f / 720.0f;
+    p = MADD(p, r, 1.0f / 120.0f);
+    p = MADD(p, r, 1.0f / 24.0f);
+    p = MADD(p, r, 1.0f / 6.0f);
+    p = MADD(p, r, 0.5f);
+    p = MADD(p, r, 1.0f);
+    p = MADD(p, r, 1.0f);
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &bits, 4);
+    return underflow ? 0.0f : p * two_k;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256 exp8_nonpositive(__m256 v) {
+    __m256 ok = _mm256_cmp_ps(v, _mm256_set1_ps(EXP_FLOOR), _CMP_GE_OQ);   /* false for nan */
+    v = _mm256_blendv_ps(_mm256_set1_ps(EXP_FLOOR), v, ok);
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(-EXP_LN2_HI), v);
+    r = _mm256_fmadd_ps(k, _mm256_set1_ps(-EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), ok);
+}
+
+/* The LANES partial sums of a, b, c, d reduced by the fixed tree ((0+1)+(2+3))+((4+5)+(6+7)), as 4 floats. */
+static inline __m128 tree4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);   /* pairs (0+1), (2+3) | (4+5), (6+7) */
+    __m256 abcd = _mm256_hadd_ps(ab, cd);                         /* (0+1)+(2+3) | (4+5)+(6+7), per input */
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* scores[j] = dot(q, k[j]) * scale for j < m: each dot in LANES partial sums along head_dim, then the tree. */
+static void tile_scores(float *scores, const float *q, const float *const *k, int m, int D, float scale) {
+    const __m128 vscale = _mm_set1_ps(scale);
+    int j = 0;
+    for (; j < m; j += 4) {
+        const float *k0 = k[j], *k1 = j + 1 < m ? k[j + 1] : k0, *k2 = j + 2 < m ? k[j + 2] : k0,
+                    *k3 = j + 3 < m ? k[j + 3] : k0;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int d = 0; d < D; d += LANES) {
+            __m256 qd = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k1 + d), a1);
+            a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k2 + d), a2);
+            a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k3 + d), a3);
+        }
+        _mm_storeu_ps(scores + j, _mm_mul_ps(tree4(a0, a1, a2, a3), vscale));
     }
 }
 
-/* sum_d a[d] * b[d] in LANES partial sums, then a fixed tree. */
-static inline float dot(const float *a, const float *b, int n) {
+/* scores[j] = exp(scores[j] - shift) for j < m, 0 up to the next multiple of LANES; returns their sum: LANES
+ * partial sums over the groups of LANES keys in order, then the tree. */
+static float tile_exp_sum(float *scores, int m, float shift) {
+    __m256 vshift = _mm256_set1_ps(shift), sum = _mm256_setzero_ps();
+    for (int j = 0; j < m; j += LANES) {
+        __m256 v = _mm256_sub_ps(_mm256_loadu_ps(scores + j), vshift);
+        if (m - j < LANES) {   /* keys past the row's limit: exp(-inf) = 0 */
+            __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(m - j), lane));
+            v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, live);
+        }
+        v = exp8_nonpositive(v);
+        _mm256_storeu_ps(scores + j, v);
+        sum = _mm256_add_ps(sum, v);
+    }
+    __m128 s = tree4(sum, sum, sum, sum);
+    return _mm_cvtss_f32(s);
+}
+
+static float exp1_nonpositive(float v) {
+    return _mm256_cvtss_f32(exp8_nonpositive(_mm256_set1_ps(v)));
+}
+
+/* acc = acc * correction + sum_j p[j] v[j], the keys folded in order, for j < m. */
+static void tile_accumulate(float *acc, const float *p, const float *const *v, int m, int D, float correction) {
+    const __m256 c = _mm256_set1_ps(correction);
+    for (int d0 = 0; d0 < D; d0 += 8 * LANES) {
+        int width = D - d0 < 8 * LANES ? D - d0 : 8 * LANES;
+        if (width == 8 * LANES) {
+            __m256 r0 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0), c), r1 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8), c),
+                   r2 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 16), c), r3 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 24), c),
+                   r4 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 32), c), r5 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 40), c),
+                   r6 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 48), c), r7 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 56), c);
+            for (int j = 0; j < m; j++) {
+                const __m256 w = _mm256_set1_ps(p[j]);
+                const float *row = v[j] + d0;
+                r0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), r0);
+                r1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), r1);
+                r2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), r2);
+                r3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), r3);
+                r4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 32), r4);
+                r5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 40), r5);
+                r6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 48), r6);
+                r7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 56), r7);
+            }
+            _mm256_storeu_ps(acc + d0, r0); _mm256_storeu_ps(acc + d0 + 8, r1);
+            _mm256_storeu_ps(acc + d0 + 16, r2); _mm256_storeu_ps(acc + d0 + 24, r3);
+            _mm256_storeu_ps(acc + d0 + 32, r4); _mm256_storeu_ps(acc + d0 + 40, r5);
+            _mm256_storeu_ps(acc + d0 + 48, r6); _mm256_storeu_ps(acc + d0 + 56, r7);
+        } else {   /* fewer than 64 values left: one vector at a time, the same operations */
+            for (int d = d0; d < d0 + width; d += LANES) {
+                __m256 r = _mm256_mul_ps(_mm256_loadu_ps(acc + d), c);
+                for (int j = 0; j < m; j++) r = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + d), r);
+                _mm256_storeu_ps(acc + d, r);
+            }
+        }
+    }
+}
+#else
+/* Portable versions of the four above: the same operations, element by element. */
+static void tile_scores(float *scores, const float *q, const float *const *k, int m, int D, float scale) {
+    for (int j = 0; j < m; j++) {
+        float lane[LANES] = {0};
+        for (int d = 0; d < D; d += LANES)
+            for (int i = 0; i < LANES; i++) lane[i] = MADD(q[d + i], k[j][d + i], lane[i]);
+        scores[j] = (((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))) * scale;
+    }
+}
+
+static float tile_exp_sum(float *scores, int m, float shift) {
     float lane[LANES] = {0};
-    int d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int i = 0; i < LANES; i++) lane[i] = MADD(a[d + i], b[d + i], lane[i]);
-    for (int i = 0; d + i < n; i++) lane[i] = MADD(a[d + i], b[d + i], lane[i]);
+    for (int j = 0; j < m; j++) {
+        scores[j] = exp_nonpositive(scores[j] - shift);
+        lane[j % LANES] += scores[j];
+    }
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
+
+static float exp1_nonpositive(float v) { return exp_nonpositive(v); }
+
+static void tile_accumulate(float *acc, const float *p, const float *const *v, int m, int D, float correction) {
+    for (int d = 0; d < D; d++) {
+        float r = acc[d] * correction;
+        for (int j = 0; j < m; j++) r = MADD(p[j], v[j][d], r);
+        acc[d] = r;
+    }
+}
+#endif
 
 typedef struct {
     float *q;        /* [rows, head_dim] the block's queries in float32 */
@@ -139,13 +267,6 @@ typedef struct {
     float *kbuf, *vbuf;   /* [KEY_TILE, head_dim] converted rows (16-bit caches) */
 } Scratch;
 
-static const void *cache_row(const Problem *p, int64_t block, int part, int slot, int kv_head) {
-    size_t esize = p->cache_dtype == DTYPE_F32 ? 4 : 2;
-    int64_t offset = block * p->c_stride_block + (int64_t)p->layer * p->c_stride_layer + part * p->c_stride_part +
-                     (int64_t)slot * p->c_stride_slot + (int64_t)kv_head * p->c_stride_head;
-    return (const char *)p->cache + offset * (int64_t)esize;
-}
-
 /* One work item: query tokens [t0, t1) of sequence `seq` (positions ctx + i), every head of kv head `kvh`'s group. */
 static void attend_block(const Problem *p, Scratch *s, int seq, int kvh, int64_t t0, int64_t t1) {
     const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
@@ -154,7 +275,10 @@ static void attend_block(const Problem *p, Scratch *s, int seq, int kvh, int64_t
     const int64_t *table = p->block_tables + (int64_t)seq * p->bt_stride;
     const int rows = (int)(t1 - t0) * group;
     const float *krow[KEY_TILE], *vrow[KEY_TILE];
-    size_t qsize = p->query_dtype == DTYPE_F32 ? 4 : 2;
+    const size_t qsize = p->query_dtype == DTYPE_F32 ? 4 : 2, csize = p->cache_dtype == DTYPE_F32 ? 4 : 2;
+    const char *layer_base = (const char *)p->cache +
+        ((int64_t)p->layer * p->c_stride_layer + (int64_t)kvh * p->c_stride_head) * (int64_t)csize;
+    const int64_t v_offset = p->c_stride_part * (int64_t)csize;
 
     for (int r = 0; r < rows; r++) {   /* row r: token t0 + r / group, head kvh * group + r % group */
         int64_t token = q_first + t0 + r / group;
@@ -166,49 +290,38 @@ static void attend_block(const Problem *p, Scratch *s, int seq, int kvh, int64_t
         s->row_sum[r] = 0.0f;
     }
     const int64_t last_pos = ctx + t1 - 1;   /* the furthest any row sees */
+    int64_t block_index = 0;
+    int slot = 0;
     for (int64_t start = 0; start <= last_pos; start += KEY_TILE) {
         int n = (int)(last_pos - start + 1 < KEY_TILE ? last_pos - start + 1 : KEY_TILE);
-        for (int j = 0; j < n; j++) {
-            int64_t pos = start + j;
-            int64_t block = table[pos / p->block_size];
-            int slot = (int)(pos % p->block_size);
-            const void *k = cache_row(p, block, 0, slot, kvh), *v = cache_row(p, block, 1, slot, kvh);
+        for (int j = 0; j < n; j++) {   /* position start + j lies in block table[block_index], at `slot` */
+            const char *k = layer_base + (table[block_index] * p->c_stride_block + (int64_t)slot * p->c_stride_slot)
+                            * (int64_t)csize;
             if (p->cache_dtype == DTYPE_F32) {
                 krow[j] = (const float *)k;
-                vrow[j] = (const float *)v;
+                vrow[j] = (const float *)(k + v_offset);
             } else {
                 to_float(s->kbuf + (int64_t)j * D, k, p->cache_dtype, D);
-                to_float(s->vbuf + (int64_t)j * D, v, p->cache_dtype, D);
+                to_float(s->vbuf + (int64_t)j * D, k + v_offset, p->cache_dtype, D);
                 krow[j] = s->kbuf + (int64_t)j * D;
                 vrow[j] = s->vbuf + (int64_t)j * D;
             }
+            if (++slot == p->block_size) { slot = 0; block_index++; }
         }
         for (int r = 0; r < rows; r++) {
             int64_t pos = ctx + t0 + r / group;
             if (pos < start) continue;   /* this tile is past the row's causal limit: it would add exact zeros */
             int m = (int)(pos - start + 1 < n ? pos - start + 1 : n);   /* keys of this tile the row sees */
-            const float *q = s->q + (int64_t)r * D;
+            tile_scores(s->scores, s->q + (int64_t)r * D, krow, m, D, p->scale);
             float tile_max = -INFINITY;
-            for (int j = 0; j < m; j++) {
-                float score = dot(q, krow[j], D) * p->scale;
-                s->scores[j] = score;
-                tile_max = score > tile_max ? score : tile_max;
-            }
+            for (int j = 0; j < m; j++) tile_max = s->scores[j] > tile_max ? s->scores[j] : tile_max;
             float new_max = tile_max > s->row_max[r] ? tile_max : s->row_max[r];
-            float correction = s->row_max[r] - new_max;   /* -inf on the row's first tile: exp gives 0 */
-            for (int j = 0; j < m; j++) s->scores[j] -= new_max;
-            exp_nonpositive(s->scores, m);
-            exp_nonpositive(&correction, 1);
-            float tile_sum = 0.0f;
-            for (int j = 0; j < m; j++) tile_sum += s->scores[j];
+            /* -inf - new_max on the row's first tile: its correction is 0 (and multiplies zeros) */
+            float correction = exp1_nonpositive(s->row_max[r] - new_max);
+            float tile_sum = tile_exp_sum(s->scores, m, new_max);
             s->row_sum[r] = s->row_sum[r] * correction + tile_sum;
             s->row_max[r] = new_max;
-            float *acc = s->acc + (int64_t)r * D;
-            for (int d = 0; d < D; d++) acc[d] *= correction;
-            for (int j = 0; j < m; j++) {
-                const float w = s->scores[j], *v = vrow[j];
-                for (int d = 0; d < D; d++) acc[d] = MADD(w, v[d], acc[d]);
-            }
+            tile_accumulate(s->acc + (int64_t)r * D, s->scores, vrow, m, D, correction);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -282,7 +395,7 @@ int kvs_prefix_prefill(
         int num_seqs, int num_heads, int num_kv_heads, int head_dim, float scale,
         float *out, int64_t o_stride_token, int64_t o_stride_head, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
-        head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || num_seqs < 0)
+        head_dim <= 0 || head_dim > MAX_HEAD_DIM || head_dim % LANES || block_size <= 0 || num_seqs < 0)
         return ERR_SHAPE;
     if (kvs_check_block_tables(block_tables, bt_stride, seq_lens, num_seqs, block_size, num_blocks) >= 0)
         return ERR_BLOCK_ID;

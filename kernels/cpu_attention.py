@@ -35,7 +35,8 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
 VECTOR_FLAGS = ("-mavx2", "-mfma")
 COMPILE_TIMEOUT_S = 120
-MAX_HEAD_DIM = 512  # the C file's limits
+MAX_HEAD_DIM = 512  # the C file's limits: head_dim a multiple of LANES up to this, GQA groups up to MAX_GROUP
+HEAD_DIM_MULTIPLE = 8
 MAX_GROUP = 64
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C file's DTYPE_* codes
 _ERRORS = {-2: "out of memory", -3: "could not start a thread", -4: "unsupported shape"}
@@ -122,9 +123,9 @@ def available() -> bool:
 
 def supports(kv_cache: torch.Tensor, query: torch.Tensor) -> bool:
     """Whether the compiled kernel computes this call (else the torch reference does): CPU tensors, a cache and
-    query of float32, bfloat16 or float16, and the kernel built."""
+    query of float32, bfloat16 or float16, head_dim a multiple of 8 (every model we know), and the kernel built."""
     return (kv_cache.device.type == "cpu" and query.device.type == "cpu" and kv_cache.dtype in CACHE_DTYPES
-            and query.dtype in CACHE_DTYPES and available())
+            and query.dtype in CACHE_DTYPES and query.shape[-1] % HEAD_DIM_MULTIPLE == 0 and available())
 
 
 def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
@@ -135,7 +136,7 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
     if not supports(kv_cache, query):
         return reference_prefix_prefill(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, scale, out,
                                         batch_invariant=batch_invariant)
-    call = _checked_call(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out)
+    call = _checked_call(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out)  # before any read
     if out is None:
         out = torch.empty_like(query)
     direct = out.dtype == torch.float32 and out.stride(-1) == 1
