@@ -22,6 +22,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -108,11 +110,11 @@ def library() -> ctypes.CDLL | None:
     lib.kvs_prefix_prefill.argtypes = [
         p, ctypes.c_int, i64, i64,                      # query, dtype, strides
         p, ctypes.c_int, p, i64, ctypes.c_int, ctypes.c_int,  # cache, dtype, strides, num_blocks, layer, block_size
-        p, i64, p, p,                                   # block tables, their row stride, query starts, seq lens
+        p, ctypes.c_int, i64, p, p,                     # block tables, int32?, row stride, query starts, seq lens
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,  # seqs, heads, kv heads, dim, scale
         p, i64, i64, ctypes.c_int]                      # out, strides, threads
     lib.kvs_check_block_tables.restype = ctypes.c_long
-    lib.kvs_check_block_tables.argtypes = [p, i64, p, ctypes.c_int, ctypes.c_int, i64]
+    lib.kvs_check_block_tables.argtypes = [p, ctypes.c_int, i64, p, ctypes.c_int, ctypes.c_int, i64]
     return lib
 
 
@@ -139,20 +141,22 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
     call = _checked_call(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out)  # before any read
     if out is None:
         out = torch.empty_like(query)
+    if query.shape[0] == 0:
+        return out
     direct = out.dtype == torch.float32 and out.stride(-1) == 1
     result = out if direct else torch.empty(query.shape, dtype=torch.float32)
-    if query.shape[0] == 0 or call.num_seqs == 0:
-        return out
     lib = library()
+    tables = call.block_tables
     status = lib.kvs_prefix_prefill(
         query.data_ptr(), CACHE_DTYPES[query.dtype], query.stride(0), query.stride(1),
-        kv_cache.data_ptr(), CACHE_DTYPES[kv_cache.dtype], call.cache_strides.data_ptr(), kv_cache.shape[0], layer,
-        kv_cache.shape[3], call.block_tables.data_ptr(), call.block_tables.stride(0), call.query_start.data_ptr(),
-        call.seq_lens.data_ptr(), call.num_seqs, query.shape[1], kv_cache.shape[4], query.shape[2], float(scale),
-        result.data_ptr(), result.stride(0), result.stride(1), torch.get_num_threads())
+        kv_cache.data_ptr(), CACHE_DTYPES[kv_cache.dtype], call.cache_strides.buffer_info()[0], kv_cache.shape[0],
+        layer, kv_cache.shape[3], tables.data_ptr(), tables.dtype == torch.int32, tables.stride(0),
+        call.query_start.buffer_info()[0], call.seq_lens.buffer_info()[0], len(call.seq_lens), query.shape[1],
+        kv_cache.shape[4], query.shape[2], float(scale), result.data_ptr(), result.stride(0), result.stride(1),
+        torch.get_num_threads())
     if status == -1:
-        seq = lib.kvs_check_block_tables(call.block_tables.data_ptr(), call.block_tables.stride(0),
-                                         call.seq_lens.data_ptr(), call.num_seqs, kv_cache.shape[3],
+        seq = lib.kvs_check_block_tables(tables.data_ptr(), tables.dtype == torch.int32, tables.stride(0),
+                                         call.seq_lens.buffer_info()[0], len(call.seq_lens), kv_cache.shape[3],
                                          kv_cache.shape[0])
         raise ValueError(f"prefix_prefill: sequence {seq}'s block table names a block outside the cache's "
                          f"{kv_cache.shape[0]}")
@@ -163,29 +167,31 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
     return out
 
 
+@dataclass(frozen=True)
 class _Call:
-    """The checked, C-ready forms of a call's index tensors."""
+    """A call's index arguments in the forms the C code reads: the block tables as given (int32 or int64, rows
+    contiguous), the rest as int64 arrays."""
 
-    __slots__ = ("block_tables", "query_start", "seq_lens", "num_seqs", "cache_strides")
-
-    def __init__(self, block_tables: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-                 cache_strides: torch.Tensor) -> None:
-        self.block_tables, self.query_start, self.seq_lens = block_tables, query_start, seq_lens
-        self.num_seqs = seq_lens.shape[0]
-        self.cache_strides = cache_strides
+    block_tables: torch.Tensor
+    query_start: array
+    seq_lens: array
+    cache_strides: array
 
 
-def _index_tensor(name: str, tensor: torch.Tensor, dims: int) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dims or tensor.is_floating_point() \
-            or tensor.is_complex() or tensor.dtype == torch.bool:
-        raise ValueError(f"prefix_prefill: {name} must be a {dims}-D integer tensor")
-    return tensor.to(device="cpu", dtype=torch.int64).contiguous()
+TABLE_DTYPES = (torch.int32, torch.int64)
+
+
+def _index_list(name: str, tensor: torch.Tensor) -> list[int]:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.dtype not in TABLE_DTYPES:
+        raise ValueError(f"prefix_prefill: {name} must be a 1-D int32 or int64 tensor")
+    return tensor.tolist()
 
 
 def _checked_call(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None) -> _Call:
     """Every property the C code relies on, checked, so that bad input is a ValueError and never a bad read.
-    (The block ids themselves are checked by the C code, before it reads anything, against the cache's size.)"""
+    (The block ids themselves are checked by the C code, before it reads anything, against the cache's size.)
+    Plain Python over the lengths: a call's few sequences cost less so than in tensor operations."""
     if query.dim() != 3 or query.stride(-1) != 1:
         raise ValueError(f"prefix_prefill: query must be [tokens, heads, head_dim] with a contiguous last axis, "
                          f"got shape {tuple(query.shape)} strides {query.stride()}")
@@ -193,7 +199,7 @@ def _checked_call(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block
         raise ValueError(f"prefix_prefill: kv_cache must be [blocks, layers, 2, block_size, kv_heads, head_dim] "
                          f"with a contiguous last axis, got shape {tuple(kv_cache.shape)}")
     num_tokens, num_heads, head_dim = query.shape
-    _, num_layers, parts, _, num_kv_heads, row = kv_cache.shape
+    _, num_layers, parts, block_size, num_kv_heads, row = kv_cache.shape
     if parts != 2 or row != head_dim:
         raise ValueError(f"prefix_prefill: kv_cache rows of {row} do not fit query's head_dim {head_dim}")
     if not 0 < head_dim <= MAX_HEAD_DIM or num_kv_heads == 0 or num_heads % num_kv_heads \
@@ -204,21 +210,19 @@ def _checked_call(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block
         raise ValueError(f"prefix_prefill: layer {layer!r} is not one of the cache's {num_layers}")
     if out is not None and (out.shape != query.shape or out.device.type != "cpu"):
         raise ValueError(f"prefix_prefill: out {tuple(out.shape)} does not match query {tuple(query.shape)}")
-    tables = _index_tensor("block_tables", block_tables, 2)
-    starts = _index_tensor("query_start_loc", query_start_loc, 1)
-    lengths = _index_tensor("seq_lens", seq_lens, 1)
-    num_seqs = lengths.shape[0]
-    if starts.shape[0] != num_seqs + 1 or tables.shape[0] < num_seqs:
-        raise ValueError(f"prefix_prefill: {num_seqs} seq_lens need {num_seqs + 1} query_start_loc and as many "
-                         f"block table rows, got {starts.shape[0]} and {tables.shape[0]}")
-    q_lens = starts.diff()
-    if num_seqs and (starts[0] != 0 or starts[-1] != num_tokens or bool((q_lens < 0).any())
-                     or bool((q_lens > lengths).any())):
-        raise ValueError(f"prefix_prefill: query_start_loc {starts.tolist()} and seq_lens {lengths.tolist()} do "
-                         f"not describe {num_tokens} query tokens (each sequence's new tokens within its length)")
-    block_size = kv_cache.shape[3]
-    if num_seqs and int(lengths.max()) > tables.shape[1] * block_size:
-        raise ValueError(f"prefix_prefill: a sequence of {int(lengths.max())} positions needs more than the block "
-                         f"table's {tables.shape[1]} blocks of {block_size}")
-    strides = torch.tensor(kv_cache.stride()[:5], dtype=torch.int64)
-    return _Call(tables, starts, lengths, strides)
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 \
+            or block_tables.dtype not in TABLE_DTYPES or block_tables.device.type != "cpu":
+        raise ValueError("prefix_prefill: block_tables must be a 2-D int32 or int64 CPU tensor")
+    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    starts = _index_list("query_start_loc", query_start_loc)
+    lengths = _index_list("seq_lens", seq_lens)
+    if len(starts) != len(lengths) + 1 or tables.shape[0] < len(lengths):
+        raise ValueError(f"prefix_prefill: {len(lengths)} seq_lens need {len(lengths) + 1} query_start_loc and as "
+                         f"many block table rows, got {len(starts)} and {tables.shape[0]}")
+    capacity = tables.shape[1] * block_size
+    if starts[0] != 0 or starts[-1] != num_tokens or any(
+            not 0 <= starts[b + 1] - starts[b] <= length <= capacity for b, length in enumerate(lengths)):
+        raise ValueError(f"prefix_prefill: query_start_loc {starts} and seq_lens {lengths} do not describe "
+                         f"{num_tokens} query tokens (each sequence's new tokens within its length, its length "
+                         f"within the block table's {tables.shape[1]} blocks of {block_size})")
+    return _Call(tables, array("q", starts), array("q", lengths), array("q", kv_cache.stride()[:5]))

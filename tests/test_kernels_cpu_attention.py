@@ -14,7 +14,7 @@ import torch
 from kernel_cases import GUARD_ROWS, TOLERANCE, make_paged_problem, naive_attention, narrow_cache_problem, random_batch
 
 from kvstrata import LLM, SamplingParams, load_config
-from kvstrata.kernels import cpu_attention, cpu_kernel_available, get_ops, resolve_backend
+from kvstrata.kernels import cpu_attention, cpu_features, cpu_kernel_available, get_ops, resolve_backend
 from kvstrata.kernels.prefix_prefill import reference_prefix_prefill
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler to build the CPU kernel")
@@ -202,6 +202,23 @@ def test_builds_running_at_once_each_load_a_whole_library(rebuilt):
         assert ctypes.CDLL(str(path)).kvs_prefix_prefill
     assert [f.suffix for f in rebuilt.iterdir()] == [".so"]
     assert stat.S_IMODE(rebuilt.stat().st_mode) == 0o700
+
+
+def test_the_portable_build_for_cpus_without_avx2_computes_the_same_attention(rebuilt, monkeypatch, threads):
+    """Where the CPU lacks AVX2 or FMA the kernel is built without them (plain C loops, the same formulas): it
+    must be as right, and as invariant, as the vector build."""
+    monkeypatch.setattr(cpu_features, "has_avx2_fma", lambda flags=None: False)
+    assert "-mavx2" not in cpu_attention.compile_flags()
+    problem = make_paged_problem([(0, 70), (40, 1), (9, 33)], num_heads=9, num_kv_heads=3, head_dim=64,
+                                 block_size=16, dtype=torch.bfloat16, seed=2)
+    threads(1)
+    whole = run(problem)
+    torch.testing.assert_close(whole.double(), naive_attention(problem), **TOLERANCE[torch.bfloat16])
+    (alone,) = sub_call(problem, [(0, 35, 70)])
+    assert torch.equal(alone, whole[35:70])
+    threads(2)
+    assert torch.equal(run(problem), whole)
+    assert [f.suffix for f in rebuilt.iterdir()] == [".so"]
 
 
 def test_backends_auto_is_cpu_here_and_cpu_ops_are_the_torch_ops_but_attention():
