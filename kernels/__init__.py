@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 BACKENDS = ("triton", "cpu", "torch")
 _CHOICES = "auto, triton, cpu, torch"
+_NO_CPU_KERNEL = ("model.attention_backend: 'cpu' needs a C compiler (cc or gcc) to build its attention kernel, and "
+                  "none worked here (use 'torch' or 'auto')")
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
     """The kernels of `backend` ("triton", "cpu" or "torch"), in batch-invariant mode if asked."""
     if backend == "cpu":
         if not cpu_kernel_available():
-            raise ValueError("model.attention_backend: 'cpu' needs a C compiler (cc or gcc) to build its attention "
-                             "kernel, and none worked here (use 'torch' or 'auto')")
+            raise ValueError(_NO_CPU_KERNEL)
         from kvstrata.kernels import cpu_attention
 
         # The torch ops but attention, whose compiled kernel is batch-invariant in both modes.
@@ -121,8 +122,7 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
             raise ValueError(f"model.attention_backend: 'cpu' runs on a CPU device, got {device_type!r} "
                              "(use 'auto')")
         if not cpu_kernel_available():
-            raise ValueError("model.attention_backend: 'cpu' needs a C compiler (cc or gcc) to build its attention "
-                             "kernel, and none worked here (use 'torch' or 'auto')")
+            raise ValueError(_NO_CPU_KERNEL)
         return "cpu"
     if backend == "triton":
         if not triton_available():
@@ -135,4 +135,5 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of {_CHOICES})")
 
 
-__all__ = ["BACKENDS", "KernelOps", "get_ops", "cpu_kernel_available", "resolve_backend", "triton_available", "triton_interpreted"]
+__all__ = ["BACKENDS", "KernelOps", "cpu_kernel_available", "get_ops", "resolve_backend", "triton_available",
+           "triton_interpreted"]
