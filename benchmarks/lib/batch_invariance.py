@@ -169,12 +169,12 @@ def first_difference(reference, records, rows: slice) -> str:
 def trace(args) -> None:
     loaded = load_model(resolve_model(EMBEDDED_MODEL), torch.bfloat16, "cpu")
     tokens = loaded.tokenizer.encode(document("execmodel", 4000))[:args.length]
-    print(f"prompt of {len(tokens)} tokens, bfloat16, torch path; cut = the cached prefix's length\n")
+    print(f"prompt of {len(tokens)} tokens, bfloat16, {args.backend} backend; cut = the cached prefix's length\n")
     print("| mode | cut | prefix step vs. same rows of the whole | suffix step vs. same rows of the whole | "
           "last logits equal |")
     print("|---|---|---|---|---|")
     for invariant in (False, True):
-        recorder = Recorder(loaded, get_ops("torch", batch_invariant=invariant))
+        recorder = Recorder(loaded, get_ops(args.backend, batch_invariant=invariant))
         (whole,), whole_logits = run_steps(loaded, recorder, tokens, [len(tokens)])
         for cut in args.cuts:
             (prefix, suffix), logits = run_steps(loaded, recorder, tokens, [cut, len(tokens)])
@@ -229,6 +229,8 @@ def main(argv=None) -> None:
     p = sub.add_parser("trace")
     p.add_argument("--length", type=int, default=200)
     p.add_argument("--cuts", type=int, nargs="+", default=[96, 160, 192])
+    p.add_argument("--backend", default="torch", choices=["cpu", "torch"],
+                   help="the attention kernels traced (cpu: the compiled CPU kernel; torch: the references)")
     p = sub.add_parser("cost")
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--tokens", type=int, default=17)
