@@ -8,6 +8,10 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB
     KVSTRATA_CACHE_DIR=/var/lib/kvstrata/cache \
     KVSTRATA_HOST=0.0.0.0 KVSTRATA_PORT=8000
 
+# a C compiler: the CPU attention kernel (kernels/cpu_attention.c) is built on first use for the CPU it runs on,
+# into KVSTRATA_CACHE_DIR; without one the engine logs a line and runs the slower torch attention
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+
 # torch's CPU wheel first, so that installing kvstrata does not resolve a CUDA build
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 

@@ -166,7 +166,7 @@ class Decoder:
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # the CPU's products take their weights transposed (see `pack`); a GPU's, and Triton's, as loaded
-        self.transposed = ops.name == "torch" and self.embed.device.type == "cpu"
+        self.transposed = ops.name in ("torch", "cpu") and self.embed.device.type == "cpu"
         self.layers = [layer_weights(layer, self.transposed) for layer in body.layers[:config.num_hidden_layers]]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

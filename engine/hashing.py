@@ -69,7 +69,11 @@ def get_digest_fn(algo: str) -> DigestFn:
         raise ValueError(f"unknown hash algorithm {algo!r}; expected one of {sorted(HASH_ALGOS)}") from None
 
 
-BATCH_INVARIANT_VERSION = 2  # 1: one product per row; 2: rows in fixed tiles per CPU family
+# 1: one product per row; 2: rows in fixed tiles per CPU family; 3: on a CPU, attention by the compiled kernel
+# (kernels/cpu_attention.py, whose key tiles and sums are not the torch path's). An engine on the torch backend
+# (no C compiler) still computes version 2's attention under this number: engines sharing a store in this mode
+# should run the same backend.
+BATCH_INVARIANT_VERSION = 3
 
 
 def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version: int, algo: str,

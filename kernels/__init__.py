@@ -2,7 +2,9 @@
 tensors out.
 
 The engine asks `get_ops(resolve_backend(config.model.attention_backend, device))` once and calls the returned
-`KernelOps`. Importing this package never imports Triton; only `get_ops("triton")` does.
+`KernelOps`. Importing this package never imports Triton; only `get_ops("triton")` does. Backends: "triton" (CUDA),
+"cpu" (the torch ops with attention by the compiled CPU kernel, kernels/cpu_attention.py, built on first use) and
+"torch" (the pure references, which run anywhere).
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     import torch
 
-BACKENDS = ("triton", "torch")
+BACKENDS = ("triton", "cpu", "torch")
+_CHOICES = "auto, triton, cpu, torch"
+_NO_CPU_KERNEL = ("model.attention_backend: 'cpu' needs a C compiler (cc or gcc) to build its attention kernel, and "
+                  "none worked here (use 'torch' or 'auto')")
 
 
 @dataclass(frozen=True)
@@ -52,9 +57,25 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.cache
+def cpu_kernel_available() -> bool:
+    """True when the compiled CPU attention kernel builds (or was built) and loads here (kernels/cpu_attention.py:
+    a C compiler is needed; without one it logs one line and this is False)."""
+    from kvstrata.kernels import cpu_attention
+
+    return cpu_attention.available()
+
+
 def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
-    """The kernels of `backend` ("triton" or "torch"), in batch-invariant mode if asked."""
-    if backend == "torch":
+    """The kernels of `backend` ("triton", "cpu" or "torch"), in batch-invariant mode if asked."""
+    if backend == "cpu":
+        if not cpu_kernel_available():
+            raise ValueError(_NO_CPU_KERNEL)
+        from kvstrata.kernels import cpu_attention
+
+        # The torch ops but attention, whose compiled kernel is batch-invariant in both modes.
+        ops = dataclasses.replace(get_ops("torch"), name="cpu", prefix_prefill=cpu_attention.prefix_prefill)
+    elif backend == "torch":
         from kvstrata.kernels import batch_invariant as invariant
         from kvstrata.kernels import block_copy, kv_store, layer_ops, prefix_prefill
 
@@ -77,7 +98,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
                         linear=invariant.linear, mean_last_dim=invariant.mean_last_dim,
                         rms_norm=layer_ops.rms_norm, rotary=layer_ops.rotary, silu_and_mul=layer_ops.silu_and_mul)
     else:
-        raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of auto, triton, torch)")
+        raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of {_CHOICES})")
     if batch_invariant:
         ops = dataclasses.replace(ops, batch_invariant=True,
                                   prefix_prefill=functools.partial(ops.prefix_prefill, batch_invariant=True))
@@ -86,13 +107,23 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """Turn the configured `model.attention_backend` into a concrete backend for `device`:
-    "auto" is "triton" on CUDA when Triton imports, else "torch"; "triton" off CUDA is an error unless the
-    Triton interpreter is on; "torch" works everywhere."""
+    "auto" is "triton" on CUDA when Triton imports, "cpu" on a CPU when its kernel builds, else "torch";
+    "triton" off CUDA is an error unless the Triton interpreter is on; "cpu" off a CPU, or where its kernel
+    cannot be built, is an error; "torch" works everywhere."""
     device_type = getattr(device, "type", None) or str(device).split(":")[0]
     if backend == "auto":
-        return "triton" if device_type == "cuda" and triton_available() else "torch"
+        if device_type == "cuda" and triton_available():
+            return "triton"
+        return "cpu" if device_type == "cpu" and cpu_kernel_available() else "torch"
     if backend == "torch":
         return "torch"
+    if backend == "cpu":
+        if device_type != "cpu":
+            raise ValueError(f"model.attention_backend: 'cpu' runs on a CPU device, got {device_type!r} "
+                             "(use 'auto')")
+        if not cpu_kernel_available():
+            raise ValueError(_NO_CPU_KERNEL)
+        return "cpu"
     if backend == "triton":
         if not triton_available():
             raise ValueError("model.attention_backend: 'triton' needs the triton package, which is not installed "
@@ -101,7 +132,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
             raise ValueError(f"model.attention_backend: 'triton' needs a CUDA device, got {device_type!r} "
                              "(use 'torch' or 'auto')")
         return "triton"
-    raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of auto, triton, torch)")
+    raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of {_CHOICES})")
 
 
-__all__ = ["BACKENDS", "KernelOps", "get_ops", "resolve_backend", "triton_available", "triton_interpreted"]
+__all__ = ["BACKENDS", "KernelOps", "cpu_kernel_available", "get_ops", "resolve_backend", "triton_available",
+           "triton_interpreted"]

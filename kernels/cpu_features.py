@@ -71,3 +71,13 @@ def cpu_matrix_family() -> str:
     flags = cpuinfo_flags()
     forced = forced_amx()
     return matrix_family(flags, amx_usable(flags) if forced is None else forced)
+
+
+# What the compiled CPU kernels (kernels/cpu_attention.py) are built for beyond the baseline: AVX2 and FMA together.
+VECTOR_FLAGS = ("avx2", "fma")
+
+
+def has_avx2_fma(flags: set[str] | None = None) -> bool:
+    """Whether this CPU (or one with `flags`) has AVX2 and FMA, so that kernels may be compiled with -mavx2 -mfma."""
+    flags = cpuinfo_flags() if flags is None else flags
+    return flags is not None and all(flag in flags for flag in VECTOR_FLAGS)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_cases import TOLERANCE, make_paged_problem, naive_attention, random_batch
 
-from kvstrata.kernels import get_ops, resolve_backend
+from kvstrata.kernels import cpu_kernel_available, get_ops, resolve_backend
 from kvstrata.kernels.block_copy import reference_gather_blocks, reference_scatter_blocks
 from kvstrata.kernels.kv_store import reference_store_kv
 from kvstrata.kernels.prefix_prefill import reference_prefix_prefill
@@ -90,9 +90,10 @@ def test_torch_backend_serves_the_references_and_unknown_backends_are_rejected()
         resolve_backend("flash", "cpu")
 
 
-def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda():
-    assert resolve_backend("auto", "cpu") == "torch"
-    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+def test_auto_backend_is_the_cpu_kernel_or_torch_on_cpu_and_triton_on_cuda():
+    on_cpu = "cpu" if cpu_kernel_available() else "torch"
+    assert resolve_backend("auto", "cpu") == on_cpu
+    assert resolve_backend("auto", torch.device("cpu")) == on_cpu
     assert resolve_backend("auto", "cuda:0") == "triton"
     assert resolve_backend("torch", "cuda") == "torch"
 

@@ -3,7 +3,7 @@
     python benchmarks/invariance.py batch ops         # which ops give a row other bits when the call's shape changes
     python benchmarks/invariance.py batch trace       # the first op whose bits differ, prompt whole vs. cut in two
     python benchmarks/invariance.py batch tiles       # the invariant linear's cost by rows per tile (its table)
-    python benchmarks/invariance.py batch cost        # prefill TTFT and decode step time, both modes
+    python benchmarks/invariance.py batch cost        # prefill TTFT and decode step time, both modes (--backend)
 
 Results and their reading: benchmarks/results/batch_invariance.md. How often greedy answers differ cached vs.
 uncached is benchmarks/lib/cache_invariance.py's measure (with `--set model.batch_invariant=true` for the mode). The
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from kvstrata import LLM, SamplingParams, load_config  # noqa: E402
 from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model  # noqa: E402
 from kvstrata.engine.model_runner import ModelRunner, StepInput  # noqa: E402
-from kvstrata.kernels import get_ops  # noqa: E402
+from kvstrata.kernels import get_ops, resolve_backend  # noqa: E402
 from kvstrata.kernels.batch_invariant import cpu_matrix_isa, linear_tile_rows, reference_linear  # noqa: E402
 from kvstrata.tiers.base import BlockLayout  # noqa: E402
 
@@ -169,12 +169,12 @@ def first_difference(reference, records, rows: slice) -> str:
 def trace(args) -> None:
     loaded = load_model(resolve_model(EMBEDDED_MODEL), torch.bfloat16, "cpu")
     tokens = loaded.tokenizer.encode(document("execmodel", 4000))[:args.length]
-    print(f"prompt of {len(tokens)} tokens, bfloat16, torch path; cut = the cached prefix's length\n")
+    print(f"prompt of {len(tokens)} tokens, bfloat16, {args.backend} backend; cut = the cached prefix's length\n")
     print("| mode | cut | prefix step vs. same rows of the whole | suffix step vs. same rows of the whole | "
           "last logits equal |")
     print("|---|---|---|---|---|")
     for invariant in (False, True):
-        recorder = Recorder(loaded, get_ops("torch", batch_invariant=invariant))
+        recorder = Recorder(loaded, get_ops(args.backend, batch_invariant=invariant))
         (whole,), whole_logits = run_steps(loaded, recorder, tokens, [len(tokens)])
         for cut in args.cuts:
             (prefix, suffix), logits = run_steps(loaded, recorder, tokens, [cut, len(tokens)])
@@ -189,7 +189,8 @@ def trace(args) -> None:
 
 def cost(args) -> None:
     print(f"CPU: {cpu_matrix_isa()} (torch capability {torch.backends.cpu.get_cpu_capability()}), "
-          f"{torch.get_num_threads()} thread(s), torch path, median of {args.repeats}\n")
+          f"{torch.get_num_threads()} thread(s), attention_backend {args.backend} "
+          f"({resolve_backend(args.backend, 'cpu')}), median of {args.repeats}\n")
     print("| dtype | mode | prefill TTFT | decode step | TTFT ratio | step ratio |")
     print("|---|---|---|---|---|---|")
     for dtype in args.dtypes:
@@ -205,7 +206,7 @@ def cost(args) -> None:
 
 def _prefill_and_step(loaded, tokens, dtype: str, invariant: bool, args) -> tuple[float, float]:
     """Median TTFT of a cold prompt and median decode step after it."""
-    llm = LLM(load_config({"model": {"dtype": dtype, "device": "cpu", "attention_backend": "torch",
+    llm = LLM(load_config({"model": {"dtype": dtype, "device": "cpu", "attention_backend": args.backend,
                                      "batch_invariant": invariant},
                            "cache": {"enable_prefix_caching": False}}), loaded_model=loaded)
     ttfts, steps = [], []
@@ -228,11 +229,15 @@ def main(argv=None) -> None:
     p = sub.add_parser("trace")
     p.add_argument("--length", type=int, default=200)
     p.add_argument("--cuts", type=int, nargs="+", default=[96, 160, 192])
+    p.add_argument("--backend", default="torch", choices=["cpu", "torch"],
+                   help="the attention kernels traced (cpu: the compiled CPU kernel; torch: the references)")
     p = sub.add_parser("cost")
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--tokens", type=int, default=17)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
+    p.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch"],
+                   help="model.attention_backend (auto: the compiled CPU kernel where it builds; torch: the references)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

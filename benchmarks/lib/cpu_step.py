@@ -256,6 +256,8 @@ def command_profile(args) -> None:
     import pstats
 
     import torch
+
+    import kvstrata
     from kvstrata import LLM, SamplingParams, load_config
 
     # the imported checkout's own default config: another commit's schema may not know this tree's keys

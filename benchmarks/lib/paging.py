@@ -12,9 +12,10 @@ Figures are reported as ratios `ours / SDPA` (1.0 = paging costs nothing).
   8k context + 512 new tokens, and a decode batch (32 sequences x 1 token over 8k). Then split-KV on the shape of
   a question over a cached document (one sequence, 4k and 7k cached tokens, 16 new tokens or 1): the kernel with
   its automatic choice of splits, the same kernel forced to a single pass (`num_splits=1`), and SDPA.
-- On a CPU: the torch reference (`reference_prefix_prefill`, the CPU engine path) against SDPA, at a smaller size
-  and on the question shapes, one thread, best of `--repeats` by process CPU time (a busy machine's other
-  processes do not count). The Triton figures need a GPU.
+- On a CPU: the compiled CPU kernel (`kernels/cpu_attention.py`, the CPU engine path where it builds) and the
+  torch reference (`reference_prefix_prefill`) against SDPA, at a smaller size and on the question shapes, one
+  thread, best of `--repeats` by process CPU time (a busy machine's other processes do not count). The Triton
+  figures need a GPU.
 
 Every timed function is first checked to give the baseline's output on the very problem it is timed on.
 
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks.machine import machine_line  # noqa: E402
+from kvstrata.kernels import cpu_attention  # noqa: E402
 from kvstrata.kernels.prefix_prefill import (choose_num_splits, prefix_prefill, reference_prefix_prefill,  # noqa: E402
                                              sm_count)
 
@@ -229,13 +231,20 @@ def main(argv: list[str] | None = None) -> None:
         dtypes, ours, timer, name = [torch.float32, torch.bfloat16], reference_prefix_prefill, time_cpu, \
             "torch reference_prefix_prefill"
         machine = machine_line()
+        if cpu_attention.available():
+            ours, name = cpu_attention.prefix_prefill, "the compiled CPU kernel, beside the torch reference"
     if args.quick:
         cases, dtypes = [Case(SMOLLM2, 2, 64, 16)], [torch.float32]
     print(f"machine: {machine}; ours = {name}; block size {BLOCK_SIZE}")
     if not on_cuda:
         print("(CPU run: the Triton kernel's figures, split-KV among them, need a GPU)")
     print()
-    paging_table(cases, dtypes, ours, timer, args.repeats, device)
+    if ours is cpu_attention.prefix_prefill:
+        timing_table(cases, dtypes, {"cpu kernel": ours, "torch reference": reference_prefix_prefill},
+                     [("reference / kernel", "torch reference", "cpu kernel"), ("kernel / SDPA", "cpu kernel", SDPA)],
+                     timer, args.repeats, device)
+    else:
+        paging_table(cases, dtypes, ours, timer, args.repeats, device)
     if on_cuda:
         print()
         print("Split-KV: a question over a cached document")

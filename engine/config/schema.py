@@ -41,7 +41,7 @@ class ModelConfig(_Section):
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from the model's config
     dtype: Dtype = "auto"
     device: str = "auto"
-    attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
     max_model_len: PositiveInt | None = None  # None: the model's own limit
     threads: Threads = "auto"  # torch's CPU threads; auto: see `default_threads`
     # Reductions in an order no batch or chunking changes: cached and uncached outputs then agree bit for bit in

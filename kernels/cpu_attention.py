@@ -1,0 +1,228 @@
+"""Prefix-prefill attention on a CPU as one compiled kernel (kernels/cpu_attention.c), with the signature of
+`prefix_prefill.reference_prefix_prefill`: K/V read straight from the paged cache by the block table (no gather),
+and batch-invariant by construction (a row's bits depend only on its own query and the keys it sees, never on the
+other rows of the call, the thread count, or a cached prefix; see the C file).
+
+The C source is plain C (no torch headers): the system C compiler builds it on first use, in about a second, into
+the user's cache directory, keyed by a hash of the source and the flags. Where there is no compiler, or the build
+fails, one line is logged and `available()` is False; `prefix_prefill` then runs the torch reference. Caches whose
+rows are not float32, bfloat16 or float16 (int8 with a scale per row, fp8) also take the reference.
+
+Threads: the C code splits (sequence, KV head, query block) items over `torch.get_num_threads()` pthreads (not
+OpenMP: a second OpenMP runtime beside torch's can clash); each output is computed wholly by one thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstrata.kernels import cpu_features
+from kvstrata.kernels.prefix_prefill import reference_prefix_prefill
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
+VECTOR_FLAGS = ("-mavx2", "-mfma")
+COMPILE_TIMEOUT_S = 120
+MAX_HEAD_DIM = 512  # the C file's limits: head_dim a multiple of LANES up to this, GQA groups up to MAX_GROUP
+HEAD_DIM_MULTIPLE = 8
+MAX_GROUP = 64
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C file's DTYPE_* codes
+_ERRORS = {-2: "out of memory", -3: "could not start a thread", -4: "unsupported shape"}
+
+
+def find_compiler() -> str | None:
+    """The system C compiler: `$CC`, else `cc`, else `gcc`; None where there is none."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def compile_flags() -> tuple[str, ...]:
+    """The flags the kernel is built with: AVX2 and FMA only where this CPU has them (kernels/cpu_features.py)."""
+    return BASE_FLAGS + (VECTOR_FLAGS if cpu_features.has_avx2_fma() else ())
+
+
+def build_dir() -> Path:
+    """Where built kernels are kept: `$KVSTRATA_CACHE_DIR`, else `$XDG_CACHE_HOME/kvstrata`, else
+    `~/.cache/kvstrata` (as the engine's other caches), then `kernels/`; private to the user."""
+    root = os.environ.get("KVSTRATA_CACHE_DIR")
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstrata")
+    return Path(root) / "kernels"
+
+
+def build(compiler: str, flags: tuple[str, ...]) -> Path:
+    """The shared library built from SOURCE with `flags`, compiled unless already in `build_dir()`. It is written
+    under a temporary name and renamed into place, so a concurrent process never loads a half-written file."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), platform.machine().encode(),
+                                     *(f.encode() for f in flags)])).hexdigest()[:16]
+    directory = build_dir()
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    target = directory / f"cpu_attention-{key}.so"
+    if target.exists():
+        return target
+    fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial, "-lm"], capture_output=True,
+                                text=True, timeout=COMPILE_TIMEOUT_S)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"{Path(compiler).name} exited with {result.returncode}: {last}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernel, loaded; None (and one line logged, once) where it cannot be built or loaded."""
+    compiler = find_compiler()
+    if compiler is None:
+        logger.warning("kvstrata: no C compiler (cc or gcc) found; CPU attention runs the torch reference")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(compiler, compile_flags())))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        logger.warning("kvstrata: the CPU attention kernel could not be built (%s); it runs the torch reference",
+                       str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.kvs_prefix_prefill.restype = ctypes.c_int
+    lib.kvs_prefix_prefill.argtypes = [
+        p, ctypes.c_int, i64, i64,                      # query, dtype, strides
+        p, ctypes.c_int, p, i64, ctypes.c_int, ctypes.c_int,  # cache, dtype, strides, num_blocks, layer, block_size
+        p, ctypes.c_int, i64, p, p,                     # block tables, int32?, row stride, query starts, seq lens
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,  # seqs, heads, kv heads, dim, scale
+        p, i64, i64, ctypes.c_int]                      # out, strides, threads
+    lib.kvs_check_block_tables.restype = ctypes.c_long
+    lib.kvs_check_block_tables.argtypes = [p, ctypes.c_int, i64, p, ctypes.c_int, ctypes.c_int, i64]
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernel runs here (built, or buildable now)."""
+    return library() is not None
+
+
+def supports(kv_cache: torch.Tensor, query: torch.Tensor) -> bool:
+    """Whether the compiled kernel computes this call (else the torch reference does): CPU tensors, a cache and
+    query of float32, bfloat16 or float16, head_dim a multiple of 8 (every model we know), and the kernel built."""
+    return (kv_cache.device.type == "cpu" and query.device.type == "cpu" and kv_cache.dtype in CACHE_DTYPES
+            and query.dtype in CACHE_DTYPES and query.shape[-1] % HEAD_DIM_MULTIPLE == 0 and available())
+
+
+def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                   out: torch.Tensor | None = None, *, batch_invariant: bool = False) -> torch.Tensor:
+    """`reference_prefix_prefill`, computed by the compiled kernel where `supports` says so. Its results are
+    batch-invariant either way, so `batch_invariant` only matters to the reference it falls back to."""
+    if not supports(kv_cache, query):
+        return reference_prefix_prefill(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, scale, out,
+                                        batch_invariant=batch_invariant)
+    call = _checked_call(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, out)  # before any read
+    if out is None:
+        out = torch.empty_like(query)
+    if query.shape[0] == 0:
+        return out
+    direct = out.dtype == torch.float32 and out.stride(-1) == 1
+    result = out if direct else torch.empty(query.shape, dtype=torch.float32)
+    lib = library()
+    tables = call.block_tables
+    status = lib.kvs_prefix_prefill(
+        query.data_ptr(), CACHE_DTYPES[query.dtype], query.stride(0), query.stride(1),
+        kv_cache.data_ptr(), CACHE_DTYPES[kv_cache.dtype], call.cache_strides.buffer_info()[0], kv_cache.shape[0],
+        layer, kv_cache.shape[3], tables.data_ptr(), tables.dtype == torch.int32, tables.stride(0),
+        call.query_start.buffer_info()[0], call.seq_lens.buffer_info()[0], len(call.seq_lens), query.shape[1],
+        kv_cache.shape[4], query.shape[2], float(scale), result.data_ptr(), result.stride(0), result.stride(1),
+        torch.get_num_threads())
+    if status == -1:
+        seq = lib.kvs_check_block_tables(tables.data_ptr(), tables.dtype == torch.int32, tables.stride(0),
+                                         call.seq_lens.buffer_info()[0], len(call.seq_lens), kv_cache.shape[3],
+                                         kv_cache.shape[0])
+        raise ValueError(f"prefix_prefill: sequence {seq}'s block table names a block outside the cache's "
+                         f"{kv_cache.shape[0]}")
+    if status != 0:
+        raise RuntimeError(f"prefix_prefill: the CPU attention kernel failed: {_ERRORS.get(status, status)}")
+    if not direct:
+        out.copy_(result)
+    return out
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A call's index arguments in the forms the C code reads: the block tables as given (int32 or int64, rows
+    contiguous), the rest as int64 arrays."""
+
+    block_tables: torch.Tensor
+    query_start: array
+    seq_lens: array
+    cache_strides: array
+
+
+TABLE_DTYPES = (torch.int32, torch.int64)
+
+
+def _index_list(name: str, tensor: torch.Tensor) -> list[int]:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.dtype not in TABLE_DTYPES:
+        raise ValueError(f"prefix_prefill: {name} must be a 1-D int32 or int64 tensor")
+    return tensor.tolist()
+
+
+def _checked_call(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None) -> _Call:
+    """Every property the C code relies on, checked, so that bad input is a ValueError and never a bad read.
+    (The block ids themselves are checked by the C code, before it reads anything, against the cache's size.)
+    Plain Python over the lengths: a call's few sequences cost less so than in tensor operations."""
+    if query.dim() != 3 or query.stride(-1) != 1:
+        raise ValueError(f"prefix_prefill: query must be [tokens, heads, head_dim] with a contiguous last axis, "
+                         f"got shape {tuple(query.shape)} strides {query.stride()}")
+    if kv_cache.dim() != 6 or kv_cache.stride(-1) != 1:
+        raise ValueError(f"prefix_prefill: kv_cache must be [blocks, layers, 2, block_size, kv_heads, head_dim] "
+                         f"with a contiguous last axis, got shape {tuple(kv_cache.shape)}")
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_layers, parts, block_size, num_kv_heads, row = kv_cache.shape
+    if parts != 2 or row != head_dim:
+        raise ValueError(f"prefix_prefill: kv_cache rows of {row} do not fit query's head_dim {head_dim}")
+    if not 0 < head_dim <= MAX_HEAD_DIM or num_kv_heads == 0 or num_heads % num_kv_heads \
+            or num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"prefix_prefill: {num_heads} query heads over {num_kv_heads} KV heads of {head_dim} "
+                         f"values is not supported")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise ValueError(f"prefix_prefill: layer {layer!r} is not one of the cache's {num_layers}")
+    if out is not None and (out.shape != query.shape or out.device.type != "cpu"):
+        raise ValueError(f"prefix_prefill: out {tuple(out.shape)} does not match query {tuple(query.shape)}")
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 \
+            or block_tables.dtype not in TABLE_DTYPES or block_tables.device.type != "cpu":
+        raise ValueError("prefix_prefill: block_tables must be a 2-D int32 or int64 CPU tensor")
+    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    starts = _index_list("query_start_loc", query_start_loc)
+    lengths = _index_list("seq_lens", seq_lens)
+    if len(starts) != len(lengths) + 1 or tables.shape[0] < len(lengths):
+        raise ValueError(f"prefix_prefill: {len(lengths)} seq_lens need {len(lengths) + 1} query_start_loc and as "
+                         f"many block table rows, got {len(starts)} and {tables.shape[0]}")
+    capacity = tables.shape[1] * block_size
+    if starts[0] != 0 or starts[-1] != num_tokens or any(
+            not 0 <= starts[b + 1] - starts[b] <= length <= capacity for b, length in enumerate(lengths)):
+        raise ValueError(f"prefix_prefill: query_start_loc {starts} and seq_lens {lengths} do not describe "
+                         f"{num_tokens} query tokens (each sequence's new tokens within its length, its length "
+                         f"within the block table's {tables.shape[1]} blocks of {block_size})")
+    return _Call(tables, array("q", starts), array("q", lengths), array("q", kv_cache.stride()[:5]))
