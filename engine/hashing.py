@@ -69,15 +69,14 @@ def get_digest_fn(algo: str) -> DigestFn:
         raise ValueError(f"unknown hash algorithm {algo!r}; expected one of {sorted(HASH_ALGOS)}") from None
 
 
-# 1: one product per row; 2: rows in fixed tiles per CPU family; 3: on a CPU, attention by the compiled kernel
-# (kernels/cpu_attention.py, whose key tiles and sums are not the torch path's). An engine on the torch backend
-# (no C compiler) still computes version 2's attention under this number: engines sharing a store in this mode
-# should run the same backend.
+# 1: one product per row; 2: rows in fixed tiles per CPU family; 3: the attention backend named beside it (a
+# CPU's compiled kernel, kernels/cpu_attention.py, sums in other tiles than the torch path), and AVX2 float32
+# products padded to a multiple of 4 rows instead of 16-row tiles.
 BATCH_INVARIANT_VERSION = 3
 
 
 def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version: int, algo: str,
-                   batch_invariant: bool = False, kv_dtype: str | None = None) -> bytes:
+                   batch_invariant: bool = False, kv_dtype: str | None = None, attention: str | None = None) -> bytes:
     """The canonical CBOR encoding of everything that makes a KV block mean something.
 
     Two engines share a hash only if they run the same model in the same dtype with the same
@@ -85,7 +84,10 @@ def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version
     so the bytes do not depend on argument or dict order. `batch_invariant` K/V are computed in
     another order, so their bits differ: the mode gets its own namespace (and without it the
     namespace is what it always was, so existing stores stay valid). K/V kept in another dtype than
-    the model's (`kv_dtype`, e.g. fp8) are other bytes too: their own namespace, the same way.
+    the model's (`kv_dtype`, e.g. fp8) are other bytes too: their own namespace, the same way. In
+    batch-invariant mode the attention backend (`attention`: "cpu", "torch" or "triton") is named too:
+    each sums in its own fixed order, so their K/V are other bits, and an engine whose backend fell back
+    (no C compiler for "cpu") must not serve another's blocks as its own.
     """
     get_digest_fn(algo)
     if not isinstance(model_id, str) or not model_id:
@@ -107,6 +109,8 @@ def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version
         # The mode's own version: its products changed form (rows in fixed tiles, not one by one), so
         # K/V stored by an earlier form are other bits and must not mix with new ones.
         fields["batch_invariant"] = BATCH_INVARIANT_VERSION
+        if attention is not None:
+            fields["attention"] = attention
     if kv_dtype is not None and kv_dtype != dtype:
         fields["kv_dtype"] = kv_dtype
     return cbor2.dumps(fields, canonical=True)
@@ -172,12 +176,13 @@ class BlockHasher:
 
     @classmethod
     def for_model(cls, model_identity: str, dtype: str, block_size: int, algo: str,
-                  batch_invariant: bool = False, kv_dtype: str | None = None) -> BlockHasher:
+                  batch_invariant: bool = False, kv_dtype: str | None = None,
+                  attention: str | None = None) -> BlockHasher:
         """The hasher of an engine running `model_identity` in `dtype`: the engine and `kvstrata route`
         both build theirs here, so that they name every block alike."""
         from kvstrata.tiers.base import KV_LAYOUT_VERSION
         namespace = make_namespace(model_identity, dtype, block_size, KV_LAYOUT_VERSION, algo,
-                                   batch_invariant=batch_invariant, kv_dtype=kv_dtype)
+                                   batch_invariant=batch_invariant, kv_dtype=kv_dtype, attention=attention)
         return cls(block_size, namespace, algo)
 
     def __init__(self, block_size: int, namespace: bytes, algo: str = "xxh3_128") -> None:

@@ -180,8 +180,10 @@ class LLMEngine:
             warning = slow_dtype_warning(self.dtype_name, cpu_matmul_slowdown(self.dtype))
             if warning:
                 logger.warning("kvstrata: %s", warning)
+        self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
         hasher = BlockHasher.for_model(mc.identity, self.dtype_name, cache.block_size, cache.hash,
-                                       batch_invariant=config.model.batch_invariant, kv_dtype=self.kv_dtype_name)
+                                       batch_invariant=config.model.batch_invariant, kv_dtype=self.kv_dtype_name,
+                                       attention=self.attention_backend)
         logprob_blocks = min(PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK * self.hierarchy.pool.num_blocks,
                              MAX_PROMPT_LOGPROB_BLOCKS)
         self.kv_manager = KVCacheManager(self.hierarchy, hasher, cache.block_size,
@@ -193,7 +195,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_batched_tokens, sc.max_num_seqs, policy=sc.policy,
                                    step_target=sc.step_target, long_prefill_share=sc.long_prefill_share)
         self.num_preemptions = 0  # running requests sent back to wait, their blocks freed (stats())
-        self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
         self.runner = ModelRunner(self.loaded, self.hierarchy.kv_cache,
                                   get_ops(self.attention_backend, batch_invariant=config.model.batch_invariant))
         if config.model.cuda_graphs and self.device.type == "cuda":

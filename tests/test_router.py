@@ -20,6 +20,7 @@ from kvstrata.engine.async_engine import AsyncEngine
 from kvstrata.engine.config import ReplicaConfig, load_config
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import render_document
+from kvstrata.kernels import cpu_kernel_available
 from kvstrata.serving.app import build_app
 from kvstrata.serving.events import KVEventPublisher
 from kvstrata.serving.metrics import ServingMetrics
@@ -369,3 +370,27 @@ def test_a_replica_that_goes_away_costs_no_request_and_comes_back(cluster):
     back = [doc for doc, holder in holders.items() if holder == gone.url][0]
     response = ask(router_url, back, "Give an example.")
     assert response.headers["x-kvstrata-replica"] == gone.url and is_document_hit(response)
+
+
+@pytest.mark.slow
+def test_in_the_batch_invariant_mode_the_router_names_blocks_by_the_replicas_attention_backend(embedded_model_fp32):
+    """The mode's blocks are named by the attention backend (each sums in its own order): the router resolves
+    `auto` as a replica on its machine does, and a replica told to run another backend names other blocks."""
+    invariant = {**ENGINE, "model": {**ENGINE["model"], "batch_invariant": True}}
+    router = load_router(load_config({**invariant, "router": {"replicas": [{"url": "http://127.0.0.1:9"}]}}))
+    token_ids = list(range(100, 164))
+
+    def replica_hashes(**model) -> tuple[str, list[bytes]]:
+        engine = LLMEngine(load_config({**invariant, "model": {**invariant["model"], **model}}), embedded_model_fp32)
+        try:
+            return engine.attention_backend, engine.kv_manager.hasher.hash(token_ids)
+        finally:
+            engine.close()
+
+    backend, hashes = replica_hashes()
+    assert router.hasher.hash(token_ids) == hashes
+    other = "cpu" if backend == "torch" else "torch"
+    if other == "cpu" and not cpu_kernel_available():
+        pytest.skip("no C compiler here: the torch backend is the only one on this CPU")
+    other_backend, other_hashes = replica_hashes(attention_backend=other)
+    assert other_backend == other and other_hashes != hashes
