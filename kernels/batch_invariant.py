@@ -11,12 +11,16 @@ from the row count.
 
 The cures, each with a torch reference beside the Triton kernel:
 - `linear`: rows in tiles of a fixed height, every tile one [T, K] x [K, N] product, K never split (torch: one
-  batched product over the tiles, the weight shared, T chosen by CPU family and dtype in `LINEAR_TILE_ROWS`;
-  Triton: fixed BLOCK_M x BLOCK_N tiles walking K in fixed BLOCK_K steps, never split-K, whatever M is).
+  batched product over the tiles, the weight shared, T chosen by CPU family and dtype in `LINEAR_TILE_ROWS`; or,
+  where the family's BLAS keeps rows alike in calls of a multiple of some row count, one product padded to it,
+  `LINEAR_ROW_MULTIPLE`; Triton: fixed BLOCK_M x BLOCK_N tiles walking K in fixed BLOCK_K steps, never split-K,
+  whatever M is).
 - `mean_last_dim`: each row reduced alone in a fixed order (torch's CPU reduction already reduces an inner axis
   row by row whatever their number; Triton: one program per row).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -38,6 +42,15 @@ LINEAR_TILE_ROWS = {
 }
 
 
+# Families whose BLAS gives a row the same bits in every call whose row count is a multiple of this, whatever the
+# count or the row's place. Measured on AVX2 (MKL's float32 GEMM, one and two threads, every linear shape of the
+# embedded model, calls of 4 to 1,160 rows at any offset; counts not a multiple of 4 differ, and with one thread
+# only counts under 4; benchmarks/results/batch_invariance.md). There a product needs at most 3 padding rows, not
+# fixed tiles, and costs about F.linear's own time. Each shape is checked once per process before it is trusted
+# (`_library_keeps_rows_alike`); where the library does otherwise, the tiles above are used.
+LINEAR_ROW_MULTIPLE = {("avx2", torch.float32): 4}
+
+
 def cpu_matrix_isa() -> str:
     """'amx', 'avx512' or 'avx2' (anything narrower counts as avx2): the widest unit a CPU GEMM may use, by the
     probe the engine's `dtype: auto` asks too (kernels/cpu_features.py; `KVSTRATA_CPU_AMX` forces its AMX answer).
@@ -53,16 +66,50 @@ def linear_tile_rows(dtype: torch.dtype, device: torch.device | str = "cpu") -> 
     return LINEAR_TILE_ROWS.get((cpu_matrix_isa(), dtype), 1)
 
 
+def linear_row_multiple(x: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """The row multiple `reference_linear` pads to for this product on this CPU, or None where it cuts tiles (a
+    family `LINEAR_ROW_MULTIPLE` does not name, another device, or a shape whose check failed)."""
+    if x.device.type != "cpu":
+        return None
+    multiple = LINEAR_ROW_MULTIPLE.get((cpu_matrix_isa(), x.dtype))
+    if multiple is None or not _library_keeps_rows_alike(x.shape[-1], weight.shape[0], x.dtype, multiple,
+                                                         weight.t().is_contiguous(), torch.get_num_threads()):
+        return None
+    return multiple
+
+
+@functools.cache
+def _library_keeps_rows_alike(K: int, N: int, dtype: torch.dtype, multiple: int, weight_in_out: bool,
+                              threads: int) -> bool:
+    """Whether this process's BLAS gives rows the same bits in calls of several multiples of `multiple` rows at
+    several offsets, for a [K, N] product with the weight laid out as the engine's (`weight_in_out`: stored
+    [in, out]) on `threads` threads: the property `LINEAR_ROW_MULTIPLE` relies on, checked on random values."""
+    gen = torch.Generator().manual_seed(K * 7919 + N)
+    x = torch.randn(24 * multiple, K, generator=gen).to(dtype)
+    weight = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype)
+    weight_t = weight.t().contiguous() if weight_in_out else weight.t()
+    whole = x @ weight_t
+    calls = [(0, multiple), (3, multiple), (1, 2 * multiple), (5, 3 * multiple), (2, 8 * multiple), (7, 16 * multiple)]
+    return all(torch.equal(x[start:start + rows] @ weight_t, whole[start:start + rows]) for start, rows in calls)
+
+
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      tile_rows: int | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with the rows of `x` cut into tiles of `tile_rows` (the last padded with zeros),
-    every tile one [tile_rows, K] x [K, N] product of one batched call, the weight broadcast, not copied, K never
-    split: a row's bits cannot depend on how many rows share the call. `tile_rows` defaults to
-    `linear_tile_rows`."""
-    tile = tile_rows or linear_tile_rows(x.dtype, x.device)
+    """`F.linear(x, weight, bias)` computed so that a row's bits cannot depend on how many rows share the call:
+    where the CPU's BLAS keeps rows alike in calls of a multiple of some row count (`LINEAR_ROW_MULTIPLE`), one
+    product with the rows padded to that multiple; otherwise the rows cut into tiles of `tile_rows` (the last padded
+    with zeros), every tile one [tile_rows, K] x [K, N] product of one batched call, the weight broadcast, not
+    copied, K never split. `tile_rows` (given: always tiles) defaults to `linear_tile_rows`."""
     K, N = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, K)
     M = rows.shape[0]
+    multiple = None if tile_rows else linear_row_multiple(x, weight)
+    if multiple:
+        pad = -M % multiple
+        padded = torch.cat([rows, rows.new_zeros(pad, K)]) if pad else rows
+        out = (padded @ weight.t())[:M].view(*x.shape[:-1], N)
+        return out + bias if bias is not None else out
+    tile = tile_rows or linear_tile_rows(x.dtype, x.device)
     pad = -M % tile
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, K)])

@@ -45,14 +45,16 @@ def kernel_grants_amx() -> bool:
         return False
 
 
-def cpuinfo_flags() -> set[str] | None:
-    """The first CPU's feature flags from /proc/cpuinfo; None where it does not say (not Linux)."""
+@functools.cache
+def cpuinfo_flags() -> frozenset[str] | None:
+    """The first CPU's feature flags from /proc/cpuinfo; None where it does not say (not Linux). Read once: the
+    batch-invariant products ask for the CPU's family at every call."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
             for line in cpuinfo:
                 name, _, value = line.partition(":")
                 if name.strip() == "flags":
-                    return set(value.split())
+                    return frozenset(value.split())
     except OSError:
         pass
     return None

@@ -38,6 +38,11 @@ def test_batch_invariant_kv_get_their_own_namespace_and_the_default_keeps_the_ol
     args = ("smollm2@xxh3_128:00", "bfloat16", 16, 1, "xxh3_128")
     assert make_namespace(*args, batch_invariant=False) == make_namespace(*args)
     assert make_namespace(*args, batch_invariant=True) != make_namespace(*args)
+    # each attention backend sums in its own order: in the invariant mode their blocks never mix (an engine whose
+    # compiled CPU kernel could not be built runs the torch reference); the default mode names no backend
+    by_backend = {b: make_namespace(*args, batch_invariant=True, attention=b) for b in ("cpu", "torch", "triton")}
+    assert len(set(by_backend.values())) == 3
+    assert make_namespace(*args, attention="cpu") == make_namespace(*args, attention="torch") == make_namespace(*args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -81,6 +86,34 @@ def test_linear_tiles_chosen_for_each_cpu_give_a_row_the_same_bits_whatever_shar
     whole = reference_linear(x, weight)
     for start, rows in ((0, 1), (3, 1), (1, tile), (tile - 1, tile + 2), (5, x.shape[0] - 5)):
         assert torch.equal(reference_linear(x[start:start + rows], weight), whole[start:start + rows])
+
+
+@pytest.mark.parametrize("library_keeps_rows_alike", [True, False])
+def test_where_the_blas_keeps_rows_alike_a_product_is_padded_to_the_row_multiple_else_tiled(monkeypatch,
+                                                                                            library_keeps_rows_alike):
+    """AVX2 float32: one product with the rows padded to a multiple of 4, trusted only where this process's BLAS
+    passed the check for the shape (else the family's tiles). The check's verdict is patched here to take each
+    branch; invariance is asserted only where it holds whatever the CPU (the tiles) or where this CPU's library
+    passed the real check."""
+    monkeypatch.setattr(batch_invariant, "cpu_matrix_isa", lambda: "avx2")
+    real_verdict = batch_invariant._library_keeps_rows_alike(64, 48, torch.float32, 4, True, torch.get_num_threads())
+    monkeypatch.setattr(batch_invariant, "_library_keeps_rows_alike", lambda *args: library_keeps_rows_alike)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(45, 64, generator=gen)
+    weight_in_out = (torch.randn(64, 48, generator=gen) / 8).contiguous()
+    weight = weight_in_out.t()  # the engine's CPU layout: stored [in, out], seen as [out, in]
+    for start, rows in ((0, 1), (3, 5), (8, 12), (2, 43)):
+        got = reference_linear(x[start:start + rows], weight)
+        if library_keeps_rows_alike:
+            padded = torch.cat([x[start:start + rows], x.new_zeros(-rows % 4, 64)])
+            assert torch.equal(got, (padded @ weight_in_out)[:rows])
+        else:
+            tile = batch_invariant.LINEAR_TILE_ROWS[("avx2", torch.float32)]
+            assert torch.equal(got, reference_linear(x[start:start + rows], weight, tile_rows=tile))
+    if library_keeps_rows_alike == real_verdict:
+        whole = reference_linear(x, weight)
+        for start, rows in ((0, 1), (3, 5), (8, 12), (2, 43)):
+            assert torch.equal(reference_linear(x[start:start + rows], weight), whole[start:start + rows])
 
 
 # ---------------------------------------------------------------------------------------------------------------
