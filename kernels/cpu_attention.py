@@ -3,9 +3,8 @@
 and batch-invariant by construction (a row's bits depend only on its own query and the keys it sees, never on the
 other rows of the call, the thread count, or a cached prefix; see the C file).
 
-The C source is plain C (no torch headers): the system C compiler builds it on first use, in about a second, into
-the user's cache directory, keyed by a hash of the source and the flags. Where there is no compiler, or the build
-fails, one line is logged and `available()` is False; `prefix_prefill` then runs the torch reference. Caches whose
+The C source is built on first use, in about a second (kernels/cpu_build.py). Where there is no compiler, or the
+build fails, one line is logged and `available()` is False; `prefix_prefill` then runs the torch reference. Caches whose
 rows are not float32, bfloat16 or float16 (int8 with a scale per row, fp8) also take the reference.
 
 Threads: the C code splits (sequence, KV head, query block) items over `torch.get_num_threads()` pthreads (not
@@ -15,28 +14,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvstrata.kernels import cpu_features
+from kvstrata.kernels import cpu_build
 from kvstrata.kernels.prefix_prefill import reference_prefix_prefill
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
-VECTOR_FLAGS = ("-mavx2", "-mfma")
-COMPILE_TIMEOUT_S = 120
 MAX_HEAD_DIM = 512  # the C file's limits: head_dim a multiple of LANES up to this, GQA groups up to MAX_GROUP
 HEAD_DIM_MULTIPLE = 8
 MAX_GROUP = 64
@@ -44,66 +31,11 @@ CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C 
 _ERRORS = {-2: "out of memory", -3: "could not start a thread", -4: "unsupported shape"}
 
 
-def find_compiler() -> str | None:
-    """The system C compiler: `$CC`, else `cc`, else `gcc`; None where there is none."""
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
-
-
-def compile_flags() -> tuple[str, ...]:
-    """The flags the kernel is built with: AVX2 and FMA only where this CPU has them (kernels/cpu_features.py)."""
-    return BASE_FLAGS + (VECTOR_FLAGS if cpu_features.has_avx2_fma() else ())
-
-
-def build_dir() -> Path:
-    """Where built kernels are kept: `$KVSTRATA_CACHE_DIR`, else `$XDG_CACHE_HOME/kvstrata`, else
-    `~/.cache/kvstrata` (as the engine's other caches), then `kernels/`; private to the user."""
-    root = os.environ.get("KVSTRATA_CACHE_DIR")
-    if not root:
-        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstrata")
-    return Path(root) / "kernels"
-
-
-def build(compiler: str, flags: tuple[str, ...]) -> Path:
-    """The shared library built from SOURCE with `flags`, compiled unless already in `build_dir()`. It is written
-    under a temporary name and renamed into place, so a concurrent process never loads a half-written file."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), platform.machine().encode(),
-                                     *(f.encode() for f in flags)])).hexdigest()[:16]
-    directory = build_dir()
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    target = directory / f"cpu_attention-{key}.so"
-    if target.exists():
-        return target
-    fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial, "-lm"], capture_output=True,
-                                text=True, timeout=COMPILE_TIMEOUT_S)
-        if result.returncode != 0:
-            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise RuntimeError(f"{Path(compiler).name} exited with {result.returncode}: {last}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel, loaded; None (and one line logged, once) where it cannot be built or loaded."""
-    compiler = find_compiler()
-    if compiler is None:
-        logger.warning("kvstrata: no C compiler (cc or gcc) found; CPU attention runs the torch reference")
-        return None
-    try:
-        lib = ctypes.CDLL(str(build(compiler, compile_flags())))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        logger.warning("kvstrata: the CPU attention kernel could not be built (%s); it runs the torch reference",
-                       str(err).splitlines()[0] if str(err) else type(err).__name__)
+    lib = cpu_build.load(SOURCE, "attention")
+    if lib is None:
         return None
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.kvs_prefix_prefill.restype = ctypes.c_int

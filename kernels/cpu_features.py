@@ -75,7 +75,7 @@ def cpu_matrix_family() -> str:
     return matrix_family(flags, amx_usable(flags) if forced is None else forced)
 
 
-# What the compiled CPU kernels (kernels/cpu_attention.py) are built for beyond the baseline: AVX2 and FMA together.
+# What the compiled CPU kernels (kernels/cpu_build.py) are built for beyond the baseline: AVX2 and FMA together.
 VECTOR_FLAGS = ("avx2", "fma")
 
 

@@ -14,7 +14,7 @@ import torch
 from kernel_cases import GUARD_ROWS, TOLERANCE, make_paged_problem, naive_attention, narrow_cache_problem, random_batch
 
 from kvstrata import LLM, SamplingParams, load_config
-from kvstrata.kernels import cpu_attention, cpu_features, cpu_kernel_available, get_ops, resolve_backend
+from kvstrata.kernels import cpu_attention, cpu_build, cpu_features, cpu_kernel_available, get_ops, resolve_backend
 from kvstrata.kernels.prefix_prefill import reference_prefix_prefill
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler to build the CPU kernel")
@@ -163,7 +163,7 @@ def rebuilt(monkeypatch, tmp_path):
 
 
 def test_without_a_compiler_it_says_so_once_and_runs_the_reference(rebuilt, monkeypatch, caplog):
-    monkeypatch.setattr(cpu_attention, "find_compiler", lambda: None)
+    monkeypatch.setattr(cpu_build, "find_compiler", lambda: None)
     problem = make_paged_problem([(20, 5), (0, 1)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
                                  dtype=torch.float32)
     with caplog.at_level(logging.WARNING):
@@ -180,7 +180,7 @@ def test_a_failing_build_says_so_once_and_runs_the_reference(rebuilt, monkeypatc
     broken = tmp_path / "broken-cc"
     broken.write_text("#!/bin/sh\necho 'cc1: internal compiler error' >&2\nexit 4\n")
     broken.chmod(0o755)
-    monkeypatch.setattr(cpu_attention, "find_compiler", lambda: str(broken))
+    monkeypatch.setattr(cpu_build, "find_compiler", lambda: str(broken))
     problem = make_paged_problem([(3, 4)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8,
                                  dtype=torch.bfloat16)
     with caplog.at_level(logging.WARNING):
@@ -195,9 +195,9 @@ def test_builds_running_at_once_each_load_a_whole_library(rebuilt):
     """Three builds start at once with an empty build dir (as parallel test workers or engines do): each compiles
     under a temporary name and renames it into place, so none loads a half-written file; one library is left,
     in a dir private to the user."""
-    compiler, flags = cpu_attention.find_compiler(), cpu_attention.compile_flags()
+    compiler, flags = cpu_build.find_compiler(), cpu_build.compile_flags()
     with ThreadPoolExecutor(3) as pool:
-        paths = list(pool.map(lambda _: cpu_attention.build(compiler, flags), range(3)))
+        paths = list(pool.map(lambda _: cpu_build.build(cpu_attention.SOURCE, compiler, flags), range(3)))
     for path in paths:
         assert ctypes.CDLL(str(path)).kvs_prefix_prefill
     assert [f.suffix for f in rebuilt.iterdir()] == [".so"]
@@ -208,7 +208,7 @@ def test_the_portable_build_for_cpus_without_avx2_computes_the_same_attention(re
     """Where the CPU lacks AVX2 or FMA the kernel is built without them (plain C loops, the same formulas): it
     must be as right, and as invariant, as the vector build."""
     monkeypatch.setattr(cpu_features, "has_avx2_fma", lambda flags=None: False)
-    assert "-mavx2" not in cpu_attention.compile_flags()
+    assert "-mavx2" not in cpu_build.compile_flags()
     problem = make_paged_problem([(0, 70), (40, 1), (9, 33)], num_heads=9, num_kv_heads=3, head_dim=64,
                                  block_size=16, dtype=torch.bfloat16, seed=2)
     threads(1)
