@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile
 
 test: $(STAMP)
-	$(PYTEST) -ra
+	$(PYTEST) -ra --durations=25
 
 test-fast: $(STAMP)
 	$(PYTEST) -m 'not slow'

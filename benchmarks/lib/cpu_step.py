@@ -7,7 +7,8 @@ weights with the document's KV kept between calls (its equivalent of a hit), sam
 
 `run` measures each side in its own process, in alternating rounds, so that a busy machine slows all sides alike:
 this tree's kvstrata (and transformers, in the same process), and, with `--baseline-root`, the kvstrata of another
-checkout (its repository root put first on PYTHONPATH). Figures are medians over every round's repeats.
+checkout (its repository root put first on PYTHONPATH), and, with `--llama-cpp`, llama-cpp-python (the `peers`
+extra) on the shipped GGUF file itself, same threads. Figures are medians over every round's repeats.
 
 What is timed:
 - hit TTFT: `LLM.generate` of document + question, `max_tokens=1`, the document's blocks already on the device;
@@ -16,6 +17,10 @@ What is timed:
 - decode ms/token: the same request with `max_tokens=1 + N` (`ignore_eos`), its wall time less its TTFT, over N.
   transformers: `generate(max_new_tokens=1 + N)` less `generate(max_new_tokens=1)`, both over the cached
   document, over N.
+- llama.cpp: its `generate` over document + question after a call over the document with another question, so
+  it keeps the document's KV (its longest common prefix) and evaluates only the question: TTFT is the time to its
+  first token, decode the time of the next N tokens over N. It computes in the GGUF's own format (the shipped
+  file's quantised weights), not in the dtype the other sides use: its answers are not expected to be equal.
 """
 from __future__ import annotations
 
@@ -156,7 +161,46 @@ def _crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def run_side(args, root: Path, with_transformers: bool) -> dict:
+def measure_llama_cpp(threads: int, doc_tokens: int, question_tokens: int, decode_tokens: int, repeats: int) -> dict:
+    """llama-cpp-python on the embedded model's GGUF, the document's KV kept between questions (see the top)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from llama_cpp import Llama
+    from transformers import AutoTokenizer
+
+    from kvstrata.engine.model_loader import EMBEDDED_MODEL, resolve_model
+
+    source = resolve_model(EMBEDDED_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file, local_files_only=True)
+    doc = document_ids(tokenizer, doc_tokens)
+    questions = question_ids(tokenizer, repeats + 2, question_tokens)
+    llm = Llama(model_path=str(source.directory / source.gguf_file), n_ctx=doc_tokens + question_tokens +
+                decode_tokens + 64, n_batch=doc_tokens + question_tokens, n_threads=threads, n_threads_batch=threads,
+                verbose=False)
+
+    def generate(question: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        start = time.perf_counter()
+        first, answer = None, []
+        for token in llm.generate(doc + question, temp=0.0, top_k=1, reset=True):
+            first = first if first is not None else time.perf_counter() - start
+            answer.append(token)
+            if len(answer) == new_tokens:
+                break
+        return first, time.perf_counter() - start, answer
+
+    generate(questions[-1], 1)             # the document's KV (and a warm-up)
+    generate(questions[-2], 1 + decode_tokens)
+    ttft, decode, answers = [], [], []
+    for question in questions[:repeats]:
+        first, total, answer = generate(question, 1 + decode_tokens)
+        ttft.append(first)
+        decode.append((total - first) / decode_tokens)
+        answers.append(answer)
+    llm.close()
+    return {"source": f"llama-cpp-python on {source.gguf_file}", "threads": threads, "ttft_s": ttft,
+            "decode_s_per_token": decode, "answers": answers}
+
+
+def run_side(args, root: Path, with_transformers: bool, llama_cpp: bool = False) -> dict:
     """One side's figures, measured in a fresh process with `root` first on PYTHONPATH."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(":"))
     cmd = [*module_command(__file__, "side"), "--dtype", args.dtype_now, "--threads",
@@ -164,6 +208,8 @@ def run_side(args, root: Path, with_transformers: bool) -> dict:
            "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats)]
     if with_transformers:
         cmd.append("--transformers")
+    if llama_cpp:
+        cmd.append("--llama-cpp")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(REPO_ROOT))
     if done.returncode:
         raise SystemExit(f"side {root} failed:\n{done.stderr[-3000:]}")
@@ -183,9 +229,15 @@ def median_ms(values: list[float]) -> float:
 
 
 def command_run(args) -> None:
-    sides = [("this tree", REPO_ROOT, True)]
+    sides = [("this tree", REPO_ROOT, True, False)]
     if args.baseline_root:
-        sides.insert(0, (f"baseline ({args.baseline_label})", Path(args.baseline_root).resolve(), False))
+        sides.insert(0, (f"baseline ({args.baseline_label})", Path(args.baseline_root).resolve(), False, False))
+    if args.llama_cpp:
+        from benchmarks.lib.peers import LLAMA_CPP_MISSING, llama_cpp_available
+
+        if not llama_cpp_available():
+            raise SystemExit(LLAMA_CPP_MISSING)
+        sides.append(("llama.cpp (GGUF as shipped)", REPO_ROOT, False, True))
     rows = []
     raw = []
     for dtype in args.dtype:
@@ -194,8 +246,8 @@ def command_run(args) -> None:
             merged: dict[str, dict] = {}
             for round_index in range(args.rounds):
                 order = sides if round_index % 2 == 0 else sides[::-1]
-                for name, root, with_hf in order:
-                    result = run_side(args, root, with_hf)
+                for name, root, with_hf, llama_cpp in order:
+                    result = run_side(args, root, with_hf, llama_cpp)
                     raw.append({"side": name, "round": round_index, **result})
                     print(f"{dtype} {threads}t {name} round {round_index}: ttft {median_ms(result['ttft_s']):.1f} ms, "
                           f"decode {median_ms(result['decode_s_per_token']):.1f} ms/token", flush=True)
@@ -244,6 +296,10 @@ def _pairs(names: list[str]) -> list[tuple[str, str]]:
 
 
 def command_side(args) -> None:
+    if args.llama_cpp:
+        print(json.dumps(measure_llama_cpp(args.threads[0], args.doc_tokens, args.question_tokens,
+                                           args.decode_tokens, args.repeats)))
+        return
     result = measure_kvstrata(args.dtype[0], args.threads[0], args.doc_tokens, args.question_tokens,
                               args.decode_tokens, args.repeats, args.transformers)
     print(json.dumps(result))
@@ -295,6 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--transformers", action="store_true", help="side: also measure transformers' generate")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="run: also measure llama-cpp-python on the shipped GGUF (pip install 'kvstrata[peers]'); "
+                             "side: measure it alone")
     parser.add_argument("--baseline-root", help="run: a checkout of the commit to compare with")
     parser.add_argument("--baseline-label", default="baseline")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "cpu_step.md"))
