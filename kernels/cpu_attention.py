@@ -35,8 +35,11 @@ _ERRORS = {-2: "out of memory", -3: "could not start a thread", -4: "unsupported
 def library() -> ctypes.CDLL | None:
     """The built kernel, loaded; None (and one line logged, once) where it cannot be built or loaded."""
     lib = cpu_build.load(SOURCE, "attention")
-    if lib is None:
-        return None
+    return None if lib is None else declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with the C functions' signatures declared (any build of this file's interface)."""
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.kvs_prefix_prefill.restype = ctypes.c_int
     lib.kvs_prefix_prefill.argtypes = [
