@@ -14,7 +14,7 @@
  * from each other only where FMA is absent, never from call to call).
  *
  * Speed: K is transposed per tile so a score vector holds 8 keys (no horizontal sums); two rows that see the same
- * keys share each load (the heads of one GQA group, QUERY_BLOCK consecutive tokens share a tile). A short query
+ * keys share each load (the heads of one GQA group, consecutive tokens of a query share a tile). A short query
  * (a decode row, a question) is bound by reading K/V from memory: its work item takes every KV head and copies a
  * tile's rows in the order they lie in the cache (software prefetch of the next tile, tried instead, gained
  * nothing). Measured in benchmarks/results/cpu_step.md.
@@ -514,6 +514,11 @@ static int heads_per_item(int64_t q_len, int short_heads) {
     return q_len <= SHORT_QUERY ? short_heads : 1;
 }
 
+/* The new tokens an item takes: a short query's all of them (its K/V rows read once), a long one's QUERY_BLOCK. */
+static int64_t tokens_per_item(int64_t q_len) {
+    return q_len <= SHORT_QUERY ? SHORT_QUERY : QUERY_BLOCK;
+}
+
 static void run_item(const Problem *p, Scratch *s, int64_t item) {
     int lo = 0, hi = p->num_seqs;   /* the last sequence whose first item is <= item */
     while (hi - lo > 1) {
@@ -521,15 +526,15 @@ static void run_item(const Problem *p, Scratch *s, int64_t item) {
         if (p->item_start[mid] <= item) lo = mid; else hi = mid;
     }
     int64_t q_len = p->query_start[lo + 1] - p->query_start[lo];
-    int64_t blocks = (q_len + QUERY_BLOCK - 1) / QUERY_BLOCK, local = item - p->item_start[lo];
+    int64_t tokens = tokens_per_item(q_len), blocks = (q_len + tokens - 1) / tokens, local = item - p->item_start[lo];
     int hpi = heads_per_item(q_len, p->short_heads);
     int h0 = (int)(local / blocks) * hpi;
-    int64_t t0 = (local % blocks) * QUERY_BLOCK, t1 = t0 + QUERY_BLOCK < q_len ? t0 + QUERY_BLOCK : q_len;
+    int64_t t0 = (local % blocks) * tokens, t1 = t0 + tokens < q_len ? t0 + tokens : q_len;
     attend_block(p, s, lo, h0, h0 + hpi, t0, t1);
 }
 
 static int scratch_alloc(Scratch *s, int head_dim, int num_heads, int num_kv_heads) {
-    size_t rows = (size_t)QUERY_BLOCK * num_heads, D = (size_t)head_dim;
+    size_t rows = (size_t)(SHORT_QUERY > QUERY_BLOCK ? SHORT_QUERY : QUERY_BLOCK) * num_heads, D = (size_t)head_dim;
     float *mem = (float *)malloc((2 * rows * D + 2 * rows + 2 * KEY_TILE + (2 * (size_t)num_kv_heads + 2) * KEY_TILE * D)
                                  * sizeof(float));
     if (!mem) return ERR_ALLOC;
@@ -594,7 +599,8 @@ int kvs_prefix_prefill(
     for (int b = 0; b < num_seqs; b++) {
         item_start[b] = items;
         int64_t q_len = query_start[b + 1] - query_start[b];
-        items += (q_len + QUERY_BLOCK - 1) / QUERY_BLOCK * (num_kv_heads / heads_per_item(q_len, short_heads));
+        int64_t tokens = tokens_per_item(q_len);
+        items += (q_len + tokens - 1) / tokens * (num_kv_heads / heads_per_item(q_len, short_heads));
     }
     item_start[num_seqs] = items;
     Problem p = {query, query_dtype, q_stride_token, q_stride_head, cache, cache_dtype,
