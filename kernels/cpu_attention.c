@@ -466,13 +466,13 @@ static void attend_block(const Problem *p, Scratch *s, int seq, int h0, int h1, 
              * whose scores no row uses */
             for (int j = n; j < KEY_TILE; j++) krow[j] = s->kzero + (int64_t)j * D;
             transpose_tile(s->kt, krow, D);
-            const int r_end = (h - h0 + 1) * per_head;
-            for (int r = (h - h0) * per_head; r < r_end;) {
-                int64_t pos = ctx + t0 + (r % per_head) / group;
-                if (pos < start) { r++; continue; }   /* the tile is past the row's causal limit: it adds exact zeros */
+            const int first = (h - h0) * per_head;   /* the head's rows: first + k, k < per_head */
+            for (int k = 0, r = first; k < per_head; r = first + k) {
+                int64_t pos = ctx + t0 + k / group;
+                if (pos < start) { k++; continue; }   /* the tile is past the row's causal limit: it adds exact zeros */
                 int m = (int)(pos - start + 1 < n ? pos - start + 1 : n);   /* keys of this tile the row sees */
-                int64_t next = ctx + t0 + ((r + 1) % per_head) / group;
-                int pair = r + 1 < r_end && (next - start + 1 < n ? next - start + 1 : n) == m;   /* the same keys */
+                int64_t next = ctx + t0 + (k + 1) / group;
+                int pair = k + 1 < per_head && (next - start + 1 < n ? next - start + 1 : n) == m;   /* the same keys */
                 float *sa = s->scores, *sb = s->scores + KEY_TILE;
                 const float *qa = s->q + (int64_t)r * D;
                 if (pair)
@@ -493,7 +493,7 @@ static void attend_block(const Problem *p, Scratch *s, int seq, int h0, int h1, 
                     tile_accumulate2(acc, acc + D, sa, sb, vrow, m, D, correction[0], correction[1]);
                 else
                     tile_accumulate(acc, sa, vrow, m, D, correction[0]);
-                r += 1 + pair;
+                k += 1 + pair;
             }
         }
     }
