@@ -59,7 +59,8 @@ typedef struct {
     float scale;
     float *out;                    /* [T, num_heads, head_dim] float32, strides below */
     int64_t o_stride_token, o_stride_head;
-    /* work items: (sequence, kv head, query block), numbered in that order; `item_start[b]` is the first of b */
+    /* work items: (sequence, KV-head range, block of new tokens), numbered in that order (run_item); `item_start[b]`
+     * is sequence b's first */
     const int64_t *item_start;
     int64_t num_items;
     int short_heads;               /* KV heads per item of a short query (heads_per_item) */
