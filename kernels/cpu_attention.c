@@ -536,8 +536,8 @@ static void run_item(const Problem *p, Scratch *s, int64_t item) {
 
 static int scratch_alloc(Scratch *s, int head_dim, int num_heads, int num_kv_heads) {
     size_t rows = (size_t)(SHORT_QUERY > QUERY_BLOCK ? SHORT_QUERY : QUERY_BLOCK) * num_heads, D = (size_t)head_dim;
-    float *mem = (float *)malloc((2 * rows * D + 2 * rows + 2 * KEY_TILE + (2 * (size_t)num_kv_heads + 2) * KEY_TILE * D)
-                                 * sizeof(float));
+    size_t floats = 2 * rows * D + 2 * rows + 2 * KEY_TILE + (2 * (size_t)num_kv_heads + 2) * KEY_TILE * D;
+    float *mem = (float *)malloc(floats * sizeof(float));
     if (!mem) return ERR_ALLOC;
     s->q = mem;
     s->acc = s->q + rows * D;
