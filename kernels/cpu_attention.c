@@ -14,8 +14,10 @@
  * from each other only where FMA is absent, never from call to call).
  *
  * Speed: K is transposed per tile so a score vector holds 8 keys (no horizontal sums); two rows that see the same
- * keys share each load (the heads of one GQA group, QUERY_BLOCK consecutive tokens share a tile); the next tile's
- * rows are prefetched. Measured in benchmarks/results/cpu_step.md.
+ * keys share each load (the heads of one GQA group, consecutive tokens of a query share a tile). A short query
+ * (a decode row, a question) is bound by reading K/V from memory: its work item takes every KV head and copies a
+ * tile's rows in the order they lie in the cache (software prefetch of the next tile, tried instead, gained
+ * nothing). Measured in benchmarks/results/cpu_step.md.
  */
 #include <math.h>
 #include <pthread.h>
@@ -34,6 +36,7 @@
 #define QUERY_BLOCK 8
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 512
+#define SHORT_QUERY 16   /* new tokens up to which a sequence's items take several KV heads */
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 enum { OK = 0, ERR_BLOCK_ID = -1, ERR_ALLOC = -2, ERR_THREAD = -3, ERR_SHAPE = -4 };
@@ -56,9 +59,11 @@ typedef struct {
     float scale;
     float *out;                    /* [T, num_heads, head_dim] float32, strides below */
     int64_t o_stride_token, o_stride_head;
-    /* work items: (sequence, kv head, query block), numbered in that order; `item_start[b]` is the first of b */
+    /* work items: (sequence, KV-head range, block of new tokens), numbered in that order (run_item); `item_start[b]`
+     * is sequence b's first */
     const int64_t *item_start;
     int64_t num_items;
+    int short_heads;               /* KV heads per item of a short query (heads_per_item) */
     int64_t next_item;             /* shared counter, taken atomically by the threads */
 } Problem;
 
@@ -391,42 +396,31 @@ typedef struct {
     float *acc;      /* [rows, head_dim] */
     float *row_max, *row_sum;
     float *scores;   /* [2, KEY_TILE]: a row pair's */
-    float *kbuf, *vbuf;   /* [KEY_TILE, head_dim] the tile's K and V rows in float32 */
+    float *kbuf, *vbuf;   /* [kv heads, KEY_TILE, head_dim] the tile's K and V rows in float32 (where copied) */
     float *kt;            /* [head_dim, KEY_TILE] its K transposed */
+    float *kzero;         /* [KEY_TILE, head_dim] zeros: a partial tile's missing K rows */
 } Scratch;
 
-/* Ask for the cache lines of the next tile's K and V rows (up to KEY_TILE positions from block_index, slot). */
-static void prefetch_tile(const Problem *p, const char *layer_base, int64_t table, int64_t block_index,
-                          int slot, int64_t remaining, size_t csize, int64_t v_offset) {
-    int n = remaining < KEY_TILE ? (int)remaining : KEY_TILE;
-    size_t row_bytes = (size_t)p->head_dim * csize;
-    for (int j = 0; j < n; j++) {
-        int64_t block = table_entry(p->block_tables, p->bt_int32, table + block_index);
-        const char *k = layer_base + (block * p->c_stride_block + (int64_t)slot * p->c_stride_slot) * (int64_t)csize;
-        for (size_t b = 0; b < row_bytes; b += 64) {
-            __builtin_prefetch(k + b, 0, 3);
-            __builtin_prefetch(k + v_offset + b, 0, 3);
-        }
-        if (++slot == p->block_size) { slot = 0; block_index++; }
-    }
-}
-
-/* One work item: query tokens [t0, t1) of sequence `seq` (positions ctx + i), every head of kv head `kvh`'s group. */
-static void attend_block(const Problem *p, Scratch *s, int seq, int kvh, int64_t t0, int64_t t1) {
+/* One work item: query tokens [t0, t1) of sequence `seq` (positions ctx + i), every head of KV heads [h0, h1)'s
+ * groups. Row r: KV head h0 + r / per_head; within it, token t0 + (r % per_head) / group, query head h * group +
+ * r % group. The heads of an item walk the tiles together, so a tile's K and V rows of all its heads (adjacent in
+ * the cache) are read at once. */
+static void attend_block(const Problem *p, Scratch *s, int seq, int h0, int h1, int64_t t0, int64_t t1) {
     const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
     const int64_t q_first = p->query_start[seq], q_len = p->query_start[seq + 1] - q_first;
     const int64_t ctx = p->seq_lens[seq] - q_len;
-    const int rows = (int)(t1 - t0) * group;
+    const int per_head = (int)(t1 - t0) * group, rows = per_head * (h1 - h0);
     const int64_t table = (int64_t)seq * p->bt_stride;   /* the sequence's row of the block tables */
     const float *krow[KEY_TILE], *vrow[KEY_TILE];
+    int64_t offset[KEY_TILE];   /* the tile's positions' rows, in bytes from the layer's KV head 0 */
     const size_t qsize = p->query_dtype == DTYPE_F32 ? 4 : 2, csize = p->cache_dtype == DTYPE_F32 ? 4 : 2;
-    const char *layer_base = (const char *)p->cache +
-        ((int64_t)p->layer * p->c_stride_layer + (int64_t)kvh * p->c_stride_head) * (int64_t)csize;
-    const int64_t v_offset = p->c_stride_part * (int64_t)csize;
+    const char *layer_base = (const char *)p->cache + (int64_t)p->layer * p->c_stride_layer * (int64_t)csize;
+    const int64_t v_offset = p->c_stride_part * (int64_t)csize, head_bytes = p->c_stride_head * (int64_t)csize;
 
-    for (int r = 0; r < rows; r++) {   /* row r: token t0 + r / group, head kvh * group + r % group */
-        int64_t token = q_first + t0 + r / group;
-        int head = kvh * group + r % group;
+    for (int r = 0; r < rows; r++) {
+        int h = h0 + r / per_head, rr = r % per_head;
+        int64_t token = q_first + t0 + rr / group;
+        int head = h * group + rr % group;
         const char *src = (const char *)p->query + (token * p->q_stride_token + head * p->q_stride_head) * qsize;
         to_float(s->q + (int64_t)r * D, src, p->query_dtype, D);
         memset(s->acc + (int64_t)r * D, 0, (size_t)D * sizeof(float));
@@ -438,62 +432,92 @@ static void attend_block(const Problem *p, Scratch *s, int seq, int kvh, int64_t
     int slot = 0;
     for (int64_t start = 0; start <= last_pos; start += KEY_TILE) {
         int n = (int)(last_pos - start + 1 < KEY_TILE ? last_pos - start + 1 : KEY_TILE);
-        /* The tile's K rows are transposed into kt (scores take 8 keys a vector), V rows read where they lie;
-         * 16-bit rows are first converted to float32 in scratch. A partial tile's missing rows are scratch rows
-         * (finite, zeroed at start), whose scores no row uses. The next tile's rows are prefetched meanwhile. */
         for (int j = 0; j < n; j++) {   /* position start + j lies in block table[block_index], at `slot` */
             int64_t block = table_entry(p->block_tables, p->bt_int32, table + block_index);
-            const char *k = layer_base + (block * p->c_stride_block + (int64_t)slot * p->c_stride_slot) * (int64_t)csize;
-            if (p->cache_dtype == DTYPE_F32) {
-                krow[j] = (const float *)k;
-                vrow[j] = (const float *)(k + v_offset);
-            } else {
-                to_float(s->kbuf + (int64_t)j * D, k, p->cache_dtype, D);
-                to_float(s->vbuf + (int64_t)j * D, k + v_offset, p->cache_dtype, D);
-                krow[j] = s->kbuf + (int64_t)j * D;
-                vrow[j] = s->vbuf + (int64_t)j * D;
-            }
+            offset[j] = (block * p->c_stride_block + (int64_t)slot * p->c_stride_slot) * (int64_t)csize;
             if (++slot == p->block_size) { slot = 0; block_index++; }
         }
-        for (int j = n; j < KEY_TILE; j++) krow[j] = s->kbuf + (int64_t)j * D;
-        transpose_tile(s->kt, krow, D);
-        prefetch_tile(p, layer_base, table, block_index, slot, last_pos - (start + n) + 1, csize, v_offset);
-        for (int r = 0; r < rows;) {
-            int64_t pos = ctx + t0 + r / group;
-            if (pos < start) { r++; continue; }   /* the tile is past the row's causal limit: it adds exact zeros */
-            int m = (int)(pos - start + 1 < n ? pos - start + 1 : n);   /* keys of this tile the row sees */
-            int64_t next = ctx + t0 + (r + 1) / group;
-            int pair = r + 1 < rows && (next - start + 1 < n ? next - start + 1 : n) == m;   /* the same keys */
-            float *sa = s->scores, *sb = s->scores + KEY_TILE;
-            const float *qa = s->q + (int64_t)r * D;
-            if (pair)
-                tile_scores2(sa, sb, qa, qa + D, s->kt, D, p->scale);
-            else
-                tile_scores(sa, qa, s->kt, D, p->scale);
-            float correction[2];
-            for (int i = 0; i <= pair; i++) {
-                float *sc = i ? sb : sa, old_max = s->row_max[r + i], new_max = tile_max(sc, m);
-                new_max = new_max > old_max ? new_max : old_max;
-                /* -inf - new_max on the row's first tile: its correction is 0 (and multiplies zeros) */
-                correction[i] = exp1_nonpositive(old_max - new_max);
-                s->row_sum[r + i] = s->row_sum[r + i] * correction[i] + tile_exp_sum(sc, m, new_max);
-                s->row_max[r + i] = new_max;
+        /* An item of several KV heads first copies (16-bit rows: converts) the tile's K and V rows of all its heads
+         * into scratch, in the order they lie in the cache: slot by slot, a slot's heads side by side. Read so, the
+         * rows stream from memory ~1.5x faster than one head's rows at a time (every KV-head stride), which is
+         * what bounds a decode row. A one-head item (a long query, whose tile many rows reuse) reads float32
+         * rows where they lie and converts 16-bit ones as it goes. */
+        const int staged = h1 - h0 > 1;
+        if (staged)
+            for (int j = 0; j < n; j++)
+                for (int h = h0; h < h1; h++) {
+                    const char *k = layer_base + offset[j] + h * head_bytes;
+                    int64_t at = ((int64_t)(h - h0) * KEY_TILE + j) * D;
+                    to_float(s->kbuf + at, k, p->cache_dtype, D);
+                    to_float(s->vbuf + at, k + v_offset, p->cache_dtype, D);
+                }
+        for (int h = h0; h < h1; h++) {
+            for (int j = 0; j < n; j++) {
+                int64_t at = ((int64_t)(h - h0) * KEY_TILE + j) * D;
+                const char *k = layer_base + offset[j] + h * head_bytes;
+                if (!staged && p->cache_dtype != DTYPE_F32) {
+                    to_float(s->kbuf + at, k, p->cache_dtype, D);
+                    to_float(s->vbuf + at, k + v_offset, p->cache_dtype, D);
+                }
+                int direct = !staged && p->cache_dtype == DTYPE_F32;
+                krow[j] = direct ? (const float *)k : s->kbuf + at;
+                vrow[j] = direct ? (const float *)(k + v_offset) : s->vbuf + at;
             }
-            float *acc = s->acc + (int64_t)r * D;
-            if (pair)
-                tile_accumulate2(acc, acc + D, sa, sb, vrow, m, D, correction[0], correction[1]);
-            else
-                tile_accumulate(acc, sa, vrow, m, D, correction[0]);
-            r += 1 + pair;
+            /* K is transposed into kt (scores take 8 keys a vector); a partial tile's missing rows are zero rows,
+             * whose scores no row uses */
+            for (int j = n; j < KEY_TILE; j++) krow[j] = s->kzero + (int64_t)j * D;
+            transpose_tile(s->kt, krow, D);
+            const int first = (h - h0) * per_head;   /* the head's rows: first + k, k < per_head */
+            for (int k = 0, r = first; k < per_head; r = first + k) {
+                int64_t pos = ctx + t0 + k / group;
+                if (pos < start) { k++; continue; }   /* the tile is past the row's causal limit: it adds exact zeros */
+                int m = (int)(pos - start + 1 < n ? pos - start + 1 : n);   /* keys of this tile the row sees */
+                int64_t next = ctx + t0 + (k + 1) / group;
+                int pair = k + 1 < per_head && (next - start + 1 < n ? next - start + 1 : n) == m;   /* the same keys */
+                float *sa = s->scores, *sb = s->scores + KEY_TILE;
+                const float *qa = s->q + (int64_t)r * D;
+                if (pair)
+                    tile_scores2(sa, sb, qa, qa + D, s->kt, D, p->scale);
+                else
+                    tile_scores(sa, qa, s->kt, D, p->scale);
+                float correction[2];
+                for (int i = 0; i <= pair; i++) {
+                    float *sc = i ? sb : sa, old_max = s->row_max[r + i], new_max = tile_max(sc, m);
+                    new_max = new_max > old_max ? new_max : old_max;
+                    /* -inf - new_max on the row's first tile: its correction is 0 (and multiplies zeros) */
+                    correction[i] = exp1_nonpositive(old_max - new_max);
+                    s->row_sum[r + i] = s->row_sum[r + i] * correction[i] + tile_exp_sum(sc, m, new_max);
+                    s->row_max[r + i] = new_max;
+                }
+                float *acc = s->acc + (int64_t)r * D;
+                if (pair)
+                    tile_accumulate2(acc, acc + D, sa, sb, vrow, m, D, correction[0], correction[1]);
+                else
+                    tile_accumulate(acc, sa, vrow, m, D, correction[0]);
+                k += 1 + pair;
+            }
         }
     }
     for (int r = 0; r < rows; r++) {
-        int64_t token = q_first + t0 + r / group;
-        int head = kvh * group + r % group;
+        int h = h0 + r / per_head, rr = r % per_head;
+        int64_t token = q_first + t0 + rr / group;
+        int head = h * group + rr % group;
         float *dst = p->out + token * p->o_stride_token + head * p->o_stride_head;
         const float *acc = s->acc + (int64_t)r * D, inv = s->row_sum[r];
         for (int d = 0; d < D; d++) dst[d] = acc[d] / inv;
     }
+}
+
+/* A sequence's items: its query blocks times its KV-head ranges. A short query's item takes `short_heads` KV heads
+ * (all of them unless the call has fewer sequences than threads), read in one pass over the cache; a long one's,
+ * one KV head, whose tiles its many rows reuse. Which rows share an item never changes a row's operations. */
+static int heads_per_item(int64_t q_len, int short_heads) {
+    return q_len <= SHORT_QUERY ? short_heads : 1;
+}
+
+/* The new tokens an item takes: a short query's all of them (its K/V rows read once), a long one's QUERY_BLOCK. */
+static int64_t tokens_per_item(int64_t q_len) {
+    return q_len <= SHORT_QUERY ? SHORT_QUERY : QUERY_BLOCK;
 }
 
 static void run_item(const Problem *p, Scratch *s, int64_t item) {
@@ -503,16 +527,17 @@ static void run_item(const Problem *p, Scratch *s, int64_t item) {
         if (p->item_start[mid] <= item) lo = mid; else hi = mid;
     }
     int64_t q_len = p->query_start[lo + 1] - p->query_start[lo];
-    int64_t blocks = (q_len + QUERY_BLOCK - 1) / QUERY_BLOCK, local = item - p->item_start[lo];
-    int kvh = (int)(local / blocks);
-    int64_t t0 = (local % blocks) * QUERY_BLOCK, t1 = t0 + QUERY_BLOCK < q_len ? t0 + QUERY_BLOCK : q_len;
-    attend_block(p, s, lo, kvh, t0, t1);
+    int64_t tokens = tokens_per_item(q_len), blocks = (q_len + tokens - 1) / tokens, local = item - p->item_start[lo];
+    int hpi = heads_per_item(q_len, p->short_heads);
+    int h0 = (int)(local / blocks) * hpi;
+    int64_t t0 = (local % blocks) * tokens, t1 = t0 + tokens < q_len ? t0 + tokens : q_len;
+    attend_block(p, s, lo, h0, h0 + hpi, t0, t1);
 }
 
-static int scratch_alloc(Scratch *s, int head_dim, int group) {
-    size_t rows = (size_t)QUERY_BLOCK * group, D = (size_t)head_dim;
-    /* zeroed: a partial tile's unused rows are transposed and scored too (their scores unused), so finite */
-    float *mem = (float *)calloc(2 * rows * D + 2 * rows + 2 * KEY_TILE + 3 * KEY_TILE * D, sizeof(float));
+static int scratch_alloc(Scratch *s, int head_dim, int num_heads, int num_kv_heads) {
+    size_t rows = (size_t)(SHORT_QUERY > QUERY_BLOCK ? SHORT_QUERY : QUERY_BLOCK) * num_heads, D = (size_t)head_dim;
+    size_t floats = 2 * rows * D + 2 * rows + 2 * KEY_TILE + (2 * (size_t)num_kv_heads + 2) * KEY_TILE * D;
+    float *mem = (float *)malloc(floats * sizeof(float));
     if (!mem) return ERR_ALLOC;
     s->q = mem;
     s->acc = s->q + rows * D;
@@ -520,15 +545,18 @@ static int scratch_alloc(Scratch *s, int head_dim, int group) {
     s->row_sum = s->row_max + rows;
     s->scores = s->row_sum + rows;
     s->kbuf = s->scores + 2 * KEY_TILE;
-    s->vbuf = s->kbuf + KEY_TILE * D;
-    s->kt = s->vbuf + KEY_TILE * D;
+    s->vbuf = s->kbuf + (size_t)num_kv_heads * KEY_TILE * D;
+    s->kt = s->vbuf + (size_t)num_kv_heads * KEY_TILE * D;
+    s->kzero = s->kt + KEY_TILE * D;
+    /* a partial tile's missing K rows: transposed and scored too (their scores unused), so finite */
+    memset(s->kzero, 0, KEY_TILE * D * sizeof(float));
     return OK;
 }
 
 static void *worker(void *arg) {
     Problem *p = (Problem *)arg;
     Scratch s;
-    if (scratch_alloc(&s, p->head_dim, p->num_heads / p->num_kv_heads) != OK) return (void *)1;
+    if (scratch_alloc(&s, p->head_dim, p->num_heads, p->num_kv_heads) != OK) return (void *)1;
     for (;;) {
         int64_t item = __atomic_fetch_add(&p->next_item, 1, __ATOMIC_RELAXED);
         if (item >= p->num_items) break;
@@ -566,20 +594,22 @@ int kvs_prefix_prefill(
         return ERR_BLOCK_ID;
     int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     if (!item_start) return ERR_ALLOC;
+    int threads = num_threads < 1 ? 1 : num_threads;
+    int short_heads = num_seqs >= threads ? num_kv_heads : 1;
     int64_t items = 0;
     for (int b = 0; b < num_seqs; b++) {
         item_start[b] = items;
         int64_t q_len = query_start[b + 1] - query_start[b];
-        items += (q_len + QUERY_BLOCK - 1) / QUERY_BLOCK * num_kv_heads;
+        int64_t tokens = tokens_per_item(q_len);
+        items += (q_len + tokens - 1) / tokens * (num_kv_heads / heads_per_item(q_len, short_heads));
     }
     item_start[num_seqs] = items;
     Problem p = {query, query_dtype, q_stride_token, q_stride_head, cache, cache_dtype,
                  cache_strides[0], cache_strides[1], cache_strides[2], cache_strides[3], cache_strides[4],
                  num_blocks, layer, block_size, block_tables, bt_stride, bt_int32, query_start, seq_lens,
                  num_seqs, num_heads, num_kv_heads, head_dim, scale, out, o_stride_token, o_stride_head,
-                 item_start, items, 0};
+                 item_start, items, short_heads, 0};
     int status = OK;
-    int threads = num_threads < 1 ? 1 : num_threads;
     if (threads > items) threads = (int)items;
     if (threads <= 1) {
         if (items > 0 && worker(&p) != NULL) status = ERR_ALLOC;

@@ -35,8 +35,11 @@ _ERRORS = {-2: "out of memory", -3: "could not start a thread", -4: "unsupported
 def library() -> ctypes.CDLL | None:
     """The built kernel, loaded; None (and one line logged, once) where it cannot be built or loaded."""
     lib = cpu_build.load(SOURCE, "attention")
-    if lib is None:
-        return None
+    return None if lib is None else declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with the C functions' signatures declared (any build of this file's interface)."""
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.kvs_prefix_prefill.restype = ctypes.c_int
     lib.kvs_prefix_prefill.argtypes = [
@@ -58,7 +61,7 @@ def available() -> bool:
 def supports(kv_cache: torch.Tensor, query: torch.Tensor) -> bool:
     """Whether the compiled kernel computes this call (else the torch reference does): CPU tensors, a cache and
     query of float32, bfloat16 or float16, head_dim a multiple of 8 (every model we know), and the kernel built."""
-    return (kv_cache.device.type == "cpu" and query.device.type == "cpu" and kv_cache.dtype in CACHE_DTYPES
+    return (kv_cache.is_cpu and query.is_cpu and kv_cache.dtype in CACHE_DTYPES
             and query.dtype in CACHE_DTYPES and query.shape[-1] % HEAD_DIM_MULTIPLE == 0 and available())
 
 
@@ -75,19 +78,20 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
         out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
-    direct = out.dtype == torch.float32 and out.stride(-1) == 1
+    direct = out.dtype == torch.float32 and out.stride()[-1] == 1
     result = out if direct else torch.empty(query.shape, dtype=torch.float32)
+    query_strides, result_strides, table_stride = call.query_strides, result.stride(), call.block_tables.stride()[0]
     lib = library()
     tables = call.block_tables
     status = lib.kvs_prefix_prefill(
-        query.data_ptr(), CACHE_DTYPES[query.dtype], query.stride(0), query.stride(1),
+        query.data_ptr(), CACHE_DTYPES[query.dtype], query_strides[0], query_strides[1],
         kv_cache.data_ptr(), CACHE_DTYPES[kv_cache.dtype], call.cache_strides.buffer_info()[0], kv_cache.shape[0],
-        layer, kv_cache.shape[3], tables.data_ptr(), tables.dtype == torch.int32, tables.stride(0),
+        layer, kv_cache.shape[3], tables.data_ptr(), tables.dtype == torch.int32, table_stride,
         call.query_start.buffer_info()[0], call.seq_lens.buffer_info()[0], len(call.seq_lens), query.shape[1],
-        kv_cache.shape[4], query.shape[2], float(scale), result.data_ptr(), result.stride(0), result.stride(1),
+        kv_cache.shape[4], query.shape[2], float(scale), result.data_ptr(), result_strides[0], result_strides[1],
         torch.get_num_threads())
     if status == -1:
-        seq = lib.kvs_check_block_tables(tables.data_ptr(), tables.dtype == torch.int32, tables.stride(0),
+        seq = lib.kvs_check_block_tables(tables.data_ptr(), tables.dtype == torch.int32, table_stride,
                                          call.seq_lens.buffer_info()[0], len(call.seq_lens), kv_cache.shape[3],
                                          kv_cache.shape[0])
         raise ValueError(f"prefix_prefill: sequence {seq}'s block table names a block outside the cache's "
@@ -108,6 +112,7 @@ class _Call:
     query_start: array
     seq_lens: array
     cache_strides: array
+    query_strides: tuple[int, ...]
 
 
 TABLE_DTYPES = (torch.int32, torch.int64)
@@ -123,11 +128,13 @@ def _checked_call(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None) -> _Call:
     """Every property the C code relies on, checked, so that bad input is a ValueError and never a bad read.
     (The block ids themselves are checked by the C code, before it reads anything, against the cache's size.)
-    Plain Python over the lengths: a call's few sequences cost less so than in tensor operations."""
-    if query.dim() != 3 or query.stride(-1) != 1:
+    Plain Python over the lengths: a call's few sequences cost less so than in tensor operations; each tensor's
+    strides are read once, as a tuple (`stride(i)` costs as much as the whole tuple), and `is_cpu` rather than
+    `device.type`: the checks run in every layer of every step."""
+    if query.dim() != 3 or (query_strides := query.stride())[-1] != 1:
         raise ValueError(f"prefix_prefill: query must be [tokens, heads, head_dim] with a contiguous last axis, "
                          f"got shape {tuple(query.shape)} strides {query.stride()}")
-    if kv_cache.dim() != 6 or kv_cache.stride(-1) != 1:
+    if kv_cache.dim() != 6 or (cache_strides := kv_cache.stride())[-1] != 1:
         raise ValueError(f"prefix_prefill: kv_cache must be [blocks, layers, 2, block_size, kv_heads, head_dim] "
                          f"with a contiguous last axis, got shape {tuple(kv_cache.shape)}")
     num_tokens, num_heads, head_dim = query.shape
@@ -140,12 +147,12 @@ def _checked_call(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block
                          f"values is not supported")
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(f"prefix_prefill: layer {layer!r} is not one of the cache's {num_layers}")
-    if out is not None and (out.shape != query.shape or out.device.type != "cpu"):
+    if out is not None and (out.shape != query.shape or not out.is_cpu):
         raise ValueError(f"prefix_prefill: out {tuple(out.shape)} does not match query {tuple(query.shape)}")
     if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 \
-            or block_tables.dtype not in TABLE_DTYPES or block_tables.device.type != "cpu":
+            or block_tables.dtype not in TABLE_DTYPES or not block_tables.is_cpu:
         raise ValueError("prefix_prefill: block_tables must be a 2-D int32 or int64 CPU tensor")
-    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    tables = block_tables if block_tables.stride()[1] == 1 else block_tables.contiguous()
     starts = _index_list("query_start_loc", query_start_loc)
     lengths = _index_list("seq_lens", seq_lens)
     if len(starts) != len(lengths) + 1 or tables.shape[0] < len(lengths):
@@ -157,4 +164,4 @@ def _checked_call(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block
         raise ValueError(f"prefix_prefill: query_start_loc {starts} and seq_lens {lengths} do not describe "
                          f"{num_tokens} query tokens (each sequence's new tokens within its length, its length "
                          f"within the block table's {tables.shape[1]} blocks of {block_size})")
-    return _Call(tables, array("q", starts), array("q", lengths), array("q", kv_cache.stride()[:5]))
+    return _Call(tables, array("q", starts), array("q", lengths), array("q", cache_strides[:5]), query_strides)

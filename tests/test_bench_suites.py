@@ -69,6 +69,20 @@ def test_kernels_quick_mode_checks_paging_against_sdpa(capsys):
     assert "| SmolLM2-135M prefill: 2 x (64 cached + 16 new) | float32 |" in capsys.readouterr().out
 
 
+def test_kernels_paging_times_another_cpu_kernel_source_beside_this_trees(capsys):
+    """`--baseline-kernel`: the first merged CPU kernel built and checked against SDPA beside this tree's."""
+    from kvstrata.kernels import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip("no C compiler to build the CPU kernel")
+    pinned = REPO_ROOT / "tests" / "data" / "cpu_attention_7abbe27.c"
+    assert suite("kernels").main(["paging", "--quick", "--repeats", "1", "--device", "cpu",
+                                  "--baseline-kernel", str(pinned)]) in (0, None)
+    out = capsys.readouterr().out
+    assert "| baseline kernel (ms) |" in out and "| baseline / kernel |" in out
+    assert "| SmolLM2-135M prefill: 2 x (64 cached + 16 new) | float32 |" in out
+
+
 def test_tiers_disk_readers_reads_every_layout_through_the_record_checks(tmp_path):
     assert suite("tiers").main(["disk-readers", "--processes", "2", "--gib", "0.005", "--out-dir", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "disk_read_scaling.json").read_text())

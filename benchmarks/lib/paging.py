@@ -20,10 +20,12 @@ Figures are reported as ratios `ours / SDPA` (1.0 = paging costs nothing).
 Every timed function is first checked to give the baseline's output on the very problem it is timed on.
 
     python benchmarks/kernels.py paging                 # prints markdown tables
+    python benchmarks/kernels.py paging --baseline-kernel tests/data/cpu_attention_7abbe27.c   # CPU: old vs new kernel
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import time
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks.machine import machine_line  # noqa: E402
-from kvstrata.kernels import cpu_attention  # noqa: E402
+from kvstrata.kernels import cpu_attention, cpu_build  # noqa: E402
 from kvstrata.kernels.prefix_prefill import (choose_num_splits, prefix_prefill, reference_prefix_prefill,  # noqa: E402
                                              sm_count)
 
@@ -205,6 +207,22 @@ def split_kv_table(cases: list[Case], dtypes: list[torch.dtype], timer, repeats:
                         timer, repeats, device, splits_column=True)
 
 
+def kernel_built_from(source: Path) -> Callable[..., torch.Tensor]:
+    """`cpu_attention.prefix_prefill` computed by the kernel built from `source` (same interface), wrapper and
+    checks included, so that two kernels are timed alike."""
+    built = cpu_build.build(source.resolve(), cpu_build.find_compiler(), cpu_build.compile_flags())
+    lib = cpu_attention.declare(ctypes.CDLL(str(built)))
+
+    def run(*args, **kwargs) -> torch.Tensor:
+        current = cpu_attention.library
+        cpu_attention.library = lambda: lib
+        try:
+            return cpu_attention.prefix_prefill(*args, **kwargs)
+        finally:
+            cpu_attention.library = current
+    return run
+
+
 def free_cached_memory(device: torch.device) -> None:
     """Hand the last problem's memory back, so that the next (larger) one fits."""
     if device.type == "cuda":
@@ -215,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--baseline-kernel", type=Path,
+                        help="CPU: another cpu_attention.c (e.g. tests/data/cpu_attention_7abbe27.c, the first merged) "
+                             "timed beside this tree's kernel instead of the torch reference")
     parser.add_argument("--quick", action="store_true",
                         help="one small case in float32: every kernel checked against SDPA, timings not worth keeping")
     args = parser.parse_args(argv)
@@ -227,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
         # (48 cached + 2000 new): a shared system prompt cached before a new document, the common miss
         cases = [Case(SMOLLM2, 1, 2048, 512), Case(SMOLLM2, 1, 0, 512), Case(SMOLLM2, 1, 48, 2000),
-                 Case(SMOLLM2, 16, 2048, 1), *QUESTION_CASES]
+                 Case(SMOLLM2, 16, 2048, 1), Case(SMOLLM2, 1, 2048, 1), Case(SMOLLM2, 1, 2048, 10),
+                 *QUESTION_CASES]
         dtypes, ours, timer, name = [torch.float32, torch.bfloat16], reference_prefix_prefill, time_cpu, \
             "torch reference_prefix_prefill"
         machine = machine_line()
@@ -239,7 +261,11 @@ def main(argv: list[str] | None = None) -> None:
     if not on_cuda:
         print("(CPU run: the Triton kernel's figures, split-KV among them, need a GPU)")
     print()
-    if ours is cpu_attention.prefix_prefill:
+    if ours is cpu_attention.prefix_prefill and args.baseline_kernel:
+        timing_table(cases, dtypes, {"cpu kernel": ours, "baseline kernel": kernel_built_from(args.baseline_kernel)},
+                     [("baseline / kernel", "baseline kernel", "cpu kernel"), ("kernel / SDPA", "cpu kernel", SDPA)],
+                     timer, args.repeats, device)
+    elif ours is cpu_attention.prefix_prefill:
         timing_table(cases, dtypes, {"cpu kernel": ours, "torch reference": reference_prefix_prefill},
                      [("reference / kernel", "torch reference", "cpu kernel"), ("kernel / SDPA", "cpu kernel", SDPA)],
                      timer, args.repeats, device)

@@ -1,0 +1,604 @@
+/* The CPU attention kernel (kernels/cpu_attention.c) as first merged, at commit 7abbe27, unchanged below this
+ * comment: tests/test_kernels_cpu_attention.py builds it beside the current kernel and checks that every row of
+ * random problems gets the same bits from both, so that a faster kernel never changes an answer. */
+/* Prefix-prefill attention on a CPU, read straight from the paged KV cache (kernels/cpu_attention.py builds and
+ * calls this; kernels/prefix_prefill.py documents the inputs).
+ *
+ * Batch-invariant by construction: each (query token, query head) output is computed by one thread, from its own
+ * query and the keys it may see (positions 0 ..= its own), walked in tiles of KEY_TILE positions counted from
+ * position 0, with a float32 online softmax. Nothing of that order depends on the other rows of the call, the
+ * number of threads, or where the step began (after a cached prefix or not), so a row's bits never do either.
+ *
+ * Determinism of the arithmetic: built with -ffp-contract=off, so the compiler fuses no multiply-add on its own;
+ * fused ones are explicit (MADD, or the intrinsics). Every reduction has a fixed order: a score q.k is summed along
+ * head_dim in order, one fused multiply-add at a time; a tile's softmax sum keeps LANES partial sums (lane i takes
+ * keys i, i + LANES, ...) added by one fixed tree; its weighted values are added key by key in position order.
+ * Vectorised or not, the operations on each element are the same (the AVX2 build and the portable one differ
+ * from each other only where FMA is absent, never from call to call).
+ *
+ * Speed: K is transposed per tile so a score vector holds 8 keys (no horizontal sums); two rows that see the same
+ * keys share each load (the heads of one GQA group, QUERY_BLOCK consecutive tokens share a tile); the next tile's
+ * rows are prefetched. Measured in benchmarks/results/cpu_step.md.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __FMA__
+#define MADD(a, b, c) fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
+#define LANES 8
+#define KEY_TILE 32
+#define QUERY_BLOCK 8
+#define MAX_GROUP 64
+#define MAX_HEAD_DIM 512
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+enum { OK = 0, ERR_BLOCK_ID = -1, ERR_ALLOC = -2, ERR_THREAD = -3, ERR_SHAPE = -4 };
+
+typedef struct {
+    const void *query;         /* [T, num_heads, head_dim], strides below (elements), last axis contiguous */
+    int query_dtype;
+    int64_t q_stride_token, q_stride_head;
+    const void *cache;         /* [num_blocks, num_layers, 2, block_size, num_kv_heads, row] */
+    int cache_dtype;
+    int64_t c_stride_block, c_stride_layer, c_stride_part, c_stride_slot, c_stride_head;
+    int64_t num_blocks;
+    int layer, block_size;
+    const void *block_tables;      /* [B, max_blocks] int32 or int64 (bt_int32), rows bt_stride apart */
+    int64_t bt_stride;
+    int bt_int32;
+    const int64_t *query_start;    /* [B + 1] */
+    const int64_t *seq_lens;       /* [B] */
+    int num_seqs, num_heads, num_kv_heads, head_dim;
+    float scale;
+    float *out;                    /* [T, num_heads, head_dim] float32, strides below */
+    int64_t o_stride_token, o_stride_head;
+    /* work items: (sequence, kv head, query block), numbered in that order; `item_start[b]` is the first of b */
+    const int64_t *item_start;
+    int64_t num_items;
+    int64_t next_item;             /* shared counter, taken atomically by the threads */
+} Problem;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);                 /* inf, nan */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);          /* normal */
+    } else if (mant == 0) {
+        bits = sign;                                               /* zero */
+    } else {                                                       /* subnormal: normalise */
+        int shift = 0;
+        while (!(mant & 0x400)) { mant <<= 1; shift++; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mant & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* `n` values of `dtype` at `src` as float32 into `dst` (exact: every bf16 and f16 value is a float32). */
+static void to_float(float *dst, const void *src, int dtype, int n) {
+    if (dtype == DTYPE_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == DTYPE_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int i = 0; i < n; i++) dst[i] = f16_to_f32(s[i]);
+    }
+}
+
+static inline int64_t table_entry(const void *tables, int int32, int64_t index) {
+    return int32 ? ((const int32_t *)tables)[index] : ((const int64_t *)tables)[index];
+}
+
+/* exp(x) for x <= 0 (scores minus their running maximum), elementwise: x = k ln2 + r, |r| <= ln2 / 2, e^r by a
+ * degree-6 polynomial (relative error ~2e-7), times 2^k from the exponent bits. Below -87 (and -inf, nan) the
+ * result is 0 (e^-87 ~ 1.6e-38, under float32's normals). The AVX2 and the portable versions do the same
+ * operations on every element. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693145751953125f
+#define EXP_LN2_LO 1.428606765330187045e-06f
+#define EXP_FLOOR (-87.0f)
+
+static inline float exp_nonpositive(float v) {
+    int underflow = !(v >= EXP_FLOOR);
+    v = underflow ? EXP_FLOOR : v;
+    float k = rintf(v * EXP_LOG2E);
+    float r = MADD(k, -EXP_LN2_HI, v);
+    r = MADD(k, -EXP_LN2_LO, r);
+    float p = 1.0f / 720.0f;
+    p = MADD(p, r, 1.0f / 120.0f);
+    p = MADD(p, r, 1.0f / 24.0f);
+    p = MADD(p, r, 1.0f / 6.0f);
+    p = MADD(p, r, 0.5f);
+    p = MADD(p, r, 1.0f);
+    p = MADD(p, r, 1.0f);
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &bits, 4);
+    return underflow ? 0.0f : p * two_k;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256 exp8_nonpositive(__m256 v) {
+    __m256 ok = _mm256_cmp_ps(v, _mm256_set1_ps(EXP_FLOOR), _CMP_GE_OQ);   /* false for nan */
+    v = _mm256_blendv_ps(_mm256_set1_ps(EXP_FLOOR), v, ok);
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(-EXP_LN2_HI), v);
+    r = _mm256_fmadd_ps(k, _mm256_set1_ps(-EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), ok);
+}
+
+/* The LANES partial sums of a, b, c, d reduced by the fixed tree ((0+1)+(2+3))+((4+5)+(6+7)), as 4 floats. */
+static inline __m128 tree4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);   /* pairs (0+1), (2+3) | (4+5), (6+7) */
+    __m256 abcd = _mm256_hadd_ps(ab, cd);                         /* (0+1)+(2+3) | (4+5)+(6+7), per input */
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* scores[j] = dot(q, k[j]) * scale for every key j of the tile, from K transposed (kt [head_dim, KEY_TILE]): each
+ * dot summed along head_dim in order, one fused multiply-add at a time. Keys past a row's limit get a score too,
+ * which the row never uses. */
+static void tile_scores(float *scores, const float *q, const float *kt, int D, float scale) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int d = 0; d < D; d++) {
+        const __m256 qd = _mm256_broadcast_ss(q + d);
+        const float *col = kt + (int64_t)d * KEY_TILE;
+        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(col), a0);
+        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(col + 8), a1);
+        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(col + 16), a2);
+        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(col + 24), a3);
+    }
+    const __m256 vs = _mm256_set1_ps(scale);
+    _mm256_storeu_ps(scores, _mm256_mul_ps(a0, vs));
+    _mm256_storeu_ps(scores + 8, _mm256_mul_ps(a1, vs));
+    _mm256_storeu_ps(scores + 16, _mm256_mul_ps(a2, vs));
+    _mm256_storeu_ps(scores + 24, _mm256_mul_ps(a3, vs));
+}
+
+/* 8 values (from d) of 8 K rows transposed into 8 columns [at dst, row stride dst_stride]. */
+static inline void transpose8(const float *const *k, int d, float *dst, int64_t dst_stride) {
+    __m256 r0 = _mm256_loadu_ps(k[0] + d), r1 = _mm256_loadu_ps(k[1] + d), r2 = _mm256_loadu_ps(k[2] + d),
+           r3 = _mm256_loadu_ps(k[3] + d), r4 = _mm256_loadu_ps(k[4] + d), r5 = _mm256_loadu_ps(k[5] + d),
+           r6 = _mm256_loadu_ps(k[6] + d), r7 = _mm256_loadu_ps(k[7] + d);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+           t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+           t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+           u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+           u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+           u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + dst_stride, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * dst_stride, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * dst_stride, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * dst_stride, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * dst_stride, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * dst_stride, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * dst_stride, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+/* kt [D, KEY_TILE] = the tile's K rows (krow[j], KEY_TILE of them) transposed. */
+static void transpose_tile(float *kt, const float *const *krow, int D) {
+    for (int j = 0; j < KEY_TILE; j += 8)
+        for (int d = 0; d < D; d += 8) transpose8(krow + j, d, kt + (int64_t)d * KEY_TILE + j, KEY_TILE);
+}
+
+/* scores[j] = exp(scores[j] - shift) for j < m, 0 up to the next multiple of LANES; returns their sum: LANES
+ * partial sums over the groups of LANES keys in order, then the tree. */
+static float tile_exp_sum(float *scores, int m, float shift) {
+    __m256 vshift = _mm256_set1_ps(shift), sum = _mm256_setzero_ps();
+    for (int j = 0; j < m; j += LANES) {
+        __m256 v = _mm256_sub_ps(_mm256_loadu_ps(scores + j), vshift);
+        if (m - j < LANES) {   /* keys past the row's limit: exp(-inf) = 0 */
+            __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(m - j), lane));
+            v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, live);
+        }
+        v = exp8_nonpositive(v);
+        _mm256_storeu_ps(scores + j, v);
+        sum = _mm256_add_ps(sum, v);
+    }
+    __m128 s = tree4(sum, sum, sum, sum);
+    return _mm_cvtss_f32(s);
+}
+
+static float exp1_nonpositive(float v) {
+    return _mm256_cvtss_f32(exp8_nonpositive(_mm256_set1_ps(v)));
+}
+
+/* acc = acc * correction + sum_j p[j] v[j], the keys folded in order, for j < m. */
+static void tile_accumulate(float *acc, const float *p, const float *const *v, int m, int D, float correction) {
+    const __m256 c = _mm256_set1_ps(correction);
+    for (int d0 = 0; d0 < D; d0 += 8 * LANES) {
+        int width = D - d0 < 8 * LANES ? D - d0 : 8 * LANES;
+        if (width == 8 * LANES) {
+            __m256 r0 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0), c), r1 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8), c),
+                   r2 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 16), c), r3 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 24), c),
+                   r4 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 32), c), r5 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 40), c),
+                   r6 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 48), c), r7 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 56), c);
+            for (int j = 0; j < m; j++) {
+                const __m256 w = _mm256_set1_ps(p[j]);
+                const float *row = v[j] + d0;
+                r0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), r0);
+                r1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), r1);
+                r2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), r2);
+                r3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), r3);
+                r4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 32), r4);
+                r5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 40), r5);
+                r6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 48), r6);
+                r7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 56), r7);
+            }
+            _mm256_storeu_ps(acc + d0, r0); _mm256_storeu_ps(acc + d0 + 8, r1);
+            _mm256_storeu_ps(acc + d0 + 16, r2); _mm256_storeu_ps(acc + d0 + 24, r3);
+            _mm256_storeu_ps(acc + d0 + 32, r4); _mm256_storeu_ps(acc + d0 + 40, r5);
+            _mm256_storeu_ps(acc + d0 + 48, r6); _mm256_storeu_ps(acc + d0 + 56, r7);
+        } else {   /* fewer than 64 values left: one vector at a time, the same operations */
+            for (int d = d0; d < d0 + width; d += LANES) {
+                __m256 r = _mm256_mul_ps(_mm256_loadu_ps(acc + d), c);
+                for (int j = 0; j < m; j++) r = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v[j] + d), r);
+                _mm256_storeu_ps(acc + d, r);
+            }
+        }
+    }
+}
+/* tile_scores for two rows at once: each column of K is loaded once for both; each row's operations are those of
+ * tile_scores. */
+static void tile_scores2(float *sa, float *sb, const float *qa, const float *qb, const float *kt, int D, float scale) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int d = 0; d < D; d++) {
+        const __m256 qad = _mm256_broadcast_ss(qa + d), qbd = _mm256_broadcast_ss(qb + d);
+        const float *col = kt + (int64_t)d * KEY_TILE;
+        __m256 x0 = _mm256_loadu_ps(col), x1 = _mm256_loadu_ps(col + 8), x2 = _mm256_loadu_ps(col + 16),
+               x3 = _mm256_loadu_ps(col + 24);
+        a0 = _mm256_fmadd_ps(qad, x0, a0); b0 = _mm256_fmadd_ps(qbd, x0, b0);
+        a1 = _mm256_fmadd_ps(qad, x1, a1); b1 = _mm256_fmadd_ps(qbd, x1, b1);
+        a2 = _mm256_fmadd_ps(qad, x2, a2); b2 = _mm256_fmadd_ps(qbd, x2, b2);
+        a3 = _mm256_fmadd_ps(qad, x3, a3); b3 = _mm256_fmadd_ps(qbd, x3, b3);
+    }
+    const __m256 vs = _mm256_set1_ps(scale);
+    _mm256_storeu_ps(sa, _mm256_mul_ps(a0, vs)); _mm256_storeu_ps(sa + 8, _mm256_mul_ps(a1, vs));
+    _mm256_storeu_ps(sa + 16, _mm256_mul_ps(a2, vs)); _mm256_storeu_ps(sa + 24, _mm256_mul_ps(a3, vs));
+    _mm256_storeu_ps(sb, _mm256_mul_ps(b0, vs)); _mm256_storeu_ps(sb + 8, _mm256_mul_ps(b1, vs));
+    _mm256_storeu_ps(sb + 16, _mm256_mul_ps(b2, vs)); _mm256_storeu_ps(sb + 24, _mm256_mul_ps(b3, vs));
+}
+
+/* tile_accumulate for two rows at once: each V row is loaded once for both; each element's operations (times its
+ * correction, then the keys' products added in order) are those of tile_accumulate. */
+static void tile_accumulate2(float *acca, float *accb, const float *pa, const float *pb, const float *const *v, int m,
+                             int D, float ca, float cb) {
+    const __m256 vca = _mm256_set1_ps(ca), vcb = _mm256_set1_ps(cb);
+    int d0 = 0;
+    for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) {
+        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(acca + d0), vca), a1 = _mm256_mul_ps(_mm256_loadu_ps(acca + d0 + 8), vca),
+               a2 = _mm256_mul_ps(_mm256_loadu_ps(acca + d0 + 16), vca), a3 = _mm256_mul_ps(_mm256_loadu_ps(acca + d0 + 24), vca),
+               b0 = _mm256_mul_ps(_mm256_loadu_ps(accb + d0), vcb), b1 = _mm256_mul_ps(_mm256_loadu_ps(accb + d0 + 8), vcb),
+               b2 = _mm256_mul_ps(_mm256_loadu_ps(accb + d0 + 16), vcb), b3 = _mm256_mul_ps(_mm256_loadu_ps(accb + d0 + 24), vcb);
+        for (int j = 0; j < m; j++) {
+            const __m256 wa = _mm256_set1_ps(pa[j]), wb = _mm256_set1_ps(pb[j]);
+            const float *row = v[j] + d0;
+            __m256 x0 = _mm256_loadu_ps(row), x1 = _mm256_loadu_ps(row + 8), x2 = _mm256_loadu_ps(row + 16),
+                   x3 = _mm256_loadu_ps(row + 24);
+            a0 = _mm256_fmadd_ps(wa, x0, a0); b0 = _mm256_fmadd_ps(wb, x0, b0);
+            a1 = _mm256_fmadd_ps(wa, x1, a1); b1 = _mm256_fmadd_ps(wb, x1, b1);
+            a2 = _mm256_fmadd_ps(wa, x2, a2); b2 = _mm256_fmadd_ps(wb, x2, b2);
+            a3 = _mm256_fmadd_ps(wa, x3, a3); b3 = _mm256_fmadd_ps(wb, x3, b3);
+        }
+        _mm256_storeu_ps(acca + d0, a0); _mm256_storeu_ps(acca + d0 + 8, a1);
+        _mm256_storeu_ps(acca + d0 + 16, a2); _mm256_storeu_ps(acca + d0 + 24, a3);
+        _mm256_storeu_ps(accb + d0, b0); _mm256_storeu_ps(accb + d0 + 8, b1);
+        _mm256_storeu_ps(accb + d0 + 16, b2); _mm256_storeu_ps(accb + d0 + 24, b3);
+    }
+    for (int d = d0; d < D; d += LANES) {
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acca + d), vca), b = _mm256_mul_ps(_mm256_loadu_ps(accb + d), vcb);
+        for (int j = 0; j < m; j++) {
+            __m256 x = _mm256_loadu_ps(v[j] + d);
+            a = _mm256_fmadd_ps(_mm256_set1_ps(pa[j]), x, a);
+            b = _mm256_fmadd_ps(_mm256_set1_ps(pb[j]), x, b);
+        }
+        _mm256_storeu_ps(acca + d, a);
+        _mm256_storeu_ps(accb + d, b);
+    }
+}
+
+/* The largest of scores[0..m) (exact in any order). */
+static float tile_max(const float *scores, int m) {
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + LANES <= m; j += LANES) best = _mm256_max_ps(best, _mm256_loadu_ps(scores + j));
+    float lanes[LANES], result = -INFINITY;
+    _mm256_storeu_ps(lanes, best);
+    for (int i = 0; i < LANES; i++) result = lanes[i] > result ? lanes[i] : result;
+    for (; j < m; j++) result = scores[j] > result ? scores[j] : result;
+    return result;
+}
+#else
+/* Portable versions of the functions above: the same operations, element by element. */
+static void tile_scores(float *scores, const float *q, const float *kt, int D, float scale) {
+    for (int j = 0; j < KEY_TILE; j++) {
+        float acc = 0.0f;
+        for (int d = 0; d < D; d++) acc = MADD(q[d], kt[(int64_t)d * KEY_TILE + j], acc);
+        scores[j] = acc * scale;
+    }
+}
+
+static void transpose_tile(float *kt, const float *const *krow, int D) {
+    for (int j = 0; j < KEY_TILE; j++)
+        for (int d = 0; d < D; d++) kt[(int64_t)d * KEY_TILE + j] = krow[j][d];
+}
+
+static float tile_exp_sum(float *scores, int m, float shift) {
+    float lane[LANES] = {0};
+    for (int j = 0; j < m; j++) {
+        scores[j] = exp_nonpositive(scores[j] - shift);
+        lane[j % LANES] += scores[j];
+    }
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+static float exp1_nonpositive(float v) { return exp_nonpositive(v); }
+
+static void tile_accumulate(float *acc, const float *p, const float *const *v, int m, int D, float correction) {
+    for (int d = 0; d < D; d++) {
+        float r = acc[d] * correction;
+        for (int j = 0; j < m; j++) r = MADD(p[j], v[j][d], r);
+        acc[d] = r;
+    }
+}
+static void tile_scores2(float *sa, float *sb, const float *qa, const float *qb, const float *kt, int D, float scale) {
+    tile_scores(sa, qa, kt, D, scale);
+    tile_scores(sb, qb, kt, D, scale);
+}
+
+static void tile_accumulate2(float *acca, float *accb, const float *pa, const float *pb, const float *const *v, int m,
+                             int D, float ca, float cb) {
+    tile_accumulate(acca, pa, v, m, D, ca);
+    tile_accumulate(accb, pb, v, m, D, cb);
+}
+
+static float tile_max(const float *scores, int m) {
+    float result = -INFINITY;
+    for (int j = 0; j < m; j++) result = scores[j] > result ? scores[j] : result;
+    return result;
+}
+#endif
+
+typedef struct {
+    float *q;        /* [rows, head_dim] the block's queries in float32 */
+    float *acc;      /* [rows, head_dim] */
+    float *row_max, *row_sum;
+    float *scores;   /* [2, KEY_TILE]: a row pair's */
+    float *kbuf, *vbuf;   /* [KEY_TILE, head_dim] the tile's K and V rows in float32 */
+    float *kt;            /* [head_dim, KEY_TILE] its K transposed */
+} Scratch;
+
+/* Ask for the cache lines of the next tile's K and V rows (up to KEY_TILE positions from block_index, slot). */
+static void prefetch_tile(const Problem *p, const char *layer_base, int64_t table, int64_t block_index,
+                          int slot, int64_t remaining, size_t csize, int64_t v_offset) {
+    int n = remaining < KEY_TILE ? (int)remaining : KEY_TILE;
+    size_t row_bytes = (size_t)p->head_dim * csize;
+    for (int j = 0; j < n; j++) {
+        int64_t block = table_entry(p->block_tables, p->bt_int32, table + block_index);
+        const char *k = layer_base + (block * p->c_stride_block + (int64_t)slot * p->c_stride_slot) * (int64_t)csize;
+        for (size_t b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(k + b, 0, 3);
+            __builtin_prefetch(k + v_offset + b, 0, 3);
+        }
+        if (++slot == p->block_size) { slot = 0; block_index++; }
+    }
+}
+
+/* One work item: query tokens [t0, t1) of sequence `seq` (positions ctx + i), every head of kv head `kvh`'s group. */
+static void attend_block(const Problem *p, Scratch *s, int seq, int kvh, int64_t t0, int64_t t1) {
+    const int D = p->head_dim, group = p->num_heads / p->num_kv_heads;
+    const int64_t q_first = p->query_start[seq], q_len = p->query_start[seq + 1] - q_first;
+    const int64_t ctx = p->seq_lens[seq] - q_len;
+    const int rows = (int)(t1 - t0) * group;
+    const int64_t table = (int64_t)seq * p->bt_stride;   /* the sequence's row of the block tables */
+    const float *krow[KEY_TILE], *vrow[KEY_TILE];
+    const size_t qsize = p->query_dtype == DTYPE_F32 ? 4 : 2, csize = p->cache_dtype == DTYPE_F32 ? 4 : 2;
+    const char *layer_base = (const char *)p->cache +
+        ((int64_t)p->layer * p->c_stride_layer + (int64_t)kvh * p->c_stride_head) * (int64_t)csize;
+    const int64_t v_offset = p->c_stride_part * (int64_t)csize;
+
+    for (int r = 0; r < rows; r++) {   /* row r: token t0 + r / group, head kvh * group + r % group */
+        int64_t token = q_first + t0 + r / group;
+        int head = kvh * group + r % group;
+        const char *src = (const char *)p->query + (token * p->q_stride_token + head * p->q_stride_head) * qsize;
+        to_float(s->q + (int64_t)r * D, src, p->query_dtype, D);
+        memset(s->acc + (int64_t)r * D, 0, (size_t)D * sizeof(float));
+        s->row_max[r] = -INFINITY;
+        s->row_sum[r] = 0.0f;
+    }
+    const int64_t last_pos = ctx + t1 - 1;   /* the furthest any row sees */
+    int64_t block_index = 0;
+    int slot = 0;
+    for (int64_t start = 0; start <= last_pos; start += KEY_TILE) {
+        int n = (int)(last_pos - start + 1 < KEY_TILE ? last_pos - start + 1 : KEY_TILE);
+        /* The tile's K rows are transposed into kt (scores take 8 keys a vector), V rows read where they lie;
+         * 16-bit rows are first converted to float32 in scratch. A partial tile's missing rows are scratch rows
+         * (finite, zeroed at start), whose scores no row uses. The next tile's rows are prefetched meanwhile. */
+        for (int j = 0; j < n; j++) {   /* position start + j lies in block table[block_index], at `slot` */
+            int64_t block = table_entry(p->block_tables, p->bt_int32, table + block_index);
+            const char *k = layer_base + (block * p->c_stride_block + (int64_t)slot * p->c_stride_slot) * (int64_t)csize;
+            if (p->cache_dtype == DTYPE_F32) {
+                krow[j] = (const float *)k;
+                vrow[j] = (const float *)(k + v_offset);
+            } else {
+                to_float(s->kbuf + (int64_t)j * D, k, p->cache_dtype, D);
+                to_float(s->vbuf + (int64_t)j * D, k + v_offset, p->cache_dtype, D);
+                krow[j] = s->kbuf + (int64_t)j * D;
+                vrow[j] = s->vbuf + (int64_t)j * D;
+            }
+            if (++slot == p->block_size) { slot = 0; block_index++; }
+        }
+        for (int j = n; j < KEY_TILE; j++) krow[j] = s->kbuf + (int64_t)j * D;
+        transpose_tile(s->kt, krow, D);
+        prefetch_tile(p, layer_base, table, block_index, slot, last_pos - (start + n) + 1, csize, v_offset);
+        for (int r = 0; r < rows;) {
+            int64_t pos = ctx + t0 + r / group;
+            if (pos < start) { r++; continue; }   /* the tile is past the row's causal limit: it adds exact zeros */
+            int m = (int)(pos - start + 1 < n ? pos - start + 1 : n);   /* keys of this tile the row sees */
+            int64_t next = ctx + t0 + (r + 1) / group;
+            int pair = r + 1 < rows && (next - start + 1 < n ? next - start + 1 : n) == m;   /* the same keys */
+            float *sa = s->scores, *sb = s->scores + KEY_TILE;
+            const float *qa = s->q + (int64_t)r * D;
+            if (pair)
+                tile_scores2(sa, sb, qa, qa + D, s->kt, D, p->scale);
+            else
+                tile_scores(sa, qa, s->kt, D, p->scale);
+            float correction[2];
+            for (int i = 0; i <= pair; i++) {
+                float *sc = i ? sb : sa, old_max = s->row_max[r + i], new_max = tile_max(sc, m);
+                new_max = new_max > old_max ? new_max : old_max;
+                /* -inf - new_max on the row's first tile: its correction is 0 (and multiplies zeros) */
+                correction[i] = exp1_nonpositive(old_max - new_max);
+                s->row_sum[r + i] = s->row_sum[r + i] * correction[i] + tile_exp_sum(sc, m, new_max);
+                s->row_max[r + i] = new_max;
+            }
+            float *acc = s->acc + (int64_t)r * D;
+            if (pair)
+                tile_accumulate2(acc, acc + D, sa, sb, vrow, m, D, correction[0], correction[1]);
+            else
+                tile_accumulate(acc, sa, vrow, m, D, correction[0]);
+            r += 1 + pair;
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        int64_t token = q_first + t0 + r / group;
+        int head = kvh * group + r % group;
+        float *dst = p->out + token * p->o_stride_token + head * p->o_stride_head;
+        const float *acc = s->acc + (int64_t)r * D, inv = s->row_sum[r];
+        for (int d = 0; d < D; d++) dst[d] = acc[d] / inv;
+    }
+}
+
+static void run_item(const Problem *p, Scratch *s, int64_t item) {
+    int lo = 0, hi = p->num_seqs;   /* the last sequence whose first item is <= item */
+    while (hi - lo > 1) {
+        int mid = (lo + hi) / 2;
+        if (p->item_start[mid] <= item) lo = mid; else hi = mid;
+    }
+    int64_t q_len = p->query_start[lo + 1] - p->query_start[lo];
+    int64_t blocks = (q_len + QUERY_BLOCK - 1) / QUERY_BLOCK, local = item - p->item_start[lo];
+    int kvh = (int)(local / blocks);
+    int64_t t0 = (local % blocks) * QUERY_BLOCK, t1 = t0 + QUERY_BLOCK < q_len ? t0 + QUERY_BLOCK : q_len;
+    attend_block(p, s, lo, kvh, t0, t1);
+}
+
+static int scratch_alloc(Scratch *s, int head_dim, int group) {
+    size_t rows = (size_t)QUERY_BLOCK * group, D = (size_t)head_dim;
+    /* zeroed: a partial tile's unused rows are transposed and scored too (their scores unused), so finite */
+    float *mem = (float *)calloc(2 * rows * D + 2 * rows + 2 * KEY_TILE + 3 * KEY_TILE * D, sizeof(float));
+    if (!mem) return ERR_ALLOC;
+    s->q = mem;
+    s->acc = s->q + rows * D;
+    s->row_max = s->acc + rows * D;
+    s->row_sum = s->row_max + rows;
+    s->scores = s->row_sum + rows;
+    s->kbuf = s->scores + 2 * KEY_TILE;
+    s->vbuf = s->kbuf + KEY_TILE * D;
+    s->kt = s->vbuf + KEY_TILE * D;
+    return OK;
+}
+
+static void *worker(void *arg) {
+    Problem *p = (Problem *)arg;
+    Scratch s;
+    if (scratch_alloc(&s, p->head_dim, p->num_heads / p->num_kv_heads) != OK) return (void *)1;
+    for (;;) {
+        int64_t item = __atomic_fetch_add(&p->next_item, 1, __ATOMIC_RELAXED);
+        if (item >= p->num_items) break;
+        run_item(p, &s, item);
+    }
+    free(s.q);
+    return NULL;
+}
+
+/* Every block id a sequence's first seq_len positions use must name a block of the cache. Returns the first
+ * offending sequence's index, or -1. */
+long kvs_check_block_tables(const void *block_tables, int bt_int32, int64_t bt_stride, const int64_t *seq_lens,
+                            int num_seqs, int block_size, int64_t num_blocks) {
+    for (int b = 0; b < num_seqs; b++) {
+        int64_t used = (seq_lens[b] + block_size - 1) / block_size;
+        for (int64_t i = 0; i < used; i++) {
+            int64_t id = table_entry(block_tables, bt_int32, (int64_t)b * bt_stride + i);
+            if (id < 0 || id >= num_blocks) return b;
+        }
+    }
+    return -1;
+}
+
+int kvs_prefix_prefill(
+        const void *query, int query_dtype, int64_t q_stride_token, int64_t q_stride_head,
+        const void *cache, int cache_dtype, const int64_t *cache_strides /* block, layer, part, slot, head */,
+        int64_t num_blocks, int layer, int block_size,
+        const void *block_tables, int bt_int32, int64_t bt_stride, const int64_t *query_start, const int64_t *seq_lens,
+        int num_seqs, int num_heads, int num_kv_heads, int head_dim, float scale,
+        float *out, int64_t o_stride_token, int64_t o_stride_head, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
+        head_dim <= 0 || head_dim > MAX_HEAD_DIM || head_dim % LANES || block_size <= 0 || num_seqs < 0)
+        return ERR_SHAPE;
+    if (kvs_check_block_tables(block_tables, bt_int32, bt_stride, seq_lens, num_seqs, block_size, num_blocks) >= 0)
+        return ERR_BLOCK_ID;
+    int64_t *item_start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (!item_start) return ERR_ALLOC;
+    int64_t items = 0;
+    for (int b = 0; b < num_seqs; b++) {
+        item_start[b] = items;
+        int64_t q_len = query_start[b + 1] - query_start[b];
+        items += (q_len + QUERY_BLOCK - 1) / QUERY_BLOCK * num_kv_heads;
+    }
+    item_start[num_seqs] = items;
+    Problem p = {query, query_dtype, q_stride_token, q_stride_head, cache, cache_dtype,
+                 cache_strides[0], cache_strides[1], cache_strides[2], cache_strides[3], cache_strides[4],
+                 num_blocks, layer, block_size, block_tables, bt_stride, bt_int32, query_start, seq_lens,
+                 num_seqs, num_heads, num_kv_heads, head_dim, scale, out, o_stride_token, o_stride_head,
+                 item_start, items, 0};
+    int status = OK;
+    int threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > items) threads = (int)items;
+    if (threads <= 1) {
+        if (items > 0 && worker(&p) != NULL) status = ERR_ALLOC;
+    } else {
+        pthread_t ids[threads - 1];
+        int started = 0;
+        for (; started < threads - 1; started++)
+            if (pthread_create(&ids[started], NULL, worker, &p) != 0) break;
+        /* the calling thread works too; if a thread could not start, the others take its share */
+        if (worker(&p) != NULL) status = ERR_ALLOC;
+        for (int i = 0; i < started; i++) {
+            void *result;
+            pthread_join(ids[i], &result);
+            if (result != NULL) status = ERR_ALLOC;
+        }
+    }
+    free(item_start);
+    return status;
+}
