@@ -70,12 +70,13 @@ def test_kernels_quick_mode_checks_paging_against_sdpa(capsys):
 
 
 def test_kernels_paging_times_another_cpu_kernel_source_beside_this_trees(capsys):
-    """`--baseline-kernel`: the first merged CPU kernel built and checked against SDPA beside this tree's."""
+    """`--baseline-kernel`: another kernel source (here this tree's own) built and checked against SDPA beside
+    this tree's."""
     from kvstrata.kernels import cpu_attention
 
     if not cpu_attention.available():
         pytest.skip("no C compiler to build the CPU kernel")
-    pinned = REPO_ROOT / "tests" / "data" / "cpu_attention_7abbe27.c"
+    pinned = REPO_ROOT / "kernels" / "cpu_attention.c"
     assert suite("kernels").main(["paging", "--quick", "--repeats", "1", "--device", "cpu",
                                   "--baseline-kernel", str(pinned)]) in (0, None)
     out = capsys.readouterr().out

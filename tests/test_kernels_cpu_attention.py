@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import random
 import stat
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -109,51 +107,6 @@ def test_a_row_has_the_same_bits_whole_cached_chunked_batched_or_on_more_threads
     for num_threads in (2, 3):
         threads(num_threads)
         assert torch.equal(run(problem), full), f"{num_threads} threads changed the bits"
-
-
-PINNED_KERNEL = Path(__file__).parent / "data" / "cpu_attention_7abbe27.c"
-
-
-@pytest.fixture(scope="module")
-def pinned_kernel(tmp_path_factory):
-    """The kernel's source as first merged, built with this CPU's flags and declared like the current one."""
-    path = cpu_build.build(PINNED_KERNEL, cpu_build.find_compiler(), cpu_build.compile_flags())
-    return cpu_attention.declare(ctypes.CDLL(str(path)))
-
-
-def pinned_problems(count: int):
-    """Random calls covering what a row's bits could depend on: float32, bfloat16 and float16 caches (the query
-    in float32 or the cache's dtype), GQA groups 1-8 over 1-3 KV heads, head_dim 64 and 128, block sizes 1-32,
-    int32 or int64 tables, decode rows, short questions and long prompts after cached prefixes, 1-3 threads."""
-    rng = random.Random(11)
-    for index in range(count):
-        kv_heads, group = rng.randint(1, 3), rng.randint(1, 8)
-        dtype = [torch.float32, torch.bfloat16, torch.float16][index % 3]
-        seqs = [(rng.choice([0, rng.randint(1, 40), rng.randint(40, 140)]), rng.choice([1, rng.randint(2, 16),
-                                                                                          rng.randint(17, 40)]))
-                for _ in range(rng.randint(1, 4))]
-        problem = make_paged_problem(seqs, num_heads=kv_heads * group, num_kv_heads=kv_heads,
-                                     head_dim=rng.choice([64, 128]), block_size=rng.randint(1, 32), dtype=dtype,
-                                     seed=index)
-        if rng.random() < 0.5:
-            problem.query = problem.query.float()
-        if rng.random() < 0.3:
-            problem.block_tables = problem.block_tables.long()
-        yield problem, rng.randint(1, 3), rng.randint(1, 3)
-
-
-def test_every_row_has_the_bits_the_first_merged_kernel_gives(pinned_kernel, monkeypatch, threads):
-    """The kernel may get faster, never different: against its first merged source, built here, every output of
-    random calls is bit for bit the same (NaN in every cache slot no sequence owns, so a stray read shows too)."""
-    for problem, current_threads, pinned_threads in pinned_problems(24):
-        threads(current_threads)
-        current = run(problem)
-        with monkeypatch.context() as patch:
-            patch.setattr(cpu_attention, "library", lambda: pinned_kernel)
-            threads(pinned_threads)
-            pinned = run(problem)
-        assert torch.equal(current.view(torch.int32) if current.dtype == torch.float32 else current.view(torch.int16),
-                           pinned.view(torch.int32) if pinned.dtype == torch.float32 else pinned.view(torch.int16))
 
 
 def test_other_cache_dtypes_take_the_reference_with_its_mode():

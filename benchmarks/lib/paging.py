@@ -20,7 +20,7 @@ Figures are reported as ratios `ours / SDPA` (1.0 = paging costs nothing).
 Every timed function is first checked to give the baseline's output on the very problem it is timed on.
 
     python benchmarks/kernels.py paging                 # prints markdown tables
-    python benchmarks/kernels.py paging --baseline-kernel tests/data/cpu_attention_7abbe27.c   # CPU: old vs new kernel
+    python benchmarks/kernels.py paging --baseline-kernel ../old/kernels/cpu_attention.c   # CPU: another checkout's kernel beside this one
 """
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--baseline-kernel", type=Path,
-                        help="CPU: another cpu_attention.c (e.g. tests/data/cpu_attention_7abbe27.c, the first merged) "
+                        help="CPU: another cpu_attention.c (e.g. from a checkout of an earlier commit) "
                              "timed beside this tree's kernel instead of the torch reference")
     parser.add_argument("--quick", action="store_true",
                         help="one small case in float32: every kernel checked against SDPA, timings not worth keeping")
