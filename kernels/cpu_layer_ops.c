@@ -13,7 +13,7 @@
  *   i % LANES) added by one fixed tree, divided by the width; 1 / sqrt(variance + eps); the row times it, rounded
  *   to the dtype, then times the weight, rounded.
  * - rotary: each product rounded to the dtype, then their sum (or difference), rounded: torch's bits exactly.
- * - SiLU: g / (1 + exp(-g)) with this file's exp (below), rounded to the dtype, times up, rounded.
+ * - SiLU: g / (1 + exp(-g)) with this file's exp (`silu_f32`), rounded to the dtype, times up, rounded.
  * - store: a copy where the cache has the values' dtype; else each value (clamped to `bound` and rounded back to
  *   its own dtype, where the cache is narrower) rounded to the cache's dtype.
  */
@@ -338,21 +338,24 @@ int kvs_rotary(const void *x, const void *cos, const void *sin, void *out, int d
 
 /* ----------------------------------------------------------------------------------------------- SiLU-and-mul */
 
-/* exp(v) for float32 v: v = k ln2 + r, |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact enough), e^r by its
- * Taylor polynomial to degree 7 (truncation ~1e-8 relative) in Horner form, times 2^k built from exponent bits.
- * Below -86 the result is 0 and above ln(FLT_MAX) inf: what 1 + exp(-g) needs (1 + e^-86 rounds to 1). NaN stays
- * NaN. Mul and add apart, never fused: the same bits in every build. */
+/* SiLU, g / (1 + exp(-g)), with exp(v) of its own: v clamped to [-86, ln(FLT_MAX)] (1 + e^-86 rounds to 1, so a
+ * larger g gives g, as torch's does), v = k ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact enough),
+ * e^r by its Taylor polynomial to degree 7 (truncation ~1e-8 relative) in Horner form, times 2^k built from exponent
+ * bits. Where exp(-g) overflows (g below -ln(FLT_MAX)) torch's g / inf is -0 (NaN for -inf): so is g * 0 here. A NaN
+ * g gives NaN. Mul and add apart, never fused; the scalar and vector versions do the same operations on each value:
+ * the same bits in every build. Within 4 ulp of torch's (its exp is SLEEF's): tests/test_kernels_cpu_layer_ops.py. */
 #define EXP_LOG2E 1.44269504088896341f
 #define EXP_LN2_HI 0.693145751953125f
 #define EXP_LN2_LO 1.428606765330187045e-06f
 #define EXP_LOW (-86.0f)
 #define EXP_HIGH 88.72283935546875f
 
-INLINE float exp_f32(float v) {
-    int low = v < EXP_LOW, high = v > EXP_HIGH, nan = v != v;
-    float w = low || high || nan ? 0.0f : v;
-    float k = rintf(w * EXP_LOG2E);                      /* -124 ..= 128 */
-    float r = w - k * EXP_LN2_HI;
+INLINE float silu_f32(float g) {
+    float v = -g;
+    v = v > EXP_LOW ? v : EXP_LOW;                       /* a NaN becomes EXP_LOW: g / (...) is NaN anyway */
+    v = v < EXP_HIGH ? v : EXP_HIGH;
+    float k = rintf(v * EXP_LOG2E);                      /* -124 ..= 128 */
+    float r = v - k * EXP_LN2_HI;
     r = r - k * EXP_LN2_LO;
     float p = 1.0f / 5040.0f;
     p = p * r + 1.0f / 720.0f;
@@ -364,18 +367,15 @@ INLINE float exp_f32(float v) {
     p = p * r + 1.0f;
     float half_scale = bits_to_f32((uint32_t)((int32_t)k + 126) << 23);   /* 2^(k-1): a normal float for k = 128 */
     float e = (p * half_scale) * 2.0f;
-    return nan ? v : low ? 0.0f : high ? INFINITY : e;
+    return g < -EXP_HIGH ? g * 0.0f : g / (1.0f + e);
 }
 
 #ifdef VECTOR
-/* exp_f32 on eight values: the same operations, in the same order. */
-INLINE __m256 exp8(__m256 v) {
-    __m256 low = _mm256_cmp_ps(v, _mm256_set1_ps(EXP_LOW), _CMP_LT_OQ);
-    __m256 high = _mm256_cmp_ps(v, _mm256_set1_ps(EXP_HIGH), _CMP_GT_OQ);
-    __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    __m256 w = _mm256_andnot_ps(_mm256_or_ps(_mm256_or_ps(low, high), nan), v);
-    __m256 k = _mm256_round_ps(_mm256_mul_ps(w, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(w, _mm256_mul_ps(k, _mm256_set1_ps(EXP_LN2_HI)));
+INLINE __m256 silu8(__m256 g) {
+    __m256 v = _mm256_max_ps(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)), _mm256_set1_ps(EXP_LOW));
+    v = _mm256_min_ps(v, _mm256_set1_ps(EXP_HIGH));
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(v, _mm256_mul_ps(k, _mm256_set1_ps(EXP_LN2_HI)));
     r = _mm256_sub_ps(r, _mm256_mul_ps(k, _mm256_set1_ps(EXP_LN2_LO)));
     __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
     p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f / 720.0f));
@@ -386,11 +386,10 @@ INLINE __m256 exp8(__m256 v) {
     p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
     p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
     __m256i ki = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(126));
-    __m256 half_scale = _mm256_castsi256_ps(_mm256_slli_epi32(ki, 23));
-    __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, half_scale), _mm256_set1_ps(2.0f));
-    e = _mm256_andnot_ps(low, e);                                        /* low: 0 */
-    e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), high);
-    return _mm256_blendv_ps(e, v, nan);
+    __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(ki, 23))), _mm256_set1_ps(2.0f));
+    __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    __m256 overflow = _mm256_cmp_ps(g, _mm256_set1_ps(-EXP_HIGH), _CMP_LT_OQ);
+    return _mm256_blendv_ps(silu, _mm256_mul_ps(g, _mm256_setzero_ps()), overflow);
 }
 #endif
 
@@ -409,16 +408,11 @@ INLINE void silu_rows(const SiluProblem *p, int64_t first, int64_t end, const in
         char *out = (char *)p->out + t * n * size;
         int64_t i = 0;
 #ifdef VECTOR
-        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-        for (const int64_t vectored = vector_part(n, dtype); i < vectored; i += LANES) {
-            __m256 g = load8(gate, i, dtype);
-            __m256 silu = round8(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign)))), dtype);
-            store8(out, i, dtype, _mm256_mul_ps(silu, load8(up, i, dtype)));
-        }
+        for (const int64_t vectored = vector_part(n, dtype); i < vectored; i += LANES)
+            store8(out, i, dtype, _mm256_mul_ps(round8(silu8(load8(gate, i, dtype)), dtype), load8(up, i, dtype)));
 #endif
         for (; i < n; i++) {
-            float g = load_value(gate, i, dtype);
-            float silu = round_to(g / (1.0f + exp_f32(-g)), dtype);
+            float silu = round_to(silu_f32(load_value(gate, i, dtype)), dtype);
             store_value(out, i, dtype, silu * load_value(up, i, dtype));
         }
     }

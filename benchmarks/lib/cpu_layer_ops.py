@@ -1,0 +1,127 @@
+"""A decoder layer's per-row ops on a CPU, one call at a time: each torch reference (kernels/layer_ops.py,
+kernels/kv_store.py) against its compiled version (kernels/cpu_layer_ops.py), on the embedded model's shapes
+(SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64, MLP 1536), at a decode row, a 10-token question after a
+cached document and a 512-token prefill chunk, in the views the decoder passes (q+k and v strided in the qkv
+product). One thread; each figure is the best, over rounds, of a loop's process CPU time per call, the two sides
+alternating within each round, so a busy machine slows both alike.
+
+    python benchmarks/kernels.py layer-ops --out-dir benchmarks/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.machine import machine_line
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, BLOCK_SIZE = 576, 9, 3, 64, 1536, 30, 16
+TOKENS = {"decode row": 1, "10-token hit": 10, "512-token prefill": 512}
+CALLS_PER_STEP = {"rms_norm": 2 * LAYERS + 1, "rotary": LAYERS, "silu_and_mul": LAYERS, "store_kv": LAYERS}
+
+
+def op_calls(num_tokens: int, dtype: torch.dtype) -> dict[str, tuple]:
+    """Each op's (reference call, compiled call) on one step's inputs of `num_tokens` tokens."""
+    from kvstrata.kernels import cpu_layer_ops
+    from kvstrata.kernels.kv_store import reference_store_kv
+    from kvstrata.kernels.layer_ops import reference_rms_norm, reference_rotary, reference_silu_and_mul
+
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    x, residual, weight = randn(num_tokens, HIDDEN), randn(num_tokens, HIDDEN), randn(HIDDEN)
+    qkv = randn(num_tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    qk = qkv[:, :(HEADS + KV_HEADS) * HEAD_DIM].view(num_tokens, HEADS + KV_HEADS, HEAD_DIM)
+    value = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(num_tokens, KV_HEADS, HEAD_DIM)
+    key = qk[:, HEADS:]
+    cos, sin = randn(num_tokens, HEAD_DIM), randn(num_tokens, HEAD_DIM)
+    gate_up = randn(num_tokens, 2 * MLP)
+    num_blocks = 4 + num_tokens // BLOCK_SIZE
+    kv_cache = torch.zeros(num_blocks, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
+    slots = torch.arange(num_tokens) + 2 * BLOCK_SIZE + 3  # after a cached prefix, not block-aligned
+    return {
+        "rms_norm": (lambda: reference_rms_norm(x, weight, 1e-5, residual),
+                     lambda: cpu_layer_ops.rms_norm(x, weight, 1e-5, residual)),
+        "rotary": (lambda: reference_rotary(qk, cos, sin), lambda: cpu_layer_ops.rotary(qk, cos, sin)),
+        "silu_and_mul": (lambda: reference_silu_and_mul(gate_up), lambda: cpu_layer_ops.silu_and_mul(gate_up)),
+        "store_kv": (lambda: reference_store_kv(key, value, kv_cache, 7, slots),
+                     lambda: cpu_layer_ops.store_kv(key, value, kv_cache, 7, slots)),
+    }
+
+
+def per_call_s(fn, calls: int) -> float:
+    start = time.process_time()
+    for _ in range(calls):
+        fn()
+    return (time.process_time() - start) / calls
+
+
+def measure(dtype: torch.dtype, rounds: int, budget_s: float) -> list[dict]:
+    rows = []
+    for case, num_tokens in TOKENS.items():
+        for op, (reference, compiled) in op_calls(num_tokens, dtype).items():
+            reference(), compiled()  # warm-up (and the kernel's build)
+            calls = max(3, min(2000, int(budget_s / max(per_call_s(reference, 3), 1e-6))))
+            best = {"torch": float("inf"), "compiled": float("inf")}
+            for round_index in range(rounds):
+                sides = [("torch", reference), ("compiled", compiled)]
+                for side, fn in sides if round_index % 2 == 0 else sides[::-1]:
+                    best[side] = min(best[side], per_call_s(fn, calls))
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "case": case, "tokens": num_tokens, "op": op,
+                         "calls_per_round": calls, "torch_us": best["torch"] * 1e6,
+                         "compiled_us": best["compiled"] * 1e6, "speedup": best["torch"] / best["compiled"]})
+            print(f"{rows[-1]['dtype']} {case} {op}: torch {rows[-1]['torch_us']:.1f} us, compiled "
+                  f"{rows[-1]['compiled_us']:.1f} us ({rows[-1]['speedup']:.1f}x)", flush=True)
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = ["# The CPU layer ops: torch references against the compiled kernels, per call", "",
+             f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
+             f"Load average (1, 5, 15 min) at the end: {result['load_average']}", "",
+             "One thread; process CPU time per call, best of the rounds (sides alternating within each round). "
+             "Shapes of the embedded model (SmolLM2-135M); rotary and the K/V store on the decoder's strided views "
+             "of the qkv product.", "",
+             "| dtype | step | op | torch reference | compiled | speed-up |", "|---|---|---|---:|---:|---:|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['dtype']} | {row['case']} | {row['op']} | {row['torch_us']:.1f} us | "
+                     f"{row['compiled_us']:.1f} us | {row['speedup']:.1f}x |")
+    lines += ["", "Per decode step (calls a step makes: 61 norms, 30 of each other op):", "",
+              "| dtype | torch references | compiled | saved |", "|---|---:|---:|---:|"]
+    for dtype in dict.fromkeys(row["dtype"] for row in result["rows"]):
+        decode = [r for r in result["rows"] if r["dtype"] == dtype and r["tokens"] == 1]
+        ref = sum(r["torch_us"] * CALLS_PER_STEP[r["op"]] for r in decode) / 1e3
+        ours = sum(r["compiled_us"] * CALLS_PER_STEP[r["op"]] for r in decode) / 1e3
+        lines.append(f"| {dtype} | {ref:.2f} ms | {ours:.2f} ms | {ref - ours:.2f} ms |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--budget-s", type=float, default=0.05, help="time of one side's loop in a round, about")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for name in args.dtypes.split(","):
+        rows += measure(getattr(torch, name), args.rounds, args.budget_s)
+    command = "python benchmarks/kernels.py layer-ops " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {"command": command.strip(), "machine": machine_line(),
+              "load_average": ", ".join(f"{v:.1f}" for v in os.getloadavg()), "rows": rows}
+    text = markdown(result)
+    print(text)
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "cpu_layer_ops.md").write_text(text)
+        (args.out_dir / "cpu_layer_ops.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0
