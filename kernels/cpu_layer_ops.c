@@ -219,7 +219,8 @@ INLINE void norm_rows(const NormProblem *p, int64_t first, int64_t end, const in
     const int64_t n = p->n;
     const size_t size = dtype_size(dtype);
     for (int64_t r = first; r < end; r++) {
-        const char *x = (const char *)p->x + ((r / p->heads) * p->x_stride_token + (r % p->heads) * p->x_stride_head) * size;
+        const char *x = (const char *)p->x
+                        + ((r / p->heads) * p->x_stride_token + (r % p->heads) * p->x_stride_head) * size;
         const void *row = x;
         if (p->residual) {   /* x is [T, n]: the sum residual + x, rounded to the dtype, is the row to normalise */
             const char *res = (const char *)p->residual + r * p->r_stride_token * size;
@@ -374,7 +375,8 @@ INLINE float silu_f32(float g) {
 INLINE __m256 silu8(__m256 g) {
     __m256 v = _mm256_max_ps(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)), _mm256_set1_ps(EXP_LOW));
     v = _mm256_min_ps(v, _mm256_set1_ps(EXP_HIGH));
-    __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(EXP_LOG2E)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_sub_ps(v, _mm256_mul_ps(k, _mm256_set1_ps(EXP_LN2_HI)));
     r = _mm256_sub_ps(r, _mm256_mul_ps(k, _mm256_set1_ps(EXP_LN2_LO)));
     __m256 p = _mm256_set1_ps(1.0f / 5040.0f);

@@ -5,6 +5,10 @@ cached document and a 512-token prefill chunk, in the views the decoder passes (
 product). One thread; each figure is the best, over rounds, of a loop's process CPU time per call, the two sides
 alternating within each round, so a busy machine slows both alike.
 
+`--steps` also times whole model steps of the embedded model (a decode row and a 10-token question over a
+2048-token cached context, float32): the "cpu" backend's ops as they are against the same ops with the torch
+references in place of the compiled layer ops (the backend before them), in one process, alternating.
+
     python benchmarks/kernels.py layer-ops --out-dir benchmarks/results
 """
 from __future__ import annotations
@@ -81,6 +85,45 @@ def measure(dtype: torch.dtype, rounds: int, budget_s: float) -> list[dict]:
     return rows
 
 
+def measure_steps(rounds: int, context: int = 2048) -> list[dict]:
+    """Model steps of the embedded model, float32: the cpu backend's ops against them with the torch layer ops."""
+    import dataclasses
+
+    from benchmarks.lib.decoder_step import Case, step_input
+    from kvstrata.engine.model_loader import load_model, resolve_model
+    from kvstrata.engine.model_runner import ModelRunner
+    from kvstrata.kernels import get_ops
+    from kvstrata.kernels.kv_store import reference_store_kv
+    from kvstrata.kernels.layer_ops import reference_rms_norm, reference_rotary, reference_silu_and_mul
+    from kvstrata.tiers.base import BlockLayout
+
+    loaded = load_model(resolve_model("smollm2-135m-instruct"), torch.float32, "cpu")
+    cfg = loaded.model_config
+    compiled = get_ops("cpu")
+    references = dataclasses.replace(compiled, rms_norm=reference_rms_norm, rotary=reference_rotary,
+                                     silu_and_mul=reference_silu_and_mul, store_kv=reference_store_kv)
+    rows = []
+    for case in (Case("decode row", 1, 1), Case("10-token hit", 1, 10)):
+        step, num_blocks = step_input(case, context, cfg.vocab_size)
+        kv_cache = BlockLayout(cfg.num_layers, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, loaded.dtype).allocate(
+            num_blocks, "cpu").normal_(generator=torch.Generator().manual_seed(0))
+        runners = {"torch": ModelRunner(loaded, kv_cache, references),
+                   "compiled": ModelRunner(loaded, kv_cache, compiled)}
+        logits = {side: runner.execute(step) for side, runner in runners.items()}
+        best = {side: float("inf") for side in runners}
+        for round_index in range(rounds):
+            for side, runner in list(runners.items())[::1 if round_index % 2 == 0 else -1]:
+                start = time.process_time()
+                runner.execute(step)
+                best[side] = min(best[side], time.process_time() - start)
+        rows.append({"case": case.name, "context": context, "torch_ms": best["torch"] * 1e3,
+                     "compiled_ms": best["compiled"] * 1e3, "speedup": best["torch"] / best["compiled"],
+                     "max_logit_difference": float((logits["torch"] - logits["compiled"]).abs().max()),
+                     "same_top_token": bool(torch.equal(logits["torch"].argmax(-1), logits["compiled"].argmax(-1)))})
+        print(f"step {case.name}: {rows[-1]}", flush=True)
+    return rows
+
+
 def markdown(result: dict) -> str:
     lines = ["# The CPU layer ops: torch references against the compiled kernels, per call", "",
              f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
@@ -99,6 +142,16 @@ def markdown(result: dict) -> str:
         ref = sum(r["torch_us"] * CALLS_PER_STEP[r["op"]] for r in decode) / 1e3
         ours = sum(r["compiled_us"] * CALLS_PER_STEP[r["op"]] for r in decode) / 1e3
         lines.append(f"| {dtype} | {ref:.2f} ms | {ours:.2f} ms | {ref - ours:.2f} ms |")
+    if result.get("steps"):
+        lines += ["", "Whole model steps (`--steps`): the embedded model, float32, one thread, the backend \"cpu\" "
+                  "with the torch layer ops (as before) and with the compiled ones, one process, alternating; process "
+                  "CPU time, best of the rounds. The logits of the two compared on the step (a random-normal cache).",
+                  "",
+                  "| step | context | torch layer ops | compiled layer ops | speed-up | largest logit difference "
+                  "| same top token |", "|---|---:|---:|---:|---:|---:|---|"]
+        for row in result["steps"]:
+            lines.append(f"| {row['case']} | {row['context']} | {row['torch_ms']:.1f} ms | {row['compiled_ms']:.1f} ms "
+                         f"| {row['speedup']:.2f}x | {row['max_logit_difference']:.1e} | {row['same_top_token']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -109,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--budget-s", type=float, default=0.05, help="time of one side's loop in a round, about")
+    parser.add_argument("--steps", action="store_true", help="also time whole model steps of the embedded model")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -116,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.dtypes.split(","):
         rows += measure(getattr(torch, name), args.rounds, args.budget_s)
     command = "python benchmarks/kernels.py layer-ops " + " ".join(argv if argv is not None else sys.argv[1:])
+    steps = measure_steps(args.rounds) if args.steps else []
     result = {"command": command.strip(), "machine": machine_line(),
-              "load_average": ", ".join(f"{v:.1f}" for v in os.getloadavg()), "rows": rows}
+              "load_average": ", ".join(f"{v:.1f}" for v in os.getloadavg()), "rows": rows, "steps": steps}
     text = markdown(result)
     print(text)
     if args.out_dir is not None:
