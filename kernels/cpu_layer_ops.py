@@ -63,7 +63,7 @@ def _failed(op: str, status: int) -> None:
 
 
 # Each op's Python is written for its cost: a decode step makes ~150 of these calls, so what the call does besides the
-# C code (checks, one allocation, the ctypes call) is most of its time. `is_cpu` and `new_empty(*sizes)` are the
+# C code (checks, allocating its outputs, the ctypes call) is most of its time. `is_cpu` and `new_empty(*sizes)` are the
 # cheap forms (`device.type` and `torch.empty(shape, dtype=...)` cost several times more).
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -78,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return reference_rms_norm(x, weight, eps, residual)
     shape, strides = x.shape, x.stride()
     n = shape[-1]
-    if len(shape) not in (2, 3) or strides[-1] != 1 or weight.shape != (n,) or n == 0:
+    if len(shape) not in (2, 3) or strides[-1] != 1 or weight.shape != (n,):
         raise ValueError(f"rms_norm: x {tuple(shape)} (2 or 3 axes, the last contiguous) does not fit weight "
                          f"{tuple(weight.shape)}")
     out = x.new_empty(*shape)
@@ -90,7 +90,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                              f"axes, its last contiguous")
         summed, residual_ptr, residual_stride = x.new_empty(*shape), residual.data_ptr(), residual.stride(0)
     heads = shape[1] if len(shape) == 3 else 1
-    if shape[0] and heads:
+    if shape[0] and heads and n:
         if weight.stride(0) != 1:
             weight = weight.contiguous()
         _failed("rms_norm", lib.kvs_rms_norm(
