@@ -139,13 +139,14 @@ def test_int8_and_fp8_caches_take_the_reference(cache_dtype):
 
 
 def all_ops(dtype, num_tokens: int = 160, seed: int = 0):
-    """Each op's inputs for `num_tokens` tokens (enough values that two threads share the work) and a function
-    computing every op on tokens [a, b): their outputs, in a list."""
-    x, residual = randn(num_tokens, 576, dtype=dtype, seed=seed), randn(num_tokens, 576, dtype=dtype, seed=seed + 1)
-    weight, head_weight = randn(576, dtype=dtype, seed=seed + 2), randn(64, dtype=dtype, seed=seed + 3)
+    """Each op's inputs for `num_tokens` tokens (enough values that two threads share the work; rows of the norm and
+    SiLU not a multiple of 8 wide, so the vector loops' scalar tails run too) and a function computing every op on
+    tokens [a, b): their outputs, in a list."""
+    x, residual = randn(num_tokens, 580, dtype=dtype, seed=seed), randn(num_tokens, 580, dtype=dtype, seed=seed + 1)
+    weight, head_weight = randn(580, dtype=dtype, seed=seed + 2), randn(64, dtype=dtype, seed=seed + 3)
     qk, _, _ = qkv_views(num_tokens, 9, 3, 64, dtype, seed=seed)
     cos, sin = tables(num_tokens, 64, dtype)
-    gate_up = randn(num_tokens, 2 * 1536, dtype=dtype, seed=seed + 4, scale=4.0)
+    gate_up = randn(num_tokens, 2 * 1540, dtype=dtype, seed=seed + 4, scale=4.0)
 
     def compute(a: int, b: int) -> list[torch.Tensor]:
         return [*cpu_layer_ops.rms_norm(x[a:b], weight, EPS, residual[a:b]),
