@@ -4,8 +4,9 @@
  *
  * Each row is computed by one thread, from its own values, in an order fixed by the row's width alone: its bits do
  * not depend on the other rows of the call, on the number of threads, or on the build. Built with
- * -ffp-contract=off and written without fused multiply-adds, so the AVX2 build (the compiler vectorises these
- * loops) and the portable one do the same IEEE operations on every element and give the same bits.
+ * -ffp-contract=off and written without fused multiply-adds, so the AVX2 build (8-wide loops for float32 and
+ * bfloat16 rows; float16 rows, and every row's last width % 8 values, take the scalar loops) and the portable one
+ * (scalar loops only) do the same IEEE operations on every element and give the same bits.
  *
  * Arithmetic is in float32; values of a bfloat16 or float16 tensor are rounded back to it (round to nearest even,
  * as torch rounds) exactly where torch's op on that dtype rounds:
