@@ -2,11 +2,13 @@
 
     python benchmarks/kernels.py paging --repeats 7
     python benchmarks/kernels.py decoder-step --out-dir benchmarks/results
+    python benchmarks/kernels.py layer-ops --out-dir benchmarks/results
 
 `paging` times paged prefix-prefill against contiguous SDPA (Triton on CUDA, the torch reference on a CPU) and,
 on CUDA, split-KV against one pass; `decoder-step` times kvstrata's decoder against transformers' modules on the
-same weights, paged cache and inputs (SmolLM2 and a thin 30-layer model, fp32 and bf16). On a GPU the same steps
-as CUDA graphs are `benchmarks/gpu.py graph-steps`.
+same weights, paged cache and inputs (SmolLM2 and a thin 30-layer model, fp32 and bf16); `layer-ops` times a
+layer's per-row ops on a CPU (RMSNorm, rotary, SiLU-and-mul, the K/V store) per call, torch reference against
+compiled. On a GPU the same steps as CUDA graphs are `benchmarks/gpu.py graph-steps`.
 """
 import sys
 from pathlib import Path
@@ -19,6 +21,8 @@ SUBCOMMANDS = (
     Subcommand("paging", "paging", "paged prefix-prefill against contiguous SDPA; split-KV on CUDA"),
     Subcommand("decoder-step", "decoder_step", "a model step's cost: kvstrata's decoder against transformers' "
                "modules"),
+    Subcommand("layer-ops", "cpu_layer_ops", "a layer's per-row ops on a CPU, per call: torch references against "
+               "the compiled kernels"),
 )
 
 
