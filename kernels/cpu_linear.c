@@ -32,13 +32,13 @@
 
 #define MR 6          /* rows of a register tile */
 #define NR 16         /* columns of a register tile (two vectors of 8) */
-#define KC 256        /* K block: a packed panel is KC x NR floats, 16 KiB */
-#define MC 96         /* rows of a row block (MC x KC of x, 96 KiB, stays in L2) */
-#define CHUNK 64      /* columns of a work item */
+#define KC 128        /* K block: a packed panel is KC x NR floats (8 KiB, in L1) */
+#define MC 96         /* rows of a row block (MC x KC of x, 48 KiB, stays in L2) */
+#define CHUNK 256     /* columns of a work item: its packed block of KC x CHUNK floats (128 KiB) stays in L2 */
 #define MIN_WORK_PER_THREAD (1 << 18)   /* multiply-adds below which another thread costs more than it saves */
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
-enum { OK = 0, ERR_THREAD = -3, ERR_SHAPE = -4 };
+enum { OK = 0, ERR_ALLOC = -2, ERR_SHAPE = -4 };
 
 typedef struct {
     const float *x;        /* [M, K], rows ldx apart */
@@ -78,22 +78,29 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* panel[k * NR + j] = w[k0 + k, j0 + j] as float32 for k < kc, j < nc (exact: every bf16 and f16 value is a
- * float32); columns nc..NR zero. */
-static void pack_panel(float *panel, const Problem *p, int64_t k0, int kc, int64_t j0, int nc) {
+/* The block w[k0 .. k0 + kc, j0 .. j0 + nc) as float32 panels of NR columns (exact: every bf16 and f16 value is a
+ * float32): panel q holds columns j0 + q * NR .., at packed + q * KC * NR, row k at + k * NR; columns past nc are
+ * zero. Each row of w is read along its nc columns, in order (contiguous reads, whatever the weight's width). */
+static void pack_block(float *packed, const Problem *p, int64_t k0, int kc, int64_t j0, int nc) {
+    const int panels = (nc + NR - 1) / NR;
     for (int k = 0; k < kc; k++) {
-        float *dst = panel + (int64_t)k * NR;
-        int64_t row = (k0 + k) * p->ldw + j0;
-        if (p->w_dtype == DTYPE_F32) {
-            memcpy(dst, (const float *)p->w + row, (size_t)nc * sizeof(float));
-        } else if (p->w_dtype == DTYPE_BF16) {
-            const uint16_t *s = (const uint16_t *)p->w + row;
-            for (int j = 0; j < nc; j++) dst[j] = bf16_to_f32(s[j]);
-        } else {
-            const uint16_t *s = (const uint16_t *)p->w + row;
-            for (int j = 0; j < nc; j++) dst[j] = f16_to_f32(s[j]);
+        const int64_t row = (k0 + k) * p->ldw + j0;
+        for (int q = 0; q < panels; q++) {
+            float *dst = packed + (int64_t)q * KC * NR + (int64_t)k * NR;
+            const int n = nc - q * NR < NR ? nc - q * NR : NR;
+            const int64_t src = row + q * NR;
+            if (p->w_dtype == DTYPE_F32) {
+                const float *s = (const float *)p->w + src;
+                for (int j = 0; j < n; j++) dst[j] = s[j];
+            } else if (p->w_dtype == DTYPE_BF16) {
+                const uint16_t *s = (const uint16_t *)p->w + src;
+                for (int j = 0; j < n; j++) dst[j] = bf16_to_f32(s[j]);
+            } else {
+                const uint16_t *s = (const uint16_t *)p->w + src;
+                for (int j = 0; j < n; j++) dst[j] = f16_to_f32(s[j]);
+            }
+            for (int j = n; j < NR; j++) dst[j] = 0.0f;
         }
-        for (int j = nc; j < NR; j++) dst[j] = 0.0f;
     }
 }
 
@@ -104,109 +111,125 @@ static inline __m256i tail_mask(int n) {   /* lanes 0 .. n - 1 on (n may be <= 0
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* c[i, j] for i < mr, j < nc (nc <= NR): continued (or begun, `first`) over kc values of K, from x (rows ldx apart)
- * and w (rows ldw apart, NR columns readable when nc == NR, else nc), each element by one fused multiply-add per k
- * in order; `bias` (NULL, or where the reduction ends) added last. `mr` and `full` are constants where it is
- * inlined, so the accumulators live in registers. */
-static inline __attribute__((always_inline)) void tile(const int mr, const int full, int nc, int kc,
-                                                       const float *x, int64_t ldx, const float *w, int64_t ldw,
+/* Where a tile reads its weights: packed float32 panels (KC * NR apart, rows NR apart), or the weight itself,
+ * float32 or bfloat16, rows ldw apart (every column of the tile there). */
+enum { FROM_PACKED = 0, FROM_F32 = 1, FROM_BF16 = 2 };
+
+static inline __attribute__((always_inline)) __m256 load_w(const int src, const void *w, int64_t ldw, int k, int v) {
+    if (src == FROM_PACKED) return _mm256_load_ps((const float *)w + (v / 2) * KC * NR + k * NR + (v % 2) * 8);
+    if (src == FROM_F32) return _mm256_loadu_ps((const float *)w + k * ldw + v * 8);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k * ldw + v * 8));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));   /* exact */
+}
+
+/* c[i, j] for i < mr, j < nc (np panels of NR columns, nc <= np * NR): continued (or begun, `first`) over kc values
+ * of K, from x (rows ldx apart) and w (`src`), each element by one fused multiply-add per k in order; `bias`
+ * (NULL, or where the reduction ends) added last. `mr`, `np` and `src` are constants where it is inlined, so the
+ * 2 * mr * np <= 12 accumulators live in registers (the loops unrolled before the compiler places them). */
+static inline __attribute__((always_inline)) void tile(const int mr, const int np, const int src, int nc, int kc,
+                                                       const float *x, int64_t ldx, const void *w, int64_t ldw,
                                                        float *c, int64_t ldc, int first, const float *bias) {
-    __m256 acc[MR][2];
-    const __m256i m0 = tail_mask(nc), m1 = tail_mask(nc - 8);
-    for (int i = 0; i < mr; i++) {
-        if (first) {
-            acc[i][0] = _mm256_setzero_ps();
-            acc[i][1] = _mm256_setzero_ps();
-        } else if (full) {
-            acc[i][0] = _mm256_loadu_ps(c + i * ldc);
-            acc[i][1] = _mm256_loadu_ps(c + i * ldc + 8);
-        } else {
-            acc[i][0] = _mm256_maskload_ps(c + i * ldc, m0);
-            acc[i][1] = _mm256_maskload_ps(c + i * ldc + 8, m1);
-        }
-    }
+    __m256 acc[MR][12];
+    _Pragma("GCC unroll 12")
+    for (int i = 0; i < mr; i++)
+        _Pragma("GCC unroll 12")
+        for (int v = 0; v < 2 * np; v++)
+            acc[i][v] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(c + i * ldc + 8 * v, tail_mask(nc - 8 * v));
     for (int k = 0; k < kc; k++) {
-        const float *wk = w + (int64_t)k * ldw;
-        __m256 w0, w1;
-        if (full) {
-            w0 = _mm256_loadu_ps(wk);
-            w1 = _mm256_loadu_ps(wk + 8);
-        } else {
-            w0 = _mm256_maskload_ps(wk, m0);
-            w1 = _mm256_maskload_ps(wk + 8, m1);
-        }
+        __m256 wv[12];
+        _Pragma("GCC unroll 12")
+        for (int v = 0; v < 2 * np; v++) wv[v] = load_w(src, w, ldw, k, v);
+        _Pragma("GCC unroll 12")
         for (int i = 0; i < mr; i++) {
             const __m256 b = _mm256_broadcast_ss(x + i * ldx + k);
-            acc[i][0] = _mm256_fmadd_ps(b, w0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(b, w1, acc[i][1]);
+            _Pragma("GCC unroll 12")
+            for (int v = 0; v < 2 * np; v++) acc[i][v] = _mm256_fmadd_ps(b, wv[v], acc[i][v]);
         }
     }
-    __m256 b0 = _mm256_setzero_ps(), b1 = b0;
-    if (bias) {
-        b0 = full ? _mm256_loadu_ps(bias) : _mm256_maskload_ps(bias, m0);
-        b1 = full ? _mm256_loadu_ps(bias + 8) : _mm256_maskload_ps(bias + 8, m1);
-    }
-    for (int i = 0; i < mr; i++) {
-        if (bias) {
-            acc[i][0] = _mm256_add_ps(acc[i][0], b0);
-            acc[i][1] = _mm256_add_ps(acc[i][1], b1);
+    _Pragma("GCC unroll 12")
+    for (int i = 0; i < mr; i++)
+        _Pragma("GCC unroll 12")
+        for (int v = 0; v < 2 * np; v++) {
+            const __m256i mask = tail_mask(nc - 8 * v);   /* computed here: no register held over the loop */
+            __m256 r = acc[i][v];
+            if (bias) r = _mm256_add_ps(r, _mm256_maskload_ps(bias + 8 * v, mask));
+            _mm256_maskstore_ps(c + i * ldc + 8 * v, mask, r);
         }
-        if (full) {
-            _mm256_storeu_ps(c + i * ldc, acc[i][0]);
-            _mm256_storeu_ps(c + i * ldc + 8, acc[i][1]);
-        } else {
-            _mm256_maskstore_ps(c + i * ldc, m0, acc[i][0]);
-            _mm256_maskstore_ps(c + i * ldc + 8, m1, acc[i][1]);
-        }
-    }
 }
 
-#define TILE_CASE(n) \
-    case n: if (nc == NR) tile(n, 1, NR, kc, x, ldx, w, ldw, c, ldc, first, bias); \
-            else tile(n, 0, nc, kc, x, ldx, w, ldw, c, ldc, first, bias); break;
+#define TILE(m, n) \
+    case m * 8 + n: \
+        if (src == FROM_PACKED) tile(m, n, FROM_PACKED, nc, kc, x, ldx, w, ldw, c, ldc, first, bias); \
+        else if (src == FROM_F32) tile(m, n, FROM_F32, nc, kc, x, ldx, w, ldw, c, ldc, first, bias); \
+        else tile(m, n, FROM_BF16, nc, kc, x, ldx, w, ldw, c, ldc, first, bias); \
+        break;
 
-static void run_tile(int mr, int nc, int kc, const float *x, int64_t ldx, const float *w, int64_t ldw, float *c,
-                     int64_t ldc, int first, const float *bias) {
-    switch (mr) { TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) }
+/* Panels a tile of mr rows takes at once: 12 accumulators, or as near as the rows allow. */
+static inline int panels_at_once(int mr) { return mr <= 6 ? 6 / mr : 1; }
+
+static void run_tile(int mr, int np, int src, int nc, int kc, const float *x, int64_t ldx, const void *w,
+                     int64_t ldw, float *c, int64_t ldc, int first, const float *bias) {
+    switch (mr * 8 + np) {
+        TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4) TILE(1, 5) TILE(1, 6)
+        TILE(2, 1) TILE(2, 2) TILE(2, 3) TILE(3, 1) TILE(3, 2) TILE(4, 1) TILE(5, 1) TILE(6, 1)
+    }
 }
 #else
+enum { FROM_PACKED = 0, FROM_F32 = 1, FROM_BF16 = 2 };
+
+static inline int panels_at_once(int mr) { (void)mr; return 1; }
+
 /* Portable version: the same operations on every element. */
-static void run_tile(int mr, int nc, int kc, const float *x, int64_t ldx, const float *w, int64_t ldw, float *c,
-                     int64_t ldc, int first, const float *bias) {
+static void run_tile(int mr, int np, int src, int nc, int kc, const float *x, int64_t ldx, const void *w,
+                     int64_t ldw, float *c, int64_t ldc, int first, const float *bias) {
+    (void)np;
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nc; j++) {
             float acc = first ? 0.0f : c[i * ldc + j];
-            for (int k = 0; k < kc; k++) acc = MADD(x[i * ldx + k], w[(int64_t)k * ldw + j], acc);
+            for (int k = 0; k < kc; k++) {
+                float wkj = src == FROM_PACKED ? ((const float *)w)[(j / NR) * KC * NR + k * NR + j % NR]
+                          : src == FROM_F32 ? ((const float *)w)[k * ldw + j]
+                          : bf16_to_f32(((const uint16_t *)w)[k * ldw + j]);
+                acc = MADD(x[i * ldx + k], wkj, acc);
+            }
             c[i * ldc + j] = bias ? acc + bias[j] : acc;
         }
 }
 #endif
 
-/* Work item: rows [i0, i0 + MC) x columns [j0, j0 + CHUNK), clipped. */
-static void run_item(const Problem *p, float *panel, int64_t item) {
+/* Work item: rows [i0, i0 + MC) x columns [j0, j0 + CHUNK), clipped. For each K block, every row group of MR rows
+ * against np panels at a time. Where the item has one row group (a decode, a short question), a whole tile's
+ * weights are read where they lie (one pass over the weight, rows of np * NR columns contiguous); otherwise the
+ * block is first packed, so that the row groups read it from cache. */
+static void run_item(const Problem *p, float *packed, int64_t item) {
     const int64_t i0 = item / p->col_chunks * MC, j0 = item % p->col_chunks * CHUNK;
-    const int64_t i1 = i0 + MC < p->M ? i0 + MC : p->M, j1 = j0 + CHUNK < p->N ? j0 + CHUNK : p->N;
-    /* a panel is packed where it is 16-bit, or where more than one row group reads it */
-    const int pack = p->w_dtype != DTYPE_F32 || i1 - i0 > MR;
-    for (int64_t j = j0; j < j1; j += NR) {
-        const int nc = (int)(j1 - j < NR ? j1 - j : NR);
-        for (int64_t k0 = 0; k0 < p->K; k0 += KC) {
-            const int kc = (int)(p->K - k0 < KC ? p->K - k0 : KC);
-            const float *w;
-            int64_t ldw;
-            if (pack) {
-                pack_panel(panel, p, k0, kc, j, nc);
-                w = panel;
-                ldw = NR;
-            } else {
-                w = (const float *)p->w + k0 * p->ldw + j;
-                ldw = p->ldw;
-            }
-            const float *bias = p->bias && k0 + kc == p->K ? p->bias + j : NULL;
-            for (int64_t i = i0; i < i1; i += MR) {
-                const int mr = (int)(i1 - i < MR ? i1 - i : MR);
-                run_tile(mr, nc, kc, p->x + i * p->ldx + k0, p->ldx, w, ldw, p->out + i * p->ldo + j, p->ldo,
-                         k0 == 0, bias);
+    const int64_t i1 = i0 + MC < p->M ? i0 + MC : p->M;
+    const int width = (int)(j0 + CHUNK < p->N ? CHUNK : p->N - j0), panels = (width + NR - 1) / NR;
+    const int direct = i1 - i0 <= MR && p->w_dtype != DTYPE_F16;
+    const int src = p->w_dtype == DTYPE_F32 ? FROM_F32 : FROM_BF16;
+    const size_t wsize = p->w_dtype == DTYPE_F32 ? 4 : 2;
+    for (int64_t k0 = 0; k0 < p->K; k0 += KC) {
+        const int kc = (int)(p->K - k0 < KC ? p->K - k0 : KC);
+        const int last = k0 + kc == p->K;
+        if (!direct) pack_block(packed, p, k0, kc, j0, width);
+        for (int64_t i = i0; i < i1; i += MR) {
+            const int mr = (int)(i1 - i < MR ? i1 - i : MR), step = panels_at_once(mr);
+            for (int q = 0; q < panels; q += step) {
+                const int np = panels - q < step ? panels - q : step;
+                const int nc = width - q * NR < np * NR ? width - q * NR : np * NR;
+                const int64_t j = j0 + q * NR;
+                const float *x = p->x + i * p->ldx + k0, *bias = last && p->bias ? p->bias + j : NULL;
+                float *c = p->out + i * p->ldo + j;
+                if (!direct) {
+                    run_tile(mr, np, FROM_PACKED, nc, kc, x, p->ldx, packed + (int64_t)q * KC * NR, NR, c, p->ldo,
+                             k0 == 0, bias);
+                } else if (nc == np * NR) {
+                    const char *w = (const char *)p->w + (size_t)(k0 * p->ldw + j) * wsize;
+                    run_tile(mr, np, src, nc, kc, x, p->ldx, w, p->ldw, c, p->ldo, k0 == 0, bias);
+                } else {   /* the last columns, fewer than the tile's: packed (zero-padded), never read past N */
+                    pack_block(packed, p, k0, kc, j, nc);
+                    run_tile(mr, np, FROM_PACKED, nc, kc, x, p->ldx, packed, NR, c, p->ldo, k0 == 0, bias);
+                }
             }
         }
     }
@@ -214,12 +237,14 @@ static void run_item(const Problem *p, float *panel, int64_t item) {
 
 static void *worker(void *arg) {
     Problem *p = (Problem *)arg;
-    float panel[KC * NR] __attribute__((aligned(64)));
+    float *packed = (float *)aligned_alloc(64, sizeof(float) * KC * CHUNK);
+    if (!packed) return (void *)1;
     for (;;) {
         int64_t item = __atomic_fetch_add(&p->next_item, 1, __ATOMIC_RELAXED);
         if (item >= p->num_items) break;
-        run_item(p, panel, item);
+        run_item(p, packed, item);
     }
+    free(packed);
     return NULL;
 }
 
@@ -240,15 +265,19 @@ int kvs_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const void *w,
     const int64_t work = M * N * K / MIN_WORK_PER_THREAD;
     if (threads > work) threads = work < 1 ? 1 : work;
     if (threads > items) threads = items;
-    if (threads <= 1) {
-        worker(&p);
-        return OK;
-    }
+    int status = OK;
+    if (threads <= 1)
+        return worker(&p) == NULL ? OK : ERR_ALLOC;
     pthread_t ids[threads - 1];
     int64_t started = 0;
     for (; started < threads - 1; started++)
         if (pthread_create(&ids[started], NULL, worker, &p) != 0) break;
-    worker(&p);   /* the calling thread works too; if a thread could not start, the others take its share */
-    for (int64_t i = 0; i < started; i++) pthread_join(ids[i], NULL);
-    return OK;
+    /* the calling thread works too; if a thread could not start, the others take its share */
+    if (worker(&p) != NULL) status = ERR_ALLOC;
+    for (int64_t i = 0; i < started; i++) {
+        void *result;
+        pthread_join(ids[i], &result);
+        if (result != NULL) status = ERR_ALLOC;
+    }
+    return status;
 }

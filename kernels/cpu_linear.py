@@ -24,7 +24,7 @@ from kvstrata.kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C file's DTYPE_* codes
-_ERRORS = {-3: "could not start a thread", -4: "unsupported shape"}
+_ERRORS = {-2: "out of memory", -4: "unsupported shape"}
 
 
 @functools.cache
