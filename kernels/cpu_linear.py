@@ -58,29 +58,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            fallback=F.linear) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: `x [..., K]`, `weight [N, K]`, `bias [N]` -> `[..., N]` in x's dtype, computed
     by the compiled kernel where `supports` says so (float32 accumulation, the bias added after the reduction,
-    then rounded to the dtype), else by `fallback(x, weight, bias)`."""
-    _check(x, weight, bias)  # before any read
-    if not supports(x, weight):
-        return fallback(x, weight, bias)
-    K, N = weight.shape[1], weight.shape[0]
-    rows = x.reshape(-1, K)
-    if rows.dtype != torch.float32 or (rows.stride(-1) != 1 and K > 1):
-        rows = rows.float().contiguous()
-    elif rows.stride(0) < K:  # a broadcast (stride 0) or overlapping view: the C code reads rows ldx apart
-        rows = rows.contiguous()
-    M = rows.shape[0]
-    out = torch.empty(M, N, dtype=torch.float32)
-    if bias is not None:
-        bias = bias.float().contiguous() if bias.dtype != torch.float32 or bias.stride(0) != 1 else bias
-    status = library().kvs_linear(rows.data_ptr(), rows.stride(0) if M > 1 else K, M, K, weight.data_ptr(),
-                                  WEIGHT_DTYPES[weight.dtype], weight.stride(1), N,
-                                  None if bias is None else bias.data_ptr(), out.data_ptr(), N,
-                                  torch.get_num_threads())
-    if status != 0:
+    then rounded to the dtype), else by `fallback(x, weight, bias)`.
+
+    A decode step makes over a hundred calls, so the common case (2-D float32 x, a weight stored [in, out]) is
+    checked in a few attribute reads, each read once; anything else goes through `_check` and `supports`."""
+    lib, code = library(), WEIGHT_DTYPES.get(x.dtype)
+    x_shape, w_shape, w_stride = x.shape, weight.shape, weight.stride()
+    if (code is None or weight.dtype != x.dtype or not (x.is_cpu and weight.is_cpu) or len(w_shape) != 2
+            or not x_shape or x_shape[-1] != w_shape[1] or w_stride[0] != 1 or w_stride[1] < w_shape[0]
+            or (bias is not None and not _plain_bias(bias, w_shape[0])) or lib is None):
+        _check(x, weight, bias)  # bad input: a ValueError before any read
+        if not supports(x, weight):
+            return fallback(x, weight, bias)
+    N, K = w_shape
+    if len(x_shape) == 2 and x.dtype is torch.float32 and x.stride(1) == 1 and x.stride(0) >= K:
+        rows, M, ldx = x, x_shape[0], x.stride(0)
+    else:
+        rows = x.reshape(-1, K).to(torch.float32, memory_format=torch.contiguous_format)
+        if rows.stride(-1) != 1 or rows.stride(0) != K:
+            rows = rows.contiguous()
+        M, ldx = rows.shape[0], K
+    out = torch.empty((M, N), dtype=torch.float32)
+    if bias is not None and (bias.dtype is not torch.float32 or bias.stride(0) != 1):
+        bias = bias.to(torch.float32).contiguous()
+    status = lib.kvs_linear(rows.data_ptr(), ldx, M, K, weight.data_ptr(), code, w_stride[1], N,
+                                None if bias is None else bias.data_ptr(), out.data_ptr(), N,
+                                torch.get_num_threads())
+    if status:
         raise RuntimeError(f"linear: the CPU linear kernel failed: {_ERRORS.get(status, status)}")
-    if x.dtype != torch.float32:
+    if x.dtype is not torch.float32:
         out = out.to(x.dtype)
-    return out.view(*x.shape[:-1], N)
+    return out if len(x_shape) == 2 else out.view(*x_shape[:-1], N)
+
+
+def _plain_bias(bias: torch.Tensor, n: int) -> bool:
+    return isinstance(bias, torch.Tensor) and bias.is_cpu and bias.shape == (n,) and bias.is_floating_point()
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
