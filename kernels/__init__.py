@@ -3,8 +3,8 @@ tensors out.
 
 The engine asks `get_ops(resolve_backend(config.model.attention_backend, device))` once and calls the returned
 `KernelOps`. Importing this package never imports Triton; only `get_ops("triton")` does. Backends: "triton" (CUDA),
-"cpu" (the torch ops with attention by the compiled CPU kernel, kernels/cpu_attention.py, built on first use) and
-"torch" (the pure references, which run anywhere).
+"cpu" (the torch ops with attention and the linear layers by compiled CPU kernels, kernels/cpu_attention.py and
+kernels/cpu_linear.py, built on first use) and "torch" (the pure references, which run anywhere).
 """
 from __future__ import annotations
 
@@ -71,10 +71,14 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
     if backend == "cpu":
         if not cpu_kernel_available():
             raise ValueError(_NO_CPU_KERNEL)
-        from kvstrata.kernels import cpu_attention
+        from kvstrata.kernels import batch_invariant as invariant
+        from kvstrata.kernels import cpu_attention, cpu_linear
 
-        # The torch ops but attention, whose compiled kernel is batch-invariant in both modes.
-        ops = dataclasses.replace(get_ops("torch"), name="cpu", prefix_prefill=cpu_attention.prefix_prefill)
+        # The torch ops but attention and the products, whose compiled kernels are batch-invariant in both modes
+        # (a product the linear kernel does not take runs the invariant reference: never `F.linear`, which the
+        # invariant mode routes here).
+        ops = dataclasses.replace(get_ops("torch"), name="cpu", prefix_prefill=cpu_attention.prefix_prefill,
+                                  linear=functools.partial(cpu_linear.linear, fallback=invariant.reference_linear))
     elif backend == "torch":
         from kvstrata.kernels import batch_invariant as invariant
         from kvstrata.kernels import block_copy, kv_store, layer_ops, prefix_prefill
