@@ -34,6 +34,7 @@
 #define NR 16         /* columns of a register tile (two vectors of 8) */
 #define KC 128        /* K block: a packed panel is KC x NR floats (8 KiB, in L1) */
 #define MC 96         /* rows of a row block (MC x KC of x, 48 KiB, stays in L2) */
+#define DIRECT_KC 32   /* K block where weights are read in place: the item's columns row after row, in order */
 #define CHUNK 256     /* columns of a work item: its packed block of KC x CHUNK floats (128 KiB) stays in L2 */
 #define MIN_WORK_PER_THREAD (1 << 18)   /* multiply-adds below which another thread costs more than it saves */
 
@@ -208,8 +209,9 @@ static void run_item(const Problem *p, float *packed, int64_t item) {
     const int direct = i1 - i0 <= MR && p->w_dtype != DTYPE_F16;
     const int src = p->w_dtype == DTYPE_F32 ? FROM_F32 : FROM_BF16;
     const size_t wsize = p->w_dtype == DTYPE_F32 ? 4 : 2;
-    for (int64_t k0 = 0; k0 < p->K; k0 += KC) {
-        const int kc = (int)(p->K - k0 < KC ? p->K - k0 : KC);
+    const int block = direct ? DIRECT_KC : KC;
+    for (int64_t k0 = 0; k0 < p->K; k0 += block) {
+        const int kc = (int)(p->K - k0 < block ? p->K - k0 : block);
         const int last = k0 + kc == p->K;
         if (!direct) pack_block(packed, p, k0, kc, j0, width);
         for (int64_t i = i0; i < i1; i += MR) {
