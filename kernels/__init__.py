@@ -40,6 +40,9 @@ class KernelOps:
     rotary: Callable[..., torch.Tensor]
     silu_and_mul: Callable[..., torch.Tensor]
     batch_invariant: bool = False
+    # The default mode's products (the decoder's and the vocabulary's), where a backend's kernel is faster than
+    # `F.linear`; None: `F.linear` (and always in the invariant mode, which routes `F.linear` to `linear`).
+    model_linear: Callable[..., torch.Tensor] | None = None
 
 
 @functools.cache
@@ -78,7 +81,8 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
         # (a product the linear kernel does not take runs the invariant reference: never `F.linear`, which the
         # invariant mode routes here).
         ops = dataclasses.replace(get_ops("torch"), name="cpu", prefix_prefill=cpu_attention.prefix_prefill,
-                                  linear=functools.partial(cpu_linear.linear, fallback=invariant.reference_linear))
+                                  linear=functools.partial(cpu_linear.linear, fallback=invariant.reference_linear),
+                                  model_linear=cpu_linear.model_linear)
     elif backend == "torch":
         from kvstrata.kernels import batch_invariant as invariant
         from kvstrata.kernels import block_copy, kv_store, layer_ops, prefix_prefill
@@ -104,7 +108,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
     else:
         raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of {_CHOICES})")
     if batch_invariant:
-        ops = dataclasses.replace(ops, batch_invariant=True,
+        ops = dataclasses.replace(ops, batch_invariant=True, model_linear=None,
                                   prefix_prefill=functools.partial(ops.prefix_prefill, batch_invariant=True))
     return ops
 

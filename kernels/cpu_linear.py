@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvstrata.kernels import cpu_build
+from kvstrata.kernels import cpu_build, cpu_features
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C file's DTYPE_* codes
@@ -89,6 +89,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.dtype is not torch.float32:
         out = out.to(x.dtype)
     return out if len(x_shape) == 2 else out.view(*x_shape[:-1], N)
+
+
+# The dtypes whose products the default mode (not only the invariant one) computes here, by CPU family: where this
+# kernel beat `F.linear` at every product of the embedded model and every row count measured, 1 to 2,048
+# (benchmarks/results/cpu_linear.md, AVX2, one thread: bfloat16 3-35x faster, torch having no bfloat16 GEMM for
+# AVX2 there; float32 is MKL's, faster at most shapes). AVX-512 and AMX CPUs run torch's own bfloat16 kernels
+# (oneDNN), not measured against this one: they keep `F.linear`.
+MODEL_DTYPES = {"avx2": (torch.bfloat16,)}
+
+
+@functools.cache
+def _model_dtypes() -> tuple[torch.dtype, ...]:
+    return MODEL_DTYPES.get(cpu_features.cpu_matrix_family(), ())
+
+
+def model_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The default mode's products on a CPU (the "cpu" backend's `model_linear`): `linear` for the dtypes this CPU
+    family computes faster here (`MODEL_DTYPES`), `F.linear` for the others."""
+    if x.dtype in _model_dtypes():
+        return linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _plain_bias(bias: torch.Tensor, n: int) -> bool:

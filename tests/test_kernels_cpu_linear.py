@@ -180,7 +180,9 @@ def test_the_portable_build_for_cpus_without_avx2_computes_the_same_products(reb
 
 def test_the_cpu_backend_computes_its_products_here_in_both_modes():
     """Backend "cpu": `linear` is this kernel (the invariant mode's products), with the invariant torch reference
-    as its fallback, never `F.linear` (which the mode intercepts); backend "torch" keeps the reference."""
+    as its fallback, never `F.linear` (which the mode intercepts); backend "torch" keeps the reference. The default
+    mode's products (`model_linear`) are this kernel's only for the dtypes it computes faster on this CPU family;
+    in the invariant mode there are none (the decoder's `F.linear` is routed to `linear`)."""
     assert cpu_kernel_available()
     x, weight, b = problem(7, 64, 40, torch.float32)
     for invariant in (False, True):
@@ -188,3 +190,21 @@ def test_the_cpu_backend_computes_its_products_here_in_both_modes():
         assert torch.equal(ops.linear(x, weight, b), cpu_linear.linear(x, weight, b))
         assert ops.linear.keywords["fallback"] is batch_invariant.reference_linear
         assert get_ops("torch", batch_invariant=invariant).linear is batch_invariant.reference_linear
+        assert get_ops("torch", batch_invariant=invariant).model_linear is None
+    assert get_ops("cpu").model_linear is cpu_linear.model_linear
+    assert get_ops("cpu", batch_invariant=True).model_linear is None
+
+
+@pytest.mark.parametrize("family, kernel_dtypes", [("avx2", {torch.bfloat16}), ("avx512", set()), ("amx", set())])
+def test_the_default_mode_takes_the_kernel_only_where_it_is_faster(monkeypatch, family, kernel_dtypes):
+    """`model_linear`: on AVX2 bfloat16 products are this kernel's (torch has no fast bfloat16 GEMM there), float32
+    stays MKL's `F.linear`; AVX-512 and AMX keep torch's own kernels."""
+    monkeypatch.setattr(cpu_features, "cpu_matrix_family", lambda: family)
+    cpu_linear._model_dtypes.cache_clear()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            x, weight, b = problem(5, 48, 24, dtype)
+            expected = cpu_linear.linear(x, weight, b) if dtype in kernel_dtypes else F.linear(x, weight, b)
+            assert torch.equal(cpu_linear.model_linear(x, weight, b), expected)
+    finally:
+        cpu_linear._model_dtypes.cache_clear()
