@@ -93,11 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", nargs="+", type=int, default=[1])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-gflop", type=float, default=60.0, help="skip products of more work than this")
+    parser.add_argument("--max-gflop-bfloat16", type=float, default=1.0,
+                        help="the same for bfloat16, whose F.linear has no fast kernel on AVX2 (~1 GFLOP/s)")
     parser.add_argument("--out", help="write the markdown report here")
     args = parser.parse_args(argv)
     if not cpu_linear.available():
         raise SystemExit("cpu-linear: the CPU linear kernel cannot be built here (no C compiler)")
-    results = {(dtype, threads): measure(getattr(torch, dtype), threads, args.repeats, args.max_gflop * 1e9)
+    results = {(dtype, threads): measure(getattr(torch, dtype), threads, args.repeats,
+                                         (args.max_gflop_bfloat16 if dtype == "bfloat16" else args.max_gflop) * 1e9)
                for threads in args.threads for dtype in args.dtypes}
     text = report(results, overhead_us(1), "python benchmarks/kernels.py cpu-linear " + " ".join(argv or []))
     print(text)
