@@ -131,11 +131,14 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
                                                        const float *x, int64_t ldx, const void *w, int64_t ldw,
                                                        float *c, int64_t ldc, int first, const float *bias) {
     __m256 acc[MR][12];
+    const int full = nc == np * NR;   /* masked loads and stores only for the last columns: they are slow on some CPUs */
     _Pragma("GCC unroll 12")
     for (int i = 0; i < mr; i++)
         _Pragma("GCC unroll 12")
         for (int v = 0; v < 2 * np; v++)
-            acc[i][v] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(c + i * ldc + 8 * v, tail_mask(nc - 8 * v));
+            acc[i][v] = first ? _mm256_setzero_ps()
+                      : full ? _mm256_loadu_ps(c + i * ldc + 8 * v)
+                      : _mm256_maskload_ps(c + i * ldc + 8 * v, tail_mask(nc - 8 * v));
     for (int k = 0; k < kc; k++) {
         __m256 wv[12];
         _Pragma("GCC unroll 12")
@@ -153,8 +156,11 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
         for (int v = 0; v < 2 * np; v++) {
             const __m256i mask = tail_mask(nc - 8 * v);   /* computed here: no register held over the loop */
             __m256 r = acc[i][v];
-            if (bias) r = _mm256_add_ps(r, _mm256_maskload_ps(bias + 8 * v, mask));
-            _mm256_maskstore_ps(c + i * ldc + 8 * v, mask, r);
+            if (bias) r = _mm256_add_ps(r, full ? _mm256_loadu_ps(bias + 8 * v) : _mm256_maskload_ps(bias + 8 * v, mask));
+            if (full)
+                _mm256_storeu_ps(c + i * ldc + 8 * v, r);
+            else
+                _mm256_maskstore_ps(c + i * ldc + 8 * v, mask, r);
         }
 }
 
