@@ -15,7 +15,7 @@
  * Speed (BLIS's blocking, simplified): a register tile of up to MR rows x NR columns (12 vector accumulators) is
  * fed by broadcasting x[i, k] and loading w[k, j:j + NR]; the KC x NR panel of w it walks is converted to float32
  * and packed contiguously when several row groups reuse it (or it is 16-bit), so it stays in L1 while MC rows of x
- * (in L2) stream past; a lone row group (a decode, a short question) reads w where it lies instead, DIRECT_KC rows
+ * (in L2) stream past; up to DIRECT_ROWS rows (a decode, a short question) reads w where it lies instead, DIRECT_KC rows
  * at a time across its share of the columns, so the weight is one pass of a few long streams. Threads take (row
  * block, column chunk) items from a shared counter. Measured in benchmarks/results/cpu_linear.md.
  */
@@ -35,6 +35,7 @@
 #define NR 16         /* columns of a register tile (two vectors of 8) */
 #define KC 128        /* K block: a packed panel is KC x NR floats (8 KiB, in L1) */
 #define MC 96         /* rows of a row block (MC x KC of x, 48 KiB, stays in L2) */
+#define DIRECT_ROWS 16  /* items of up to this many rows read the weights in place (each row group rereads them from cache) */
 #define DIRECT_KC 8   /* K block where weights are read in place: 8 rows streamed at once, across the item's width */
 #define CHUNK 256     /* columns of a work item: its packed block of KC x CHUNK floats (128 KiB) stays in L2 */
 #define MIN_WORK_PER_THREAD (1 << 18)   /* multiply-adds below which another thread costs more than it saves */
@@ -206,14 +207,14 @@ static void run_tile(int mr, int np, int src, int nc, int kc, const float *x, in
 #endif
 
 /* Work item: rows [i0, i0 + MC) x columns [j0, j0 + chunk), clipped. For each K block, every row group of MR rows
- * against np panels at a time. Where the item has one row group (a decode, a short question), a whole tile's
- * weights are read where they lie (one pass over the weight, rows of np * NR columns contiguous); otherwise the
- * block is first packed, so that the row groups read it from cache. */
+ * against np panels at a time. Where the item has few rows (a decode, a short question), the weights are read where
+ * they lie, DIRECT_KC rows across the item's width, each row group after the first finding them in cache; otherwise
+ * the block is first packed, so that the row groups read it contiguous from cache. */
 static void run_item(const Problem *p, float *packed, int64_t item) {
     const int64_t i0 = item / p->col_chunks * MC, j0 = item % p->col_chunks * p->chunk;
     const int64_t i1 = i0 + MC < p->M ? i0 + MC : p->M;
     const int width = (int)(j0 + p->chunk < p->N ? p->chunk : p->N - j0), panels = (width + NR - 1) / NR;
-    const int direct = i1 - i0 <= MR && p->w_dtype != DTYPE_F16;
+    const int direct = i1 - i0 <= DIRECT_ROWS && p->w_dtype != DTYPE_F16;
     const int src = p->w_dtype == DTYPE_F32 ? FROM_F32 : FROM_BF16;
     const size_t wsize = p->w_dtype == DTYPE_F32 ? 4 : 2;
     const int block = direct ? DIRECT_KC : KC;
@@ -271,11 +272,11 @@ int kvs_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const void *w,
     int64_t threads = num_threads < 1 ? 1 : num_threads;
     const int64_t work = M * N * K / MIN_WORK_PER_THREAD;
     if (threads > work) threads = work < 1 ? 1 : work;
-    /* Packed items take CHUNK columns. Where the rows are one row group that reads the weights in place, an item
+    /* Packed items take CHUNK columns. Where the rows are few enough to read the weights in place, an item
      * takes whole rows' share of the columns (N / threads): each K block is then read row after row across the
      * weight's width, streams the prefetchers follow, instead of short pieces of many rows. */
     int64_t chunk = CHUNK;
-    if (M <= MR && w_dtype != DTYPE_F16) {
+    if (M <= DIRECT_ROWS && w_dtype != DTYPE_F16) {
         const int64_t tile = NR * 6;
         chunk = ((N + threads - 1) / threads + tile - 1) / tile * tile;
     }
