@@ -14,7 +14,7 @@
  *
  * Speed (BLIS's blocking, simplified): a register tile of up to MR rows x NR columns (12 vector accumulators) is
  * fed by broadcasting x[i, k] and loading w[k, j:j + NR]; the KC x NR panel of w it walks is converted to float32
- * and packed contiguously when several row groups reuse it (or it is 16-bit), so it stays in L1 while MC rows of x
+ * and packed contiguously when many row groups reuse it (or it is float16), so it stays in L1 while MC rows of x
  * (in L2) stream past; up to DIRECT_ROWS rows (a decode, a short question) reads w where it lies instead, DIRECT_KC rows
  * at a time across its share of the columns, so the weight is one pass of a few long streams. Threads take (row
  * block, column chunk) items from a shared counter. Measured in benchmarks/results/cpu_linear.md.
