@@ -94,8 +94,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # The dtypes whose products the default mode (not only the invariant one) computes here, by CPU family: where this
 # kernel beat `F.linear` at every product of the embedded model and every row count measured, 1 to 2,048
 # (benchmarks/results/cpu_linear.md, AVX2, one thread: bfloat16 3-100x faster, torch having no bfloat16 GEMM for
-# AVX2 there; float32 stays MKL's, faster for one row, the decode step). AVX-512 and AMX CPUs run torch's own bfloat16 kernels
-# (oneDNN), not measured against this one: they keep `F.linear`.
+# AVX2 there; float32 stays MKL's, faster for one row, the decode step). AVX-512 and AMX CPUs run torch's own
+# bfloat16 kernels (oneDNN), not measured against this one: they keep `F.linear`.
 MODEL_DTYPES = {"avx2": (torch.bfloat16,)}
 
 
