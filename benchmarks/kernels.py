@@ -3,6 +3,7 @@
     python benchmarks/kernels.py paging --repeats 7
     python benchmarks/kernels.py decoder-step --out-dir benchmarks/results
     python benchmarks/kernels.py layer-ops --out-dir benchmarks/results
+    python benchmarks/kernels.py cpu-linear --out benchmarks/results/cpu_linear.md
 
 `paging` times paged prefix-prefill against contiguous SDPA (Triton on CUDA, the torch reference on a CPU) and,
 on CUDA, split-KV against one pass; `decoder-step` times kvstrata's decoder against transformers' modules on the
@@ -19,6 +20,8 @@ from benchmarks.harness import Subcommand, run_suite  # noqa: E402
 
 SUBCOMMANDS = (
     Subcommand("paging", "paging", "paged prefix-prefill against contiguous SDPA; split-KV on CUDA"),
+    Subcommand("cpu-linear", "cpu_linear", "the compiled CPU linear layer against F.linear, per product and row "
+               "count"),
     Subcommand("decoder-step", "decoder_step", "a model step's cost: kvstrata's decoder against transformers' "
                "modules"),
     Subcommand("layer-ops", "cpu_layer_ops", "a layer's per-row ops on a CPU, per call: torch references against "

@@ -167,6 +167,8 @@ class Decoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # the CPU's products take their weights transposed (see `pack`); a GPU's, and Triton's, as loaded
         self.transposed = ops.name in ("torch", "cpu") and self.embed.device.type == "cpu"
+        # the products: `F.linear` (which the invariant mode routes to `ops.linear`), or the backend's faster kernel
+        self.linear = ops.model_linear or F.linear
         self.layers = [layer_weights(layer, self.transposed) for layer in body.layers[:config.num_hidden_layers]]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -187,7 +189,7 @@ class Decoder:
         num_tokens = delta.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         x, residual = ops.rms_norm(delta, layer.input_norm, layer.eps, residual)
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
         qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
         if layer.q_norm is not None:
             qk = torch.cat([ops.rms_norm(qk[:, :heads], layer.q_norm, layer.eps)[0],
@@ -199,7 +201,7 @@ class Decoder:
         scale = meta.scale if meta.scale is not None else layer.scale
         attention = ops.prefix_prefill(query, meta.kv_cache, index, meta.block_tables, meta.query_start_loc,
                                        meta.seq_lens, scale)
-        delta = F.linear(attention.reshape(num_tokens, heads * head_dim), layer.o, layer.o_bias)
+        delta = self.linear(attention.reshape(num_tokens, heads * head_dim), layer.o, layer.o_bias)
         x, residual = ops.rms_norm(delta, layer.post_attention_norm, layer.eps, residual)
-        gate_up = F.linear(x, layer.gate_up, layer.gate_up_bias)
-        return F.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias), residual
+        gate_up = self.linear(x, layer.gate_up, layer.gate_up_bias)
+        return self.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias), residual

@@ -71,8 +71,9 @@ def get_digest_fn(algo: str) -> DigestFn:
 
 # 1: one product per row; 2: rows in fixed tiles per CPU family; 3: the attention backend named beside it (a
 # CPU's compiled kernel, kernels/cpu_attention.py, sums in other tiles than the torch path), and AVX2 float32
-# products padded to a multiple of 4 rows instead of 16-row tiles.
-BATCH_INVARIANT_VERSION = 3
+# products padded to a multiple of 4 rows instead of 16-row tiles; 4: backend "cpu"'s products by its compiled
+# kernel (kernels/cpu_linear.py: one in-order reduction over K per element, no padding, every CPU family).
+BATCH_INVARIANT_VERSION = 4
 
 
 def make_namespace(model_id: str, dtype: str, block_size: int, kv_layout_version: int, algo: str,

@@ -77,7 +77,7 @@ class ModelRunner:
             hidden = self._decoder.forward(step.input_ids, step.positions, metadata)
             rows = hidden.index_select(0, step.logits_indices)
             # logits only for the sampled rows: a 2k-token prefill chunk would otherwise make 2k x 49k
-            return self._lm_head(rows).float()
+            return self._decoder.linear(rows, self._lm_head.weight, self._lm_head.bias).float()
 
     def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(data, dtype=dtype).to(self.device, non_blocking=True)

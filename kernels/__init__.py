@@ -3,9 +3,9 @@ tensors out.
 
 The engine asks `get_ops(resolve_backend(config.model.attention_backend, device))` once and calls the returned
 `KernelOps`. Importing this package never imports Triton; only `get_ops("triton")` does. Backends: "triton" (CUDA),
-"cpu" (the torch ops with attention, RMSNorm, rotary, SiLU-and-mul and the K/V store by compiled CPU kernels,
-kernels/cpu_attention.py and kernels/cpu_layer_ops.py, built on first use) and
-"torch" (the pure references, which run anywhere).
+"cpu" (the torch ops with attention, the linear layers, RMSNorm, rotary, SiLU-and-mul and the K/V store by
+compiled CPU kernels, kernels/cpu_attention.py, kernels/cpu_linear.py and kernels/cpu_layer_ops.py, built on first
+use) and "torch" (the pure references, which run anywhere).
 """
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ class KernelOps:
     rotary: Callable[..., torch.Tensor]
     silu_and_mul: Callable[..., torch.Tensor]
     batch_invariant: bool = False
+    # The default mode's products (the decoder's and the vocabulary's), where a backend's kernel is faster than
+    # `F.linear`; None: `F.linear` (and always in the invariant mode, which routes `F.linear` to `linear`).
+    model_linear: Callable[..., torch.Tensor] | None = None
 
 
 @functools.cache
@@ -72,10 +75,15 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
     if backend == "cpu":
         if not cpu_kernel_available():
             raise ValueError(_NO_CPU_KERNEL)
-        from kvstrata.kernels import cpu_attention, cpu_layer_ops
+        from kvstrata.kernels import batch_invariant as invariant
+        from kvstrata.kernels import cpu_attention, cpu_layer_ops, cpu_linear
 
-        # The torch ops but attention, whose compiled kernel is batch-invariant in both modes.
-        ops = dataclasses.replace(get_ops("torch"), name="cpu", prefix_prefill=cpu_attention.prefix_prefill)
+        # The torch ops but attention, the products and the layer ops, whose compiled kernels are batch-invariant
+        # in both modes (a product the linear kernel does not take runs the invariant reference: never `F.linear`,
+        # which the invariant mode routes here).
+        ops = dataclasses.replace(get_ops("torch"), name="cpu", prefix_prefill=cpu_attention.prefix_prefill,
+                                  linear=functools.partial(cpu_linear.linear, fallback=invariant.reference_linear),
+                                  model_linear=cpu_linear.model_linear)
         ops = dataclasses.replace(ops, **cpu_layer_ops.OPS)  # compiled norm, rotary, SiLU, K/V store; row-invariant
     elif backend == "torch":
         from kvstrata.kernels import batch_invariant as invariant
@@ -102,7 +110,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
     else:
         raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of {_CHOICES})")
     if batch_invariant:
-        ops = dataclasses.replace(ops, batch_invariant=True,
+        ops = dataclasses.replace(ops, batch_invariant=True, model_linear=None,
                                   prefix_prefill=functools.partial(ops.prefix_prefill, batch_invariant=True))
     return ops
 

@@ -15,6 +15,8 @@ The cures, each with a torch reference beside the Triton kernel:
   where the family's BLAS keeps rows alike in calls of a multiple of some row count, one product padded to it,
   `LINEAR_ROW_MULTIPLE`; Triton: fixed BLOCK_M x BLOCK_N tiles walking K in fixed BLOCK_K steps, never split-K,
   whatever M is).
+  Backend "cpu" computes its products with neither: kernels/cpu_linear.py, one in-order reduction over K per output
+  element, batch-invariant by construction on every CPU family; these stay the "torch" backend's, and its fallback.
 - `mean_last_dim`: each row reduced alone in a fixed order (torch's CPU reduction already reduces an inner axis
   row by row whatever their number; Triton: one program per row).
 """

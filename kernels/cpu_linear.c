@@ -1,0 +1,301 @@
+/* A linear layer's product on a CPU, out[M, N] = x[M, K] @ w[K, N] (+ bias), with the weight stored [in, out] row
+ * by row as the CPU decoder keeps it (kernels/cpu_linear.py builds and calls this).
+ *
+ * Batch-invariant by construction: each output element is computed wholly by one thread as one reduction over K in
+ * order, acc = fma(x[i, k], w[k, j], acc) for k = 0, 1, ..., K - 1 from acc = 0, then the bias added. K is walked in
+ * blocks of KC, and between two blocks the accumulator is stored to `out` (float32) and reloaded, which is exact:
+ * the order never changes and K is never split into partial sums. Which tile, lane, thread or row group computes an
+ * element changes nothing of its operations, so a row's bits never depend on how many rows share the call, its
+ * place in it, or the thread count.
+ *
+ * Determinism of the arithmetic: built with -ffp-contract=off, so the compiler fuses no multiply-add on its own;
+ * fused ones are explicit (MADD, or the intrinsics). The AVX2 build and the portable one differ from each other
+ * only where FMA is absent (a * b + c rounds twice), never from call to call.
+ *
+ * Speed (BLIS's blocking, simplified): a register tile of up to MR rows x NR columns (12 vector accumulators) is
+ * fed by broadcasting x[i, k] and loading w[k, j:j + NR]; the KC x NR panel of w it walks is converted to float32
+ * and packed contiguously when many row groups reuse it (or it is float16), so it stays in L1 while MC rows of x
+ * (in L2) stream past; up to DIRECT_ROWS rows (a decode, a short question) reads w where it lies instead, DIRECT_KC rows
+ * at a time across its share of the columns, so the weight is one pass of a few long streams. Threads take (row
+ * block, column chunk) items from a shared counter. Measured in benchmarks/results/cpu_linear.md.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __FMA__
+#define MADD(a, b, c) fmaf((a), (b), (c))
+#else
+#define MADD(a, b, c) ((a) * (b) + (c))
+#endif
+
+#define MR 6          /* rows of a register tile */
+#define NR 16         /* columns of a register tile (two vectors of 8) */
+#define KC 128        /* K block: a packed panel is KC x NR floats (8 KiB, in L1) */
+#define MC 96         /* rows of a row block (MC x KC of x, 48 KiB, stays in L2) */
+#define DIRECT_ROWS 16  /* items of up to this many rows read the weights in place (each row group rereads them from cache) */
+#define DIRECT_KC 8   /* K block where weights are read in place: 8 rows streamed at once, across the item's width */
+#define CHUNK 256     /* columns of a work item: its packed block of KC x CHUNK floats (128 KiB) stays in L2 */
+#define MIN_WORK_PER_THREAD (1 << 18)   /* multiply-adds below which another thread costs more than it saves */
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+enum { OK = 0, ERR_ALLOC = -2, ERR_SHAPE = -4 };
+
+typedef struct {
+    const float *x;        /* [M, K], rows ldx apart */
+    int64_t ldx, M, K;
+    const void *w;         /* [K, N] of w_dtype, rows ldw apart */
+    int w_dtype;
+    int64_t ldw, N;
+    const float *bias;     /* [N] or NULL */
+    float *out;            /* [M, N], rows ldo apart */
+    int64_t ldo;
+    int64_t chunk, col_chunks, num_items;   /* columns per work item (a multiple of NR), their count, items */
+    int64_t next_item;     /* shared counter, taken atomically by the threads */
+} Problem;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);                 /* inf, nan */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);          /* normal */
+    } else if (mant == 0) {
+        bits = sign;                                               /* zero */
+    } else {                                                       /* subnormal: normalise */
+        int shift = 0;
+        while (!(mant & 0x400)) { mant <<= 1; shift++; }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mant & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* The block w[k0 .. k0 + kc, j0 .. j0 + nc) as float32 panels of NR columns (exact: every bf16 and f16 value is a
+ * float32): panel q holds columns j0 + q * NR .., at packed + q * KC * NR, row k at + k * NR; columns past nc are
+ * zero. Each row of w is read along its nc columns, in order (contiguous reads, whatever the weight's width). */
+static void pack_block(float *packed, const Problem *p, int64_t k0, int kc, int64_t j0, int nc) {
+    const int panels = (nc + NR - 1) / NR;
+    for (int k = 0; k < kc; k++) {
+        const int64_t row = (k0 + k) * p->ldw + j0;
+        for (int q = 0; q < panels; q++) {
+            float *dst = packed + (int64_t)q * KC * NR + (int64_t)k * NR;
+            const int n = nc - q * NR < NR ? nc - q * NR : NR;
+            const int64_t src = row + q * NR;
+            if (p->w_dtype == DTYPE_F32) {
+                const float *s = (const float *)p->w + src;
+                for (int j = 0; j < n; j++) dst[j] = s[j];
+            } else if (p->w_dtype == DTYPE_BF16) {
+                const uint16_t *s = (const uint16_t *)p->w + src;
+                for (int j = 0; j < n; j++) dst[j] = bf16_to_f32(s[j]);
+            } else {
+                const uint16_t *s = (const uint16_t *)p->w + src;
+                for (int j = 0; j < n; j++) dst[j] = f16_to_f32(s[j]);
+            }
+            for (int j = n; j < NR; j++) dst[j] = 0.0f;
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256i tail_mask(int n) {   /* lanes 0 .. n - 1 on (n may be <= 0 or >= 8) */
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* Where a tile reads its weights: packed float32 panels (KC * NR apart, rows NR apart), or the weight itself,
+ * float32 or bfloat16, rows ldw apart (every column of the tile there). */
+enum { FROM_PACKED = 0, FROM_F32 = 1, FROM_BF16 = 2 };
+
+static inline __attribute__((always_inline)) __m256 load_w(const int src, const void *w, int64_t ldw, int k, int v) {
+    if (src == FROM_PACKED) return _mm256_load_ps((const float *)w + (v / 2) * KC * NR + k * NR + (v % 2) * 8);
+    if (src == FROM_F32) return _mm256_loadu_ps((const float *)w + k * ldw + v * 8);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k * ldw + v * 8));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));   /* exact */
+}
+
+/* c[i, j] for i < mr, j < nc (np panels of NR columns, nc <= np * NR): continued (or begun, `first`) over kc values
+ * of K, from x (rows ldx apart) and w (`src`), each element by one fused multiply-add per k in order; `bias`
+ * (NULL, or where the reduction ends) added last. `mr`, `np` and `src` are constants where it is inlined, so the
+ * 2 * mr * np <= 12 accumulators live in registers (the loops unrolled before the compiler places them). */
+static inline __attribute__((always_inline)) void tile(const int mr, const int np, const int src, int nc, int kc,
+                                                       const float *x, int64_t ldx, const void *w, int64_t ldw,
+                                                       float *c, int64_t ldc, int first, const float *bias) {
+    __m256 acc[MR][12];
+    const int full = nc == np * NR;   /* masked loads and stores only for the last columns: they are slow on some CPUs */
+    _Pragma("GCC unroll 12")
+    for (int i = 0; i < mr; i++)
+        _Pragma("GCC unroll 12")
+        for (int v = 0; v < 2 * np; v++)
+            acc[i][v] = first ? _mm256_setzero_ps()
+                      : full ? _mm256_loadu_ps(c + i * ldc + 8 * v)
+                      : _mm256_maskload_ps(c + i * ldc + 8 * v, tail_mask(nc - 8 * v));
+    for (int k = 0; k < kc; k++) {
+        __m256 wv[12];
+        _Pragma("GCC unroll 12")
+        for (int v = 0; v < 2 * np; v++) wv[v] = load_w(src, w, ldw, k, v);
+        _Pragma("GCC unroll 12")
+        for (int i = 0; i < mr; i++) {
+            const __m256 b = _mm256_broadcast_ss(x + i * ldx + k);
+            _Pragma("GCC unroll 12")
+            for (int v = 0; v < 2 * np; v++) acc[i][v] = _mm256_fmadd_ps(b, wv[v], acc[i][v]);
+        }
+    }
+    _Pragma("GCC unroll 12")
+    for (int i = 0; i < mr; i++)
+        _Pragma("GCC unroll 12")
+        for (int v = 0; v < 2 * np; v++) {
+            const __m256i mask = tail_mask(nc - 8 * v);   /* computed here: no register held over the loop */
+            __m256 r = acc[i][v];
+            if (bias) r = _mm256_add_ps(r, full ? _mm256_loadu_ps(bias + 8 * v) : _mm256_maskload_ps(bias + 8 * v, mask));
+            if (full)
+                _mm256_storeu_ps(c + i * ldc + 8 * v, r);
+            else
+                _mm256_maskstore_ps(c + i * ldc + 8 * v, mask, r);
+        }
+}
+
+#define TILE(m, n) \
+    case m * 8 + n: \
+        if (src == FROM_PACKED) tile(m, n, FROM_PACKED, nc, kc, x, ldx, w, ldw, c, ldc, first, bias); \
+        else if (src == FROM_F32) tile(m, n, FROM_F32, nc, kc, x, ldx, w, ldw, c, ldc, first, bias); \
+        else tile(m, n, FROM_BF16, nc, kc, x, ldx, w, ldw, c, ldc, first, bias); \
+        break;
+
+/* Panels a tile of mr rows takes at once: 12 accumulators, or as near as the rows allow. */
+static inline int panels_at_once(int mr) { return mr <= 6 ? 6 / mr : 1; }
+
+static void run_tile(int mr, int np, int src, int nc, int kc, const float *x, int64_t ldx, const void *w,
+                     int64_t ldw, float *c, int64_t ldc, int first, const float *bias) {
+    switch (mr * 8 + np) {
+        TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4) TILE(1, 5) TILE(1, 6)
+        TILE(2, 1) TILE(2, 2) TILE(2, 3) TILE(3, 1) TILE(3, 2) TILE(4, 1) TILE(5, 1) TILE(6, 1)
+    }
+}
+#else
+enum { FROM_PACKED = 0, FROM_F32 = 1, FROM_BF16 = 2 };
+
+static inline int panels_at_once(int mr) { (void)mr; return 1; }
+
+/* Portable version: the same operations on every element. */
+static void run_tile(int mr, int np, int src, int nc, int kc, const float *x, int64_t ldx, const void *w,
+                     int64_t ldw, float *c, int64_t ldc, int first, const float *bias) {
+    (void)np;
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nc; j++) {
+            float acc = first ? 0.0f : c[i * ldc + j];
+            for (int k = 0; k < kc; k++) {
+                float wkj = src == FROM_PACKED ? ((const float *)w)[(j / NR) * KC * NR + k * NR + j % NR]
+                          : src == FROM_F32 ? ((const float *)w)[k * ldw + j]
+                          : bf16_to_f32(((const uint16_t *)w)[k * ldw + j]);
+                acc = MADD(x[i * ldx + k], wkj, acc);
+            }
+            c[i * ldc + j] = bias ? acc + bias[j] : acc;
+        }
+}
+#endif
+
+/* Work item: rows [i0, i0 + MC) x columns [j0, j0 + chunk), clipped. For each K block, every row group of MR rows
+ * against np panels at a time. Where the item has few rows (a decode, a short question), the weights are read where
+ * they lie, DIRECT_KC rows across the item's width, each row group after the first finding them in cache; otherwise
+ * the block is first packed, so that the row groups read it contiguous from cache. */
+static void run_item(const Problem *p, float *packed, int64_t item) {
+    const int64_t i0 = item / p->col_chunks * MC, j0 = item % p->col_chunks * p->chunk;
+    const int64_t i1 = i0 + MC < p->M ? i0 + MC : p->M;
+    const int width = (int)(j0 + p->chunk < p->N ? p->chunk : p->N - j0), panels = (width + NR - 1) / NR;
+    const int direct = i1 - i0 <= DIRECT_ROWS && p->w_dtype != DTYPE_F16;
+    const int src = p->w_dtype == DTYPE_F32 ? FROM_F32 : FROM_BF16;
+    const size_t wsize = p->w_dtype == DTYPE_F32 ? 4 : 2;
+    const int block = direct ? DIRECT_KC : KC;
+    for (int64_t k0 = 0; k0 < p->K; k0 += block) {
+        const int kc = (int)(p->K - k0 < block ? p->K - k0 : block);
+        const int last = k0 + kc == p->K;
+        if (!direct) pack_block(packed, p, k0, kc, j0, width);
+        for (int64_t i = i0; i < i1; i += MR) {
+            const int mr = (int)(i1 - i < MR ? i1 - i : MR), step = panels_at_once(mr);
+            for (int q = 0; q < panels; q += step) {
+                const int np = panels - q < step ? panels - q : step;
+                const int nc = width - q * NR < np * NR ? width - q * NR : np * NR;
+                const int64_t j = j0 + q * NR;
+                const float *x = p->x + i * p->ldx + k0, *bias = last && p->bias ? p->bias + j : NULL;
+                float *c = p->out + i * p->ldo + j;
+                if (!direct) {
+                    run_tile(mr, np, FROM_PACKED, nc, kc, x, p->ldx, packed + (int64_t)q * KC * NR, NR, c, p->ldo,
+                             k0 == 0, bias);
+                } else if (nc == np * NR) {
+                    const char *w = (const char *)p->w + (size_t)(k0 * p->ldw + j) * wsize;
+                    run_tile(mr, np, src, nc, kc, x, p->ldx, w, p->ldw, c, p->ldo, k0 == 0, bias);
+                } else {   /* the last columns, fewer than the tile's: packed (zero-padded), never read past N */
+                    pack_block(packed, p, k0, kc, j, nc);
+                    run_tile(mr, np, FROM_PACKED, nc, kc, x, p->ldx, packed, NR, c, p->ldo, k0 == 0, bias);
+                }
+            }
+        }
+    }
+}
+
+static void *worker(void *arg) {
+    Problem *p = (Problem *)arg;
+    float *packed = (float *)aligned_alloc(64, sizeof(float) * KC * CHUNK);
+    if (!packed) return (void *)1;
+    for (;;) {
+        int64_t item = __atomic_fetch_add(&p->next_item, 1, __ATOMIC_RELAXED);
+        if (item >= p->num_items) break;
+        run_item(p, packed, item);
+    }
+    free(packed);
+    return NULL;
+}
+
+/* out = x @ w (+ bias), float32 out. Returns OK, or ERR_SHAPE for sizes the caller should have refused. */
+int kvs_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const void *w, int w_dtype, int64_t ldw,
+               int64_t N, const float *bias, float *out, int64_t ldo, int num_threads) {
+    if (M < 0 || K < 0 || N < 0 || ldx < K || ldw < N || ldo < N || w_dtype < DTYPE_F32 || w_dtype > DTYPE_F16)
+        return ERR_SHAPE;
+    if (M == 0 || N == 0) return OK;
+    if (K == 0) {   /* an empty sum: zeros, plus the bias */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) out[i * ldo + j] = bias ? 0.0f + bias[j] : 0.0f;
+        return OK;
+    }
+    int64_t threads = num_threads < 1 ? 1 : num_threads;
+    const int64_t work = M * N * K / MIN_WORK_PER_THREAD;
+    if (threads > work) threads = work < 1 ? 1 : work;
+    /* Packed items take CHUNK columns. Where the rows are few enough to read the weights in place, an item
+     * takes whole rows' share of the columns (N / threads): each K block is then read row after row across the
+     * weight's width, streams the prefetchers follow, instead of short pieces of many rows. */
+    int64_t chunk = CHUNK;
+    if (M <= DIRECT_ROWS && w_dtype != DTYPE_F16) {
+        const int64_t tile = NR * 6;
+        chunk = ((N + threads - 1) / threads + tile - 1) / tile * tile;
+    }
+    const int64_t col_chunks = (N + chunk - 1) / chunk, items = (M + MC - 1) / MC * col_chunks;
+    if (threads > items) threads = items;
+    Problem p = {x, ldx, M, K, w, w_dtype, ldw, N, bias, out, ldo, chunk, col_chunks, items, 0};
+    int status = OK;
+    if (threads <= 1)
+        return worker(&p) == NULL ? OK : ERR_ALLOC;
+    pthread_t ids[threads - 1];
+    int64_t started = 0;
+    for (; started < threads - 1; started++)
+        if (pthread_create(&ids[started], NULL, worker, &p) != 0) break;
+    /* the calling thread works too; if a thread could not start, the others take its share */
+    if (worker(&p) != NULL) status = ERR_ALLOC;
+    for (int64_t i = 0; i < started; i++) {
+        void *result;
+        pthread_join(ids[i], &result);
+        if (result != NULL) status = ERR_ALLOC;
+    }
+    return status;
+}

@@ -1,0 +1,135 @@
+"""A linear layer on a CPU as one compiled kernel (kernels/cpu_linear.c), with `F.linear`'s signature and result,
+batch-invariant by construction: each output element is one reduction over K in order, computed wholly by one
+thread, so a row's bits never depend on how many rows share the call, its place in it, or the thread count (see
+the C file). It needs no padding and no fixed tiles, and is the same code on every CPU family.
+
+What it makes fast is the CPU decoder's layout: a weight stored `[in, out]` row-major and passed as its transposed
+view (`weight.t().is_contiguous()`, engine/decoder.py `pack`). Weights of float32, bfloat16 or float16 (x of the
+same dtype) are computed here, in float32, the result rounded to the dtype; a weight stored `[out, in]`, another
+dtype, or a CPU where the kernel cannot be built takes `fallback` (`F.linear`, or the caller's invariant reference).
+
+Threads: the C code splits (row block, column chunk) items over `torch.get_num_threads()` pthreads (not OpenMP: a
+second OpenMP runtime beside torch's can clash); each output element is computed wholly by one thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvstrata.kernels import cpu_build, cpu_features
+
+SOURCE = Path(__file__).with_name("cpu_linear.c")
+WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C file's DTYPE_* codes
+_ERRORS = {-2: "out of memory", -4: "unsupported shape"}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernel, loaded; None (and one line logged, once) where it cannot be built or loaded."""
+    lib = cpu_build.load(SOURCE, "linear")
+    if lib is None:
+        return None
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.kvs_linear.restype = ctypes.c_int
+    lib.kvs_linear.argtypes = [p, i64, i64, i64,          # x, its row stride, M, K
+                               p, ctypes.c_int, i64, i64,  # weight [K, N], dtype, row stride, N
+                               p, p, i64, ctypes.c_int]    # bias, out, its row stride, threads
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernel runs here (built, or buildable now)."""
+    return library() is not None
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the compiled kernel computes this call (else `fallback` does): CPU tensors of one dtype among float32,
+    bfloat16 and float16, the weight stored `[in, out]` (its transposed view contiguous), the kernel built."""
+    return (weight.dtype in WEIGHT_DTYPES and x.dtype == weight.dtype and x.device.type == "cpu"
+            and weight.device.type == "cpu" and weight.dim() == 2 and weight.stride(0) == 1
+            and weight.stride(1) >= max(weight.shape[0], 1) and available())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           fallback=F.linear) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: `x [..., K]`, `weight [N, K]`, `bias [N]` -> `[..., N]` in x's dtype, computed
+    by the compiled kernel where `supports` says so (float32 accumulation, the bias added after the reduction,
+    then rounded to the dtype), else by `fallback(x, weight, bias)`.
+
+    A decode step makes over a hundred calls, so the common case (2-D float32 x, a weight stored [in, out]) is
+    checked in a few attribute reads, each read once; anything else goes through `_check` and `supports`."""
+    lib, code = library(), WEIGHT_DTYPES.get(x.dtype)
+    x_shape, w_shape, w_stride = x.shape, weight.shape, weight.stride()
+    if (code is None or weight.dtype != x.dtype or not (x.is_cpu and weight.is_cpu) or len(w_shape) != 2
+            or not x_shape or x_shape[-1] != w_shape[1] or w_stride[0] != 1 or w_stride[1] < w_shape[0]
+            or (bias is not None and not _plain_bias(bias, w_shape[0])) or lib is None):
+        _check(x, weight, bias)  # bad input: a ValueError before any read
+        if not supports(x, weight):
+            return fallback(x, weight, bias)
+    N, K = w_shape
+    if len(x_shape) == 2 and x.dtype is torch.float32 and x.stride(1) == 1 and x.stride(0) >= K:
+        rows, M, ldx = x, x_shape[0], x.stride(0)
+    else:
+        rows = x.reshape(-1, K).to(torch.float32, memory_format=torch.contiguous_format)
+        if rows.stride(-1) != 1 or rows.stride(0) != K:
+            rows = rows.contiguous()
+        M, ldx = rows.shape[0], K
+    out = torch.empty((M, N), dtype=torch.float32)
+    if bias is not None and (bias.dtype is not torch.float32 or bias.stride(0) != 1):
+        bias = bias.to(torch.float32).contiguous()
+    status = lib.kvs_linear(rows.data_ptr(), ldx, M, K, weight.data_ptr(), code, w_stride[1], N,
+                                None if bias is None else bias.data_ptr(), out.data_ptr(), N,
+                                torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"linear: the CPU linear kernel failed: {_ERRORS.get(status, status)}")
+    if x.dtype is not torch.float32:
+        out = out.to(x.dtype)
+    return out if len(x_shape) == 2 else out.view(*x_shape[:-1], N)
+
+
+# The dtypes whose products the default mode (not only the invariant one) computes here, by CPU family: where this
+# kernel beat `F.linear` at every product of the embedded model and every row count measured, 1 to 2,048
+# (benchmarks/results/cpu_linear.md, AVX2, one thread: bfloat16 3-100x faster, torch having no bfloat16 GEMM for
+# AVX2 there; float32 stays MKL's, faster for one row, the decode step). AVX-512 and AMX CPUs run torch's own
+# bfloat16 kernels (oneDNN), not measured against this one: they keep `F.linear`.
+MODEL_DTYPES = {"avx2": (torch.bfloat16,)}
+
+
+@functools.cache
+def _model_dtypes() -> tuple[torch.dtype, ...]:
+    return MODEL_DTYPES.get(cpu_features.cpu_matrix_family(), ())
+
+
+def model_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The default mode's products on a CPU (the "cpu" backend's `model_linear`): `linear` for the dtypes this CPU
+    family computes faster here (`MODEL_DTYPES`), `F.linear` for the others."""
+    if x.dtype in _model_dtypes():
+        return linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _plain_bias(bias: torch.Tensor, n: int) -> bool:
+    return isinstance(bias, torch.Tensor) and bias.is_cpu and bias.shape == (n,) and bias.is_floating_point()
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The properties the C code relies on, checked, so that bad input is a ValueError and never a bad read."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 2 \
+            or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: x {_shape(x)} does not fit weight {_shape(weight)} (expected x [..., K], "
+                         f"weight [N, K])")
+    if x.dtype != weight.dtype or not x.is_floating_point() or x.device != weight.device:
+        raise ValueError(f"linear: x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) must "
+                         f"be floating point, of one dtype, on one device")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)
+                             or bias.device != weight.device or not bias.is_floating_point()):
+        raise ValueError(f"linear: bias {_shape(bias)} must be a floating-point vector of {weight.shape[0]} on "
+                         f"{weight.device}")
+
+
+def _shape(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
