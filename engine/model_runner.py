@@ -73,7 +73,7 @@ class ModelRunner:
         metadata = AttentionMetadata(slot_mapping=step.slot_mapping, block_tables=step.block_tables,
                                      query_start_loc=step.query_start_loc, seq_lens=step.seq_lens,
                                      kv_cache=self.kv_cache)
-        with BatchInvariantMode(self.ops) if self.ops.batch_invariant else nullcontext():
+        with BatchInvariantMode(self.ops) if self.ops.intercept else nullcontext():
             hidden = self._decoder.forward(step.input_ids, step.positions, metadata)
             rows = hidden.index_select(0, step.logits_indices)
             # logits only for the sampled rows: a 2k-token prefill chunk would otherwise make 2k x 49k

@@ -27,8 +27,10 @@ _NO_CPU_KERNEL = ("model.attention_backend: 'cpu' needs a C compiler (cc or gcc)
 @dataclass(frozen=True)
 class KernelOps:
     """The kernels one backend provides, all with the signatures of the torch references. With `batch_invariant`,
-    `prefix_prefill` is the batch-invariant attention, and the model runner routes the model's own linear layers
-    and last-axis means to `linear` / `mean_last_dim` (kernels/batch_invariant.py)."""
+    `prefix_prefill` is the batch-invariant attention, and the model's products are `linear`: where `intercept`,
+    the model runner routes the model's own `F.linear` and last-axis means to `linear` / `mean_last_dim`
+    (engine/batch_invariant.py); elsewhere (backend "cpu", whose every op is invariant by itself) `model_linear`
+    is `linear` and nothing needs intercepting."""
 
     name: str
     store_kv: Callable[..., None]
@@ -44,6 +46,7 @@ class KernelOps:
     # The default mode's products (the decoder's and the vocabulary's), where a backend's kernel is faster than
     # `F.linear`; None: `F.linear` (and always in the invariant mode, which routes `F.linear` to `linear`).
     model_linear: Callable[..., torch.Tensor] | None = None
+    intercept: bool = False
 
 
 @functools.cache
@@ -110,7 +113,12 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
     else:
         raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of {_CHOICES})")
     if batch_invariant:
-        ops = dataclasses.replace(ops, batch_invariant=True, model_linear=None,
+        # Backend "cpu": attention, products and layer ops are compiled kernels invariant by themselves, and a CPU
+        # mean over the last axis is already the invariant one, so the mode only sends the products to `linear`
+        # (a torch function mode intercepting every call of a step cost ~1.4x a decode step there).
+        by_itself = ops.name == "cpu"
+        ops = dataclasses.replace(ops, batch_invariant=True, model_linear=ops.linear if by_itself else None,
+                                  intercept=not by_itself,
                                   prefix_prefill=functools.partial(ops.prefix_prefill, batch_invariant=True))
     return ops
 

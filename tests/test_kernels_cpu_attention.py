@@ -14,6 +14,7 @@ import torch
 from kernel_cases import GUARD_ROWS, TOLERANCE, make_paged_problem, naive_attention, narrow_cache_problem, random_batch
 
 from kvstrata import LLM, SamplingParams, load_config
+from kvstrata.engine import llm_engine
 from kvstrata.kernels import cpu_attention, cpu_build, cpu_features, cpu_kernel_available, get_ops, resolve_backend
 from kvstrata.kernels.prefix_prefill import reference_prefix_prefill
 
@@ -242,11 +243,17 @@ DOC = ("The harbour office opens at seven. Ferries to the north island leave eve
 
 
 @pytest.mark.slow
-def test_the_cpu_engine_uses_the_kernel_and_invariant_hits_give_the_uncached_answer(embedded_model_fp32, tmp_path):
-    """The default CPU engine picks the kernel; in batch-invariant mode a device hit and a prompt prefilled in
-    chunks give the uncached greedy tokens."""
+def test_the_cpu_engine_uses_the_kernel_and_invariant_hits_give_the_uncached_bits(embedded_model_fp32, tmp_path,
+                                                                                   monkeypatch):
+    """The default CPU engine picks the kernel; in batch-invariant mode (compiled attention, products and layer
+    ops, nothing intercepted) a device hit and a prompt prefilled in chunks give the uncached greedy tokens and
+    first-token logits, bit for bit."""
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     chats = [[{"role": "user", "content": f"{DOC}\n\n{q}"}] for q in ("When is the last boat?", "Do dogs ride?")]
+    first_logits = []
+    sample = llm_engine.sample
+    monkeypatch.setattr(llm_engine, "sample", lambda logits, *args: first_logits.append(logits.clone()) or
+                        sample(logits, *args))
 
     def engine(caching: bool, batched_tokens: int = 2048) -> LLM:
         return LLM(load_config({"model": {"dtype": "float32", "device": "cpu", "batch_invariant": True},
@@ -255,11 +262,16 @@ def test_the_cpu_engine_uses_the_kernel_and_invariant_hits_give_the_uncached_ans
                                 "scheduler": {"max_num_batched_tokens": batched_tokens}}),
                    loaded_model=embedded_model_fp32)
 
+    def answer(llm: LLM, chat) -> tuple:
+        start = len(first_logits)
+        out = llm.chat(chat, greedy)[0]
+        return out, first_logits[start][0]
+
     with engine(caching=False) as llm:
-        assert llm.engine.attention_backend == "cpu"
-        uncached = [llm.chat(c, greedy)[0].token_ids for c in chats]
+        assert llm.engine.attention_backend == "cpu" and not llm.engine.runner.ops.intercept
+        uncached = [answer(llm, c) for c in chats]
     with engine(caching=True, batched_tokens=20) as llm:
-        first = llm.chat(chats[0], greedy)[0]
-        second = llm.chat(chats[1], greedy)[0]
-    assert first.cached_tokens == 0 and second.cached_tokens > 0
-    assert [first.token_ids, second.token_ids] == uncached
+        first, second = answer(llm, chats[0]), answer(llm, chats[1])
+    assert first[0].cached_tokens == 0 and second[0].cached_tokens > 0
+    assert [first[0].token_ids, second[0].token_ids] == [out.token_ids for out, _ in uncached]
+    assert torch.equal(first[1], uncached[0][1]) and torch.equal(second[1], uncached[1][1])

@@ -182,7 +182,8 @@ def test_the_cpu_backend_computes_its_products_here_in_both_modes():
     """Backend "cpu": `linear` is this kernel (the invariant mode's products), with the invariant torch reference
     as its fallback, never `F.linear` (which the mode intercepts); backend "torch" keeps the reference. The default
     mode's products (`model_linear`) are this kernel's only for the dtypes it computes faster on this CPU family;
-    in the invariant mode there are none (the decoder's `F.linear` is routed to `linear`)."""
+    in the invariant mode they are `linear` itself, with nothing intercepted (every op of the backend is invariant
+    by itself), while backend "torch" intercepts the decoder's `F.linear` and means."""
     assert cpu_kernel_available()
     x, weight, b = problem(7, 64, 40, torch.float32)
     for invariant in (False, True):
@@ -192,7 +193,9 @@ def test_the_cpu_backend_computes_its_products_here_in_both_modes():
         assert get_ops("torch", batch_invariant=invariant).linear is batch_invariant.reference_linear
         assert get_ops("torch", batch_invariant=invariant).model_linear is None
     assert get_ops("cpu").model_linear is cpu_linear.model_linear
-    assert get_ops("cpu", batch_invariant=True).model_linear is None
+    invariant_ops = get_ops("cpu", batch_invariant=True)
+    assert invariant_ops.model_linear is invariant_ops.linear and not invariant_ops.intercept
+    assert get_ops("torch", batch_invariant=True).intercept and not get_ops("cpu").intercept
 
 
 @pytest.mark.parametrize("family, kernel_dtypes", [("avx2", {torch.bfloat16}), ("avx512", set()), ("amx", set())])
