@@ -35,7 +35,7 @@ from kvstrata.engine.sampling import (MAX_LOGPROBS, SamplingParams, adjust_logit
                                       sample)
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
 from kvstrata.engine.structured_outputs import GrammarCompiler, GrammarMatcher, mask_logits
-from kvstrata.kernels import get_ops, resolve_backend
+from kvstrata.kernels import compiled_products, get_ops, resolve_backend, resolve_batch_invariant
 from kvstrata.tiers.base import BlockLayout
 from kvstrata.tiers.block_events import BlockEventListener
 from kvstrata.tiers.block_pool import BlockPool
@@ -176,13 +176,18 @@ class LLMEngine:
         self.hierarchy = self._build_tiers()
         if self.device_capacity_warning:
             logger.warning("kvstrata: %s", self.device_capacity_warning)
-        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
+        self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
+        self.batch_invariant = resolve_batch_invariant(config.model.batch_invariant, self.attention_backend)
+        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16) and not \
+                compiled_products(self.attention_backend, self.dtype, self.batch_invariant):
             warning = slow_dtype_warning(self.dtype_name, cpu_matmul_slowdown(self.dtype))
             if warning:
                 logger.warning("kvstrata: %s", warning)
-        self.attention_backend = resolve_backend(config.model.attention_backend, self.device)
+        if config.model.batch_invariant == "auto" and self.batch_invariant:
+            logger.info("kvstrata: batch-invariant mode on (model.batch_invariant: auto; it costs about the "
+                        "default's time on this CPU's compiled kernels): a cache hit never changes an answer's bits")
         hasher = BlockHasher.for_model(mc.identity, self.dtype_name, cache.block_size, cache.hash,
-                                       batch_invariant=config.model.batch_invariant, kv_dtype=self.kv_dtype_name,
+                                       batch_invariant=self.batch_invariant, kv_dtype=self.kv_dtype_name,
                                        attention=self.attention_backend)
         logprob_blocks = min(PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK * self.hierarchy.pool.num_blocks,
                              MAX_PROMPT_LOGPROB_BLOCKS)
@@ -196,7 +201,7 @@ class LLMEngine:
                                    step_target=sc.step_target, long_prefill_share=sc.long_prefill_share)
         self.num_preemptions = 0  # running requests sent back to wait, their blocks freed (stats())
         self.runner = ModelRunner(self.loaded, self.hierarchy.kv_cache,
-                                  get_ops(self.attention_backend, batch_invariant=config.model.batch_invariant))
+                                  get_ops(self.attention_backend, batch_invariant=self.batch_invariant))
         if config.model.cuda_graphs and self.device.type == "cuda":
             self.runner.enable_cuda_graphs(sc.max_num_seqs, -(-self.max_model_len // self.block_size), record=True)
             started = time.perf_counter()
@@ -784,6 +789,7 @@ class LLMEngine:
             "device": str(self.device),
             "threads": torch.get_num_threads(),
             "attention_backend": self.attention_backend,
+            "batch_invariant": self.batch_invariant,
         }
 
     def _load_policy_stats(self) -> dict:

@@ -123,6 +123,35 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
     return ops
 
 
+# Where `model.batch_invariant: auto` turns the mode on: backends and CPU families where it was measured to cost at
+# most 1.1x the default (benchmarks/results/batch_invariance.md: backend "cpu" on AVX2, float32 and bfloat16,
+# 1.00-1.06x a prefill and 0.89-1.06x a decode step, its products and layer ops being compiled kernels invariant by
+# themselves). AVX-512 and AMX CPUs (torch's oneDNN products are faster there) and GPUs were not measured: off.
+INVARIANT_BY_DEFAULT = {("cpu", "avx2")}
+
+
+def resolve_batch_invariant(setting: bool | str, backend: str) -> bool:
+    """`model.batch_invariant` with `auto` resolved for the resolved `backend` on this machine (see
+    `INVARIANT_BY_DEFAULT`; `KVSTRATA_CPU_AMX` is honoured, as for the dtype)."""
+    if setting != "auto":
+        return bool(setting)
+    if backend != "cpu":
+        return False
+    from kvstrata.kernels import cpu_features
+
+    return (backend, cpu_features.cpu_matrix_family()) in INVARIANT_BY_DEFAULT
+
+
+def compiled_products(backend: str, dtype: torch.dtype, batch_invariant: bool) -> bool:
+    """Whether the model's products in `dtype` are backend "cpu"'s compiled kernel (kernels/cpu_linear.py) rather
+    than torch's: always in the invariant mode, and in the default mode for the dtypes it is faster in here."""
+    if backend != "cpu":
+        return False
+    from kvstrata.kernels import cpu_linear
+
+    return cpu_linear.available() and (batch_invariant or cpu_linear.takes_default_products(dtype))
+
+
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """Turn the configured `model.attention_backend` into a concrete backend for `device`:
     "auto" is "triton" on CUDA when Triton imports, "cpu" on a CPU when its kernel builds, else "torch";
@@ -153,5 +182,5 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of {_CHOICES})")
 
 
-__all__ = ["BACKENDS", "KernelOps", "cpu_kernel_available", "get_ops", "resolve_backend", "triton_available",
-           "triton_interpreted"]
+__all__ = ["BACKENDS", "INVARIANT_BY_DEFAULT", "KernelOps", "compiled_products", "cpu_kernel_available", "get_ops",
+           "resolve_batch_invariant", "resolve_backend", "triton_available", "triton_interpreted"]

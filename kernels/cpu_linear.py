@@ -104,6 +104,11 @@ def _model_dtypes() -> tuple[torch.dtype, ...]:
     return MODEL_DTYPES.get(cpu_features.cpu_matrix_family(), ())
 
 
+def takes_default_products(dtype: torch.dtype) -> bool:
+    """Whether `model_linear` computes `dtype`'s products with this kernel on this CPU (`MODEL_DTYPES`)."""
+    return dtype in _model_dtypes()
+
+
 def model_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The default mode's products on a CPU (the "cpu" backend's `model_linear`): `linear` for the dtypes this CPU
     family computes faster here (`MODEL_DTYPES`), `F.linear` for the others."""

@@ -17,7 +17,7 @@ from kvstrata.engine import llm_engine
 from kvstrata.engine.config import ConfigError
 from kvstrata.engine.hashing import make_namespace
 from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
-from kvstrata.kernels import batch_invariant
+from kvstrata.kernels import batch_invariant, cpu_features, resolve_batch_invariant
 from kvstrata.kernels.batch_invariant import (LINEAR_BLOCK_M, linear, mean_last_dim, reference_linear,
                                               reference_mean_last_dim)
 
@@ -29,9 +29,21 @@ OTHER = "Write two lines about a lighthouse keeper who collects shells."
 
 def test_batch_invariant_is_a_validated_model_key():
     assert load_config({"model": {"batch_invariant": True}}).model.batch_invariant is True
-    assert load_config(None).model.batch_invariant is False
-    with pytest.raises(ConfigError, match=r"^model\.batch_invariant: "):
-        load_config({"model": {"batch_invariant": "yes"}})
+    assert load_config({"model": {"batch_invariant": False}}).model.batch_invariant is False
+    assert load_config(None).model.batch_invariant == "auto"
+    for bad in ("yes", "on", 1):
+        with pytest.raises(ConfigError, match=r"^model\.batch_invariant: "):
+            load_config({"model": {"batch_invariant": bad}})
+
+
+@pytest.mark.parametrize("family", ["avx2", "avx512", "amx"])
+def test_auto_turns_the_mode_on_only_where_it_was_measured_to_cost_at_most_1_1x(monkeypatch, family):
+    """`auto`: on for the compiled CPU kernels on AVX2 (measured 0.89-1.06x the default there), off for the torch
+    and Triton backends and for AVX-512 and AMX CPUs (not measured); true and false are what they say."""
+    monkeypatch.setattr(cpu_features, "cpu_matrix_family", lambda: family)
+    for backend in ("cpu", "torch", "triton"):
+        assert resolve_batch_invariant("auto", backend) is (backend == "cpu" and family == "avx2")
+        assert resolve_batch_invariant(True, backend) is True and resolve_batch_invariant(False, backend) is False
 
 
 def test_batch_invariant_kv_get_their_own_namespace_and_the_default_keeps_the_old_one():

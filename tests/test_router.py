@@ -20,7 +20,7 @@ from kvstrata.engine.async_engine import AsyncEngine
 from kvstrata.engine.config import ReplicaConfig, load_config
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import render_document
-from kvstrata.kernels import cpu_kernel_available
+from kvstrata.kernels import cpu_features, cpu_kernel_available
 from kvstrata.serving.app import build_app
 from kvstrata.serving.events import KVEventPublisher
 from kvstrata.serving.metrics import ServingMetrics
@@ -389,6 +389,13 @@ def test_in_the_batch_invariant_mode_the_router_names_blocks_by_the_replicas_att
 
     backend, hashes = replica_hashes()
     assert router.hasher.hash(token_ids) == hashes
+    # `batch_invariant: auto` (the default) is resolved by the router as by a replica, on a CPU family where it
+    # turns the mode on and on one where it does not
+    for family in ("avx2", "amx"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_features, "cpu_matrix_family", lambda: family)
+            auto_router = load_router(load_config({**ENGINE, "router": {"replicas": [{"url": "http://127.0.0.1:9"}]}}))
+            assert auto_router.hasher.hash(token_ids) == replica_hashes(batch_invariant="auto")[1]
     other = "cpu" if backend == "torch" else "torch"
     if other == "cpu" and not cpu_kernel_available():
         pytest.skip("no C compiler here: the torch backend is the only one on this CPU")

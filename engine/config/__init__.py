@@ -1,7 +1,7 @@
 """The engine's configuration: YAML in, typed frozen objects out (docs/design.md, "YAML").
 
     model:  {name: smollm2-135m-instruct, load_format: auto, dtype: auto, device: auto, attention_backend: auto,
-             max_model_len: null, threads: auto, batch_invariant: false, cuda_graphs: false}
+             max_model_len: null, threads: auto, batch_invariant: auto, cuda_graphs: false}
     cache:
       enable_prefix_caching: true
       block_size: 16

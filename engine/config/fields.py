@@ -80,6 +80,17 @@ def _threads(value: Any) -> int | str:
 
 Threads = Annotated[int | str, PlainValidator(_threads)]
 
+
+def _auto_or_bool(value: Any) -> bool | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true, false or auto, got {short_repr(value)}")
+    return value
+
+
+AutoBool = Annotated[bool | str, PlainValidator(_auto_or_bool)]
+
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 

@@ -11,10 +11,10 @@ import yaml
 from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PlainValidator,
                       ValidationInfo, field_validator, model_validator)
 
-from kvstrata.engine.config.fields import (DEVICE_RE, FieldError, KV_CACHE_DTYPES, Dtype, Duration, DurationOrZero,
-                                           Fraction, KVCacheDtype, PositiveInt, ReadProcesses, SizeField, Threads,
-                                           ZmqEndpoint, check_api_key, check_host, http_url, next_endpoint, remote_url,
-                                           request_body_limit, short_repr, some_size)
+from kvstrata.engine.config.fields import (DEVICE_RE, AutoBool, FieldError, KV_CACHE_DTYPES, Dtype, Duration,
+                                           DurationOrZero, Fraction, KVCacheDtype, PositiveInt, ReadProcesses,
+                                           SizeField, Threads, ZmqEndpoint, check_api_key, check_host, http_url,
+                                           next_endpoint, remote_url, request_body_limit, short_repr, some_size)
 from kvstrata.engine.config import machine
 from kvstrata.engine.config.probes import auto_dtype, default_threads
 from kvstrata.engine.model_spec import (EMBEDDED_MODEL, LENGTH_DEPENDENT_ROPE, PRESETS, ModelShape, is_gguf_file,
@@ -45,8 +45,9 @@ class ModelConfig(_Section):
     max_model_len: PositiveInt | None = None  # None: the model's own limit
     threads: Threads = "auto"  # torch's CPU threads; auto: see `default_threads`
     # Reductions in an order no batch or chunking changes: cached and uncached outputs then agree bit for bit in
-    # every dtype, at a cost (benchmarks/results/batch_invariance.md). Its K/V get their own hash namespace.
-    batch_invariant: bool = False
+    # every dtype (benchmarks/results/batch_invariance.md). Its K/V get their own hash namespace. auto: on where it
+    # was measured to cost at most 1.1x (the compiled CPU kernels on AVX2; `kernels.INVARIANT_BY_DEFAULT`).
+    batch_invariant: AutoBool = "auto"
     # Steps of few tokens (decodes, questions) replayed as CUDA graphs (engine/cuda_graphs.py) on a CUDA device;
     # ignored on a CPU with device auto. On in configs/gpu.yaml; off by default here, where the CPU is the default.
     cuda_graphs: bool = False

@@ -156,8 +156,10 @@ def _engine_info(stats: dict) -> Metric:
     """What the engine runs, as resolved at start-up (`dtype: auto` shows what it picked)."""
     labels = {key: str(stats[key])
               for key in ("model", "dtype", "kv_cache_dtype", "device", "threads", "attention_backend")}
-    return InfoMetricFamily(f"{PREFIX}_engine", "The model, dtype, K/V cache dtype, device, torch threads and "
-                                                "attention backend the engine runs.", value=labels)
+    labels["batch_invariant"] = str(stats["batch_invariant"]).lower()
+    return InfoMetricFamily(f"{PREFIX}_engine", "The model, dtype, K/V cache dtype, device, torch threads, "
+                                                "attention backend and batch-invariant mode the engine runs.",
+                            value=labels)
 
 
 def _cache_metrics(stats: dict) -> Iterator[Metric]:

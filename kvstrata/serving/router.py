@@ -55,7 +55,7 @@ from kvstrata import __version__
 from kvstrata.engine.config import Config, ReplicaConfig
 from kvstrata.engine.hashing import BlockHasher
 from kvstrata.engine.prompts import render_chat, render_document, tokenize_text
-from kvstrata.kernels import resolve_backend
+from kvstrata.kernels import resolve_backend, resolve_batch_invariant
 from kvstrata.serving.events import BlockIndex, KVEventSubscriber, ReceivedBatch
 from kvstrata.serving.schemas import ChatCompletionRequest, DocumentRequest, message_dicts
 from kvstrata.serving.tokenizer_pool import TokenizerPool
@@ -472,10 +472,11 @@ def load_router(config: Config) -> Router:
                          f"{' '.join(str(exc).split())[:200]}") from None
     cache = config.cache
     # `auto` resolved here, as the dtype is: the replicas are meant to run on machines like the router's
-    attention = (resolve_backend(config.model.attention_backend, config.resolved_device())
-                 if config.model.batch_invariant else None)
+    backend = resolve_backend(config.model.attention_backend, config.resolved_device())
+    batch_invariant = resolve_batch_invariant(config.model.batch_invariant, backend)
+    attention = backend if batch_invariant else None
     hasher = BlockHasher.for_model(model_identity(source), config.resolved_dtype(), cache.block_size, cache.hash,
-                                   batch_invariant=config.model.batch_invariant,
+                                   batch_invariant=batch_invariant,
                                    kv_dtype=config.resolved_kv_cache_dtype(), attention=attention)
     return Router(config, tokenizer, hasher)
 

@@ -185,6 +185,8 @@ def _banner(config: Config, async_engine: AsyncEngine, model_id: str, sock: sock
     auth = "API key required" if config.server.api_key else "no API key"
     lines = [f"kvstrata {__version__} serving {model_id} ({dtype} on {stats['device']}, {stats['threads']} torch "
              f"thread{'s' if stats['threads'] != 1 else ''}, attention: {stats['attention_backend']}, "
+             f"batch-invariant: {'on' if stats['batch_invariant'] else 'off'}"
+             f"{' (auto)' if config.model.batch_invariant == 'auto' else ''}, "
              f"context {engine.max_model_len} tokens)",
              f"  listening on http://{url_host}:{port}  (OpenAI API under /v1, {auth}; Prometheus at /metrics)"]
     if config.events is not None:
