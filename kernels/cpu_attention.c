@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_dtypes.h"
+
 #ifdef __FMA__
 #define MADD(a, b, c) fmaf((a), (b), (c))
 #else
@@ -38,7 +40,6 @@
 #define MAX_HEAD_DIM 512
 #define SHORT_QUERY 16   /* new tokens up to which a sequence's items take several KV heads */
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 enum { OK = 0, ERR_BLOCK_ID = -1, ERR_ALLOC = -2, ERR_THREAD = -3, ERR_SHAPE = -4 };
 
 typedef struct {
@@ -66,31 +67,6 @@ typedef struct {
     int short_heads;               /* KV heads per item of a short query (heads_per_item) */
     int64_t next_item;             /* shared counter, taken atomically by the threads */
 } Problem;
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);                 /* inf, nan */
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);          /* normal */
-    } else if (mant == 0) {
-        bits = sign;                                               /* zero */
-    } else {                                                       /* subnormal: normalise */
-        int shift = 0;
-        while (!(mant & 0x400)) { mant <<= 1; shift++; }
-        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mant & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 /* `n` values of `dtype` at `src` as float32 into `dst` (exact: every bf16 and f16 value is a float32). */
 static void to_float(float *dst, const void *src, int dtype, int n) {

@@ -52,7 +52,7 @@ def build_dir() -> Path:
 def build(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
     """The shared library built from `source` with `flags`, compiled unless already in `build_dir()`. It is written
     under a temporary name and renamed into place, so a concurrent process never loads a half-written file."""
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # its headers
     key = hashlib.sha256(b"\0".join([text, compiler.encode(), platform.machine().encode(),
                                      *(f.encode() for f in flags)])).hexdigest()[:16]
     directory = build_dir()

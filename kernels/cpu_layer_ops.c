@@ -24,57 +24,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_dtypes.h"
+
 #define LANES 8
 #define MAX_THREADS 256
 #define MIN_VALUES_PER_THREAD 32768  /* fewer than this per thread: starting a thread costs more than it saves */
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 enum { OK = 0, ERR_THREAD = -3, ERR_SHAPE = -4 };
 
 #define INLINE static inline __attribute__((always_inline))
 
 /* ------------------------------------------------------------------------------------------------ conversions */
-
-INLINE float bits_to_f32(uint32_t bits) {
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-INLINE uint32_t f32_to_bits(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return bits;
-}
-
-INLINE float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
-
-/* Round to nearest even; any NaN becomes 0x7fc0 (torch's c10::BFloat16 does the same). */
-INLINE uint16_t f32_to_bf16(float f) {
-    uint32_t bits = f32_to_bits(f);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    if (exp == 0x1f) return bits_to_f32(sign | 0x7f800000u | (mant << 13));            /* inf, nan */
-    if (exp != 0) return bits_to_f32(sign | ((exp + 112) << 23) | (mant << 13));         /* normal */
-    return sign ? -(float)mant * 0x1p-24f : (float)mant * 0x1p-24f;                      /* zero, subnormal: exact */
-}
-
-/* Round to nearest even, overflow to inf, NaN to 0x7e00 with its sign (as c10::Half). */
-static uint16_t f32_to_f16(float f) {
-    uint32_t bits = f32_to_bits(f), sign = (bits >> 16) & 0x8000u, mag = bits & 0x7fffffffu;
-    if (mag > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
-    if (mag >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);          /* >= 65520: halfway past 65504 and up */
-    if (mag >= 0x38800000u) {                                             /* a normal half, >= 2^-14 */
-        mag += 0xfffu + ((mag >> 13) & 1u);
-        return (uint16_t)(sign | ((mag - 0x38000000u) >> 13));            /* rebias 127 -> 15 */
-    }
-    /* a subnormal half (or zero): the count of 2^-24 steps, rounded to nearest even by rintf */
-    return (uint16_t)(sign | (uint32_t)rintf(bits_to_f32(mag) * 0x1p24f));
-}
 
 INLINE float load_value(const void *base, int64_t i, int dtype) {
     if (dtype == DTYPE_F32) return ((const float *)base)[i];

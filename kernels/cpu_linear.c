@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_dtypes.h"
+
 #ifdef __FMA__
 #define MADD(a, b, c) fmaf((a), (b), (c))
 #else
@@ -40,7 +42,6 @@
 #define CHUNK 256     /* columns of a work item: its packed block of KC x CHUNK floats (128 KiB) stays in L2 */
 #define MIN_WORK_PER_THREAD (1 << 18)   /* multiply-adds below which another thread costs more than it saves */
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 enum { OK = 0, ERR_ALLOC = -2, ERR_SHAPE = -4 };
 
 typedef struct {
@@ -55,31 +56,6 @@ typedef struct {
     int64_t chunk, col_chunks, num_items;   /* columns per work item (a multiple of NR), their count, items */
     int64_t next_item;     /* shared counter, taken atomically by the threads */
 } Problem;
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);                 /* inf, nan */
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);          /* normal */
-    } else if (mant == 0) {
-        bits = sign;                                               /* zero */
-    } else {                                                       /* subnormal: normalise */
-        int shift = 0;
-        while (!(mant & 0x400)) { mant <<= 1; shift++; }
-        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mant & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 /* The block w[k0 .. k0 + kc, j0 .. j0 + nc) as float32 panels of NR columns (exact: every bf16 and f16 value is a
  * float32): panel q holds columns j0 + q * NR .., at packed + q * KC * NR, row k at + k * NR; columns past nc are
