@@ -31,3 +31,30 @@ def embedded_model_fp32():
     from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
 
     return load_model(resolve_model(EMBEDDED_MODEL), torch.float32, "cpu")
+
+
+@pytest.fixture
+def rebuilt(monkeypatch, tmp_path):
+    """An empty build dir for the compiled CPU kernels (kernels/cpu_build.py), every kernel module's loaded library
+    (and the backend's answer) forgotten before and after, so that a test builds, or fails to build, afresh."""
+    from kvstrata.kernels import cpu_attention, cpu_kernel_available, cpu_layer_ops, cpu_linear
+
+    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path / "cache"))
+    caches = (cpu_attention.library, cpu_linear.library, cpu_layer_ops.library, cpu_kernel_available)
+    for cache in caches:
+        cache.cache_clear()
+    yield tmp_path / "cache" / "kernels"
+    for cache in caches:
+        cache.cache_clear()
+
+
+@pytest.fixture
+def broken_compiler(monkeypatch, tmp_path):
+    """A C compiler that fails as a broken toolchain does ("broken-cc", exit 4), the one the kernels' builds find."""
+    from kvstrata.kernels import cpu_build
+
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'cc1: internal compiler error' >&2\nexit 4\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(cpu_build, "find_compiler", lambda: str(broken))
+    return broken

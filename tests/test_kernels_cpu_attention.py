@@ -152,15 +152,6 @@ def test_bad_input_is_a_value_error(case):
         cpu_attention.prefix_prefill(*bad_inputs(problem)[case])
 
 
-@pytest.fixture
-def rebuilt(monkeypatch, tmp_path):
-    """Forget the loaded kernel (and the backend's answer) before and after a test, with an empty build dir."""
-    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_attention.library.cache_clear()
-    cpu_kernel_available.cache_clear()
-    yield tmp_path / "cache" / "kernels"
-    cpu_attention.library.cache_clear()
-    cpu_kernel_available.cache_clear()
 
 
 def test_without_a_compiler_it_says_so_once_and_runs_the_reference(rebuilt, monkeypatch, caplog):
@@ -177,11 +168,7 @@ def test_without_a_compiler_it_says_so_once_and_runs_the_reference(rebuilt, monk
         "kvstrata: no C compiler (cc or gcc) found; CPU attention runs the torch reference"]
 
 
-def test_a_failing_build_says_so_once_and_runs_the_reference(rebuilt, monkeypatch, caplog, tmp_path):
-    broken = tmp_path / "broken-cc"
-    broken.write_text("#!/bin/sh\necho 'cc1: internal compiler error' >&2\nexit 4\n")
-    broken.chmod(0o755)
-    monkeypatch.setattr(cpu_build, "find_compiler", lambda: str(broken))
+def test_a_failing_build_says_so_once_and_runs_the_reference(rebuilt, monkeypatch, caplog, broken_compiler):
     problem = make_paged_problem([(3, 4)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8,
                                  dtype=torch.bfloat16)
     with caplog.at_level(logging.WARNING):

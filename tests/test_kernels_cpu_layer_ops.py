@@ -242,20 +242,9 @@ def test_a_bad_slot_writes_nothing_not_even_the_good_slots_before_it():
 # -- builds ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def rebuilt(monkeypatch, tmp_path):
-    """Forget the loaded kernels before and after a test, with an empty build dir."""
-    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_layer_ops.library.cache_clear()
-    yield tmp_path / "cache" / "kernels"
-    cpu_layer_ops.library.cache_clear()
 
 
-def test_a_failing_build_says_so_once_and_every_op_runs_its_reference(rebuilt, monkeypatch, caplog, tmp_path):
-    broken = tmp_path / "broken-cc"
-    broken.write_text("#!/bin/sh\necho 'cc1: internal compiler error' >&2\nexit 4\n")
-    broken.chmod(0o755)
-    monkeypatch.setattr(cpu_build, "find_compiler", lambda: str(broken))
+def test_a_failing_build_says_so_once_and_every_op_runs_its_reference(rebuilt, monkeypatch, caplog, broken_compiler):
     x, residual, weight = randn(4, 96, seed=1), randn(4, 96, seed=2), randn(96, seed=3)
     qk, key, value = qkv_views(4, 4, 2, 64, torch.float32)
     cos, sin = tables(4, 64, torch.float32)

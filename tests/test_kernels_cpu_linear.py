@@ -128,13 +128,6 @@ def test_bad_input_is_a_value_error(case):
         cpu_linear.linear(*bad_inputs()[case])
 
 
-@pytest.fixture
-def rebuilt(monkeypatch, tmp_path):
-    """Forget the loaded kernel before and after a test, with an empty build dir."""
-    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_linear.library.cache_clear()
-    yield tmp_path / "cache" / "kernels"
-    cpu_linear.library.cache_clear()
 
 
 def test_without_a_compiler_it_says_so_once_and_runs_the_fallback(rebuilt, monkeypatch, caplog):
@@ -148,11 +141,7 @@ def test_without_a_compiler_it_says_so_once_and_runs_the_fallback(rebuilt, monke
         "kvstrata: no C compiler (cc or gcc) found; CPU linear runs the torch reference"]
 
 
-def test_a_failing_build_says_so_once_and_runs_the_fallback(rebuilt, monkeypatch, caplog, tmp_path):
-    broken = tmp_path / "broken-cc"
-    broken.write_text("#!/bin/sh\necho 'cc1: internal compiler error' >&2\nexit 4\n")
-    broken.chmod(0o755)
-    monkeypatch.setattr(cpu_build, "find_compiler", lambda: str(broken))
+def test_a_failing_build_says_so_once_and_runs_the_fallback(rebuilt, monkeypatch, caplog, broken_compiler):
     x, weight, b = problem(3, 16, 8, torch.bfloat16)
     reference = functools.partial(batch_invariant.reference_linear)
     with caplog.at_level(logging.WARNING):
