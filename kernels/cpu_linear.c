@@ -15,8 +15,10 @@
  * Speed (BLIS's blocking, simplified): a register tile of up to MR rows x NR columns (12 vector accumulators) is
  * fed by broadcasting x[i, k] and loading w[k, j:j + NR]; the KC x NR panel of w it walks is converted to float32
  * and packed contiguously when many row groups reuse it (or it is float16), so it stays in L1 while MC rows of x
- * (in L2) stream past; up to DIRECT_ROWS rows (a decode, a short question) reads w where it lies instead, DIRECT_KC rows
- * at a time across its share of the columns, so the weight is one pass of a few long streams. Threads take (row
+ * (in L2) stream past; up to DIRECT_ROWS rows (a decode, a short question) reads w where it lies instead: fewer than
+ * DIRECT_GROUP_ROWS rows take DIRECT_KC rows of it at a time across their share of the columns, so the weight is one
+ * pass of a few long streams; more rows take it a DIRECT_MULTI_KC x NR strip at a time, each row group (of up to MR)
+ * finding the strip in L1, so the accumulators are stored and reloaded once a DIRECT_MULTI_KC. Threads take (row
  * block, column chunk) items from a shared counter. Measured in benchmarks/results/cpu_linear.md.
  */
 #include <math.h>
@@ -38,7 +40,9 @@
 #define KC 128        /* K block: a packed panel is KC x NR floats (8 KiB, in L1) */
 #define MC 96         /* rows of a row block (MC x KC of x, 48 KiB, stays in L2) */
 #define DIRECT_ROWS 16  /* items of up to this many rows read the weights in place (each row group rereads them from cache) */
-#define DIRECT_KC 8   /* K block where weights are read in place: 8 rows streamed at once, across the item's width */
+#define DIRECT_KC 8   /* K block of 1-3 rows reading the weights in place: 8 rows streamed at once, item-wide */
+#define DIRECT_GROUP_ROWS 4   /* items of this many rows or more (up to DIRECT_ROWS) take the weights a strip at a time */
+#define DIRECT_MULTI_KC 48   /* their K block (<= KC): a strip of w, 48 rows x 64 bytes, stays in L1 for all rows */
 #define CHUNK 256     /* columns of a work item: its packed block of KC x CHUNK floats (128 KiB) stays in L2 */
 #define MIN_WORK_PER_THREAD (1 << 18)   /* multiply-adds below which another thread costs more than it saves */
 
@@ -182,15 +186,61 @@ static void run_tile(int mr, int np, int src, int nc, int kc, const float *x, in
 }
 #endif
 
+/* Rows [i0, i0 + rows) x columns [j0, j0 + width) of an item of DIRECT_GROUP_ROWS to DIRECT_ROWS rows, the weights
+ * read where they lie: the rows split into near-equal groups of at most MR (10 rows: two of 5, each a 5 x 16 tile),
+ * and each K block of DIRECT_MULTI_KC takes the columns a strip (whole cache lines) at a time, every group after the
+ * first finding the strip in L1. The long K block makes the accumulators' stores and reloads rare (run_item's
+ * DIRECT_KC stores and reloads them every 8 multiply-adds). A function of its own, not inlined: with this loop and
+ * run_item's merged, a decode (one row) measured ~5% slower. */
+static __attribute__((noinline)) void run_rows(const Problem *p, float *packed, int64_t i0, int rows, int64_t j0,
+                                               int width) {
+    const int panels = (width + NR - 1) / NR;
+    const int groups = (rows + MR - 1) / MR, small = rows / groups, more = rows % groups;
+    const int big = small + (more > 0), step = panels_at_once(big), block = DIRECT_MULTI_KC;
+    const int src = p->w_dtype == DTYPE_F32 ? FROM_F32 : FROM_BF16;
+    const size_t wsize = p->w_dtype == DTYPE_F32 ? 4 : 2;
+    const int strip = step * (int)(64 / (NR * wsize));   /* panels of a strip: whole cache lines of w (bf16: 2) */
+    const int tail = (panels - 1) / step * step;   /* the last tile's first panel; it is partial if width % NR */
+    for (int64_t k0 = 0; k0 < p->K; k0 += block) {
+        const int kc = (int)(p->K - k0 < block ? p->K - k0 : block);
+        const int last = k0 + kc == p->K;
+        for (int q0 = 0; q0 < panels; q0 += strip) {
+            const int q1 = q0 + strip < panels ? q0 + strip : panels;
+            if (q1 == panels && width % NR)   /* the last columns: packed zero-padded, never read past N */
+                pack_block(packed, p, k0, kc, j0 + tail * NR, width - tail * NR);
+            for (int g = 0, i = 0; g < groups; i += small + (g < more), g++) {   /* the first `more` take a row more */
+                for (int q = q0; q < q1; q += step) {
+                    const int np = panels - q < step ? panels - q : step;
+                    const int nc = width - q * NR < np * NR ? width - q * NR : np * NR;
+                    const int64_t j = j0 + q * NR;
+                    const float *bias = last && p->bias ? p->bias + j : NULL, *x = p->x + (i0 + i) * p->ldx + k0;
+                    float *c = p->out + (i0 + i) * p->ldo + j;
+                    if (nc == np * NR)
+                        run_tile(small + (g < more), np, src, nc, kc, x, p->ldx,
+                                 (const char *)p->w + (size_t)(k0 * p->ldw + j) * wsize, p->ldw, c, p->ldo, k0 == 0,
+                                 bias);
+                    else
+                        run_tile(small + (g < more), np, FROM_PACKED, nc, kc, x, p->ldx, packed, NR, c, p->ldo,
+                                 k0 == 0, bias);
+                }
+            }
+        }
+    }
+}
+
 /* Work item: rows [i0, i0 + MC) x columns [j0, j0 + chunk), clipped. For each K block, every row group of MR rows
- * against np panels at a time. Where the item has few rows (a decode, a short question), the weights are read where
- * they lie, DIRECT_KC rows across the item's width, each row group after the first finding them in cache; otherwise
- * the block is first packed, so that the row groups read it contiguous from cache. */
+ * against np panels at a time. Where the item has fewer than DIRECT_GROUP_ROWS rows (a decode), the weights are read
+ * where they lie, DIRECT_KC rows across the item's width (run_rows takes DIRECT_GROUP_ROWS to DIRECT_ROWS rows);
+ * otherwise the block is first packed, so that the row groups read it contiguous from cache. */
 static void run_item(const Problem *p, float *packed, int64_t item) {
     const int64_t i0 = item / p->col_chunks * MC, j0 = item % p->col_chunks * p->chunk;
     const int64_t i1 = i0 + MC < p->M ? i0 + MC : p->M;
     const int width = (int)(j0 + p->chunk < p->N ? p->chunk : p->N - j0), panels = (width + NR - 1) / NR;
     const int direct = i1 - i0 <= DIRECT_ROWS && p->w_dtype != DTYPE_F16;
+    if (direct && i1 - i0 >= DIRECT_GROUP_ROWS) {
+        run_rows(p, packed, i0, (int)(i1 - i0), j0, width);
+        return;
+    }
     const int src = p->w_dtype == DTYPE_F32 ? FROM_F32 : FROM_BF16;
     const size_t wsize = p->w_dtype == DTYPE_F32 ? 4 : 2;
     const int block = direct ? DIRECT_KC : KC;
