@@ -24,7 +24,8 @@ from kvstrata.kernels import cpu_features, cpu_kernel_available
 from kvstrata.serving.app import build_app
 from kvstrata.serving.events import KVEventPublisher
 from kvstrata.serving.metrics import ServingMetrics
-from kvstrata.serving.router import Replica as RoutedReplica, ReplicaSet, _pass_through, load_router, prompt_token_ids
+from kvstrata.serving.router import (EventFeed, Replica as RoutedReplica, ReplicaSet, _pass_through, load_router,
+                                     prompt_token_ids)
 from kvstrata.tiers.block_events import BlockRemoved, BlockStored
 from kvstrata.serving.server import bind_socket
 from kvstrata.serving.tokenizer_pool import TokenizerPool
@@ -395,9 +396,28 @@ def test_in_the_batch_invariant_mode_the_router_names_blocks_by_the_replicas_att
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(cpu_features, "cpu_matrix_family", lambda: family)
             auto_router = load_router(load_config({**ENGINE, "router": {"replicas": [{"url": "http://127.0.0.1:9"}]}}))
-            assert auto_router.hasher.hash(token_ids) == replica_hashes(batch_invariant="auto")[1]
+            try:
+                assert auto_router.hasher.hash(token_ids) == replica_hashes(batch_invariant="auto")[1]
+            finally:
+                auto_router.close()
     other = "cpu" if backend == "torch" else "torch"
     if other == "cpu" and not cpu_kernel_available():
         pytest.skip("no C compiler here: the torch backend is the only one on this CPU")
     other_backend, other_hashes = replica_hashes(attention_backend=other)
     assert other_backend == other and other_hashes != hashes
+    router.close()
+
+
+def test_an_event_feed_with_no_replica_publishing_events_waits_without_spinning():
+    """Replicas listed without `events`: the feed's thread has no socket to poll, and a poll of none returns at
+    once; it must wait for close, not take a core (it once did, slowing whatever ran beside the router)."""
+    replicas = ReplicaSet([RoutedReplica(ReplicaConfig(url="http://127.0.0.1:9"), None)])
+    feed = EventFeed(replicas)
+    try:
+        start = time.process_time()
+        time.sleep(0.5)
+        assert time.process_time() - start < 0.2, "the event thread spins"
+        assert feed._thread.is_alive()
+    finally:
+        feed.close()
+    assert not feed._thread.is_alive()

@@ -141,6 +141,9 @@ class EventFeed:
 
     def _run(self) -> None:
         subscribed = [r for r in self.replicas.replicas if r.subscriber is not None]
+        if not subscribed:  # no replica publishes events: a poll of no sockets returns at once, so it would spin
+            self._stopping.wait()
+            return
         poller = zmq.Poller()
         for replica in subscribed:
             poller.register(replica.subscriber.socket, zmq.POLLIN)
