@@ -16,7 +16,7 @@ import torch
 from kvstrata import LLM, SamplingParams, load_config
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.model_loader import build_dummy_model, embedded_tokenizer, load_model, resolve_model
-from kvstrata.kernels import cpu_kernel_available
+from kvstrata.kernels import cpu_kernel_available, resolve_batch_invariant
 
 pytestmark = pytest.mark.slow
 
@@ -198,8 +198,10 @@ def test_auto_dtype_is_what_stats_and_metrics_report_and_what_the_cache_is_keyed
     assert (stats["dtype"], stats["device"], stats["threads"], stats["model"]) == ("float32", "cpu", 1, "tiny-llama")
     metrics = ServingMetrics(lambda: EngineSnapshot(stats=stats, num_running=0, num_waiting=0))
     backend = "cpu" if cpu_kernel_available() else "torch"  # auto's CPU attention: the compiled kernel where it builds
-    assert (f'kvstrata_engine_info{{attention_backend="{backend}",device="cpu",dtype="float32",'
-            'kv_cache_dtype="float32",model="tiny-llama",threads="1"} 1.0') in metrics.render().decode()
+    invariant = str(resolve_batch_invariant("auto", backend)).lower()  # on with the compiled kernels on AVX2
+    assert stats["batch_invariant"] is (invariant == "true")
+    assert (f'kvstrata_engine_info{{attention_backend="{backend}",batch_invariant="{invariant}",device="cpu",'
+            'dtype="float32",kv_cache_dtype="float32",model="tiny-llama",threads="1"} 1.0') in metrics.render().decode()
     with LLM(load_config(tiny_dummy(tmp_path, dtype="float32"))) as explicit:
         assert explicit.generate(prompt, GREEDY)[0].cached_tokens_by_tier["disk"] > 0
     with LLM(load_config(tiny_dummy(tmp_path, dtype="bfloat16"))) as other_dtype:
