@@ -20,12 +20,12 @@
  * nothing). Measured in benchmarks/results/cpu_step.md.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_dtypes.h"
+#include "cpu_threads.h"
 
 #ifdef __FMA__
 #define MADD(a, b, c) fmaf((a), (b), (c))
@@ -40,7 +40,7 @@
 #define MAX_HEAD_DIM 512
 #define SHORT_QUERY 16   /* new tokens up to which a sequence's items take several KV heads */
 
-enum { OK = 0, ERR_BLOCK_ID = -1, ERR_ALLOC = -2, ERR_THREAD = -3, ERR_SHAPE = -4 };
+enum { OK = 0, ERR_BLOCK_ID = -1, ERR_ALLOC = -2, ERR_SHAPE = -4 };
 
 typedef struct {
     const void *query;         /* [T, num_heads, head_dim], strides below (elements), last axis contiguous */
@@ -529,17 +529,19 @@ static int scratch_alloc(Scratch *s, int head_dim, int num_heads, int num_kv_hea
     return OK;
 }
 
-static void *worker(void *arg) {
+/* One thread's share of a call (run_parallel): items taken from the shared counter until none is left. */
+static int worker(void *arg, int index, int count) {
+    (void)index, (void)count;
     Problem *p = (Problem *)arg;
     Scratch s;
-    if (scratch_alloc(&s, p->head_dim, p->num_heads, p->num_kv_heads) != OK) return (void *)1;
+    if (scratch_alloc(&s, p->head_dim, p->num_heads, p->num_kv_heads) != OK) return ERR_ALLOC;
     for (;;) {
         int64_t item = __atomic_fetch_add(&p->next_item, 1, __ATOMIC_RELAXED);
         if (item >= p->num_items) break;
         run_item(p, &s, item);
     }
     free(s.q);
-    return NULL;
+    return OK;
 }
 
 /* Every block id a sequence's first seq_len positions use must name a block of the cache. Returns the first
@@ -585,23 +587,8 @@ int kvs_prefix_prefill(
                  num_blocks, layer, block_size, block_tables, bt_stride, bt_int32, query_start, seq_lens,
                  num_seqs, num_heads, num_kv_heads, head_dim, scale, out, o_stride_token, o_stride_head,
                  item_start, items, short_heads, 0};
-    int status = OK;
     if (threads > items) threads = (int)items;
-    if (threads <= 1) {
-        if (items > 0 && worker(&p) != NULL) status = ERR_ALLOC;
-    } else {
-        pthread_t ids[threads - 1];
-        int started = 0;
-        for (; started < threads - 1; started++)
-            if (pthread_create(&ids[started], NULL, worker, &p) != 0) break;
-        /* the calling thread works too; if a thread could not start, the others take its share */
-        if (worker(&p) != NULL) status = ERR_ALLOC;
-        for (int i = 0; i < started; i++) {
-            void *result;
-            pthread_join(ids[i], &result);
-            if (result != NULL) status = ERR_ALLOC;
-        }
-    }
+    int status = items > 0 ? run_parallel(worker, &p, threads) : OK;
     free(item_start);
     return status;
 }

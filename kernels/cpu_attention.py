@@ -7,8 +7,9 @@ The C source is built on first use, in about a second (kernels/cpu_build.py). Wh
 build fails, one line is logged and `available()` is False; `prefix_prefill` then runs the torch reference. Caches whose
 rows are not float32, bfloat16 or float16 (int8 with a scale per row, fp8) also take the reference.
 
-Threads: the C code splits (sequence, KV head, query block) items over `torch.get_num_threads()` pthreads (not
-OpenMP: a second OpenMP runtime beside torch's can clash); each output is computed wholly by one thread.
+Threads: the C code splits (sequence, KV head, query block) items over `torch.get_num_threads()` threads of the
+pool it keeps (kernels/cpu_threads.h; not OpenMP: a second OpenMP runtime beside torch's can clash); each output is
+computed wholly by one thread.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ MAX_HEAD_DIM = 512  # the C file's limits: head_dim a multiple of LANES up to th
 HEAD_DIM_MULTIPLE = 8
 MAX_GROUP = 64
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C file's DTYPE_* codes
-_ERRORS = {-2: "out of memory", -3: "could not start a thread", -4: "unsupported shape"}
+_ERRORS = {-2: "out of memory", -4: "unsupported shape"}
 
 
 @functools.cache

@@ -19,18 +19,17 @@
  *   its own dtype, where the cache is narrower) rounded to the cache's dtype.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_dtypes.h"
+#include "cpu_threads.h"
 
 #define LANES 8
-#define MAX_THREADS 256
-#define MIN_VALUES_PER_THREAD 32768  /* fewer than this per thread: starting a thread costs more than it saves */
+#define MIN_VALUES_PER_THREAD 32768  /* fewer than this per thread: waking a thread costs more than it saves */
 
-enum { OK = 0, ERR_THREAD = -3, ERR_SHAPE = -4 };
+enum { OK = 0, ERR_SHAPE = -4 };
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -101,38 +100,25 @@ typedef void (*RowRun)(const void *problem, int64_t first, int64_t end);
 typedef struct {
     RowRun run;
     const void *problem;
-    int64_t first, end;
-} Share;
+    int64_t rows;
+} RowCall;
 
-static void *run_share(void *arg) {
-    Share *s = (Share *)arg;
-    s->run(s->problem, s->first, s->end);
-    return NULL;
+static int run_share(void *arg, int index, int count) {
+    const RowCall *call = (const RowCall *)arg;
+    call->run(call->problem, call->rows * index / count, call->rows * (index + 1) / count);
+    return OK;
 }
 
 /* Runs every row, on up to `num_threads` threads where the call is big enough to repay them. Which thread computes a
  * row changes nothing in it. */
 static int run_rows(RowRun run, const void *problem, int64_t rows, int64_t values_per_row, int num_threads) {
     int64_t by_size = rows * values_per_row / MIN_VALUES_PER_THREAD;
-    int threads = num_threads < 1 ? 1 : num_threads > MAX_THREADS ? MAX_THREADS : num_threads;
+    int threads = num_threads < 1 ? 1 : num_threads;
     if (threads > by_size) threads = by_size < 1 ? 1 : (int)by_size;
     if (threads > rows) threads = rows < 1 ? 1 : (int)rows;
-    if (threads == 1) {
-        if (rows > 0) run(problem, 0, rows);
-        return OK;
-    }
-    Share shares[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started = 0, status = OK;
-    for (int i = 0; i < threads; i++)
-        shares[i] = (Share){run, problem, rows * i / threads, rows * (i + 1) / threads};
-    for (; started < threads - 1; started++)
-        if (pthread_create(&ids[started], NULL, run_share, &shares[started + 1]) != 0) break;
-    run_share(&shares[0]);
-    /* a share whose thread could not start is computed here, in the calling thread */
-    for (int i = started + 1; i < threads; i++) run_share(&shares[i]);
-    for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
-    return status;
+    if (rows == 0) return OK;
+    RowCall call = {run, problem, rows};
+    return run_parallel(run_share, &call, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------------- RMSNorm */

@@ -22,12 +22,12 @@
  * block, column chunk) items from a shared counter. Measured in benchmarks/results/cpu_linear.md.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_dtypes.h"
+#include "cpu_threads.h"
 
 #ifdef __FMA__
 #define MADD(a, b, c) fmaf((a), (b), (c))
@@ -271,17 +271,19 @@ static void run_item(const Problem *p, float *packed, int64_t item) {
     }
 }
 
-static void *worker(void *arg) {
+/* One thread's share of a call (run_parallel): items taken from the shared counter until none is left. */
+static int worker(void *arg, int index, int count) {
+    (void)index, (void)count;
     Problem *p = (Problem *)arg;
     float *packed = (float *)aligned_alloc(64, sizeof(float) * KC * CHUNK);
-    if (!packed) return (void *)1;
+    if (!packed) return ERR_ALLOC;
     for (;;) {
         int64_t item = __atomic_fetch_add(&p->next_item, 1, __ATOMIC_RELAXED);
         if (item >= p->num_items) break;
         run_item(p, packed, item);
     }
     free(packed);
-    return NULL;
+    return OK;
 }
 
 /* out = x @ w (+ bias), float32 out. Returns OK, or ERR_SHAPE for sizes the caller should have refused. */
@@ -309,19 +311,5 @@ int kvs_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const void *w,
     const int64_t col_chunks = (N + chunk - 1) / chunk, items = (M + MC - 1) / MC * col_chunks;
     if (threads > items) threads = items;
     Problem p = {x, ldx, M, K, w, w_dtype, ldw, N, bias, out, ldo, chunk, col_chunks, items, 0};
-    int status = OK;
-    if (threads <= 1)
-        return worker(&p) == NULL ? OK : ERR_ALLOC;
-    pthread_t ids[threads - 1];
-    int64_t started = 0;
-    for (; started < threads - 1; started++)
-        if (pthread_create(&ids[started], NULL, worker, &p) != 0) break;
-    /* the calling thread works too; if a thread could not start, the others take its share */
-    if (worker(&p) != NULL) status = ERR_ALLOC;
-    for (int64_t i = 0; i < started; i++) {
-        void *result;
-        pthread_join(ids[i], &result);
-        if (result != NULL) status = ERR_ALLOC;
-    }
-    return status;
+    return run_parallel(worker, &p, (int)threads);
 }

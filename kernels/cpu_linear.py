@@ -8,8 +8,9 @@ view (`weight.t().is_contiguous()`, engine/decoder.py `pack`). Weights of float3
 same dtype) are computed here, in float32, the result rounded to the dtype; a weight stored `[out, in]`, another
 dtype, or a CPU where the kernel cannot be built takes `fallback` (`F.linear`, or the caller's invariant reference).
 
-Threads: the C code splits (row block, column chunk) items over `torch.get_num_threads()` pthreads (not OpenMP: a
-second OpenMP runtime beside torch's can clash); each output element is computed wholly by one thread.
+Threads: the C code splits (row block, column chunk) items over `torch.get_num_threads()` threads of the pool it
+keeps (kernels/cpu_threads.h; not OpenMP: a second OpenMP runtime beside torch's can clash); each output element
+is computed wholly by one thread.
 """
 from __future__ import annotations
 
