@@ -1,9 +1,12 @@
-"""`model.batch_invariant: true`: caching, chunking and batching never change a bfloat16 output's bits.
+"""`model.batch_invariant: true`: caching, chunking and batching never change an output's bits.
 
-Model-level checks on the embedded model in bfloat16 (CPU, torch kernels): greedy tokens identical and first-token
-logits bitwise equal to an engine with prefix caching off, with the prefix served from the device, CPU and disk
-tiers, the prompt prefilled in small chunks, and requests batched together. Plus the mode's edges: the config key,
-its hash namespace, and the Triton row kernels under the interpreter (conftest sets TRITON_INTERPRET=1).
+Model-level checks on the embedded model: greedy tokens identical and first-token logits bitwise equal to an engine
+with prefix caching off, with the prefix served from the device, CPU and disk tiers, the prompt prefilled in small
+chunks, and requests batched together; on the compiled CPU kernels in bfloat16 (what `auto` runs on an AVX2 CPU) and
+on the torch references in float32 (their fallback where no kernel can be built; their bfloat16 products are too
+slow on a CPU without a fast bfloat16 kernel for the suite, and their row invariance is checked op by op above).
+Plus the mode's edges: the config key, its hash namespace, and the Triton row kernels under the interpreter (conftest
+sets TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from kvstrata.engine import llm_engine
 from kvstrata.engine.config import ConfigError
 from kvstrata.engine.hashing import make_namespace
 from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
-from kvstrata.kernels import batch_invariant, cpu_features, resolve_batch_invariant
+from kvstrata.kernels import batch_invariant, cpu_features, cpu_kernel_available, resolve_batch_invariant
 from kvstrata.kernels.batch_invariant import (LINEAR_BLOCK_M, linear, mean_last_dim, reference_linear,
                                               reference_mean_last_dim)
 
@@ -129,29 +132,41 @@ def test_where_the_blas_keeps_rows_alike_a_product_is_padded_to_the_row_multiple
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Model level (bfloat16 on the CPU is slow here: short prompts, few tokens).
+# Model level (short prompts, few tokens).
 
 GREEDY = 4  # tokens per request
+
+# (attention backend, dtype): the compiled kernels, and the torch references they fall back to
+MODES = [pytest.param(("cpu", "bfloat16"), id="cpu-bfloat16"), pytest.param(("torch", "float32"), id="torch-float32")]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """bf16 matmuls on this CPU are many small ops: on a busy 2-core machine, two OpenMP threads made these runs
-    ~10x slower than one (their barriers spin against other processes). The bits do not depend on it."""
+    """On a busy 2-core machine, two OpenMP threads made these runs many times slower than one (their barriers spin
+    against other processes). The bits do not depend on it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module", params=MODES)
+def mode(request):
+    backend, dtype = request.param
+    if backend == "cpu" and not cpu_kernel_available():
+        pytest.skip("no C compiler to build the CPU kernels")
+    return backend, dtype
+
+
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model(resolve_model(EMBEDDED_MODEL), torch.bfloat16, "cpu")
+def loaded(mode):
+    return load_model(resolve_model(EMBEDDED_MODEL), getattr(torch, mode[1]), "cpu")
 
 
-def config(tmp_path: Path, caching: bool, batched_tokens: int = 2048) -> dict:
+def config(tmp_path: Path, mode: tuple[str, str], caching: bool, batched_tokens: int = 2048) -> dict:
+    backend, dtype = mode
     tiers = {"device": {"size": 24}, "cpu": {"size": 24}, "disk": {"path": str(tmp_path / "kv"), "size": "64MiB"}}
-    return {"model": {"dtype": "bfloat16", "device": "cpu", "attention_backend": "torch", "batch_invariant": True},
+    return {"model": {"dtype": dtype, "device": "cpu", "attention_backend": backend, "batch_invariant": True},
             "cache": {"enable_prefix_caching": caching, "block_size": 16, "tiers": tiers},
             "scheduler": {"max_num_batched_tokens": batched_tokens, "max_num_seqs": 4}}
 
@@ -183,11 +198,11 @@ def chat(question: str, doc: str = DOC) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def uncached(loaded, tmp_path_factory):
+def uncached(mode, loaded, tmp_path_factory):
     """Each question alone, prefix caching off: the outputs every other run must reproduce bit for bit."""
     mp = pytest.MonkeyPatch()
     recorder = FirstTokenLogits(mp)
-    with LLM(load_config(config(tmp_path_factory.mktemp("ref"), caching=False)), loaded_model=loaded) as llm:
+    with LLM(load_config(config(tmp_path_factory.mktemp("ref"), mode, caching=False)), loaded_model=loaded) as llm:
         results = {q: recorder.run(llm, [chat(q)])[0][:2] for q in QUESTIONS}
     mp.undo()
     return results
@@ -201,10 +216,12 @@ def assert_bitwise_as_uncached(uncached, question, result):
 
 
 @pytest.mark.slow
-def test_hits_from_every_tier_chunked_and_batched_give_the_uncached_bits(loaded, uncached, tmp_path, monkeypatch):
+def test_hits_from_every_tier_chunked_and_batched_give_the_uncached_bits(mode, loaded, uncached, tmp_path,
+                                                                         monkeypatch):
     recorder = FirstTokenLogits(monkeypatch)
     # 24-token steps: every prompt is prefilled in several chunks, cut where the uncached run was not
-    with LLM(load_config(config(tmp_path, caching=True, batched_tokens=24)), loaded_model=loaded) as llm:
+    with LLM(load_config(config(tmp_path, mode, caching=True, batched_tokens=24)), loaded_model=loaded) as llm:
+        assert llm.engine.attention_backend == mode[0]
         hierarchy = llm.engine.hierarchy
         first, second = QUESTIONS
         result = recorder.run(llm, [chat(first)])[0]
