@@ -5,8 +5,8 @@
  * Why a pool: starting and joining a thread costs tens to hundreds of microseconds (measured ~240 us on a busy
  * 2-core VM), and a decode step makes about ten kernel calls a layer. Pool threads are started on the first call
  * that wants them and kept; between calls they sleep on a futex, so an idle engine (or another library's pool
- * at work) gets every core. Waking one costs a few microseconds. The caller, whose work is usually done first,
- * spins briefly for the others before it sleeps too.
+ * at work) gets every core. Waking one costs a few microseconds. The caller, done with its own share, spins up to
+ * 20 us for the others' before it sleeps too.
  *
  * Which thread runs which index never changes a result: the kernels are batch-invariant by construction, every
  * output computed by one thread in a fixed order. So where the pool cannot serve a call (a pool thread could not
@@ -27,11 +27,12 @@ typedef int (*ParallelTask)(void *arg, int index, int count);
 #include <linux/futex.h>
 #include <stdatomic.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #define POOL_MAX_THREADS 256      /* < 1 << POOL_COUNT_BITS */
 #define POOL_COUNT_BITS 9          /* a call's thread count, in the low bits of its futex word */
-#define POOL_CALLER_SPINS 4000     /* pause loops (a few microseconds) the caller waits before it sleeps */
+#define POOL_CALLER_SPIN_NS 20000  /* how long the caller waits for the others' shares before it sleeps */
 
 typedef struct {
     pthread_mutex_t busy;      /* held for a whole call: one call at a time uses the pool */
@@ -61,6 +62,12 @@ static inline void cpu_relax(void) {
 #else
     atomic_signal_fence(memory_order_seq_cst);
 #endif
+}
+
+static int64_t monotonic_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
 static void futex_wait(atomic_int *word, int expected) {
@@ -136,10 +143,15 @@ static int run_parallel(ParallelTask task, void *arg, int count) {
     atomic_store(&pool.call, (int)(((unsigned)serial << POOL_COUNT_BITS) | (unsigned)n));
     futex_wake_all(&pool.call);
     note_status(task(arg, 0, n));
-    int left, spins = 0;
+    /* the shares are usually alike, so the others finish about when the caller does: a short spin catches them
+     * without a sleep and a wake-up */
+    const int64_t spin_until = monotonic_ns() + POOL_CALLER_SPIN_NS;
+    int left;
     while ((left = atomic_load(&pool.pending)) != 0) {
-        if (++spins < POOL_CALLER_SPINS) cpu_relax();
-        else futex_wait(&pool.pending, left);
+        if (monotonic_ns() < spin_until)
+            for (int i = 0; i < 32; i++) cpu_relax();
+        else
+            futex_wait(&pool.pending, left);
     }
     int status = atomic_load(&pool.status);
     pthread_mutex_unlock(&pool.busy);
