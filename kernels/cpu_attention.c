@@ -39,10 +39,8 @@
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 512
 #define SHORT_QUERY 16   /* new tokens up to which a sequence's items take several KV heads */
-#define MAX_ROWS 6       /* rows a register tile takes at most (scores_rows, accumulate_rows) */
-#define MAX_VECS 8
-#define SCORE_WIDE_ROWS 2   /* register tiles of up to this many rows take 32 keys at once, larger ones 16 */
-#define ACC_WIDE_ROWS 2     /* ... and 32 values of head_dim at once, larger ones 16 */
+#define MAX_ROWS 5       /* rows a register tile takes at most (scores_rows, accumulate_rows); 4 and 6 measured slower */
+#define MAX_VECS 8       /* vectors of 8 columns a register tile takes at most */
 
 enum { OK = 0, ERR_BLOCK_ID = -1, ERR_ALLOC = -2, ERR_THREAD = -3, ERR_SHAPE = -4 };
 
@@ -168,11 +166,11 @@ static inline __attribute__((always_inline)) void fma_tile(const int R, const in
 }
 
 /* Vectors of keys a scores tile of R rows takes at once (a divisor of KEY_TILE / 8). */
-static inline __attribute__((always_inline)) int score_vecs(const int R) { return R <= SCORE_WIDE_ROWS ? 4 : 2; }
+static inline __attribute__((always_inline)) int score_vecs(const int R) { return R <= 2 ? 4 : 2; }
 
 /* Vectors of head_dim an accumulate tile of R rows takes at once; one row takes 8 (its loads folded into the
  * multiply-adds), so that its 8 sums in flight hide the multiply-add's latency. */
-static inline __attribute__((always_inline)) int acc_vecs(const int R) { return R == 1 ? 8 : R <= ACC_WIDE_ROWS ? 4 : 2; }
+static inline __attribute__((always_inline)) int acc_vecs(const int R) { return R == 1 ? 8 : R <= 2 ? 4 : 2; }
 
 /* scores[r][j] = dot(q_r, k[j]) * scale for R rows (queries D apart, scores KEY_TILE apart) and every key j of the
  * tile, from K transposed (kt_cols[d] = its column d, KEY_TILE keys): each dot summed along head_dim in order, one
@@ -223,10 +221,11 @@ static inline __attribute__((always_inline)) void accumulate_rows_of(const int R
 }
 
 /* `call` (a function-like macro of a constant row count) for `rows`, 1 .. MAX_ROWS */
+_Static_assert(MAX_ROWS == 5, "WITH_ROWS names every row count up to MAX_ROWS");
 #define WITH_ROWS(rows, call) \
     switch (rows) { \
-        case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; \
-        case 4: call(4); break; case 5: call(5); break; default: call(6); break; \
+        case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; case 4: call(4); break; \
+        default: call(5); break; \
     }
 
 /* The tile's scores for `rows` rows (1 .. MAX_ROWS): scores_tile. */
@@ -458,19 +457,21 @@ static void attend_block(const Problem *p, Scratch *s, int seq, int h0, int h1, 
              * whose scores no row uses */
             for (int j = n; j < KEY_TILE; j++) krow[j] = s->kzero + (int64_t)j * D;
             transpose_tile(s->kt, krow, D);
-            /* The head's rows (first + k, k < per_head) that see this tile, in register tiles of rows that see the
-             * same keys: near-equal runs of at most MAX_ROWS. Rows before `k` are past the tile's causal limit (it
-             * adds exact zeros to them). */
-            const int first = (h - h0) * per_head;
-            int k = start > ctx + t0 ? (int)(start - ctx - t0) * group : 0;
-            while (k < per_head) {
-                int m = keys_seen(ctx + t0 + k / group, start, n), run = 1;
-                while (k + run < per_head && keys_seen(ctx + t0 + (k + run) / group, start, n) == m) run++;
-                for (int tiles = (run + MAX_ROWS - 1) / MAX_ROWS, i = 0; i < tiles; i++) {
+            /* The head's rows (first + k, k < per_head; token k / group of the item) that see this tile, a run of
+             * rows that see the same keys at a time (one token's, or those of every token that sees the whole
+             * tile), in near-equal register tiles of at most MAX_ROWS rows. Tokens before the first are past the
+             * tile's causal limit (it adds exact zeros to them). */
+            const int first = (h - h0) * per_head, tokens = (int)(t1 - t0);
+            for (int token = start > ctx + t0 ? (int)(start - ctx - t0) : 0; token < tokens;) {
+                int m = keys_seen(ctx + t0 + token, start, n);
+                int end = m == n ? tokens : token + 1;   /* the tokens after one that sees the whole tile do too */
+                int run = (end - token) * group, tiles = (run + MAX_ROWS - 1) / MAX_ROWS;
+                for (int k = token * group, i = 0; i < tiles; i++) {
                     int rows = run / tiles + (i < run % tiles);
                     tile_rows(s, first + k, rows, m, vrow, D, p->scale);
                     k += rows;
                 }
+                token = end;
             }
         }
     }
