@@ -13,8 +13,9 @@
  * Vectorised or not, the operations on each element are the same (the AVX2 build and the portable one differ
  * from each other only where FMA is absent, never from call to call).
  *
- * Speed: K is transposed per tile so a score vector holds 8 keys (no horizontal sums); two rows that see the same
- * keys share each load (the heads of one GQA group, consecutive tokens of a query share a tile). A short query
+ * Speed: K is transposed per tile so a score vector holds 8 keys (no horizontal sums); rows that see the same keys
+ * (the heads of one GQA group; the tokens of a query, on every tile before the causal limit) take them in register
+ * tiles of up to MAX_ROWS rows, so that each K column and V row loaded feeds several rows' multiply-adds. A short query
  * (a decode row, a question) is bound by reading K/V from memory: its work item takes every KV head and copies a
  * tile's rows in the order they lie in the cache (software prefetch of the next tile, tried instead, gained
  * nothing). Measured in benchmarks/results/cpu_step.md.
@@ -39,7 +40,7 @@
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 512
 #define SHORT_QUERY 16   /* new tokens up to which a sequence's items take several KV heads */
-#define MAX_ROWS 5       /* rows a register tile takes at most (scores_rows, accumulate_rows); 4 and 6 measured slower */
+#define MAX_ROWS 5       /* rows a register tile takes at most (scores_rows, accumulate_rows): 4, 6 measured slower */
 #define MAX_VECS 8       /* vectors of 8 columns a register tile takes at most */
 
 enum { OK = 0, ERR_BLOCK_ID = -1, ERR_ALLOC = -2, ERR_THREAD = -3, ERR_SHAPE = -4 };
@@ -189,7 +190,8 @@ static inline __attribute__((always_inline)) void scores_tile(const int R, float
         _Pragma("GCC unroll 8")
         for (int r = 0; r < R; r++)
             _Pragma("GCC unroll 8")
-            for (int c = 0; c < V; c++) _mm256_storeu_ps(scores + r * KEY_TILE + j0 + 8 * c, _mm256_mul_ps(acc[r][c], vs));
+            for (int c = 0; c < V; c++)
+                _mm256_storeu_ps(scores + r * KEY_TILE + j0 + 8 * c, _mm256_mul_ps(acc[r][c], vs));
     }
 }
 
@@ -229,7 +231,8 @@ _Static_assert(MAX_ROWS == 5, "WITH_ROWS names every row count up to MAX_ROWS");
     }
 
 /* The tile's scores for `rows` rows (1 .. MAX_ROWS): scores_tile. */
-static void scores_rows(int rows, float *scores, const float *q, const float *const *kt_cols, int D, float scale) {
+static __attribute__((noinline)) void scores_rows(int rows, float *scores, const float *q,
+                                                  const float *const *kt_cols, int D, float scale) {
 #define SCORES(R) scores_tile(R, scores, q, kt_cols, D, scale)
     WITH_ROWS(rows, SCORES)
 #undef SCORES
@@ -237,8 +240,8 @@ static void scores_rows(int rows, float *scores, const float *q, const float *co
 
 /* acc_r = acc_r * correction[r] + sum_{j < m} p_r[j] v[j] for `rows` rows (1 .. MAX_ROWS): each element's operations
  * are the one-row loop's, whichever tile takes it. */
-static void accumulate_rows(int rows, float *acc, const float *p, const float *correction, const float *const *v,
-                            int m, int D) {
+static __attribute__((noinline)) void accumulate_rows(int rows, float *acc, const float *p, const float *correction,
+                                                      const float *const *v, int m, int D) {
 #define ACCUMULATE(R) accumulate_rows_of(R, acc, p, correction, v, m, D)
     WITH_ROWS(rows, ACCUMULATE)
 #undef ACCUMULATE
@@ -374,8 +377,10 @@ static inline int keys_seen(int64_t pos, int64_t start, int n) {
 
 /* One tile for `rows` consecutive rows from r (at most MAX_ROWS) that see its first m keys (values v[j]): their
  * scores, the online softmax's step, then their weighted values. Each row's operations are the same whichever
- * rows share its tile. */
-static void tile_rows(Scratch *s, int r, int rows, int m, const float *const *v, int D, float scale) {
+ * rows share its tile. This function, scores_rows and accumulate_rows stay out of attend_block: all of them inlined
+ * into one measured 5-15% slower (a 10-token question, a 512-token prefill). */
+static __attribute__((noinline)) void tile_rows(Scratch *s, int r, int rows, int m, const float *const *v, int D,
+                                                float scale) {
     float *scores = s->scores, new_max[MAX_ROWS], correction[MAX_ROWS];
     scores_rows(rows, scores, s->q + (int64_t)r * D, s->kt_cols, D, scale);
     for (int i = 0; i < rows; i++) {
