@@ -84,6 +84,30 @@ def test_kernels_paging_times_another_cpu_kernel_source_beside_this_trees(capsys
     assert "| SmolLM2-135M prefill: 2 x (64 cached + 16 new) | float32 |" in out
 
 
+def test_kernels_paging_bits_tells_an_equal_kernel_from_one_that_rounds_otherwise(tmp_path, capsys):
+    """`--bits N`: the same source gives every bit of this tree's kernel; one whose score scale is off by one ulp
+    is caught (exit 1, the differing call named)."""
+    from kvstrata.kernels import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip("no C compiler to build the CPU kernel")
+    source = REPO_ROOT / "kernels" / "cpu_attention.c"
+    same, off = tmp_path / "same", tmp_path / "off"
+    for folder in (same, off):
+        folder.mkdir()
+        for header in source.parent.glob("*.h"):
+            (folder / header.name).write_bytes(header.read_bytes())
+    text = source.read_text()
+    (same / "cpu_attention.c").write_text(text)
+    assert text.count("    Problem p = {") == 1
+    (off / "cpu_attention.c").write_text(text.replace("    Problem p = {", "    scale = nextafterf(scale, 1.0f);\n    Problem p = {"))
+    args = ["paging", "--device", "cpu", "--bits", "4", "--baseline-kernel"]
+    assert suite("kernels").main([*args, str(same / "cpu_attention.c")]) == 0
+    assert "4 random calls (seed 0)" in capsys.readouterr().out
+    assert suite("kernels").main([*args, str(off / "cpu_attention.c")]) == 1
+    assert "call 0 (this CPU's flags): bits differ" in capsys.readouterr().out
+
+
 def test_tiers_disk_readers_reads_every_layout_through_the_record_checks(tmp_path):
     assert suite("tiers").main(["disk-readers", "--processes", "2", "--gib", "0.005", "--out-dir", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "disk_read_scaling.json").read_text())

@@ -21,12 +21,18 @@ Every timed function is first checked to give the baseline's output on the very 
 
     python benchmarks/kernels.py paging                 # prints markdown tables
     python benchmarks/kernels.py paging --baseline-kernel ../old/kernels/cpu_attention.c   # CPU: another checkout's kernel beside this one
+    python benchmarks/kernels.py paging --baseline-kernel ../old/kernels/cpu_attention.c --bits 500   # its bits, instead
+
+`--bits N` times nothing: it compares the two kernels' outputs bit for bit on N random calls (cache and query dtypes,
+GQA groups, head_dim, block sizes, batches of short and long queries, 1 and 2 threads), each built twice, with AVX2
+and FMA where this CPU has them and portable, and stops at the first difference.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import functools
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,10 +213,10 @@ def split_kv_table(cases: list[Case], dtypes: list[torch.dtype], timer, repeats:
                         timer, repeats, device, splits_column=True)
 
 
-def kernel_built_from(source: Path) -> Callable[..., torch.Tensor]:
-    """`cpu_attention.prefix_prefill` computed by the kernel built from `source` (same interface), wrapper and
-    checks included, so that two kernels are timed alike."""
-    built = cpu_build.build(source.resolve(), cpu_build.find_compiler(), cpu_build.compile_flags())
+def kernel_built_from(source: Path, flags: tuple[str, ...] | None = None) -> Callable[..., torch.Tensor]:
+    """`cpu_attention.prefix_prefill` computed by the kernel built from `source` (same interface) with `flags` (this
+    CPU's by default), wrapper and checks included, so that two kernels are timed alike."""
+    built = cpu_build.build(source.resolve(), cpu_build.find_compiler(), flags or cpu_build.compile_flags())
     lib = cpu_attention.declare(ctypes.CDLL(str(built)))
 
     def run(*args, **kwargs) -> torch.Tensor:
@@ -223,24 +229,99 @@ def kernel_built_from(source: Path) -> Callable[..., torch.Tensor]:
     return run
 
 
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def random_call(rng: random.Random) -> tuple[tuple, int]:
+    """A random call of prefix_prefill (its arguments, and a thread count): 1-4 sequences of decode rows, short
+    queries (up to 16 new tokens, the kernel's SHORT_QUERY) and long ones after 0-200 cached tokens; GQA groups 1-64;
+    head_dim a multiple of 8 up to 512; cache and query of any of the three dtypes, unused cache slots NaN; queries
+    scaled up to 30x, so that scores spread far (softmax weights underflowing to zero)."""
+    kv_heads, group = rng.choice([1, 2, 3, 4]), rng.choice([1, 1, 2, 3, 3, 4, 5, 7, 8, 16, 64])
+    head_dim = rng.choice([64, 64, 128, 8 * rng.randint(1, 64)])
+    block_size = rng.choice([1, 3, 8, 16, 16, 32])
+    seqs = [(rng.choice([0, rng.randint(1, 200)]), rng.choice([1, rng.randint(2, 16), rng.randint(17, 70)]))
+            for _ in range(rng.randint(1, 4))]
+    cache_dtype, query_dtype = rng.choice(DTYPES), rng.choice(DTYPES)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 31))
+    blocks = [-(-(ctx + new) // block_size) for ctx, new in seqs]
+    kv_cache = torch.full((sum(blocks) + 2, 2, 2, block_size, kv_heads, head_dim), float("nan"), dtype=cache_dtype)
+    pool = torch.randperm(kv_cache.shape[0], generator=gen).tolist()
+    tables = torch.zeros(len(seqs), max(blocks), dtype=rng.choice([torch.int32, torch.int64]))
+    for seq, ((ctx, new), n) in enumerate(zip(seqs, blocks)):
+        own, pool = pool[:n], pool[n:]
+        tables[seq, :n] = torch.tensor(own)
+        kv = torch.randn(2, n * block_size, kv_heads, head_dim, generator=gen)[:, :ctx + new]
+        for j, block in enumerate(own):
+            rows = kv[:, j * block_size:(j + 1) * block_size]
+            kv_cache[block, 1, :, :rows.shape[1]] = rows.to(cache_dtype)
+    tokens = sum(new for _, new in seqs)
+    scale = rng.choice([1.0, 1.0, 4.0, 30.0])
+    wide = (torch.randn(tokens, kv_heads * group + 1, head_dim, generator=gen) * scale).to(query_dtype)
+    query = wide[:, :kv_heads * group]   # a strided view, as the decoder passes it
+    starts = torch.tensor([0] + [new for _, new in seqs]).cumsum(0)
+    lens = torch.tensor([ctx + new for ctx, new in seqs])
+    return (query, kv_cache, 1, tables, starts, lens, head_dim ** -0.5), rng.choice([1, 2])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN included)."""
+    as_int = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
+
+
+def compare_bits(baseline: Path, calls: int, seed: int = 0) -> bool:
+    """This tree's kernel against `baseline`'s on `calls` random calls, each build pair (this CPU's flags, and
+    portable where those add AVX2) compared bit for bit; prints what it compared, and the first difference."""
+    builds = {"this CPU's flags": cpu_build.compile_flags()}
+    if builds["this CPU's flags"] != cpu_build.BASE_FLAGS:
+        builds["portable"] = cpu_build.BASE_FLAGS
+    pairs = {name: (kernel_built_from(cpu_attention.SOURCE, flags), kernel_built_from(baseline, flags))
+             for name, flags in builds.items()}
+    rng, threads = random.Random(seed), torch.get_num_threads()
+    try:
+        for i in range(calls):
+            args, num_threads = random_call(rng)
+            torch.set_num_threads(num_threads)
+            for name, (ours, theirs) in pairs.items():
+                if not same_bits(ours(*args), theirs(*args)):
+                    query, cache, _, tables, starts, lens, _ = args
+                    print(f"call {i} ({name}): bits differ; query {tuple(query.shape)} {query.dtype}, cache "
+                          f"{tuple(cache.shape)} {cache.dtype}, query_start_loc {starts.tolist()}, seq_lens "
+                          f"{lens.tolist()}, {num_threads} threads")
+                    return False
+    finally:
+        torch.set_num_threads(threads)
+    print(f"{calls} random calls (seed {seed}), builds: {', '.join(builds)}: every output bit equal to {baseline}'s")
+    return True
+
+
 def free_cached_memory(device: torch.device) -> None:
     """Hand the last problem's memory back, so that the next (larger) one fits."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--baseline-kernel", type=Path,
                         help="CPU: another cpu_attention.c (e.g. from a checkout of an earlier commit) "
                              "timed beside this tree's kernel instead of the torch reference")
+    parser.add_argument("--bits", type=int, metavar="N",
+                        help="CPU, with --baseline-kernel: compare the two kernels' outputs bit for bit on N random "
+                             "calls instead of timing")
+    parser.add_argument("--seed", type=int, default=0, help="--bits: the random calls' seed")
     parser.add_argument("--quick", action="store_true",
                         help="one small case in float32: every kernel checked against SDPA, timings not worth keeping")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
+    if args.bits is not None:
+        if on_cuda or not args.baseline_kernel or not cpu_attention.available():
+            parser.error("--bits compares the compiled CPU kernel with --baseline-kernel's, on a CPU with a compiler")
+        return 0 if compare_bits(args.baseline_kernel, args.bits, args.seed) else 1
     if on_cuda:
         cases, dtypes, ours, timer, name = CUDA_CASES, CUDA_DTYPES, prefix_prefill, time_cuda, "Triton prefix_prefill"
         machine = f"{machine_line()}; {sm_count(device)} SMs"
