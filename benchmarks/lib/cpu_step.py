@@ -277,7 +277,8 @@ def write_report(args, rows, raw) -> None:
         for side, figures in merged.items():
             ttft, decode = median_ms(figures["ttft_s"]), median_ms(figures["decode_s_per_token"])
             ratio = ("", "") if base is None or figures is base else (
-                f"{median_ms(base['ttft_s']) / ttft:.2f}x lower", f"{median_ms(base['decode_s_per_token']) / decode:.2f}x lower")
+                _lower_or_higher(median_ms(base["ttft_s"]), ttft),
+                _lower_or_higher(median_ms(base["decode_s_per_token"]), decode))
             lines.append(f"| {dtype} | {threads} | {side} | {ttft:.1f} | {decode:.1f} | {ratio[0]} | {ratio[1]} |")
     sides = {k for _, _, merged in rows for k in merged}
     lines += ["", "Greedy answers equal between sides: " + "; ".join(
@@ -289,6 +290,11 @@ def write_report(args, rows, raw) -> None:
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
     print("\n".join(lines))
+
+
+def _lower_or_higher(baseline: float, value: float) -> str:
+    """`value` against `baseline` as a user reads it: "1.50x lower" (faster), or "1.33x higher" (slower)."""
+    return f"{baseline / value:.2f}x lower" if value <= baseline else f"{value / baseline:.2f}x higher"
 
 
 def _pairs(names: list[str]) -> list[tuple[str, str]]:
