@@ -217,6 +217,15 @@ static Ahead next_strip(const Problem *p, int64_t k0, int q, int64_t j0, int pan
     return next;
 }
 
+/* Group g's share of `ahead` (of `groups`): the groups' first tiles each prefetch their rows of the next strip, so
+ * that the misses are spread over the whole strip's time rather than crowding the first group's (a core has few
+ * misses in flight at once). */
+static Ahead share(Ahead ahead, int g, int groups) {
+    const int r0 = ahead.rows * g / groups, r1 = ahead.rows * (g + 1) / groups;
+    const Ahead part = {ahead.at + r0 * ahead.ld, ahead.ld, r1 - r0};
+    return part;
+}
+
 /* Rows [i0, i0 + rows) x columns [j0, j0 + width) of an item of DIRECT_GROUP_ROWS to DIRECT_ROWS rows, the weights
  * read where they lie: the rows split into near-equal groups of at most MR (10 rows: two of 5, each a 5 x 16 tile),
  * and each K block of DIRECT_MULTI_KC takes the columns a strip (whole cache lines) at a time, every group after the
@@ -247,7 +256,7 @@ static __attribute__((noinline)) void run_rows(const Problem *p, float *packed, 
                     const int64_t j = j0 + q * NR;
                     const float *bias = last && p->bias ? p->bias + j : NULL, *x = p->x + (i0 + i) * p->ldx + k0;
                     float *c = p->out + (i0 + i) * p->ldo + j;
-                    const Ahead fetch = g == 0 && q == q0 ? ahead : NO_AHEAD;   /* the first tile of the strip */
+                    const Ahead fetch = q == q0 ? share(ahead, g, groups) : NO_AHEAD;
                     if (nc == np * NR)
                         run_tile(small + (g < more), np, src, nc, kc, x, p->ldx,
                                  (const char *)p->w + (size_t)(k0 * p->ldw + j) * wsize, p->ldw, c, p->ldo, k0 == 0,
