@@ -49,8 +49,9 @@
 
 enum { OK = 0, ERR_ALLOC = -2, ERR_SHAPE = -4 };
 
-/* Weights a tile prefetches while it runs, one line a k: row k of them at `at + k * ld` (bytes), for k < rows (0:
- * none). run_rows points it at the strip it takes next, which the hardware prefetchers do not foresee. */
+/* Weights a tile reading w in place prefetches while it runs, one line a k: row k of them at `at + k * ld` (bytes),
+ * for k < rows (0: none). run_rows points it at the strip it takes next, which the hardware prefetchers do not
+ * foresee. */
 typedef struct {
     const char *at;
     int64_t ld;
@@ -133,7 +134,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
                       : full ? _mm256_loadu_ps(c + i * ldc + 8 * v)
                       : _mm256_maskload_ps(c + i * ldc + 8 * v, tail_mask(nc - 8 * v));
     for (int k = 0; k < kc; k++) {
-        if (k < ahead.rows) _mm_prefetch(ahead.at + k * ahead.ld, _MM_HINT_T0);
+        if (src != FROM_PACKED && k < ahead.rows)   /* packed tiles (many rows) never prefetch: not even a test */
+            _mm_prefetch(ahead.at + k * ahead.ld, _MM_HINT_T0);
         __m256 wv[12];
         _Pragma("GCC unroll 12")
         for (int v = 0; v < 2 * np; v++) wv[v] = load_w(src, w, ldw, k, v);
