@@ -18,8 +18,9 @@
  * (in L2) stream past; up to DIRECT_ROWS rows (a decode, a short question) reads w where it lies instead: fewer than
  * DIRECT_GROUP_ROWS rows take DIRECT_KC rows of it at a time across their share of the columns, so the weight is one
  * pass of a few long streams; more rows take it a DIRECT_MULTI_KC x NR strip at a time, each row group (of up to MR)
- * finding the strip in L1, so the accumulators are stored and reloaded once a DIRECT_MULTI_KC. Threads take (row
- * block, column chunk) items from a shared counter. Measured in benchmarks/results/cpu_linear.md.
+ * finding the strip in L1, so the accumulators are stored and reloaded once a DIRECT_MULTI_KC, while the first group
+ * prefetches the next strip (prefetches change no arithmetic). Threads take (row block, column chunk) items from a
+ * shared counter. Measured in benchmarks/results/cpu_linear.md.
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,6 +48,16 @@
 #define MIN_WORK_PER_THREAD (1 << 18)   /* multiply-adds below which another thread costs more than it saves */
 
 enum { OK = 0, ERR_ALLOC = -2, ERR_SHAPE = -4 };
+
+/* Weights a tile reading w in place prefetches while it runs, one line a k: row k of them at `at + k * ld` (bytes),
+ * for k < rows (0: none). run_rows points it at the strip it takes next, which the hardware prefetchers do not
+ * foresee. */
+typedef struct {
+    const char *at;
+    int64_t ld;
+    int rows;
+} Ahead;
+static const Ahead NO_AHEAD = {NULL, 0, 0};
 
 typedef struct {
     const float *x;        /* [M, K], rows ldx apart */
@@ -111,7 +122,8 @@ static inline __attribute__((always_inline)) __m256 load_w(const int src, const 
  * 2 * mr * np <= 12 accumulators live in registers (the loops unrolled before the compiler places them). */
 static inline __attribute__((always_inline)) void tile(const int mr, const int np, const int src, int nc, int kc,
                                                        const float *x, int64_t ldx, const void *w, int64_t ldw,
-                                                       float *c, int64_t ldc, int first, const float *bias) {
+                                                       float *c, int64_t ldc, int first, const float *bias,
+                                                       Ahead ahead) {
     __m256 acc[MR][12];
     const int full = nc == np * NR;   /* masked loads and stores only for the last columns: they are slow on some CPUs */
     _Pragma("GCC unroll 12")
@@ -122,6 +134,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
                       : full ? _mm256_loadu_ps(c + i * ldc + 8 * v)
                       : _mm256_maskload_ps(c + i * ldc + 8 * v, tail_mask(nc - 8 * v));
     for (int k = 0; k < kc; k++) {
+        if (src != FROM_PACKED && k < ahead.rows)   /* packed tiles (many rows) never prefetch: not even a test */
+            _mm_prefetch(ahead.at + k * ahead.ld, _MM_HINT_T0);
         __m256 wv[12];
         _Pragma("GCC unroll 12")
         for (int v = 0; v < 2 * np; v++) wv[v] = load_w(src, w, ldw, k, v);
@@ -148,16 +162,16 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
 
 #define TILE(m, n) \
     case m * 8 + n: \
-        if (src == FROM_PACKED) tile(m, n, FROM_PACKED, nc, kc, x, ldx, w, ldw, c, ldc, first, bias); \
-        else if (src == FROM_F32) tile(m, n, FROM_F32, nc, kc, x, ldx, w, ldw, c, ldc, first, bias); \
-        else tile(m, n, FROM_BF16, nc, kc, x, ldx, w, ldw, c, ldc, first, bias); \
+        if (src == FROM_PACKED) tile(m, n, FROM_PACKED, nc, kc, x, ldx, w, ldw, c, ldc, first, bias, ahead); \
+        else if (src == FROM_F32) tile(m, n, FROM_F32, nc, kc, x, ldx, w, ldw, c, ldc, first, bias, ahead); \
+        else tile(m, n, FROM_BF16, nc, kc, x, ldx, w, ldw, c, ldc, first, bias, ahead); \
         break;
 
 /* Panels a tile of mr rows takes at once: 12 accumulators, or as near as the rows allow. */
 static inline int panels_at_once(int mr) { return mr <= 6 ? 6 / mr : 1; }
 
 static void run_tile(int mr, int np, int src, int nc, int kc, const float *x, int64_t ldx, const void *w,
-                     int64_t ldw, float *c, int64_t ldc, int first, const float *bias) {
+                     int64_t ldw, float *c, int64_t ldc, int first, const float *bias, Ahead ahead) {
     switch (mr * 8 + np) {
         TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4) TILE(1, 5) TILE(1, 6)
         TILE(2, 1) TILE(2, 2) TILE(2, 3) TILE(3, 1) TILE(3, 2) TILE(4, 1) TILE(5, 1) TILE(6, 1)
@@ -170,8 +184,8 @@ static inline int panels_at_once(int mr) { (void)mr; return 1; }
 
 /* Portable version: the same operations on every element. */
 static void run_tile(int mr, int np, int src, int nc, int kc, const float *x, int64_t ldx, const void *w,
-                     int64_t ldw, float *c, int64_t ldc, int first, const float *bias) {
-    (void)np;
+                     int64_t ldw, float *c, int64_t ldc, int first, const float *bias, Ahead ahead) {
+    (void)np, (void)ahead;
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nc; j++) {
             float acc = first ? 0.0f : c[i * ldc + j];
@@ -185,6 +199,34 @@ static void run_tile(int mr, int np, int src, int nc, int kc, const float *x, in
         }
 }
 #endif
+
+/* The strip run_rows takes after the one of K block k0 ending before panel q (of the item's `panels` from column
+ * j0): panel q of the same block, else the first of the next block, else none. Its first cache line of each row is
+ * what the first tile of the strip before it prefetches: a strip is one line a row (64 bytes of w) for the rows
+ * run_rows takes, DIRECT_MULTI_KC rows ldw apart, a pattern the hardware prefetchers do not follow far enough: a
+ * hit's products (the model's weights, from memory) ran 10 rows at ~22 GFLOP/s against ~30 with the weights in
+ * cache, and 4 rows at ~12. */
+static Ahead next_strip(const Problem *p, int64_t k0, int q, int64_t j0, int panels) {
+    if (q >= panels) {
+        k0 += DIRECT_MULTI_KC;
+        q = 0;
+    }
+    if (k0 >= p->K) return NO_AHEAD;
+    const size_t wsize = p->w_dtype == DTYPE_F32 ? 4 : 2;
+    const int rows = (int)(p->K - k0 < DIRECT_MULTI_KC ? p->K - k0 : DIRECT_MULTI_KC);
+    const Ahead next = {(const char *)p->w + (size_t)(k0 * p->ldw + j0 + (int64_t)q * NR) * wsize,
+                        (int64_t)(p->ldw * wsize), rows};
+    return next;
+}
+
+/* Group g's share of `ahead` (of `groups`): the groups' first tiles each prefetch their rows of the next strip, so
+ * that the misses are spread over the whole strip's time rather than crowding the first group's (a core has few
+ * misses in flight at once). */
+static Ahead share(Ahead ahead, int g, int groups) {
+    const int r0 = ahead.rows * g / groups, r1 = ahead.rows * (g + 1) / groups;
+    const Ahead part = {ahead.at + r0 * ahead.ld, ahead.ld, r1 - r0};
+    return part;
+}
 
 /* Rows [i0, i0 + rows) x columns [j0, j0 + width) of an item of DIRECT_GROUP_ROWS to DIRECT_ROWS rows, the weights
  * read where they lie: the rows split into near-equal groups of at most MR (10 rows: two of 5, each a 5 x 16 tile),
@@ -206,6 +248,7 @@ static __attribute__((noinline)) void run_rows(const Problem *p, float *packed, 
         const int last = k0 + kc == p->K;
         for (int q0 = 0; q0 < panels; q0 += strip) {
             const int q1 = q0 + strip < panels ? q0 + strip : panels;
+            const Ahead ahead = next_strip(p, k0, q0 + strip, j0, panels);
             if (q1 == panels && width % NR)   /* the last columns: packed zero-padded, never read past N */
                 pack_block(packed, p, k0, kc, j0 + tail * NR, width - tail * NR);
             for (int g = 0, i = 0; g < groups; i += small + (g < more), g++) {   /* the first `more` take a row more */
@@ -215,13 +258,14 @@ static __attribute__((noinline)) void run_rows(const Problem *p, float *packed, 
                     const int64_t j = j0 + q * NR;
                     const float *bias = last && p->bias ? p->bias + j : NULL, *x = p->x + (i0 + i) * p->ldx + k0;
                     float *c = p->out + (i0 + i) * p->ldo + j;
+                    const Ahead fetch = q == q0 ? share(ahead, g, groups) : NO_AHEAD;
                     if (nc == np * NR)
                         run_tile(small + (g < more), np, src, nc, kc, x, p->ldx,
                                  (const char *)p->w + (size_t)(k0 * p->ldw + j) * wsize, p->ldw, c, p->ldo, k0 == 0,
-                                 bias);
+                                 bias, fetch);
                     else
                         run_tile(small + (g < more), np, FROM_PACKED, nc, kc, x, p->ldx, packed, NR, c, p->ldo,
-                                 k0 == 0, bias);
+                                 k0 == 0, bias, fetch);
                 }
             }
         }
@@ -258,13 +302,13 @@ static void run_item(const Problem *p, float *packed, int64_t item) {
                 float *c = p->out + i * p->ldo + j;
                 if (!direct) {
                     run_tile(mr, np, FROM_PACKED, nc, kc, x, p->ldx, packed + (int64_t)q * KC * NR, NR, c, p->ldo,
-                             k0 == 0, bias);
+                             k0 == 0, bias, NO_AHEAD);
                 } else if (nc == np * NR) {
                     const char *w = (const char *)p->w + (size_t)(k0 * p->ldw + j) * wsize;
-                    run_tile(mr, np, src, nc, kc, x, p->ldx, w, p->ldw, c, p->ldo, k0 == 0, bias);
+                    run_tile(mr, np, src, nc, kc, x, p->ldx, w, p->ldw, c, p->ldo, k0 == 0, bias, NO_AHEAD);
                 } else {   /* the last columns, fewer than the tile's: packed (zero-padded), never read past N */
                     pack_block(packed, p, k0, kc, j, nc);
-                    run_tile(mr, np, FROM_PACKED, nc, kc, x, p->ldx, packed, NR, c, p->ldo, k0 == 0, bias);
+                    run_tile(mr, np, FROM_PACKED, nc, kc, x, p->ldx, packed, NR, c, p->ldo, k0 == 0, bias, NO_AHEAD);
                 }
             }
         }
