@@ -206,8 +206,9 @@ def cost(args) -> None:
 
 def _prefill_and_step(loaded, tokens, dtype: str, invariant: bool, args) -> tuple[float, float]:
     """Median TTFT of a cold prompt and median decode step after it."""
+    # the engine sets torch's threads from model.threads (`auto`: 1 on two cores): the run's own count, said
     llm = LLM(load_config({"model": {"dtype": dtype, "device": "cpu", "attention_backend": args.backend,
-                                     "batch_invariant": invariant},
+                                     "batch_invariant": invariant, "threads": torch.get_num_threads()},
                            "cache": {"enable_prefix_caching": False}}), loaded_model=loaded)
     ttfts, steps = [], []
     for _ in range(args.repeats):

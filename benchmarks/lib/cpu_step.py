@@ -93,7 +93,7 @@ def measure_kvstrata(dtype: str, threads: int, doc_tokens: int, question_tokens:
         wall = time.perf_counter() - start
         decode.append((wall - out.ttft_s) / decode_tokens)
         answers.append(out.token_ids)
-    result = {"source": str(Path(kvstrata.__file__).resolve().parent.parent), "dtype": dtype, "threads": threads,
+    result = {"source": source_commit(Path(kvstrata.__file__).resolve().parent.parent), "dtype": dtype, "threads": threads,
               "torch_threads": _torch_threads(), "ttft_s": ttft, "decode_s_per_token": decode, "answers": answers}
     if with_transformers:
         model = _transformers_model(llm, dtype)
@@ -102,6 +102,12 @@ def measure_kvstrata(dtype: str, threads: int, doc_tokens: int, question_tokens:
     else:
         llm.close()
     return result
+
+
+def source_commit(root: Path) -> str:
+    """The commit a side's checkout is at (its path would name this machine's directories in the results)."""
+    done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"commit {done.stdout.strip()}" if done.returncode == 0 and done.stdout.strip() else "unknown commit"
 
 
 def _torch_threads() -> int:
