@@ -2,8 +2,8 @@
  * index in [0, count), the calling thread taking index 0 and pool threads the others. Included by every
  * kernels/cpu_*.c (kernels/cpu_build.py keys each build by this header too); each kernel library keeps its own pool.
  *
- * Why a pool: starting and joining a thread costs tens to hundreds of microseconds (measured ~240 us on a busy
- * 2-core VM), and a decode step makes about ten kernel calls a layer. Pool threads are started on the first call
+ * Why a pool: starting and joining a thread costs tens to hundreds of microseconds (measured on a 2-core VM: 27 us
+ * while quiet, ~240 us beside a test suite), and a decode step makes about ten kernel calls a layer. Pool threads are started on the first call
  * that wants them and kept; between calls they sleep on a futex, so an idle engine (or another library's pool
  * at work) gets every core. Waking one costs a few microseconds. The caller, done with its own share, spins up to
  * 20 us for the others' before it sleeps too.
