@@ -357,3 +357,55 @@ int kvs_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const void *w,
     Problem p = {x, ldx, M, K, w, w_dtype, ldw, N, bias, out, ldo, chunk, col_chunks, items, 0};
     return run_parallel(worker, &p, (int)threads);
 }
+
+/* ------------------------------------------------------------------------------- 16-bit x and out, in C */
+
+/* A block of rows converted between float32 and a 16-bit dtype (exact one way, rounded to nearest even the other,
+ * as torch rounds), split over threads by rows. */
+typedef struct {
+    const void *src;
+    void *dst;
+    int to_float;     /* 1: 16-bit src -> float32 dst; 0: float32 src -> 16-bit dst */
+    int dtype;        /* the 16-bit side's */
+    int64_t rows, cols, ld_src, ld_dst;
+} Convert;
+
+static int convert_share(void *arg, int index, int count) {
+    const Convert *c = (const Convert *)arg;
+    for (int64_t i = c->rows * index / count; i < c->rows * (index + 1) / count; i++) {
+        if (c->to_float) {
+            const uint16_t *s = (const uint16_t *)c->src + i * c->ld_src;
+            float *d = (float *)c->dst + i * c->ld_dst;
+            for (int64_t j = 0; j < c->cols; j++) d[j] = c->dtype == DTYPE_BF16 ? bf16_to_f32(s[j]) : f16_to_f32(s[j]);
+        } else {
+            const float *s = (const float *)c->src + i * c->ld_src;
+            uint16_t *d = (uint16_t *)c->dst + i * c->ld_dst;
+            for (int64_t j = 0; j < c->cols; j++) d[j] = c->dtype == DTYPE_BF16 ? f32_to_bf16(s[j]) : f32_to_f16(s[j]);
+        }
+    }
+    return OK;
+}
+
+static int convert_rows(Convert c, int num_threads) {
+    int64_t threads = num_threads < 1 ? 1 : num_threads, by_size = c.rows * c.cols / (1 << 15);
+    if (threads > by_size) threads = by_size < 1 ? 1 : by_size;
+    return run_parallel(convert_share, &c, (int)threads);
+}
+
+/* out = x @ w (+ bias) with x, w and out all bfloat16 or float16 (`dtype`): x's rows taken to float32, the product
+ * as kvs_linear's, the result rounded to the dtype, all here. Done in Python, the two conversions were torch ops,
+ * whose OpenMP threads spin for a while after each and took a core from the product's threads. */
+int kvs_linear_16(const void *x, int64_t ldx, int64_t M, int64_t K, const void *w, int dtype, int64_t ldw, int64_t N,
+                  const float *bias, void *out, int64_t ldo, int num_threads) {
+    if (M < 0 || K < 0 || N < 0 || ldx < K || ldo < N || (dtype != DTYPE_BF16 && dtype != DTYPE_F16)) return ERR_SHAPE;
+    if (M == 0 || N == 0) return OK;
+    float *x32 = (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
+    float *out32 = (float *)malloc(sizeof(float) * (size_t)(M * N));
+    int status = x32 && out32 ? OK : ERR_ALLOC;
+    if (status == OK) status = convert_rows((Convert){x, x32, 1, dtype, M, K, ldx, K}, num_threads);
+    if (status == OK) status = kvs_linear(x32, K, M, K, w, dtype, ldw, N, bias, out32, N, num_threads);
+    if (status == OK) status = convert_rows((Convert){out32, out, 0, dtype, M, N, N, ldo}, num_threads);
+    free(x32);
+    free(out32);
+    return status;
+}

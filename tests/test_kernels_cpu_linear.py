@@ -55,6 +55,15 @@ def test_matches_f_linear_in_float64(M, K, N, dtype):
         torch.testing.assert_close(out.double(), exact(x, weight, b), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_empty_sum_gives_the_bias_for_any_leading_shape(dtype):
+    x = torch.randn(2, 3, 0).to(dtype)
+    weight = torch.randn(0, 5).to(dtype).t()
+    b = torch.randn(5).to(dtype)
+    assert torch.equal(cpu_linear.linear(x, weight, b), F.linear(x, weight, b))
+    assert torch.equal(cpu_linear.linear(x, weight), torch.zeros(2, 3, 5, dtype=dtype))
+
+
 def test_a_16_bit_result_is_the_float32_sum_rounded_to_nearest_even():
     x, weight, b = problem(9, 100, 70, torch.bfloat16)
     as_float = cpu_linear.linear(x.float(), weight.float().t().contiguous().t(), b.float())
