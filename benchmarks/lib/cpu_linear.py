@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.lib.kernel_builds import wrapper_over
 from benchmarks.machine import machine_line
-from kvstrata.kernels import cpu_build, cpu_linear
+from kvstrata.kernels import cpu_linear
 from kvstrata.kernels.batch_invariant import reference_linear
 
 SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
@@ -39,20 +40,11 @@ LAYERS = 30  # SmolLM2-135M's; a hit's products are SHAPES[:4] once a layer
 
 
 def kernel_built_from(source: Path):
-    """`cpu_linear.linear` computed by the kernel built from `source` (same C signature), wrapper and checks included,
-    so that two kernels are timed alike."""
-    built = cpu_build.build(source.resolve(), cpu_build.find_compiler(), cpu_build.compile_flags())
-    lib = ctypes.CDLL(str(built))
-    lib.kvs_linear.restype, lib.kvs_linear.argtypes = ctypes.c_int, cpu_linear.library().kvs_linear.argtypes
-
-    def run(*args, **kwargs) -> torch.Tensor:
-        current = cpu_linear.library
-        cpu_linear.library = lambda: lib
-        try:
-            return cpu_linear.linear(*args, **kwargs)
-        finally:
-            cpu_linear.library = current
-    return run
+    """`cpu_linear.linear` computed by the kernel built from `source` (the same C signature)."""
+    def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+        lib.kvs_linear.restype, lib.kvs_linear.argtypes = ctypes.c_int, cpu_linear.library().kvs_linear.argtypes
+        return lib
+    return wrapper_over(cpu_linear, cpu_linear.linear, source, declare)
 
 
 def same_bits(sides: dict, x: torch.Tensor, weight: torch.Tensor) -> None:

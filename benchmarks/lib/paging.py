@@ -30,7 +30,6 @@ and FMA where this CPU has them and portable, and stops at the first difference.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import random
 import time
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+from benchmarks.lib.kernel_builds import wrapper_over  # noqa: E402
 from benchmarks.machine import machine_line  # noqa: E402
 from kvstrata.kernels import cpu_attention, cpu_build  # noqa: E402
 from kvstrata.kernels.prefix_prefill import (choose_num_splits, prefix_prefill, reference_prefix_prefill,  # noqa: E402
@@ -214,19 +214,8 @@ def split_kv_table(cases: list[Case], dtypes: list[torch.dtype], timer, repeats:
 
 
 def kernel_built_from(source: Path, flags: tuple[str, ...] | None = None) -> Callable[..., torch.Tensor]:
-    """`cpu_attention.prefix_prefill` computed by the kernel built from `source` (same interface) with `flags` (this
-    CPU's by default), wrapper and checks included, so that two kernels are timed alike."""
-    built = cpu_build.build(source.resolve(), cpu_build.find_compiler(), flags or cpu_build.compile_flags())
-    lib = cpu_attention.declare(ctypes.CDLL(str(built)))
-
-    def run(*args, **kwargs) -> torch.Tensor:
-        current = cpu_attention.library
-        cpu_attention.library = lambda: lib
-        try:
-            return cpu_attention.prefix_prefill(*args, **kwargs)
-        finally:
-            cpu_attention.library = current
-    return run
+    """`cpu_attention.prefix_prefill` computed by the kernel built from `source` (the same interface) with `flags`."""
+    return wrapper_over(cpu_attention, cpu_attention.prefix_prefill, source, cpu_attention.declare, flags)
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
