@@ -71,19 +71,6 @@ typedef struct {
     int64_t next_item;             /* shared counter, taken atomically by the threads */
 } Problem;
 
-/* `n` values of `dtype` at `src` as float32 into `dst` (exact: every bf16 and f16 value is a float32). */
-static void to_float(float *dst, const void *src, int dtype, int n) {
-    if (dtype == DTYPE_F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else if (dtype == DTYPE_BF16) {
-        const uint16_t *s = (const uint16_t *)src;
-        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
-    } else {
-        const uint16_t *s = (const uint16_t *)src;
-        for (int i = 0; i < n; i++) dst[i] = f16_to_f32(s[i]);
-    }
-}
-
 static inline int64_t table_entry(const void *tables, int int32, int64_t index) {
     return int32 ? ((const int32_t *)tables)[index] : ((const int64_t *)tables)[index];
 }
@@ -417,7 +404,7 @@ static void attend_block(const Problem *p, Scratch *s, int seq, int h0, int h1, 
         int64_t token = q_first + t0 + rr / group;
         int head = h * group + rr % group;
         const char *src = (const char *)p->query + (token * p->q_stride_token + head * p->q_stride_head) * qsize;
-        to_float(s->q + (int64_t)r * D, src, p->query_dtype, D);
+        row_to_float(s->q + (int64_t)r * D, src, p->query_dtype, D);
         memset(s->acc + (int64_t)r * D, 0, (size_t)D * sizeof(float));
         s->row_max[r] = -INFINITY;
         s->row_sum[r] = 0.0f;
@@ -443,16 +430,16 @@ static void attend_block(const Problem *p, Scratch *s, int seq, int h0, int h1, 
                 for (int h = h0; h < h1; h++) {
                     const char *k = layer_base + offset[j] + h * head_bytes;
                     int64_t at = ((int64_t)(h - h0) * KEY_TILE + j) * D;
-                    to_float(s->kbuf + at, k, p->cache_dtype, D);
-                    to_float(s->vbuf + at, k + v_offset, p->cache_dtype, D);
+                    row_to_float(s->kbuf + at, k, p->cache_dtype, D);
+                    row_to_float(s->vbuf + at, k + v_offset, p->cache_dtype, D);
                 }
         for (int h = h0; h < h1; h++) {
             for (int j = 0; j < n; j++) {
                 int64_t at = ((int64_t)(h - h0) * KEY_TILE + j) * D;
                 const char *k = layer_base + offset[j] + h * head_bytes;
                 if (!staged && p->cache_dtype != DTYPE_F32) {
-                    to_float(s->kbuf + at, k, p->cache_dtype, D);
-                    to_float(s->vbuf + at, k + v_offset, p->cache_dtype, D);
+                    row_to_float(s->kbuf + at, k, p->cache_dtype, D);
+                    row_to_float(s->vbuf + at, k + v_offset, p->cache_dtype, D);
                 }
                 int direct = !staged && p->cache_dtype == DTYPE_F32;
                 krow[j] = direct ? (const float *)k : s->kbuf + at;

@@ -52,4 +52,26 @@ static inline uint16_t f32_to_f16(float f) {
     return (uint16_t)(sign | (uint32_t)rintf(bits_to_f32(mag) * 0x1p24f));
 }
 
+/* `n` values of `dtype` at `src` as float32 into `dst` (exact: every bfloat16 and float16 value is a float32). */
+static inline void row_to_float(float *dst, const void *src, int dtype, int64_t n) {
+    if (dtype == DTYPE_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == DTYPE_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(s[i]);
+    }
+}
+
+/* `n` float32 values at `src` rounded to the 16-bit `dtype` into `dst`, as torch rounds. */
+static inline void row_from_float(void *dst, const float *src, int dtype, int64_t n) {
+    uint16_t *d = (uint16_t *)dst;
+    if (dtype == DTYPE_BF16)
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    else
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_f16(src[i]);
+}
+
 #endif

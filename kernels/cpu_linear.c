@@ -83,16 +83,7 @@ static void pack_block(float *packed, const Problem *p, int64_t k0, int kc, int6
             float *dst = packed + (int64_t)q * KC * NR + (int64_t)k * NR;
             const int n = nc - q * NR < NR ? nc - q * NR : NR;
             const int64_t src = row + q * NR;
-            if (p->w_dtype == DTYPE_F32) {
-                const float *s = (const float *)p->w + src;
-                for (int j = 0; j < n; j++) dst[j] = s[j];
-            } else if (p->w_dtype == DTYPE_BF16) {
-                const uint16_t *s = (const uint16_t *)p->w + src;
-                for (int j = 0; j < n; j++) dst[j] = bf16_to_f32(s[j]);
-            } else {
-                const uint16_t *s = (const uint16_t *)p->w + src;
-                for (int j = 0; j < n; j++) dst[j] = f16_to_f32(s[j]);
-            }
+            row_to_float(dst, (const char *)p->w + src * (p->w_dtype == DTYPE_F32 ? 4 : 2), p->w_dtype, n);
             for (int j = n; j < NR; j++) dst[j] = 0.0f;
         }
     }
@@ -373,15 +364,10 @@ typedef struct {
 static int convert_share(void *arg, int index, int count) {
     const Convert *c = (const Convert *)arg;
     for (int64_t i = c->rows * index / count; i < c->rows * (index + 1) / count; i++) {
-        if (c->to_float) {
-            const uint16_t *s = (const uint16_t *)c->src + i * c->ld_src;
-            float *d = (float *)c->dst + i * c->ld_dst;
-            for (int64_t j = 0; j < c->cols; j++) d[j] = c->dtype == DTYPE_BF16 ? bf16_to_f32(s[j]) : f16_to_f32(s[j]);
-        } else {
-            const float *s = (const float *)c->src + i * c->ld_src;
-            uint16_t *d = (uint16_t *)c->dst + i * c->ld_dst;
-            for (int64_t j = 0; j < c->cols; j++) d[j] = c->dtype == DTYPE_BF16 ? f32_to_bf16(s[j]) : f32_to_f16(s[j]);
-        }
+        if (c->to_float)
+            row_to_float((float *)c->dst + i * c->ld_dst, (const uint16_t *)c->src + i * c->ld_src, c->dtype, c->cols);
+        else
+            row_from_float((uint16_t *)c->dst + i * c->ld_dst, (const float *)c->src + i * c->ld_src, c->dtype, c->cols);
     }
     return OK;
 }

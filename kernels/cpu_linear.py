@@ -33,8 +33,11 @@ _ERRORS = {-2: "out of memory", -4: "unsupported shape"}
 def library() -> ctypes.CDLL | None:
     """The built kernel, loaded; None (and one line logged, once) where it cannot be built or loaded."""
     lib = cpu_build.load(SOURCE, "linear")
-    if lib is None:
-        return None
+    return None if lib is None else declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with the C functions' signatures declared (any build of this file's interface, older ones included)."""
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.kvs_linear.restype = ctypes.c_int
     lib.kvs_linear.argtypes = [p, i64, i64, i64,          # x, its row stride, M, K
@@ -77,8 +80,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     N, K = w_shape
     # 16-bit x and out are converted in C: as torch ops, their OpenMP threads spin after each conversion and take
     # a core from the product's threads (measured: two threads 1.45x one's speed in bfloat16, 1.95x in float32)
-    in_c = code and hasattr(lib, "kvs_linear_16")
-    keep = torch.float32 if code == 0 or not in_c else x.dtype
+    keep = x.dtype if code and hasattr(lib, "kvs_linear_16") else torch.float32
     if len(x_shape) == 2 and x.dtype is keep and x.stride(1) == 1 and x.stride(0) >= K:
         rows, M, ldx = x, x_shape[0], x.stride(0)
     else:

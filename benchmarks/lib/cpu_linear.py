@@ -20,7 +20,6 @@ is timed too, on a product too small to matter (1 x 8 x 8).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 from pathlib import Path
 
@@ -41,10 +40,7 @@ LAYERS = 30  # SmolLM2-135M's; a hit's products are SHAPES[:4] once a layer
 
 def kernel_built_from(source: Path):
     """`cpu_linear.linear` computed by the kernel built from `source` (the same C signature)."""
-    def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-        lib.kvs_linear.restype, lib.kvs_linear.argtypes = ctypes.c_int, cpu_linear.library().kvs_linear.argtypes
-        return lib
-    return wrapper_over(cpu_linear, cpu_linear.linear, source, declare)
+    return wrapper_over(cpu_linear, cpu_linear.linear, source, cpu_linear.declare)
 
 
 def same_bits(sides: dict, x: torch.Tensor, weight: torch.Tensor) -> None:
