@@ -13,7 +13,7 @@ from kvstrata.engine.config import Config, load_config
 from kvstrata.engine.documents import Document
 from kvstrata.engine.llm_engine import CacheReset, LLMEngine
 from kvstrata.engine.prompts import render_document
-from kvstrata.tiers import TIER_NAMES
+from kvstrata.tiers.names import TIER_NAMES
 from kvstrata.engine.receipt import CacheReceipt
 from kvstrata.engine.request import Request, RequestFailedError, RequestStatus
 from kvstrata.engine.sampling import SamplingParams, TokenLogprobs

@@ -35,7 +35,7 @@ from kvstrata.engine.sampling import (MAX_LOGPROBS, SamplingParams, adjust_logit
                                       sample)
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
 from kvstrata.engine.structured_outputs import GrammarCompiler, GrammarMatcher, mask_logits
-from kvstrata.kernels import compiled_products, get_ops, resolve_backend, resolve_batch_invariant
+from kvstrata.kernels.backends import compiled_products, get_ops, resolve_backend, resolve_batch_invariant
 from kvstrata.tiers.base import BlockLayout
 from kvstrata.tiers.block_events import BlockEventListener
 from kvstrata.tiers.block_pool import BlockPool

@@ -594,7 +594,7 @@ def _dot_dtype(dtype: torch.dtype):
     """The dtype tiles enter `tl.dot` in. On a GPU, the input dtype (fp16/bf16 tensor cores; fp32 dots run at IEEE
     precision, since TF32 would cost the 1e-4 agreement fp32 users expect). The CPU interpreter keeps bf16 as raw uint16 bits,
     so its `tl.dot` (a numpy matmul) would multiply bit patterns: there, bf16 tiles are upcast to fp32 first."""
-    from kvstrata.kernels import triton_interpreted
+    from kvstrata.kernels.backends import triton_interpreted
 
     if dtype == torch.bfloat16 and triton_interpreted():
         return tl.float32

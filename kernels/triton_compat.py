@@ -29,7 +29,7 @@ __all__ = ["HAS_TRITON", "check_launchable", "triton", "tl"]
 def check_launchable(kernel: str, *tensors) -> None:
     """Raise a one-line error unless Triton can run `kernel` on `tensors`: all on one CUDA device, or anywhere
     when the CPU interpreter is on (TRITON_INTERPRET=1, as in the tests)."""
-    from kvstrata.kernels import triton_interpreted
+    from kvstrata.kernels.backends import triton_interpreted
 
     if not HAS_TRITON:
         raise RuntimeError(f"{kernel}: the triton package is not installed (use the torch backend)")

@@ -1,24 +1,15 @@
-"""kvstrata: an LLM inference engine with a tiered prefix KV cache (device / pinned CPU / LMDB disk)."""
-from __future__ import annotations
+"""kvstrata: an LLM inference engine with a tiered prefix KV cache (device / pinned CPU / LMDB disk / remote).
 
-from pathlib import Path
+`kvstrata.engine`, `.tiers` and `.kernels` live in the repository's top-level folders of those names. They are
+namespace packages (no `__init__.py`), so from the repository root an installed package of the same name (Hugging
+Face's `kernels`, which transformers imports) still wins over our folder. In a checkout the links
+`kvstrata/engine -> ../engine` (and tiers, kernels) make them subpackages here; a wheel maps them by pyproject's
+package-dir."""
+from __future__ import annotations
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestFailedError", "load_config",
            "__version__"]
-
-
-def _find_subpackages_in_checkout() -> None:
-    """Imported from a checkout (`PYTHONPATH=.`, or a checkout's folder shadowing an install elsewhere on the path,
-    as `python -m pytest` run in it does), `kvstrata.engine`, `.tiers` and `.kernels` are the checkout's top-level
-    folders, as pyproject's package-dir maps them in an install. An installed copy has its own beside it."""
-    root = Path(__file__).resolve().parent.parent
-    if (root / "pyproject.toml").is_file() and (root / "engine" / "__init__.py").is_file() \
-            and not (Path(__file__).parent / "engine").is_dir():
-        __path__.append(str(root))
-
-
-_find_subpackages_in_checkout()
 
 
 def __getattr__(name: str):

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 from kvstrata.engine.costs import ReadCost, StepCost
 from kvstrata.engine.load_policy import LoadPlan, choose_plan
-from kvstrata.tiers import LOWER_TIER_NAMES, TIER_NAMES
+from kvstrata.tiers.names import LOWER_TIER_NAMES, TIER_NAMES
 from kvstrata.tiers.block_pool import BlockPool
 from kvstrata.tiers.lru import LruIndex
 from kvstrata.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_trace

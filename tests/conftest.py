@@ -37,7 +37,8 @@ def embedded_model_fp32():
 def rebuilt(monkeypatch, tmp_path):
     """An empty build dir for the compiled CPU kernels (kernels/cpu_build.py), every kernel module's loaded library
     (and the backend's answer) forgotten before and after, so that a test builds, or fails to build, afresh."""
-    from kvstrata.kernels import cpu_attention, cpu_kernel_available, cpu_layer_ops, cpu_linear
+    from kvstrata.kernels import cpu_attention, cpu_layer_ops, cpu_linear
+    from kvstrata.kernels.backends import cpu_kernel_available
 
     monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path / "cache"))
     caches = (cpu_attention.library, cpu_linear.library, cpu_layer_ops.library, cpu_kernel_available)

@@ -20,7 +20,8 @@ from kvstrata.engine import llm_engine
 from kvstrata.engine.config import ConfigError
 from kvstrata.engine.hashing import make_namespace
 from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
-from kvstrata.kernels import batch_invariant, cpu_features, cpu_kernel_available, resolve_batch_invariant
+from kvstrata.kernels import batch_invariant, cpu_features
+from kvstrata.kernels.backends import cpu_kernel_available, resolve_batch_invariant
 from kvstrata.kernels.batch_invariant import (LINEAR_BLOCK_M, linear, mean_last_dim, reference_linear,
                                               reference_mean_last_dim)
 

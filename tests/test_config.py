@@ -13,7 +13,8 @@ from kvstrata.engine.config import machine, probes
 from kvstrata.engine.model_spec import EMBEDDED_MODEL
 from kvstrata.engine.config import ENV_OVERRIDES, ConfigError, load_config
 from kvstrata.engine.sizes import Size
-from kvstrata.tiers import TIER_NAMES, storage
+from kvstrata.tiers import storage
+from kvstrata.tiers.names import TIER_NAMES
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SMOLLM2_BF16_BLOCK_NBYTES = 368_640  # 30 layers x 2 x 16 tokens x 3 KV heads x 64 dims x 2 bytes

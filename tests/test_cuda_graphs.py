@@ -14,7 +14,7 @@ from kvstrata.engine.config import ConfigError
 from kvstrata.engine.cuda_graphs import CAPTURE_SIZES, StepGraphs
 from kvstrata.engine.decoder import StepInput
 from kvstrata.engine.model_runner import ModelRunner
-from kvstrata.kernels import get_ops
+from kvstrata.kernels.backends import get_ops
 from kvstrata.tiers.base import BlockLayout
 
 pytestmark = pytest.mark.slow

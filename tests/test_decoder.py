@@ -13,7 +13,7 @@ from benchmarks.lib.decoder_step import CASES, Paths, register_transformers_atte
 from kvstrata.engine.decoder import Decoder
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.model_runner import ModelRunner
-from kvstrata.kernels import get_ops
+from kvstrata.kernels.backends import get_ops
 from kvstrata.tiers.base import BlockLayout
 
 

@@ -19,7 +19,7 @@ from kvstrata.engine import llm_engine
 from kvstrata.engine.async_engine import EngineSnapshot
 from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
 from kvstrata.serving.metrics import ServingMetrics
-from kvstrata.tiers import TIER_NAMES
+from kvstrata.tiers.names import TIER_NAMES
 from server_process import metric_value
 
 pytestmark = pytest.mark.slow

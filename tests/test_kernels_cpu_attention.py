@@ -15,7 +15,8 @@ from kernel_cases import GUARD_ROWS, TOLERANCE, make_paged_problem, naive_attent
 
 from kvstrata import LLM, SamplingParams, load_config
 from kvstrata.engine import llm_engine
-from kvstrata.kernels import cpu_attention, cpu_build, cpu_features, cpu_kernel_available, get_ops, resolve_backend
+from kvstrata.kernels import cpu_attention, cpu_build, cpu_features
+from kvstrata.kernels.backends import cpu_kernel_available, get_ops, resolve_backend
 from kvstrata.kernels.prefix_prefill import reference_prefix_prefill
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler to build the CPU kernel")

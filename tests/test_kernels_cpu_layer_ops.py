@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvstrata.engine.batch_invariant import BatchInvariantMode
-from kvstrata.kernels import cpu_build, cpu_features, cpu_layer_ops, get_ops
+from kvstrata.kernels import cpu_build, cpu_features, cpu_layer_ops
+from kvstrata.kernels.backends import get_ops
 from kvstrata.kernels.kv_store import reference_store_kv
 from kvstrata.kernels.layer_ops import reference_rms_norm, reference_rotary, reference_silu_and_mul
 

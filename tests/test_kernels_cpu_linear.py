@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstrata.kernels import batch_invariant, cpu_build, cpu_features, cpu_linear, cpu_kernel_available, get_ops
+from kvstrata.kernels import batch_invariant, cpu_build, cpu_features, cpu_linear
+from kvstrata.kernels.backends import cpu_kernel_available, get_ops
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="no C compiler to build the CPU kernel")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_cases import TOLERANCE, make_paged_problem, naive_attention, random_batch
 
-from kvstrata.kernels import cpu_kernel_available, get_ops, resolve_backend
+from kvstrata.kernels.backends import cpu_kernel_available, get_ops, resolve_backend
 from kvstrata.kernels.block_copy import reference_gather_blocks, reference_scatter_blocks
 from kvstrata.kernels.kv_store import reference_store_kv
 from kvstrata.kernels.prefix_prefill import reference_prefix_prefill
@@ -103,7 +103,7 @@ def test_kernels_import_and_torch_path_work_without_triton():
 import sys
 sys.modules["triton"] = None  # import triton now raises ImportError
 import torch
-from kvstrata.kernels import get_ops, resolve_backend
+from kvstrata.kernels.backends import get_ops, resolve_backend
 assert resolve_backend("auto", "cuda") == "torch"
 ops = get_ops("torch")
 q = torch.randn(3, 2, 8); cache = torch.randn(2, 1, 2, 4, 1, 8)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_cases import TOLERANCE, check_prefill, make_paged_problem, naive_attention, random_batch
 
-from kvstrata.kernels import get_ops
+from kvstrata.kernels.backends import get_ops
 from kvstrata.kernels.block_copy import (gather_blocks, reference_gather_blocks, reference_scatter_blocks,
                                          scatter_blocks)
 from kvstrata.kernels.kv_store import reference_store_kv, store_kv

@@ -16,7 +16,7 @@ import torch
 from kvstrata import LLM, SamplingParams, load_config
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.model_loader import build_dummy_model, embedded_tokenizer, load_model, resolve_model
-from kvstrata.kernels import cpu_kernel_available, resolve_batch_invariant
+from kvstrata.kernels.backends import cpu_kernel_available, resolve_batch_invariant
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from kvstrata.engine.model_loader import (EMBEDDED_MODEL, ModelSource, load_mode
                                           resolve_model)
 from kvstrata.engine.model_runner import ModelRunner, StepInput
 from kvstrata.engine.model_spec import EMBEDDED_SHAPE
-from kvstrata.kernels import get_ops, resolve_backend
+from kvstrata.kernels.backends import get_ops, resolve_backend
 from kvstrata.tiers.base import BlockLayout
 
 BLOCK_SIZE = 16

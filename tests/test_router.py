@@ -20,7 +20,8 @@ from kvstrata.engine.async_engine import AsyncEngine
 from kvstrata.engine.config import ReplicaConfig, load_config
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import render_document
-from kvstrata.kernels import cpu_features, cpu_kernel_available
+from kvstrata.kernels import cpu_features
+from kvstrata.kernels.backends import cpu_kernel_available
 from kvstrata.serving.app import build_app
 from kvstrata.serving.events import KVEventPublisher
 from kvstrata.serving.metrics import ServingMetrics

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from kvstrata.kernels.kv_format import row_width
-from kvstrata.tiers import LOWER_TIER_NAMES, TIER_NAMES  # noqa: F401 - re-exported: the tiers' names, in order
+from kvstrata.tiers.names import LOWER_TIER_NAMES, TIER_NAMES  # noqa: F401 - re-exported: the tiers' names, in order
 from kvstrata.tiers.block_events import BlockEventListener, TierEvents
 from kvstrata.tiers.shared_memory import shared_empty
 

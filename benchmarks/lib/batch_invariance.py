@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from kvstrata import LLM, SamplingParams, load_config  # noqa: E402
 from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model  # noqa: E402
 from kvstrata.engine.model_runner import ModelRunner, StepInput  # noqa: E402
-from kvstrata.kernels import get_ops, resolve_backend  # noqa: E402
+from kvstrata.kernels.backends import get_ops, resolve_backend  # noqa: E402
 from kvstrata.kernels.batch_invariant import cpu_matrix_isa, linear_tile_rows, reference_linear  # noqa: E402
 from kvstrata.tiers.base import BlockLayout  # noqa: E402
 

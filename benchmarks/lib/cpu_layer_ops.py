@@ -92,7 +92,7 @@ def measure_steps(rounds: int, context: int = 2048) -> list[dict]:
     from benchmarks.lib.decoder_step import Case, step_input
     from kvstrata.engine.model_loader import load_model, resolve_model
     from kvstrata.engine.model_runner import ModelRunner
-    from kvstrata.kernels import get_ops
+    from kvstrata.kernels.backends import get_ops
     from kvstrata.kernels.kv_store import reference_store_kv
     from kvstrata.kernels.layer_ops import reference_rms_norm, reference_rotary, reference_silu_and_mul
     from kvstrata.tiers.base import BlockLayout

@@ -134,7 +134,7 @@ def load(name: str, dtype: torch.dtype, device: str, work_dir: Path):
 
 def measure_model(loaded, context: int, repeats: int, cases=CASES) -> list[dict]:
     """Each case's step through both paths, in turn, on a KV cache of its own holding random K/V."""
-    from kvstrata.kernels import get_ops, resolve_backend
+    from kvstrata.kernels.backends import get_ops, resolve_backend
 
     register_transformers_attention()
     model = loaded.model

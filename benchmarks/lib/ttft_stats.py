@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from kvstrata.tiers import TIER_NAMES as TIERS  # re-exported for the benchmark and its report
+from kvstrata.tiers.names import TIER_NAMES as TIERS  # re-exported for the benchmark and its report
 
 MISS = "miss"
 # A request counts as a hit when at least this share of its prompt came from the cache; the tier

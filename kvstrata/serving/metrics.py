@@ -21,8 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstrata.tiers import LOWER_TIER_NAMES as LOWER_TIERS
-from kvstrata.tiers import TIER_NAMES as TIERS
+from kvstrata.tiers.names import LOWER_TIER_NAMES as LOWER_TIERS
+from kvstrata.tiers.names import TIER_NAMES as TIERS
 
 if TYPE_CHECKING:  # the engine imports torch: `kvstrata serve` reports a port in use before that
     from kvstrata.engine.async_engine import EngineSnapshot, FinishedRequest

@@ -55,7 +55,7 @@ from kvstrata import __version__
 from kvstrata.engine.config import Config, ReplicaConfig
 from kvstrata.engine.hashing import BlockHasher
 from kvstrata.engine.prompts import render_chat, render_document, tokenize_text
-from kvstrata.kernels import resolve_backend, resolve_batch_invariant
+from kvstrata.kernels.backends import resolve_backend, resolve_batch_invariant
 from kvstrata.serving.events import BlockIndex, KVEventSubscriber, ReceivedBatch
 from kvstrata.serving.schemas import ChatCompletionRequest, DocumentRequest, message_dicts
 from kvstrata.serving.tokenizer_pool import TokenizerPool

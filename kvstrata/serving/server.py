@@ -20,7 +20,7 @@ import uvicorn
 
 from kvstrata import __version__
 from kvstrata.engine.config import Config
-from kvstrata.tiers import TIER_NAMES
+from kvstrata.tiers.names import TIER_NAMES
 from kvstrata.tiers.storage import format_bytes
 from kvstrata.serving.app import build_app
 from kvstrata.serving.metrics import ServingMetrics

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from kvstrata.tiers import LOWER_TIER_NAMES, TIER_NAMES
+from kvstrata.tiers.names import LOWER_TIER_NAMES, TIER_NAMES
 from kvstrata.tiers.storage import format_bytes
 
 stats_logger = logging.getLogger("kvstrata.stats")

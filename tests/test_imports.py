@@ -1,0 +1,89 @@
+"""No folder of ours shadows an installed package, from any working directory.
+
+`python -c`, `python -m` and `python -m pytest` put the working directory first on `sys.path`. Our top-level
+folders `engine/`, `tiers/` and `kernels/` must never answer there for an installed package of the same name
+(Hugging Face's `kernels`, which transformers imports while loading any model): they are namespace packages, which
+a regular package later on the path beats."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+OUR_FOLDERS = ("engine", "tiers", "kernels")
+
+
+def run_python(*args: str, cwd: Path, extra_path: Path | None = None, timeout: int = 120):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if extra_path is not None:
+        env["PYTHONPATH"] = str(extra_path)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture
+def installed_namesakes(tmp_path):
+    """A site folder holding regular packages named like each of our folders, as an install would."""
+    site = tmp_path / "site"
+    for name in OUR_FOLDERS:
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(f"WHO = 'installed {name}'\n")
+    return site
+
+
+@pytest.mark.parametrize("where", ["repo root", "elsewhere"])
+def test_an_installed_package_named_like_our_folders_wins_over_them(installed_namesakes, tmp_path, where):
+    cwd = REPO if where == "repo root" else tmp_path
+    code = "import engine, tiers, kernels; print(engine.WHO, tiers.WHO, kernels.WHO, sep=',')"
+    run = run_python("-c", code, cwd=cwd, extra_path=installed_namesakes)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().split(",") == [f"installed {name}" for name in OUR_FOLDERS]
+
+
+def test_our_subpackages_still_import_beside_their_namesakes(installed_namesakes):
+    code = ("import kernels, kvstrata.kernels.backends as ours; print(kernels.WHO); "
+            "print(ours.get_ops('torch').name)")
+    run = run_python("-c", code, cwd=REPO, extra_path=installed_namesakes)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["installed", "kernels", "torch"]
+
+
+def test_hugging_face_kernels_and_the_transformers_hub_integration_import_from_the_repo_root():
+    # transformers (5.25 and later) depends on Hugging Face's `kernels` and imports it while loading any model
+    assert importlib.util.find_spec("transformers") is not None
+    code = ("import importlib.metadata as m, kernels, transformers.integrations.hub_kernels; "
+            "print(kernels.__file__); print(m.version('kernels'))")
+    run = run_python("-c", code, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    origin = Path(run.stdout.split()[0]).resolve()
+    assert REPO not in origin.parents or ".venv" in origin.parts, origin
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["repo root", "elsewhere"])
+def test_the_embedded_model_answers_through_python_c(tmp_path, where):
+    cwd = REPO if where == "repo root" else tmp_path
+    config = str(REPO / "configs" / "default.yaml")
+    code = ("from kvstrata import LLM, SamplingParams, load_config\n"
+            f"llm = LLM(load_config({config!r}, {{'cache.tiers.disk.path': {str(tmp_path / 'kv')!r}}}))\n"
+            "out = llm.generate('The capital of France is', SamplingParams(max_tokens=4, temperature=0.0))\n"
+            "print(len(out[0].token_ids)); llm.close()\n")
+    run = run_python("-c", code, cwd=cwd, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "4"
+
+
+@pytest.mark.slow
+def test_the_embedded_model_answers_through_python_m_kvstrata_from_the_repo_root(tmp_path):
+    document = tmp_path / "doc.txt"
+    document.write_text("The Eiffel Tower is in Paris. It was finished in 1889.")
+    run = run_python("-m", "kvstrata", "ask", "--config", "configs/default.yaml", "--set",
+                     f"cache.tiers.disk.path={tmp_path / 'kv'}", "--doc", str(document), "--max-tokens", "4",
+                     "Where is the tower?", cwd=REPO, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip(), run.stderr[-3000:]
