@@ -27,7 +27,7 @@ import functools
 import torch
 
 from kvstrata.kernels import cpu_features
-from kvstrata.kernels.triton_compat import check_launchable, tl, triton
+from kvstrata.kernels.triton_compat import check_launchable, jit, tl, triton
 
 
 # Rows per fixed-shape product of `reference_linear`, by the CPU's widest matrix unit and the dtype. A product of
@@ -134,7 +134,7 @@ LINEAR_BLOCK_K = 32
 MEAN_BLOCK = 1024
 
 
-@triton.jit
+@jit
 def _linear_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -158,7 +158,7 @@ def _linear_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, str
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@jit
 def _mean_last_dim_kernel(x_ptr, out_ptr, N, stride_xm, BLOCK: tl.constexpr):
     """Program r: the mean of row r, summed in BLOCK-wide lanes along the row, then across the lanes."""
     row = tl.program_id(0).to(tl.int64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.kernels.triton_compat import check_launchable, tl, triton
+from kvstrata.kernels.triton_compat import check_launchable, jit, tl, triton
 
 
 def reference_gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,7 @@ def reference_scatter_blocks(src: torch.Tensor, kv_cache: torch.Tensor, block_id
     kv_cache.index_copy_(0, block_ids.to(device=kv_cache.device, dtype=torch.long), src.to(kv_cache.dtype))
 
 
-@triton.jit
+@jit
 def _copy_blocks_kernel(src_ptr, dst_ptr, src_index_ptr, dst_index_ptr, src_stride, dst_stride, block_numel,
                         GATHER: tl.constexpr, CHUNK: tl.constexpr):
     """Program (i, c) copies chunk c of block i. Gather reads block `src_index[i]` into row i; scatter writes row i

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.kernels.kv_format import INT8_MAX, SCALE_BYTES, is_scaled, row_width
-from kvstrata.kernels.triton_compat import check_launchable, tl, triton
+from kvstrata.kernels.triton_compat import check_launchable, jit, tl, triton
 
 
 def saturation(source: torch.dtype, cache: torch.dtype) -> float | None:
@@ -65,7 +65,7 @@ def reference_store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.T
     kv_cache[block_ids, layer, 1, offsets] = value.to(kv_cache.dtype)
 
 
-@triton.jit
+@jit
 def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, layer,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cl, stride_ckv, stride_cs, stride_ch,
@@ -100,7 +100,7 @@ def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, layer,
     tl.store(rows[:, None] + stride_ckv + dims, stored_value, mask=mask)
 
 
-@triton.jit
+@jit
 def _store_scaled_rows(x, rows, dims, mask, head_ok, head_dim):
     """`quantize_rows` of x [HEADS, HEAD_DIM] (zero past head_dim) into the int8 rows starting at `rows`
     [HEADS]: the values, then each row's float32 scale in the row's last bytes (4-byte aligned)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvstrata.kernels.triton_compat import check_launchable, tl, triton
+from kvstrata.kernels.triton_compat import check_launchable, jit, tl, triton
 
 MAX_ROW = 1 << 16  # the widest row one program of the norm holds in registers (hidden sizes go to 16k)
 
@@ -48,7 +48,7 @@ def reference_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
-@triton.jit
+@jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, N, heads, stride_xt, stride_xh,
                      stride_rt, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     """Program r normalises row r, which is (token r // heads, head r % heads) of x (heads is 1 for [T, N] rows):
@@ -97,7 +97,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out, summed
 
 
-@triton.jit
+@jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, stride_ct, stride_st,
                    HALF: tl.constexpr, HEADS: tl.constexpr, HALF_BLOCK: tl.constexpr):
     """Program t rotates every head of token t: [HEADS, HALF_BLOCK] tiles of each half, every product rounded to
@@ -144,7 +144,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
-@triton.jit
+@jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, n, stride_xt, BLOCK: tl.constexpr):
     """Program (t, c) computes elements [c * BLOCK, (c + 1) * BLOCK) of token t's output."""
     token = tl.program_id(0).to(tl.int64)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kvstrata.kernels.kv_format import is_scaled, row_width
 from kvstrata.kernels.kv_store import dequantize_rows
-from kvstrata.kernels.triton_compat import check_launchable, tl, triton
+from kvstrata.kernels.triton_compat import check_launchable, jit, tl, triton
 
 
 def gather_sequence_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor,
@@ -252,7 +252,7 @@ def _float_tiles(kv: torch.Tensor, padded_len: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q: tl.constexpr, SEQ_SLACK: tl.constexpr):
     """The last sequence b whose first tile `query_start_loc[b] // BLOCK_Q + b * SEQ_SLACK` is <= tile_index."""
     lo: tl.int32 = 0
@@ -267,7 +267,7 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_Q: tl.conste
     return lo - 1
 
 
-@triton.jit
+@jit
 def _key_tiles_per_split(kv_len, num_splits, min_tiles_per_split, TILE_N: tl.constexpr,
                          FIXED_TILES_PER_SPLIT: tl.constexpr):
     """Split s of a sequence of kv_len keys holds its key tiles [s * n, (s + 1) * n) for the n returned: as even a
@@ -282,7 +282,7 @@ def _key_tiles_per_split(kv_len, num_splits, min_tiles_per_split, TILE_N: tl.con
     return tl.cdiv(num_key_tiles, seq_splits)
 
 
-@triton.jit
+@jit
 def _attend_tile(acc, row_max, row_sum, q, key_start, query_pos, block_table_ptr, k_base, v_base, kv_len,
                  stride_cb, stride_cs, qk_scale, head_dim,
                  offs_n, offs_d, d_mask, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -325,7 +325,7 @@ def _attend_tile(acc, row_max, row_sum, q, key_start, query_pos, block_table_ptr
     return acc, new_max, row_sum
 
 
-@triton.jit
+@jit
 def _prefix_prefill_kernel(
         query_ptr, cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -407,7 +407,7 @@ def _prefix_prefill_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@jit
 def _merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, num_splits, num_heads, head_dim, num_rows,
                          stride_ot, stride_oh, CHUNK: tl.constexpr):
     """Program c merges elements [c * CHUNK, (c + 1) * CHUNK) of the output read as one flat run of rows (token,

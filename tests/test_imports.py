@@ -64,6 +64,20 @@ def test_hugging_face_kernels_and_the_transformers_hub_integration_import_from_t
     assert REPO not in origin.parents or ".venv" in origin.parts, origin
 
 
+def test_the_cpu_and_torch_backends_never_import_triton():
+    """Their ops are the compiled CPU kernels and the torch references beside the Triton kernels: defining those
+    kernels must not import Triton (torch itself may, later, to ask whether it is there)."""
+    code = ("import sys, torch\n"
+            "from kvstrata.kernels.backends import cpu_kernel_available, get_ops\n"
+            "for backend in ['cpu', 'torch'] if cpu_kernel_available() else ['torch']:\n"
+            "    get_ops(backend, batch_invariant=True).silu_and_mul(torch.randn(3, 16))\n"
+            "    get_ops(backend).silu_and_mul(torch.randn(3, 16))\n"
+            "print('triton' in sys.modules)\n")
+    run = run_python("-c", code, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "False"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["repo root", "elsewhere"])
 def test_the_embedded_model_answers_through_python_c(tmp_path, where):
@@ -76,6 +90,7 @@ def test_the_embedded_model_answers_through_python_c(tmp_path, where):
     run = run_python("-c", code, cwd=cwd, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split()[-1] == "4"
+    assert "leaked" not in run.stderr  # a CPU run builds no Triton object (its bindings report those at exit)
 
 
 @pytest.mark.slow
