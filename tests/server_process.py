@@ -21,8 +21,11 @@ STARTUP_TIMEOUT_S = 300  # loading the model on a busy CPU
 LISTENING = re.compile(r"listening on (http://\S+)")
 
 
-def serve_command(*overrides: str, port: int | str = 0) -> list[str]:
-    command = [sys.executable, "-m", "kvstrata", "serve", "--config", str(DEFAULT_CONFIG), "--port", str(port)]
+def serve_command(*overrides: str, port: int | str = 0, kvstrata: list[str] | None = None,
+                  config: Path = DEFAULT_CONFIG) -> list[str]:
+    """`kvstrata serve` with `overrides`; `kvstrata`: how to start the command (default: this interpreter's
+    `python -m kvstrata`)."""
+    command = [*(kvstrata or [sys.executable, "-m", "kvstrata"]), "serve", "--config", str(config), "--port", str(port)]
     for override in overrides:
         command += ["--set", override]
     return command
@@ -44,12 +47,14 @@ def run_bench_on_a_tiny_model(benchmark: str, config: str, *args: str) -> subpro
 class ServerProcess:
     """A running `kvstrata serve`; `lines` collects its stdout and stderr as they come."""
 
-    def __init__(self, disk_path: Path, *overrides: str, env: dict[str, str] | None = None):
+    def __init__(self, disk_path: Path, *overrides: str, env: dict[str, str] | None = None,
+                 kvstrata: list[str] | None = None, config: Path = DEFAULT_CONFIG, cwd: Path = REPO):
         self.disk_path = disk_path
         settings = ("model.dtype=float32", "cache.tiers.device.size=128", "cache.tiers.cpu.size=256",
                     f"cache.tiers.disk.path={disk_path}", "cache.tiers.disk.size=256MiB", *overrides)
-        self.process = subprocess.Popen(serve_command(*settings), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, env={**server_env(), **(env or {})}, cwd=REPO)
+        self.process = subprocess.Popen(serve_command(*settings, kvstrata=kvstrata, config=config),
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env={**server_env(), **(env or {})}, cwd=cwd)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read_output, daemon=True)
         self._reader.start()
