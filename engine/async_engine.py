@@ -409,7 +409,7 @@ class AsyncEngine:
     def _deliver(self, updated: list[Request]) -> None:
         """Hand the step's outputs to their callers: one `call_soon_threadsafe` per event loop, since each
         wakes the loop's thread, which then competes with this one for the interpreter lock (with a call
-        per request, 16 streams made a decode step 2.5x longer than the engine's own work)."""
+        per request, a decode step beside many streams took several times the engine's own work)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for request in updated:
             stream = self._streams.get(request.request_id)

@@ -3,7 +3,7 @@ starts skip the conversion.
 
 Loading a GGUF through transformers parses its metadata three times (for the config, the tokenizer and the weights:
 some 440,000 fields, the vocabulary's strings one by one), dequantises every tensor and converts the tokenizer: most
-of a start's time (benchmarks/results/startup.md). A converted copy is plain safetensors and a tokenizer.json.
+of a start's time. A converted copy is plain safetensors and a tokenizer.json.
 
 Copies live in the user's cache directory (engine/model_identity.py `cache_root`), private to the user, under
 `converted/<the GGUF's content digest>-transformers<version>/`: `tokenizer/`, and one folder per dtype of weights
@@ -13,8 +13,8 @@ the model's dtype and others in float32). Keyed by the GGUF's content and the tr
 a copy is never used for another file or another conversion.
 
 A copy is derived data and never trusted blindly: each folder is written in a temporary folder and renamed into place
-whole, with `manifest.json`, the digest of each of its files, written last; a load checks every digest first (about
-0.05 s for SmolLM2's float32 weights, read from the page cache). A copy that is missing, half written, damaged on
+whole, with `manifest.json`, the digest of each of its files, written last; a load checks every digest first (cheap
+beside the conversion it saves, with the weights in the page cache). A copy that is missing, half written, damaged on
 disk or fails to load is a miss: the GGUF is read as before and the copy written again. A copy that cannot be
 written (a read-only or full disk) is left out, with one warning.
 """

@@ -3,9 +3,9 @@ or a question beside decoding sequences replays the kernels recorded for its pad
 from Python, as vLLM and SGLang do.
 
 Such a step does little arithmetic, so on a GPU its time is the host's: the Python of the forward pass and the
-launch of each kernel (engine/decoder.py: about 11 a layer). On one H200 an eager SmolLM2 decode step took 22.2 ms
-and its graph 1.5 ms (benchmarks/results/gpu.md); a 16-token question costs the eager step as much. A graph replays
-every launch with one, but needs the same shapes and arguments at each replay, so a step is padded to a size,
+launch of each kernel (engine/decoder.py: about 11 a layer), and a replayed graph takes a fraction of the eager
+step's time; a 16-token question costs the eager step as much as a decode. A graph replays every launch with one,
+but needs the same shapes and arguments at each replay, so a step is padded to a size,
 `(tokens, sequences)`:
 
 - a decode step (one new token and its logits per sequence) to `(n, n)`, n the next of `CAPTURE_SIZES` (up to
@@ -123,8 +123,8 @@ class StepGraphs:
         """Record ahead every size a step may be padded to: each decode batch's, and each (tokens, sequences) of a
         step with a padding sequence (more tokens than sequences: a question, a short prompt, either beside decoding
         sequences), so that no step waits for a recording. Recorded when first needed instead, a question beside one
-        decoding sequence made that sequence's token wait 36 ms on one H200 (its median gap 1.8 ms). Returns the
-        (tokens, sequences) sizes recorded."""
+        decoding sequence made that sequence's next token wait many times its usual gap. Returns the (tokens,
+        sequences) sizes recorded."""
         sizes = [size for size in map(self._decode_size, self.seq_sizes) if size is not None]
         sizes += [Size(tokens, seqs) for seqs in self.seq_sizes if seqs >= 2 for tokens in self.token_sizes
                   if tokens > seqs]

@@ -2,12 +2,12 @@
 Qwen3), run on the loaded model's own weights by kvstrata's kernels rather than through transformers' modules.
 
 Why not transformers' forward: on a GPU a step with few tokens (a decode, a question after a cached document) is
-bound by the host, not the device. Its time was about 25 ms for a 135M model and an 8B one alike
-(benchmarks/results/gpu.md): the Python of transformers' modules and the ~45 small kernels a layer launches (its
-RMSNorm alone is eight). Here a layer is one function launching about 11: a fused residual-add-and-RMSNorm, one
-product for q, k and v, rotary embedding of q and k in one kernel, the K/V store, attention, the output product,
-the second add-and-norm, one product for the MLP's gate and up, SiLU-and-multiply, the down product
-(kernels/layer_ops.py). It is also the shape a captured CUDA graph needs: every launch comes from this file.
+bound by the host, not the device: a 135M model and an 8B one took about the same time a step, the Python of
+transformers' modules and the ~45 small kernels a layer launches (its RMSNorm alone is eight). Here a layer is
+one function launching about 11: a fused residual-add-and-RMSNorm, one product for q, k and v, rotary embedding
+of q and k in one kernel, the K/V store, attention, the output product, the second add-and-norm, one product for
+the MLP's gate and up, SiLU-and-multiply, the down product (kernels/layer_ops.py). It is also the shape a captured
+CUDA graph needs: every launch comes from this file.
 
 The math is transformers' (the torch references are its code, in its order), so on the torch path a step computes
 what transformers computes; the packed products are the only change, a wider matrix per product (see `pack`).
@@ -89,8 +89,7 @@ def pack(linears: list[torch.nn.Linear], transposed: bool = False) -> tuple[torc
     `transposed`: the pack is stored `[in_features, out_features]`, row-major, and the weight returned (and each
     module's) is its transposed view, still `[out, in]` as `F.linear` takes it. On a CPU, `F.linear` then runs
     MKL's plain `x @ W` product, which skips the transposing copy of the weight that the `x @ W.T` form makes on
-    every call: measured 23% less time for a one-row step over all 30 layers' products, 13% for ten rows
-    (benchmarks/results/cpu_step.md)."""
+    every call: a copy as large as the weight, for a step of one row or ten."""
     weight = _packed([m.weight for m in linears], transposed)
     biases = [m.bias for m in linears]
     if all(b is None for b in biases):
@@ -130,8 +129,8 @@ def _adjacent(parts: list[torch.Tensor], transposed: bool) -> bool:
 
 def store_transposed(weight: torch.nn.Parameter) -> None:
     """Keep a `[out, in]` weight stored `[in, out]`, seen through its transposed view (see `pack`): the vocabulary
-    product of a step's last rows measured 14.1 -> 8.0 ms for SmolLM2's 49k x 576 on one AVX2 thread. A tied
-    embedding is the same parameter: its lookups read a few rows through the strides (0.1 ms for ten)."""
+    product of a step's last rows then skips the transposing copy too. A tied embedding is the same parameter:
+    its lookups read a few rows through the strides, which costs little."""
     if weight.dim() == 2 and weight.is_contiguous():
         weight.data = weight.detach().t().contiguous().t()
 

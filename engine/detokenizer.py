@@ -5,8 +5,8 @@ UTF-8 character and the tail that could still turn into a stop string, so that t
 streaming client is always a prefix of the final text.
 
 Each new token costs a decode of a few tokens, never of the whole output: decoding everything again
-at every token made a step's host work grow with the answer's length (a 1000-token answer cost a
-third of a millisecond per sequence per step, more than a decode step replayed on a GPU).
+at every token made a step's host work grow with the answer's length (for a long answer, more than a
+decode step replayed on a GPU).
 """
 from __future__ import annotations
 

@@ -224,7 +224,7 @@ class BlockHasher:
 def tokens_as_bytes(token_ids: Any) -> bytes:
     """All token ids as little-endian uint32 bytes, converted in one call (never per token in Python).
 
-    A list goes through `array.array` (a C loop; about 3x faster than numpy's conversion of a
+    A list goes through `array.array` (a C loop, faster than numpy's conversion of a
     list), a numpy array or torch tensor through numpy; both give the same `'<u4'` bytes.
     """
     if isinstance(token_ids, (list, tuple)):

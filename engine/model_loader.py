@@ -75,7 +75,7 @@ class LoadedModel:
 
 
 def resolve_model(name: str, load_format: str = "auto") -> ModelSource:
-    """Map `model.name` to files on this machine: the embedded model, a model directory or a GGUF file (for
+    """Map `model.name` to files on the host: the embedded model, a model directory or a GGUF file (for
     `load_format: dummy`, a directory's config.json or a preset)."""
     if load_format == "dummy" and name in PRESETS:
         return ModelSource(None, None, name, load_format)
@@ -226,7 +226,7 @@ def _check_runnable(source: ModelSource) -> dict:
 @contextmanager
 def _gguf_parsed_once():
     """transformers parses a GGUF's header three times in one load (for the config, the tokenizer and the
-    weights), and each parse walks the tokenizer's ~100k strings one numpy slice at a time: about a third of a
+    weights), and each parse walks the tokenizer's ~100k strings one numpy slice at a time: a large part of a
     first start each. While loading, the `gguf` package's reader is built once per file and shared; it only
     maps the file and reads it."""
     try:

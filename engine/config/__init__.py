@@ -29,7 +29,7 @@ Where each part lives:
     schema.py   the keys a user writes: the sections, their types and defaults (`Config`)
     fields.py   the value types (sizes, durations, dtypes, endpoints) and `ConfigError`
     loading.py  `load_config`: YAML, environment and `--set` overrides, one-line errors
-    machine.py  sizing (block counts to bytes) and whether each tier fits this machine
+    machine.py  sizing (block counts to bytes) and whether each tier fits the host
     probes.py   what `auto` means here: the CPU's AMX, the GPU's capability, the thread count
 
 The config is validated once, at the edge; inside the engine the types are trusted. Every problem
@@ -45,7 +45,7 @@ exactly when that tier is off (left out, null, or sized 0), `cache.tiers.remote`
 or null; paths (the disk tier's, a model directory) are absolute, relative ones having been resolved
 against the current directory at load time; dtype and device are spelled canonically (`bfloat16`,
 `cuda:0`). `auto` values stay `auto` in the config (it describes what was asked); `resolved_device()`,
-`resolved_dtype()` and `resolved_threads()` say what they mean on this machine.
+`resolved_dtype()` and `resolved_threads()` say what they mean on the machine that runs it.
 
 This package must stay cheap to import: `kvstrata config check` uses it without torch.
 """

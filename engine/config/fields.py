@@ -162,7 +162,7 @@ _ENDPOINT_RE = re.compile(r"^tcp://(\*|\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(\d{1,5})$
 
 
 def _zmq_endpoint(value: Any) -> str:
-    """`tcp://HOST:PORT` (HOST an address of this machine, a host name that resolves, or `*` for
+    """`tcp://HOST:PORT` (HOST an address of the host, a host name that resolves, or `*` for
     every interface) or `ipc://PATH`: what a ZMQ socket can bind."""
     if not isinstance(value, str):
         raise ValueError(f"expected tcp://host:port or ipc://path, got {short_repr(value)}")
@@ -209,7 +209,7 @@ def one_line(text: str) -> str:
 
 
 def check_host(host: str) -> str:
-    """`server.host` must be an address this machine could listen on: an IP address, or a host
+    """`server.host` must be an address the host could listen on: an IP address, or a host
     name that resolves. Checked here so that `config check` refuses what `serve` could not bind."""
     host = host.strip()
     try:

@@ -45,7 +45,7 @@ def load_config(source: str | os.PathLike | Mapping | Config | None = None,
     `disk_read_only`: for a command that only reads the disk store (`kvstrata cache stats`): its
     path is then neither created nor required to be writable or roomy.
     `for_machine` False: the config describes another machine (`kvstrata plan` sizes tiers before they
-    are bought): no tier is checked against this machine's memory or disk, and no disk path is touched.
+    are bought): no tier is checked against the host's memory or disk, and no disk path is touched.
     Raises ConfigError, one line naming the key, for any problem.
     """
     env_sources: dict[str, str] = {}

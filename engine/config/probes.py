@@ -1,4 +1,4 @@
-"""What this machine's processors can do, as `auto` values need it: the dtype `model.dtype: auto`
+"""What the host's processors can do, as `auto` values need it: the dtype `model.dtype: auto`
 means, and the thread count `model.threads: auto` picks.
 
 The CPU probes read /proc/cpuinfo and ask the kernel, never torch: `kvstrata config check` must stay
@@ -22,9 +22,9 @@ def auto_dtype(device: str) -> str:
 
     On a GPU, bfloat16 where the GPU computes it natively (compute capability 8.0 and later), else
     float16. On a CPU, float32: without bfloat16 matrix units a CPU computes bfloat16 more slowly
-    than float32 (measured 1.5x on a 2k-token prompt on one CPU; 60x per matrix product on one
-    without AVX-512, where the engine warns at start), and float32 cache hits give exactly the
-    uncached outputs. CPUs with AMX tiles multiply bfloat16 in hardware, so they get bfloat16.
+    than float32 (far more slowly without AVX-512, where the engine warns at start), and float32
+    cache hits give exactly the uncached outputs. CPUs with AMX tiles multiply bfloat16 in hardware,
+    so they get bfloat16.
     """
     if device.startswith("cuda"):
         index = int(device.partition(":")[2] or 0)
@@ -43,7 +43,7 @@ AMX_OVERRIDE_VARIABLE = cpu_features.AMX_OVERRIDE_VARIABLE
 
 
 def cpu_has_amx() -> bool:
-    """Whether this CPU multiplies bfloat16 in AMX tiles and the kernel lets this process use them
+    """Whether the host's CPU multiplies bfloat16 in AMX tiles and the kernel lets this process use them
     (`KVSTRATA_CPU_AMX` forces the answer).
 
     The same test as torch's (and oneDNN's): the CPU lists `amx_tile` and `amx_bf16`, and the kernel
@@ -70,10 +70,10 @@ def default_threads() -> int:
     run on, at most `MAX_AUTO_THREADS`, and one on a machine with two cores or fewer.
 
     Why one there: intra-op threads meet at a barrier after every operator, so a request runs at the
-    pace of its slowest thread, and on two cores any other busy process deschedules one of the two.
-    Measured on a 2-core machine shared with other work (benchmarks/results/archive/threads.md): with two
-    threads a 58-token prompt took 15x longer at the median than with one (13 s against 0.9 s) and
-    a 500-token prefill 4x longer. Where the machine is otherwise idle, `model.threads: 2` may be faster.
+    pace of its slowest thread, and on two cores any other busy process deschedules one of the two:
+    with a second thread, short prompts swung to many times their one-thread time whenever anything
+    else ran, and long prefills slowed too. Where the machine is otherwise idle, `model.threads: 2`
+    may be faster.
     """
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     physical = psutil.cpu_count(logical=False) or usable

@@ -45,8 +45,8 @@ class ModelConfig(_Section):
     max_model_len: PositiveInt | None = None  # None: the model's own limit
     threads: Threads = "auto"  # torch's CPU threads; auto: see `default_threads`
     # Reductions in an order no batch or chunking changes: cached and uncached outputs then agree bit for bit in
-    # every dtype (benchmarks/results/batch_invariance.md). Its K/V get their own hash namespace. auto: on where it
-    # was measured to cost at most 1.1x (the compiled CPU kernels on AVX2; `kernels.INVARIANT_BY_DEFAULT`).
+    # every dtype. Its K/V get their own hash namespace. auto: on where it was measured to cost next to nothing
+    # (the compiled CPU kernels on AVX2; `kernels.INVARIANT_BY_DEFAULT`; the figures are in docs/configuration.md).
     batch_invariant: AutoBool = "auto"
     # Steps of few tokens (decodes, questions) replayed as CUDA graphs (engine/cuda_graphs.py) on a CUDA device;
     # ignored on a CPU with device auto. On in configs/gpu.yaml; off by default here, where the CPU is the default.
@@ -292,7 +292,8 @@ class ServerConfig(_Section):
     max_request_body: Annotated[int, BeforeValidator(request_body_limit),
                                 PlainSerializer(format_size)] = DEFAULT_MAX_REQUEST_BODY
     # On SIGTERM, how long requests in flight may finish before they are aborted and the cache is
-    # written down: below Kubernetes' default 30 s grace period, so the write-down has time too.
+    # written down: below Kubernetes' default grace period (`terminationGracePeriodSeconds: 30`), so the
+    # write-down has time too.
     drain_timeout: DurationOrZero = 25.0
     vllm_metrics: bool = True  # also export the vllm:* series vLLM's dashboards and autoscalers read
     # A line per HTTP request on the `kvstrata.access` logger: method, path, status, time, request id (never a body).
