@@ -4,7 +4,7 @@ here, so a token's hidden state is the same whether it was computed in a long pr
 cached prefix, a decode step or beside other requests.
 
 Why the default calls are not enough: a GEMM library picks its kernel, and with it the order in which a row's
-products are summed, from the problem's shape. On this CPU, float32 `x @ W.T` gives other bits for a row when the
+products are summed, from the problem's shape. On an AVX2 CPU, float32 `x @ W.T` gives other bits for a row when the
 call has 1-3 rows than when it has more (MKL's small-M path), and OpenBLAS' (numpy's) bits depend on a row's place
 in a product of fixed shape; cuBLAS picks tiles and split-K from M. A CUDA reduction picks its threads per row
 from the row count.
@@ -32,11 +32,11 @@ from kvstrata.kernels.triton_compat import check_launchable, jit, tl, triton
 
 # Rows per fixed-shape product of `reference_linear`, by the CPU's widest matrix unit and the dtype. A product of
 # one shape runs one kernel, so a row's bits depend only on its own values whatever else is in the call (checked in
-# tests/test_batch_invariant_outputs.py for every tile here). Measured on AVX2 (benchmarks/results/batch_invariance.md,
-# one thread, [M, 576] x [576, 1536]): bfloat16 costs the same per row alone as in any tile (its kernel computes one
-# row at a time anyway), so 1; float32 alone forgoes MKL's GEMM (2.5x F.linear over 512 rows) while 16-row tiles
-# cost 1.6x, and a lone decode row padded to 16 costs ~10x its own product. AVX-512 and AMX were not measured here:
-# their tiles follow the units' shapes (AMX: 16 rows a tile register) and must be re-measured on such a CPU.
+# tests/test_batch_invariant_outputs.py for every tile here). Measured on AVX2 (one thread, [M, 576] x [576, 1536]):
+# bfloat16 costs the same per row alone as in any tile (its kernel computes one row at a time anyway), so 1; float32
+# a row at a time forgoes MKL's GEMM and costs more than in 16-row tiles, though a lone decode row padded to 16 costs
+# several times its own product. AVX-512 and AMX were not measured: their tiles follow the units' shapes (AMX: 16
+# rows a tile register) and must be re-measured on such a CPU.
 LINEAR_TILE_ROWS = {
     ("amx", torch.bfloat16): 32, ("amx", torch.float32): 16,
     ("avx512", torch.bfloat16): 16, ("avx512", torch.float32): 16,
@@ -47,7 +47,7 @@ LINEAR_TILE_ROWS = {
 # Families whose BLAS gives a row the same bits in every call whose row count is a multiple of this, whatever the
 # count or the row's place. Measured on AVX2 (MKL's float32 GEMM, one and two threads, every linear shape of the
 # embedded model, calls of 4 to 1,160 rows at any offset; counts not a multiple of 4 differ, and with one thread
-# only counts under 4; benchmarks/results/batch_invariance.md). There a product needs at most 3 padding rows, not
+# only counts under 4). There a product needs at most 3 padding rows, not
 # fixed tiles, and costs about F.linear's own time. Each shape is checked once per process before it is trusted
 # (`_library_keeps_rows_alike`); where the library does otherwise, the tiles above are used.
 LINEAR_ROW_MULTIPLE = {("avx2", torch.float32): 4}
@@ -69,7 +69,7 @@ def linear_tile_rows(dtype: torch.dtype, device: torch.device | str = "cpu") -> 
 
 
 def linear_row_multiple(x: torch.Tensor, weight: torch.Tensor) -> int | None:
-    """The row multiple `reference_linear` pads to for this product on this CPU, or None where it cuts tiles (a
+    """The row multiple `reference_linear` pads to for this product on the host's CPU, or None where it cuts tiles (a
     family `LINEAR_ROW_MULTIPLE` does not name, another device, or a shape whose check failed)."""
     if x.device.type != "cpu":
         return None

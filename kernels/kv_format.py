@@ -6,9 +6,9 @@ value i is `int8[i] * scale`. The scale is the row's largest magnitude / 127, so
 range (llama.cpp's q8_0 scales groups of 32 values the same way). A block stays one contiguous extent, so every
 tier moves it as bytes, unaware of the scales.
 
-Why per-row int8 and not scaled fp8: fp8 is already relative, so its 3-bit mantissa sets its error; on SmolLM2's
-K/V e4m3 changes 2.6% of the norm, and still 2.1-2.4% with a scale per row; int8 with a scale per row 0.7-1.1%
-(benchmarks/results/kv_cache_dtype.md).
+Why per-row int8 and not scaled fp8: fp8 is already relative, so its 3-bit mantissa sets its error and a scale
+per row barely lowers it; int8 with a scale per row changes a fraction of what e4m3 does (docs/dtype.md has the
+errors measured on SmolLM2's K/V).
 
 Torch-free (the config sizes blocks without importing torch): dtypes are named as torch names them.
 """

@@ -37,9 +37,9 @@ def gather_sequence_part(kv_cache: torch.Tensor, layer: int, part: int, block_ta
     num_blocks = -(-seq_len // block_size)
     block_ids = block_table[:num_blocks].to(device=kv_cache.device, dtype=torch.long)
     # K and V apart, each one index_select over the layer's strided view: each comes out contiguous
-    # ([n, block_size, kv_heads, row]), so the reshape copies nothing. On a CPU this gathers 2k tokens
-    # in a third of the time of advanced indexing of both at once, whose K and V halves were then
-    # copied again (benchmarks/results/kernels.md). Never index_select over all layers: that copies them all.
+    # ([n, block_size, kv_heads, row]), so the reshape copies nothing. Advanced indexing of both at once
+    # was slower, and its K and V halves were then copied again. Never index_select over all layers: that
+    # copies them all.
     rows = (num_blocks * block_size, *kv_cache.shape[-2:])
     gathered = kv_cache[:, layer, part].index_select(0, block_ids).reshape(rows)[:seq_len]
     if is_scaled(str(kv_cache.dtype)):
@@ -57,7 +57,7 @@ def causal_suffix_mask(q_len: int, kv_len: int, device: torch.device) -> torch.T
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """One new token attending to all `kv_len` keys: `query [num_heads, head_dim]`, `key/value [num_kv_heads,
     kv_len, head_dim]`. Plain fp32 matmuls over the query heads grouped by KV head: on a CPU, SDPA's one-row
-    path measured 6-9x slower in bf16 (and no faster in fp32), see benchmarks/results/kernels.md."""
+    path was measured several times slower in bf16 (and no faster in fp32)."""
     num_kv_heads, _, head_dim = key.shape
     grouped = query.reshape(num_kv_heads, -1, head_dim).float()  # [kv_heads, group, head_dim]
     scores = torch.matmul(grouped, key.float().transpose(1, 2)) * scale
@@ -76,7 +76,7 @@ def decode_attention_in_place(query: torch.Tensor, key: torch.Tensor, kv_cache: 
     """`decode_attention` with V read from the paged cache where it lies: the probabilities weigh V's rows in
     one `embedding_bag` sum per query head, which reads each row by its number in the cache, so the sequence's V
     is never gathered into a copy (half of a decode step's gather, and the write of it). K is gathered as before
-    (`key`). Measured 1.56 -> 1.09 ms a layer for one 2k-token sequence, one AVX2 thread."""
+    (`key`)."""
     num_kv_heads, _, head_dim = key.shape
     grouped = query.reshape(num_kv_heads, -1, head_dim)  # [kv_heads, group, head_dim]
     probs = (torch.matmul(grouped, key.transpose(1, 2)) * scale).softmax(dim=-1)  # [kv_heads, group, kv_len]
@@ -137,7 +137,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     SDPA's `is_causal` (its fast path on a CPU) aligns the diagonal top-left, right only when q_len == kv_len.
     With a short cached context (a shared system prompt before a new document, the common miss), the queries
     are padded at the front with `ctx_len` zero rows, which makes `is_causal` exact, and the padding's output
-    is dropped: measured ~40% faster than an explicit mask. With a long context and few new tokens (a
+    is dropped: faster than an explicit mask. With a long context and few new tokens (a
     question after a cached document) the explicit mask is the cheaper one."""
     q_len, kv_len = query.shape[0], key.shape[1]
     ctx_len = kv_len - q_len
@@ -162,7 +162,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 # as a batch of such products (bmm) so that the library runs the same instructions for every product. A tile past
 # a row's causal limit adds exact zeros (its probabilities are exp(-inf) = 0 and its correction exp(0) = 1), so
 # rows may share tiles with rows that see more. Elementwise steps (scale, mask, exp, max, the online update) are
-# per element; the row sums reduce one tile row of fixed length. Measured in benchmarks/results/batch_invariance.md.
+# per element; the row sums reduce one tile row of fixed length.
 INVARIANT_KEY_TILE = 256
 INVARIANT_QUERY_ROWS = 16
 

@@ -131,7 +131,7 @@ class TraceWriter:
 
 
 def _last_timestamp(path: Path) -> float:
-    """The last request's timestamp in an existing trace (+1 ms), 0 for a new or empty one."""
+    """The last request's timestamp in an existing trace plus a millisecond, 0 for a new or empty one."""
     try:
         with open(path, "rb") as handle:
             handle.seek(0, os.SEEK_END)

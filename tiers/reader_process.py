@@ -3,11 +3,10 @@ process, the shared host memory it maps (tiers/shared_memory.py) and the copy of
 
 Why processes: a read in the engine's process needs Python's interpreter lock between its copy and its checksum
 (and, from a server, per reply), several times per block, and shares it with the step thread; beside a busy step
-loop a thread's reads wait for the lock more than they copy (benchmarks/results/disk_promotion.md,
-benchmarks/results/hit_beside_decodes.md). A reader process has its own interpreter: what it reads costs the engine's
-process one message per batch.
+loop a thread's reads wait for the lock more than they copy. A reader process has its own interpreter: what it
+reads costs the engine's process one message per batch.
 
-A reader imports neither torch nor the engine: it starts in a tenth of a second. It exits when its socket closes
+A reader imports neither torch nor the engine, so it starts quickly. It exits when its socket closes
 (also when the engine's process dies).
 
 Messages are msgpack maps, each framed by its length (u32 LE); a segment's descriptor travels with its message.
@@ -133,8 +132,8 @@ class SharedMemoryReader:
 
 def _map(fd: int, nbytes: int) -> np.ndarray:
     # Populated at once: every page this process writes for the first time costs it a fault, and which device
-    # blocks a promotion fills changes from one to the next (a 7000-token promotion by one reader into a host
-    # KV cache: 43 ms faulting pages in as it went, 23 ms populated).
+    # blocks a promotion fills changes from one to the next (a promotion that faulted pages in as it went took
+    # much longer than one into a populated mapping).
     return np.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), dtype=np.uint8)
 
 

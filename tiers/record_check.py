@@ -1,6 +1,6 @@
 """A block record's checks, without torch: what a reader needs to verify a record (tiers/record.py has the
 format) and copy its payload out. The disk tier's reader processes (tiers/disk_reader.py) import this alone,
-so that they start in a tenth of a second."""
+so that they start quickly."""
 from __future__ import annotations
 
 import struct

@@ -4,8 +4,8 @@ device. Also what the tier's own process shares with it: how a client connects a
 
 Why a process (tiers/reader_process.py has the wire and the rest): a read in the engine's process takes the
 interpreter lock for the client's socket reads, for each reply's parsing into a bytes object and for each record's
-check and copy; beside four decoding sequences a 7000-token hit took 3.3x its time alone, the step thread waiting
-97.5 ms while it was admitted (benchmarks/results/hit_beside_decodes.md). Each reader has its own client and
+check and copy; beside decoding sequences a hit read in-process took several times its time alone, and the step
+thread waited for it while it was admitted. Each reader has its own client and
 connection.
 
 Run as `python -m kvstrata.tiers.remote_reader FD` by the remote tier (tiers/reader_pool.py). The remote tier's

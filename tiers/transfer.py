@@ -96,12 +96,12 @@ def copy_each(dests: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], non_b
 
     Every copy call lets go of the lock and must take it back, and a transfer thread that takes it back
     beside a busy step thread makes the step thread wait (a wake-up and a switch on every copy: a promotion
-    of 437 blocks in 138 runs made the step that admitted it 8 ms longer on a CPU; a GPU's step thread lets
-    go of the lock at every kernel launch). So copies go in one call, `torch._foreach_copy_` (each copy
-    made in C++ as `copy_` makes it, on the current CUDA stream too), except host copies where that loses:
-    a few (a long run of neighbouring blocks moved at ~11 GB/s through numpy's memcpy, ~6.3 GB/s through
-    torch's copy, on a CPU), and any while torch has several CPU threads (torch would split each copy over its intra-op
-    threads from this thread, beside the step's own: measured at half the rate and 2.5x the CPU time)."""
+    in many runs made the step that admitted it several times longer than its own work on a CPU; a GPU's step
+    thread lets go of the lock at every kernel launch). So copies go in one call, `torch._foreach_copy_` (each
+    copy made in C++ as `copy_` makes it, on the current CUDA stream too), except host copies where that loses:
+    a few (a long run of neighbouring blocks moves faster through numpy's memcpy than through torch's copy, on
+    a CPU), and any while torch has several CPU threads (torch would split each copy over its intra-op threads
+    from this thread, beside the step's own: measured slower, and at a multiple of the CPU time)."""
     if not dests:
         return
     on_host = dests[0].device.type == "cpu" and srcs[0].device.type == "cpu"
@@ -121,9 +121,8 @@ def copy_rows(dest: torch.Tensor, dest_rows: Sequence[int], src: torch.Tensor, s
 
 # Fill threads: one per core this process may run on (a container's CPU set, not the machine's count), at most 16
 # with the KV cache on a GPU, at most 4 with it in host memory, where the model's own threads run on those cores. A
-# disk reader copies and checksums at one core's memory rate, which is low on some GPU hosts (about 3 GB/s on one
-# H200's): there, warm disk promotions of Llama-3-8B-shaped blocks reached 9.4 GB/s with 4 fill threads (and
-# readers) and 64 MB of staging, 19.0 GB/s with 16 and 256 MB (benchmarks/results/gpu_diag_h200.md).
+# disk reader copies and checksums at one core's memory rate, which is low on some GPU hosts: there, warm disk
+# promotions of large blocks were far faster with 16 fill threads (and readers) and more staging than with 4.
 MAX_FILL_THREADS = 16
 MAX_FILL_THREADS_ON_HOST = 4
 USABLE_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -227,9 +226,8 @@ class TransferEngine:
     def allocate_staging(self) -> None:
         """Allocate (and page-lock) both directions' staging now, on the calling thread, if not yet: otherwise the
         first job of each direction allocates it on its worker. Page-locking holds the CUDA driver, so every CUDA
-        call of the step thread waited for it: on one H200 the first write-down of a fresh engine (64 MB of
-        staging per direction) stalled the step beside it by 33 ms (benchmarks/results/gpu_diag_h200.md). No-op
-        with the KV cache in host memory (no staging)."""
+        call of the step thread waited for it: on a GPU the first write-down of a fresh engine stalled the step
+        beside it. No-op with the KV cache in host memory (no staging)."""
         self._loads.allocate_staging()
         self._stores.allocate_staging()
 
@@ -370,7 +368,7 @@ class _HostDirection(_Direction):
 
     A job runs beside the step thread and needs the interpreter lock for each Python operation: while the
     engine steps other requests it gets a share of the lock, not all of it, so lent blocks are copied a run of
-    neighbours at a time, the runs in one call (`copy_rows`; benchmarks/results/hit_beside_decodes.md)."""
+    neighbours at a time, the runs in one call (`copy_rows`)."""
 
     def _views(self, transfer: Transfer) -> list[torch.Tensor]:
         return [self._flat_blocks[b] for b in transfer.block_ids]

@@ -236,9 +236,9 @@ class StreamSettings:
 
 async def json_response(tokenizers: TokenizerPool, answer: CompletionResponse | ChatCompletionResponse) -> Response:
     """A whole (not streamed) answer as JSON, written by pydantic's compiled serializer on a pool thread.
-    FastAPI's default for a returned model (`jsonable_encoder`, in Python, on the event loop) took 1.08 s
-    of CPU for an answer with the prompt log-probabilities of 3.5k tokens (20 alternatives each),
-    stalling every other client meanwhile; this takes 0.09 s, off the loop (benchmarks/results/archive/answer_json.md)."""
+    FastAPI's default for a returned model (`jsonable_encoder`, in Python, on the event loop) took an order of
+    magnitude longer for an answer with many prompt log-probabilities, stalling every other client meanwhile;
+    this is faster and off the loop."""
     body = await tokenizers.run(_json_bytes, answer)
     return Response(body, media_type="application/json")
 

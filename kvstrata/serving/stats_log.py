@@ -1,4 +1,4 @@
-"""The stats line `kvstrata serve` logs every `server.stats_interval` seconds while busy, as vLLM's every 10 s:
+"""The stats line `kvstrata serve` logs every `server.stats_interval` seconds while busy, as vLLM logs its own:
 
     stats: 2 running, 1 waiting; prompt 812.3 tokens/s, generation 14.0 tokens/s; prefix hits device 45.0%,
     cpu 10.0%, disk 0.0%, remote 0.0%; promoted cpu 1.2 MiB, disk 0 B, remote 0 B
