@@ -191,15 +191,7 @@ class LLMEngine:
                                        attention=self.attention_backend)
         logprob_blocks = min(PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK * self.hierarchy.pool.num_blocks,
                              MAX_PROMPT_LOGPROB_BLOCKS)
-        self.kv_manager = KVCacheManager(self.hierarchy, hasher, cache.block_size,
-                                         enable_caching=cache.enable_prefix_caching, load_policy=cache.load_policy,
-                                         prompt_logprobs=PromptLogprobCache(logprob_blocks, cache.block_size))
-        self.kv_manager.probe_lower_tiers()  # seeds the load policy's read costs before any request
-        self.documents = DocumentRegistry(self.hierarchy, hasher, cache.block_size, cache.pin_share)
         sc = config.scheduler
-        self.scheduler = Scheduler(self.kv_manager, sc.max_num_batched_tokens, sc.max_num_seqs, policy=sc.policy,
-                                   step_target=sc.step_target, long_prefill_share=sc.long_prefill_share)
-        self.num_preemptions = 0  # running requests sent back to wait, their blocks freed (stats())
         self.runner = ModelRunner(self.loaded, self.hierarchy.kv_cache,
                                   get_ops(self.attention_backend, batch_invariant=self.batch_invariant))
         if config.model.cuda_graphs and self.device.type == "cuda":
@@ -210,11 +202,19 @@ class LLMEngine:
                         "in %.1f s", len(recorded), sc.max_num_seqs, max(t for t, _ in recorded),
                         time.perf_counter() - started)
         # Steps a graph replays are priced at a graph's fixed cost. On a GPU the cost starts from no per-token guess:
-        # from the CPU's (2 ms a token), the fit's weak prior, in what the probe's runs leave undecided, held the
-        # per-token cost up and the eager fixed cost at 0, and on one H200 the load policy recomputed 1000-2000
-        # tokens of each hit in an eager step of 20-35 ms.
-        self.scheduler.cost = StepCost(replay_tokens=self.runner.replay_tokens,
-                                       **({"per_token_s": 0.0} if self.device.type == "cuda" else {}))
+        # from the CPU-sized one, the fit's weak prior, in what the probe's runs leave undecided, held the per-token
+        # cost up and the eager fixed cost at 0, and the load policy recomputed much of each hit in an eager step.
+        step_cost = StepCost(replay_tokens=self.runner.replay_tokens,
+                             **({"per_token_s": 0.0} if self.device.type == "cuda" else {}))
+        self.kv_manager = KVCacheManager(self.hierarchy, hasher, cache.block_size,
+                                         enable_caching=cache.enable_prefix_caching, load_policy=cache.load_policy,
+                                         prompt_logprobs=PromptLogprobCache(logprob_blocks, cache.block_size),
+                                         step_cost=step_cost)
+        self.kv_manager.probe_lower_tiers()  # seeds the load policy's read costs before any request
+        self.documents = DocumentRegistry(self.hierarchy, hasher, cache.block_size, cache.pin_share)
+        self.scheduler = Scheduler(self.kv_manager, sc.max_num_batched_tokens, sc.max_num_seqs, policy=sc.policy,
+                                   step_target=sc.step_target, long_prefill_share=sc.long_prefill_share)
+        self.num_preemptions = 0  # running requests sent back to wait, their blocks freed (stats())
         self.requests: dict[str, Request] = {}
         # Called during each step while the device computes it, before the next step's admission work: a serving
         # loop adds the requests that arrived meanwhile (engine/async_engine.py), which are then looked up and
@@ -479,7 +479,7 @@ class LLMEngine:
             for _ in self._timed_probe_runs(block_ids, runs):  # untimed: compiles and warms up
                 pass
             for (context, new), seconds in zip(runs, self._timed_probe_runs(block_ids, runs)):
-                self.scheduler.cost.observe(new, seconds, attention_pairs(new, context), kv_reads(new, context),
+                self.kv_manager.step_cost.observe(new, seconds, attention_pairs(new, context), kv_reads(new, context),
                                             replayed=self.runner.last_step_replayed)
         finally:
             self.hierarchy.pool.free_blocks(blocks)  # never hashed: their K/V are garbage nobody reads
