@@ -55,8 +55,8 @@ PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK = 4
 MAX_PROMPT_LOGPROB_BLOCKS = 16384
 # The start-up probe of the step cost, by device type: a prefill of this many tokens (at most a step's
 # budget), a decode over it and a short prefill. A GPU's step has a large fixed cost and a small one per
-# token, which the CPU-sized guess the cost starts from misses by 100x; on a CPU the guess is close, and
-# a probe would cost every start a few hundred milliseconds.
+# token, which the CPU-sized guess the cost starts from misses by orders of magnitude; on a CPU the guess
+# is close, and a probe would lengthen every start for little.
 PROBE_TOKENS = {"cuda": 2048}
 PROBE_SHORT_TOKENS = 16
 PROMPT_ROWS_AT_ONCE = 256  # log-softmax over this many prompt rows at a time: a vocabulary-wide copy each
@@ -99,7 +99,7 @@ SLOW_DTYPE_FACTOR = 3.0  # a half-precision dtype this many times slower than fl
 def cpu_matmul_slowdown(dtype: torch.dtype, size: int = 256, rows: int = 64) -> float:
     """How many times longer this CPU multiplies a `rows` x `size` by a `size` x `size` matrix in
     `dtype` than in float32 (best of three each, on the engine's threads): a CPU without native
-    bfloat16 or float16 units emulates them, measured up to 60x slower."""
+    bfloat16 or float16 units emulates them, many times slower."""
     def best_s(dt: torch.dtype) -> float:
         a, b = torch.randn(rows, size).to(dt), torch.randn(size, size).to(dt)
         a @ b  # the first call pays for dispatch and allocation
@@ -126,9 +126,9 @@ def checked_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
     """`token_ids` as a list of ints, once each is an integer in [0, vocab_size); else a one-line ValueError.
 
     Checked in C loops (packed as 64-bit integers, then numpy's min and max): on the engine's thread a Python
-    loop over a long document's 7000 ids (int() of each, an isinstance of each, min, max) took 0.36 ms of every
-    request's first step, as long as the rest of a cached document's lookup. Integers of any kind pass (numpy's
-    too, through `__index__`); floats, strings and None do not."""
+    loop over a long document's ids (int() of each, an isinstance of each, min, max) took as long as the rest
+    of a cached document's lookup. Integers of any kind pass (numpy's too, through `__index__`); floats,
+    strings and None do not."""
     message = f"prompt token ids must be integers in [0, {vocab_size})"
     if isinstance(token_ids, (str, bytes, bytearray, memoryview)):  # an array would take bytes as raw integers
         raise ValueError(message)
@@ -146,9 +146,9 @@ def checked_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
 
 def freeze_long_lived_objects() -> None:
     """Leave the objects that exist now out of the garbage collector's full collections: the model's modules, the
-    tokenizer, the tiers live as long as the engine, and a full collection walked all of them (some 400,000), a
-    pause of about 180 ms in the step it fell in (benchmarks/results/archive/gc_pause.md). Collected first, so that no
-    garbage is kept. Process-wide, as vLLM's engine does it; `LLMEngine.close` undoes it."""
+    tokenizer, the tiers live as long as the engine, and a full collection walked all of them, a long pause in the
+    step it fell in. Collected first, so that no garbage is kept. Process-wide, as vLLM's engine does it;
+    `LLMEngine.close` undoes it."""
     gc.collect()
     gc.freeze()
 
@@ -624,8 +624,8 @@ class LLMEngine:
     @staticmethod
     def _read_back(token_ids: torch.Tensor) -> list[int]:
         """The sampled ids on the host. On a GPU this waits for the step's kernels, so the ids are read back
-        before anything is timed: a token's time is when it exists, not when its step was launched (a greedy
-        step's kernels are queued in ~25 ms whatever they compute)."""
+        before anything is timed: a token's time is when it exists, not when its step was launched (a step's
+        kernels are queued in about the same time whatever they compute)."""
         return token_ids.tolist()
 
     def _build_step_input(self, out: SchedulerOutput) -> tuple[StepInput, _PromptRows]:
