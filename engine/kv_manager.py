@@ -229,18 +229,6 @@ class KVCacheManager:
             self._enter_load_phase(request, load)
         return load
 
-    def _plan_hits(self, request: Request, found_in: list[str], plan: LoadPlan) -> None:
-        """What the request will report and be counted for, from the plan its admission starts from: at its
-        first, the tokens found in each tier and recomputed, and the tail to count when it lands; at a retry
-        (after a preemption), what this lookup found of the first admission's tail still to count."""
-        hits = request.hits
-        if not hits.admitted:
-            hits.recomputed_tokens_by_tier = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES)
-            hits.tail_to_count = range(plan.head_end, plan.cut) if plan.overlaps else None
-        elif hits.tail_to_count is not None:
-            hits.tail_recomputed = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES,
-                                                      within=hits.tail_to_count)
-
     @staticmethod
     def _enter_load_phase(request: Request, load: PrefixLoad) -> None:
         """The request waits for `load`: until it lands (and its reads' times split the phase among the
@@ -343,6 +331,8 @@ class KVCacheManager:
             num_blocks = min(num_blocks, len(request.prompt_logprobs) // self.block_size)
         return request.block_hashes[:num_blocks]
 
+    # ----------------------------------------------------------------- the load policy and its measured speeds
+
     def _choose_plan(self, request: Request, found_in: list[str]) -> LoadPlan:
         """What of the found prefix to use, load and recompute (`cache.load_policy`, engine/load_policy.py)."""
         return choose_plan(self.load_policy, found_in, request.num_tokens, self.block_size, self.step_cost,
@@ -390,6 +380,8 @@ class KVCacheManager:
         (Looking every waiting request up again at every step made a step's host work grow with the queue
         behind a full device.) An estimate that changes meanwhile is seen once the refusal ends, within
         `LOWER_LOOKUP_REFRESH_S`."""
+        if not requests:
+            return []
         held = self.refusal_holds()
         estimates: dict[str, UncachedEstimate] = {}
         for r in requests:
@@ -637,6 +629,18 @@ class KVCacheManager:
 
     def _tokens_by_tier(self, tiers: list[str]) -> dict[str, int]:
         return {t: tiers.count(t) * self.block_size for t in TIER_NAMES}
+
+    def _plan_hits(self, request: Request, found_in: list[str], plan: LoadPlan) -> None:
+        """What the request will report and be counted for, from the plan its admission starts from: at its
+        first, the tokens found in each tier and recomputed, and the tail to count when it lands; at a retry
+        (after a preemption), what this lookup found of the first admission's tail still to count."""
+        hits = request.hits
+        if not hits.admitted:
+            hits.recomputed_tokens_by_tier = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES)
+            hits.tail_to_count = range(plan.head_end, plan.cut) if plan.overlaps else None
+        elif hits.tail_to_count is not None:
+            hits.tail_recomputed = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES,
+                                                      within=hits.tail_to_count)
 
     def _record_admission(self, request: Request, state: RequestKVState, num_cached: int) -> None:
         """Count a request's hits as it is admitted with its prefix (see `PrefixCacheStats`): at its

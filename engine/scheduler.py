@@ -47,6 +47,7 @@ found the device full, or it was preempted) returns to the queue phase.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -147,19 +148,20 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
+        """One step: the running requests first, in the policy's order, then the waiting ones it admits."""
         out = SchedulerOutput()
         self.kv.finish_landed_loads()
         self._land_tails()
-        self._estimates = {}
+        self._estimates = {}  # each waiting request is estimated afresh once a step (the KV manager keeps lookups)
         self._note_arrivals_during_last_step()
         self._step_span = (self.clock(), self._step_span[1])  # this step starts; update_after_step ends it
         to_come = self._blocks_to_come()
         plan = self.policy.plan_step(self, self._candidates(to_come))
         budget = _Budget(plan.budget, plan.long_chunk)
         self._schedule_running(out, plan.running, budget)
-        self._admission_pass(plan.candidates, to_come, lambda request, landed: self._admit(request, landed, budget,
-                                                                                           out, to_come),
-                             stop=lambda: budget.tokens <= 0 or bool(out.preempted))
+        admit = functools.partial(self._admit, budget=budget, out=out, to_come=to_come)
+        # admissions end with the step's budget, or once a running request had to give way for room
+        self._admission_pass(plan.candidates, to_come, admit, stop=lambda: budget.tokens <= 0 or bool(out.preempted))
         return out
 
     def prepare_next_step(self) -> None:
@@ -179,8 +181,8 @@ class Scheduler:
         candidates = self._candidates(to_come)
         if not any(r.status != RequestStatus.LOADING and self.estimate(r).loads_below for r in candidates):
             return  # no load to start: ordering a queue of misses behind a full device at every step costs host time
-        self._admission_pass(self.policy.order(self, candidates), to_come,
-                             lambda request, landed: self._start_load(request, landed, to_come))
+        start_load = functools.partial(self._start_load, to_come=to_come)
+        self._admission_pass(self.policy.order(self, candidates), to_come, start_load)
 
     # ------------------------------------------------------------------ the waiting requests
 
@@ -209,7 +211,8 @@ class Scheduler:
         """Estimate the requests not estimated yet in this step together: the lower tiers are asked once for all
         of them (a burst of arrivals, looked up one by one, cost one round trip each to a remote server)."""
         new = [r for r in requests if r.request_id not in self._estimates]
-        self._estimates.update(zip((r.request_id for r in new), self.kv.estimate_uncached_many(new)))
+        if new:
+            self._estimates.update(zip((r.request_id for r in new), self.kv.estimate_uncached_many(new)))
 
     def estimate(self, request: Request) -> UncachedEstimate:
         """The request's work left after a lookup, asked once per step."""
