@@ -162,7 +162,11 @@ class KVCacheManager:
         """Look the request up, hold its prefix and start its load, if it does not hold its prefix yet
         (`get_computed_blocks` then finishes it): admission work the engine has done while the device
         computes a step. False: the device has no room for its prompt now, which is not remembered as a
-        refusal (`is_refused`): this asks before the step's finished requests have freed their blocks."""
+        refusal (`is_refused`): this asks before the step's finished requests have freed their blocks. False
+        too, without a lookup, while the last request refused for room would be refused again: nothing has
+        made room since, and the next step's admissions ask again."""
+        if self._refusal_holds():
+            return False
         return self._holds_or_starts_prefix(request, refuse=False)
 
     def _holds_or_starts_prefix(self, request: Request, refuse: bool) -> bool:
@@ -304,7 +308,7 @@ class KVCacheManager:
         self._refusal = None
         return False
 
-    def refusal_holds(self) -> bool:
+    def _refusal_holds(self) -> bool:
         """Whether the last request refused for room would be refused again now (`is_refused`). While it would,
         nothing has made room that another lookup could use: the waiting requests' earlier lookups stand."""
         return self._refusal is not None and self.is_refused(self._refusal.request)
@@ -374,7 +378,7 @@ class KVCacheManager:
 
     def estimate_uncached_many(self, requests: Sequence[Request]) -> list[UncachedEstimate]:
         """`estimate_uncached` of each request, their lookups made together (`_locate_waiting`). While the
-        last request refused for room would be refused again (`refusal_holds`), a request's estimate from an
+        last request refused for room would be refused again (`_refusal_holds`), a request's estimate from an
         earlier step stands: admissions end at that request, so only requests that arrived since, and those
         ordered before it, can start before it, and nothing has made room that a new estimate could use.
         (Looking every waiting request up again at every step made a step's host work grow with the queue
@@ -382,7 +386,7 @@ class KVCacheManager:
         `LOWER_LOOKUP_REFRESH_S`."""
         if not requests:
             return []
-        held = self.refusal_holds()
+        held = self._refusal_holds()
         estimates: dict[str, UncachedEstimate] = {}
         for r in requests:
             state = self.states.get(r.request_id)

@@ -24,7 +24,8 @@ checks it):
 - `estimate_uncached_many(requests)`: each waiting request's work left after a lookup that holds nothing
   (for ordering; the manager keeps the one cache of lookups);
 - `is_loading(request)`: its prefix is being copied up;
-- `start_load(request)`: look it up, hold its prefix and start its load (while the device computes a step);
+- `start_load(request)`: look it up, hold its prefix and start its load (while the device computes a step;
+  none while the device has had no room since the last refusal);
 - `get_computed_blocks(request)`: its cached prefix, held on the device, or None while it loads or has no room;
 - `allocate_slots(request, num_new_tokens, new_computed_blocks=None)`: device slots for its next tokens
   (with the prefix blocks: its admission, its hits counted);
@@ -33,7 +34,6 @@ checks it):
 - `land_tail(request)`: join its landed tail once it has computed up to its barrier;
 - `blocks_to_come(requests)`: the blocks on their way to the device, which a request waits for;
 - `finish_landed_loads()`: finish the loads that have landed, release those of requests let go;
-- `refusal_holds()`: the last request refused for room would be refused again now;
 - `step_cost`: the measured step cost (engine/costs.py), which the manager owns and prices recomputing with.
 
 An internal error while one request is handled on its own (its lookup and load start, its admission, its
@@ -175,8 +175,6 @@ class Scheduler:
         if (not self.waiting or len(self.running) + self.num_loading >= self.max_num_seqs
                 or all(r.status == RequestStatus.LOADING for r in self.waiting)):
             return  # no sequence slot to start a load in, or nobody to look up (a landed load is admitted next)
-        if self.kv.refusal_holds():
-            return  # the device had no room for the last admissions, and has none now: the next step asks again
         to_come = self._blocks_to_come()
         candidates = self._candidates(to_come)
         if not any(r.status != RequestStatus.LOADING and self.estimate(r).loads_below for r in candidates):
