@@ -236,11 +236,10 @@ def part_b(work: Path, model_name, load_format, doc_tokens):
         del e
         gc.collect()
         e = LLMEngine(cfg, loaded=loaded)
-        rc = e.kv_manager.read_costs["disk"]
+        rc, cost = e.kv_manager.read_costs["disk"], e.kv_manager.step_cost
         probe = {"latency_ms": rc.latency_s * 1e3 if hasattr(rc, "latency_s") else None,
                  "per_block_us": rc.per_block_s * 1e6 if hasattr(rc, "per_block_s") else None,
-                 "step_cost": [e.kv_manager.step_cost.overhead_s, e.kv_manager.step_cost.per_token_s, e.kv_manager.step_cost.per_pair_s,
-                               e.kv_manager.step_cost.per_read_s]}
+                 "step_cost": [cost.overhead_s, cost.per_token_s, cost.per_pair_s, cost.per_read_s]}
         tl = Timeline(e)
         recs = []
         for k in range(1, 4):
