@@ -162,8 +162,8 @@ class Soak:
         self.hierarchy = TierHierarchy(pool, kv_cache, self.cpu, self.disk, workload.offload,
                                        transfers=TransferEngine(kv_cache, fill_threads=2), remote=self.remote)
         self.hasher = BlockHasher(BS, b"soak", "xxh3_128")
-        self.kv = KVCacheManager(self.hierarchy, self.hasher, BS, load_policy=workload.load_policy)
-        self.kv.step_cost = StepCost(per_token_s=1e-3)
+        self.kv = KVCacheManager(self.hierarchy, self.hasher, BS, load_policy=workload.load_policy,
+                                 step_cost=StepCost(per_token_s=1e-3))
         self.kv.read_costs["cpu"] = ReadCost(LAYOUT.block_nbytes, latency_s=0.0,
                                              per_block_s=random.Random(workload.seed).choice([1e-4, 8e-3]))
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=48, max_num_seqs=workload.max_num_seqs,
@@ -334,7 +334,7 @@ class Soak:
         out = scheduler.schedule()
         self.stats.steps += 1
         for s in out.scheduled:
-            req, blocks = s.request, kv.req_to_blocks[s.request.request_id]
+            req, blocks = s.request, kv.states[s.request.request_id].blocks
             if req.cached_tokens_by_tier is not None and req not in self.admitted:
                 self.admitted.append(req)
             for k in range(s.context // BS, -(-(s.context + s.num_new_tokens) // BS)):
@@ -350,7 +350,7 @@ class Soak:
                 continue
             if not req.output_token_ids:  # its first token: its prompt's blocks hold what they should
                 full = req.num_prompt_tokens // BS
-                for block, h in zip(kv.req_to_blocks[req.request_id][:full], req.block_hashes[:full]):
+                for block, h in zip(kv.states[req.request_id].blocks[:full], req.block_hashes[:full]):
                     if not torch.equal(as_bytes(self.hierarchy.kv_cache[block.block_id]), content_for(h)):
                         raise InvariantBroken(f"{req.request_id}: block {block.block_id} served with wrong bytes")
             req.output_token_ids.append(1)
@@ -394,14 +394,14 @@ class Soak:
                 for k in load.below:
                     loading[load.blocks[k].block_id] = owner
 
-        for rid, blocks in kv.req_to_blocks.items():
-            hold(blocks, rid)
-        for rid, blocks in kv.reserved.items():
-            hold(blocks, f"{rid} (reserved)")
-        for rid, load in kv.prefix_loads.items():
-            hold_load(load, f"{rid} (prefix)")
-        for rid, tail in kv.tails.items():
-            hold_load(tail.load, f"{rid} (tail)")
+        for rid, state in kv.states.items():
+            hold(state.blocks, rid)
+            hold(state.computed or (), f"{rid} (handed over)")
+            hold(state.reserved, f"{rid} (reserved)")
+            if state.prefix is not None:
+                hold_load(state.prefix, f"{rid} (prefix)")
+            if state.tail is not None:
+                hold_load(state.tail.load, f"{rid} (tail)")
         for load in kv._abandoned:
             hold_load(load, "abandoned")
         free = {id(b) for b in pool.free_block_queue.get_all_free_blocks()}
@@ -433,6 +433,8 @@ class Soak:
                     raise InvariantBroken(f"the {tier.name} tier served a damaged record of block {h.hex()}")
         if kv.pool.num_free_blocks != kv.pool.num_blocks:
             raise InvariantBroken(f"at the end {kv.pool.num_blocks - kv.pool.num_free_blocks} device blocks are held")
+        if kv.states:
+            raise InvariantBroken(f"at the end the KV manager keeps a state for {sorted(kv.states)}")
         if self.cpu.inner._holds:
             raise InvariantBroken(f"at the end the CPU tier holds {len(self.cpu.inner._holds)} blocks for loads")
         admitted = [r for r in self.admitted if r.cached_tokens_by_tier is not None]

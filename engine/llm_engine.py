@@ -55,8 +55,8 @@ PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK = 4
 MAX_PROMPT_LOGPROB_BLOCKS = 16384
 # The start-up probe of the step cost, by device type: a prefill of this many tokens (at most a step's
 # budget), a decode over it and a short prefill. A GPU's step has a large fixed cost and a small one per
-# token, which the CPU-sized guess the cost starts from misses by 100x; on a CPU the guess is close, and
-# a probe would cost every start a few hundred milliseconds.
+# token, which the CPU-sized guess the cost starts from misses by orders of magnitude; on a CPU the guess
+# is close, and a probe would lengthen every start for little.
 PROBE_TOKENS = {"cuda": 2048}
 PROBE_SHORT_TOKENS = 16
 PROMPT_ROWS_AT_ONCE = 256  # log-softmax over this many prompt rows at a time: a vocabulary-wide copy each
@@ -99,7 +99,7 @@ SLOW_DTYPE_FACTOR = 3.0  # a half-precision dtype this many times slower than fl
 def cpu_matmul_slowdown(dtype: torch.dtype, size: int = 256, rows: int = 64) -> float:
     """How many times longer this CPU multiplies a `rows` x `size` by a `size` x `size` matrix in
     `dtype` than in float32 (best of three each, on the engine's threads): a CPU without native
-    bfloat16 or float16 units emulates them, measured up to 60x slower."""
+    bfloat16 or float16 units emulates them, many times slower."""
     def best_s(dt: torch.dtype) -> float:
         a, b = torch.randn(rows, size).to(dt), torch.randn(size, size).to(dt)
         a @ b  # the first call pays for dispatch and allocation
@@ -126,9 +126,9 @@ def checked_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
     """`token_ids` as a list of ints, once each is an integer in [0, vocab_size); else a one-line ValueError.
 
     Checked in C loops (packed as 64-bit integers, then numpy's min and max): on the engine's thread a Python
-    loop over a long document's 7000 ids (int() of each, an isinstance of each, min, max) took 0.36 ms of every
-    request's first step, as long as the rest of a cached document's lookup. Integers of any kind pass (numpy's
-    too, through `__index__`); floats, strings and None do not."""
+    loop over a long document's ids (int() of each, an isinstance of each, min, max) took as long as the rest
+    of a cached document's lookup. Integers of any kind pass (numpy's too, through `__index__`); floats,
+    strings and None do not."""
     message = f"prompt token ids must be integers in [0, {vocab_size})"
     if isinstance(token_ids, (str, bytes, bytearray, memoryview)):  # an array would take bytes as raw integers
         raise ValueError(message)
@@ -146,9 +146,9 @@ def checked_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
 
 def freeze_long_lived_objects() -> None:
     """Leave the objects that exist now out of the garbage collector's full collections: the model's modules, the
-    tokenizer, the tiers live as long as the engine, and a full collection walked all of them (some 400,000), a
-    pause of about 180 ms in the step it fell in (benchmarks/results/archive/gc_pause.md). Collected first, so that no
-    garbage is kept. Process-wide, as vLLM's engine does it; `LLMEngine.close` undoes it."""
+    tokenizer, the tiers live as long as the engine, and a full collection walked all of them, a long pause in the
+    step it fell in. Collected first, so that no garbage is kept. Process-wide, as vLLM's engine does it;
+    `LLMEngine.close` undoes it."""
     gc.collect()
     gc.freeze()
 
@@ -191,15 +191,7 @@ class LLMEngine:
                                        attention=self.attention_backend)
         logprob_blocks = min(PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK * self.hierarchy.pool.num_blocks,
                              MAX_PROMPT_LOGPROB_BLOCKS)
-        self.kv_manager = KVCacheManager(self.hierarchy, hasher, cache.block_size,
-                                         enable_caching=cache.enable_prefix_caching, load_policy=cache.load_policy,
-                                         prompt_logprobs=PromptLogprobCache(logprob_blocks, cache.block_size))
-        self.kv_manager.probe_lower_tiers()  # seeds the load policy's read costs before any request
-        self.documents = DocumentRegistry(self.hierarchy, hasher, cache.block_size, cache.pin_share)
         sc = config.scheduler
-        self.scheduler = Scheduler(self.kv_manager, sc.max_num_batched_tokens, sc.max_num_seqs, policy=sc.policy,
-                                   step_target=sc.step_target, long_prefill_share=sc.long_prefill_share)
-        self.num_preemptions = 0  # running requests sent back to wait, their blocks freed (stats())
         self.runner = ModelRunner(self.loaded, self.hierarchy.kv_cache,
                                   get_ops(self.attention_backend, batch_invariant=self.batch_invariant))
         if config.model.cuda_graphs and self.device.type == "cuda":
@@ -210,11 +202,19 @@ class LLMEngine:
                         "in %.1f s", len(recorded), sc.max_num_seqs, max(t for t, _ in recorded),
                         time.perf_counter() - started)
         # Steps a graph replays are priced at a graph's fixed cost. On a GPU the cost starts from no per-token guess:
-        # from the CPU's (2 ms a token), the fit's weak prior, in what the probe's runs leave undecided, held the
-        # per-token cost up and the eager fixed cost at 0, and on one H200 the load policy recomputed 1000-2000
-        # tokens of each hit in an eager step of 20-35 ms.
-        self.scheduler.cost = StepCost(replay_tokens=self.runner.replay_tokens,
-                                       **({"per_token_s": 0.0} if self.device.type == "cuda" else {}))
+        # from the CPU-sized one, the fit's weak prior, in what the probe's runs leave undecided, held the per-token
+        # cost up and the eager fixed cost at 0, and the load policy recomputed much of each hit in an eager step.
+        step_cost = StepCost(replay_tokens=self.runner.replay_tokens,
+                             **({"per_token_s": 0.0} if self.device.type == "cuda" else {}))
+        self.kv_manager = KVCacheManager(self.hierarchy, hasher, cache.block_size,
+                                         enable_caching=cache.enable_prefix_caching, load_policy=cache.load_policy,
+                                         prompt_logprobs=PromptLogprobCache(logprob_blocks, cache.block_size),
+                                         step_cost=step_cost)
+        self.kv_manager.probe_lower_tiers()  # seeds the load policy's read costs before any request
+        self.documents = DocumentRegistry(self.hierarchy, hasher, cache.block_size, cache.pin_share)
+        self.scheduler = Scheduler(self.kv_manager, sc.max_num_batched_tokens, sc.max_num_seqs, policy=sc.policy,
+                                   step_target=sc.step_target, long_prefill_share=sc.long_prefill_share)
+        self.num_preemptions = 0  # running requests sent back to wait, their blocks freed (stats())
         self.requests: dict[str, Request] = {}
         # Called during each step while the device computes it, before the next step's admission work: a serving
         # loop adds the requests that arrived meanwhile (engine/async_engine.py), which are then looked up and
@@ -479,7 +479,7 @@ class LLMEngine:
             for _ in self._timed_probe_runs(block_ids, runs):  # untimed: compiles and warms up
                 pass
             for (context, new), seconds in zip(runs, self._timed_probe_runs(block_ids, runs)):
-                self.scheduler.cost.observe(new, seconds, attention_pairs(new, context), kv_reads(new, context),
+                self.kv_manager.step_cost.observe(new, seconds, attention_pairs(new, context), kv_reads(new, context),
                                             replayed=self.runner.last_step_replayed)
         finally:
             self.hierarchy.pool.free_blocks(blocks)  # never hashed: their K/V are garbage nobody reads
@@ -624,8 +624,8 @@ class LLMEngine:
     @staticmethod
     def _read_back(token_ids: torch.Tensor) -> list[int]:
         """The sampled ids on the host. On a GPU this waits for the step's kernels, so the ids are read back
-        before anything is timed: a token's time is when it exists, not when its step was launched (a greedy
-        step's kernels are queued in ~25 ms whatever they compute)."""
+        before anything is timed: a token's time is when it exists, not when its step was launched (a step's
+        kernels are queued in about the same time whatever they compute)."""
         return token_ids.tolist()
 
     def _build_step_input(self, out: SchedulerOutput) -> tuple[StepInput, _PromptRows]:

@@ -72,6 +72,27 @@ class PhaseTimes:
         self.load_split = {}
 
 
+@dataclass
+class HitAccount:
+    """What the cache served a request, counted once however often it is admitted (engine/kv_manager.py keeps it).
+
+    Set at its first admission: the prompt tokens each tier served, those found in a tier that the load policy
+    chose to recompute, and what computing the served ones would have cost. A tail planned at that admission to
+    load beside the prefix counts when it lands or, when the request is preempted before, wherever its next
+    admission finds it (each block once)."""
+
+    cached_tokens_by_tier: dict[str, int] | None = None  # None until the first admission
+    recomputed_tokens_by_tier: dict[str, int] | None = None
+    prefill_saved_s_estimate: float = 0.0
+    tail_to_count: range | None = None  # the tail's blocks not counted yet
+    # of those, the tokens a retried lookup found in each tier but chose to recompute: counted at that admission
+    tail_recomputed: dict[str, int] | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.cached_tokens_by_tier is not None
+
+
 @dataclass(frozen=True)
 class CacheReceipt:
     """Measured, in milliseconds: the request's TTFT and the phases it went to (they add up to it),

@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvstrata.engine.receipt import CacheReceipt, PhaseTimes
+from kvstrata.engine.receipt import CacheReceipt, HitAccount, PhaseTimes
 from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
 
 
@@ -64,23 +64,12 @@ class Request:
     num_computed_tokens: int = 0
     # Chain hashes of the request's full blocks (prompt + output so far), extended as tokens arrive.
     block_hashes: list[bytes] = field(default_factory=list)
-    # Prompt tokens served from the cache at the request's first scheduling, per tier (measured), and
-    # those of the tail its first lookup planned to load beside it once that has landed.
-    cached_tokens_by_tier: dict[str, int] | None = None
-    # The blocks of that tail not counted yet: counted when it lands, or, when the request is
-    # preempted before, wherever its retried admission finds them (engine/kv_manager.py).
-    tail_to_count: range | None = None
-    # Of those, the tokens a retried lookup found in each tier but chose to recompute: counted as
-    # recomputed when that admission happens.
-    tail_recomputed: dict[str, int] | None = None
-    # Prompt tokens found in each tier at that lookup but recomputed by the load policy's choice.
-    recomputed_tokens_by_tier: dict[str, int] | None = None
+    # What the cache served it, counted once across admissions (engine/receipt.py).
+    hits: HitAccount = field(default_factory=HitAccount)
     first_token_time: float | None = None
     num_preemptions: int = 0
-    # Where the time to first token goes (engine/receipt.py), and the prefill time its cached tokens
-    # saved at the measured prefill cost (an estimate, set at its first admission).
+    # Where the time to first token goes (engine/receipt.py).
     phases: PhaseTimes = field(default_factory=PhaseTimes)
-    prefill_saved_s_estimate: float = 0.0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -108,6 +97,25 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def cached_tokens_by_tier(self) -> dict[str, int] | None:
+        """Prompt tokens served from the cache, per tier (measured); None until the request is admitted."""
+        return self.hits.cached_tokens_by_tier
+
+    @cached_tokens_by_tier.setter
+    def cached_tokens_by_tier(self, by_tier: dict[str, int] | None) -> None:
+        self.hits.cached_tokens_by_tier = by_tier
+
+    @property
+    def recomputed_tokens_by_tier(self) -> dict[str, int] | None:
+        """Prompt tokens found in each tier but recomputed by the load policy's choice."""
+        return self.hits.recomputed_tokens_by_tier
+
+    @property
+    def prefill_saved_s_estimate(self) -> float:
+        """The prefill time its cached tokens saved at the measured prefill cost (an estimate)."""
+        return self.hits.prefill_saved_s_estimate
 
     @property
     def num_cached_tokens(self) -> int:

@@ -42,7 +42,7 @@ def fake_step(kv, scheduler: Scheduler) -> list[Request]:
     out = scheduler.schedule()
     for s in out.scheduled:
         req = s.request
-        for block, h in zip(kv.req_to_blocks[req.request_id], req.block_hashes):
+        for block, h in zip(kv.states[req.request_id].blocks, req.block_hashes):
             if block.block_hash == h:
                 as_bytes(kv.hierarchy.kv_cache[block.block_id]).copy_(content_for(h))
     scheduler.update_after_step(out)
@@ -81,7 +81,7 @@ def test_a_loading_request_waits_while_another_keeps_decoding(offload):
     sampled = fake_step(kv, scheduler)
     assert loading in sampled and decoding in sampled
     assert loading.cached_tokens_by_tier == {"device": 0, "cpu": 6 * BS, "disk": 0, "remote": 0}
-    assert_prefix_bytes(kv, kv.req_to_blocks[loading.request_id][:6], loading.block_hashes)
+    assert_prefix_bytes(kv, kv.states[loading.request_id].blocks[:6], loading.block_hashes)
 
 
 @pytest.mark.parametrize("offload", ["write_through", "on_evict"])
@@ -145,7 +145,7 @@ def test_a_tier_failing_mid_transfer_is_a_miss_not_a_crash():
         kv.wait_for_loads(timeout=10)
     assert req.cached_tokens_by_tier == {"device": 0, "cpu": 0, "disk": 0, "remote": 0}  # recomputed whole
     assert kv.hierarchy.counters.promotion_failures == 6
-    assert kv.pool.num_free_blocks == kv.pool.num_blocks - len(kv.req_to_blocks[req.request_id])
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks - len(kv.states[req.request_id].blocks)
 
 
 def test_a_request_aborted_while_loading_releases_its_blocks_once_the_load_lands():
@@ -201,7 +201,7 @@ def test_a_lower_tier_hit_arriving_during_a_step_starts_loading_and_lands_before
     out = scheduler.schedule()
     assert [s.request for s in out.scheduled] == [decoding, question]
     assert question.num_computed_tokens == 6 * BS and question.cached_tokens_by_tier["cpu"] == 6 * BS
-    assert_prefix_bytes(kv, kv.req_to_blocks[question.request_id][:6], question.block_hashes)
+    assert_prefix_bytes(kv, kv.states[question.request_id].blocks[:6], question.block_hashes)
     assert kv.stats().queries == 2 and kv.stats().hit_blocks["cpu"] == 6
 
 
@@ -240,14 +240,14 @@ def test_a_load_that_failed_whole_and_found_no_room_at_admission_leaves_no_block
     cpu = kv.hierarchy.cpu
     cpu.gate.clear()
     request = new_request(document)
-    assert kv.get_computed_blocks(request) is None and request.request_id in kv.reserved
+    assert kv.get_computed_blocks(request) is None and kv.states[request.request_id].reserved
     cpu.fail_reads = True
     cpu.gate.set()
     blocks, num_cached, _ = computed_blocks(kv, request)
     assert (blocks, num_cached) == ([], 0)
     hog = pool.get_new_blocks(pool.num_free_blocks - 2)  # room for 3 blocks with the reserved one, not for 7
     assert kv.allocate_slots(request, request.num_tokens, blocks) is None
-    assert request.request_id not in kv.reserved
+    assert not kv.states[request.request_id].reserved
     pool.free_blocks(hog)
     cpu.fail_reads = False
     blocks, num_cached, _ = computed_blocks(kv, request)  # looked up again: loads, and reserves again
@@ -386,7 +386,7 @@ def test_the_head_of_a_lower_tier_prefix_is_computed_while_its_tail_loads(policy
     assert fake_step(kv, scheduler) == []  # it computed its head at once, without waiting for the load
     head = kv.barrier(request) // BS
     assert 0 < head < 12 and request.num_computed_tokens == head * BS
-    assert request.status == RequestStatus.RUNNING and not kv.tail_ready(request)
+    assert request.status == RequestStatus.RUNNING and not kv.states[request.request_id].tail.load.ready
     assert fake_step(kv, scheduler) == [] and request.phases.phase == "load"  # the head is done: it waits
     kv.hierarchy.cpu.gate.set()
     kv.wait_for_loads(timeout=10)
@@ -394,7 +394,7 @@ def test_the_head_of_a_lower_tier_prefix_is_computed_while_its_tail_loads(policy
     assert kv.barrier(request) is None
     assert request.cached_tokens_by_tier == {"device": 0, "cpu": (12 - head) * BS, "disk": 0, "remote": 0}
     assert request.recomputed_tokens_by_tier["cpu"] == head * BS
-    assert_prefix_bytes(kv, kv.req_to_blocks[request.request_id][:12], request.block_hashes)
+    assert_prefix_bytes(kv, kv.states[request.request_id].blocks[:12], request.block_hashes)
     assert all(kv.pool.get_cached_block(h) is not None for h in request.block_hashes[:12])  # head cached too
     scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
@@ -459,7 +459,7 @@ def test_two_questions_on_a_document_below_the_device_load_it_once(policy):
     assert first.cached_tokens_by_tier["cpu"] == 6 * BS
     assert second.cached_tokens_by_tier["device"] == 6 * BS  # the blocks the first one loaded
     assert kv.hierarchy.counters.promotions["cpu"] == 6
-    assert_prefix_bytes(kv, kv.req_to_blocks[second.request_id][:6], second.block_hashes)
+    assert_prefix_bytes(kv, kv.states[second.request_id].blocks[:6], second.block_hashes)
 
 
 def test_a_tail_preempted_before_it_landed_is_counted_at_the_retried_admission():
@@ -485,7 +485,7 @@ def test_a_tail_preempted_before_it_landed_is_counted_at_the_retried_admission()
     stats = kv.stats()
     assert stats.hit_blocks == {"device": 12 - head, "cpu": 0, "disk": 0, "remote": 0}
     assert stats.recomputed_blocks["cpu"] == head
-    assert_prefix_bytes(kv, kv.req_to_blocks[request.request_id][:12], request.block_hashes)
+    assert_prefix_bytes(kv, kv.states[request.request_id].blocks[:12], request.block_hashes)
 
 
 def test_a_tail_preempted_after_it_landed_is_not_counted_again():
@@ -494,7 +494,7 @@ def test_a_tail_preempted_after_it_landed_is_not_counted_again():
     head = kv.barrier(request) // BS
     kv.hierarchy.cpu.gate.set()
     kv.wait_for_loads(timeout=10)
-    scheduler._land_tails()
+    kv.land_tail(request)
     assert kv.barrier(request) is None
     scheduler._preempt(scheduler.running.pop())
     while fake_step(kv, scheduler) != [request]:
@@ -530,7 +530,7 @@ def _compute_step(kv, scheduler: Scheduler, prepare: bool = False) -> list[Reque
     `prepare`: the next step's admission work done before the tokens are sampled, as the engine does."""
     out = scheduler.schedule()
     for s in out.scheduled:
-        req, blocks = s.request, kv.req_to_blocks[s.request.request_id]
+        req, blocks = s.request, kv.states[s.request.request_id].blocks
         for k in range(s.context // BS, -(-(s.context + s.num_new_tokens) // BS)):
             if k < len(req.block_hashes):
                 as_bytes(kv.hierarchy.kv_cache[blocks[k].block_id]).copy_(content_for(req.block_hashes[k]))
@@ -541,7 +541,7 @@ def _compute_step(kv, scheduler: Scheduler, prepare: bool = False) -> list[Reque
     for req in sampled:
         if not req.output_token_ids:  # its first token: the prompt's blocks hold what they should
             full = req.num_prompt_tokens // BS
-            assert_prefix_bytes(kv, kv.req_to_blocks[req.request_id][:full], req.block_hashes[:full])
+            assert_prefix_bytes(kv, kv.states[req.request_id].blocks[:full], req.block_hashes[:full])
         req.output_token_ids.append(1)
     kv.hierarchy.flush_pending()
     return sampled
@@ -746,7 +746,7 @@ def test_a_head_recomputed_before_a_tail_the_device_holds_waits_for_room_instead
     scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
     scheduler.add_request(request)
     assert fake_step(kv, scheduler) == [] and request.status == RequestStatus.WAITING  # no room: it waits
-    assert not kv.reserved and kv.pool.num_free_blocks == 5
+    assert not any(s.reserved for s in kv.states.values()) and kv.pool.num_free_blocks == 5
     kv.pool.free_blocks(others)
     while fake_step(kv, scheduler) != [request]:
         kv.wait_for_loads(timeout=10)

@@ -73,9 +73,9 @@ def run_request(kv: KVCacheManager, tokens: list[int], finish: bool = True) -> R
     # Every cached block must already hold exactly its content.
     for block, h in zip(blocks, req.block_hashes):
         assert torch.equal(as_bytes(kv.hierarchy.kv_cache[block.block_id]), content_for(h)), "wrong bytes served"
-    req.cached_tokens_by_tier = by_tier
     assert kv.allocate_slots(req, req.num_tokens - num_cached, blocks) is not None
-    for block, h in zip(kv.req_to_blocks[req.request_id], req.block_hashes):
+    assert req.cached_tokens_by_tier == by_tier  # admitted with its prefix: what it reports
+    for block, h in zip(kv.states[req.request_id].blocks, req.block_hashes):
         if block not in blocks:
             as_bytes(kv.hierarchy.kv_cache[block.block_id]).copy_(content_for(h))
     req.num_computed_tokens = req.num_tokens
@@ -412,7 +412,7 @@ def test_pending_write_through_is_written_before_its_block_is_reused():
     a = doc(5, 6 * BS + 1)
     req = run_request(kv, a, finish=False)
     # queue the write-downs again as if the step had not been flushed yet, then force reuse
-    for k, block in enumerate(kv.req_to_blocks[req.request_id][:6]):
+    for k, block in enumerate(kv.states[req.request_id].blocks[:6]):
         h._pending[block.block_id] = block.block_hash
     h.cpu.clear()
     kv.free(req)
@@ -480,7 +480,7 @@ def test_reference_scenario_through_the_manager():
     r2.num_computed_tokens = 0
     blocks, n, _ = kv.get_computed_blocks(r2)
     kv.allocate_slots(r2, 29 - n, blocks)
-    assert list(kv.get_block_ids(r2)) == [b.block_id for b in kv.req_to_blocks["r2"]]
+    assert list(kv.get_block_ids(r2)) == [b.block_id for b in kv.states["r2"].blocks]
     assert list(kv.get_block_ids(r2))[:len(blocks)] == [b.block_id for b in blocks]
 
 
@@ -616,4 +616,4 @@ def test_a_promotion_never_evicts_a_device_hit_later_in_the_same_prefix():
     assert num_cached == BS and len(blocks) == 1
     assert all(h.pool.get_cached_block(x).ref_cnt == 0 for x in first.block_hashes[3:6])
     # held: block 0, and the block reserved for the prompt's last token when the load started
-    assert h.pool.num_free_blocks == h.pool.num_blocks - 1 - len(kv.reserved[probe.request_id])
+    assert h.pool.num_free_blocks == h.pool.num_blocks - 1 - len(kv.states[probe.request_id].reserved)

@@ -170,7 +170,7 @@ def put_in(tier, tokens: list[int], first: int, stop: int) -> None:
 
 def admit(kv, request: Request):
     blocks, num_cached, by_tier = computed_blocks(kv, request)
-    kv.record_admission(request, by_tier)
+    assert kv.allocate_slots(request, request.num_tokens - num_cached, blocks) is not None  # its admission
     return blocks, num_cached, by_tier
 
 

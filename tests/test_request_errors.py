@@ -53,7 +53,7 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert pool.num_free_blocks == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     kv = engine.kv_manager
-    assert not (kv.req_to_blocks or kv.prefix_loads or kv.reserved or kv.tails or engine.requests)
+    assert not (kv.states or engine.requests)
 
 
 def warm(engine: LLMEngine) -> None:
@@ -298,7 +298,7 @@ def test_random_faults_in_lookups_loads_and_allocations_fail_only_their_requests
     kv.release_abandoned()
     assert done and failed
     assert kv.pool.num_free_blocks == kv.pool.num_blocks and all(b.ref_cnt == 0 for b in kv.pool.blocks)
-    assert not (kv.req_to_blocks or kv.prefix_loads or kv.reserved or kv.tails or kv._abandoned)
+    assert not (kv.states or kv._abandoned)
     assert not kv.hierarchy.cpu.inner._holds
 
 
@@ -320,4 +320,4 @@ def test_a_fault_while_a_tail_lands_fails_its_request_and_lets_the_tail_go():
     kv.hierarchy.transfers.wait_idle()
     kv.release_abandoned()
     assert kv.pool.num_free_blocks == kv.pool.num_blocks and not kv.hierarchy.cpu.inner._holds
-    assert not (kv.req_to_blocks or kv.tails or kv.prefix_loads or kv.reserved)
+    assert not kv.states

@@ -28,7 +28,7 @@ def make_scheduler(policy: str, budget: int = 64, device_blocks: int = 256, shar
     clock = FakeClock()
     scheduler = Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=16, policy=policy,
                           step_target=step_target, long_prefill_share=share, clock=clock)
-    scheduler.cost = StepCost(per_token_s=seconds_per_token)
+    kv.step_cost = StepCost(per_token_s=seconds_per_token)
     return kv, scheduler, clock
 
 
@@ -126,7 +126,7 @@ def test_a_long_prefills_share_is_of_the_step_target_even_where_step_overheads_r
     but while a short request waits the long prefill keeps half of the 1 s target's compute, 25 tokens,
     not half of 450: the short request's step stays near its target."""
     kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=1.0, share=0.5)
-    scheduler.cost = StepCost(per_token_s=0.01, overhead_s=0.5)
+    kv.step_cost = StepCost(per_token_s=0.01, overhead_s=0.5)
     long_request = add(scheduler, clock, doc(24, 2000))
     step(kv, scheduler, clock)
     short = add(scheduler, clock, cached_question(kv, 25))
@@ -139,7 +139,7 @@ def test_a_question_does_not_wait_for_the_end_of_a_document_that_would_overrun_i
     the 1 s target (50): while a question waits, the document keeps its share (25) and finishes after."""
     kv, scheduler, clock = make_scheduler("uncached_first", budget=2048, step_target=1.0, share=0.5,
                                           device_blocks=1024)
-    scheduler.cost = StepCost(per_token_s=0.01, overhead_s=0.5)
+    kv.step_cost = StepCost(per_token_s=0.01, overhead_s=0.5)
     document = add(scheduler, clock, doc(26, 1600))
     step(kv, scheduler, clock)
     step(kv, scheduler, clock)  # two long steps of 750 tokens: 100 left
@@ -177,7 +177,7 @@ def test_the_step_is_capped_by_its_target_time_at_the_measured_speed_while_short
     add(scheduler, clock, question)
     assert sum(step(kv, scheduler, clock).values()) == 64  # 0.5 s at 128 tokens a second
     add(scheduler, clock, cached_question(kv, 13))
-    scheduler.cost = StepCost(per_token_s=1.0)  # a very slow engine: never below the floor
+    kv.step_cost = StepCost(per_token_s=1.0)  # a very slow engine: never below the floor
     assert sum(step(kv, scheduler, clock).values()) == MIN_STEP_TOKENS
     assert first.num_computed_tokens > 0
 
@@ -249,11 +249,11 @@ def test_decodes_alone_are_scheduled_without_asking_the_step_cost_and_an_arrival
     requests = [add(scheduler, clock, doc(40 + i, 3 * BS), max_tokens=20) for i in range(4)]
     while not all(r.output_token_ids for r in requests):  # their prompts
         step(kv, scheduler, clock)
-    fit = scheduler.cost.fit
+    fit = kv.step_cost.fit
     solves = []
     monkeypatch.setattr(fit, "_solve", lambda real=fit._solve: (solves.append(1), real())[1])
     for _ in range(10):
-        scheduler.cost.observe(4, 0.001)  # the engine reports each step's time: the fit is out of date
+        kv.step_cost.observe(4, 0.001)  # the engine reports each step's time: the fit is out of date
         assert step(kv, scheduler, clock) == {r: 1 for r in requests}  # every sequence decodes at every step
     assert not solves  # nothing it could answer would change such a step: no refit after every decode
     question = add(scheduler, clock, doc(50, 2 * BS))
@@ -365,9 +365,9 @@ def test_while_the_first_in_line_is_refused_for_room_only_requests_that_arrive_s
     step(kv, scheduler, clock)
     documents = [add(scheduler, clock, doc(10 + k, 6 * BS)) for k in range(3)]  # 6 blocks each: no room
     step(kv, scheduler, clock)  # all ordered; the first document is refused
-    estimates = []
-    estimate_uncached_many = kv.estimate_uncached_many
-    monkeypatch.setattr(kv, "estimate_uncached_many", lambda rs: (estimates.extend(rs), estimate_uncached_many(rs))[1])
+    estimates = []  # the requests priced afresh (an estimate kept from an earlier step is not)
+    estimate = kv._estimate
+    monkeypatch.setattr(kv, "_estimate", lambda r, located: (estimates.append(r), estimate(r, located))[1])
     for _ in range(3):
         assert list(step(kv, scheduler, clock)) == [holder] and not estimates
     question = add(scheduler, clock, doc(20, 3))  # one block: there is room for it
@@ -563,7 +563,7 @@ def test_a_burst_of_arrivals_is_looked_up_together_and_admitted_on_that_lookup(p
     assert kv.hierarchy.clear_device_cache()
     clock = FakeClock()
     scheduler = Scheduler(kv, max_num_batched_tokens=1024, max_num_seqs=16, policy=policy, clock=clock)
-    scheduler.cost = StepCost(per_token_s=0.01)
+    kv.step_cost = StepCost(per_token_s=0.01)
     on_documents = [add(scheduler, clock, document + doc(40 + k, 5)) for k, document in enumerate(documents)]
     new = [add(scheduler, clock, doc(50 + k, 3 * BS + 2)) for k in range(3)]  # found nowhere
     cpu, asked = kv.hierarchy.cpu, []

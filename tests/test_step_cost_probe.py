@@ -28,7 +28,7 @@ def tiny_engine(tmp_path, **scheduler) -> LLMEngine:
 def test_on_a_cpu_the_engine_starts_from_the_guess_without_a_probe(tmp_path):
     engine = tiny_engine(tmp_path)
     try:
-        assert engine.scheduler.cost.fit.num_observations == 0
+        assert engine.kv_manager.step_cost.fit.num_observations == 0
     finally:
         engine.close()
 
@@ -36,7 +36,7 @@ def test_on_a_cpu_the_engine_starts_from_the_guess_without_a_probe(tmp_path):
 def test_a_fresh_engine_has_timed_its_model_and_left_the_pool_as_it_was(tmp_path, probe_on_cpu):
     engine = tiny_engine(tmp_path)
     try:
-        cost = engine.scheduler.cost
+        cost = engine.kv_manager.step_cost
         assert cost.fit.num_observations == 4  # two prefills, a decode over the longer, a short prefill
         assert cost.fit.coef != cost.fit.prior  # the runs priced the steps, not the guess
         pool = engine.hierarchy.pool
@@ -78,7 +78,7 @@ def test_what_the_probe_wrote_into_free_blocks_never_reaches_an_answer(tmp_path,
     monkeypatch.setitem(llm_engine.PROBE_TOKENS, "cpu", 64)
     probed = tiny_engine(tmp_path / "b")
     try:
-        assert probed.scheduler.cost.fit.num_observations == 4
+        assert probed.kv_manager.step_cost.fit.num_observations == 4
         assert greedy_tokens(probed, prompt) == expected
     finally:
         probed.close()

@@ -236,11 +236,10 @@ def part_b(work: Path, model_name, load_format, doc_tokens):
         del e
         gc.collect()
         e = LLMEngine(cfg, loaded=loaded)
-        rc = e.kv_manager.read_costs["disk"]
+        rc, cost = e.kv_manager.read_costs["disk"], e.kv_manager.step_cost
         probe = {"latency_ms": rc.latency_s * 1e3 if hasattr(rc, "latency_s") else None,
                  "per_block_us": rc.per_block_s * 1e6 if hasattr(rc, "per_block_s") else None,
-                 "step_cost": [e.scheduler.cost.overhead_s, e.scheduler.cost.per_token_s, e.scheduler.cost.per_pair_s,
-                               e.scheduler.cost.per_read_s]}
+                 "step_cost": [cost.overhead_s, cost.per_token_s, cost.per_pair_s, cost.per_read_s]}
         tl = Timeline(e)
         recs = []
         for k in range(1, 4):
@@ -328,7 +327,7 @@ def part_d(work: Path, model_name, load_format, loaded, prompts):
             recs.append({**summarize(ask(e, prompts[k], cache_salt=salt)), "steps": tl.dump(n0)})
             settle(e)
             drop_device_cache(e)
-        cost, read = e.scheduler.cost, e.kv_manager.read_costs["cpu"]
+        cost, read = e.kv_manager.step_cost, e.kv_manager.read_costs["cpu"]
         out[policy] = {"miss": summarize(miss), "hits": recs, "step_cost": {
             "overhead_ms": cost.overhead_s * 1e3, "replayed_overhead_ms": cost.replayed_overhead_s * 1e3,
             "per_token_us": cost.per_token_s * 1e6, "replay_tokens": cost.replay_tokens,
