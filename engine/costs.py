@@ -11,10 +11,10 @@ Two small linear models, each fitted to recent measurements by least squares:
   from device memory). Reads are what a decode row
   mostly costs (one new token over a long context); without them the fit took a step's decodes for
   fixed overhead, and the step cap's overhead floor grew with every answer being decoded. The two fixed
-  costs are apart because on a GPU they differ by 10-20x (one H200, SmolLM2: a replayed question 1-2 ms,
-  an eager step 20-35 ms whatever its size): with one, fitted mostly from replayed decodes and questions,
-  an eager step of 2256 tokens was priced at 12 ms and took 35, and the load policy recomputed that
-  many tokens of a disk hit beside a load that took 33 ms. It prices waiting work and caps steps (the
+  costs are apart because on a GPU they differ by an order of magnitude (a replayed question against an
+  eager step of any size): with one, fitted mostly from replayed decodes and questions, a long eager
+  step was priced at a third of what it took, and the load policy recomputed that many tokens of a disk
+  hit beside a load that was faster. It prices waiting work and caps steps (the
   scheduler) and prices recomputing a prefix (the load policy).
 - `ReadCost`, one load from a lower tier to the device: `latency_s + per_block_s * blocks`, seeded
   by a probe at start-up and refined by every promotion.

@@ -97,7 +97,7 @@ SLOW_DTYPE_FACTOR = 3.0  # a half-precision dtype this many times slower than fl
 
 
 def cpu_matmul_slowdown(dtype: torch.dtype, size: int = 256, rows: int = 64) -> float:
-    """How many times longer this CPU multiplies a `rows` x `size` by a `size` x `size` matrix in
+    """How many times longer the host's CPU multiplies a `rows` x `size` by a `size` x `size` matrix in
     `dtype` than in float32 (best of three each, on the engine's threads): a CPU without native
     bfloat16 or float16 units emulates them, many times slower."""
     def best_s(dt: torch.dtype) -> float:
@@ -115,7 +115,7 @@ def cpu_matmul_slowdown(dtype: torch.dtype, size: int = 256, rows: int = 64) -> 
 
 def slow_dtype_warning(dtype_name: str, slowdown: float) -> str | None:
     """The warning for a model dtype whose matrix products ran `slowdown` times slower than float32
-    on this CPU, or None when it is not worth one."""
+    on the host's CPU, or None when it is not worth one."""
     if slowdown < SLOW_DTYPE_FACTOR:
         return None
     return (f"model.dtype {dtype_name} on this CPU: its matrix products ran {slowdown:.0f}x slower than float32 "

@@ -20,20 +20,17 @@ cut is a prefix boundary, and so is the end of the head.
   step `StepCost.step_s` at its context, all from measured speeds. The head is a step of its own
   before the one that computes the rest, and each costs a step's fixed cost besides its compute: the
   replayed one where the step is small enough to be replayed as a CUDA graph, the eager one otherwise
-  (on one H200 1-2 ms against 20-35 ms). So where an eager step costs more than a load, a head never
+  (an order of magnitude apart on a GPU). So where an eager step costs more than a load, a head never
   pays, and recomputing a whole document pays only where its load is slower than an eager step. Ties
   go to loading more.
 
 Where a head's step is not counted on to run while its tail loads (`overlap=False`: the KV cache on a GPU),
 the plan is priced `head_step + load(tail) + rest_step`: a head then pays only where computing its blocks beats
-loading them. On one H200 no head chosen beside a load paid for itself: a disk hit's 2256-token eager head,
-priced before eager steps had a fixed cost of their own, took 35-40 ms beside a 33 ms load (the first token at
-46-71 ms against 38-41 ms loading everything); a 3790-token disk hit with a head of about 1000 tokens took
-48.7 ms against a 23.8 ms miss; a SmolLM2 CPU-tier hit's 496-token replayed head waited 1.4 ms for its tail after
-its step and spent the 4 ms a faster load had saved (benchmarks/results/gpu_diag_h200.md, gpu.md). Why that
-tail did not land during the head's step is not known (benchmarks/lib/gpu_diag.py part d times it); until it is, a
-head on a GPU is priced as if it did not overlap. On a CPU a head beside its tail's load gave the first token
-1.7x sooner (benchmarks/results/load_policy.md).
+loading them. On a GPU no head chosen beside a load was seen to pay for itself: an eager head took longer than
+the load beside it, and a replayed head waited for its tail after its step, spending what a faster load had
+saved. Why that tail did not land during the head's step is not known (benchmarks/lib/gpu_diag.py part d times
+it); until it is, a head on a GPU is priced as if it did not overlap. On a CPU a head beside its tail's load
+gives the first token sooner.
 
 Only cuts at the ends of runs (maximal stretches of blocks held by one tier) need pricing: within a run,
 each further block adds the same load time, while the compute it saves grows with its position (its

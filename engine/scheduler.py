@@ -169,7 +169,7 @@ class Scheduler:
         this do while the device computes that step: finish the loads that have landed (their blocks cached
         on the device), look up the requests that arrived, and start the loads of the first ones in order
         (while sequence slots last) whose prefix is found below the device. Nothing is admitted to run: the
-        next `schedule` admits, from what this found. Done here, this host work (a long document's lookup, or
+        next `schedule` admits, from what this found. Done here, the host's work (a long document's lookup, or
         caching its landed blocks) is hidden behind the device's compute instead of delaying the next step."""
         self.kv.finish_landed_loads()
         if (not self.waiting or len(self.running) + self.num_loading >= self.max_num_seqs
