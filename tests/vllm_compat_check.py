@@ -37,9 +37,9 @@ def check_events(path: str) -> dict:
         decoded += 1
         for event in batch.events:
             kind = type(event).__name__
+            hashes = [h.hex() if isinstance(h, bytes) else h for h in getattr(event, "block_hashes", [])]
             events.append({"type": kind, "medium": getattr(event, "medium", None),
-                           "locality": getattr(event, "locality", None),
-                           "hashes": [h.hex() if isinstance(h, bytes) else h for h in getattr(event, "block_hashes", [])],
+                           "locality": getattr(event, "locality", None), "hashes": hashes,
                            "dp_rank": batch.data_parallel_rank})
     return {"vllm": vllm.__version__, "total": len(payloads), "decoded": decoded, "errors": errors[:3],
             "events": events}
