@@ -61,14 +61,17 @@ def replayed_payloads(replay_endpoint: str) -> list[bytes]:
     return payloads
 
 
-def engine_stream(tmp_path: Path, **events) -> list[bytes]:
+def engine_stream(tmp_path: Path, remote_url: str | None = None, **events) -> list[bytes]:
     """The KV events of a real engine (random weights) whose blocks are stored on the device, written
-    down to the CPU tier, spilled to disk, evicted, and finally cleared in every tier."""
+    down to the CPU tier (and the remote tier at `remote_url`), spilled to disk, evicted, and finally
+    cleared in every tier."""
     pub, replay = free_ports(2)
+    tiers = {"device": {"size": 4}, "cpu": {"size": 4}, "disk": {"path": str(tmp_path / "kv"), "size": "16MiB"}}
+    if remote_url is not None:
+        tiers["remote"] = {"url": remote_url}
     config = load_config({
         "model": {"name": "tiny-llama", "load_format": "dummy", "device": "cpu", "threads": 1},
-        "cache": {"tiers": {"device": {"size": 4}, "cpu": {"size": 4},
-                            "disk": {"path": str(tmp_path / "kv"), "size": "16MiB"}}},
+        "cache": {"tiers": tiers},
         "events": {"endpoint": f"tcp://127.0.0.1:{pub}", "replay_endpoint": f"tcp://127.0.0.1:{replay}", **events}})
     with LLM(config) as llm:
         for doc in (range(1000, 1050), range(2000, 2050), range(1000, 1050)):
@@ -102,7 +105,10 @@ def test_every_batch_of_a_real_engine_decodes_with_vllms_structs(stream):
 @needs_vllm
 @pytest.mark.parametrize("events", [{}, {"medium_names": "kvstrata"}, {"int_hashes": True}])
 def test_installed_vllm_decodes_every_batch_of_a_real_engine(tmp_path, events):
-    payloads = engine_stream(tmp_path, **events)
+    from valkey_server import ValkeyServer
+
+    with ValkeyServer() as server:
+        payloads = engine_stream(tmp_path, server.url, **events)
     frames = tmp_path / "frames.msgpack"
     frames.write_bytes(msgspec.msgpack.encode(payloads))
     result = run_vllm_check("events", str(frames))
@@ -113,9 +119,10 @@ def test_installed_vllm_decodes_every_batch_of_a_real_engine(tmp_path, events):
     assert [e["type"] for e in result["events"]] == [type(e).__name__ for e in ours]
     assert [e["hashes"] for e in result["events"]] == \
         [[h.hex() if isinstance(h, bytes) else h for h in getattr(e, "block_hashes", [])] for e in ours]
-    storage = "DISK" if events.get("medium_names") == "kvstrata" else "STORAGE"
+    disk, remote = ("DISK", "REMOTE") if events.get("medium_names") == "kvstrata" else ("STORAGE", "STORAGE")
     assert {(e["medium"], e["locality"]) for e in result["events"] if e["type"] == "BlockStored"} == \
-        {("GPU", None), ("CPU", None), (storage, "LOCAL")}
+        {("GPU", None), ("CPU", None), (disk, "LOCAL"), (remote, "REMOTE")}
+    assert {e.medium for e in ours} == {"device", "cpu", "disk", "remote"}  # and we read them back apart
 
 
 @needs_vllm
@@ -142,7 +149,8 @@ EXPORTED = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_c
             "vllm:request_generation_tokens", "vllm:iteration_tokens_total", "vllm:prompt_tokens_cached",
             "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_cached_by_source", "vllm:cache_config_info"}
 TINY = {"model": {"name": "tiny-llama", "load_format": "dummy", "device": "cpu", "dtype": "float32", "threads": 1},
-        "cache": {"tiers": {"device": {"size": 4}, "cpu": {"size": 64}}}}
+        # always_load: the load policy, left to measured speeds, may recompute a short prefix instead
+        "cache": {"load_policy": "always_load", "tiers": {"device": {"size": 4}, "cpu": {"size": 64}}}}
 
 
 def vllm_families(metrics) -> dict[str, dict]:
