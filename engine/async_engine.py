@@ -73,24 +73,32 @@ class FinishedRequest:
     # the chain hashes of its full blocks, the prompt's first (a trace of the traffic names prompts by them:
     # kvstrata/trace.py)
     block_hashes: tuple[bytes, ...] = ()
+    decode_s: float | None = None  # from its first token to its end (None: it ended before a first token)
 
 
 class RequestListener(Protocol):
     """Hears of request events as they happen, on the engine thread (so it must be quick)."""
 
-    def on_first_token(self, receipt: CacheReceipt) -> None: ...
+    def on_first_token(self, receipt: CacheReceipt, num_prompt_tokens: int) -> None: ...
 
     def on_token_gap(self, gap_s: float) -> None:
         """A request's next tokens came `gap_s` after its previous ones (vLLM's inter-token latency)."""
+
+    def on_step(self, num_tokens: int, num_generated_tokens: int) -> None:
+        """An engine step ran: it computed `num_tokens` (prompt chunks and decodes) and sampled
+        `num_generated_tokens`."""
 
     def on_finished(self, finished: FinishedRequest) -> None: ...
 
 
 class _NoListener:
-    def on_first_token(self, receipt: CacheReceipt) -> None:
+    def on_first_token(self, receipt: CacheReceipt, num_prompt_tokens: int) -> None:
         pass
 
     def on_token_gap(self, gap_s: float) -> None:
+        pass
+
+    def on_step(self, num_tokens: int, num_generated_tokens: int) -> None:
         pass
 
     def on_finished(self, finished: FinishedRequest) -> None:
@@ -98,9 +106,11 @@ class _NoListener:
 
 
 def _finished(request: Request) -> FinishedRequest:
-    return FinishedRequest(request.status.value, time.perf_counter() - request.arrival_time,
+    now = time.perf_counter()
+    first = request.first_token_time
+    return FinishedRequest(request.status.value, now - request.arrival_time,
                            request.num_prompt_tokens, len(request.output_token_ids),
-                           tuple(request.block_hashes))
+                           tuple(request.block_hashes), None if first is None else now - first)
 
 
 class EngineStoppedError(RuntimeError):
@@ -323,7 +333,11 @@ class AsyncEngine:
                     stop_requested = True
                 else:
                     self._apply(command)
-            updated = self._step() if self.engine.has_unfinished_requests() else []
+            updated = []
+            if self.engine.has_unfinished_requests():
+                updated = self._step()
+                if self.engine.last_step_tokens:  # 0: nothing ran (waiting on a load, or failed)
+                    self.listener.on_step(self.engine.last_step_tokens, self.engine.last_step_generated_tokens)
             if self._snapshot_due(updated):
                 self._publish_snapshot()
             self._deliver(updated)
@@ -424,7 +438,7 @@ class AsyncEngine:
             output = RequestOutput.from_request(request)
             if not stream.saw_first_token and output.receipt is not None:
                 stream.saw_first_token = True
-                self.listener.on_first_token(output.receipt)
+                self.listener.on_first_token(output.receipt, request.num_prompt_tokens)
             self._note_tokens(stream, len(request.output_token_ids))
             if request.is_finished:  # heard of before the caller has its answer, as the snapshot is
                 self.listener.on_finished(_finished(request))

@@ -215,6 +215,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, sc.max_num_batched_tokens, sc.max_num_seqs, policy=sc.policy,
                                    step_target=sc.step_target, long_prefill_share=sc.long_prefill_share)
         self.num_preemptions = 0  # running requests sent back to wait, their blocks freed (stats())
+        self.last_step_tokens = self.last_step_generated_tokens = 0  # of the last step that ran (step())
         self.requests: dict[str, Request] = {}
         # Called during each step while the device computes it, before the next step's admission work: a serving
         # loop adds the requests that arrived meanwhile (engine/async_engine.py), which are then looked up and
@@ -508,6 +509,7 @@ class LLMEngine:
         `Scheduler.fail`) fails that request, one in the step's model run or sampling fails the step's requests
         (`_fail_step`), and one in scheduling that no single request's handling raised fails every request
         (none can be told apart: `_fail_unfinished`)."""
+        self.last_step_tokens = self.last_step_generated_tokens = 0
         try:
             out = self.scheduler.schedule()
         except Exception as exc:
@@ -589,6 +591,8 @@ class LLMEngine:
                 if token_logprobs is not None:
                     request.append_logprobs(token_logprobs)
                 self._append_token(request, token_id, now)
+        # What the step computed (prompt chunks and decodes) and sampled: vLLM's tokens per engine step.
+        self.last_step_tokens, self.last_step_generated_tokens = out.num_tokens, len(sampling)
         # The step's measured cost prices waiting work and caps later steps (scheduler.step_target).
         # A sampling step has waited for the device (`sample` reads the tokens back); a prefill chunk
         # waits here, or the cost would never learn from one on a GPU (its time is the device's).
@@ -783,6 +787,10 @@ class LLMEngine:
                                      "blocks_served": self.kv_manager.prompt_logprobs.blocks_served},
             "corrupt": {name: s.get("corrupt", 0) for name, s in tiers.items()},
             "block_bytes": self.layout.block_nbytes,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "prefix_caching": self.config.cache.enable_prefix_caching,
+            "hash": self.config.cache.hash,
             "model": self.config.model.name,
             "dtype": self.dtype_name,
             "kv_cache_dtype": self.kv_dtype_name,

@@ -156,11 +156,14 @@ class TraceLog:
         self.inner = inner
         self.writer = writer
 
-    def on_first_token(self, receipt) -> None:
-        self.inner.on_first_token(receipt)
+    def on_first_token(self, receipt, num_prompt_tokens: int) -> None:
+        self.inner.on_first_token(receipt, num_prompt_tokens)
 
     def on_token_gap(self, gap_s: float) -> None:
         self.inner.on_token_gap(gap_s)
+
+    def on_step(self, num_tokens: int, num_generated_tokens: int) -> None:
+        self.inner.on_step(num_tokens, num_generated_tokens)
 
     def on_finished(self, finished) -> None:
         self.inner.on_finished(finished)

@@ -14,6 +14,8 @@ class IdleEngine:
     """An LLMEngine with no requests whose tier usage changes on its own (a disk writer committing,
     another process sharing the store): each stats() call sees one more used block."""
 
+    last_step_tokens = last_step_generated_tokens = 0  # what LLMEngine.step() says it computed: nothing here
+
     def __init__(self):
         self.scheduler = SimpleNamespace(running=[], waiting=[])
         self.used_blocks = 0

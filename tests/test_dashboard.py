@@ -28,7 +28,8 @@ def exported_sample_names(tmp_path: Path) -> set[str]:
     with LLM(config) as llm:
         llm.generate([list(range(1, 40))], SamplingParams(max_tokens=2, temperature=0.0))
         stats = llm.stats()
-    metrics = ServingMetrics(lambda: EngineSnapshot(stats=stats, num_running=0, num_waiting=0), model_name="m")
+    metrics = ServingMetrics(lambda: EngineSnapshot(stats=stats, num_running=0, num_waiting=0), model_name="m",
+                             max_model_len=stats["max_model_len"])
     return {line.split("{")[0].split(" ")[0] for line in metrics.render().decode().splitlines()
             if line and not line.startswith("#")}
 

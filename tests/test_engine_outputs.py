@@ -202,8 +202,10 @@ def test_chunked_prefill_and_preemption_do_not_change_outputs(loaded, reference,
     assert any(o.num_preemptions for o in outs), "the pool was meant to be too small for all three at once"
     assert llm.engine.hierarchy.pool.num_free_blocks == llm.engine.hierarchy.pool.num_blocks
     # the server's scrape counts every preemption the requests went through, as vLLM's counter does
-    scrape = ServingMetrics(lambda: EngineSnapshot(llm.stats(), 0, 0), model_name="m").render().decode()
-    assert metric_value(scrape, "vllm:num_preemptions_total", 'model_name="m"') == sum(o.num_preemptions for o in outs)
+    scrape = ServingMetrics(lambda: EngineSnapshot(llm.stats(), 0, 0), model_name="m",
+                            max_model_len=llm.engine.max_model_len).render().decode()
+    labels = 'engine="0",model_name="m"'
+    assert metric_value(scrape, "vllm:num_preemptions_total", labels) == sum(o.num_preemptions for o in outs)
     llm.close()
 
 

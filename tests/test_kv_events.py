@@ -4,6 +4,7 @@ from __future__ import annotations
 import socket
 import time
 
+import msgpack
 import msgspec
 import pytest
 import zmq
@@ -16,6 +17,7 @@ from kvstrata.tiers.block_events import AllBlocksCleared, BlockRemoved, BlockSto
 from kvstrata.tiers.cpu import CpuTier
 from kvstrata.tiers.disk import DiskTier
 from tier_cases import BF16, key, payload, tokens
+from vllm_wire import LegacyEventBatch, VllmKVEventBatch
 
 
 def free_ports(n: int) -> list[int]:
@@ -95,65 +97,6 @@ def test_a_tier_without_a_listener_builds_no_event():
 
 # -- the wire -----------------------------------------------------------------------------------
 
-# vLLM's event structs, written from vllm/distributed/kv_events.py: today's (tagged maps, the fields
-# after `lora_name` optional and omitted when unset) and, array-like, the form before it.
-class VllmKVCacheEvent(msgspec.Struct, omit_defaults=True, tag=True):
-    pass
-
-
-class VllmBlockStored(VllmKVCacheEvent, tag="BlockStored"):  # vLLM tags by class name
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class VllmBlockRemoved(VllmKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class VllmAllBlocksCleared(VllmKVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class VllmEventBatch(msgspec.Struct, omit_defaults=True):
-    ts: float
-    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-class LegacyBlockStored(msgspec.Struct, array_like=True, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class LegacyBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None
-
-
-class LegacyAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
-    pass
-
-
-class LegacyEventBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[LegacyBlockStored | LegacyBlockRemoved | LegacyAllBlocksCleared]
-
-
 def subscribe(config) -> zmq.Socket:
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -184,20 +127,34 @@ WIRE_EVENTS = [BlockStored([b"\x01" * 16, b"\x02" * 16], b"\x09" * 16, list(rang
                BlockRemoved([b"\x01" * 16], "device"), AllBlocksCleared("disk")]
 
 
-@pytest.mark.parametrize("fmt, batch_type", [("vllm", VllmEventBatch), ("vllm_legacy", LegacyEventBatch)])
+FORMATS = [("vllm", VllmKVEventBatch), ("vllm_legacy", LegacyEventBatch)]
+
+
+@pytest.mark.parametrize("fmt, batch_type", FORMATS)
 def test_a_router_reading_vllm_events_decodes_ours(fmt, batch_type):
     payload = published_payload(events_config(format=fmt), WIRE_EVENTS[0])
     batch = msgspec.msgpack.Decoder(batch_type).decode(payload)
-    assert batch.ts == pytest.approx(time.time(), abs=60)
+    assert batch.ts == pytest.approx(time.time(), abs=60) and batch.data_parallel_rank == 0
     stored = batch.events[0]
     assert type(stored).__name__.endswith("BlockStored")
     assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size, stored.lora_id,
-            stored.medium) == ([b"\x01" * 16, b"\x02" * 16], b"\x09" * 16, list(range(32)), 16, None, "CPU")
-    if fmt == "vllm":
-        assert stored.lora_name is None and stored.extra_keys is None
+            stored.medium, stored.lora_name) == ([b"\x01" * 16, b"\x02" * 16], b"\x09" * 16, list(range(32)), 16,
+                                                 None, "CPU", None)
+    if fmt == "vllm":  # one group, full attention, no extra keys told
+        assert (stored.group_idx, stored.kv_cache_spec_kind, stored.extra_keys) == (0, "full_attention", None)
 
 
-@pytest.mark.parametrize("fmt, batch_type", [("vllm", VllmEventBatch), ("vllm_legacy", LegacyEventBatch)])
+def test_a_vllm_decoder_rejects_what_it_cannot_read_so_the_mirror_can_fail():
+    """The mirrored structs are as strict as vLLM's: a batch sent as a map, or current events read as
+    legacy arrays, do not decode."""
+    as_map = msgpack.packb({"ts": 1.0, "events": []})
+    with pytest.raises(msgspec.ValidationError, match="Expected `array`, got `object`"):
+        msgspec.msgpack.Decoder(VllmKVEventBatch).decode(as_map)
+    with pytest.raises(msgspec.ValidationError, match="Expected `object`, got `array`"):
+        msgspec.msgpack.Decoder(VllmKVEventBatch).decode(encode_batch(WIRE_EVENTS, 1.5, WireFormat(maps=False)))
+
+
+@pytest.mark.parametrize("fmt, batch_type", FORMATS)
 @pytest.mark.parametrize("int_hashes", [False, True])
 def test_every_event_kind_decodes_in_both_formats_with_vllm_media_and_hashes(fmt, batch_type, int_hashes):
     fmt_ = WireFormat(maps=fmt == "vllm", int_hashes=int_hashes)
@@ -211,6 +168,37 @@ def test_every_event_kind_decodes_in_both_formats_with_vllm_media_and_hashes(fmt
     # Our own reader gives back our tiers' names, whichever form it reads.
     _, ours = decode_batch(encode_batch(WIRE_EVENTS, 1.5, fmt_))
     assert [e.medium for e in ours] == ["cpu", "device", "disk"]
+
+
+LOWER_TIER_EVENTS = [BlockStored([b"\x01" * 16], None, list(range(16)), 16, "disk"),
+                     BlockStored([b"\x02" * 16], None, list(range(16)), 16, "remote"),
+                     BlockRemoved([b"\x01" * 16], "disk"), BlockRemoved([b"\x02" * 16], "remote")]
+
+
+@pytest.mark.parametrize("names, media", [("vllm", [("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")] * 2),
+                                          ("kvstrata", [("DISK", "LOCAL"), ("REMOTE", "REMOTE")] * 2)])
+def test_disk_and_remote_go_out_under_vllm_media_names_or_ours_and_come_back_apart(names, media):
+    """vLLM names every offloading tier STORAGE and tells local from shared storage by `locality`."""
+    fmt = WireFormat.of(events_config(medium_names=names))
+    payload = encode_batch(LOWER_TIER_EVENTS, 1.5, fmt)
+    batch = msgspec.msgpack.Decoder(VllmKVEventBatch).decode(payload)
+    assert [(e.medium, e.locality) for e in batch.events] == media
+    _, ours = decode_batch(payload)
+    assert ours == LOWER_TIER_EVENTS
+
+
+def test_vllm_media_names_are_the_default_and_a_bad_name_is_a_one_line_error():
+    assert events_config().medium_names == "vllm"
+    with pytest.raises(ConfigError) as error:
+        events_config(medium_names="gpu")
+    assert str(error.value) == "events.medium_names: unknown value 'gpu' (expected 'vllm' or 'kvstrata')"
+
+
+def test_batches_of_an_older_kvstrata_publisher_still_decode():
+    """Before it matched vLLM's array batch, kvstrata sent the batch as a map: `kvstrata route` in front
+    of replicas not yet upgraded keeps reading them."""
+    old = msgpack.packb({"ts": 2.0, "events": [{"type": "BlockRemoved", "block_hashes": [b"a"], "medium": "DISK"}]})
+    assert decode_batch(old) == (2.0, [BlockRemoved([b"a"], "disk")])
 
 
 def test_the_router_index_matches_a_publisher_sending_int_hashes():

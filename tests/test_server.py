@@ -454,7 +454,7 @@ def test_metrics_expose_vllm_named_series_beside_ours(client, http):
     client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=1, temperature=0,
                                    messages=document_chat("Who keeps the keys?"))
     text = http.get("/metrics").text
-    label = 'model_name="smollm2-135m-instruct"'
+    label = 'engine="0",model_name="smollm2-135m-instruct"'
     queries = metric_value(text, "vllm:prefix_cache_queries_total", label)
     assert queries == metric_value(text, "kvstrata_prefix_cache_queries_tokens_total") > 0
     hits = metric_value(text, "vllm:prefix_cache_hits_total", label)

@@ -332,7 +332,12 @@ class EventsConfig(_Section):
     queue_size: PositiveInt = Field(100_000, validation_alias=AliasChoices("queue_size", "max_queue_size"))
     topic: str = ""
     publisher: Literal["zmq"] = "zmq"
-    format: Literal["vllm", "vllm_legacy"] = "vllm"  # vllm: today's tagged maps; vllm_legacy: the arrays
+    # vllm: vLLM 0.26+'s events, tagged maps; vllm_legacy: the positional arrays of vLLM before it, for
+    # routers that decode only those (docs/events.md, "Formats")
+    format: Literal["vllm", "vllm_legacy"] = "vllm"
+    # vllm: media GPU, CPU and STORAGE (disk and remote told apart by `locality`), the names routers built
+    # for vLLM score; kvstrata: DISK and REMOTE as media of their own
+    medium_names: Literal["vllm", "kvstrata"] = "vllm"
     int_hashes: bool = False  # block hashes as vLLM's 64-bit ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
     @model_validator(mode="after")

@@ -12,29 +12,36 @@ queued, encodes it and sends it:
   number (8 bytes, big-endian); it gets back, one message each, `[seq, payload]` for every batch
   still kept (the last `events.replay_buffer`) from that number on, then `[-1 as 8 signed bytes, b""]`.
 
-The payload is vLLM's `KVEventBatch`, in one of two forms (`events.format`):
+The payload is vLLM's `KVEventBatch` (vllm/distributed/kv_events.py), in one of two forms
+(`events.format`). In both the batch is a positional array, `[ts, [event, ...], data_parallel_rank]`
+(`ts` the batch's wall-clock time in seconds since the epoch; the rank always 0: one engine, as a vLLM
+without data parallelism sends):
 
-- `vllm` (the default; vLLM's current form): msgspec maps, each event tagged by its `type`:
+- `vllm` (the default; vLLM 0.26 and later): each event a map tagged by its `type`, its optional
+  fields left out when unset, as msgspec's `omit_defaults` encodes them:
 
-      {"ts": ts, "events": [event, ...]}       ts: the batch's wall-clock time (seconds since the epoch)
       {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h, "token_ids": [...],
-       "block_size": n, "lora_id": nil, "medium": "GPU", "lora_name": nil}
-      {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}
-      {"type": "AllBlocksCleared", "medium": "GPU"}
+       "block_size": n, "lora_id": nil, "medium": "GPU", "lora_name": nil, "group_idx": 0,
+       "kv_cache_spec_kind": "full_attention"[, "locality": "LOCAL" | "REMOTE"]}
+      {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU", "group_idx": 0[, "locality": ...]}
+      {"type": "AllBlocksCleared", "medium": "GPU"[, "locality": ...]}
 
-- `vllm_legacy` (vLLM before it moved to maps): msgspec's array-like, tagged encoding:
+- `vllm_legacy` (vLLM before 0.26, and the routers that still decode only its form): each event a
+  positional array led by its tag:
 
-      [ts, [event, ...]]
       ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]
       ["BlockRemoved", block_hashes, medium]
       ["AllBlocksCleared", medium]
 
-Media carry vLLM's names: `GPU` for the device tier, `CPU` for pinned CPU, and `DISK` and `REMOTE`
-for the tiers vLLM does not have. Block hashes are the engine's chain hashes as raw bytes (msgpack
-bin: 16 bytes with xxh3_128, 32 with sha256), or with `events.int_hashes` their last 8 bytes as a
-64-bit unsigned integer, as vLLM sends them under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES. `lora_id` and
-`lora_name` are always nil (no adapters). vLLM's AllBlocksCleared has no fields: a decoder typed after
-it ignores the medium (maps: an unknown key; arrays: a trailing element).
+Media (`events.medium_names`): with `vllm` (the default) vLLM's own names, `GPU` for the device
+tier, `CPU` for pinned CPU and `STORAGE` for both disk and remote, told apart as vLLM's storage
+tiers tell theirs, by `locality` (`LOCAL`: disk, `REMOTE`: the remote tier other replicas share);
+with `kvstrata`, `DISK` and `REMOTE` as media of their own. Block hashes are the engine's chain hashes
+as raw bytes (msgpack bin: 16 bytes with xxh3_128, 32 with sha256), or with `events.int_hashes` their
+last 8 bytes as a 64-bit unsigned integer, as vLLM sends them under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES.
+`lora_id` and `lora_name` are always nil (no adapters); every layer shares one block table, so
+`group_idx` is always 0 and the kind full attention. vLLM's AllBlocksCleared has no fields: a decoder
+typed after it ignores the medium (maps: unknown keys; arrays: trailing elements).
 """
 from __future__ import annotations
 
@@ -60,20 +67,30 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 CLOSE_TIMEOUT_S = 2.0
 
 
-# Our tiers' names and vLLM's for them; the wire carries vLLM's, the decoder gives back ours.
-WIRE_MEDIA = {"device": "GPU", "cpu": "CPU", "disk": "DISK", "remote": "REMOTE"}
-TIER_OF_MEDIUM = {wire: tier for tier, wire in WIRE_MEDIA.items()}
+# Our tiers as media on the wire: (medium, locality). vLLM names three media (GPU, CPU, STORAGE) and
+# says of a storage tier whether it is LOCAL or REMOTE to the publisher; `kvstrata` names keep a medium
+# for each of our tiers. Locality is only sent where vLLM's own tiers send one (storage).
+MEDIA_BY_NAMES = {
+    "vllm": {"device": ("GPU", None), "cpu": ("CPU", None), "disk": ("STORAGE", "LOCAL"),
+             "remote": ("STORAGE", "REMOTE")},
+    "kvstrata": {"device": ("GPU", None), "cpu": ("CPU", None), "disk": ("DISK", "LOCAL"),
+                 "remote": ("REMOTE", "REMOTE")},
+}
+TIER_OF_MEDIUM = {"GPU": "device", "CPU": "cpu", "DISK": "disk", "REMOTE": "remote"}
+GROUP_IDX = 0                            # one KV cache group: every layer shares the block table
+KV_CACHE_SPEC_KIND = "full_attention"    # every layer attends to every earlier token
+DATA_PARALLEL_RANK = 0
 
 
-def wire_medium(medium: str | None) -> str | None:
-    return WIRE_MEDIA.get(medium, medium) if medium is not None else None
-
-
-def tier_medium(medium: str | None) -> str | None:
-    """A medium read off the wire as our tier's name (vLLM's name or ours; unknown ones as sent)."""
+def tier_medium(medium: str | None, locality: str | None = None) -> str | None:
+    """A medium read off the wire as our tier's name (vLLM's names or ours; unknown ones as sent).
+    vLLM's STORAGE is the disk tier unless its locality says REMOTE."""
     if medium is None:
         return None
-    return TIER_OF_MEDIUM.get(medium.upper(), medium)
+    upper = medium.upper()
+    if upper == "STORAGE":
+        return "remote" if (locality or "").upper() == "REMOTE" else "disk"
+    return TIER_OF_MEDIUM.get(upper, medium)
 
 
 def int_block_hash(block_hash: bytes) -> int:
@@ -83,13 +100,14 @@ def int_block_hash(block_hash: bytes) -> int:
 
 @dataclass(frozen=True)
 class WireFormat:
-    """How events are put on the wire (`events.format`, `events.int_hashes`)."""
+    """How events are put on the wire (`events.format`, `events.medium_names`, `events.int_hashes`)."""
     maps: bool = True          # vLLM's current tagged maps; False: the legacy arrays
     int_hashes: bool = False
+    medium_names: str = "vllm"
 
     @classmethod
     def of(cls, config: EventsConfig) -> WireFormat:
-        return cls(maps=config.format == "vllm", int_hashes=config.int_hashes)
+        return cls(maps=config.format == "vllm", int_hashes=config.int_hashes, medium_names=config.medium_names)
 
     def hashes(self, hashes: list[bytes]) -> list:
         return [int_block_hash(h) for h in hashes] if self.int_hashes else list(hashes)
@@ -97,34 +115,45 @@ class WireFormat:
     def parent(self, block_hash: bytes | None):
         return int_block_hash(block_hash) if self.int_hashes and block_hash is not None else block_hash
 
+    def medium(self, tier: str | None) -> tuple[str | None, str | None]:
+        if tier is None:
+            return None, None
+        return MEDIA_BY_NAMES[self.medium_names].get(tier, (tier, None))
+
 
 DEFAULT_FORMAT = WireFormat()
 
 
 def encode_event(event: BlockEvent, fmt: WireFormat = DEFAULT_FORMAT) -> list | dict:
     """One event in vLLM's tagged form: a map with its `type` or, legacy, an array led by its tag."""
-    medium = wire_medium(event.medium)
+    medium, locality = fmt.medium(event.medium)
+    tag = type(event).__name__
     if isinstance(event, BlockStored):
-        fields = {"block_hashes": fmt.hashes(event.block_hashes), "parent_block_hash": fmt.parent(event.parent_block_hash),
-                  "token_ids": list(event.token_ids), "block_size": event.block_size, "lora_id": None,
-                  "medium": medium, "lora_name": None}
+        required = {"block_hashes": fmt.hashes(event.block_hashes),
+                    "parent_block_hash": fmt.parent(event.parent_block_hash), "token_ids": list(event.token_ids),
+                    "block_size": event.block_size, "lora_id": None, "medium": medium, "lora_name": None}
+        optional = {"group_idx": GROUP_IDX, "kv_cache_spec_kind": KV_CACHE_SPEC_KIND}
     elif isinstance(event, BlockRemoved):
-        fields = {"block_hashes": fmt.hashes(event.block_hashes), "medium": medium}
+        required = {"block_hashes": fmt.hashes(event.block_hashes), "medium": medium}
+        optional = {"group_idx": GROUP_IDX}
     elif isinstance(event, AllBlocksCleared):
-        fields = {"medium": medium}
+        required, optional = {"medium": medium}, {}
     else:
         raise TypeError(f"not a block event: {event!r}")
-    tag = type(event).__name__
-    return {"type": tag, **fields} if fmt.maps else [tag, *fields.values()]
+    if not fmt.maps:  # the legacy arrays end at the fields every reader of them knows
+        return [tag, *required.values()]
+    if locality is not None:
+        optional["locality"] = locality
+    return {"type": tag, **required, **optional}
 
 
 def encode_batch(events: list[BlockEvent], ts: float, fmt: WireFormat = DEFAULT_FORMAT) -> bytes:
-    encoded = [encode_event(e, fmt) for e in events]
-    return msgpack.packb({"ts": ts, "events": encoded} if fmt.maps else [ts, encoded], use_bin_type=True)
+    return msgpack.packb([ts, [encode_event(e, fmt) for e in events], DATA_PARALLEL_RANK], use_bin_type=True)
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[BlockEvent]]:
-    """A batch in either form (ours or any vLLM's), media as our tiers' names; ValueError on anything else."""
+    """A batch in any form (ours, any vLLM's, or an older kvstrata's map batch), media as our tiers'
+    names; ValueError on anything else."""
     try:
         batch = msgpack.unpackb(payload, raw=False)
         ts, raw_events = (batch["ts"], batch["events"]) if isinstance(batch, dict) else batch[:2]
@@ -136,14 +165,14 @@ def decode_batch(payload: bytes) -> tuple[float, list[BlockEvent]]:
 def _decode_event(raw: list | dict) -> BlockEvent | None:
     if isinstance(raw, dict):
         tag = raw["type"]
-        get = raw.get
+        medium = tier_medium(raw.get("medium"), raw.get("locality"))
         if tag == "BlockStored":
             return BlockStored(list(raw["block_hashes"]), raw["parent_block_hash"], list(raw["token_ids"]),
-                               int(raw["block_size"]), tier_medium(get("medium")))
+                               int(raw["block_size"]), medium)
         if tag == "BlockRemoved":
-            return BlockRemoved(list(raw["block_hashes"]), tier_medium(get("medium")))
+            return BlockRemoved(list(raw["block_hashes"]), medium)
         if tag == "AllBlocksCleared":
-            return AllBlocksCleared(tier_medium(get("medium")))
+            return AllBlocksCleared(medium)
         return None  # a kind of event newer than this reader: skipped, as vLLM's readers skip unknown tags
     tag = raw[0]
     if tag == "BlockStored":

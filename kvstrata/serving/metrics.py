@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstrata.serving.vllm_metrics import VllmSeries
 from kvstrata.tiers.names import LOWER_TIER_NAMES as LOWER_TIERS
 from kvstrata.tiers.names import TIER_NAMES as TIERS
 
@@ -46,19 +47,18 @@ class ServingMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot | None], events: KVEventPublisher | None = None,
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, max_model_len: int | None = None) -> None:
         """`model_name`: also export the `vllm:*` series vLLM's dashboards and autoscalers read
-        (`server.vllm_metrics`), labelled with it; None: only ours."""
+        (`server.vllm_metrics`), labelled with it, their per-request token histograms bucketed up to
+        `max_model_len` (the engine's context length) as vLLM's are; None: only ours."""
         self.registry = CollectorRegistry()
         self.snapshot = snapshot
         self.events = events
-        self.model_name = model_name
-        self.vllm_ttft = self.vllm_e2e = None
+        self.vllm: VllmSeries | None = None
         if model_name is not None:
-            self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                                       ["model_name"], buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
-            self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                                      ["model_name"], buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+            if max_model_len is None:
+                raise ValueError("the vllm:* series need the engine's max_model_len")
+            self.vllm = VllmSeries(self.registry, model_name, max_model_len)
         self.time_to_first_token = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "Time from a request's arrival to its first token.",
             buckets=TTFT_BUCKETS, registry=self.registry)
@@ -99,10 +99,10 @@ class ServingMetrics:
                          labels, buckets=PART_BUCKETS, registry=self.registry)
 
     # The RequestListener side, called from the engine thread.
-    def on_first_token(self, receipt: CacheReceipt) -> None:
+    def on_first_token(self, receipt: CacheReceipt, num_prompt_tokens: int) -> None:
         self.time_to_first_token.observe(receipt.ttft_ms / 1e3)
-        if self.vllm_ttft is not None:
-            self.vllm_ttft.observe(receipt.ttft_ms / 1e3)
+        if self.vllm is not None:
+            self.vllm.on_first_token(receipt, num_prompt_tokens)
         self.queue_time.observe(receipt.queue_ms / 1e3)
         self.lookup_time.observe(receipt.lookup_ms / 1e3)
         self.prefill_time.observe(receipt.prefill_ms / 1e3)
@@ -115,12 +115,18 @@ class ServingMetrics:
 
     def on_token_gap(self, gap_s: float) -> None:
         self.token_gap.observe(gap_s)
+        if self.vllm is not None:
+            self.vllm.on_token_gap(gap_s)
+
+    def on_step(self, num_tokens: int, num_generated_tokens: int) -> None:
+        if self.vllm is not None:
+            self.vllm.on_step(num_tokens, num_generated_tokens)
 
     def on_finished(self, finished: FinishedRequest) -> None:
         self.requests_finished.labels(finish_reason=finished.finish_reason).inc()
         self.e2e_latency.observe(finished.e2e_s)
-        if self.vllm_e2e is not None:
-            self.vllm_e2e.observe(finished.e2e_s)
+        if self.vllm is not None:
+            self.vllm.on_finished(finished)
         self.prompt_tokens.inc(finished.num_prompt_tokens)
         self.generation_tokens.inc(finished.num_generated_tokens)
 
@@ -143,8 +149,8 @@ class _SnapshotCollector(Collector):
         yield from _cache_metrics(snapshot.stats)
         yield _gauge("requests_running", "Requests scheduled on the engine now.", snapshot.num_running)
         yield _gauge("requests_waiting", "Requests queued for admission (or preempted).", snapshot.num_waiting)
-        if self.metrics.model_name is not None:
-            yield from _vllm_metrics(snapshot, self.metrics.model_name)
+        if self.metrics.vllm is not None:
+            yield from self.metrics.vllm.collect(snapshot)
         events = self.metrics.events
         if events is not None:
             yield _counter("kv_events_published_batches", "KV event batches published.", events.published_batches)
@@ -222,40 +228,6 @@ def _cache_metrics(stats: dict) -> Iterator[Metric]:
         yield _counter("cache_remote_dropped_writes_blocks", "Blocks not written to the remote tier: the write "
                                                              "queue full, the server unreachable or full.",
                        extra["dropped_puts"] + extra["write_errors"])
-
-
-def _vllm_metrics(snapshot: EngineSnapshot, model_name: str) -> Iterator[Metric]:
-    """vLLM's names for what we count: its prefix cache is our device tier; what its KV connector
-    (LMCache and the like) serves, "external", is our lower tiers."""
-    stats = snapshot.stats
-    prefix = stats["prefix_cache"]
-    device_hits = prefix["hit_tokens"].get("device", 0)
-    lower_hits = sum(prefix["hit_tokens"].get(t, 0) for t in LOWER_TIERS)
-    device = stats["tiers"]["device"]
-
-    def one(family_type, name: str, help_text: str, value: float) -> Metric:
-        family = family_type(name, help_text, labels=["model_name"])
-        family.add_metric([model_name], value)
-        return family
-
-    yield one(CounterMetricFamily, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
-              "queried tokens.", prefix["query_tokens"])
-    yield one(CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
-              "tokens (the device tier).", device_hits)
-    yield one(CounterMetricFamily, "vllm:external_prefix_cache_queries", "External prefix cache queries, in "
-              "tokens: those the device tier did not hold, looked up in the lower tiers.",
-              prefix["query_tokens"] - device_hits)
-    yield one(CounterMetricFamily, "vllm:external_prefix_cache_hits", "External prefix cache hits, in tokens: "
-              "served from the CPU, disk and remote tiers.", lower_hits)
-    capacity = device["capacity_blocks"]
-    yield one(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-              device["used_blocks"] / capacity if capacity else 0.0)
-    yield one(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-              stats["num_preemptions"])
-    yield one(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution batches.",
-              snapshot.num_running)
-    yield one(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-              snapshot.num_waiting)
 
 
 def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:

@@ -114,7 +114,8 @@ def serve(config: Config) -> None:
         async_engine = AsyncEngine(llm_engine, watchdog_timeout=config.scheduler.watchdog_timeout)
         model_id = config.server.model_alias or config.model.name
         metrics = ServingMetrics(lambda: async_engine.snapshot, events=publisher,
-                                 model_name=model_id if config.server.vllm_metrics else None)
+                                 model_name=model_id if config.server.vllm_metrics else None,
+                                 max_model_len=llm_engine.max_model_len)
         async_engine.listener = metrics  # set before any request: the engine thread reads it for requests only
         if config.server.trace_log is not None:  # each request appended to a trace for `kvstrata plan`
             from kvstrata.trace import TraceLog, TraceWriter
