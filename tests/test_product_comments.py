@@ -32,8 +32,6 @@ NOT_YET_CLEANED = {
     "kernels/cpu_linear.py",
     "kernels/cpu_threads.h",
     "kvstrata/planner.py",
-    "kvstrata/serving/events.py",
-    "kvstrata/serving/metrics.py",
     "kvstrata/serving/router.py",
     "tiers/hierarchy.py",
     "tiers/remote.py",
