@@ -151,6 +151,27 @@ def test_a_replica_holding_the_prefix_gives_requests_up_once_it_is_max_load_gap_
     assert replicas.choose(doc, set()) == (a, 8)  # c caught up: back to the longest prefix
 
 
+def test_round_robin_and_random_placement_ignore_the_caches_and_skip_replicas_that_are_out():
+    a, b, c = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None) for port in (1, 2, 3))
+    doc = [bytes([i]) for i in range(8)]
+    a.index.apply(BlockStored(doc, None, [], 16, "device"))
+    in_turn = ReplicaSet([a, b, c], policy="round_robin")
+    assert [in_turn.choose(doc, set())[0] for _ in range(6)] == [a, b, c, a, b, c]
+    b.healthy = False
+    assert [in_turn.choose(doc, set())[0] for _ in range(4)] == [a, c, a, c]
+    assert in_turn.choose(doc, {a, c})[0] is b  # only the one that is out is left untried
+    b.healthy = True
+    at_random = ReplicaSet([a, b, c], policy="random")
+    chosen = [at_random.choose(doc, set())[0] for _ in range(300)]
+    assert all(60 <= chosen.count(r) <= 140 for r in (a, b, c)), [chosen.count(r) for r in (a, b, c)]
+    assert at_random.choose(doc, {a, b}) == (c, 0)
+
+
+def test_the_routing_policy_is_checked_when_the_config_is_read():
+    with pytest.raises(ValueError, match="router.policy"):
+        load_config({**ENGINE, "router": {"policy": "least_cost", "replicas": [{"url": "http://127.0.0.1:9"}]}})
+
+
 class CutStream(httpx.AsyncByteStream):
     """A replica's streamed answer that arrives in `chunks` and then, with `cut`, breaks off as a
     replica that dies mid-answer does."""
