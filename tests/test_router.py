@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -393,6 +394,70 @@ def test_a_replica_that_goes_away_costs_no_request_and_comes_back(cluster):
     back = [doc for doc, holder in holders.items() if holder == gone.url][0]
     response = ask(router_url, back, "Give an example.")
     assert response.headers["x-kvstrata-replica"] == gone.url and is_document_hit(response)
+
+
+class DiesBeforeItsFirstEvent:
+    """A replica killed in a stream's prefill, as the client side sees it: it takes the request, answers
+    200 with the headers of an event stream, and its connection ends before the first event."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.taken = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    request += chunk
+                if request.startswith(b"POST"):
+                    self.taken += 1
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n")
+                # GET /health gets no answer either: the connection just ends
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.slow
+def test_a_stream_whose_replica_dies_before_its_first_event_is_answered_whole_by_another(cluster):
+    replicas, _, _ = cluster
+    dying = DiesBeforeItsFirstEvent()
+    (port,) = free_ports(1)
+    router = load_router(load_config({**ENGINE, "router": {
+        "policy": "round_robin", "health_interval": "60s",  # so that only the request finds out it died
+        "replicas": [{"url": dying.url}, {"url": replicas[0].url}]}}))
+    front = HTTPServer(router.app, port)
+    try:
+        deadline = time.monotonic() + 30
+        while router.replicas.replicas[0].healthy:  # the first health check has found it out ...
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        router.replicas.replicas[0].healthy = True  # ... but it died after it: the request is the first to try it
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0.0, "stream": True,
+                "messages": [{"role": "user", "content": f"{document('try')}\n\nAnswer briefly. Why?"}]}
+        with httpx.stream("POST", f"{front.url}/v1/chat/completions", json=body, timeout=300) as response:
+            assert response.status_code == 200
+            assert response.headers["x-kvstrata-replica"] == replicas[0].url
+            data = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+        assert dying.taken == 1
+        assert data[-1] == "[DONE]" and not any("error" in json.loads(d) for d in data[:-1])
+        assert "".join(c["delta"].get("content") or "" for d in data[:-1] for c in json.loads(d)["choices"])
+        assert not router.replicas.replicas[0].healthy
+    finally:
+        front.stop()
+        router.close()
+        dying.close()
 
 
 @pytest.mark.slow

@@ -33,8 +33,10 @@ A health check (`GET /health` every `router.health_interval`) takes a replica ou
 puts it back when it answers again; then the router rebuilds that replica's index from its replay
 buffer, since a replica that restarted holds other blocks (and numbers its events from 0 again).
 Bodies the router cannot read are forwarded all the same, by load: the replica answers the error.
-A replica that dies in the middle of a streamed answer cannot be replaced (what was sent cannot be
-taken back): the stream ends with an error event saying so, then `data: [DONE]`, never a half event.
+A stream's first event is read before anything is sent to the client, so a replica that dies before it
+(in the prompt's prefill) is replaced as one that cannot be reached is. One that dies later, in the
+middle of a streamed answer, cannot be (what was sent cannot be taken back): the stream ends with an
+error event saying so, then `data: [DONE]`, never a half event.
 """
 from __future__ import annotations
 
@@ -110,7 +112,6 @@ class ReplicaSet:
         self._turn = itertools.count()
         self._random = random.Random()
         self._next = 0  # round robin's next replica
-
 
     def choose(self, block_hashes: list[bytes], tried: set[Replica]) -> tuple[Replica | None, int]:
         """The replica for a request whose prompt has `block_hashes`, and how many of them it holds
@@ -306,10 +307,22 @@ class Router:
                 await upstream.aclose()
                 last_error = f"{replica.url}: HTTP {upstream.status_code}"
                 continue
+            chunks, head = upstream.aiter_raw(), b""
+            if _is_event_stream(upstream):
+                try:
+                    head = await _first_event(chunks)
+                except httpx.TransportError as exc:
+                    # It died before its first event (in the prompt's prefill, say): nothing has reached the
+                    # client, so another replica can still give the whole answer.
+                    replica.in_flight -= 1
+                    await upstream.aclose()
+                    set_health(replica, False)
+                    last_error = f"{replica.url}: {type(exc).__name__} before its first event"
+                    continue
             logger.debug("router: %s -> %s (%d of %d blocks held)", path, replica.url, held, len(hashes))
             passed = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")}
             passed["x-kvstrata-replica"] = replica.url
-            return StreamingResponse(_pass_through(upstream, replica), status_code=upstream.status_code,
+            return StreamingResponse(_pass_through(upstream, replica, head, chunks), status_code=upstream.status_code,
                                      headers=passed)
 
     async def each_replica(self, request: Request, path: str,
@@ -413,15 +426,40 @@ class Router:
         self.tokenizers.close()
 
 
-async def _pass_through(upstream: httpx.Response, replica: Replica) -> AsyncIterator[bytes]:
-    """The replica's answer as it comes. A stream of server-sent events is passed on whole events at a
-    time, so that if the replica goes away mid-answer the client gets no half event but an error
-    event and the stream's end, as the replica itself reports an error it meets mid-stream."""
-    events = upstream.headers.get("content-type", "").startswith("text/event-stream")
+def _is_event_stream(upstream: httpx.Response) -> bool:
+    return upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+
+async def _first_event(chunks: AsyncIterator[bytes]) -> bytes:
+    """The stream's bytes up to and including its first whole event (all of it if it ends sooner): until
+    they are read, the router has sent the client nothing and can still try another replica."""
+    head = b""
+    async for chunk in chunks:
+        head += chunk
+        if SSE_SEPARATOR in head:
+            break
+    return head
+
+
+async def _pass_through(upstream: httpx.Response, replica: Replica, head: bytes = b"",
+                        chunks: AsyncIterator[bytes] | None = None) -> AsyncIterator[bytes]:
+    """The replica's answer as it comes: `head`, what was read of it already, then the rest of `chunks`
+    (its raw body). A stream of server-sent events is passed on whole events at a time, so that if the
+    replica goes away mid-answer the client gets no half event but an error event and the stream's end,
+    as the replica itself reports an error it meets mid-stream."""
+    events = _is_event_stream(upstream)
+    chunks = upstream.aiter_raw() if chunks is None else chunks
     partial = b""   # the bytes of an event not yet complete
     last = b""      # the end of what was passed on (is it `data: [DONE]`?)
+
+    async def body() -> AsyncIterator[bytes]:
+        if head:
+            yield head
+        async for chunk in chunks:
+            yield chunk
+
     try:
-        async for chunk in upstream.aiter_raw():
+        async for chunk in body():
             if not events:
                 yield chunk
                 continue
