@@ -47,12 +47,14 @@ def run_bench_on_a_tiny_model(benchmark: str, config: str, *args: str) -> subpro
 class ServerProcess:
     """A running `kvstrata serve`; `lines` collects its stdout and stderr as they come."""
 
-    def __init__(self, disk_path: Path, *overrides: str, env: dict[str, str] | None = None,
+    def __init__(self, disk_path: Path, *overrides: str, env: dict[str, str] | None = None, port: int = 0,
                  kvstrata: list[str] | None = None, config: Path = DEFAULT_CONFIG, cwd: Path = REPO):
+        """`port` 0: one the OS chooses; a given port lets a restarted server take its predecessor's address.
+        `kvstrata`, `config`, `cwd`: another install's command, config and working folder (the user-install test)."""
         self.disk_path = disk_path
         settings = ("model.dtype=float32", "cache.tiers.device.size=128", "cache.tiers.cpu.size=256",
                     f"cache.tiers.disk.path={disk_path}", "cache.tiers.disk.size=256MiB", *overrides)
-        self.process = subprocess.Popen(serve_command(*settings, kvstrata=kvstrata, config=config),
+        self.process = subprocess.Popen(serve_command(*settings, port=port, kvstrata=kvstrata, config=config),
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env={**server_env(), **(env or {})}, cwd=cwd)
         self.lines: list[str] = []

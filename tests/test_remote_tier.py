@@ -130,6 +130,24 @@ def test_a_cluster_that_fails_over_from_the_node_in_the_url_is_served_again_with
         tier.close()
 
 
+def test_a_tier_idle_while_the_cluster_failed_over_is_served_at_once_afterwards():
+    """A replica that did not touch the remote tier while a primary died and its replica took over still
+    holds the old slot map. Its first lookup after the failover must find the new primary, not count a
+    fault and serve misses then: the cluster's own recovery bounds the misses, not when traffic returns."""
+    with valkey_cluster(3, replicas=1) as nodes:
+        tier = tier_on(nodes[0].url, cluster=True)
+        written(tier, range(24))
+        nodes[1].client().execute_command("WAIT", 1, 5000)  # its replica has every block before it dies
+        nodes[1].kill()
+        wait_until(lambda: nodes[4].client().info("replication")["role"] == "master", timeout=30)
+        wait_until(lambda: all(b"cluster_state:ok" in n.client().execute_command("CLUSTER", "INFO")
+                               for n in nodes if n is not nodes[1]), timeout=30)
+        assert tier.count_prefix([key(i) for i in range(24)]) == 24
+        assert get_blocks(tier, range(24)) == [True] * 24
+        assert tier.stats().extra["faults"] == 0
+        tier.close()
+
+
 def test_killed_server_gives_misses_and_a_restarted_one_is_used_again(server, caplog):
     tier = tier_on(server.url, timeout=0.2)
     written(tier, range(4))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 
@@ -149,6 +150,27 @@ def test_a_replica_holding_the_prefix_gives_requests_up_once_it_is_max_load_gap_
     assert replicas.choose(doc, set()) == (c, 0)  # both holders 4 ahead of c: by load
     c.in_flight = 1
     assert replicas.choose(doc, set()) == (a, 8)  # c caught up: back to the longest prefix
+
+
+def test_round_robin_and_random_placement_ignore_the_caches_and_skip_replicas_that_are_out():
+    a, b, c = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None) for port in (1, 2, 3))
+    doc = [bytes([i]) for i in range(8)]
+    a.index.apply(BlockStored(doc, None, [], 16, "device"))
+    in_turn = ReplicaSet([a, b, c], policy="round_robin")
+    assert [in_turn.choose(doc, set())[0] for _ in range(6)] == [a, b, c, a, b, c]
+    b.healthy = False
+    assert [in_turn.choose(doc, set())[0] for _ in range(4)] == [a, c, a, c]
+    assert in_turn.choose(doc, {a, c})[0] is b  # only the one that is out is left untried
+    b.healthy = True
+    at_random = ReplicaSet([a, b, c], policy="random")
+    chosen = [at_random.choose(doc, set())[0] for _ in range(300)]
+    assert all(60 <= chosen.count(r) <= 140 for r in (a, b, c)), [chosen.count(r) for r in (a, b, c)]
+    assert at_random.choose(doc, {a, b}) == (c, 0)
+
+
+def test_the_routing_policy_is_checked_when_the_config_is_read():
+    with pytest.raises(ValueError, match="router.policy"):
+        load_config({**ENGINE, "router": {"policy": "least_cost", "replicas": [{"url": "http://127.0.0.1:9"}]}})
 
 
 class CutStream(httpx.AsyncByteStream):
@@ -372,6 +394,70 @@ def test_a_replica_that_goes_away_costs_no_request_and_comes_back(cluster):
     back = [doc for doc, holder in holders.items() if holder == gone.url][0]
     response = ask(router_url, back, "Give an example.")
     assert response.headers["x-kvstrata-replica"] == gone.url and is_document_hit(response)
+
+
+class DiesBeforeItsFirstEvent:
+    """A replica killed in a stream's prefill, as the client side sees it: it takes the request, answers
+    200 with the headers of an event stream, and its connection ends before the first event."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.taken = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    request += chunk
+                if request.startswith(b"POST"):
+                    self.taken += 1
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n")
+                # GET /health gets no answer either: the connection just ends
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.slow
+def test_a_stream_whose_replica_dies_before_its_first_event_is_answered_whole_by_another(cluster):
+    replicas, _, _ = cluster
+    dying = DiesBeforeItsFirstEvent()
+    (port,) = free_ports(1)
+    router = load_router(load_config({**ENGINE, "router": {
+        "policy": "round_robin", "health_interval": "60s",  # so that only the request finds out it died
+        "replicas": [{"url": dying.url}, {"url": replicas[0].url}]}}))
+    front = HTTPServer(router.app, port)
+    try:
+        deadline = time.monotonic() + 30
+        while router.replicas.replicas[0].healthy:  # the first health check has found it out ...
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        router.replicas.replicas[0].healthy = True  # ... but it died after it: the request is the first to try it
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0.0, "stream": True,
+                "messages": [{"role": "user", "content": f"{document('try')}\n\nAnswer briefly. Why?"}]}
+        with httpx.stream("POST", f"{front.url}/v1/chat/completions", json=body, timeout=300) as response:
+            assert response.status_code == 200
+            assert response.headers["x-kvstrata-replica"] == replicas[0].url
+            data = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+        assert dying.taken == 1
+        assert data[-1] == "[DONE]" and not any("error" in json.loads(d) for d in data[:-1])
+        assert "".join(c["delta"].get("content") or "" for d in data[:-1] for c in json.loads(d)["choices"])
+        assert not router.replicas.replicas[0].healthy
+    finally:
+        front.stop()
+        router.close()
+        dying.close()
 
 
 @pytest.mark.slow

@@ -45,7 +45,10 @@ def connect(url: str, cluster: bool, timeout: float,
     client (the tier has its own backoff), and the nodes it knows (a cluster's; none for one server). A cluster
     connects now, to learn which node serves which slots, through the URL's node or any of `known_nodes`, the
     nodes an earlier client had learned: the URL's may be dead. Raises what the client raises (FAULTS)."""
-    options = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+    # A cluster's client tries once more after a node fails, having relearned the slot map: a primary that
+    # failed over while this client was idle (its map still names the dead node) costs no fault then. One
+    # server has nothing to relearn: the tier's own backoff handles it.
+    options = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1 if cluster else 0))
     if cluster:
         client = redis.RedisCluster.from_url(url, startup_nodes=[ClusterNode(h, p) for h, p in known_nodes],
                                              **options)

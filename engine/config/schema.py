@@ -382,6 +382,9 @@ class RouterConfig(_Section):
     # a replica holding the prompt's prefix with this many more requests in flight than the least loaded
     # one gives the request up to it: a hot document does not pile every request onto one replica
     max_load_gap: Annotated[int, Field(ge=1)] = 16
+    # `prefix` places a request where its prompt's prefix is cached; `round_robin` and `random` ignore the
+    # caches (the baselines that placement by prefix is measured against, and a plain load balancer)
+    policy: Literal["prefix", "round_robin", "random"] = "prefix"
 
     @field_validator("host")
     @classmethod

@@ -16,7 +16,9 @@ How a request is placed:
    in turn). Affinity is bounded: when the holder has `router.max_load_gap` or more requests in
    flight beyond the least loaded candidate, the request goes by load instead, so a hot document
    does not queue every question behind one replica while others idle (SGLang's router guards its
-   cache-aware policy the same way).
+   cache-aware policy the same way). `router.policy: round_robin` or `random` places requests
+   without looking at the caches: a plain load balancer, and the baselines prefix placement is
+   measured against.
 4. The request is forwarded as it came (body, API key) and the answer passed back as it comes,
    streams included, with an `x-kvstrata-replica` header naming the replica. A replica that cannot
    be reached, or answers 502/503/504, is tried no more for this request: the next best one is.
@@ -31,8 +33,10 @@ A health check (`GET /health` every `router.health_interval`) takes a replica ou
 puts it back when it answers again; then the router rebuilds that replica's index from its replay
 buffer, since a replica that restarted holds other blocks (and numbers its events from 0 again).
 Bodies the router cannot read are forwarded all the same, by load: the replica answers the error.
-A replica that dies in the middle of a streamed answer cannot be replaced (what was sent cannot be
-taken back): the stream ends with an error event saying so, then `data: [DONE]`, never a half event.
+A stream's first event is read before anything is sent to the client, so a replica that dies before it
+(in the prompt's prefill) is replaced as one that cannot be reached is. One that dies later, in the
+middle of a streamed answer, cannot be (what was sent cannot be taken back): the stream ends with an
+error event saying so, then `data: [DONE]`, never a half event.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ import asyncio
 import itertools
 import json
 import logging
+import random
 import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -77,6 +82,8 @@ FORWARDED_ROUTES = (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"
                     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", DOCUMENTS_PATH))
 SSE_SEPARATOR = b"\n\n"  # between server-sent events, as the replicas write them
 SSE_DONE = b"data: [DONE]\n\n"
+PLACEMENT = {"prefix": "by the prefixes they hold", "round_robin": "in turn (router.policy: round_robin)",
+             "random": "at random (router.policy: random)"}
 
 
 @dataclass(eq=False)
@@ -94,13 +101,17 @@ class Replica:
 
 
 class ReplicaSet:
-    """The replicas, their indexes and their load; `choose` is the routing policy."""
+    """The replicas, their indexes and their load; `choose` is the routing policy: `prefix` (placement by
+    the cached prefix, bounded by load), or `round_robin` and `random`, which ignore the caches."""
 
-    def __init__(self, replicas: list[Replica], max_load_gap: int = 16):
+    def __init__(self, replicas: list[Replica], max_load_gap: int = 16, policy: str = "prefix"):
         self.replicas = replicas
         self.max_load_gap = max_load_gap
+        self.policy = policy
         self.lock = threading.Lock()  # the event thread writes the indexes while requests read them
         self._turn = itertools.count()
+        self._random = random.Random()
+        self._next = 0  # round robin's next replica
 
     def choose(self, block_hashes: list[bytes], tried: set[Replica]) -> tuple[Replica | None, int]:
         """The replica for a request whose prompt has `block_hashes`, and how many of them it holds
@@ -112,6 +123,14 @@ class ReplicaSet:
             return None, 0
         with self.lock:
             held = {r: r.index.prefix_length(block_hashes, ROUTING_MEDIA) for r in candidates}
+        if self.policy == "random":
+            best = self._random.choice(candidates)
+            return best, held[best]
+        if self.policy == "round_robin":  # the next candidate after the last one chosen: one out skips no other's turn
+            n = len(self.replicas)
+            best = min(candidates, key=lambda r: (self.replicas.index(r) - self._next) % n)
+            self._next = (self.replicas.index(best) + 1) % n
+            return best, held[best]
         enough = MIN_HELD_SHARE * len(block_hashes)
         worth = {r: held[r] if held[r] and held[r] >= enough else 0 for r in candidates}
         least_loaded = min(r.in_flight for r in candidates)
@@ -240,7 +259,7 @@ class Router:
         self.tokenizers = TokenizerPool(tokenizer)
         self.replicas = ReplicaSet([
             Replica(r, KVEventSubscriber(r.events, r.replay) if r.events is not None else None) for r in rc.replicas],
-            max_load_gap=rc.max_load_gap)
+            max_load_gap=rc.max_load_gap, policy=rc.policy)
         self.events = EventFeed(self.replicas)
         self.health = HealthChecks(self.replicas, rc.health_interval)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(rc.request_timeout, connect=HEALTH_TIMEOUT_S))
@@ -288,10 +307,22 @@ class Router:
                 await upstream.aclose()
                 last_error = f"{replica.url}: HTTP {upstream.status_code}"
                 continue
+            chunks, head = upstream.aiter_raw(), b""
+            if _is_event_stream(upstream):
+                try:
+                    head = await _first_event(chunks)
+                except httpx.TransportError as exc:
+                    # It died before its first event (in the prompt's prefill, say): nothing has reached the
+                    # client, so another replica can still give the whole answer.
+                    replica.in_flight -= 1
+                    await upstream.aclose()
+                    set_health(replica, False)
+                    last_error = f"{replica.url}: {type(exc).__name__} before its first event"
+                    continue
             logger.debug("router: %s -> %s (%d of %d blocks held)", path, replica.url, held, len(hashes))
             passed = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")}
             passed["x-kvstrata-replica"] = replica.url
-            return StreamingResponse(_pass_through(upstream, replica), status_code=upstream.status_code,
+            return StreamingResponse(_pass_through(upstream, replica, head, chunks), status_code=upstream.status_code,
                                      headers=passed)
 
     async def each_replica(self, request: Request, path: str,
@@ -395,15 +426,40 @@ class Router:
         self.tokenizers.close()
 
 
-async def _pass_through(upstream: httpx.Response, replica: Replica) -> AsyncIterator[bytes]:
-    """The replica's answer as it comes. A stream of server-sent events is passed on whole events at a
-    time, so that if the replica goes away mid-answer the client gets no half event but an error
-    event and the stream's end, as the replica itself reports an error it meets mid-stream."""
-    events = upstream.headers.get("content-type", "").startswith("text/event-stream")
+def _is_event_stream(upstream: httpx.Response) -> bool:
+    return upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+
+async def _first_event(chunks: AsyncIterator[bytes]) -> bytes:
+    """The stream's bytes up to and including its first whole event (all of it if it ends sooner): until
+    they are read, the router has sent the client nothing and can still try another replica."""
+    head = b""
+    async for chunk in chunks:
+        head += chunk
+        if SSE_SEPARATOR in head:
+            break
+    return head
+
+
+async def _pass_through(upstream: httpx.Response, replica: Replica, head: bytes = b"",
+                        chunks: AsyncIterator[bytes] | None = None) -> AsyncIterator[bytes]:
+    """The replica's answer as it comes: `head`, what was read of it already, then the rest of `chunks`
+    (its raw body). A stream of server-sent events is passed on whole events at a time, so that if the
+    replica goes away mid-answer the client gets no half event but an error event and the stream's end,
+    as the replica itself reports an error it meets mid-stream."""
+    events = _is_event_stream(upstream)
+    chunks = upstream.aiter_raw() if chunks is None else chunks
     partial = b""   # the bytes of an event not yet complete
     last = b""      # the end of what was passed on (is it `data: [DONE]`?)
+
+    async def body() -> AsyncIterator[bytes]:
+        if head:
+            yield head
+        async for chunk in chunks:
+            yield chunk
+
     try:
-        async for chunk in upstream.aiter_raw():
+        async for chunk in body():
             if not events:
                 yield chunk
                 continue
@@ -497,7 +553,8 @@ def route(config: Config) -> None:
         router = load_router(config)
         host, port = sock.getsockname()[:2]
         lines = [f"kvstrata {__version__} routing on http://{host}:{port} (OpenAI API under /v1) to "
-                 f"{len(rc.replicas)} replica{'s' if len(rc.replicas) != 1 else ''}, by the prefixes they hold"]
+                 f"{len(rc.replicas)} replica{'s' if len(rc.replicas) != 1 else ''}, "
+                 f"{PLACEMENT[rc.policy]}"]
         lines += [f"  {r.url}  events: {r.events or 'none (routed by load)'}" for r in rc.replicas]
         print("\n".join(lines), flush=True)
         server = uvicorn.Server(uvicorn.Config(router.app, log_level="warning", access_log=False, lifespan="off"))

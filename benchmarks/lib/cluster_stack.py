@@ -1,0 +1,240 @@
+"""Everything the cluster benchmark runs, on this machine's loopback: a Valkey cluster (tests/valkey_server.py's,
+primaries with a replica each), `kvstrata serve` replicas whose remote tier is that cluster, and `kvstrata route`
+in front of them, its event feed from each replica passing through a `FeedProxy` that can be cut and restored.
+The measuring is benchmarks/lib/cluster_run.py's."""
+from __future__ import annotations
+
+import re
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tests.server_process import DEFAULT_CONFIG, REPO, ServerProcess, server_env
+from tests.valkey_server import ValkeyServer, free_port
+
+ROUTING = re.compile(r"routing on (http://\S+)")
+START_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class ReplicaSizes:
+    device_blocks: int
+    cpu_blocks: int
+    threads: int = 1
+    remote_timeout: str = "500ms"
+
+
+class FeedProxy:
+    """A TCP relay between the router's subscriber and one replica's KV event publisher: `cut()` drops every
+    connection and turns new ones away (the feed is gone as after a network fault, both ends alive), `restore()`
+    lets them through again. ZMQ reconnects by itself; what was published meanwhile is lost on the way."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.is_cut = False
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._lock = threading.Lock()
+        self._closing = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.2)
+        while not self._closing:
+            try:
+                down, _ = self.listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            if self.is_cut:
+                down.close()
+                continue
+            try:
+                up = socket.create_connection(("127.0.0.1", self.target_port), timeout=2)
+            except OSError:  # the replica is not there (killed): the subscriber will try again
+                down.close()
+                continue
+            with self._lock:
+                self._pairs.append((down, up))
+            threading.Thread(target=self._relay, args=(down, up), daemon=True).start()
+
+    def _relay(self, down: socket.socket, up: socket.socket) -> None:
+        sockets = [down, up]
+        try:
+            while not self.is_cut and not self._closing:
+                ready, _, _ = select.select(sockets, [], [], 0.2)
+                for s in ready:
+                    data = s.recv(65536)
+                    if not data:
+                        return
+                    (up if s is down else down).sendall(data)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                if (down, up) in self._pairs:
+                    self._pairs.remove((down, up))
+            for s in sockets:
+                s.close()
+
+    def cut(self) -> None:
+        self.is_cut = True
+        with self._lock:
+            pairs = list(self._pairs)
+        for pair in pairs:
+            for s in pair:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def restore(self) -> None:
+        self.is_cut = False
+
+    def close(self) -> None:
+        self._closing = True
+        self.cut()
+        self.listener.close()
+
+
+class ServeReplica:
+    """One `kvstrata serve` on fixed ports (HTTP, KV events, replay) and a disk tier of its own, so that a restart
+    comes back at the same address on the same disk store."""
+
+    def __init__(self, work_dir: Path, remote_url: str, sizes: ReplicaSizes, index: int):
+        self.index = index
+        self.disk = work_dir / f"kvstore-{index}"
+        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self.sizes, self.remote_url = sizes, remote_url
+        self.process: ServerProcess | None = None
+        self.feed = FeedProxy(self.events_port)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        s = self.sizes
+        self.process = ServerProcess(
+            self.disk, f"cache.tiers.device.size={s.device_blocks}", f"cache.tiers.cpu.size={s.cpu_blocks}",
+            f"model.threads={s.threads}", f"cache.tiers.remote.url={self.remote_url}", "cache.tiers.remote.cluster=true",
+            f"cache.tiers.remote.timeout={s.remote_timeout}",
+            f"events.endpoint=tcp://127.0.0.1:{self.events_port}",
+            f"events.replay_endpoint=tcp://127.0.0.1:{self.replay_port}", port=self.port)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing is drained or written down."""
+        if self.process is not None:
+            self.process.kill()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.process.poll() is None:
+            self.process.terminate(60)
+
+    def config(self) -> dict:
+        return {"url": self.url, "events": self.feed.endpoint, "replay": f"tcp://127.0.0.1:{self.replay_port}"}
+
+
+class RouterProcess:
+    """`kvstrata route` in a child process, with the replicas' model and cache settings and `policy`."""
+
+    def __init__(self, work_dir: Path, replicas: list[ServeReplica], policy: str, health_interval: str):
+        config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+        config["model"] = {**config.get("model", {}), "dtype": "float32"}
+        config.pop("events", None)
+        config["router"] = {"host": "127.0.0.1", "port": 0, "policy": policy, "health_interval": health_interval,
+                            "request_timeout": "300s", "replicas": [r.config() for r in replicas]}
+        path = work_dir / f"router-{policy}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        command = [sys.executable, "-m", "kvstrata", "route", "--config", str(path)]
+        self.lines: list[str] = []
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=server_env(), cwd=REPO)
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url = self._wait_for_banner()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvstrata route never became healthy:\n" + "\n".join(self.lines))
+            time.sleep(0.2)
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def _wait_for_banner(self) -> str:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if match := ROUTING.search(line):
+                    return match.group(1)
+            if self.process.poll() is not None:
+                raise RuntimeError("kvstrata route exited:\n" + "\n".join(self.lines))
+            time.sleep(0.1)
+        raise RuntimeError("kvstrata route did not start:\n" + "\n".join(self.lines))
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _start(replica: ServeReplica, failed: list[BaseException]) -> None:
+    try:
+        replica.start()
+    except BaseException as exc:  # noqa: BLE001 (raised again by the caller's thread)
+        failed.append(exc)
+
+
+class Stack:
+    """The Valkey cluster's nodes (`nodes[:primaries]` the primaries), the replicas, and a scratch directory."""
+
+    def __init__(self, nodes: list[ValkeyServer], primaries: int, num_replicas: int, sizes: ReplicaSizes):
+        self.nodes, self.primaries = nodes, primaries
+        self.work_dir = Path(tempfile.mkdtemp(prefix="kvstrata-cluster-"))
+        remote_url = f"redis://127.0.0.1:{nodes[0].port}/0"
+        self.replicas = [ServeReplica(self.work_dir, remote_url, sizes, i) for i in range(num_replicas)]
+        try:  # side by side: each loads the model
+            failed = []
+            threads = [threading.Thread(target=_start, args=(r, failed)) for r in self.replicas]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            if failed:
+                raise failed[0]
+        except BaseException:
+            self.close()
+            raise
+
+    def router(self, policy: str, health_interval: str = "500ms") -> RouterProcess:
+        return RouterProcess(self.work_dir, self.replicas, policy, health_interval)
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+            replica.feed.close()
+        shutil.rmtree(self.work_dir, ignore_errors=True)
