@@ -32,9 +32,7 @@ NOT_YET_CLEANED = {
     "kernels/cpu_linear.py",
     "kernels/cpu_threads.h",
     "kvstrata/planner.py",
-    "kvstrata/serving/router.py",
     "tiers/hierarchy.py",
-    "tiers/remote.py",
 }
 
 _NUMBER = r"(?<![\w.])~?\d+(?:[.,]\d+)?k?"

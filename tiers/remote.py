@@ -67,7 +67,7 @@ BACKOFF_MAX_S = 8.0               # ... up to this
 SCRIPT_RETRY_S = 60.0             # a server that refused the lookup script is offered it again after this
 # A lookup on one server: how many of the keys, in order, it holds, stopping at the first it lacks. One
 # command, where a pipeline of one EXISTS per hash costs the client a command's packing and its reply per
-# hash: 3.3 ms for a 7000-token document's 437 hashes (benchmarks/results/remote_lookup.md). Read-only
+# hash, milliseconds for a long document's hundreds of hashes. Read-only
 # (`no-writes`): a full server (OOM) and a read-only replica run it too.
 PREFIX_SCRIPT = """#!lua flags=no-writes
 for i, key in ipairs(KEYS) do
