@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:  # run as a script: make `benchmarks` and `tests` importable
-    sys.path.insert(0, str(REPO_ROOT))
+if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose
+    sys.path[0] = str(REPO_ROOT)  # kernels.py would stand for the installed `kernels`
 
 from kvstrata.engine.costs import ReadCost, StepCost  # noqa: E402
 from kvstrata.engine.hashing import BlockHasher  # noqa: E402

@@ -14,7 +14,7 @@ from typing import Any
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-__all__ = ["HAS_TRITON", "check_launchable", "jit", "triton", "tl"]
+__all__ = ["HAS_TRITON", "check_launchable", "jit", "triton", "triton_kernel", "tl"]
 
 
 class _LazyModule:
@@ -54,6 +54,14 @@ class LazyKernel:
 def jit(fn):
     """`triton.jit`, deferred to the first launch of a kernel of `fn`'s module."""
     return LazyKernel(fn)
+
+
+def triton_kernel(kernel):
+    """The Triton kernel (`triton.jit` of its function) that `kernel` stands for, its module switched over: for
+    Triton's own tools, such as `triton.compile` of an `ASTSource`."""
+    if isinstance(kernel, LazyKernel):
+        return _switch_to_triton(kernel.fn.__globals__)[kernel.fn.__name__]
+    return kernel
 
 
 def _switch_to_triton(module_globals: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvstrata.kernels import batch_invariant, block_copy, kv_store, layer_ops, prefix_prefill
+from kvstrata.kernels.triton_compat import triton_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -29,7 +30,7 @@ def compile_for_gpu(kernel, pointer_types: dict[str, str], constexprs: dict[str,
             signature[name] = "*" + pointer_types[name]
         else:
             signature[name] = "fp32" if name in ("qk_scale", "eps") else scalar_type
-    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET)
+    triton.compile(ASTSource(fn=triton_kernel(kernel), signature=signature, constexprs=constexprs), target=TARGET)
 
 
 def main() -> None:

@@ -102,3 +102,22 @@ def test_the_embedded_model_answers_through_python_m_kvstrata_from_the_repo_root
                      "Where is the tower?", cwd=REPO, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip(), run.stderr[-3000:]
+
+
+SUITES = sorted(path.name for path in (REPO / "benchmarks").glob("*.py")
+                if 'if __name__ == "__main__"' in path.read_text() and path.name != "__init__.py")
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_a_benchmark_run_as_a_script_imports_the_installed_namesakes(installed_namesakes, suite):
+    """`python benchmarks/SUITE.py` puts benchmarks/ first on the path, where kernels.py would answer for the
+    installed `kernels` (transformers imports it while loading any model)."""
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['benchmarks/{suite}', '--help']; sys.path[0] = {str(REPO / 'benchmarks')!r}\n"
+            "try:\n"
+            f"    runpy.run_path({str(REPO / 'benchmarks' / suite)!r}, run_name='__main__')\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "import kernels; print(kernels.WHO)\n")
+    run = run_python("-c", code, cwd=REPO, extra_path=installed_namesakes)
+    assert run.stdout.strip().splitlines()[-1:] == ["installed kernels"], run.stdout[-1000:] + run.stderr[-2000:]

@@ -29,7 +29,7 @@ def worker(_: str) -> dict:
 
     from benchmarks.lib.promotion import measure
 
-    measured = {"tiers_code": str(Path(kvstrata.tiers.__file__).parent)}
+    measured = {"tiers_code": list(kvstrata.tiers.__path__)[0]}
     for name, ((layers, kv_heads, head_dim), tokens) in BLOCKS.items():
         layout = BlockLayout(num_layers=layers, block_size=16, num_kv_heads=kv_heads, head_dim=head_dim,
                              dtype=torch.bfloat16)

@@ -90,7 +90,7 @@ def worker(_: str) -> dict:
                                      for phase in PHASES}}
         finally:
             engine.close()
-    return {"engine_code": str(Path(kvstrata.engine.__file__).parent), "kinds": measured}
+    return {"engine_code": list(kvstrata.engine.__path__)[0], "kinds": measured}
 
 
 def main(argv: list[str] | None = None) -> int:
