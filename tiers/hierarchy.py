@@ -1,12 +1,11 @@
 """The tier hierarchy: walks a hash chain across device, CPU, disk and remote, promotes hits, writes blocks down.
 
-Mechanism lives in the tiers (how bytes are stored) and the transfer engine (how bytes move, off the
-step thread); this file holds the policy:
+What to find where and what to write down where is the tier policy's (tiers/policy.py, torch-free, which
+`kvstrata plan` replays); how bytes are stored is the tiers', how they move (off the step thread) the transfer
+engine's. This file applies the policy's answers to the bytes:
 
-- Lookup walks a chain once per tier: device hits are map lookups; each run of blocks the device
-  lacks is asked of each lower tier with one `count_prefix` (one lock or read transaction), in tier
-  order, and the walk stops at the first block no tier holds. Many chains walk together
-  (`locate_many`): their questions to a tier go in one `count_prefixes`, one remote round trip.
+- Lookup is the policy's walk (`locate`, `locate_many`, `relocate_on_device`), each lower tier asked with
+  one `count_prefixes` per run (one lock or read transaction, one remote round trip for many chains).
 - Promotion is asynchronous and has two halves. `acquire_prefix` holds every block of the prefix
   (device hits ref-counted, lower-tier hits held in their tier so that no write-down evicts them),
   allocates device blocks for the lower-tier hits and starts one load of all of them. The request
@@ -14,15 +13,11 @@ step thread); this file holds the policy:
   releases the holds and returns the prefix, which ends at the first block that could not be
   served (gone or failing verification): the rest is recomputed. A block that arrives from disk or
   the remote tier is also put in the CPU tier, so the next miss on the device is a cheap, local one.
-- Write-down, chosen in config:
-  * `write_through`: a block that becomes full and cached on the device is queued for the CPU tier
-    (or disk when there is no CPU tier), and to the remote tier, so that other replicas find it.
-    The queue is handed to the transfer engine in one batch after the model step that computed those
-    blocks (`flush_pending`), never before: the K/V do not exist until then. CPU-tier LRU evictions
-    cascade to disk (the remote tier has them already).
-  * `on_evict`: nothing is copied until the device pool is about to reuse a cached block; the block
-    is then copied down (to the same tiers) before its slot is handed out.
-  Either way a block is never overwritten while a copy from it is in flight: the pool calls
+- Write-down (`offload`, decided by the policy): `write_through` queues each block computed and cached
+  on the device, and the queue is handed to the transfer engine in one batch after the model step that
+  computed those blocks (`flush_pending`), never before: the K/V do not exist until then. `on_evict`
+  copies a block down only when the device pool is about to reuse its slot. CPU-tier LRU evictions
+  cascade to disk. Either way a block is never overwritten while a copy from it is in flight: the pool calls
   `_on_device_evict` before it returns a reused block, and that waits for the block's copy. A block
   being loaded into is held by its request until the load has landed, so it is never reused either.
 - `persist()` (idle time, close) writes every block still held only above the disk down to it, so a
@@ -47,17 +42,17 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Generator, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from kvstrata.tiers.base import LOWER_TIER_NAMES, TIER_NAMES, LowerTier, Pin, TierStats, close_at_exit
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockEventListener, BlockRemoved, BlockStored
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
+from kvstrata.tiers.policy import OFFLOAD_POLICIES, TierPolicy  # noqa: F401 - OFFLOAD_POLICIES re-exported
 from kvstrata.tiers.transfer import LentBlocks, Transfer, TransferEngine
 
 logger = logging.getLogger("kvstrata")
-OFFLOAD_POLICIES = ("write_through", "on_evict")
 PERSIST_BATCH_BLOCKS = 64
 
 
@@ -76,15 +71,6 @@ class PrefixHit:
     def blocks_by_tier(self) -> dict[str, int]:
         """How many of `blocks` each tier supplied."""
         return {t: self.tiers.count(t) for t in TIER_NAMES}
-
-
-def _run_end(flags: list[bool], start: int) -> int:
-    """Where the run of equal flags from `start` ends: a search in C, where a Python step per block cost a long
-    document's lookup tens of microseconds (it is looked up several times an admission, on the step thread)."""
-    try:
-        return flags.index(not flags[start], start)
-    except ValueError:
-        return len(flags)
 
 
 @dataclass(eq=False)
@@ -133,8 +119,7 @@ class TierHierarchy:
                  disk: LowerTier | None = None, offload: str = "write_through",
                  transfers: TransferEngine | None = None, remote: LowerTier | None = None,
                  event_listener: BlockEventListener | None = None):
-        if offload not in OFFLOAD_POLICIES:
-            raise ValueError(f"cache.offload: unknown policy {offload!r} (use one of {', '.join(OFFLOAD_POLICIES)})")
+        self.policy = TierPolicy(pool, cpu, disk, remote, offload)
         assert kv_cache.shape[0] == pool.num_blocks
         self.pool = pool
         self.kv_cache = kv_cache
@@ -150,8 +135,6 @@ class TierHierarchy:
         # Every block cached on the device: its token ids (lower tiers verify them on read) and the hash
         # of the block before it in its chain (None: the chain's first), which block events name.
         self._cached: dict[int, _CachedBlock] = {}
-        # write_through: blocks cached on the device whose content is not yet below (block_id -> hash).
-        self._pending: dict[int, bytes] = {}
         # device block id -> the store job last copying it down; waited for before the slot is reused.
         self._stores_in_flight: dict[int, Transfer] = {}
         # those jobs, in submission order (the order they finish in): let go of from the front once copied,
@@ -177,83 +160,16 @@ class TierHierarchy:
         return [t for t in (self.cpu, self.disk, self.remote) if t is not None]
 
     def locate(self, block_hashes: Sequence[bytes]) -> list[str]:
-        """For each leading block of the chain, the first tier that holds it; stops at the first
-        block no tier holds. Each run of blocks the device lacks costs one `count_prefix` per lower
-        tier (a run that alternates between the CPU tier and disk costs more: each tier is asked
-        again wherever another one's blocks end)."""
-        return self.locate_many([block_hashes])[0]
+        """`TierPolicy.locate`: for each leading block of the chain, the first tier that holds it."""
+        return self.policy.locate(block_hashes)
 
     def locate_many(self, chains: Sequence[Sequence[bytes]]) -> list[list[str]]:
-        """`locate` of each chain, the chains' questions to a lower tier asked together: one `count_prefixes`
-        per tier and round, where a chain at a time cost a round trip each to a remote server (a burst of
-        arrivals is looked up in one step)."""
-        walks = [self._walk(chain) for chain in chains]
-        found: list[list[str]] = [[] for _ in chains]
-        asks: dict[int, tuple[LowerTier, Sequence[bytes]]] = {}  # chain -> the question its walk waits on
-
-        def advance(i: int, answer: int | None) -> None:
-            try:
-                asks[i] = walks[i].send(answer)
-            except StopIteration as walked:
-                found[i] = walked.value
-                asks.pop(i, None)
-
-        for i in range(len(walks)):
-            advance(i, None)
-        while asks:
-            for tier in self.lower_tiers:  # in tier order: a walk's next question is often the next tier's
-                waiting = [i for i, (asked, _) in asks.items() if asked is tier]
-                if waiting:
-                    for i, count in zip(waiting, tier.count_prefixes([asks[i][1] for i in waiting])):
-                        advance(i, count)
-        return found
-
-    def _walk(self, block_hashes: Sequence[bytes]) -> Generator[tuple[LowerTier, Sequence[bytes]], int, list[str]]:
-        """`locate` of one chain, as a generator: it yields each question for a lower tier, (tier, hashes), and is
-        sent how many of those hashes the tier holds in a row; it returns the chain's tiers."""
-        found: list[str] = []
-        n = len(block_hashes)
-        on_device = [block is not None for block in self.pool.get_cached_blocks(block_hashes)]
-        while len(found) < n:
-            end = _run_end(on_device, len(found))
-            if on_device[len(found)]:
-                found += ["device"] * (end - len(found))
-                continue
-            # a run below the device (it ends where the device holds a block again)
-            # The tiers in turn, each asked from where the run's blocks found so far end, until every tier has
-            # said that it lacks the next block: one question each for most runs, more where tiers alternate.
-            tiers, turn = self.lower_tiers, 0
-            lacks_at: dict[str, int] = {}  # tier -> where the run's next block is one it lacks
-            while len(found) < end:
-                tier = next((t for t in tiers[turn:] + tiers[:turn] if lacks_at.get(t.name) != len(found)), None)
-                if tier is None:  # no tier holds the next block
-                    break
-                k = yield tier, block_hashes[len(found):end]
-                found += [tier.name] * k
-                lacks_at[tier.name] = len(found)
-                turn = (tiers.index(tier) + 1) % len(tiers)
-            if len(found) < end:
-                break
-        return found
+        """`TierPolicy.locate_many`: `locate` of each chain, each lower tier asked once a round for all of them."""
+        return self.policy.locate_many(chains)
 
     def relocate_on_device(self, block_hashes: Sequence[bytes], found: Sequence[str]) -> list[str]:
-        """`found`, an earlier `locate` of the same chain, with the device's part read again (a dict
-        lookup per block, no lower tier asked): a block the device holds now is a device hit; one it no
-        longer holds ends the prefix unless the earlier lookup placed it in a lower tier."""
-        on_device = [block is not None for block in self.pool.get_cached_blocks(block_hashes)]
-        located: list[str] = []
-        while len(located) < len(on_device):
-            start = len(located)
-            end = _run_end(on_device, start)
-            if on_device[start]:
-                located += ["device"] * (end - start)
-                continue
-            earlier = found[start:end]  # where the earlier lookup placed the blocks the device lacks now
-            below = earlier.index("device") if "device" in earlier else len(earlier)
-            located += earlier[:below]
-            if start + below < end:
-                break
-        return located
+        """`TierPolicy.relocate_on_device`: an earlier `locate` with the device's part read again."""
+        return self.policy.relocate_on_device(block_hashes, found)
 
     def acquire_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]],
                        found_in: Sequence[str] | None = None, parent: bytes | None = None) -> PrefixLoad:
@@ -283,10 +199,7 @@ class TierHierarchy:
         if not below:
             return load
         self._hold_below(load, hold=True)
-        # In ascending ids: a load copies each run of neighbouring slab rows into neighbouring device blocks with
-        # one copy (transfer.copy_rows), and blocks come off the free queue as requests freed them, tail first,
-        # so that in their order every block of a document freed whole was a copy of its own.
-        for k, block in zip(below, sorted(self.pool.get_new_blocks(len(below)), key=lambda b: b.block_id)):
+        for k, block in zip(below, self.policy.blocks_for_load(len(below))):
             load.blocks[k] = block
         load.transfer = self.transfers.load([load.blocks[k].block_id for k in below],
                                             functools.partial(self._read_below, load),
@@ -340,10 +253,8 @@ class TierHierarchy:
         return timed
 
     def _hold_below(self, load: PrefixLoad, hold: bool) -> None:
-        for tier in self.lower_tiers:
-            hashes = [load.block_hashes[k] for k in load.below if load.found_in[k] == tier.name]
-            if hashes:
-                (tier.hold if hold else tier.release)(hashes)
+        self.policy.hold_below([load.block_hashes[k] for k in load.below], [load.found_in[k] for k in load.below],
+                               hold)
 
     def _lend_below(self, load: PrefixLoad, start: int, n: int) -> LentBlocks | None:
         """On the load worker: the blocks `load.below[start:start + n]` lent by the CPU tier, if it
@@ -406,12 +317,13 @@ class TierHierarchy:
         newly = self._cache_on_device([load.blocks[k] for k in arrived], [load.block_hashes[k] for k in arrived],
                                       [load.block_tokens[k] for k in arrived],
                                       [load.block_hashes[k - 1] if k else load.parent for k in arrived])
-        if self.cpu is not None:
-            up = [k for k in arrived if served[k] in ("disk", "remote") and load.blocks[k].block_id in newly]
-            if up:
-                self._write_down([load.blocks[k].block_id for k in up], [load.block_hashes[k] for k in up],
-                                 targets=[self.cpu])
+        # the holds go before the copy up is queued: its puts then never race them (the load has read the blocks)
         self._hold_below(load, hold=False)
+        up = [k for k in arrived if self.policy.copy_up_target(served[k]) is not None
+              and load.blocks[k].block_id in newly]
+        if up:
+            self._write_down([load.blocks[k].block_id for k in up], [load.block_hashes[k] for k in up],
+                             targets=[self.cpu])
         self.pool.free_blocks(list(reversed(load.blocks[end:])))
         tiers = ["device"] * end
         for k in arrived:
@@ -437,16 +349,14 @@ class TierHierarchy:
         newly = self.pool.cache_full_blocks(list(blocks), list(block_hashes), num_cached_blocks, num_full_blocks)
         newly_ids = {b.block_id for b in newly}
         self._unpersisted |= bool(newly)
+        self.policy.block_computed(newly)
         stored = []
-        write_through = self.offload == "write_through" and bool(self.lower_tiers)
         for k in range(num_cached_blocks, num_full_blocks):
             block = blocks[k]
             if block.block_id not in newly_ids:
                 continue  # the same content is already cached in another block
             self._cached[block.block_id] = _CachedBlock(tuple(block_tokens[k - num_cached_blocks]),
                                                         block_hashes[k - 1] if k else None)
-            if write_through:
-                self._pending[block.block_id] = block.block_hash
             if self.event_listener is not None:
                 stored.append((block_hashes[k], block_hashes[k - 1] if k else None, block_tokens[k - num_cached_blocks]))
         if stored:
@@ -458,7 +368,7 @@ class TierHierarchy:
         then failed: their K/V were never computed, so nothing of them is served or written down."""
         forgotten = self.pool.uncache_blocks(blocks)
         for block_id, _ in forgotten:
-            self._pending.pop(block_id, None)
+            self.policy.block_forgotten(block_id)
             self._cached.pop(block_id, None)
         if forgotten and self.event_listener is not None:
             self.event_listener(BlockRemoved([h for _, h in forgotten], "device"))
@@ -500,18 +410,16 @@ class TierHierarchy:
             for b in job.block_ids:
                 if self._stores_in_flight.get(b) is job:  # (not a later job copying the reused block down)
                     del self._stores_in_flight[b]
-        if not self._pending:
-            return 0
-        block_ids, hashes = list(self._pending), list(self._pending.values())
-        self._pending.clear()
-        self._write_down(block_ids, hashes)
+        block_ids, hashes = self.policy.take_pending()
+        if block_ids:
+            self._write_down(block_ids, hashes)
         return len(block_ids)
 
     def _write_down(self, block_ids: list[int], hashes: list[bytes], targets: list[LowerTier] | None = None) -> None:
-        """Copy device blocks down, in one store job, to `targets`: by default the CPU tier (or disk
-        without one) and the remote tier, the write-through that shares them with other replicas."""
+        """Copy device blocks down, in one store job, to `targets`: by default the policy's write-down targets (the
+        CPU tier, or disk without one, and the remote tier, which shares them with other replicas)."""
         if targets is None:
-            targets = [t for t in (self.cpu if self.cpu is not None else self.disk, self.remote) if t is not None]
+            targets = self.policy.write_down_targets
         if not targets:
             return
         tokens = [self._cached[b].tokens for b in block_ids]
@@ -541,7 +449,7 @@ class TierHierarchy:
         self.counters.device_evictions += 1
         if self.event_listener is not None:
             self.event_listener(BlockRemoved([block_hash], "device"))
-        if self._pending.pop(block_id, None) is not None or self.offload == "on_evict":
+        if self.policy.device_evicting(block_id):
             self._write_down([block_id], [block_hash])
         job = self._stores_in_flight.pop(block_id, None)
         if job is not None:
@@ -552,9 +460,9 @@ class TierHierarchy:
                       parent: bytes | None) -> None:
         """CPU-tier LRU eviction cascades to disk (the disk tier copies the payload before returning).
         Runs on whichever thread put into the CPU tier (a transfer worker, mostly)."""
-        assert self.disk is not None
-        if not self.disk.contains(block_hash):
-            self._put_down(self.disk, [block_hash], [token_ids], [payload], [parent])
+        target = self.policy.cascade_target(block_hash)
+        if target is not None:
+            self._put_down(target, [block_hash], [token_ids], [payload], [parent])
 
     def persist(self, max_blocks: int | None = None, wait: bool = True) -> int:
         """Write cached blocks that the disk tier lacks down to it, device first, then CPU.
@@ -709,7 +617,7 @@ class TierHierarchy:
         ok = self.pool.reset_prefix_cache()
         if ok:
             self._cached.clear()
-            self._pending.clear()
+            self.policy.device_cache_cleared()
             self._stores_in_flight.clear()
             self._store_jobs.clear()
             if self.event_listener is not None:
