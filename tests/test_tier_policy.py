@@ -9,6 +9,8 @@ after each of a request's phases, and holds a load's reads until the write-downs
 batches them, and a put's evictions are not seen (`contains`) until its batch commits."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
 
 import torch
@@ -143,3 +145,11 @@ def test_the_planner_replays_the_hierarchy_block_for_block(offload, ops):
                 assert_same_state(real, replay, every_hash)
         finally:
             real.h.close()
+
+
+def test_the_policy_and_the_planner_load_without_torch():
+    """`kvstrata plan` replays the policy in a process that never imports torch (a planning machine needs none)."""
+    code = "import sys, kvstrata.tiers.policy, kvstrata.planner; print(sorted(m for m in ('torch',) if m in sys.modules))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

@@ -17,15 +17,15 @@ engine's. This file applies the policy's answers to the bytes:
   on the device, and the queue is handed to the transfer engine in one batch after the model step that
   computed those blocks (`flush_pending`), never before: the K/V do not exist until then. `on_evict`
   copies a block down only when the device pool is about to reuse its slot. CPU-tier LRU evictions
-  cascade to disk. Either way a block is never overwritten while a copy from it is in flight: the pool calls
-  `_on_device_evict` before it returns a reused block, and that waits for the block's copy. A block
-  being loaded into is held by its request until the load has landed, so it is never reused either.
-- `persist()` (idle time, close) writes every block still held only above the disk down to it, so a
-  later process on the same disk path finds what this one computed.
-- Pins (pinned documents): `pin` copies an owner's blocks into every lower tier that lacks them and
-  pins them there, so no LRU eviction below the device drops them; on the device they stay ordinary
-  cached blocks (evicted down to the CPU tier, which keeps them). What may be pinned is the
-  caller's policy (engine/documents.py).
+  cascade to disk. The store jobs are tiers/write_down.py's. Either way a block is never overwritten while a
+  copy from it is in flight: the pool calls `_on_device_evict` before it returns a reused block, and that
+  waits for the block's copy. A block being loaded into is held by its request until the load has landed,
+  so it is never reused either.
+- `persist()` (idle time, close) writes every block still held only above the disk down to it
+  (tiers/persist.py), so a later process on the same disk path finds what this one computed.
+- Pins (pinned documents, tiers/pins.py): `pin` copies an owner's blocks into every lower tier that
+  lacks them and pins them there, so no LRU eviction below the device drops them.
+- `probe_loads` times loads from a lower tier at start-up (tiers/load_probe.py).
 - Block events (tiers/block_events.py), when a listener is given: the hierarchy reports the device
   tier's (a block cached, a cached block's slot reused, the device cache cleared) and hands the
   listener to each lower tier, which reports its own puts, evictions, drops and clears.
@@ -35,25 +35,22 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
-import itertools
-import logging
-import os
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
 from kvstrata.tiers.base import LOWER_TIER_NAMES, TIER_NAMES, LowerTier, Pin, TierStats, close_at_exit
-from kvstrata.tiers.block_events import AllBlocksCleared, BlockEventListener, BlockRemoved, BlockStored
+from kvstrata.tiers.block_events import AllBlocksCleared, BlockEventListener, BlockRemoved, stored_runs
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
+from kvstrata.tiers.load_probe import probe_loads
+from kvstrata.tiers.persist import write_missing_to_disk
+from kvstrata.tiers.pins import TierPins
 from kvstrata.tiers.policy import OFFLOAD_POLICIES, TierPolicy  # noqa: F401 - OFFLOAD_POLICIES re-exported
 from kvstrata.tiers.transfer import LentBlocks, Transfer, TransferEngine
-
-logger = logging.getLogger("kvstrata")
-PERSIST_BATCH_BLOCKS = 64
+from kvstrata.tiers.write_down import CachedBlock, WriteDowns
 
 
 @dataclass
@@ -132,14 +129,8 @@ class TierHierarchy:
         self.counters = HierarchyCounters()
         # Counters the transfer workers update too (the CPU tier's cascade to disk runs on them).
         self._counters_lock = threading.Lock()
-        # Every block cached on the device: its token ids (lower tiers verify them on read) and the hash
-        # of the block before it in its chain (None: the chain's first), which block events name.
-        self._cached: dict[int, _CachedBlock] = {}
-        # device block id -> the store job last copying it down; waited for before the slot is reused.
-        self._stores_in_flight: dict[int, Transfer] = {}
-        # those jobs, in submission order (the order they finish in): let go of from the front once copied,
-        # so that a step does not scan every block of a backlog of write-downs
-        self._store_jobs: deque[Transfer] = deque()
+        self.write_downs = WriteDowns(self.transfers, self._count_write_downs)
+        self._pins = TierPins(pool, self.lower_tiers, self.write_downs)
         # Something was cached since the disk tier last held everything (see `persist`).
         self._unpersisted = False
         pool.on_evict = self._on_device_evict
@@ -207,50 +198,9 @@ class TierHierarchy:
         return load
 
     def probe_loads(self, tier: LowerTier, sizes: Sequence[int]) -> list[tuple[int, float]]:
-        """(blocks, seconds) of one load per size in `sizes` from `tier` to the device, timed as a
-        promotion moves them: throwaway blocks (random keys) are put into the tier, loaded into free
-        device blocks and dropped again. A size that cannot be measured (more blocks than the device
-        or the tier has free, blocks the tier does not serve back, a fault) is left out. The probe
-        never costs the tier a block of the user's: only free room is used (a full tier, or one sized
-        by its server, as the remote tier is, is not probed), and the throwaway blocks are no block events."""
-        stats = tier.stats()
-        room = min(self.pool.num_free_blocks, stats.capacity_blocks - stats.used_blocks)
-        num_blocks = max((s for s in sizes if s <= room), default=0)
-        if num_blocks < 1:
-            return []
-        device_blocks = self.pool.get_new_blocks(num_blocks)
-        block_ids = [b.block_id for b in device_blocks]
-        hashes = [os.urandom(16) for _ in block_ids]
-        tokens = [tuple(range(self.kv_cache.shape[3]))] * num_blocks  # [blocks, layers, 2, block_size, ...]
-
-        def fill(start: int, dests: list[torch.Tensor]) -> list[bool]:
-            return tier.get(hashes[start:start + len(dests)], tokens[start:start + len(dests)], dests)
-
-        def lend(start: int, n: int) -> LentBlocks | None:  # as a promotion from the CPU tier moves them
-            return self.cpu.lend(hashes[start:start + n], tokens[start:start + n]) if tier is self.cpu else None
-
-        timed = []
-        listener, tier.event_listener = tier.event_listener, None
-        try:
-            # tiers are given host payloads, as write-downs give them (the KV cache may be on a GPU)
-            payload = torch.zeros(self.kv_cache[0].numel() * self.kv_cache.element_size(), dtype=torch.uint8)
-            tier.put(hashes, tokens, [payload] * num_blocks)
-            tier.flush()
-            for n in sorted(s for s in sizes if s <= num_blocks):
-                job = self.transfers.load(block_ids[:n], fill, lend)
-                job.wait()
-                if job.failed or not all(job.served):
-                    break
-                timed.append((n, job.seconds))
-        except Exception:  # noqa: BLE001 - a tier that cannot be probed is priced when it is used
-            logger.warning("kvstrata: could not time reads from the %s tier at start-up", tier.name, exc_info=True)
-        finally:
-            for h in hashes:
-                tier.discard(h)
-            tier.flush()  # the discards are done before anyone listens again
-            tier.event_listener = listener
-            self.pool.free_blocks(device_blocks)
-        return timed
+        """(blocks, seconds) of one load per size in `sizes` from `tier` to the device, timed as a promotion moves
+        them (tiers/load_probe.py): throwaway blocks, only in free room, no block events."""
+        return probe_loads(self.pool, self.kv_cache, self.transfers, tier, sizes, self.cpu)
 
     def _hold_below(self, load: PrefixLoad, hold: bool) -> None:
         self.policy.hold_below([load.block_hashes[k] for k in load.below], [load.found_in[k] for k in load.below],
@@ -301,9 +251,8 @@ class TierHierarchy:
         Every block that arrived is cached on the device (it is verified), also past the end, so a
         later request finds it; the blocks past the end are released, the lower-tier holds too. The
         blocks that came from disk or the remote tier are copied into the CPU tier too, the next
-        request's closer tier, by a store job in the background: copied there on the load's path, with
-        the evictions to disk that it cascades into, they took 10-120 ms of each 62-block part of a
-        2000-token hit's load under memory pressure.
+        request's closer tier, by a store job in the background: on the load's path, that copy and the
+        evictions to disk it cascades into cost the load much of its time under memory pressure.
         """
         assert load.ready, "finish_prefix before the load has landed"
         if load.hit is not None:  # finished already: as soon as it landed, while the device computed a step
@@ -355,7 +304,7 @@ class TierHierarchy:
             block = blocks[k]
             if block.block_id not in newly_ids:
                 continue  # the same content is already cached in another block
-            self._cached[block.block_id] = _CachedBlock(tuple(block_tokens[k - num_cached_blocks]),
+            self.write_downs.cached[block.block_id] = CachedBlock(tuple(block_tokens[k - num_cached_blocks]),
                                                         block_hashes[k - 1] if k else None)
             if self.event_listener is not None:
                 stored.append((block_hashes[k], block_hashes[k - 1] if k else None, block_tokens[k - num_cached_blocks]))
@@ -369,7 +318,7 @@ class TierHierarchy:
         forgotten = self.pool.uncache_blocks(blocks)
         for block_id, _ in forgotten:
             self.policy.block_forgotten(block_id)
-            self._cached.pop(block_id, None)
+            self.write_downs.cached.pop(block_id, None)
         if forgotten and self.event_listener is not None:
             self.event_listener(BlockRemoved([h for _, h in forgotten], "device"))
 
@@ -382,7 +331,7 @@ class TierHierarchy:
         stored = []
         for block, h, toks, parent in zip(blocks, hashes, tokens, parents):
             if block.block_id in newly:
-                self._cached[block.block_id] = _CachedBlock(tuple(toks), parent)
+                self.write_downs.cached[block.block_id] = CachedBlock(tuple(toks), parent)
                 if self.event_listener is not None:
                     stored.append((h, parent, toks))
         if stored:
@@ -390,26 +339,13 @@ class TierHierarchy:
         return newly
 
     def _report_device_stored(self, stored: list[tuple[bytes, bytes | None, Sequence[int]]]) -> None:
-        """One BlockStored per run of (hash, parent hash, tokens) in which each block's parent is the
-        block before it, as vLLM reports a request's newly cached blocks."""
-        run: BlockStored | None = None
-        for block_hash, parent, tokens in stored:
-            if run is None or parent != run.block_hashes[-1]:
-                if run is not None:
-                    self.event_listener(run)
-                run = BlockStored([], parent, [], self.block_size, "device")
-            run.block_hashes.append(block_hash)
-            run.token_ids.extend(tokens)
-        self.event_listener(run)
+        for run in stored_runs(stored, self.block_size, "device"):
+            self.event_listener(run)
 
     def flush_pending(self) -> int:
         """Hand the queued write-through blocks to the transfer engine in one batch (call after the
         model step that computed them); returns how many."""
-        while self._store_jobs and self._store_jobs[0].copied:
-            job = self._store_jobs.popleft()
-            for b in job.block_ids:
-                if self._stores_in_flight.get(b) is job:  # (not a later job copying the reused block down)
-                    del self._stores_in_flight[b]
+        self.write_downs.let_go_of_copied()
         block_ids, hashes = self.policy.take_pending()
         if block_ids:
             self._write_down(block_ids, hashes)
@@ -418,30 +354,15 @@ class TierHierarchy:
     def _write_down(self, block_ids: list[int], hashes: list[bytes], targets: list[LowerTier] | None = None) -> None:
         """Copy device blocks down, in one store job, to `targets`: by default the policy's write-down targets (the
         CPU tier, or disk without one, and the remote tier, which shares them with other replicas)."""
-        if targets is None:
-            targets = self.policy.write_down_targets
-        if not targets:
-            return
-        tokens = [self._cached[b].tokens for b in block_ids]
-        parents = [self._cached[b].parent for b in block_ids]
-        job = self.transfers.store(block_ids, functools.partial(_put_run, targets, hashes, tokens, parents))
-        for b in block_ids:
-            self._stores_in_flight[b] = job
-        self._store_jobs.append(job)
-        with self._counters_lock:
-            for target in targets:
-                self.counters.write_downs[target.name] += len(block_ids)
+        self.write_downs.store(block_ids, hashes, self.policy.write_down_targets if targets is None else targets)
 
-    def _put_down(self, tier: LowerTier, hashes: list[bytes], tokens: list[Sequence[int]],
-                  payloads: list[torch.Tensor], parents: list[bytes | None]) -> None:
-        """Put host payloads into a lower tier (it copies them before returning), counted as write-downs."""
-        tier.put(hashes, tokens, payloads, parents)
-        with self._counters_lock:
-            self.counters.write_downs[tier.name] += len(hashes)
+    def _count_write_downs(self, tier_name: str, num_blocks: int) -> None:
+        with self._counters_lock:  # (the CPU tier's cascade to disk runs on a transfer worker)
+            self.counters.write_downs[tier_name] += num_blocks
 
     def wait_for_write_downs(self) -> None:
         """Wait until every block handed down so far is in its lower tier."""
-        self.transfers.wait_stores()
+        self.write_downs.wait()
 
     def _on_device_evict(self, block_id: int, block_hash: bytes) -> None:
         """The pool is about to hand out a cached block: its content must be safe below first, and
@@ -451,10 +372,7 @@ class TierHierarchy:
             self.event_listener(BlockRemoved([block_hash], "device"))
         if self.policy.device_evicting(block_id):
             self._write_down([block_id], [block_hash])
-        job = self._stores_in_flight.pop(block_id, None)
-        if job is not None:
-            job.wait_copied()  # the step needs this slot now: the one wait on a transfer it makes
-        self._cached.pop(block_id, None)
+        self.write_downs.wait_before_reuse(block_id)
 
     def _on_cpu_evict(self, block_hash: bytes, token_ids: Sequence[int], payload: torch.Tensor,
                       parent: bytes | None) -> None:
@@ -462,7 +380,7 @@ class TierHierarchy:
         Runs on whichever thread put into the CPU tier (a transfer worker, mostly)."""
         target = self.policy.cascade_target(block_hash)
         if target is not None:
-            self._put_down(target, [block_hash], [token_ids], [payload], [parent])
+            self.write_downs.put(target, [block_hash], [token_ids], [payload], [parent])
 
     def persist(self, max_blocks: int | None = None, wait: bool = True) -> int:
         """Write cached blocks that the disk tier lacks down to it, device first, then CPU.
@@ -475,38 +393,13 @@ class TierHierarchy:
         self.wait_for_write_downs()  # what was handed down is below before the disk tier is asked
         if self.disk is None or not self._unpersisted:
             return 0
-        missing = itertools.islice(self._blocks_missing_on_disk(), max_blocks)
-        written = 0
-        # batches of a bounded size: the disk tier encodes a whole batch before queueing it
-        while batch := list(itertools.islice(missing, PERSIST_BATCH_BLOCKS)):
-            on_device = [(h, src) for h, _, src, _ in batch if isinstance(src, int)]
-            if on_device:  # one store job: a batched copy off the device, on the transfer worker
-                self._write_down([b for _, b in on_device], [h for h, _ in on_device], targets=[self.disk])
-            in_host = [item for item in batch if not isinstance(item[2], int)]
-            if in_host:
-                hashes, tokens, payloads, parents = map(list, zip(*in_host))
-                self._put_down(self.disk, hashes, tokens, payloads, parents)
-            written += len(batch)
+        written = write_missing_to_disk(self.write_downs, self.pool, self.cpu, self.disk, max_blocks)
         if not written:
             self._unpersisted = False  # everything cached is on disk now
         if wait:
             self.wait_for_write_downs()
             self.disk.flush()
         return written
-
-    def _blocks_missing_on_disk(self) -> Iterator[tuple[bytes, tuple[int, ...], int | torch.Tensor, bytes | None]]:
-        """(hash, token ids, device block id or host payload, parent) of cached blocks the disk tier lacks:
-        device first, then CPU. Lazy, so that a small chunk stops asking the disk tier as soon as it
-        is full."""
-        seen: set[bytes] = set()
-        device = ((h, self._cached[b.block_id].tokens, b.block_id, self._cached[b.block_id].parent)
-                  for h, b in list(self.pool.cached_block_hash_to_block.items())
-                  if b.block_id in self._cached)
-        cpu = self.cpu.blocks() if self.cpu is not None else ()
-        for h, t, p, parent in itertools.chain(device, cpu):
-            if h not in seen and not self.disk.contains(h):
-                seen.add(h)
-                yield h, t, p, parent
 
     # ------------------------------------------------------------------ pins
 
@@ -519,67 +412,20 @@ class TierHierarchy:
             raise ValueError("pinning needs a CPU or disk tier (cache.tiers.cpu or cache.tiers.disk)")
         self.flush_pending()
         self.wait_for_write_downs()  # write-through copies land first: fewer blocks to copy here
-        for tier in self.lower_tiers:
-            tier.pin(owner, block_hashes, info)  # first, so that the copies below cannot evict each other
-            missing = [k for k, held in enumerate(tier.held(block_hashes)) if not held]
-            self._copy_into(tier, [block_hashes[k] for k in missing], [block_tokens[k] for k in missing],
-                            [block_hashes[k - 1] if k else None for k in missing])
-            tier.flush()
-            if owner not in tier.pins():
-                raise ValueError(f"the {tier.name} tier could not record the pin of {owner} (see its write errors)")
-
-    def _copy_into(self, tier: LowerTier, hashes: list[bytes], tokens: list[Sequence[int]],
-                   parents: list[bytes | None]) -> None:
-        """Copy blocks into `tier` from wherever they are: device blocks in one store job (a batched
-        copy on the transfer worker, as persist does), the rest in one read per other lower tier.
-        Returns once they are in; a block no tier holds is left out."""
-        on_device, elsewhere = [], []
-        parent_of = dict(zip(hashes, parents))
-        for h, toks in zip(hashes, tokens):
-            block = self.pool.get_cached_block(h)
-            if block is not None and block.block_id in self._cached:
-                on_device.append((block.block_id, h))
-            else:
-                elsewhere.append((h, toks))
-        if on_device:
-            block_ids, device_hashes = zip(*on_device)
-            self._write_down(list(block_ids), list(device_hashes), targets=[tier])
-        for source in self.lower_tiers:
-            if source is tier or not elsewhere:
-                continue
-            held = [(h, toks) for (h, toks), ok in zip(elsewhere, source.held([h for h, _ in elsewhere])) if ok]
-            if not held:
-                continue
-            dests = [torch.empty(source.layout.block_nbytes, dtype=torch.uint8) for _ in held]
-            served = source.get([h for h, _ in held], [t for _, t in held], dests)
-            found = [(h, toks, dest) for (h, toks), dest, ok in zip(held, dests, served) if ok]
-            if found:
-                found_hashes, found_tokens, payloads = map(list, zip(*found))
-                self._put_down(tier, found_hashes, found_tokens, payloads, [parent_of[h] for h in found_hashes])
-            copied = {h for h, _, _ in found}
-            elsewhere = [(h, toks) for h, toks in elsewhere if h not in copied]
-        self.wait_for_write_downs()
+        self._pins.pin(owner, block_hashes, block_tokens, info)
 
     def unpin(self, owner: str) -> bool:
         """Drop the owner's pin in every lower tier; True if any tier had it."""
-        return any([tier.unpin(owner) for tier in self.lower_tiers])
+        return self._pins.unpin(owner)
 
     def pins(self) -> dict[str, Pin]:
         """Every owner's pin in any lower tier (the disk tier's survive restarts)."""
-        pins: dict[str, Pin] = {}
-        for tier in self.lower_tiers:
-            pins.update(tier.pins())
-        return pins
+        return self._pins.pins()
 
     def restore_pins(self) -> None:
         """Pin in every lower tier what another one pins (after a restart the CPU tier starts empty
         while the disk tier kept its pins): the blocks are pinned there as they arrive."""
-        pins = self.pins()
-        for tier in self.lower_tiers:
-            held = tier.pins()
-            for owner, pin in pins.items():
-                if owner not in held:
-                    tier.pin(owner, pin.block_hashes, pin.info)
+        self._pins.restore()
 
     def blocks_by_tier(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """How many of the blocks each tier holds now."""
@@ -610,16 +456,14 @@ class TierHierarchy:
         self.flush_pending()
         if write_down:
             cached = [(b.block_id, h) for h, b in self.pool.cached_block_hash_to_block.items()
-                      if b.block_id in self._cached]
+                      if b.block_id in self.write_downs.cached]
             if cached:
                 self._write_down(*map(list, zip(*cached)))
         self.wait_for_write_downs()  # nothing lands below after a clear, nor reads a reused slot
         ok = self.pool.reset_prefix_cache()
         if ok:
-            self._cached.clear()
+            self.write_downs.forget_all()
             self.policy.device_cache_cleared()
-            self._stores_in_flight.clear()
-            self._store_jobs.clear()
             if self.event_listener is not None:
                 self.event_listener(AllBlocksCleared("device"))
         return ok
@@ -651,22 +495,3 @@ class TierHierarchy:
         self.transfers.close()
         for tier in self.lower_tiers:
             tier.close()
-
-
-
-@dataclass(slots=True)
-class _CachedBlock:
-    """What the hierarchy keeps of a block cached on the device, for writing it down (replaced whole, never
-    changed; not frozen: a frozen dataclass is built 2.5x slower, and one is built per block cached, 437 for
-    a 7k-token document, on the step's path)."""
-
-    tokens: tuple[int, ...]
-    parent: bytes | None  # the hash of the block before it in its chain; None for a chain's first
-
-def _put_run(tiers: list[LowerTier], hashes: list[bytes], tokens: list[tuple[int, ...]],
-             parents: list[bytes | None], start: int, srcs: list[torch.Tensor]) -> None:
-    """A store job's drain: put the blocks `start, start + 1, ...` of the job into each of `tiers`
-    (each copies the payloads before returning)."""
-    stop = start + len(srcs)
-    for tier in tiers:
-        tier.put(hashes[start:stop], tokens[start:stop], srcs, parents[start:stop])
