@@ -5,6 +5,8 @@ and each lower tier through the small interface every tier shares (`name`, `cont
 `release`), which both a real tier (tiers/cpu.py, disk.py, remote.py) and a tier's LRU bookkeeping alone
 (`LruIndex`, tiers/lru.py) give. `TierHierarchy` asks it and moves the bytes its answers name; `kvstrata plan`
 replays the same class over `LruIndex` tiers (kvstrata/planner.py), so the plan answers for the cache we ship.
+What a tier holds, and in what LRU order, is read from the tier itself, never mirrored here: the disk tier is
+shared by processes and the remote tier evicts by its server's policy, so a copy kept beside them would drift.
 
 What it decides:
 
@@ -18,8 +20,8 @@ What it decides:
   A block still queued when its slot is reused is written down then, under either policy. Blocks promoted from a
   lower tier are below already and are not queued.
 - A block served from disk or the remote tier is copied up into the CPU tier: the next miss is a local one.
-- A CPU-tier eviction cascades to disk, unless disk holds the block already (the remote tier had it written
-  through, or lacks room by its server's own policy).
+- A CPU-tier eviction cascades to disk, unless disk holds the block already (the remote tier, written through,
+  has it already).
 """
 from __future__ import annotations
 
