@@ -2,11 +2,11 @@
 
 A Mooncake-format trace (kvstrata/trace.py) is replayed, in arrival order, through the cache's own policy
 code with the block payloads left out: the device `BlockPool` (prefix caching, lazy LRU, tail-first
-freeing), the hierarchy's lookup walk (`TierHierarchy.locate`), the lower tiers' LRU order
-(`tiers/lru.py`, the victim choice the CPU tier evicts by), the write-down policy (`write_through` or
-`on_evict`, CPU evictions cascading to disk, disk and remote hits copied up into the CPU tier) and the
-load policy's choice of what to load and what to recompute (`engine/load_policy.py`). No model, no tensor,
-no disk write.
+freeing), the tier policy `TierHierarchy` asks (`tiers/policy.py`: the lookup walk, the write-down policy,
+`write_through` or `on_evict`, CPU evictions cascading to disk, disk and remote hits copied up into the CPU
+tier), the lower tiers' LRU order (`tiers/lru.py`, the victim choice the CPU tier evicts by) and the load
+policy's choice of what to load and what to recompute (`engine/load_policy.py`). No model, no tensor, no
+disk write.
 
 How the trace becomes requests: each trace id stands for `trace_block_tokens` tokens, i.e.
 `trace_block_tokens / block_size` device blocks whose chain hashes are derived from the id (an id names
@@ -38,6 +38,7 @@ from kvstrata.engine.load_policy import LoadPlan, choose_plan
 from kvstrata.tiers.names import LOWER_TIER_NAMES, TIER_NAMES
 from kvstrata.tiers.block_pool import BlockPool
 from kvstrata.tiers.lru import LruIndex
+from kvstrata.tiers.policy import TierPolicy
 from kvstrata.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 
 ROUTES = ("round_robin", "prefix")
@@ -69,9 +70,9 @@ class Speeds:
         return costs
 
 
-# Assumed when no profile is given, and said so in the output: a data-centre GPU serving an 8B model (prefill
-# about 10k tokens a second, a 5 ms step overhead, 50 tokens a second decoded per request), host-memory, NVMe and
-# network reads at typical speeds. A profile measured on the serving machine replaces every figure.
+# Assumed when no profile is given, and said so in the output: a data-centre GPU serving an 8B model (its
+# prefill, step overhead and decode below), host-memory, NVMe and network reads at typical speeds. A profile
+# measured on the serving machine replaces every figure.
 DEFAULT_SPEEDS = Speeds(
     step={"overhead_s": 5e-3, "per_token_s": 1e-4, "per_pair_s": 0.0, "per_read_s": 0.0},
     reads={"cpu": {"latency_s": 1e-4, "bytes_per_s": 20e9}, "disk": {"latency_s": 5e-4, "bytes_per_s": 3e9},
@@ -161,48 +162,109 @@ class Tally:
     ttft_s: list[float] = field(default_factory=list)
 
 
+@dataclass
+class Admission:
+    """A request's cache, as admitted: its device blocks (prompt and answer) and what served its prefix."""
+
+    blocks: list
+    served: dict[int, str]   # chain position -> the tier whose block it uses (device hits and loaded blocks)
+    wait_until: float        # when the running requests that had to finish for its room had finished (0: none)
+
+
 class ReplayEngine:
-    """One engine's cache, payloads left out: the real `BlockPool` and the hierarchy's own lookup walk over
-    `LruIndex` lower tiers; the write-down policy of `TierHierarchy` (see tiers/hierarchy.py)."""
+    """One engine's cache, payloads left out: the real `BlockPool` and the tier policy the hierarchy asks
+    (`TierPolicy`, tiers/policy.py) over `LruIndex` lower tiers, its answers applied to hashes in the order
+    `TierHierarchy` and the KV manager apply them to bytes."""
 
     def __init__(self, device_blocks: int, cpu: LruIndex | None, disk: LruIndex | None, remote: LruIndex | None,
                  offload: str, tally: Tally, enable_caching: bool = True) -> None:
         self.pool = BlockPool(device_blocks, enable_caching=enable_caching, on_evict=self._on_device_evict)
+        self.policy = TierPolicy(self.pool, cpu, disk, remote, offload)
         self.cpu, self.disk, self.remote = cpu, disk, remote
-        self.offload = offload
+        self.lower_tiers = self.policy.lower_tiers
         self.tally = tally
         if cpu is not None and disk is not None:
             cpu.on_evict = self._on_cpu_evict
-        self.lower_tiers = [t for t in (cpu, disk, remote) if t is not None]
-        # write-downs go to the CPU tier (or disk without one) and the remote tier
-        self.down = [t for t in (cpu if cpu is not None else disk, remote) if t is not None]
         self.running: list[tuple[float, int, list]] = []  # (finish time, order, blocks) heap
-        self.evicted: list = []  # on_evict: device blocks whose slot an allocation is reusing, to write down
+
+    def locate(self, chain: Sequence) -> list[str]:
+        return self.policy.locate(chain)
 
     def _on_device_evict(self, block_id: int, block_hash) -> None:
-        # write_through wrote every cached block down when it was computed; on_evict writes it down, in one batch
-        # once the allocation is done (`allocate`): nothing reads the lower tiers in between, so it is the same
         self.tally.device_evictions += 1
-        if self.offload == "on_evict":
-            self.evicted.append(block_hash)
-
-    def allocate(self, num_blocks: int) -> list:
-        """`BlockPool.get_new_blocks`, the cached blocks it reuses written down first."""
-        blocks = self.pool.get_new_blocks(num_blocks)
-        if self.evicted:
-            self._write_down(self.evicted)
-            self.evicted = []
-        return blocks
+        if self.policy.device_evicting(block_id):
+            self.write_down([block_hash])
 
     def _on_cpu_evict(self, block_hash) -> None:
-        if not self.disk.contains(block_hash):
-            self.disk.put([block_hash])
-            self.tally.write_downs["disk"] += 1
+        target = self.policy.cascade_target(block_hash)
+        if target is not None:
+            self.write_down([block_hash], [target])
 
-    def _write_down(self, hashes: list, targets: list[LruIndex] | None = None) -> None:
-        for tier in self.down if targets is None else targets:
+    def write_down(self, hashes: list, targets: Sequence[LruIndex] | None = None) -> None:
+        for tier in self.policy.write_down_targets if targets is None else targets:
             tier.put(hashes)
             self.tally.write_downs[tier.name] += len(hashes)
+
+    def admit(self, chain: Sequence, found: Sequence[str], use_device: Sequence[int], use_below: Sequence[int],
+              total_blocks: int) -> Admission | None:
+        """Hold the device hits at positions `use_device` and the lower-tier hits at `use_below`, make room for
+        `total_blocks` blocks in all, load the lower-tier hits, compute and cache the rest of the chain, and write
+        down as the policy says: `TierHierarchy.acquire_prefix`, `finish_prefix`, the KV manager's allocation and
+        `cache_blocks`, then `flush_pending` after the step. None when the request cannot fit the device."""
+        pool, policy = self.pool, self.policy
+        hits = pool.get_cached_blocks([chain[k] for k in use_device])
+        pool.touch(hits)
+        below = [chain[k] for k in use_below]
+        below_found = [found[k] for k in use_below]
+        policy.hold_below(below, below_found, hold=True)  # so that no write-down the allocation causes evicts them
+        wait_until = self.make_room(total_blocks - len(hits))
+        if wait_until is None:
+            pool.free_blocks(reversed(hits))
+            policy.hold_below(below, below_found, hold=False)
+            return None
+        loaded = policy.blocks_for_load(len(below))
+        served_from = self._read_below(below)
+        arrived = [i for i, tier in enumerate(served_from) if tier is not None]
+        newly = {b.block_id for b in pool.cache_full_blocks([loaded[i] for i in arrived], [below[i] for i in arrived],
+                                                            0, len(arrived))}
+        policy.hold_below(below, below_found, hold=False)
+        up = [below[i] for i in arrived if policy.copy_up_target(served_from[i]) is not None
+              and loaded[i].block_id in newly]
+        if up:  # disk and remote hits are copied up: the next miss is a cheap, local one
+            self.write_down(up, [policy.cpu])
+        # the prefix ends at the first block not served; what is held past it is let go, tail first
+        stop = use_below[served_from.index(None)] if None in served_from else len(chain)
+        used = {**{k: b for k, b in zip(use_device, hits)}, **{k: loaded[i] for i, k in enumerate(use_below)}}
+        served = {k: "device" for k in use_device if k < stop}
+        served.update({k: served_from[i] for i, k in enumerate(use_below) if k < stop})
+        pool.free_blocks(reversed([used[k] for k in sorted(used) if k >= stop]))
+        for k in served:
+            if served[k] != "device":
+                self.tally.promotions[served[k]] += 1
+        new = iter(pool.get_new_blocks(total_blocks - len(served)))
+        blocks = [used[k] if k in served else next(new) for k in range(len(chain))]
+        blocks.extend(new)  # the prompt's partial block and the answer's: never cached
+        computed = []  # cache the blocks computed, a run of them at a time
+        for is_used, run in itertools.groupby(range(len(chain)), key=served.__contains__):
+            if not is_used:
+                run = list(run)
+                computed += pool.cache_full_blocks(blocks, list(chain), run[0], run[-1] + 1)
+        policy.block_computed(computed)
+        _, pending = policy.take_pending()  # the step that computed them is over
+        if pending:
+            self.write_down(pending)
+        return Admission(blocks, served, wait_until)
+
+    def _read_below(self, hashes: list) -> list[str | None]:
+        """The tier that serves each block a load reads (None: none holds it now): each tier in order is asked for
+        what is still missing, and what it serves becomes its most recently used."""
+        served_from: list[str | None] = [None] * len(hashes)
+        for tier in self.lower_tiers:
+            found = [i for i, t in enumerate(served_from) if t is None and tier.contains(hashes[i])]
+            tier.touch([hashes[i] for i in found])
+            for i in found:
+                served_from[i] = tier.name
+        return served_from
 
     def finish_until(self, now: float) -> None:
         """Free the blocks of every request done by `now`, tail first, as a finished request frees them."""
@@ -234,17 +296,6 @@ class ReplayEngine:
                 break
             n += 1
         return n
-
-
-def _use_hierarchy_lookup() -> None:
-    """Give `ReplayEngine` the hierarchy's lookup, unchanged (it reads only `pool` and `lower_tiers`). Bound on
-    first use, not at import: tiers/hierarchy.py imports torch, which `kvstrata --help` should not wait for."""
-    if not hasattr(ReplayEngine, "locate"):
-        from kvstrata.tiers.hierarchy import TierHierarchy
-
-        ReplayEngine.locate = TierHierarchy.locate
-        ReplayEngine.locate_many = TierHierarchy.locate_many
-        ReplayEngine._walk = TierHierarchy._walk
 
 
 class Planner:
@@ -280,7 +331,6 @@ class Planner:
         self.load_policy = cache.load_policy if cache.enable_prefix_caching else "always_recompute"
         self.replicas = replicas
         self.route = route
-        _use_hierarchy_lookup()
 
     def _blocks(self, size: str | int, sizing) -> int:
         from kvstrata.engine.sizes import Size
@@ -297,9 +347,10 @@ class Planner:
         started = time.perf_counter()
         tally = Tally()
         cap = self.capacity
-        # replicas share one disk and one remote tier; each has its own device and CPU tiers
-        disk = LruIndex("disk", cap["disk"]) if cap["disk"] else None
-        remote = LruIndex("remote", cap["remote"]) if cap["remote"] != 0 else None
+        # replicas share one disk and one remote tier; each has its own device and CPU tiers. Only the CPU tier keeps
+        # a promotion's blocks from eviction: the others are shared with other processes (`LowerTier.hold`).
+        disk = LruIndex("disk", cap["disk"], keeps_holds=False) if cap["disk"] else None
+        remote = LruIndex("remote", cap["remote"], keeps_holds=False) if cap["remote"] != 0 else None
         engines = [ReplayEngine(max(cap["device"], 1), LruIndex("cpu", cap["cpu"]) if cap["cpu"] else None, disk,
                                 remote, self.config.cache.offload, tally, self.config.cache.enable_prefix_caching)
                    for _ in range(self.replicas)]
@@ -327,64 +378,30 @@ class Planner:
 
     def _serve(self, engine: ReplayEngine, chain: list, num_tokens: int, output_length: int, now: float,
                order: int, tally: Tally) -> None:
-        """One request, as `TierHierarchy.acquire_prefix` / `finish_prefix` and the engine's caching treat it."""
-        bs, pool = self.block_size, engine.pool
+        """One request: looked up, planned by the load policy, admitted as the engine admits it."""
+        bs = self.block_size
         tally.requests += 1
         tally.prompt_tokens += num_tokens
         max_hit = (num_tokens - 1) // bs  # the last token is always computed, for its logits
         found = engine.locate(chain[:max_hit])
         plan = choose_plan(self.load_policy, found, num_tokens, bs, self.step_cost, self.read_costs)
         # used as they are: the device hits before the plan's head and those among its loaded tail
-        on_device = [*range(plan.device_run), *(k for k in range(plan.head_end, plan.cut) if found[k] == "device")]
-        below = [k for k in range(plan.head_end, plan.cut) if found[k] != "device"]
-        hits = pool.get_cached_blocks([chain[k] for k in on_device])
-        pool.touch(hits)
-        held = {t.name: [chain[k] for k in below if found[k] == t.name] for t in engine.lower_tiers}
-        for tier in engine.lower_tiers:  # so that no write-down the allocation causes evicts them
-            tier.hold(held[tier.name])
+        use_device = [*range(plan.device_run), *(k for k in range(plan.head_end, plan.cut) if found[k] == "device")]
+        use_below = [k for k in range(plan.head_end, plan.cut) if found[k] != "device"]
         total_blocks = -(-(num_tokens + output_length) // bs)
-        wait_until = engine.make_room(total_blocks - len(hits))
-        if wait_until is None:  # larger than the device tier: it cannot run here; counted, never cached
-            pool.free_blocks(reversed(hits))
-            for tier in engine.lower_tiers:
-                tier.release(held[tier.name])
+        admitted = engine.admit(chain, found, use_device, use_below, total_blocks)
+        if admitted is None:  # larger than the device tier: it cannot run here; counted, never cached
             tally.too_large += 1
             return
-        if wait_until > now:
+        if admitted.wait_until > now:
             tally.waited += 1
-        start = max(now, wait_until)
-        new = iter(engine.allocate(total_blocks - len(hits)))
-        hit_at = dict(zip(on_device, hits))
-        blocks = [hit_at[k] if k in hit_at else next(new) for k in range(len(chain))]
-        blocks.extend(new)  # the prompt's partial block and the answer's: never cached
-        for tier in engine.lower_tiers:
-            if held[tier.name]:
-                tier.touch(held[tier.name])  # read: the most recently used
-                tier.release(held[tier.name])
-                tally.promotions[tier.name] += len(held[tier.name])
-        # cache the blocks that were not device hits, a run of them at a time (a hit is cached already)
-        newly = []
-        for is_hit, run in itertools.groupby(range(plan.device_run, len(chain)), key=hit_at.__contains__):
-            if not is_hit:
-                run = list(run)
-                newly += pool.cache_full_blocks(blocks, chain, run[0], run[-1] + 1)
-        loaded = {chain[k] for k in below}
-        if engine.cpu is not None:  # disk and remote hits are copied up: the next miss is a cheap, local one
-            up = [h for t in ("disk", "remote") for h in held.get(t, ())]
-            if up:
-                engine._write_down(up, [engine.cpu])
-        if self.config.cache.offload == "write_through":
-            computed = [b.block_hash for b in newly if b.block_hash not in loaded]
-            if computed:
-                engine._write_down(computed)
-        served = tally.served_tokens
-        served["device"] += len(on_device) * bs
-        for k in below:
-            served[found[k]] += bs
+        start = max(now, admitted.wait_until)
+        for tier in admitted.served.values():
+            tally.served_tokens[tier] += bs
         ttft = self._ttft_s(found, plan, num_tokens)
         tally.ttft_s.append(ttft + (start - now))
         done = start + ttft + output_length * self.speeds.decode_s_per_token
-        heapq.heappush(engine.running, (done, order, blocks))
+        heapq.heappush(engine.running, (done, order, admitted.blocks))
 
     def _ttft_s(self, found: Sequence[str], plan: LoadPlan, num_tokens: int) -> float:
         """The load policy's estimate of the plan (engine/load_policy.py): the head computed beside the

@@ -102,6 +102,16 @@ def test_put_of_a_held_hash_only_refreshes_recency():
     assert tier.stats().puts == 3
 
 
+def test_a_put_keeps_a_block_that_an_earlier_block_of_the_same_put_evicted():
+    evicted = []
+    tier = CpuTier(BF16, capacity_blocks=3, on_evict=lambda h, *_: evicted.append(h))
+    put_blocks(tier, [1, 2, 3])  # 1 is the least recently used
+    blocks = put_blocks(tier, [4, 1])  # 4 evicts 1, then 1 comes back and evicts 2, as one put at a time would
+    assert evicted == [key(1), key(2)]
+    assert [h for h, *_ in tier.blocks()] == [key(3), key(4), key(1)]
+    assert torch.equal(get_one(tier, 1), blocks[1])
+
+
 def test_stats_count_hits_misses_puts_evictions_and_usage():
     tier = CpuTier(BF16, capacity_blocks=2)
     put_blocks(tier, [1, 2, 3])            # 3 evicts 1

@@ -413,7 +413,7 @@ def test_pending_write_through_is_written_before_its_block_is_reused():
     req = run_request(kv, a, finish=False)
     # queue the write-downs again as if the step had not been flushed yet, then force reuse
     for k, block in enumerate(kv.states[req.request_id].blocks[:6]):
-        h._pending[block.block_id] = block.block_hash
+        h.policy.pending[block.block_id] = block.block_hash
     h.cpu.clear()
     kv.free(req)
     run_request(kv, doc(6, 7 * BS + 1))  # reuses a's blocks before any flush

@@ -31,8 +31,6 @@ NOT_YET_CLEANED = {
     "kernels/cpu_linear.c",
     "kernels/cpu_linear.py",
     "kernels/cpu_threads.h",
-    "kvstrata/planner.py",
-    "tiers/hierarchy.py",
 }
 
 _NUMBER = r"(?<![\w.])~?\d+(?:[.,]\d+)?k?"

@@ -49,6 +49,19 @@ BlockEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 BlockEventListener = Callable[[BlockEvent], None]
 
 
+def stored_runs(stored: Sequence[tuple[bytes, bytes | None, Sequence[int]]], block_size: int,
+                medium: str) -> list[BlockStored]:
+    """One BlockStored per run of (hash, parent hash, tokens) in which each block's parent is the block before it,
+    as vLLM reports a request's newly cached blocks."""
+    runs: list[BlockStored] = []
+    for block_hash, parent, tokens in stored:
+        if not runs or parent != runs[-1].block_hashes[-1]:
+            runs.append(BlockStored([], parent, [], block_size, medium))
+        runs[-1].block_hashes.append(block_hash)
+        runs[-1].token_ids.extend(tokens)
+    return runs
+
+
 class TierEvents:
     """The events of one batched tier operation, in the order they happened, neighbours of one kind
     merged into one event: removals always, stored blocks when each is the child of the one before

@@ -76,7 +76,7 @@ class CpuTier(LowerTier):
         self._lock = threading.Lock()
         self._written = threading.Condition(self._lock)  # notified when a put's blocks are written (or given back)
         # hash -> how many promotions in flight will read it: never evicted while held (see `hold`).
-        # held blocks' hold counts (a Counter: holding a 7k-token document's 437 blocks counts them in C)
+        # held blocks' hold counts (a Counter: holding a long document's blocks counts them in C)
         self._holds: Counter[bytes] = Counter()
         # slot -> how many `get` calls are copying out of it now (outside the lock): never reused meanwhile
         self._readers: dict[int, int] = {}
@@ -292,8 +292,10 @@ class CpuTier(LowerTier):
         it is added to `evicted`); None when the block is here already (now the most recently used) or being put,
         or every slot is held by a promotion or pinned. When every slot is held or being written: a put that holds
         no slot yet (`may_wait`) waits for those writes to end; one that does gets `_NEXT_ROUND`, and writes its
-        own first (so puts never wait for one another in a circle)."""
-        if block_hash in self._slot_of:
+        own first (so puts never wait for one another in a circle). A block found here whose slot is being handed
+        down (evicted, by this put among others) is leaving: it is put again, in a slot of its own."""
+        slot = self._slot_of.get(block_hash)
+        if slot is not None and slot not in self._handing_down:
             self._slot_of.move_to_end(block_hash)
             return None
         if block_hash in self._writing:

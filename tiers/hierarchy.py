@@ -1,12 +1,11 @@
 """The tier hierarchy: walks a hash chain across device, CPU, disk and remote, promotes hits, writes blocks down.
 
-Mechanism lives in the tiers (how bytes are stored) and the transfer engine (how bytes move, off the
-step thread); this file holds the policy:
+What to find where and what to write down where is the tier policy's (tiers/policy.py, torch-free, which
+`kvstrata plan` replays); how bytes are stored is the tiers', how they move (off the step thread) the transfer
+engine's. This file applies the policy's answers to the bytes:
 
-- Lookup walks a chain once per tier: device hits are map lookups; each run of blocks the device
-  lacks is asked of each lower tier with one `count_prefix` (one lock or read transaction), in tier
-  order, and the walk stops at the first block no tier holds. Many chains walk together
-  (`locate_many`): their questions to a tier go in one `count_prefixes`, one remote round trip.
+- Lookup is the policy's walk (`locate`, `locate_many`, `relocate_on_device`), each lower tier asked with
+  one `count_prefixes` per run (one lock or read transaction, one remote round trip for many chains).
 - Promotion is asynchronous and has two halves. `acquire_prefix` holds every block of the prefix
   (device hits ref-counted, lower-tier hits held in their tier so that no write-down evicts them),
   allocates device blocks for the lower-tier hits and starts one load of all of them. The request
@@ -14,23 +13,19 @@ step thread); this file holds the policy:
   releases the holds and returns the prefix, which ends at the first block that could not be
   served (gone or failing verification): the rest is recomputed. A block that arrives from disk or
   the remote tier is also put in the CPU tier, so the next miss on the device is a cheap, local one.
-- Write-down, chosen in config:
-  * `write_through`: a block that becomes full and cached on the device is queued for the CPU tier
-    (or disk when there is no CPU tier), and to the remote tier, so that other replicas find it.
-    The queue is handed to the transfer engine in one batch after the model step that computed those
-    blocks (`flush_pending`), never before: the K/V do not exist until then. CPU-tier LRU evictions
-    cascade to disk (the remote tier has them already).
-  * `on_evict`: nothing is copied until the device pool is about to reuse a cached block; the block
-    is then copied down (to the same tiers) before its slot is handed out.
-  Either way a block is never overwritten while a copy from it is in flight: the pool calls
-  `_on_device_evict` before it returns a reused block, and that waits for the block's copy. A block
-  being loaded into is held by its request until the load has landed, so it is never reused either.
-- `persist()` (idle time, close) writes every block still held only above the disk down to it, so a
-  later process on the same disk path finds what this one computed.
-- Pins (pinned documents): `pin` copies an owner's blocks into every lower tier that lacks them and
-  pins them there, so no LRU eviction below the device drops them; on the device they stay ordinary
-  cached blocks (evicted down to the CPU tier, which keeps them). What may be pinned is the
-  caller's policy (engine/documents.py).
+- Write-down (`offload`, decided by the policy): `write_through` queues each block computed and cached
+  on the device, and the queue is handed to the transfer engine in one batch after the model step that
+  computed those blocks (`flush_pending`), never before: the K/V do not exist until then. `on_evict`
+  copies a block down only when the device pool is about to reuse its slot. CPU-tier LRU evictions
+  cascade to disk. The store jobs are tiers/write_down.py's. Either way a block is never overwritten while a
+  copy from it is in flight: the pool calls `_on_device_evict` before it returns a reused block, and that
+  waits for the block's copy. A block being loaded into is held by its request until the load has landed,
+  so it is never reused either.
+- `persist()` (idle time, close) writes every block still held only above the disk down to it
+  (tiers/persist.py), so a later process on the same disk path finds what this one computed.
+- Pins (pinned documents, tiers/pins.py): `pin` copies an owner's blocks into every lower tier that
+  lacks them and pins them there, so no LRU eviction below the device drops them.
+- `probe_loads` times loads from a lower tier at start-up (tiers/load_probe.py).
 - Block events (tiers/block_events.py), when a listener is given: the hierarchy reports the device
   tier's (a block cached, a cached block's slot reused, the device cache cleared) and hands the
   listener to each lower tier, which reports its own puts, evictions, drops and clears.
@@ -40,25 +35,22 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
-import itertools
-import logging
-import os
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Generator, Iterator, Sequence
+from typing import Sequence
 
 import torch
 
 from kvstrata.tiers.base import LOWER_TIER_NAMES, TIER_NAMES, LowerTier, Pin, TierStats, close_at_exit
-from kvstrata.tiers.block_events import AllBlocksCleared, BlockEventListener, BlockRemoved, BlockStored
+from kvstrata.tiers.block_events import AllBlocksCleared, BlockEventListener, BlockRemoved, stored_runs
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
+from kvstrata.tiers.load_probe import probe_loads
+from kvstrata.tiers.persist import write_missing_to_disk
+from kvstrata.tiers.pins import TierPins
+from kvstrata.tiers.policy import OFFLOAD_POLICIES, TierPolicy  # noqa: F401 - OFFLOAD_POLICIES re-exported
 from kvstrata.tiers.transfer import LentBlocks, Transfer, TransferEngine
-
-logger = logging.getLogger("kvstrata")
-OFFLOAD_POLICIES = ("write_through", "on_evict")
-PERSIST_BATCH_BLOCKS = 64
+from kvstrata.tiers.write_down import CachedBlock, WriteDowns
 
 
 @dataclass
@@ -76,15 +68,6 @@ class PrefixHit:
     def blocks_by_tier(self) -> dict[str, int]:
         """How many of `blocks` each tier supplied."""
         return {t: self.tiers.count(t) for t in TIER_NAMES}
-
-
-def _run_end(flags: list[bool], start: int) -> int:
-    """Where the run of equal flags from `start` ends: a search in C, where a Python step per block cost a long
-    document's lookup tens of microseconds (it is looked up several times an admission, on the step thread)."""
-    try:
-        return flags.index(not flags[start], start)
-    except ValueError:
-        return len(flags)
 
 
 @dataclass(eq=False)
@@ -133,8 +116,7 @@ class TierHierarchy:
                  disk: LowerTier | None = None, offload: str = "write_through",
                  transfers: TransferEngine | None = None, remote: LowerTier | None = None,
                  event_listener: BlockEventListener | None = None):
-        if offload not in OFFLOAD_POLICIES:
-            raise ValueError(f"cache.offload: unknown policy {offload!r} (use one of {', '.join(OFFLOAD_POLICIES)})")
+        self.policy = TierPolicy(pool, cpu, disk, remote, offload)
         assert kv_cache.shape[0] == pool.num_blocks
         self.pool = pool
         self.kv_cache = kv_cache
@@ -147,16 +129,8 @@ class TierHierarchy:
         self.counters = HierarchyCounters()
         # Counters the transfer workers update too (the CPU tier's cascade to disk runs on them).
         self._counters_lock = threading.Lock()
-        # Every block cached on the device: its token ids (lower tiers verify them on read) and the hash
-        # of the block before it in its chain (None: the chain's first), which block events name.
-        self._cached: dict[int, _CachedBlock] = {}
-        # write_through: blocks cached on the device whose content is not yet below (block_id -> hash).
-        self._pending: dict[int, bytes] = {}
-        # device block id -> the store job last copying it down; waited for before the slot is reused.
-        self._stores_in_flight: dict[int, Transfer] = {}
-        # those jobs, in submission order (the order they finish in): let go of from the front once copied,
-        # so that a step does not scan every block of a backlog of write-downs
-        self._store_jobs: deque[Transfer] = deque()
+        self.write_downs = WriteDowns(self.transfers, self._count_write_downs)
+        self._pins = TierPins(pool, self.lower_tiers, self.write_downs)
         # Something was cached since the disk tier last held everything (see `persist`).
         self._unpersisted = False
         pool.on_evict = self._on_device_evict
@@ -177,83 +151,16 @@ class TierHierarchy:
         return [t for t in (self.cpu, self.disk, self.remote) if t is not None]
 
     def locate(self, block_hashes: Sequence[bytes]) -> list[str]:
-        """For each leading block of the chain, the first tier that holds it; stops at the first
-        block no tier holds. Each run of blocks the device lacks costs one `count_prefix` per lower
-        tier (a run that alternates between the CPU tier and disk costs more: each tier is asked
-        again wherever another one's blocks end)."""
-        return self.locate_many([block_hashes])[0]
+        """`TierPolicy.locate`: for each leading block of the chain, the first tier that holds it."""
+        return self.policy.locate(block_hashes)
 
     def locate_many(self, chains: Sequence[Sequence[bytes]]) -> list[list[str]]:
-        """`locate` of each chain, the chains' questions to a lower tier asked together: one `count_prefixes`
-        per tier and round, where a chain at a time cost a round trip each to a remote server (a burst of
-        arrivals is looked up in one step)."""
-        walks = [self._walk(chain) for chain in chains]
-        found: list[list[str]] = [[] for _ in chains]
-        asks: dict[int, tuple[LowerTier, Sequence[bytes]]] = {}  # chain -> the question its walk waits on
-
-        def advance(i: int, answer: int | None) -> None:
-            try:
-                asks[i] = walks[i].send(answer)
-            except StopIteration as walked:
-                found[i] = walked.value
-                asks.pop(i, None)
-
-        for i in range(len(walks)):
-            advance(i, None)
-        while asks:
-            for tier in self.lower_tiers:  # in tier order: a walk's next question is often the next tier's
-                waiting = [i for i, (asked, _) in asks.items() if asked is tier]
-                if waiting:
-                    for i, count in zip(waiting, tier.count_prefixes([asks[i][1] for i in waiting])):
-                        advance(i, count)
-        return found
-
-    def _walk(self, block_hashes: Sequence[bytes]) -> Generator[tuple[LowerTier, Sequence[bytes]], int, list[str]]:
-        """`locate` of one chain, as a generator: it yields each question for a lower tier, (tier, hashes), and is
-        sent how many of those hashes the tier holds in a row; it returns the chain's tiers."""
-        found: list[str] = []
-        n = len(block_hashes)
-        on_device = [block is not None for block in self.pool.get_cached_blocks(block_hashes)]
-        while len(found) < n:
-            end = _run_end(on_device, len(found))
-            if on_device[len(found)]:
-                found += ["device"] * (end - len(found))
-                continue
-            # a run below the device (it ends where the device holds a block again)
-            # The tiers in turn, each asked from where the run's blocks found so far end, until every tier has
-            # said that it lacks the next block: one question each for most runs, more where tiers alternate.
-            tiers, turn = self.lower_tiers, 0
-            lacks_at: dict[str, int] = {}  # tier -> where the run's next block is one it lacks
-            while len(found) < end:
-                tier = next((t for t in tiers[turn:] + tiers[:turn] if lacks_at.get(t.name) != len(found)), None)
-                if tier is None:  # no tier holds the next block
-                    break
-                k = yield tier, block_hashes[len(found):end]
-                found += [tier.name] * k
-                lacks_at[tier.name] = len(found)
-                turn = (tiers.index(tier) + 1) % len(tiers)
-            if len(found) < end:
-                break
-        return found
+        """`TierPolicy.locate_many`: `locate` of each chain, each lower tier asked once a round for all of them."""
+        return self.policy.locate_many(chains)
 
     def relocate_on_device(self, block_hashes: Sequence[bytes], found: Sequence[str]) -> list[str]:
-        """`found`, an earlier `locate` of the same chain, with the device's part read again (a dict
-        lookup per block, no lower tier asked): a block the device holds now is a device hit; one it no
-        longer holds ends the prefix unless the earlier lookup placed it in a lower tier."""
-        on_device = [block is not None for block in self.pool.get_cached_blocks(block_hashes)]
-        located: list[str] = []
-        while len(located) < len(on_device):
-            start = len(located)
-            end = _run_end(on_device, start)
-            if on_device[start]:
-                located += ["device"] * (end - start)
-                continue
-            earlier = found[start:end]  # where the earlier lookup placed the blocks the device lacks now
-            below = earlier.index("device") if "device" in earlier else len(earlier)
-            located += earlier[:below]
-            if start + below < end:
-                break
-        return located
+        """`TierPolicy.relocate_on_device`: an earlier `locate` with the device's part read again."""
+        return self.policy.relocate_on_device(block_hashes, found)
 
     def acquire_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]],
                        found_in: Sequence[str] | None = None, parent: bytes | None = None) -> PrefixLoad:
@@ -283,10 +190,7 @@ class TierHierarchy:
         if not below:
             return load
         self._hold_below(load, hold=True)
-        # In ascending ids: a load copies each run of neighbouring slab rows into neighbouring device blocks with
-        # one copy (transfer.copy_rows), and blocks come off the free queue as requests freed them, tail first,
-        # so that in their order every block of a document freed whole was a copy of its own.
-        for k, block in zip(below, sorted(self.pool.get_new_blocks(len(below)), key=lambda b: b.block_id)):
+        for k, block in zip(below, self.policy.blocks_for_load(len(below))):
             load.blocks[k] = block
         load.transfer = self.transfers.load([load.blocks[k].block_id for k in below],
                                             functools.partial(self._read_below, load),
@@ -294,56 +198,13 @@ class TierHierarchy:
         return load
 
     def probe_loads(self, tier: LowerTier, sizes: Sequence[int]) -> list[tuple[int, float]]:
-        """(blocks, seconds) of one load per size in `sizes` from `tier` to the device, timed as a
-        promotion moves them: throwaway blocks (random keys) are put into the tier, loaded into free
-        device blocks and dropped again. A size that cannot be measured (more blocks than the device
-        or the tier has free, blocks the tier does not serve back, a fault) is left out. The probe
-        never costs the tier a block of the user's: only free room is used (a full tier, or one sized
-        by its server, as the remote tier is, is not probed), and the throwaway blocks are no block events."""
-        stats = tier.stats()
-        room = min(self.pool.num_free_blocks, stats.capacity_blocks - stats.used_blocks)
-        num_blocks = max((s for s in sizes if s <= room), default=0)
-        if num_blocks < 1:
-            return []
-        device_blocks = self.pool.get_new_blocks(num_blocks)
-        block_ids = [b.block_id for b in device_blocks]
-        hashes = [os.urandom(16) for _ in block_ids]
-        tokens = [tuple(range(self.kv_cache.shape[3]))] * num_blocks  # [blocks, layers, 2, block_size, ...]
-
-        def fill(start: int, dests: list[torch.Tensor]) -> list[bool]:
-            return tier.get(hashes[start:start + len(dests)], tokens[start:start + len(dests)], dests)
-
-        def lend(start: int, n: int) -> LentBlocks | None:  # as a promotion from the CPU tier moves them
-            return self.cpu.lend(hashes[start:start + n], tokens[start:start + n]) if tier is self.cpu else None
-
-        timed = []
-        listener, tier.event_listener = tier.event_listener, None
-        try:
-            # tiers are given host payloads, as write-downs give them (the KV cache may be on a GPU)
-            payload = torch.zeros(self.kv_cache[0].numel() * self.kv_cache.element_size(), dtype=torch.uint8)
-            tier.put(hashes, tokens, [payload] * num_blocks)
-            tier.flush()
-            for n in sorted(s for s in sizes if s <= num_blocks):
-                job = self.transfers.load(block_ids[:n], fill, lend)
-                job.wait()
-                if job.failed or not all(job.served):
-                    break
-                timed.append((n, job.seconds))
-        except Exception:  # noqa: BLE001 - a tier that cannot be probed is priced when it is used
-            logger.warning("kvstrata: could not time reads from the %s tier at start-up", tier.name, exc_info=True)
-        finally:
-            for h in hashes:
-                tier.discard(h)
-            tier.flush()  # the discards are done before anyone listens again
-            tier.event_listener = listener
-            self.pool.free_blocks(device_blocks)
-        return timed
+        """(blocks, seconds) of one load per size in `sizes` from `tier` to the device, timed as a promotion moves
+        them (tiers/load_probe.py): throwaway blocks, only in free room, no block events."""
+        return probe_loads(self.pool, self.kv_cache, self.transfers, tier, sizes, self.cpu)
 
     def _hold_below(self, load: PrefixLoad, hold: bool) -> None:
-        for tier in self.lower_tiers:
-            hashes = [load.block_hashes[k] for k in load.below if load.found_in[k] == tier.name]
-            if hashes:
-                (tier.hold if hold else tier.release)(hashes)
+        self.policy.hold_below([load.block_hashes[k] for k in load.below], [load.found_in[k] for k in load.below],
+                               hold)
 
     def _lend_below(self, load: PrefixLoad, start: int, n: int) -> LentBlocks | None:
         """On the load worker: the blocks `load.below[start:start + n]` lent by the CPU tier, if it
@@ -390,9 +251,8 @@ class TierHierarchy:
         Every block that arrived is cached on the device (it is verified), also past the end, so a
         later request finds it; the blocks past the end are released, the lower-tier holds too. The
         blocks that came from disk or the remote tier are copied into the CPU tier too, the next
-        request's closer tier, by a store job in the background: copied there on the load's path, with
-        the evictions to disk that it cascades into, they took 10-120 ms of each 62-block part of a
-        2000-token hit's load under memory pressure.
+        request's closer tier, by a store job in the background: on the load's path, that copy and the
+        evictions to disk it cascades into cost the load much of its time under memory pressure.
         """
         assert load.ready, "finish_prefix before the load has landed"
         if load.hit is not None:  # finished already: as soon as it landed, while the device computed a step
@@ -406,12 +266,13 @@ class TierHierarchy:
         newly = self._cache_on_device([load.blocks[k] for k in arrived], [load.block_hashes[k] for k in arrived],
                                       [load.block_tokens[k] for k in arrived],
                                       [load.block_hashes[k - 1] if k else load.parent for k in arrived])
-        if self.cpu is not None:
-            up = [k for k in arrived if served[k] in ("disk", "remote") and load.blocks[k].block_id in newly]
-            if up:
-                self._write_down([load.blocks[k].block_id for k in up], [load.block_hashes[k] for k in up],
-                                 targets=[self.cpu])
+        # the holds go before the copy up is queued: its puts then never race them (the load has read the blocks)
         self._hold_below(load, hold=False)
+        up = [k for k in arrived if self.policy.copy_up_target(served[k]) is not None
+              and load.blocks[k].block_id in newly]
+        if up:
+            self._write_down([load.blocks[k].block_id for k in up], [load.block_hashes[k] for k in up],
+                             targets=[self.cpu])
         self.pool.free_blocks(list(reversed(load.blocks[end:])))
         tiers = ["device"] * end
         for k in arrived:
@@ -437,16 +298,14 @@ class TierHierarchy:
         newly = self.pool.cache_full_blocks(list(blocks), list(block_hashes), num_cached_blocks, num_full_blocks)
         newly_ids = {b.block_id for b in newly}
         self._unpersisted |= bool(newly)
+        self.policy.block_computed(newly)
         stored = []
-        write_through = self.offload == "write_through" and bool(self.lower_tiers)
         for k in range(num_cached_blocks, num_full_blocks):
             block = blocks[k]
             if block.block_id not in newly_ids:
                 continue  # the same content is already cached in another block
-            self._cached[block.block_id] = _CachedBlock(tuple(block_tokens[k - num_cached_blocks]),
+            self.write_downs.cached[block.block_id] = CachedBlock(tuple(block_tokens[k - num_cached_blocks]),
                                                         block_hashes[k - 1] if k else None)
-            if write_through:
-                self._pending[block.block_id] = block.block_hash
             if self.event_listener is not None:
                 stored.append((block_hashes[k], block_hashes[k - 1] if k else None, block_tokens[k - num_cached_blocks]))
         if stored:
@@ -458,8 +317,8 @@ class TierHierarchy:
         then failed: their K/V were never computed, so nothing of them is served or written down."""
         forgotten = self.pool.uncache_blocks(blocks)
         for block_id, _ in forgotten:
-            self._pending.pop(block_id, None)
-            self._cached.pop(block_id, None)
+            self.policy.block_forgotten(block_id)
+            self.write_downs.cached.pop(block_id, None)
         if forgotten and self.event_listener is not None:
             self.event_listener(BlockRemoved([h for _, h in forgotten], "device"))
 
@@ -472,7 +331,7 @@ class TierHierarchy:
         stored = []
         for block, h, toks, parent in zip(blocks, hashes, tokens, parents):
             if block.block_id in newly:
-                self._cached[block.block_id] = _CachedBlock(tuple(toks), parent)
+                self.write_downs.cached[block.block_id] = CachedBlock(tuple(toks), parent)
                 if self.event_listener is not None:
                     stored.append((h, parent, toks))
         if stored:
@@ -480,60 +339,30 @@ class TierHierarchy:
         return newly
 
     def _report_device_stored(self, stored: list[tuple[bytes, bytes | None, Sequence[int]]]) -> None:
-        """One BlockStored per run of (hash, parent hash, tokens) in which each block's parent is the
-        block before it, as vLLM reports a request's newly cached blocks."""
-        run: BlockStored | None = None
-        for block_hash, parent, tokens in stored:
-            if run is None or parent != run.block_hashes[-1]:
-                if run is not None:
-                    self.event_listener(run)
-                run = BlockStored([], parent, [], self.block_size, "device")
-            run.block_hashes.append(block_hash)
-            run.token_ids.extend(tokens)
-        self.event_listener(run)
+        for run in stored_runs(stored, self.block_size, "device"):
+            self.event_listener(run)
 
     def flush_pending(self) -> int:
         """Hand the queued write-through blocks to the transfer engine in one batch (call after the
         model step that computed them); returns how many."""
-        while self._store_jobs and self._store_jobs[0].copied:
-            job = self._store_jobs.popleft()
-            for b in job.block_ids:
-                if self._stores_in_flight.get(b) is job:  # (not a later job copying the reused block down)
-                    del self._stores_in_flight[b]
-        if not self._pending:
-            return 0
-        block_ids, hashes = list(self._pending), list(self._pending.values())
-        self._pending.clear()
-        self._write_down(block_ids, hashes)
+        self.write_downs.let_go_of_copied()
+        block_ids, hashes = self.policy.take_pending()
+        if block_ids:
+            self._write_down(block_ids, hashes)
         return len(block_ids)
 
     def _write_down(self, block_ids: list[int], hashes: list[bytes], targets: list[LowerTier] | None = None) -> None:
-        """Copy device blocks down, in one store job, to `targets`: by default the CPU tier (or disk
-        without one) and the remote tier, the write-through that shares them with other replicas."""
-        if targets is None:
-            targets = [t for t in (self.cpu if self.cpu is not None else self.disk, self.remote) if t is not None]
-        if not targets:
-            return
-        tokens = [self._cached[b].tokens for b in block_ids]
-        parents = [self._cached[b].parent for b in block_ids]
-        job = self.transfers.store(block_ids, functools.partial(_put_run, targets, hashes, tokens, parents))
-        for b in block_ids:
-            self._stores_in_flight[b] = job
-        self._store_jobs.append(job)
-        with self._counters_lock:
-            for target in targets:
-                self.counters.write_downs[target.name] += len(block_ids)
+        """Copy device blocks down, in one store job, to `targets`: by default the policy's write-down targets (the
+        CPU tier, or disk without one, and the remote tier, which shares them with other replicas)."""
+        self.write_downs.store(block_ids, hashes, self.policy.write_down_targets if targets is None else targets)
 
-    def _put_down(self, tier: LowerTier, hashes: list[bytes], tokens: list[Sequence[int]],
-                  payloads: list[torch.Tensor], parents: list[bytes | None]) -> None:
-        """Put host payloads into a lower tier (it copies them before returning), counted as write-downs."""
-        tier.put(hashes, tokens, payloads, parents)
-        with self._counters_lock:
-            self.counters.write_downs[tier.name] += len(hashes)
+    def _count_write_downs(self, tier_name: str, num_blocks: int) -> None:
+        with self._counters_lock:  # (the CPU tier's cascade to disk runs on a transfer worker)
+            self.counters.write_downs[tier_name] += num_blocks
 
     def wait_for_write_downs(self) -> None:
         """Wait until every block handed down so far is in its lower tier."""
-        self.transfers.wait_stores()
+        self.write_downs.wait()
 
     def _on_device_evict(self, block_id: int, block_hash: bytes) -> None:
         """The pool is about to hand out a cached block: its content must be safe below first, and
@@ -541,20 +370,17 @@ class TierHierarchy:
         self.counters.device_evictions += 1
         if self.event_listener is not None:
             self.event_listener(BlockRemoved([block_hash], "device"))
-        if self._pending.pop(block_id, None) is not None or self.offload == "on_evict":
+        if self.policy.device_evicting(block_id):
             self._write_down([block_id], [block_hash])
-        job = self._stores_in_flight.pop(block_id, None)
-        if job is not None:
-            job.wait_copied()  # the step needs this slot now: the one wait on a transfer it makes
-        self._cached.pop(block_id, None)
+        self.write_downs.wait_before_reuse(block_id)
 
     def _on_cpu_evict(self, block_hash: bytes, token_ids: Sequence[int], payload: torch.Tensor,
                       parent: bytes | None) -> None:
         """CPU-tier LRU eviction cascades to disk (the disk tier copies the payload before returning).
         Runs on whichever thread put into the CPU tier (a transfer worker, mostly)."""
-        assert self.disk is not None
-        if not self.disk.contains(block_hash):
-            self._put_down(self.disk, [block_hash], [token_ids], [payload], [parent])
+        target = self.policy.cascade_target(block_hash)
+        if target is not None:
+            self.write_downs.put(target, [block_hash], [token_ids], [payload], [parent])
 
     def persist(self, max_blocks: int | None = None, wait: bool = True) -> int:
         """Write cached blocks that the disk tier lacks down to it, device first, then CPU.
@@ -567,38 +393,13 @@ class TierHierarchy:
         self.wait_for_write_downs()  # what was handed down is below before the disk tier is asked
         if self.disk is None or not self._unpersisted:
             return 0
-        missing = itertools.islice(self._blocks_missing_on_disk(), max_blocks)
-        written = 0
-        # batches of a bounded size: the disk tier encodes a whole batch before queueing it
-        while batch := list(itertools.islice(missing, PERSIST_BATCH_BLOCKS)):
-            on_device = [(h, src) for h, _, src, _ in batch if isinstance(src, int)]
-            if on_device:  # one store job: a batched copy off the device, on the transfer worker
-                self._write_down([b for _, b in on_device], [h for h, _ in on_device], targets=[self.disk])
-            in_host = [item for item in batch if not isinstance(item[2], int)]
-            if in_host:
-                hashes, tokens, payloads, parents = map(list, zip(*in_host))
-                self._put_down(self.disk, hashes, tokens, payloads, parents)
-            written += len(batch)
+        written = write_missing_to_disk(self.write_downs, self.pool, self.cpu, self.disk, max_blocks)
         if not written:
             self._unpersisted = False  # everything cached is on disk now
         if wait:
             self.wait_for_write_downs()
             self.disk.flush()
         return written
-
-    def _blocks_missing_on_disk(self) -> Iterator[tuple[bytes, tuple[int, ...], int | torch.Tensor, bytes | None]]:
-        """(hash, token ids, device block id or host payload, parent) of cached blocks the disk tier lacks:
-        device first, then CPU. Lazy, so that a small chunk stops asking the disk tier as soon as it
-        is full."""
-        seen: set[bytes] = set()
-        device = ((h, self._cached[b.block_id].tokens, b.block_id, self._cached[b.block_id].parent)
-                  for h, b in list(self.pool.cached_block_hash_to_block.items())
-                  if b.block_id in self._cached)
-        cpu = self.cpu.blocks() if self.cpu is not None else ()
-        for h, t, p, parent in itertools.chain(device, cpu):
-            if h not in seen and not self.disk.contains(h):
-                seen.add(h)
-                yield h, t, p, parent
 
     # ------------------------------------------------------------------ pins
 
@@ -611,67 +412,20 @@ class TierHierarchy:
             raise ValueError("pinning needs a CPU or disk tier (cache.tiers.cpu or cache.tiers.disk)")
         self.flush_pending()
         self.wait_for_write_downs()  # write-through copies land first: fewer blocks to copy here
-        for tier in self.lower_tiers:
-            tier.pin(owner, block_hashes, info)  # first, so that the copies below cannot evict each other
-            missing = [k for k, held in enumerate(tier.held(block_hashes)) if not held]
-            self._copy_into(tier, [block_hashes[k] for k in missing], [block_tokens[k] for k in missing],
-                            [block_hashes[k - 1] if k else None for k in missing])
-            tier.flush()
-            if owner not in tier.pins():
-                raise ValueError(f"the {tier.name} tier could not record the pin of {owner} (see its write errors)")
-
-    def _copy_into(self, tier: LowerTier, hashes: list[bytes], tokens: list[Sequence[int]],
-                   parents: list[bytes | None]) -> None:
-        """Copy blocks into `tier` from wherever they are: device blocks in one store job (a batched
-        copy on the transfer worker, as persist does), the rest in one read per other lower tier.
-        Returns once they are in; a block no tier holds is left out."""
-        on_device, elsewhere = [], []
-        parent_of = dict(zip(hashes, parents))
-        for h, toks in zip(hashes, tokens):
-            block = self.pool.get_cached_block(h)
-            if block is not None and block.block_id in self._cached:
-                on_device.append((block.block_id, h))
-            else:
-                elsewhere.append((h, toks))
-        if on_device:
-            block_ids, device_hashes = zip(*on_device)
-            self._write_down(list(block_ids), list(device_hashes), targets=[tier])
-        for source in self.lower_tiers:
-            if source is tier or not elsewhere:
-                continue
-            held = [(h, toks) for (h, toks), ok in zip(elsewhere, source.held([h for h, _ in elsewhere])) if ok]
-            if not held:
-                continue
-            dests = [torch.empty(source.layout.block_nbytes, dtype=torch.uint8) for _ in held]
-            served = source.get([h for h, _ in held], [t for _, t in held], dests)
-            found = [(h, toks, dest) for (h, toks), dest, ok in zip(held, dests, served) if ok]
-            if found:
-                found_hashes, found_tokens, payloads = map(list, zip(*found))
-                self._put_down(tier, found_hashes, found_tokens, payloads, [parent_of[h] for h in found_hashes])
-            copied = {h for h, _, _ in found}
-            elsewhere = [(h, toks) for h, toks in elsewhere if h not in copied]
-        self.wait_for_write_downs()
+        self._pins.pin(owner, block_hashes, block_tokens, info)
 
     def unpin(self, owner: str) -> bool:
         """Drop the owner's pin in every lower tier; True if any tier had it."""
-        return any([tier.unpin(owner) for tier in self.lower_tiers])
+        return self._pins.unpin(owner)
 
     def pins(self) -> dict[str, Pin]:
         """Every owner's pin in any lower tier (the disk tier's survive restarts)."""
-        pins: dict[str, Pin] = {}
-        for tier in self.lower_tiers:
-            pins.update(tier.pins())
-        return pins
+        return self._pins.pins()
 
     def restore_pins(self) -> None:
         """Pin in every lower tier what another one pins (after a restart the CPU tier starts empty
         while the disk tier kept its pins): the blocks are pinned there as they arrive."""
-        pins = self.pins()
-        for tier in self.lower_tiers:
-            held = tier.pins()
-            for owner, pin in pins.items():
-                if owner not in held:
-                    tier.pin(owner, pin.block_hashes, pin.info)
+        self._pins.restore()
 
     def blocks_by_tier(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """How many of the blocks each tier holds now."""
@@ -702,16 +456,14 @@ class TierHierarchy:
         self.flush_pending()
         if write_down:
             cached = [(b.block_id, h) for h, b in self.pool.cached_block_hash_to_block.items()
-                      if b.block_id in self._cached]
+                      if b.block_id in self.write_downs.cached]
             if cached:
                 self._write_down(*map(list, zip(*cached)))
         self.wait_for_write_downs()  # nothing lands below after a clear, nor reads a reused slot
         ok = self.pool.reset_prefix_cache()
         if ok:
-            self._cached.clear()
-            self._pending.clear()
-            self._stores_in_flight.clear()
-            self._store_jobs.clear()
+            self.write_downs.forget_all()
+            self.policy.device_cache_cleared()
             if self.event_listener is not None:
                 self.event_listener(AllBlocksCleared("device"))
         return ok
@@ -743,22 +495,3 @@ class TierHierarchy:
         self.transfers.close()
         for tier in self.lower_tiers:
             tier.close()
-
-
-
-@dataclass(slots=True)
-class _CachedBlock:
-    """What the hierarchy keeps of a block cached on the device, for writing it down (replaced whole, never
-    changed; not frozen: a frozen dataclass is built 2.5x slower, and one is built per block cached, 437 for
-    a 7k-token document, on the step's path)."""
-
-    tokens: tuple[int, ...]
-    parent: bytes | None  # the hash of the block before it in its chain; None for a chain's first
-
-def _put_run(tiers: list[LowerTier], hashes: list[bytes], tokens: list[tuple[int, ...]],
-             parents: list[bytes | None], start: int, srcs: list[torch.Tensor]) -> None:
-    """A store job's drain: put the blocks `start, start + 1, ...` of the job into each of `tiers`
-    (each copies the payloads before returning)."""
-    stop = start + len(srcs)
-    for tier in tiers:
-        tier.put(hashes[start:stop], tokens[start:stop], srcs, parents[start:stop])

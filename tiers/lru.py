@@ -35,13 +35,15 @@ class LruIndex:
     (`name`, `count_prefixes`), reads (`touch`) and writes (`put`) as a tier's `get` and `put` order them.
 
     `capacity_blocks` None: unbounded (a remote server sized by its own memory). `on_evict(hash)` is
-    called before an evicted hash leaves (a CPU tier's eviction cascades to disk there)."""
+    called before an evicted hash leaves (a CPU tier's eviction cascades to disk there). `keeps_holds` False:
+    `hold` does nothing, as in a tier whose eviction other processes share (disk, remote)."""
 
     def __init__(self, name: str, capacity_blocks: int | None,
-                 on_evict: Callable[[Key], None] | None = None) -> None:
+                 on_evict: Callable[[Key], None] | None = None, keeps_holds: bool = True) -> None:
         self.name = name
         self.capacity_blocks = capacity_blocks
         self.on_evict = on_evict
+        self.keeps_holds = keeps_holds
         self.order: OrderedDict[Key, None] = OrderedDict()
         self._holds: Counter[Key] = Counter()  # blocks a promotion will read: never evicted meanwhile
         self.hits = self.puts = self.evictions = self.rejected_puts = 0
@@ -62,9 +64,12 @@ class LruIndex:
 
     def hold(self, block_hashes: Sequence[Key]) -> None:
         """Keep these blocks from eviction until `release` (holds nest), as a tier's `hold` does."""
-        self._holds.update(block_hashes)
+        if self.keeps_holds:
+            self._holds.update(block_hashes)
 
     def release(self, block_hashes: Sequence[Key]) -> None:
+        if not self.keeps_holds:
+            return
         self._holds.subtract(block_hashes)
         for h in block_hashes:
             if self._holds[h] <= 0:
