@@ -340,17 +340,25 @@ def test_vllms_model_folder_names_the_architecture_and_links_our_weights_and_tok
     converted = tmp_path / "converted" / "abc-transformers5"
     (converted / "float32").mkdir(parents=True)
     (converted / "tokenizer").mkdir()
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     (converted / "float32" / "config.json").write_text(json.dumps({"architectures": None, "dtype": "float32",
-                                                                  "model_type": "llama"}))
-    (converted / "float32" / "model.safetensors").write_bytes(b"weights")
+                                                                  "model_type": "llama", "tie_word_embeddings": True}))
+    tied = torch.arange(12.0).reshape(4, 3)
+    save_file({"lm_head.weight": tied, "model.norm.weight": torch.ones(3)}, str(converted / "float32" / "model.safetensors"))
     (converted / "float32" / "manifest.json").write_text("{}")
     (converted / "tokenizer" / "tokenizer.json").write_text("{}")
     folder = peers.vllm_model_dir(converted / "float32", converted / "tokenizer", "bfloat16")
     assert folder.is_relative_to(tmp_path / "cache")  # beside the peer's venv, not in the checkout
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
-    assert (folder / "model.safetensors").read_bytes() == b"weights" and (folder / "tokenizer.json").is_symlink()
-    assert not (folder / "manifest.json").exists()
+    assert (folder / "model.safetensors").resolve() == (converted / "float32" / "model.safetensors").resolve()
+    assert (folder / "tokenizer.json").is_symlink() and not (folder / "manifest.json").exists()
+    # a tied matrix saved as lm_head.weight alone: vLLM reads the embedding's name, so it is written too
+    with safe_open(str(folder / peers.TIED_EMBEDDING_FILE), "pt") as weights:
+        assert torch.equal(weights.get_tensor("model.embed_tokens.weight"), tied)
     assert peers.vllm_model_dir(converted / "float32", converted / "tokenizer", "bfloat16") == folder  # again: same
 
 

@@ -180,7 +180,31 @@ def vllm_model_dir(weights_dir: Path, tokenizer_dir: Path, dtype: str) -> Path:
     config["architectures"] = ["LlamaForCausalLM"]
     config["torch_dtype"] = config["dtype"] = dtype
     (folder / "config.json").write_text(json.dumps(config, indent=1))
+    if config.get("tie_word_embeddings"):
+        _tied_embedding(weights_dir, folder)
     return folder
+
+
+TIED_EMBEDDING_FILE = "embed_tokens.safetensors"
+
+
+def _tied_embedding(weights_dir: Path, folder: Path) -> None:
+    """A tied model saved by transformers may hold its one matrix as `lm_head.weight` alone; vLLM skips
+    `lm_head.weight` for a tied model and reads `model.embed_tokens.weight`, so without it the embedding stays
+    unset (every answer was token 0). Writes that name, the same values, into a file of its own beside the links."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    names = {}
+    for path in sorted(weights_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as weights:
+            names.update({name: path for name in weights.keys()})
+    target = folder / TIED_EMBEDDING_FILE
+    if "model.embed_tokens.weight" in names or "lm_head.weight" not in names:
+        target.unlink(missing_ok=True)
+        return
+    with safe_open(str(names["lm_head.weight"]), "pt") as weights:
+        save_file({"model.embed_tokens.weight": weights.get_tensor("lm_head.weight").contiguous()}, str(target))
 
 
 class VLLMPeer:
