@@ -7,6 +7,10 @@ The C source is built on first use, in about a second (kernels/cpu_build.py). Wh
 build fails, one line is logged and `available()` is False; `prefix_prefill` then runs the torch reference. Caches whose
 rows are not float32, bfloat16 or float16 (int8 with a scale per row, fp8) also take the reference.
 
+On AVX-512 and AMX CPUs the default mode (not the batch-invariant one) computes long prefills with ATen's CPU flash
+attention instead (`flash_prefix_prefill`: K/V gathered, two parts merged by their log-sum-exps), since that picks
+the CPU's widest vectors when it runs while the C code runs AVX2 instructions; its rows are then not batch-invariant.
+
 Threads: the C code splits (sequence, KV head, query block) items over `torch.get_num_threads()` threads of the
 pool it keeps (kernels/cpu_threads.h; not OpenMP: a second OpenMP runtime beside torch's can clash); each output is
 computed wholly by one thread.
