@@ -6,7 +6,8 @@
 `pressure` measures recompute, each tier set-up, a restart on the disk tier, the replicas sharing a remote tier
 (`--configs ...,replicas`), dtypes side by side (`--dtype`) and the peers (transformers, llama.cpp) on the same
 prompts; `concurrency` runs `scheduler.policy` fcfs against uncached_first under N streams or Poisson arrivals
-(the server under guidellm: benchmarks/results/guidellm.md). The workload, statistics, report and peers are
+(the server under guidellm: benchmarks/results/guidellm.md); `vllm` runs vLLM beside us on the same CPU (a
+miss, a device hit, decode per token, per dtype; vLLM in a venv of its own, made once in the user's cache). The workload, statistics, report and peers are
 modules of benchmarks/lib/ (ttft_workload, ttft_stats, ttft_report, peers).
 
 Retired (git keeps them): `threads.py` timed TTFT per torch thread count, the measurement behind
@@ -27,6 +28,8 @@ SUBCOMMANDS = (
                "restart, replicas, dtypes and peers"),
     Subcommand("concurrency", "ttft_concurrency", "fcfs against uncached_first: hit and miss TTFT, token gaps, "
                "throughput under streams or Poisson arrivals"),
+    Subcommand("vllm", "cpu_vs_vllm", "against vLLM on the same CPU: miss and device-hit TTFT, decode ms/token, "
+               "per dtype"),
 )
 
 

@@ -7,6 +7,10 @@ The C source is built on first use, in about a second (kernels/cpu_build.py). Wh
 build fails, one line is logged and `available()` is False; `prefix_prefill` then runs the torch reference. Caches whose
 rows are not float32, bfloat16 or float16 (int8 with a scale per row, fp8) also take the reference.
 
+On AVX-512 and AMX CPUs the default mode (not the batch-invariant one) computes long prefills with ATen's CPU flash
+attention instead (`flash_prefix_prefill`: K/V gathered, two parts merged by their log-sum-exps), since that picks
+the CPU's widest vectors when it runs while the C code runs AVX2 instructions; its rows are then not batch-invariant.
+
 Threads: the C code splits (sequence, KV head, query block) items over `torch.get_num_threads()` threads of the
 pool it keeps (kernels/cpu_threads.h; not OpenMP: a second OpenMP runtime beside torch's can clash); each output is
 computed wholly by one thread.
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvstrata.kernels import cpu_build
+from kvstrata.kernels import cpu_build, cpu_features
 from kvstrata.kernels.prefix_prefill import reference_prefix_prefill
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -66,11 +70,25 @@ def supports(kv_cache: torch.Tensor, query: torch.Tensor) -> bool:
             and query.dtype in CACHE_DTYPES and query.shape[-1] % HEAD_DIM_MULTIPLE == 0 and available())
 
 
+# CPU families whose default mode computes a long prefill's attention with ATen's CPU flash attention
+# (`flash_prefix_prefill`), which picks its vector width when it runs: AVX-512 and AMX CPUs, where this file's kernel
+# runs AVX2 code. On AVX2 the two measured alike, and this kernel's bits hold in both modes: it stays.
+FLASH_FAMILIES = ("avx512", "amx")
+FLASH_MIN_NEW_TOKENS = 128  # fewer new tokens (a decode, a question after a cached document) stay on this kernel
+
+
+@functools.cache
+def flash_here() -> bool:
+    """Whether this CPU's default mode takes long prefills to ATen's flash attention (`FLASH_FAMILIES`)."""
+    return cpu_features.cpu_matrix_family() in FLASH_FAMILIES
+
+
 def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                    out: torch.Tensor | None = None, *, batch_invariant: bool = False) -> torch.Tensor:
-    """`reference_prefix_prefill`, computed by the compiled kernel where `supports` says so. Its results are
-    batch-invariant either way, so `batch_invariant` only matters to the reference it falls back to."""
+    """`reference_prefix_prefill`, computed by the compiled kernel where `supports` says so, its results
+    batch-invariant. In the default mode (`batch_invariant` False) on `FLASH_FAMILIES`, the sequences with at least
+    `FLASH_MIN_NEW_TOKENS` new tokens are computed by `flash_prefix_prefill` instead."""
     if not supports(kv_cache, query):
         return reference_prefix_prefill(query, kv_cache, layer, block_tables, query_start_loc, seq_lens, scale, out,
                                         batch_invariant=batch_invariant)
@@ -79,6 +97,20 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
         out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
+    if not batch_invariant and flash_here() and query.dtype == kv_cache.dtype and query.shape[0] >= FLASH_MIN_NEW_TOKENS:
+        starts = call.query_start
+        long = [b for b in range(len(call.seq_lens)) if starts[b + 1] - starts[b] >= FLASH_MIN_NEW_TOKENS]
+        if long:
+            for b in long:
+                flash_prefix_prefill(query[starts[b]:starts[b + 1]], kv_cache, layer, call.block_tables[b],
+                                     call.seq_lens[b], scale, out[starts[b]:starts[b + 1]])
+            short = [b for b in range(len(call.seq_lens)) if b not in long]
+            for first, last in _runs(short):  # the other sequences' rows, a run of neighbours at a time
+                rows = slice(starts[first], starts[last + 1])
+                prefix_prefill(query[rows], kv_cache, layer, call.block_tables[first:last + 1],
+                               query_start_loc[first:last + 2] - starts[first], seq_lens[first:last + 1], scale,
+                               out[rows], batch_invariant=True)
+            return out
     direct = out.dtype == torch.float32 and out.stride()[-1] == 1
     result = out if direct else torch.empty(query.shape, dtype=torch.float32)
     query_strides, result_strides, table_stride = call.query_strides, result.stride(), call.block_tables.stride()[0]
@@ -101,6 +133,50 @@ def prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, bloc
         raise RuntimeError(f"prefix_prefill: the CPU attention kernel failed: {_ERRORS.get(status, status)}")
     if not direct:
         out.copy_(result)
+    return out
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive indices as (first, last) pairs: [0, 1, 3] -> [(0, 1), (3, 3)]."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+def flash_prefix_prefill(query: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor,
+                         seq_len: int, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """One sequence's attention, `reference_prefix_prefill`'s, by ATen's CPU flash attention: its `n` new tokens
+    (`query [n, heads, head_dim]`, the last `n` of its `seq_len` positions) over the cached prefix (every key, no
+    mask) and over themselves (causal), the two parts merged by their log-sum-exps:
+    `out = (o1 * e^(l1 - m) + o2 * e^(l2 - m)) / (e^(l1 - m) + e^(l2 - m))`, `m = max(l1, l2)`. ATen's flash
+    kernel takes a causal mask only where queries and keys start at the same position, hence two parts. K/V are
+    gathered from the paged cache first (ATen reads contiguous keys); GQA heads share their K/V head as ATen's
+    flash kernel groups them (head h reads KV head h // group). Written into `out` (rows `[n, heads, head_dim]`)."""
+    n = query.shape[0]
+    block_size = kv_cache.shape[3]
+    blocks = block_table[:(seq_len + block_size - 1) // block_size].long()
+    if len(blocks) and not 0 <= int(blocks.min()) <= int(blocks.max()) < kv_cache.shape[0]:
+        raise ValueError(f"prefix_prefill: a block table names a block outside the cache's {kv_cache.shape[0]}")
+    kv = kv_cache[blocks, layer]                                         # [blocks, 2, block_size, kv_heads, dim]
+    keys = kv[:, 0].reshape(-1, *kv.shape[-2:])[:seq_len].transpose(0, 1).unsqueeze(0)   # [1, kv_heads, L, dim]
+    values = kv[:, 1].reshape(-1, *kv.shape[-2:])[:seq_len].transpose(0, 1).unsqueeze(0)
+    q = query.transpose(0, 1).unsqueeze(0)                               # [1, heads, n, dim]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cached = seq_len - n
+    new_out, new_lse = flash(q, keys[:, :, cached:], values[:, :, cached:], 0.0, True, scale=scale)[:2]
+    if cached == 0:
+        out.copy_(new_out[0].transpose(0, 1))
+        return out
+    old_out, old_lse = flash(q, keys[:, :, :cached], values[:, :, :cached], 0.0, False, scale=scale)[:2]
+    top = torch.maximum(new_lse, old_lse)
+    w_new, w_old = torch.exp(new_lse - top), torch.exp(old_lse - top)   # [1, heads, n], float32
+    total = w_new + w_old
+    merged = (new_out.float() * (w_new / total).unsqueeze(-1) + old_out.float() * (w_old / total).unsqueeze(-1))
+    out.copy_(merged[0].transpose(0, 1))
     return out
 
 

@@ -22,6 +22,14 @@ logger = logging.getLogger(__name__)
 
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno")
 VECTOR_FLAGS = ("-mavx2", "-mfma")
+# Per instruction set (kernels/cpu_features.py `kernel_isa`): an AVX-512 CPU's build may use the 32 wider registers
+# and 512-bit vectors wherever the compiler vectorises (conversions, copies, elementwise loops). No flag lets the compiler reorder or fuse arithmetic (-ffp-contract=off, no -ffast-math), so
+# every build computes each value with the same operations in the same order: the same bits on every CPU family.
+ISA_FLAGS = {
+    "portable": (),
+    "avx2": VECTOR_FLAGS,
+    "avx512": VECTOR_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"),
+}
 COMPILE_TIMEOUT_S = 120
 
 
@@ -33,11 +41,12 @@ def find_compiler() -> str | None:
     return None
 
 
-def compile_flags() -> tuple[str, ...]:
-    """The flags the kernels are built with: AVX2 and FMA only where this CPU has them (kernels/cpu_features.py).
+def compile_flags(isa: str | None = None) -> tuple[str, ...]:
+    """The flags the kernels are built with for `isa` (default: this CPU's, kernels/cpu_features.py `kernel_isa`,
+    read at run time, so one installation builds for whatever CPU it runs on; the build cache is keyed by the flags).
     -ffp-contract=off: the compiler fuses no multiply-add on its own, so a kernel's arithmetic is what its source
-    says, the same in every build for one CPU."""
-    return BASE_FLAGS + (VECTOR_FLAGS if cpu_features.has_avx2_fma() else ())
+    says, the same in every build."""
+    return BASE_FLAGS + ISA_FLAGS[cpu_features.kernel_isa() if isa is None else isa]
 
 
 def build_dir() -> Path:

@@ -77,9 +77,23 @@ def cpu_matrix_family() -> str:
 
 # What the compiled CPU kernels (kernels/cpu_build.py) are built for beyond the baseline: AVX2 and FMA together.
 VECTOR_FLAGS = ("avx2", "fma")
+# ... and AVX-512 beside them: the foundation and the byte/word, vector-length and doubleword/quadword extensions
+# (every AVX-512 CPU since Skylake-SP and Zen 4 has all four; AMX CPUs have them too).
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+# The instruction sets the compiled kernels are built for, widest first: each CPU gets the widest it has.
+KERNEL_ISAS = ("avx512", "avx2", "portable")
 
 
 def has_avx2_fma(flags: set[str] | None = None) -> bool:
     """Whether this CPU (or one with `flags`) has AVX2 and FMA, so that kernels may be compiled with -mavx2 -mfma."""
     flags = cpuinfo_flags() if flags is None else flags
     return flags is not None and all(flag in flags for flag in VECTOR_FLAGS)
+
+
+def kernel_isa(flags: set[str] | None = None) -> str:
+    """The instruction set the compiled kernels are built for on this CPU (or one with `flags`): 'avx512' where it
+    has AVX2, FMA and `AVX512_FLAGS`, 'avx2' where it has AVX2 and FMA, else 'portable' (plain C)."""
+    flags = cpuinfo_flags() if flags is None else flags
+    if not has_avx2_fma(flags):
+        return "portable"
+    return "avx512" if all(flag in flags for flag in AVX512_FLAGS) else "avx2"

@@ -101,29 +101,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if len(x_shape) == 2 else out.view(*x_shape[:-1], N)
 
 
-# The dtypes whose products the default mode (not only the invariant one) computes here, by CPU family: where this
-# kernel beat `F.linear` at every product of the embedded model and every row count measured, 1 to 2,048
-# (benchmarks/results/cpu_linear.md, AVX2, one thread: bfloat16 3-100x faster, torch having no bfloat16 GEMM for
-# AVX2 there; float32 stays MKL's, faster for one row, the decode step). AVX-512 and AMX CPUs run torch's own
-# bfloat16 kernels (oneDNN), not measured against this one: they keep `F.linear`.
-MODEL_DTYPES = {"avx2": (torch.bfloat16,)}
+# The dtypes whose products the default mode (not only the invariant one) computes here, by CPU family, and up to
+# how many rows a call (None: any). AVX2: bfloat16 products of every row count (benchmarks/results/cpu_linear.md:
+# this kernel beat `F.linear` at every product of the embedded model, 1 to 2,048 rows, torch having no bfloat16 GEMM
+# for AVX2 there); float32 stays MKL's, faster for one row. AVX-512 and AMX: torch's bfloat16 GEMM (oneDNN, with
+# the CPU's bfloat16 dot products or tiles) for a prefill's many rows; a decode's or a short question's few rows
+# (up to FEW_ROWS, where this kernel reads the weights where they lie) here, since such a step is bound by reading
+# the weights, which this kernel reads once, in place, at half float32's bytes, while torch's bfloat16 decode step
+# was reported slower there than its float32 one.
+FEW_ROWS = 16  # the C file's DIRECT_ROWS
+MODEL_DTYPES = {"avx2": {torch.bfloat16: None},
+                "avx512": {torch.bfloat16: FEW_ROWS},
+                "amx": {torch.bfloat16: FEW_ROWS}}
 
 
 @functools.cache
-def _model_dtypes() -> tuple[torch.dtype, ...]:
-    return MODEL_DTYPES.get(cpu_features.cpu_matrix_family(), ())
+def _model_dtypes() -> dict[torch.dtype, int | None]:
+    return MODEL_DTYPES.get(cpu_features.cpu_matrix_family(), {})
 
 
 def takes_default_products(dtype: torch.dtype) -> bool:
-    """Whether `model_linear` computes `dtype`'s products with this kernel on this CPU (`MODEL_DTYPES`)."""
-    return dtype in _model_dtypes()
+    """Whether `model_linear` computes all of `dtype`'s products with this kernel on this CPU (`MODEL_DTYPES`)."""
+    limits = _model_dtypes()
+    return dtype in limits and limits[dtype] is None
 
 
 def model_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The default mode's products on a CPU (the "cpu" backend's `model_linear`): `linear` for the dtypes this CPU
-    family computes faster here (`MODEL_DTYPES`), `F.linear` for the others."""
-    if x.dtype in _model_dtypes():
-        return linear(x, weight, bias)
+    """The default mode's products on a CPU (the "cpu" backend's `model_linear`): `linear` for the dtypes, and row
+    counts, this CPU family computes faster here (`MODEL_DTYPES`), `F.linear` for the others."""
+    limits = _model_dtypes()
+    if x.dtype in limits:
+        most = limits[x.dtype]
+        if most is None or x.numel() <= most * x.shape[-1]:
+            return linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

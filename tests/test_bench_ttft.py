@@ -329,3 +329,74 @@ def test_the_report_names_the_engine_sources_modified_since_the_commit_measured(
     monkeypatch.setattr(machine, "REPO_ROOT", tmp_path)
     state = machine.source_state()
     assert state["commit"] and state["engine_sources_modified"] == ["engine/scheduler.py"]
+
+
+# ---------------------------------------------------------------------------------------------- vLLM peer
+
+def test_vllms_model_folder_names_the_architecture_and_links_our_weights_and_tokenizer(tmp_path, monkeypatch):
+    from benchmarks.lib import peers
+
+    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path / "cache"))
+    converted = tmp_path / "converted" / "abc-transformers5"
+    (converted / "float32").mkdir(parents=True)
+    (converted / "tokenizer").mkdir()
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    (converted / "float32" / "config.json").write_text(json.dumps({"architectures": None, "dtype": "float32",
+                                                                  "model_type": "llama", "tie_word_embeddings": True}))
+    tied = torch.arange(12.0).reshape(4, 3)
+    save_file({"lm_head.weight": tied, "model.norm.weight": torch.ones(3)}, str(converted / "float32" / "model.safetensors"))
+    (converted / "float32" / "manifest.json").write_text("{}")
+    (converted / "tokenizer" / "tokenizer.json").write_text("{}")
+    folder = peers.vllm_model_dir(converted / "float32", converted / "tokenizer", "bfloat16")
+    assert folder.is_relative_to(tmp_path / "cache")  # beside the peer's venv, not in the checkout
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
+    assert (folder / "model.safetensors").resolve() == (converted / "float32" / "model.safetensors").resolve()
+    assert (folder / "tokenizer.json").is_symlink() and not (folder / "manifest.json").exists()
+    # a tied matrix saved as lm_head.weight alone: vLLM reads the embedding's name, so it is written too
+    with safe_open(str(folder / peers.TIED_EMBEDDING_FILE), "pt") as weights:
+        assert torch.equal(weights.get_tensor("model.embed_tokens.weight"), tied)
+    assert peers.vllm_model_dir(converted / "float32", converted / "tokenizer", "bfloat16") == folder  # again: same
+
+
+@pytest.mark.parametrize("system, machine, flags, says", [
+    ("Linux", "aarch64", {"asimd"}, "x86-64 Linux"),
+    ("Linux", "x86_64", {"avx", "sse4_2"}, "needs AVX2"),
+    ("Linux", "x86_64", {"avx2", "fma"}, None),
+    ("Linux", "x86_64", {"avx2", "fma", "avx512f", "avx512_bf16"}, None),
+])
+def test_vllm_says_in_one_line_where_it_cannot_run_on_a_cpu(monkeypatch, system, machine, flags, says):
+    from benchmarks.lib import peers
+    from kvstrata.kernels import cpu_features
+
+    monkeypatch.setattr(peers.platform, "system", lambda: system)
+    monkeypatch.setattr(peers.platform, "machine", lambda: machine)
+    monkeypatch.setattr(cpu_features, "cpuinfo_flags", lambda: frozenset(flags))
+    why = peers.vllm_cpu_unsupported()
+    if says is None:
+        assert why is None
+    else:
+        assert says in why and why.startswith("vLLM not measured") and "\n" not in why
+        with pytest.raises(peers.PeerUnavailable, match=says):
+            peers.vllm_python(log=lambda line: None)
+
+
+def test_the_vllm_comparison_report_gives_ours_over_vllms_per_dtype():
+    from benchmarks.lib.cpu_vs_vllm import report
+
+    def side(miss, hit, decode, answers):
+        return {"miss_s": miss, "hit_s": hit, "decode_s_per_token": decode, "answers": answers, "cached": []}
+
+    run = {"dtype": "float32", "prompt_tokens": [1890, 1901], "docs": ["a", "b"], "notes": [],
+           "load_average": [[1.0, 2.0, 3.0], [1.5, 2.0, 3.0]],
+           "sides": {"kvstrata": side([4.0, 6.0], [0.1, 0.1], [0.03, 0.03], [[1, 2], [3]]),
+                     "vllm": side([2.0, 3.0], [0.1, 0.1], [0.02, 0.02], [[1, 2], [4]])}}
+    lines = report({"command": "python benchmarks/ttft.py vllm", "source": {"commit": "abc",
+                    "engine_sources_modified": []}, "cpu": "Some CPU", "cores": 2, "cpu_flags": "avx2",
+                    "threads": 1, "docs": 2, "decode_tokens": 1, "runs": [run]})
+    ours = next(line for line in lines if line.startswith("| float32 | kvstrata |"))
+    assert ours.split("|")[4:10] == [" 5000 ", " 100.0 ", " 30.0 ", " 2.00 ", " 1.00 ", " 1.50 "]
+    assert "equal on 1 of 2 documents" in "\n".join(lines)

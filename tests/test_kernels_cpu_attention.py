@@ -24,6 +24,13 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C comp
 MIXED_BATCH = [(0, 7), (13, 1), (30, 5), (0, 1), (47, 17), (16, 16), (150, 3), (0, 90)]  # (context, new tokens)
 
 
+@pytest.fixture(autouse=True)
+def compiled_kernel_only(monkeypatch):
+    """This file's checks are the compiled kernel's, bit for bit: on an AVX-512 or AMX CPU the default mode would
+    send long prefills to ATen's flash attention, which the tests at the end cover with the CPU family patched."""
+    monkeypatch.setattr(cpu_attention, "flash_here", lambda: False)
+
+
 @pytest.fixture
 def threads():
     """Set torch's thread count for one test (the kernel splits its work over that many), restored after."""
@@ -263,3 +270,65 @@ def test_the_cpu_engine_uses_the_kernel_and_invariant_hits_give_the_uncached_bit
     assert first[0].cached_tokens == 0 and second[0].cached_tokens > 0
     assert [first[0].token_ids, second[0].token_ids] == [out.token_ids for out, _ in uncached]
     assert torch.equal(first[1], uncached[0][1]) and torch.equal(second[1], uncached[1][1])
+
+
+# ---------------------------------------------------------------------------------------------- ATen flash attention
+
+FLASH_HERE = cpu_attention.flash_here.__wrapped__  # its answer asked afresh at every call
+LONG_BATCH = [(0, 300), (37, 1), (200, 150), (5, 20), (0, 128), (130, 2)]  # (context, new tokens)
+
+
+@pytest.fixture
+def family(monkeypatch):
+    """Set the CPU family the kernels see (kernels/cpu_features.py), the flash choice forgotten before and after."""
+    monkeypatch.setattr(cpu_attention, "flash_here", FLASH_HERE)
+
+    def set_family(name: str) -> None:
+        monkeypatch.setattr(cpu_features, "cpu_matrix_family", lambda: name)
+    return set_family
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx512_and_amx_take_long_prefills_to_flash_attention_with_the_same_results(family, monkeypatch, dtype,
+                                                                                     heads):
+    """The default mode on AVX-512 and AMX CPUs: sequences of 128 new tokens or more (with or without a cached
+    prefix, batched between short ones) by ATen's flash attention, the others by the compiled kernel, every row
+    right and nothing written past the output."""
+    problem = make_paged_problem(LONG_BATCH, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64, block_size=16,
+                                 dtype=dtype, seed=heads[0])
+    compiled = run(problem, batch_invariant=True)
+    flashed = []
+    original = cpu_attention.flash_prefix_prefill
+    monkeypatch.setattr(cpu_attention, "flash_prefix_prefill",
+                        lambda query, *args: flashed.append(query.shape[0]) or original(query, *args))
+    for name in ("avx512", "amx"):
+        family(name)
+        flashed.clear()
+        buffer = torch.full((problem.query.shape[0] + GUARD_ROWS, *problem.query.shape[1:]), float("nan"),
+                            dtype=dtype)
+        out = buffer[:problem.query.shape[0]]
+        assert run(problem, out=out) is out
+        assert flashed == [300, 150, 128], name
+        torch.testing.assert_close(out.double(), naive_attention(problem), **TOLERANCE[dtype])
+        assert buffer[problem.query.shape[0]:].isnan().all(), "wrote past its output rows"
+        starts = problem.query_start_loc.tolist()
+        for seq, (_, new) in enumerate(LONG_BATCH):  # the short sequences' rows are the compiled kernel's bits
+            if new < cpu_attention.FLASH_MIN_NEW_TOKENS:
+                assert torch.equal(out[starts[seq]:starts[seq + 1]], compiled[starts[seq]:starts[seq + 1]])
+        assert torch.equal(run(problem, batch_invariant=True), compiled), "the invariant mode left its kernel"
+    family("avx2")
+    flashed.clear()
+    assert torch.equal(run(problem), compiled) and flashed == []
+
+
+def test_flash_attention_refuses_a_block_outside_the_cache(family):
+    family("avx512")
+    problem = make_paged_problem([(10, 200)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                                 dtype=torch.float32)
+    for bad in (problem.kv_cache.shape[0], -1):
+        tables = problem.block_tables.clone()
+        tables[0, 3] = bad
+        with pytest.raises(ValueError, match="outside the cache"):
+            cpu_attention.prefix_prefill(problem.query, problem.kv_cache, problem.layer, tables,
+                                         problem.query_start_loc, problem.seq_lens, problem.scale)

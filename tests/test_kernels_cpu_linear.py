@@ -199,16 +199,24 @@ def test_the_cpu_backend_computes_its_products_here_in_both_modes():
     assert get_ops("torch", batch_invariant=True).intercept and not get_ops("cpu").intercept
 
 
-@pytest.mark.parametrize("family, kernel_dtypes", [("avx2", {torch.bfloat16}), ("avx512", set()), ("amx", set())])
-def test_the_default_mode_takes_the_kernel_only_where_it_is_faster(monkeypatch, family, kernel_dtypes):
-    """`model_linear`: on AVX2 bfloat16 products are this kernel's (torch has no fast bfloat16 GEMM there), float32
-    stays MKL's `F.linear`; AVX-512 and AMX keep torch's own kernels."""
+@pytest.mark.parametrize("family, kernel_rows", [("avx2", {torch.bfloat16: (1, 5, 16, 17, 40)}),
+                                                 ("avx512", {torch.bfloat16: (1, 5, 16)}),
+                                                 ("amx", {torch.bfloat16: (1, 5, 16)})])
+def test_the_default_mode_takes_the_kernel_only_where_it_is_faster(monkeypatch, family, kernel_rows):
+    """`model_linear`: on AVX2 bfloat16 products of any row count are this kernel's (torch has no fast bfloat16 GEMM
+    there), float32 stays MKL's `F.linear`; on AVX-512 and AMX a decode's or a short question's bfloat16 rows (up to
+    FEW_ROWS, however the rows are shaped) are this kernel's, a prefill's many rows torch's own bfloat16 GEMM."""
     monkeypatch.setattr(cpu_features, "cpu_matrix_family", lambda: family)
     cpu_linear._model_dtypes.cache_clear()
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            x, weight, b = problem(5, 48, 24, dtype)
-            expected = cpu_linear.linear(x, weight, b) if dtype in kernel_dtypes else F.linear(x, weight, b)
-            assert torch.equal(cpu_linear.model_linear(x, weight, b), expected)
+            assert cpu_linear.takes_default_products(dtype) == (family == "avx2" and dtype == torch.bfloat16)
+            for rows in (1, 5, 16, 17, 40):
+                x, weight, b = problem(rows, 48, 24, dtype)
+                expected = (cpu_linear.linear(x, weight, b) if rows in kernel_rows.get(dtype, ())
+                            else F.linear(x, weight, b))
+                assert torch.equal(cpu_linear.model_linear(x, weight, b), expected), (dtype, rows)
+                batched = x.reshape(1, rows, 48)  # [batch, tokens, K]: the rows are what count
+                assert torch.equal(cpu_linear.model_linear(batched, weight, b), expected.reshape(1, rows, 24))
     finally:
         cpu_linear._model_dtypes.cache_clear()

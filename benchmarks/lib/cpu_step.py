@@ -4,6 +4,7 @@ weights with the document's KV kept between calls (its equivalent of a hit), sam
 
     python benchmarks/host.py cpu-step run --baseline-root ../other-checkout --out benchmarks/results/cpu_step.md
     python benchmarks/host.py cpu-step profile --dtype float32 --threads 1     # cProfile + torch.profiler of this tree
+                                                                              # (a miss, a hit, a hit + decode)
 
 `run` measures each side in its own process, in alternating rounds, so that a busy machine slows all sides alike:
 this tree's kvstrata (and transformers, in the same process), and, with `--baseline-root`, the kvstrata of another
@@ -318,8 +319,8 @@ def command_side(args) -> None:
 
 
 def command_profile(args) -> None:
-    """Where a hit's step and a decode step spend their time, in this tree: cProfile (Python) and torch.profiler
-    (operators), printed."""
+    """Where a miss (the whole document computed), a hit's step and a decode step spend their time, in this tree:
+    cProfile (Python) and torch.profiler (operators), printed."""
     import cProfile
     import pstats
 
@@ -330,22 +331,26 @@ def command_profile(args) -> None:
 
     # the imported checkout's own default config: another commit's schema may not know this tree's keys
     config = load_config(Path(kvstrata.__file__).resolve().parents[1] / "configs" / "default.yaml",
-                         {"model": {"dtype": args.dtype[0], "threads": args.threads[0]},
+                         {"model": {"dtype": args.dtype[0], "threads": args.threads[0],
+                                    "batch_invariant": {"true": True, "false": False}.get(args.batch_invariant, "auto")},
                           "cache": {"tiers": {"device": {"size": "256MiB"}, "cpu": {"size": 0}, "disk": {"size": 0}}}})
     llm = LLM(config)
     doc = document_ids(llm.tokenizer, args.doc_tokens)
     questions = question_ids(llm.tokenizer, 3, args.question_tokens)
     llm.generate([doc + questions[2]], SamplingParams(max_tokens=1, temperature=0.0))
-    for name, question, tokens in (("hit", questions[0], 1), ("hit + decode", questions[1], 1 + args.decode_tokens)):
+    # a miss: the whole document computed (a salt no request used, so nothing of it is cached; each run its own)
+    salts = iter(range(4))
+    for name, question, tokens, salted in (("miss", questions[0], 1, True), ("hit", questions[0], 1, False),
+                                           ("hit + decode", questions[1], 1 + args.decode_tokens, False)):
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         profiler = cProfile.Profile()
         profiler.enable()
-        llm.generate([doc + question], params)
+        llm.generate([doc + question], params, cache_salt=f"profile-{next(salts)}" if salted else None)
         profiler.disable()
         print(f"== cProfile: {name}")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            llm.generate([doc + question], params)
+            llm.generate([doc + question], params, cache_salt=f"profile-{next(salts)}" if salted else None)
         print(f"== torch.profiler: {name}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     llm.close()
@@ -368,6 +373,8 @@ def main(argv: list[str] | None = None) -> None:
                              "side: measure it alone")
     parser.add_argument("--baseline-root", help="run: a checkout of the commit to compare with")
     parser.add_argument("--baseline-label", default="baseline")
+    parser.add_argument("--batch-invariant", choices=("auto", "true", "false"), default="auto",
+                        help="profile: model.batch_invariant")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "cpu_step.md"))
     args = parser.parse_args(argv)
     args.argv = argv
