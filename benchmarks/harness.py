@@ -44,16 +44,7 @@ def run_suite(doc: str, subcommands: tuple[Subcommand, ...], argv: list[str] | N
     if chosen is None:
         print(f"error: unknown subcommand {argv[0]!r}; choose one of {', '.join(by_name)}", file=sys.stderr)
         return 2
-    drop_script_folder()
     return importlib.import_module(f"benchmarks.lib.{chosen.module}").main(argv[1:]) or 0
-
-
-def drop_script_folder() -> None:
-    """Take benchmarks/ off `sys.path` (Python puts a script's folder first): its suites' names would shadow
-    installed packages, and `kernels.py` does shadow Hugging Face's `kernels`, which transformers imports when it
-    loads a model. The suites import their helpers as `benchmarks.*`, from the checkout's root."""
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != here]
 
 
 def module_command(module_file: str, *args: str) -> list[str]:

@@ -7,8 +7,9 @@
 (`--configs ...,replicas`), dtypes side by side (`--dtype`) and the peers (transformers, llama.cpp) on the same
 prompts; `concurrency` runs `scheduler.policy` fcfs against uncached_first under N streams or Poisson arrivals
 (the server under guidellm: benchmarks/results/guidellm.md); `vllm` runs vLLM beside us on the same CPU (a
-miss, a device hit, decode per token, per dtype; vLLM in a venv of its own, made once in the user's cache). The workload, statistics, report and peers are
-modules of benchmarks/lib/ (ttft_workload, ttft_stats, ttft_report, peers).
+miss, a device hit, decode per token, per dtype; vLLM in a venv of its own, made once in the user's cache). The
+workload, statistics, report and peers are modules of benchmarks/lib/ (ttft_workload, ttft_stats, ttft_report,
+peers).
 
 Retired (git keeps them): `threads.py` timed TTFT per torch thread count, the measurement behind
 `model.threads: auto` (results/archive/threads.md); `background_threads.py` found native work beside the step
