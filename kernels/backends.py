@@ -115,7 +115,7 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
     if batch_invariant:
         # Backend "cpu": attention, products and layer ops are compiled kernels invariant by themselves, and a CPU
         # mean over the last axis is already the invariant one, so the mode only sends the products to `linear`
-        # (a torch function mode intercepting every call of a step cost ~1.4x a decode step there).
+        # (a torch function mode intercepting every call of a step cost a large share of a decode step there).
         by_itself = ops.name == "cpu"
         ops = dataclasses.replace(ops, batch_invariant=True, model_linear=ops.linear if by_itself else None,
                                   intercept=not by_itself,
@@ -123,15 +123,15 @@ def get_ops(backend: str, batch_invariant: bool = False) -> KernelOps:
     return ops
 
 
-# Where `model.batch_invariant: auto` turns the mode on: backends and CPU families where it was measured to cost at
-# most 1.1x the default (benchmarks/results/batch_invariance.md: backend "cpu" on AVX2, float32 and bfloat16,
-# 1.00-1.06x a prefill and 0.89-1.06x a decode step, its products and layer ops being compiled kernels invariant by
-# themselves). AVX-512 and AMX CPUs (torch's oneDNN products are faster there) and GPUs were not measured: off.
+# Where `model.batch_invariant: auto` turns the mode on: backends and CPU families where it was measured to cost
+# about the default's time (backend "cpu" on AVX2, float32 and bfloat16, its products and layer ops being compiled
+# kernels invariant by themselves). AVX-512 and AMX CPUs (torch's oneDNN products are faster there) and GPUs were
+# not measured: off.
 INVARIANT_BY_DEFAULT = {("cpu", "avx2")}
 
 
 def resolve_batch_invariant(setting: bool | str, backend: str) -> bool:
-    """`model.batch_invariant` with `auto` resolved for the resolved `backend` on this machine (see
+    """`model.batch_invariant` with `auto` resolved for the resolved `backend` on the host (see
     `INVARIANT_BY_DEFAULT`; `KVSTRATA_CPU_AMX` is honoured, as for the dtype)."""
     if setting != "auto":
         return bool(setting)

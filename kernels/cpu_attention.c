@@ -18,7 +18,7 @@
  * tiles of up to MAX_ROWS rows, so that each K column and V row loaded feeds several rows' multiply-adds. A short query
  * (a decode row, a question) is bound by reading K/V from memory: its work item takes every KV head and copies a
  * tile's rows in the order they lie in the cache (software prefetch of the next tile, tried instead, gained
- * nothing). Measured in benchmarks/results/cpu_step.md.
+ * nothing).
  */
 #include <math.h>
 #include <stdint.h>
@@ -421,7 +421,7 @@ static void attend_block(const Problem *p, Scratch *s, int seq, int h0, int h1, 
         }
         /* An item of several KV heads first copies (16-bit rows: converts) the tile's K and V rows of all its heads
          * into scratch, in the order they lie in the cache: slot by slot, a slot's heads side by side. Read so, the
-         * rows stream from memory ~1.5x faster than one head's rows at a time (every KV-head stride), which is
+         * rows stream from memory faster than one head's rows at a time (every KV-head stride), which is
          * what bounds a decode row. A one-head item (a long query, whose tile many rows reuse) reads float32
          * rows where they lie and converts 16-bit ones as it goes. */
         const int staged = h1 - h0 > 1;

@@ -79,7 +79,7 @@ FLASH_MIN_NEW_TOKENS = 128  # fewer new tokens (a decode, a question after a cac
 
 @functools.cache
 def flash_here() -> bool:
-    """Whether this CPU's default mode takes long prefills to ATen's flash attention (`FLASH_FAMILIES`)."""
+    """Whether the host CPU's default mode takes long prefills to ATen's flash attention (`FLASH_FAMILIES`)."""
     return cpu_features.cpu_matrix_family() in FLASH_FAMILIES
 
 

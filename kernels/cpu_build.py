@@ -42,7 +42,7 @@ def find_compiler() -> str | None:
 
 
 def compile_flags(isa: str | None = None) -> tuple[str, ...]:
-    """The flags the kernels are built with for `isa` (default: this CPU's, kernels/cpu_features.py `kernel_isa`,
+    """The flags the kernels are built with for `isa` (default: the host CPU's, kernels/cpu_features.py `kernel_isa`,
     read at run time, so one installation builds for whatever CPU it runs on; the build cache is keyed by the flags).
     -ffp-contract=off: the compiler fuses no multiply-add on its own, so a kernel's arithmetic is what its source
     says, the same in every build."""

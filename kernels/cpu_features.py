@@ -1,4 +1,4 @@
-"""What this CPU's matrix units are, read from /proc/cpuinfo and one system call, never from torch: the one probe
+"""What the host CPU's matrix units are, read from /proc/cpuinfo and one system call, never from torch: the one probe
 that both the engine (`model.dtype: auto`, engine/config/probes.py) and the kernels (the batch-invariant linear's
 tile, kernels/batch_invariant.py) ask, so they can never disagree, and one override for both.
 
@@ -69,7 +69,7 @@ def matrix_family(flags: set[str] | None, amx: bool) -> str:
 
 
 def cpu_matrix_family() -> str:
-    """This CPU's `matrix_family`, the override honoured."""
+    """The host CPU's `matrix_family`, the override honoured."""
     flags = cpuinfo_flags()
     forced = forced_amx()
     return matrix_family(flags, amx_usable(flags) if forced is None else forced)
@@ -78,20 +78,20 @@ def cpu_matrix_family() -> str:
 # What the compiled CPU kernels (kernels/cpu_build.py) are built for beyond the baseline: AVX2 and FMA together.
 VECTOR_FLAGS = ("avx2", "fma")
 # ... and AVX-512 beside them: the foundation and the byte/word, vector-length and doubleword/quadword extensions
-# (every AVX-512 CPU since Skylake-SP and Zen 4 has all four; AMX CPUs have them too).
+# (every AVX-512 CPU has all four, AMX CPUs included).
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 # The instruction sets the compiled kernels are built for, widest first: each CPU gets the widest it has.
 KERNEL_ISAS = ("avx512", "avx2", "portable")
 
 
 def has_avx2_fma(flags: set[str] | None = None) -> bool:
-    """Whether this CPU (or one with `flags`) has AVX2 and FMA, so that kernels may be compiled with -mavx2 -mfma."""
+    """Whether the host's CPU (or one with `flags`) has AVX2 and FMA, so that kernels may be compiled with -mavx2 -mfma."""
     flags = cpuinfo_flags() if flags is None else flags
     return flags is not None and all(flag in flags for flag in VECTOR_FLAGS)
 
 
 def kernel_isa(flags: set[str] | None = None) -> str:
-    """The instruction set the compiled kernels are built for on this CPU (or one with `flags`): 'avx512' where it
+    """The instruction set the compiled kernels are built for on the host's CPU (or one with `flags`): 'avx512' where it
     has AVX2, FMA and `AVX512_FLAGS`, 'avx2' where it has AVX2 and FMA, else 'portable' (plain C)."""
     flags = cpuinfo_flags() if flags is None else flags
     if not has_avx2_fma(flags):

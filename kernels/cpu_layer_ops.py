@@ -1,9 +1,8 @@
 """A decoder layer's per-row parts on a CPU as compiled kernels (kernels/cpu_layer_ops.c): residual-add-and-RMSNorm,
 rotary embedding, SiLU-and-multiply, and the K/V store, each with the signature of its torch reference
 (kernels/layer_ops.py, kernels/kv_store.py). Why: a decode step calls them 150 times, and each reference is a chain
-of small torch ops paying torch's dispatch per op (an RMSNorm of one 576-value row cost ~160 us); here a call is
-its checks, its outputs' allocation, one ctypes call and the arithmetic: 14-25 us for a decode row against the
-references' 25-150 us, on the shared machine of benchmarks/results/cpu_layer_ops.md.
+of small torch ops paying torch's dispatch per op, which costs more than a decode row's arithmetic; here a call is
+its checks, its outputs' allocation, one ctypes call and the arithmetic, several times less.
 
 What they compute: the reference's operations in its order, rounded to the dtype where torch rounds, so rotary and
 the store give the reference's bits exactly; RMSNorm sums a row's squares in a fixed order of its own (within an ulp

@@ -20,7 +20,7 @@
  * pass of a few long streams; more rows take it a DIRECT_MULTI_KC x NR strip at a time, each row group (of up to MR)
  * finding the strip in L1, so the accumulators are stored and reloaded once a DIRECT_MULTI_KC, while the first group
  * prefetches the next strip (prefetches change no arithmetic). Threads take (row block, column chunk) items from a
- * shared counter. Measured in benchmarks/results/cpu_linear.md.
+ * shared counter.
  */
 #include <math.h>
 #include <stdint.h>

@@ -79,7 +79,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return fallback(x, weight, bias)
     N, K = w_shape
     # 16-bit x and out are converted in C: as torch ops, their OpenMP threads spin after each conversion and take
-    # a core from the product's threads (measured: two threads 1.45x one's speed in bfloat16, 1.95x in float32)
+    # a core from the product's threads (two threads then gained far less over one in bfloat16 than in float32)
     keep = x.dtype if code and hasattr(lib, "kvs_linear_16") else torch.float32
     if len(x_shape) == 2 and x.dtype is keep and x.stride(1) == 1 and x.stride(0) >= K:
         rows, M, ldx = x, x_shape[0], x.stride(0)
@@ -102,8 +102,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # The dtypes whose products the default mode (not only the invariant one) computes here, by CPU family, and up to
-# how many rows a call (None: any). AVX2: bfloat16 products of every row count (benchmarks/results/cpu_linear.md:
-# this kernel beat `F.linear` at every product of the embedded model, 1 to 2,048 rows, torch having no bfloat16 GEMM
+# how many rows a call (None: any). AVX2: bfloat16 products of every row count (this kernel beat `F.linear` at every product of the embedded model, 1 to 2,048 rows, torch having no bfloat16 GEMM
 # for AVX2 there); float32 stays MKL's, faster for one row. AVX-512 and AMX: torch's bfloat16 GEMM (oneDNN, with
 # the CPU's bfloat16 dot products or tiles) for a prefill's many rows; a decode's or a short question's few rows
 # (up to FEW_ROWS, where this kernel reads the weights where they lie) here, since such a step is bound by reading
@@ -121,14 +120,14 @@ def _model_dtypes() -> dict[torch.dtype, int | None]:
 
 
 def takes_default_products(dtype: torch.dtype) -> bool:
-    """Whether `model_linear` computes all of `dtype`'s products with this kernel on this CPU (`MODEL_DTYPES`)."""
+    """Whether `model_linear` computes all of `dtype`'s products with this kernel on the host's CPU (`MODEL_DTYPES`)."""
     limits = _model_dtypes()
     return dtype in limits and limits[dtype] is None
 
 
 def model_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The default mode's products on a CPU (the "cpu" backend's `model_linear`): `linear` for the dtypes, and row
-    counts, this CPU family computes faster here (`MODEL_DTYPES`), `F.linear` for the others."""
+    counts, the host's CPU family computes faster (`MODEL_DTYPES`), `F.linear` for the others."""
     limits = _model_dtypes()
     if x.dtype in limits:
         most = limits[x.dtype]

@@ -2,15 +2,15 @@
  * runs task(arg, index, count) for each, on the calling thread and the threads of a pool. Included by every
  * kernels/cpu_*.c (kernels/cpu_build.py keys each build by this header too); each kernel library keeps its own pool.
  *
- * Why a pool: starting and joining a thread costs tens to hundreds of microseconds (measured on a 2-core VM: 27 us
- * while quiet, ~240 us beside a test suite), and a decode step makes about ten kernel calls a layer. Pool threads
+ * Why a pool: starting and joining a thread costs tens to hundreds of microseconds (the more, the busier the
+ * machine), and a decode step makes about ten kernel calls a layer. Pool threads
  * are started on the first call that wants them and kept; between calls they sleep on a futex, so an idle engine
  * (or another library's pool at work) gets every core.
  *
  * Why shares are claimed: whoever is awake takes the next share, the caller included. A pool thread the OS has not
  * run yet (the machine busy with other work) then delays nobody: the caller computes its shares, where a fixed
  * assignment would wait for that thread as an OpenMP barrier does. The caller waits only for shares already begun,
- * spinning up to 20 us before it sleeps.
+ * spinning up to POOL_CALLER_SPIN_NS before it sleeps.
  *
  * Which thread computes which share never changes a result: the kernels are batch-invariant by construction, every
  * output computed by one thread in a fixed order. Where the pool cannot serve a call (another thread of the process

@@ -17,22 +17,6 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "tiers", "kernels", "kvstrata")
 
-# These files are being rewritten in other changes, which clean their comments too; each leaves this set in the
-# change that cleans it. A new file is never added here: its comments start clean.
-NOT_YET_CLEANED = {
-    "kernels/backends.py",
-    "kernels/cpu_attention.c",
-    "kernels/cpu_attention.py",
-    "kernels/cpu_build.py",
-    "kernels/cpu_dtypes.h",
-    "kernels/cpu_features.py",
-    "kernels/cpu_layer_ops.c",
-    "kernels/cpu_layer_ops.py",
-    "kernels/cpu_linear.c",
-    "kernels/cpu_linear.py",
-    "kernels/cpu_threads.h",
-}
-
 _NUMBER = r"(?<![\w.])~?\d+(?:[.,]\d+)?k?"
 _RANGE = rf"{_NUMBER}(?:\s?(?:-|–|to)\s?\d+(?:\.\d+)?)?"
 KINDS = {
@@ -120,22 +104,13 @@ def product_sources() -> list[Path]:
     return sorted(paths)
 
 
-def not_yet_cleaned(path: Path) -> bool:
-    return path.as_posix() in NOT_YET_CLEANED
-
-
 def test_product_comments_hold_no_figures_machines_or_results_paths():
-    sources = [path for path in product_sources() if not not_yet_cleaned(path)]
+    sources = product_sources()
     assert len(sources) > 50, "the product's sources were not found"
     found = [f"{where}: {kind} {text!r}"
              for path in sources for where, kind, text in comment_findings(path, (REPO / path).read_text())]
     assert found == [], ("state the reason without the figure (history goes to benchmarks/results/history.md):\n"
                          + "\n".join(found))
-
-
-def test_every_file_not_yet_cleaned_exists():
-    names = {path.as_posix() for path in product_sources()}
-    assert sorted(NOT_YET_CLEANED - names) == []
 
 
 PLANTED = {
