@@ -44,6 +44,17 @@ def run_bench_on_a_tiny_model(benchmark: str, config: str, *args: str) -> subpro
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports free at the time of asking (all bound at once, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
 class ServerProcess:
     """A running `kvstrata serve`; `lines` collects its stdout and stderr as they come."""
 

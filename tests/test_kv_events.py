@@ -1,7 +1,6 @@
 """KV events: what the tiers report, and the wire a router reads (vLLM's: ZMQ PUB + replay, msgpack)."""
 from __future__ import annotations
 
-import socket
 import time
 
 import msgpack
@@ -16,18 +15,9 @@ from kvstrata.serving.events import (BlockIndex, KVEventPublisher, KVEventSubscr
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvstrata.tiers.cpu import CpuTier
 from kvstrata.tiers.disk import DiskTier
+from server_process import free_ports
 from tier_cases import BF16, key, payload, tokens
 from vllm_wire import LegacyEventBatch, VllmKVEventBatch
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def events_config(**extra):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import zmq
 from kvstrata import LLM, SamplingParams, load_config
 from kvstrata.serving.events import decode_batch
 from kvstrata.tiers.block_events import AllBlocksCleared
+from server_process import free_ports
 from vllm_wire import VllmKVEventBatch
 
 VLLM_PYTHON = os.environ.get("KVSTRATA_VLLM_PYTHON")
@@ -33,16 +33,6 @@ def run_vllm_check(*args: str) -> dict:
                           env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def replayed_payloads(replay_endpoint: str) -> list[bytes]:
