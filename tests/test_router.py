@@ -29,7 +29,7 @@ from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving.router import (EventFeed, Replica as RoutedReplica, ReplicaSet, _pass_through, load_router,
                                      prompt_token_ids)
 from kvstrata.tiers.block_events import BlockRemoved, BlockStored
-from kvstrata.serving.server import bind_socket
+from kvstrata.serving.sockets import bind_socket
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 from server_process import metric_value
 from test_kv_events import free_ports

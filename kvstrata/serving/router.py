@@ -63,6 +63,7 @@ from kvstrata.engine.prompts import render_chat, render_document, tokenize_text
 from kvstrata.kernels.backends import resolve_backend, resolve_batch_invariant
 from kvstrata.serving.events import BlockIndex, KVEventSubscriber, ReceivedBatch
 from kvstrata.serving.schemas import ChatCompletionRequest, DocumentRequest, message_dicts
+from kvstrata.serving.sockets import bind_socket
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger("kvstrata")
@@ -542,8 +543,6 @@ def load_router(config: Config) -> Router:
 
 def route(config: Config) -> None:
     """`kvstrata route`: bind, load the tokenizer, serve until SIGTERM/SIGINT."""
-    from kvstrata.serving.server import bind_socket
-
     rc = config.router
     if rc is None:
         raise ValueError("router.replicas: missing (list the replicas in the config's router section or with --replica)")

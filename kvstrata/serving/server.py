@@ -9,7 +9,6 @@ whether that worked. A second signal ends the drain at once.
 from __future__ import annotations
 
 import contextlib
-import errno
 import signal
 import socket
 import threading
@@ -25,6 +24,7 @@ from kvstrata.tiers.storage import format_bytes
 from kvstrata.serving.app import build_app
 from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving.middleware import DrainState
+from kvstrata.serving.sockets import bind_socket
 from kvstrata.serving.stats_log import StatsLogger
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
@@ -74,26 +74,6 @@ class _Server(uvicorn.Server):
         if self.drain.draining and (self.drain.in_flight == 0 or time.monotonic() > self._drain_deadline):
             self.should_exit = True
         return await super().on_tick(counter)
-
-
-def bind_socket(host: str, port: int, key: str = "server") -> socket.socket:
-    """A socket bound to (host, port), so a port in use is reported before the model loads. Errors
-    name `key.host` / `key.port`."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as exc:
-        raise ValueError(f"{key}.host: cannot resolve {host!r}: {exc.strerror}") from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ValueError(f"{key}.port: {host}:{port} is already in use (choose another with --port)") from None
-        raise ValueError(f"{key}.host: cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
 
 
 def serve(config: Config) -> None:
