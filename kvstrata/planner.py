@@ -27,7 +27,6 @@ import heapq
 import itertools
 import json
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -680,11 +679,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**best.result, "recommended": best.settings,
                           "points": [{"settings": p.settings, **p.result} for p in points]}))
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - `kvstrata plan` is the entry point
-    from kvstrata.cli import main as cli_main
-    return cli_main(["plan", *(argv if argv is not None else sys.argv[1:])])
 
 
 def _slope(points: list[tuple[int, float]]) -> float:
