@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
+
+from kvstrata.kernels.triton_compat import triton_interpreted
 
 if TYPE_CHECKING:
     import torch
@@ -57,11 +58,6 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def triton_interpreted() -> bool:
-    """True when Triton kernels run through its CPU interpreter (tests on machines without a GPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.cache

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kvstrata.kernels.kv_format import is_scaled, row_width
 from kvstrata.kernels.kv_store import dequantize_rows
-from kvstrata.kernels.triton_compat import check_launchable, jit, tl, triton
+from kvstrata.kernels.triton_compat import check_launchable, jit, tl, triton, triton_interpreted
 
 
 def gather_sequence_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor,
@@ -594,8 +594,6 @@ def _dot_dtype(dtype: torch.dtype):
     """The dtype tiles enter `tl.dot` in. On a GPU, the input dtype (fp16/bf16 tensor cores; fp32 dots run at IEEE
     precision, since TF32 would cost the 1e-4 agreement fp32 users expect). The CPU interpreter keeps bf16 as raw uint16 bits,
     so its `tl.dot` (a numpy matmul) would multiply bit patterns: there, bf16 tiles are upcast to fp32 first."""
-    from kvstrata.kernels.backends import triton_interpreted
-
     if dtype == torch.bfloat16 and triton_interpreted():
         return tl.float32
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from typing import Any
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -78,11 +79,14 @@ def _switch_to_triton(module_globals: dict[str, Any]) -> dict[str, Any]:
     return module_globals
 
 
+def triton_interpreted() -> bool:
+    """True when Triton kernels run through its CPU interpreter (tests on machines without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def check_launchable(kernel: str, *tensors) -> None:
     """Raise a one-line error unless Triton can run `kernel` on `tensors`: all on one CUDA device, or anywhere
     when the CPU interpreter is on (TRITON_INTERPRET=1, as in the tests)."""
-    from kvstrata.kernels.backends import triton_interpreted
-
     if not HAS_TRITON:
         raise RuntimeError(f"{kernel}: the triton package is not installed (use the torch backend)")
     devices = {t.device for t in tensors}
