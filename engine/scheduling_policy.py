@@ -41,18 +41,39 @@ Under either policy landed loads go first (engine/scheduler.py says why).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvstrata.engine.costs import MIN_STEP_TOKENS
+from kvstrata.engine.costs import MIN_STEP_TOKENS, StepCost
+from kvstrata.engine.kv_state import UncachedEstimate
 from kvstrata.engine.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from kvstrata.engine.scheduler import Scheduler
 
 AGING = 4.0              # a request is overdue once it has waited this many times its own estimated cost
 MIN_AGE_S = 1.0          # ... and at least this long: a near-free request is not overdue at once
 LONG_STEP_TARGETS = 8    # with no first token at stake a step may last this many step targets (see the module doc)
 ARRIVALS_MEMORY_S = 10.0  # ... unless a request arrived while a step was running within this many seconds
+
+
+class _CostOwner(Protocol):
+    step_cost: StepCost
+
+
+class SchedulerView(Protocol):
+    """What a policy reads of the scheduler (engine/scheduler.py), and all it reads."""
+
+    kv: _CostOwner  # the KV cache manager, which owns the measured step cost
+    running: list[Request]
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    num_loading: int
+    last_arrival_mid_step: float
+
+    def clock(self) -> float: ...
+
+    def estimate(self, request: Request) -> UncachedEstimate: ...
+
+    def remaining(self, request: Request) -> int: ...
+
+    def prefill_context(self) -> int: ...
 
 
 @dataclass
@@ -74,10 +95,10 @@ class FirstComeFirstServed:
     # Only the requests a free sequence slot may admit are looked up ahead of their admission.
     prices_every_candidate = False
 
-    def order(self, scheduler: Scheduler, candidates: list[Request]) -> list[Request]:
+    def order(self, scheduler: SchedulerView, candidates: list[Request]) -> list[Request]:
         return candidates
 
-    def plan_step(self, scheduler: Scheduler, candidates: list[Request]) -> StepPlan:
+    def plan_step(self, scheduler: SchedulerView, candidates: list[Request]) -> StepPlan:
         budget = scheduler.max_num_batched_tokens
         return StepPlan(candidates, scheduler.running, budget, budget)
 
@@ -92,7 +113,7 @@ class UncachedFirst:
         self.step_target = step_target
         self.long_prefill_share = long_prefill_share
 
-    def order(self, scheduler: Scheduler, candidates: list[Request]) -> list[Request]:
+    def order(self, scheduler: SchedulerView, candidates: list[Request]) -> list[Request]:
         """Landed loads first, then overdue requests in arrival order, then the rest by uncached work."""
         now, per_token_s = scheduler.clock(), scheduler.kv.step_cost.per_token_s
         work = {r.request_id: self.uncached_work(scheduler, r) for r in candidates}
@@ -105,12 +126,12 @@ class UncachedFirst:
         return sorted(candidates, key=key)
 
     @staticmethod
-    def uncached_work(scheduler: Scheduler, request: Request) -> float:
+    def uncached_work(scheduler: SchedulerView, request: Request) -> float:
         """Tokens left to compute after a lookup, plus lower-tier hits priced at their load time."""
         estimate = scheduler.estimate(request)
         return estimate.tokens + estimate.load_s / max(scheduler.kv.step_cost.per_token_s, 1e-9)
 
-    def plan_step(self, scheduler: Scheduler, candidates: list[Request]) -> StepPlan:
+    def plan_step(self, scheduler: SchedulerView, candidates: list[Request]) -> StepPlan:
         running, max_tokens = scheduler.running, scheduler.max_num_batched_tokens
         if not candidates and len(running) <= MIN_STEP_TOKENS and all(scheduler.remaining(r) <= 1 for r in running):
             # Decodes alone, fewer than any cap: every budget holds them, so the step cost is not asked (asked,
