@@ -4,6 +4,7 @@ the source of every module, imports inside functions and under TYPE_CHECKING inc
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,115 @@ def test_a_checkout_imports_its_own_subpackages_without_an_install(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     found = [Path(name).resolve() for name in run.stdout.split()]
     assert found == [REPO / "engine" / "sizes.py", REPO / "tiers" / "names.py", REPO / "kernels" / "backends.py"]
+
+
+PRODUCT_FOLDERS = ("kvstrata", "engine", "tiers", "kernels")
+
+
+def module_name(path: Path) -> str:
+    """The name `path` is imported by: kvstrata.<...>, the top-level engine/, tiers/ and kernels/ included."""
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[0] != "kvstrata":
+        parts.insert(0, "kvstrata")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(path: Path, name: str) -> set[str]:
+    """The modules `path` imports when it runs (inside functions too), as absolute names, leaving out imports
+    under `if TYPE_CHECKING:` (annotations only). `from package import submodule` names the submodule alone:
+    the package's own __init__ importing its submodules is no circle."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+                 and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
+                 for stmt in block.body for node in ast.walk(stmt)}
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) + 1 - node.level]) if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+            names.add(module)
+    return names
+
+
+def import_graph(paths: list[Path]) -> dict[str, set[str]]:
+    """Module -> the modules of `paths` it imports at run time."""
+    by_name = {module_name(path): path for path in paths}
+    graph = {}
+    for name, path in by_name.items():
+        imported = runtime_imports(path, name)
+        # `from package import submodule` also yields `package`; only the submodule is the dependency
+        graph[name] = {m for m in imported if m in by_name and m != name
+                       and not any(other.startswith(m + ".") for other in imported if other in by_name)}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iteratively)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for succ in successors:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(graph[succ]))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        found.append(sorted(group))
+    return found
+
+
+def test_no_two_product_modules_import_each_other():
+    """A circle (a module importing one that imports it back, however indirectly) means neither can be read, tested
+    or moved alone: cli and the planner, the router and the server, a kernel and the backends that load it were
+    such circles."""
+    paths = [path for folder in PRODUCT_FOLDERS for path in sorted((REPO / folder).rglob("*.py"))]
+    assert circles(import_graph(paths)) == []
+
+
+def test_the_circle_check_finds_a_circle_through_a_function_level_import(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    (tmp_path / "kvstrata").mkdir()
+    (tmp_path / "kvstrata" / "cli.py").write_text("from kvstrata import planner\n")
+    (tmp_path / "kvstrata" / "planner.py").write_text("def main():\n    from kvstrata.cli import main\n")
+    (tmp_path / "kvstrata" / "trace.py").write_text("from typing import TYPE_CHECKING\n"
+                                                    "if TYPE_CHECKING:\n    from kvstrata.cli import main\n")
+    graph = import_graph(sorted((tmp_path / "kvstrata").glob("*.py")))
+    assert circles(graph) == [["kvstrata.cli", "kvstrata.planner"]]
+    assert graph["kvstrata.trace"] == set()  # annotations only
+
+
+def test_product_code_imports_neither_benchmarks_nor_tests():
+    paths = [path for folder in PRODUCT_FOLDERS for path in sorted((REPO / folder).rglob("*.py"))]
+    offenders = [f"{path.relative_to(REPO)} imports {name}" for path in paths
+                 for name in sorted(runtime_imports(path, module_name(path)))
+                 if name.split(".")[0] in ("benchmarks", "tests")]
+    assert offenders == []
