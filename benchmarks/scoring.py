@@ -39,8 +39,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose
     sys.path[0] = str(REPO_ROOT)  # kernels.py would stand for the installed `kernels`
 
-from benchmarks.machine import command_line, machine_line  # noqa: E402
-from benchmarks.harness import load, save_result  # noqa: E402
+from benchmarks.lib.machine import command_line, machine_line  # noqa: E402
+from benchmarks.lib.harness import load, save_result  # noqa: E402
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
 
 ANSWERS = (" It runs once the loop ends without a break.", " It is never executed.",
