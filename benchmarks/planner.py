@@ -18,7 +18,6 @@ prefix, and sweeps the CPU and device tiers' sizes of eight prefix-routed replic
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
@@ -32,6 +31,8 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose
     sys.path[0] = str(ROOT)  # kernels.py would stand for the installed `kernels`
+
+from benchmarks.lib import options  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 BLOCK_SIZE = 16
 
@@ -257,14 +258,14 @@ def serve_check(work: Path) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = options.parser(__doc__, whole_doc=True)
     commands = parser.add_subparsers(dest="command", required=True)
     sample = commands.add_parser("sample", help="write the generated sample trace")
     sample.add_argument("out")
     sample.add_argument("--requests", type=int, default=400)
     acc = commands.add_parser("accuracy", help="planner against the LRU oracle, its speed, and a sweep's plot")
     acc.add_argument("--trace", required=True)
-    acc.add_argument("--config", default=str(ROOT / "benchmarks" / "data" / "traces" / "plan_llama3_8b.yaml"))
+    options.config(acc, default=str(ROOT / "benchmarks" / "data" / "traces" / "plan_llama3_8b.yaml"))
     acc.add_argument("--plot", default=str(RESULTS / "planner.png"))
     commands.add_parser("report", help="write results/planner.md again from the JSON results")
     check = commands.add_parser("serve-check", help="projected against served TTFT on a tiny trace")

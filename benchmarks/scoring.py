@@ -42,6 +42,7 @@ if __name__ == "__main__":  # run as a script: the repo root leads the path inst
 from benchmarks.lib.machine import command_line, machine_line  # noqa: E402
 from benchmarks.lib.harness import load, save_result  # noqa: E402
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 ANSWERS = (" It runs once the loop ends without a break.", " It is never executed.",
            " Only when an exception is raised.", " It depends on the interpreter.")
@@ -49,13 +50,13 @@ CONFIGURATIONS = ("recompute", "cached", "cached_batched")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "default.yaml"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p = options.parser(__doc__)
+    options.config(p)
+    options.overrides(p)
     p.add_argument("--docs", type=int, default=2)
     p.add_argument("--questions", type=int, default=2, help="questions per document")
     p.add_argument("--doc-tokens", type=int, default=1500)
-    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
+    options.out_dir(p, options.RESULTS_DIR)
     return p.parse_args(argv)
 
 

@@ -39,14 +39,14 @@ from benchmarks.lib.cluster_workload import (Outcome, best_single_cache, documen
                                              reference_answers, summary, zipf_schedule)
 from benchmarks.lib.machine import provenance_lines, results_record, write_results
 from tests.valkey_server import valkey_cluster
+from benchmarks.lib import options
 
 BLOCK_SIZE = 16
 FAULTS = re.compile(r"^kvstrata_cache_remote_faults_total (\S+)$", re.MULTILINE)
 
 
 def parser(small: bool = False) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"cluster.py {'small' if small else 'run'}",
-                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = options.parser(__doc__, prog=f"cluster.py {'small' if small else 'run'}", whole_doc=True)
     p.add_argument("--primaries", type=int, default=3)
     p.add_argument("--valkey-replicas", type=int, default=1, help="replicas of each Valkey primary")
     p.add_argument("--replicas", type=int, default=2 if small else 3, help="kvstrata serve processes")
@@ -72,9 +72,9 @@ def parser(small: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--restore-feed-at", type=float, default=-1 if small else 90)
     p.add_argument("--health-interval", default="500ms", help="the router's")
     p.add_argument("--request-timeout", type=float, default=120, help="the client's, per request")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default=None if small else "benchmarks/results")
-    p.add_argument("--name", default="cluster_small" if small else "cluster")
+    options.seed(p)
+    options.out_dir(p, default=None if small else "benchmarks/results")
+    options.name(p, "cluster_small" if small else "cluster")
     return p
 
 

@@ -33,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 OUT = Path("gpu_diag")  # where diag.json goes: `--out-dir`
 results: dict = {}
@@ -599,15 +600,13 @@ def _graph_waits(layers: int, layer_ms: float) -> dict:
 
 
 def main(argv=None):
-    import argparse
-
     global OUT
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options.parser(__doc__)
     parser.add_argument("--parts", default="a,b,c,d,e")
     parser.add_argument("--models", default="smollm2", help="smollm2, llama-3-8b or tiny, comma-separated")
-    parser.add_argument("--out-dir", type=Path, default=OUT, help="where diag.json is written (default: ./gpu_diag)")
+    options.out_dir(parser, default=OUT, help="where diag.json is written (default: ./gpu_diag)")
     args = parser.parse_args(argv)
-    OUT = args.out_dir
+    OUT = Path(args.out_dir)
     parts, models = args.parts.split(","), args.models.split(",")
     doc = 7000 if torch.cuda.is_available() else 300
     work = Path(tempfile.mkdtemp(prefix="diag-"))

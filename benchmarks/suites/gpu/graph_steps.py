@@ -12,7 +12,6 @@ fp32 it asserts that a graph's logits are the eager decoder's (decoder_step's `c
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import tempfile
@@ -24,6 +23,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.suites.kernels import decoder_step  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 SMOLLM2_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -61,11 +61,11 @@ def load(model: str, dtype: torch.dtype, device: str, work_dir: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
+    parser = options.parser(__doc__)
+    options.device(parser, "cuda")
     parser.add_argument("--context", type=int, default=7000)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out-dir", type=Path, default=None)
+    options.repeats(parser, 5)
+    options.out_dir(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     result = {"models": []}

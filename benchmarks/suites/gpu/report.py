@@ -70,6 +70,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 import torch  # noqa: E402
 
 from benchmarks.suites.host.engine import add_during_next_step  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 SECTIONS = ("tests", "bandwidth", "kernels", "step", "ttft", "gap")
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu.md"
@@ -816,14 +817,14 @@ REPORT_DTYPES = ("bfloat16", "float32", "float16", "bfloat16/fp8", "float16/fp8"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = options.parser(__doc__)
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma separated, of {', '.join(SECTIONS)}")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma separated, of {', '.join(MODELS)}")
     p.add_argument("--dtypes", default="bfloat16,float32,bfloat16/fp8,bfloat16/int8",
                    help=f"comma separated, of {', '.join(REPORT_DTYPES)} (MODEL/KV: the K/V kept in cache.kv_cache_dtype KV)")
     p.add_argument("--doc-tokens", default="3750,7050", help="document lengths in tokens, comma separated")
-    p.add_argument("--repeats", type=int, default=3, help="measured passes per TTFT row (after one warm-up)")
-    p.add_argument("--out", default=None, help=f"the report (default {DEFAULT_OUT.relative_to(REPO_ROOT)}); "
+    options.repeats(p, 3, help="measured passes per TTFT row (after one warm-up)")
+    options.out(p, default=None, help=f"the report (default {DEFAULT_OUT.relative_to(REPO_ROOT)}); "
                                                "a JSON of every figure goes beside it")
     p.add_argument("--merge", default=None, metavar="GPU_JSON",
                    help="an earlier run's JSON on the same GPU: what this run does not measure is kept from it")

@@ -25,7 +25,6 @@ What is timed:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 
 from benchmarks.lib.harness import module_command
+from benchmarks.lib import options
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -358,14 +358,14 @@ def command_profile(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = options.parser(__doc__)
     parser.add_argument("command", choices=("run", "side", "profile"))
-    parser.add_argument("--dtype", nargs="+", default=["float32"])
-    parser.add_argument("--threads", nargs="+", type=int, default=[1])
+    options.dtype(parser, ["float32"], many=True)
+    options.threads(parser, [1], many=True)
     parser.add_argument("--doc-tokens", type=int, default=2048)
     parser.add_argument("--question-tokens", type=int, default=10)
     parser.add_argument("--decode-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
+    options.repeats(parser, 5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--transformers", action="store_true", help="side: also measure transformers' generate")
     parser.add_argument("--llama-cpp", action="store_true",
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-label", default="baseline")
     parser.add_argument("--batch-invariant", choices=("auto", "true", "false"), default="auto",
                         help="profile: model.batch_invariant")
-    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "cpu_step.md"))
+    options.out(parser, default=str(REPO_ROOT / "benchmarks" / "results" / "cpu_step.md"))
     args = parser.parse_args(argv)
     args.argv = argv
     {"run": command_run, "side": command_side, "profile": command_profile}[args.command](args)

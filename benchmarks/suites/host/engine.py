@@ -35,6 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 from benchmarks.suites.kernels.decoder_step import THIN_30  # noqa: E402  (a 30-layer model of tiny widths, random weights)
 from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
 from benchmarks.lib.harness import module_command  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 LOGIT_ROWS = 257  # rows of the fixed logits table; a prime, so that sequences do not fall into step
 VOCAB = 2048      # the tokenizer's first tokens (see the module doc)
@@ -251,10 +252,10 @@ def runs_in_turn(script: str, worker_arg: str, args, describe: Callable[[dict], 
 def in_turn_parser(doc: str, name: str) -> argparse.ArgumentParser:
     """The options of a benchmark that times this commit's code against `--baseline` in turn (each_side_in_turn),
     writing `name`.md and .json; the benchmark adds its own."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--baseline", metavar="REV", help="also time the code of this commit, in turn")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each side; the best counts")
-    parser.add_argument("--out-dir", default=None, help=f"write {name}.md and .json here")
+    parser = options.parser(doc)
+    options.baseline(parser)
+    options.repeats(parser, 3, help="runs of each side; the best counts")
+    options.out_dir(parser, help=f"write {name}.md and .json here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser
 

@@ -11,7 +11,6 @@ start filled. Timed: `load_model` in the process, and the process from launch to
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
+from benchmarks.lib import options  # noqa: E402
 from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
 
 SHORT = {"gguf": "GGUF", "first": "first start", "later": "later start"}
@@ -92,12 +92,12 @@ def report(result: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options.parser(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dtype", default="float32")
+    options.dtype(parser, "float32")
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help=f"comma separated, of {', '.join(KINDS)} (a later start is timed after a first one)")
-    parser.add_argument("--out-dir", default=None)
+    options.out_dir(parser)
     args = parser.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if not kinds or not set(kinds) <= set(KINDS):

@@ -16,7 +16,6 @@ Each mask figure is the median of `--repeats` steps; the decode step is the medi
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -27,6 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.lib.machine import provenance_lines, results_record, write_results  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "year": {"type": "integer"}},
           "required": ["answer", "year"]}
@@ -85,13 +85,13 @@ def decode_step_seconds(llm, batch: int, tokens: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = options.parser(__doc__)
     p.add_argument("--batches", default="1,8,32", help="structured rows per step, comma separated")
     p.add_argument("--tokens", type=int, default=24, help="tokens generated per request for the decode step")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
+    options.repeats(p, 30)
+    options.device(p, "cpu", help="cpu or cuda")
+    options.dtype(p, "float32")
+    options.out_dir(p, options.RESULTS_DIR)
     args = p.parse_args(argv)
 
     import torch

@@ -11,7 +11,6 @@ prompts here are the Python reference manual's topics (shipped with Python: `pyd
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
@@ -28,6 +27,7 @@ from kvstrata.engine.model_runner import ModelRunner, StepInput  # noqa: E402
 from kvstrata.kernels.backends import get_ops, resolve_backend  # noqa: E402
 from kvstrata.kernels.batch_invariant import cpu_matrix_isa, linear_tile_rows, reference_linear  # noqa: E402
 from kvstrata.tiers.base import BlockLayout  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -222,11 +222,11 @@ def _prefill_and_step(loaded, tokens, dtype: str, invariant: bool, args) -> tupl
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser = options.parser(__doc__)
+    options.threads(parser, default=None, help="torch threads (default: torch's)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ops")
-    sub.add_parser("tiles").add_argument("--repeats", type=int, default=7)
+    options.repeats(sub.add_parser("tiles"), default=7)
     p = sub.add_parser("trace")
     p.add_argument("--length", type=int, default=200)
     p.add_argument("--cuts", type=int, nargs="+", default=[96, 160, 192])
@@ -235,7 +235,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("cost")
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--tokens", type=int, default=17)
-    p.add_argument("--repeats", type=int, default=3)
+    options.repeats(p, 3)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch"],
                    help="model.attention_backend (auto: the compiled CPU kernel where it builds; torch: the references)")

@@ -23,19 +23,20 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 from benchmarks.lib.harness import render_chat, save_result  # noqa: E402
 from benchmarks.lib.machine import command_line, machine_line  # noqa: E402
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "default.yaml"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--dtype", default="float32,bfloat16", help="dtypes to compare, comma separated")
-    p.add_argument("--data", default=str(DEFAULT_DATA))
+    p = options.parser(__doc__)
+    options.config(p)
+    options.overrides(p)
+    options.dtype(p, "float32,bfloat16", help="dtypes to compare, comma separated")
+    options.data(p, str(DEFAULT_DATA))
     p.add_argument("--docs", type=int, default=4, help="documents (each gives all but its first question)")
     p.add_argument("--doc-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
-    p.add_argument("--name", default="cache_invariance", help="stem of the output files")
+    options.out_dir(p, options.RESULTS_DIR)
+    options.name(p, "cache_invariance")
     return p.parse_args(argv)
 
 

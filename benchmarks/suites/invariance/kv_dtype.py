@@ -31,22 +31,23 @@ from benchmarks.suites.invariance.cache import measure_each  # noqa: E402
 from benchmarks.lib.machine import command_line, machine_line  # noqa: E402
 from benchmarks.lib.harness import render_chat, save_result  # noqa: E402
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 GIB = 1024**3
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "default.yaml"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p = options.parser(__doc__)
+    options.config(p)
+    options.overrides(p)
     p.add_argument("--kv-dtypes", default="auto,bfloat16,int8,fp8,fp8_e5m2",
                    help="cache.kv_cache_dtype values, comma separated; the first is the reference")
-    p.add_argument("--data", default=str(DEFAULT_DATA))
+    options.data(p, str(DEFAULT_DATA))
     p.add_argument("--docs", type=int, default=4, help="documents (each gives all but its first question)")
     p.add_argument("--doc-tokens", type=int, default=1000)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
-    p.add_argument("--name", default="kv_cache_dtype", help="stem of the output files")
+    options.out_dir(p, options.RESULTS_DIR)
+    options.name(p, "kv_cache_dtype")
     return p.parse_args(argv)
 
 

@@ -19,7 +19,6 @@ is timed too, on a product too small to matter (1 x 8 x 8).
 """
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from benchmarks.lib.kernel_builds import wrapper_over
 from benchmarks.lib.machine import machine_line
 from kvstrata.kernels import cpu_linear
 from kvstrata.kernels.batch_invariant import reference_linear
+from benchmarks.lib import options
 
 SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
           ("lm_head", 576, 49152)]  # SmolLM2-135M: (name, K = in, N = out)
@@ -164,10 +164,10 @@ def report(results: dict, overhead: dict, argv: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kernels.py cpu-linear", description=__doc__.split("\n\n")[0])
+    parser = options.parser(__doc__, prog="kernels.py cpu-linear")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", nargs="+", type=int, default=[1])
-    parser.add_argument("--repeats", type=int, default=5)
+    options.threads(parser, [1], many=True)
+    options.repeats(parser, 5)
     parser.add_argument("--max-gflop", type=float, default=60.0, help="skip products of more work than this")
     parser.add_argument("--max-gflop-bfloat16", type=float, default=1.0,
                         help="the same for bfloat16, whose F.linear has no fast kernel on AVX2 (~1 GFLOP/s)")
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="another source of kernels/cpu_linear.c (e.g. main's checkout): time it beside this one "
                              "instead of F.linear and reference_linear, plus a cache hit's products")
     parser.add_argument("--hit-rows", nargs="+", type=int, default=[10], help="rows of the timed cache hits")
-    parser.add_argument("--out", help="write the markdown report here")
+    options.out(parser, help="write the markdown report here")
     args = parser.parse_args(argv)
     if not cpu_linear.available():
         raise SystemExit("cpu-linear: the CPU linear kernel cannot be built here (no C compiler)")

@@ -21,7 +21,6 @@ decodes and the question) once more, replayed as CUDA graphs (engine/cuda_graphs
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -34,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.suites.kernels.paging import time_cpu, time_cuda  # noqa: E402  (best CPU time of a thread; do_bench median)
 from benchmarks.lib.machine import machine_line  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 BLOCK_SIZE = 16
 THIN_30 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -230,13 +230,13 @@ def agreement_text(row: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
+    parser = options.parser(__doc__)
+    options.device(parser, "cpu")
     parser.add_argument("--models", default="thin-30,smollm2-135m-instruct")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out-dir", type=Path, default=None)
+    options.repeats(parser, 10)
+    options.out_dir(parser)
     args = parser.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(1)
@@ -272,6 +272,7 @@ def write_result(result: dict, script: str, argv: list[str] | None, started: flo
     text = markdown_of(result)
     print(text)
     if out_dir is not None:
+        out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"{script}.md").write_text(text)
         (out_dir / f"{script}.json").write_text(json.dumps(result, indent=1) + "\n")

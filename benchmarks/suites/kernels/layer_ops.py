@@ -13,7 +13,6 @@ references in place of the compiled layer ops (the backend before them), in one 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.lib.machine import machine_line
+from benchmarks.lib import options
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, BLOCK_SIZE = 576, 9, 3, 64, 1536, 30, 16
 TOKENS = {"decode row": 1, "10-token hit": 10, "512-token prefill": 512}
@@ -158,12 +158,12 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = options.parser(__doc__)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--budget-s", type=float, default=0.05, help="time of one side's loop in a round, about")
     parser.add_argument("--steps", action="store_true", help="also time whole model steps of the embedded model")
-    parser.add_argument("--out-dir", type=Path, default=None)
+    options.out_dir(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(result)
     print(text)
     if args.out_dir is not None:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / "cpu_layer_ops.md").write_text(text)
-        (args.out_dir / "cpu_layer_ops.json").write_text(json.dumps(result, indent=1) + "\n")
+        out_dir = Path(args.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "cpu_layer_ops.md").write_text(text)
+        (out_dir / "cpu_layer_ops.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -29,7 +29,6 @@ and FMA where this CPU has them and portable, and stops at the first difference.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import random
 import time
@@ -47,6 +46,7 @@ from benchmarks.lib.machine import machine_line  # noqa: E402
 from kvstrata.kernels import cpu_attention, cpu_build  # noqa: E402
 from kvstrata.kernels.prefix_prefill import (choose_num_splits, prefix_prefill, reference_prefix_prefill,  # noqa: E402
                                              sm_count)
+from benchmarks.lib import options  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -297,18 +297,17 @@ def free_cached_memory(device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int | None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = options.parser(__doc__)
+    options.repeats(parser, 5)
+    options.device(parser, "cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--baseline-kernel", type=Path,
                         help="CPU: another cpu_attention.c (e.g. from a checkout of an earlier commit) "
                              "timed beside this tree's kernel instead of the torch reference")
     parser.add_argument("--bits", type=int, metavar="N",
                         help="CPU, with --baseline-kernel: compare the two kernels' outputs bit for bit on N random "
                              "calls instead of timing")
-    parser.add_argument("--seed", type=int, default=0, help="--bits: the random calls' seed")
-    parser.add_argument("--quick", action="store_true",
-                        help="one small case in float32: every kernel checked against SDPA, timings not worth keeping")
+    options.seed(parser, help="--bits: the random calls' seed")
+    options.quick(parser, help="one small case in float32: every kernel checked against SDPA, timings not worth keeping")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"

@@ -17,7 +17,6 @@ host (it needs no GPU), says whether the store's reads (its faults included) or 
 """
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 LAYOUTS = {"SmolLM2-135M": (30, 3, 64), "Llama-3-8B": (32, 8, 128)}  # layers, KV heads, head dim (bf16, 16 tokens)
 RING_BYTES = 64 << 20  # where a process copies to (and, for the memory copy, from): larger than a cache
@@ -136,10 +136,10 @@ def measure(path: str, store: dict, processes: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = options.parser(__doc__)
     parser.add_argument("--processes", default="1,2,4,8,16", help="counts of reader processes, comma separated")
     parser.add_argument("--gib", type=float, default=1.0, help="the store's size per layout, GiB")
-    parser.add_argument("--out-dir", default=None, help="write disk_read_scaling.md and .json here")
+    options.out_dir(parser, help="write disk_read_scaling.md and .json here")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.processes.split(",")]
     rows = []

@@ -17,7 +17,6 @@ the time other processes on a busy machine hold the core. Run:
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.metadata
 import json
@@ -38,6 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.lib.machine import machine_line  # noqa: E402
 from kvstrata.engine.hashing import block_hashes, make_namespace  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 BLOCK_SIZE = 16
 INPUT_LENGTHS = (2048, 8192, 32768)
@@ -193,10 +193,10 @@ def write_results(rows: list[Row], command: str, machine: str, repeats: int, loa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15, help="timed repeats per figure (the best is reported)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for hashing.md and hashing.json")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = options.parser(__doc__)
+    options.repeats(parser, 15, help="timed repeats per figure (the best is reported)")
+    options.out(parser, default=RESULTS_DIR, help="folder for hashing.md and hashing.json")
+    options.seed(parser)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -212,5 +212,5 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(goal_lines(rows)))
     print(f"\nMachine: {machine}")
     print(f"Load average: {load_average}")
-    write_results(rows, command, machine, args.repeats, load_average, args.out)
+    write_results(rows, command, machine, args.repeats, load_average, Path(args.out))
     return 0

@@ -36,22 +36,23 @@ from benchmarks.lib.machine import command_line, machine_line  # noqa: E402
 from benchmarks.lib.harness import ask, load, render_chat, save_result, set_tiers  # noqa: E402
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
 from benchmarks.lib.ttft_stats import percentile  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 SCENARIOS = ("fast", "slow", "split", "overlap")
 POLICIES = ("always_load", "always_recompute", "auto")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "default.yaml"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p = options.parser(__doc__)
+    options.config(p)
+    options.overrides(p)
     p.add_argument("--doc-tokens", type=int, default=1000, help="length of the document (tokens)")
     p.add_argument("--rounds", type=int, default=3, help="questions per scenario and policy")
     p.add_argument("--slow-ms-per-block", type=float, default=500.0, help="added to each block read of a slowed tier")
     p.add_argument("--overlap-ms-per-block", type=float, default=60.0,
                    help="added to each CPU-tier block read in `overlap` (about a block's compute time)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
-    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
+    options.out_dir(p, options.RESULTS_DIR)
     return p.parse_args(argv)
 
 

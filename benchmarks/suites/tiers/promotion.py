@@ -15,7 +15,6 @@ CPU tier >= 70% of the reference, warm disk >= 50%.
 """
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import os
@@ -35,6 +34,7 @@ from kvstrata.tiers.base import BlockLayout, as_bytes  # noqa: E402
 from kvstrata.tiers.cpu import CpuTier  # noqa: E402
 from kvstrata.tiers.disk import DiskTier  # noqa: E402
 from kvstrata.tiers.transfer import TransferEngine  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 LAYOUT = BlockLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
 TOKEN_COUNTS = (1024, 4096, 8192)
@@ -176,9 +176,9 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = options.parser(__doc__)
+    options.out(parser, options.RESULTS_DIR)
+    options.repeats(parser, 5)
     parser.add_argument("--store-dir", default=None, help="where to put the temporary disk stores")
     args = parser.parse_args(argv)
 

@@ -9,7 +9,6 @@ side is Python; the step thread needs the interpreter lock for it.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -22,6 +21,7 @@ import torch  # noqa: E402
 from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
 from kvstrata.tiers.base import BlockLayout  # noqa: E402
 from kvstrata.tiers.remote import RemoteTier  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 LAYOUT = BlockLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
 CHAINS = (16, 128, 437, 512)  # blocks: 256, 2048, 7000 (a long document of the development set) and 8192 tokens
@@ -83,9 +83,9 @@ def report(result: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = options.parser(__doc__)
     parser.add_argument("--lookups", type=int, default=50)
-    parser.add_argument("--out-dir", help="write remote_lookup.md and .json there")
+    options.out_dir(parser, help="write remote_lookup.md and .json there")
     args = parser.parse_args(argv)
     result = results_record("remote_lookup", lookups=args.lookups, rows=measure(args.lookups))
     publish(result, report(result), args.out_dir)

@@ -35,6 +35,7 @@ from benchmarks.lib.harness import LoadSampler, load, render_chat  # noqa: E402
 from benchmarks.lib.ttft_stats import MISS, hit_tier, summarize  # noqa: E402
 from benchmarks.lib.ttft_workload import (DOC_PREFIX, REPHRASINGS, cut_document, load_document,  # noqa: E402
                                       load_questions, zipf_order)
+from benchmarks.lib import options  # noqa: E402
 
 POLICIES = ("fcfs", "uncached_first")
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pressure.yaml"
@@ -48,23 +49,22 @@ BUILTIN_QUESTIONS = ("What is this section about?", "Name one keyword it explain
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="TTFT under concurrency: fcfs against uncached_first")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="kvstrata YAML config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable)")
-    p.add_argument("--data", default=None, help="longdoc QA jsonl (doc, question per line); default: built in")
+    p = options.parser("TTFT under concurrency: fcfs against uncached_first")
+    options.config(p, default=str(DEFAULT_CONFIG), help="kvstrata YAML config")
+    options.overrides(p, help="override a config key (repeatable)")
+    options.data(p, None, help="longdoc QA jsonl (doc, question per line); default: built in")
     p.add_argument("--docs", type=int, default=6, help=f"documents in the workload (built in: at most {len(BUILTIN_DOCS)})")
     p.add_argument("--doc-tokens", type=int, default=2000, help="cut each document to this many tokens")
     p.add_argument("--requests", type=int, default=32, help="requests in the workload")
     p.add_argument("--zipf-exponent", type=float, default=1.2)
-    p.add_argument("--seed", type=int, default=0)
+    options.seed(p)
     arrivals = p.add_mutually_exclusive_group()
     arrivals.add_argument("--streams", type=int, default=4, help="closed-loop clients (default 4)")
     arrivals.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests per second")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     p.add_argument("--policies", default=",".join(POLICIES), help="policies to compare, comma separated")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--out-dir", default=None, help="write ttft_concurrency.md and .json here")
+    options.threads(p, default=None, help="torch threads (default: torch's choice)")
+    options.out_dir(p, help="write ttft_concurrency.md and .json here")
     args = p.parse_args(argv)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     unknown = set(args.policies) - set(POLICIES)

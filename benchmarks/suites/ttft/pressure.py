@@ -73,6 +73,7 @@ from benchmarks.lib.ttft_stats import (MISS, TIERS, hit_tier, mean_cached_by_tie
                                    summarize, worst_receipt_error)
 from benchmarks.lib.ttft_workload import (DEFAULT_DATA, QAPrompt, blocks_for, build_workload, cut_document,  # noqa: E402
                                       load_document, load_questions, qa_content, working_set_blocks)
+from benchmarks.lib import options  # noqa: E402
 
 CONFIGURATIONS = ("recompute", "device_only", "device_cpu", "device_cpu_disk", "disk_after_restart")
 SWEEP_CONFIGURATIONS = ("device_only", "device_cpu", "device_cpu_disk")
@@ -89,16 +90,15 @@ PROFILE_TOP = 14
 # ---------------------------------------------------------------------------------------------- options
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="TTFT under memory pressure (long-document QA)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="kvstrata YAML config (model, dtype, cache knobs)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable)")
-    p.add_argument("--data", default=str(DEFAULT_DATA), help="long-document QA questions, jsonl (default benchmarks/data/longdoc_qa_dev.jsonl)")
+    p = options.parser("TTFT under memory pressure (long-document QA)")
+    options.config(p, default=str(DEFAULT_CONFIG), help="kvstrata YAML config (model, dtype, cache knobs)")
+    options.overrides(p, help="override a config key (repeatable)")
+    options.data(p, str(DEFAULT_DATA), help="long-document QA questions, jsonl (default benchmarks/data/longdoc_qa_dev.jsonl)")
     p.add_argument("--docs", type=int, default=6, help="documents in the workload")
     p.add_argument("--questions", type=int, default=3, help="questions per document in the round-robin pass")
     p.add_argument("--zipf-requests", type=int, default=10, help="requests in the Zipf pass (0: none)")
     p.add_argument("--zipf-exponent", type=float, default=1.2)
-    p.add_argument("--seed", type=int, default=0)
+    options.seed(p)
     p.add_argument("--doc-tokens", type=int, default=2000, help="cut each document to this many tokens")
     p.add_argument("--device-blocks", type=int, default=None,
                    help="device tier in blocks (default: working set / 4, at least one prompt)")
@@ -110,13 +110,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-docs", type=int, default=6)
     p.add_argument("--sweep-questions", type=int, default=2)
     p.add_argument("--sweep-doc-tokens", type=int, default=1000)
-    p.add_argument("--dtype", default=None,
-                   help="dtypes to measure, comma separated, e.g. float32,bfloat16 (default: the config's)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch and llama.cpp (default: the config's model.threads)")
+    options.dtype(p, None, help="dtypes to measure, comma separated, e.g. float32,bfloat16 (default: the config's)")
+    options.threads(p, default=None, help="CPU threads for torch and llama.cpp (default: the config's model.threads)")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the cProfile runs")
-    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
-    p.add_argument("--name", default="ttft_pressure", help="stem of the output files")
+    options.out_dir(p, options.RESULTS_DIR)
+    options.name(p, "ttft_pressure")
     p.add_argument("--no-plots", dest="plots", action="store_false")
     p.add_argument("--notes", default=None, help="a markdown file of observations to include in the report")
     p.add_argument("--from-json", default=None,

