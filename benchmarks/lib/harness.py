@@ -1,12 +1,11 @@
 """Shared by every suite: run a suite's subcommand (each lives in benchmarks/suites/SUITE/), run one of those
 modules in a process of its own, and drive an engine for a benchmark: load the config's model, render a chat
-message, ask one prompt and keep its record, resize the tiers, sample the machine's load while a run goes on, and
-save a result. Nothing here is an entry point."""
+message, ask one prompt and keep its record, resize the tiers and sample the machine's load while a run goes on
+(a result is written by results.py). Nothing here is an entry point."""
 from __future__ import annotations
 
 import importlib
 import itertools
-import json
 import os
 import sys
 import threading
@@ -134,12 +133,3 @@ def set_tiers(base, overrides: dict):
     nulls = {k: v for k, v in overrides.items() if v is None}
     config = load_config(base, nulls)
     return load_config(config, {k: v for k, v in overrides.items() if v is not None})
-
-
-def save_result(out_dir: str | Path, name: str, result: dict, report: str) -> None:
-    """`<out_dir>/<name>.json` and `<name>.md` (the other benchmarks' outputs; this one's are write_outputs')."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out_dir / f"{name}.md").write_text(report)
-    print(report)

@@ -2,7 +2,6 @@
 so that figures from different benchmarks can be set side by side), the command and the commit measured."""
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shlex
@@ -47,31 +46,6 @@ def provenance_lines(result: dict) -> list[str]:
     return [f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
             f"Code: commit {source['commit']}" + (f", with uncommitted changes to {', '.join(modified)}"
                                                   if modified else "")]
-
-
-def results_record(benchmark: str, **figures) -> dict:
-    """A results file's JSON: the benchmark's name, then the command, machine and code that produced it (what
-    `provenance_lines` reads), then its figures."""
-    return {"benchmark": benchmark, "command": command_line(), "machine": machine_line(), "source": source_state(),
-            **figures}
-
-
-def write_results(out_dir: str | os.PathLike, result: dict, lines: list[str]) -> Path:
-    """`result` as `<benchmark>.json` and the report `lines` as `<benchmark>.md` in `out_dir`; the report's path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{result['benchmark']}.json").write_text(json.dumps(result, indent=1) + "\n")
-    report = out / f"{result['benchmark']}.md"
-    report.write_text("\n".join(lines) + "\n")
-    print(f"wrote {report}")
-    return report
-
-
-def publish(result: dict, lines: list[str], out_dir: str | os.PathLike | None) -> None:
-    """Print the report `lines`; with `out_dir`, also write them and `result` there (`write_results`)."""
-    print("\n".join(lines))
-    if out_dir:
-        write_results(out_dir, result, lines)
 
 
 def source_state() -> dict:

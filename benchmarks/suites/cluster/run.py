@@ -37,7 +37,8 @@ import httpx
 from benchmarks.lib.cluster_stack import ReplicaSizes, Stack
 from benchmarks.lib.cluster_workload import (Outcome, best_single_cache, documents, drive, outcome_rows, prompts,
                                              reference_answers, summary, zipf_schedule)
-from benchmarks.lib.machine import provenance_lines, results_record, write_results
+from benchmarks.lib import results
+from benchmarks.lib.machine import provenance_lines
 from tests.valkey_server import valkey_cluster
 from benchmarks.lib import options
 
@@ -416,7 +417,7 @@ def main(argv: list[str] | None = None, small: bool = False) -> int:
             failures = run_failures(stack, args, failure_schedule, references) if args.duration > 0 else None
         finally:
             stack.close()
-    result = results_record(args.name, settings=vars(args), policies=policies, failures=failures,
+    result = results.record(args.name, settings=vars(args), policies=policies, failures=failures,
                             wall_s=time.monotonic() - started)
     lines = report(result, args)
     print("\n".join(lines))
@@ -425,7 +426,7 @@ def main(argv: list[str] | None = None, small: bool = False) -> int:
         out.mkdir(parents=True, exist_ok=True)
         if failures:
             plot(failures, out / f"{args.name}.png")
-        write_results(out, result, lines)
+        results.write(out, result, lines)
     else:
         print(json.dumps({"policies": {k: {f: v for f, v in p.items() if f != "outcomes"} for k, p in policies.items()},
                           "failures": failures and {k: failures[k] for k in ("summary", "events", "recovery")}}))

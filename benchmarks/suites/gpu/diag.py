@@ -23,7 +23,6 @@ the cost.
 from __future__ import annotations
 
 import gc
-import json
 import shutil
 import tempfile
 import time
@@ -34,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results as results_file  # noqa: E402
 
 OUT = Path("gpu_diag")  # where diag.json goes: `--out-dir`
 results: dict = {}
@@ -44,8 +44,9 @@ def log(msg):
 
 
 def save():
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "diag.json").write_text(json.dumps(results, indent=1, default=str))
+    report = ["# GPU diagnostics", "", "The figures of each part run so far are in diag.json: "
+              + ", ".join(results) + "."]
+    results_file.write(OUT, {"benchmark": "diag", **results}, report)
 
 
 # ---------------------------------------------------------------- A: disk promotion, first vs later

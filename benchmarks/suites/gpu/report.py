@@ -71,6 +71,7 @@ import torch  # noqa: E402
 
 from benchmarks.suites.host.engine import add_during_next_step  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
 
 SECTIONS = ("tests", "bandwidth", "kernels", "step", "ttft", "gap")
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "gpu.md"
@@ -996,9 +997,7 @@ def main(argv: list[str] | None = None) -> int:
             merge_earlier_run(earlier, report_of)
         report_of["goals"] = [g.as_dict() for g in goals(report_of)]
         report = markdown(report_of)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(report)
-        out.with_suffix(".json").write_text(json.dumps(report_of, indent=1, default=str) + "\n")
+        results.write(out.parent, report_of, report, out.stem)
         return report
 
     time_left = (lambda: True) if args.time_limit is None else \

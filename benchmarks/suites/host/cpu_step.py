@@ -35,6 +35,7 @@ from pathlib import Path
 
 from benchmarks.lib.harness import module_command
 from benchmarks.lib import options
+from benchmarks.lib import results
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -294,9 +295,7 @@ def write_report(args, rows, raw) -> None:
         for dtype, threads, merged in rows)]
     del sides
     out = Path(args.out)
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
-    print("\n".join(lines))
+    results.publish(raw, lines, out.parent, out.stem)
 
 
 def _lower_or_higher(baseline: float, value: float) -> str:

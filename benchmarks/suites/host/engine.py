@@ -33,7 +33,8 @@ from typing import Callable, Iterator
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.suites.kernels.decoder_step import THIN_30  # noqa: E402  (a 30-layer model of tiny widths, random weights)
-from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
 from benchmarks.lib.harness import module_command  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
 
@@ -294,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{s * 1e3:.3f}" for s in seconds) + " ms", flush=True)
     cases = [{**asdict(case), "name": case.name, **{f"{side}_ms": best[side][n] * 1e3 for side in best},
               **{f"{side}_ops": ops[side][n] for side in ops}} for n, case in enumerate(CASES)]
-    result = results_record("engine_host", baseline=args.baseline, repeats=args.repeats, cases=cases)
-    publish(result, report(result), args.out_dir)
+    result = results.record("engine_host", baseline=args.baseline, repeats=args.repeats, cases=cases)
+    results.publish(result, report(result), args.out_dir)
     return 0
 
 

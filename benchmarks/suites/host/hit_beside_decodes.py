@@ -34,7 +34,8 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.suites.host.engine import (VOCAB, Case, add_during_next_step, add_requests, build_engine,  # noqa: E402
                                     each_side_in_turn, in_turn_parser)
-from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
 
 DOC_TOKENS = 7000
 QUESTION_TOKENS = 16
@@ -212,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{s * 1e3:.1f}" for s in measured["ttft"]) + " ms", flush=True)
     rows = [{**asdict(case), "name": case.name, **{f"{side}_{k}": best[side][k][n] for side in best for k in FIGURES}}
             for n, case in enumerate(cases)]
-    result = results_record("hit_beside_decodes", baseline=args.baseline, repeats=args.repeats, hits=args.hits,
+    result = results.record("hit_beside_decodes", baseline=args.baseline, repeats=args.repeats, hits=args.hits,
                             doc_tokens=DOC_TOKENS, question_tokens=QUESTION_TOKENS, cases=rows)
-    publish(result, report(result), args.out_dir)
+    results.publish(result, report(result), args.out_dir)
     return 0
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.suites.host.engine import VOCAB, build_engine, in_turn_parser, runs_in_turn  # noqa: E402
-from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
 
 DOC_TOKENS = 7072      # 442 blocks of 16
 QUESTION_TOKENS = 18
@@ -103,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     # each kind's best run (least TTFT) of each side, with its phases
     best = {side: {kind: min((r["kinds"][kind] for r in side_runs), key=lambda v: v["ttft_ms"]) for kind in KINDS}
             for side, side_runs in runs.items()}
-    result = results_record("request_host", baseline=args.baseline, repeats=args.repeats, asks=ASKS,
+    result = results.record("request_host", baseline=args.baseline, repeats=args.repeats, asks=ASKS,
                             doc_tokens=DOC_TOKENS, question_tokens=QUESTION_TOKENS, short_tokens=SHORT_TOKENS,
                             best=best, runs=runs)
-    publish(result, report(result), args.out_dir)
+    results.publish(result, report(result), args.out_dir)
     return 0
 
 

@@ -37,7 +37,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.suites.host.engine import VOCAB, build_engine, each_side_in_turn, in_turn_parser  # noqa: E402
-from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
 
 PROMPT_TOKENS = 64
 ANSWER_TOKENS = 200
@@ -229,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
               + " ms", flush=True)
     rows = [{"num_seqs": n, **{f"{side}_{way}_{k}_ms": best[side][way][k][i] * 1e3 for side in best for way in WAYS
                                for k in ("period", "inside")}} for i, n in enumerate(seq_counts)]
-    result = results_record("serving_host", baseline=args.baseline, repeats=args.repeats,
+    result = results.record("serving_host", baseline=args.baseline, repeats=args.repeats,
                             prompt_tokens=PROMPT_TOKENS, answer_tokens=ANSWER_TOKENS, rows=rows)
-    publish(result, report(result), args.out_dir)
+    results.publish(result, report(result), args.out_dir)
     return 0
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.lib import options  # noqa: E402
-from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
 
 SHORT = {"gguf": "GGUF", "first": "first start", "later": "later start"}
 KINDS = {"gguf": "GGUF (no copy kept)", "first": "first start (converts, keeps the copy)",
@@ -102,6 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if not kinds or not set(kinds) <= set(KINDS):
         parser.error(f"--kinds: expected some of {', '.join(KINDS)}, got {args.kinds!r}")
-    result = results_record("startup", dtype=args.dtype, rounds=args.rounds, runs=measure(args.rounds, args.dtype, kinds))
-    publish(result, report(result), args.out_dir)
+    result = results.record("startup", dtype=args.dtype, rounds=args.rounds, runs=measure(args.rounds, args.dtype, kinds))
+    results.publish(result, report(result), args.out_dir)
     return 0

@@ -25,7 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.lib.machine import provenance_lines, results_record, write_results  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "year": {"type": "integer"}},
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({rows[-1]['share']:.1%})", flush=True)
     llm.close()
 
-    result = results_record("structured_outputs", repeats=args.repeats, tokens=args.tokens, rows=rows)
+    result = results.record("structured_outputs", repeats=args.repeats, tokens=args.tokens, rows=rows)
     lines = ["# What structured outputs cost a step", "", *provenance_lines(result), "",
              "The grammar mask of B structured rows (xgrammar fills each row's bitmask, then applies the batch's "
              f"at once; median of {args.repeats} steps) against the median decode step of B plain requests "
@@ -121,5 +122,5 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         lines.append(f"| {r['batch']} | {r['state']} | {r['mask_s'] * 1000:.2f} ms | "
                      f"{r['decode_step_s'] * 1000:.1f} ms | {r['share']:.1%} |")
-    write_results(args.out_dir, result, lines)
+    results.write(args.out_dir, result, lines)
     return 0

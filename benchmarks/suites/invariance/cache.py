@@ -20,10 +20,11 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-from benchmarks.lib.harness import render_chat, save_result  # noqa: E402
-from benchmarks.lib.machine import command_line, machine_line  # noqa: E402
+from benchmarks.lib.harness import render_chat  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -97,16 +98,15 @@ def measure_each(args, key: str, values: str, label) -> tuple:
 def main(argv=None) -> int:
     args = parse_args(argv)
     base, _, by_dtype = measure_each(args, "model.dtype", args.dtype, lambda config, _: config.resolved_dtype())
-    result = {"benchmark": "cache_invariance", "command": command_line(),
-              "machine": machine_line(), "model": base.model.name, "doc_tokens": args.doc_tokens,
-              "max_tokens": args.max_tokens, "by_dtype": by_dtype}
-    save_result(args.out_dir, args.name, result, markdown(result))
+    result = results.record("cache_invariance", model=base.model.name, doc_tokens=args.doc_tokens,
+                            max_tokens=args.max_tokens, by_dtype=by_dtype)
+    results.publish(result, markdown(result), args.out_dir, args.name)
     return 0
 
 
 def markdown(result: dict) -> str:
     lines = ["# Do cache hits change greedy outputs?", "",
-             f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
+             *provenance_lines(result),
              f"Model: {result['model']}; documents of the development set cut to {result['doc_tokens']} tokens, "
              f"each cached by its first question; each further question's greedy answer "
              f"({result['max_tokens']} tokens, end of sequence ignored) compared with prefix caching off. "

@@ -28,10 +28,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.suites.invariance.cache import measure_each  # noqa: E402
-from benchmarks.lib.machine import command_line, machine_line  # noqa: E402
-from benchmarks.lib.harness import render_chat, save_result  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
+from benchmarks.lib.harness import render_chat  # noqa: E402
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
 
 GIB = 1024**3
 
@@ -118,18 +119,17 @@ def main(argv=None) -> int:
     for measured in by_kv_dtype.values():
         measured["against_reference"] = compare(reference, measured)
     print("K/V error of each format:", flush=True)
-    result = {"benchmark": "kv_cache_dtype", "command": command_line(), "machine": machine_line(),
-              "model": base.model.name, "dtype": base.resolved_dtype(), "doc_tokens": args.doc_tokens,
-              "max_tokens": args.max_tokens, "by_kv_dtype": by_kv_dtype,
-              "kv_errors": kv_errors(base, questions, args)}
-    save_result(args.out_dir, args.name, result, markdown(result))
+    result = results.record("kv_cache_dtype", model=base.model.name, dtype=base.resolved_dtype(),
+                            doc_tokens=args.doc_tokens, max_tokens=args.max_tokens, by_kv_dtype=by_kv_dtype,
+                            kv_errors=kv_errors(base, questions, args))
+    results.publish(result, markdown(result), args.out_dir, args.name)
     return 0
 
 
 def markdown(result: dict) -> str:
     names = list(result["by_kv_dtype"])
     lines = ["# KV cache dtype: bytes against answers", "",
-             f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
+             *provenance_lines(result),
              f"Model: {result['model']} in {result['dtype']}; documents of the development set cut to "
              f"{result['doc_tokens']} tokens, each cached by its first question; each further question's greedy "
              f"answer ({result['max_tokens']} tokens, end of sequence ignored) with prefix caching off "

@@ -30,6 +30,7 @@ from benchmarks.lib.machine import machine_line
 from kvstrata.kernels import cpu_linear
 from kvstrata.kernels.batch_invariant import reference_linear
 from benchmarks.lib import options
+from benchmarks.lib import results
 
 SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
           ("lm_head", 576, 49152)]  # SmolLM2-135M: (name, K = in, N = out)
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"cpu-linear: no kernel source at {args.baseline_kernel}")
         sides = {"cpu_linear": cpu_linear.linear, "baseline": kernel_built_from(args.baseline_kernel)}
     shapes = [s for s in SHAPES if s[0] in args.shapes]
-    results = {(dtype, threads): measure(getattr(torch, dtype), threads, args.repeats,
+    measured = {(dtype, threads): measure(getattr(torch, dtype), threads, args.repeats,
                                          (args.max_gflop_bfloat16 if dtype == "bfloat16" else args.max_gflop) * 1e9,
                                          sides, shapes, args.rows)
                for threads in args.threads for dtype in args.dtypes}
@@ -195,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline_kernel:
         hits = [measure_hit(getattr(torch, dtype), M, args.repeats, sides) for dtype in args.dtypes
                 for M in args.hit_rows]
-        text = baseline_report(results, hits, overhead_us(1, sides), command)
+        text = baseline_report(measured, hits, overhead_us(1, sides), command)
     else:
-        text = report(results, overhead_us(1, sides), command)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+        text = report(measured, overhead_us(1, sides), command)
+    out = Path(args.out) if args.out else None
+    result = results.record(out.stem if out else "cpu_linear", dtypes=args.dtypes, threads=args.threads,
+                            repeats=args.repeats)
+    results.publish(result, text + "\n", out and out.parent, out and out.stem)
     return 0

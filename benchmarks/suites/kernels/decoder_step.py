@@ -22,7 +22,6 @@ decodes and the question) once more, replayed as CUDA graphs (engine/cuda_graphs
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 from benchmarks.suites.kernels.paging import time_cpu, time_cuda  # noqa: E402  (best CPU time of a thread; do_bench median)
 from benchmarks.lib.machine import machine_line  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
 
 BLOCK_SIZE = 16
 THIN_30 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -263,16 +263,7 @@ def write_result(result: dict, script: str, argv: list[str] | None, started: flo
     """Stamp `result` with the command (benchmarks/`script`.py and `argv`), the machine, the commit, the time taken
     since `started` and how steps were `timing`; print `markdown_of(result)` and, with `out_dir`, write it and the
     JSON there as `script`.md and `script`.json."""
-    import subprocess
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    result.update(command=f"python benchmarks/{script}.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                  machine=machine_line(), commit=commit, took_s=time.perf_counter() - started, timing=timing)
-    text = markdown_of(result)
-    print(text)
-    if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"{script}.md").write_text(text)
-        (out_dir / f"{script}.json").write_text(json.dumps(result, indent=1) + "\n")
+    made = results.record(script)
+    result.update(command=made["command"], machine=machine_line(), commit=made["source"]["commit"],
+                  source=made["source"], took_s=time.perf_counter() - started, timing=timing)
+    results.publish(result, markdown_of(result), out_dir, script)

@@ -13,15 +13,13 @@ references in place of the compiled layer ops (the backend before them), in one 
 """
 from __future__ import annotations
 
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.lib.machine import machine_line
+from benchmarks.lib.machine import provenance_lines
 from benchmarks.lib import options
+from benchmarks.lib import results
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, BLOCK_SIZE = 576, 9, 3, 64, 1536, 30, 16
 TOKENS = {"decode row": 1, "10-token hit": 10, "512-token prefill": 512}
@@ -126,7 +124,7 @@ def measure_steps(rounds: int, context: int = 2048) -> list[dict]:
 
 def markdown(result: dict) -> str:
     lines = ["# The CPU layer ops: torch references against the compiled kernels, per call", "",
-             f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
+             *provenance_lines(result),
              f"Load average (1, 5, 15 min) at the end: {result['load_average']}", "",
              "One thread; process CPU time per call, best of the rounds (sides alternating within each round). "
              "Shapes of the embedded model (SmolLM2-135M); rotary and the K/V store on the decoder's strided views "
@@ -169,15 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.dtypes.split(","):
         rows += measure(getattr(torch, name), args.rounds, args.budget_s)
-    command = "python benchmarks/kernels.py layer-ops " + " ".join(argv if argv is not None else sys.argv[1:])
     steps = measure_steps(args.rounds) if args.steps else []
-    result = {"command": command.strip(), "machine": machine_line(),
-              "load_average": ", ".join(f"{v:.1f}" for v in os.getloadavg()), "rows": rows, "steps": steps}
-    text = markdown(result)
-    print(text)
-    if args.out_dir is not None:
-        out_dir = Path(args.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "cpu_layer_ops.md").write_text(text)
-        (out_dir / "cpu_layer_ops.json").write_text(json.dumps(result, indent=1) + "\n")
+    result = {**results.record("cpu_layer_ops"), "load_average": ", ".join(f"{v:.1f}" for v in os.getloadavg()), "rows": rows, "steps": steps}
+    results.publish(result, markdown(result), args.out_dir, "cpu_layer_ops")
     return 0

@@ -16,7 +16,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.suites.host.engine import in_turn_parser, runs_in_turn  # noqa: E402
-from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
 
 BLOCKS = {"SmolLM2-135M": ((30, 3, 64), 8192), "Llama-3-8B": ((32, 8, 128), 4096)}  # (layers, KV heads, dims), tokens
 
@@ -49,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = runs_in_turn(__file__, "-", args, lambda measured: ", ".join(
         f"{name} {measured[name]['gbps']:.2f} GB/s (one thread {measured[name]['gbps_one_thread']:.2f})"
         for name in BLOCKS))
-    result = results_record("disk_promotion", baseline=args.baseline, repeats=args.repeats, runs=runs)
-    publish(result, report(result), args.out_dir)
+    result = results.record("disk_promotion", baseline=args.baseline, repeats=args.repeats, runs=runs)
+    results.publish(result, report(result), args.out_dir)
     return 0
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
 
 LAYOUTS = {"SmolLM2-135M": (30, 3, 64), "Llama-3-8B": (32, 8, 128)}  # layers, KV heads, head dim (bf16, 16 tokens)
@@ -153,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}, {processes} processes: first pass {row['first_pass_gbps']:.2f} GB/s, second pass "
                       f"{row['second_pass_gbps']:.2f}, own memory {row['memory_gbps']:.2f}", flush=True)
                 rows.append(row)
-    result = results_record("disk_read_scaling", cpus=len(os.sched_getaffinity(0)), gib=args.gib, rows=rows)
-    publish(result, report(result), args.out_dir)
+    result = results.record("disk_read_scaling", cpus=len(os.sched_getaffinity(0)), gib=args.gib, rows=rows)
+    results.publish(result, report(result), args.out_dir)
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import os
 import random
 import statistics
@@ -38,6 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 from benchmarks.lib.machine import machine_line  # noqa: E402
 from kvstrata.engine.hashing import block_hashes, make_namespace  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
 
 BLOCK_SIZE = 16
 INPUT_LENGTHS = (2048, 8192, 32768)
@@ -155,8 +155,7 @@ def goal_lines(rows: list[Row]) -> list[str]:
 
 
 def write_results(rows: list[Row], command: str, machine: str, repeats: int, load_average: str,
-                  out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+                  out_dir: str) -> None:
     report = "\n".join([
         "# Chain hashing: ns per token",
         "",
@@ -171,16 +170,12 @@ def write_results(rows: list[Row], command: str, machine: str, repeats: int, loa
         "",
         *goal_lines(rows),
         "",
-        f"Command: `{command}`",
-        "",
-        f"Machine: {machine}",
-        "",
         f"Load average (1, 5, 15 min) at the end of the run: {load_average}. Best wall-clock figures are "
         "in `hashing.json` (`*_wall_ns`).",
         "",
     ])
-    (out_dir / "hashing.md").write_text(report)
     payload = {
+        "benchmark": "hashing",
         "block_size": BLOCK_SIZE,
         "repeats": repeats,
         "unit": "ns/token",
@@ -189,7 +184,7 @@ def write_results(rows: list[Row], command: str, machine: str, repeats: int, loa
         "load_average": load_average,
         "rows": [asdict(r) | {"speedup_xxh3": r.speedup_xxh3, "speedup_sha256": r.speedup_sha256} for r in rows],
     }
-    (out_dir / "hashing.json").write_text(json.dumps(payload, indent=2) + "\n")
+    results.write(out_dir, payload, report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,5 +207,5 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(goal_lines(rows)))
     print(f"\nMachine: {machine}")
     print(f"Load average: {load_average}")
-    write_results(rows, command, machine, args.repeats, load_average, Path(args.out))
+    write_results(rows, command, machine, args.repeats, load_average, args.out)
     return 0

