@@ -77,6 +77,15 @@ def baseline(p: argparse.ArgumentParser, help: str = "also time the code of this
     p.add_argument("--baseline", metavar="REV", help=help)
 
 
+def in_turn(p: argparse.ArgumentParser, name: str) -> None:
+    """The options of a benchmark that times this commit's code against `--baseline` in turn (lib/in_turn.py),
+    writing `name`.md and .json; the benchmark adds its own."""
+    baseline(p)
+    repeats(p, 3, help="runs of each side; the best counts")
+    out_dir(p, help=f"write {name}.md and .json here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+
+
 def data(p: argparse.ArgumentParser, default: str | None, help: str | None = None) -> None:
     """`--data FILE`: the long-document QA questions (jsonl) the workload is drawn from."""
     p.add_argument("--data", default=default, help=help)

@@ -19,23 +19,19 @@ in turn with this one, and reports the ratios. Each side runs in a process of it
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import tempfile
 import time
-import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 from benchmarks.suites.kernels.decoder_step import THIN_30  # noqa: E402  (a 30-layer model of tiny widths, random weights)
 from benchmarks.lib import results  # noqa: E402
 from benchmarks.lib.machine import provenance_lines  # noqa: E402
-from benchmarks.lib.harness import module_command  # noqa: E402
+from benchmarks.lib import in_turn  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
 
 LOGIT_ROWS = 257  # rows of the fixed logits table; a prime, so that sequences do not fall into step
@@ -210,77 +206,10 @@ def worker(cases: list[Case]) -> dict:
     return {"engine_code": list(kvstrata.engine.__path__)[0], "seconds": seconds, "ops": ops}
 
 
-def baseline_import_root(rev: str, work_dir: Path) -> Path:
-    """A directory that, first on PYTHONPATH, makes `kvstrata` import the engine of commit `rev`: the commit in a
-    worktree, its packages laid out as its pyproject maps them."""
-    tree = work_dir / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(tree), rev], cwd=REPO_ROOT, check=True)
-    package_dirs = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    root = work_dir / "root"
-    top = root / "kvstrata"
-    top.mkdir(parents=True)
-    for entry in (tree / package_dirs["kvstrata"]).iterdir():
-        (top / entry.name).symlink_to(entry)
-    for package, directory in package_dirs.items():
-        if package != "kvstrata":
-            (root / package.replace(".", "/")).symlink_to(tree / directory)
-    return root
-
-
-def run_worker(script: str, worker_arg: str, import_root: Path | None) -> dict:
-    """`script --worker worker_arg` in a process of its own, with `import_root` (a baseline's) first on its
-    PYTHONPATH; the JSON of its last printed line."""
-    env = dict(os.environ)
-    if import_root is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(import_root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    done = subprocess.run(module_command(script, "--worker", worker_arg), env=env, stdout=subprocess.PIPE,
-                          text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def runs_in_turn(script: str, worker_arg: str, args, describe: Callable[[dict], str]) -> dict[str, list[dict]]:
-    """Every side's runs (each_side_in_turn with the standard options `args`), each printed as it comes:
-    `run N, side (code): describe(what it measured)`."""
-    runs: dict[str, list[dict]] = {}
-    for repeat, side, measured in each_side_in_turn(script, worker_arg, args.baseline, args.repeats):
-        # where the code was imported from: printed (a check that the sides differ), not kept in the results
-        code = measured.pop("engine_code", None) or measured.pop("tiers_code", None)
-        runs.setdefault(side, []).append(measured)
-        print(f"run {repeat + 1}, {side} ({code}): {describe(measured)}", flush=True)
-    return runs
-
-
-def in_turn_parser(doc: str, name: str) -> argparse.ArgumentParser:
-    """The options of a benchmark that times this commit's code against `--baseline` in turn (each_side_in_turn),
-    writing `name`.md and .json; the benchmark adds its own."""
-    parser = options.parser(doc)
-    options.baseline(parser)
-    options.repeats(parser, 3, help="runs of each side; the best counts")
-    options.out_dir(parser, help=f"write {name}.md and .json here")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    return parser
-
-
-def each_side_in_turn(script: str, worker_arg: str, baseline: str | None,
-                      repeats: int) -> Iterator[tuple[int, str, dict]]:
-    """(repeat, side, what the worker measured) for `repeats` runs of this commit's code ("this") and, with
-    `baseline`, of that commit's ("baseline", from a temporary git worktree), in turn."""
-    with tempfile.TemporaryDirectory() as work_dir:
-        sides = {"this": None}
-        if baseline:
-            sides["baseline"] = baseline_import_root(baseline, Path(work_dir))
-        try:
-            for repeat in range(repeats):
-                for side, import_root in sides.items():
-                    yield repeat, side, run_worker(script, worker_arg, import_root)
-        finally:
-            if baseline:
-                subprocess.run(["git", "worktree", "remove", "--force", str(Path(work_dir) / "tree")],
-                               cwd=REPO_ROOT, check=False)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = in_turn_parser(__doc__, "engine_host").parse_args(argv)
+    parser = options.parser(__doc__)
+    options.in_turn(parser, "engine_host")
+    args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker([Case(**c) for c in json.loads(args.worker)])))
         return 0
@@ -288,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     best: dict[str, list[float]] = {}
     ops: dict[str, list[float]] = {}
     cases_arg = json.dumps([asdict(c) for c in CASES])
-    for repeat, side, measured in each_side_in_turn(__file__, cases_arg, args.baseline, args.repeats):
+    for repeat, side, measured in in_turn.each_side_in_turn(__file__, cases_arg, args.baseline, args.repeats):
         seconds, ops[side] = measured["seconds"], measured["ops"]
         best[side] = [min(pair) for pair in zip(best.get(side, seconds), seconds)]
         print(f"run {repeat + 1}, {side} ({measured['engine_code']}): "

@@ -32,8 +32,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-from benchmarks.suites.host.engine import (VOCAB, Case, add_during_next_step, add_requests, build_engine,  # noqa: E402
-                                    each_side_in_turn, in_turn_parser)
+from benchmarks.lib import in_turn  # noqa: E402
+from benchmarks.suites.host.engine import (VOCAB, Case, add_during_next_step, add_requests,  # noqa: E402
+                                           build_engine)
+from benchmarks.lib import options  # noqa: E402
 from benchmarks.lib import results  # noqa: E402
 from benchmarks.lib.machine import provenance_lines  # noqa: E402
 
@@ -191,7 +193,8 @@ def worker(cases: list[HitCase], hits: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = in_turn_parser(__doc__, "hit_beside_decodes")
+    parser = options.parser(__doc__)
+    options.in_turn(parser, "hit_beside_decodes")
     parser.add_argument("--hits", type=int, default=5, help="hits per case in a run; their median counts")
     parser.add_argument("--only", metavar="TEXT", help="run only the cases whose name contains TEXT")
     args = parser.parse_args(argv)
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cases:
         raise SystemExit(f"hit_beside_decodes: no case's name contains {args.only!r}")
     worker_arg = json.dumps({"cases": [asdict(c) for c in cases], "hits": args.hits})
-    for repeat, side, measured in each_side_in_turn(__file__, worker_arg, args.baseline, args.repeats):
+    for repeat, side, measured in in_turn.each_side_in_turn(__file__, worker_arg, args.baseline, args.repeats):
         kept = best.setdefault(side, {k: measured[k] for k in FIGURES})
         for k in FIGURES:
             kept[k] = [min(a, b) for a, b in zip(kept[k], measured[k])]

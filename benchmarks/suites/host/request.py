@@ -24,7 +24,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-from benchmarks.suites.host.engine import VOCAB, build_engine, in_turn_parser, runs_in_turn  # noqa: E402
+from benchmarks.lib import in_turn  # noqa: E402
+from benchmarks.suites.host.engine import VOCAB, build_engine  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 from benchmarks.lib import results  # noqa: E402
 from benchmarks.lib.machine import provenance_lines  # noqa: E402
 
@@ -95,11 +97,13 @@ def worker(_: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = in_turn_parser(__doc__, "request_host").parse_args(argv)
+    parser = options.parser(__doc__)
+    options.in_turn(parser, "request_host")
+    args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return 0
-    runs = runs_in_turn(__file__, "run", args, lambda m: ", ".join(
+    runs = in_turn.runs_in_turn(__file__, "run", args, lambda m: ", ".join(
         f"{kind} {v['ttft_ms']:.3f}" for kind, v in m["kinds"].items()) + " ms")
     # each kind's best run (least TTFT) of each side, with its phases
     best = {side: {kind: min((r["kinds"][kind] for r in side_runs), key=lambda v: v["ttft_ms"]) for kind in KINDS}

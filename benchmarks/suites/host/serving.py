@@ -36,7 +36,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-from benchmarks.suites.host.engine import VOCAB, build_engine, each_side_in_turn, in_turn_parser  # noqa: E402
+from benchmarks.lib import in_turn  # noqa: E402
+from benchmarks.suites.host.engine import VOCAB, build_engine  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 from benchmarks.lib import results  # noqa: E402
 from benchmarks.lib.machine import provenance_lines  # noqa: E402
 
@@ -209,7 +211,8 @@ def worker(seq_counts: list[int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = in_turn_parser(__doc__, "serving_host")
+    parser = options.parser(__doc__)
+    options.in_turn(parser, "serving_host")
     parser.add_argument("--seqs", default="4,16,32", help="numbers of sequences decoding together (at most the "
                         "default scheduler.max_num_seqs, 32)")
     args = parser.parse_args(argv)
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
     seq_counts = [int(n) for n in args.seqs.split(",")]
     best: dict[str, dict] = {}
-    for repeat, side, measured in each_side_in_turn(__file__, json.dumps(seq_counts), args.baseline, args.repeats):
+    for repeat, side, measured in in_turn.each_side_in_turn(__file__, json.dumps(seq_counts), args.baseline, args.repeats):
         kept = best.setdefault(side, {way: {k: [float("inf")] * len(seq_counts) for k in ("period", "inside")}
                                       for way in WAYS})
         for way in WAYS:

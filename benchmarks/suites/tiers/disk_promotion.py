@@ -15,7 +15,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-from benchmarks.suites.host.engine import in_turn_parser, runs_in_turn  # noqa: E402
+from benchmarks.lib import in_turn  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 from benchmarks.lib import results  # noqa: E402
 from benchmarks.lib.machine import provenance_lines  # noqa: E402
 
@@ -43,11 +44,13 @@ def worker(_: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = in_turn_parser(__doc__, "disk_promotion").parse_args(argv)
+    parser = options.parser(__doc__)
+    options.in_turn(parser, "disk_promotion")
+    args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker)))
         return 0
-    runs = runs_in_turn(__file__, "-", args, lambda measured: ", ".join(
+    runs = in_turn.runs_in_turn(__file__, "-", args, lambda measured: ", ".join(
         f"{name} {measured[name]['gbps']:.2f} GB/s (one thread {measured[name]['gbps_one_thread']:.2f})"
         for name in BLOCKS))
     result = results.record("disk_promotion", baseline=args.baseline, repeats=args.repeats, runs=runs)
