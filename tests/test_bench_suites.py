@@ -119,6 +119,22 @@ def test_tiers_disk_readers_reads_every_layout_through_the_record_checks(tmp_pat
     assert "| SmolLM2-135M | 2 |" in (tmp_path / "disk_read_scaling.md").read_text()
 
 
+def test_a_result_says_what_produced_it_in_its_json_and_its_reports_first_lines(tmp_path, capsys):
+    from benchmarks.lib import results
+
+    result = {"rows": [1, 2], "data": str(REPO_ROOT / "benchmarks" / "data" / "x.jsonl")}
+    report = results.write(tmp_path, result, ["# A benchmark", "", "| a | b |"], name="demo")
+    written = json.loads((tmp_path / "demo.json").read_text())
+    assert list(written)[:4] == ["benchmark", "command", "machine", "source"] and written["rows"] == [1, 2]
+    assert written["benchmark"] == "demo" and written["data"] == "benchmarks/data/x.jsonl"  # no machine's paths
+    head = report.read_text().splitlines()[:6]
+    assert head[0] == "# A benchmark" and head[2].startswith("Command: `python ")
+    assert head[3].startswith("Machine: ") and head[4].startswith("Code: commit ")
+    # a report that gives its command first is left as it is
+    results.write(tmp_path, written, ["# Again", "", f"Command: `{written['command']}`", "", "text"], name="again")
+    assert (tmp_path / "again.md").read_text().count("Command: `") == 1
+
+
 def test_planner_quick_mode_writes_a_sample_trace(tmp_path):
     out = tmp_path / "trace.jsonl"
     assert suite("planner").main(["sample", str(out), "--requests", "20"]) in (0, None)

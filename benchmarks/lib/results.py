@@ -14,12 +14,11 @@ PROVENANCE_KEYS = ("benchmark", "command", "machine", "source")
 HEAD_LINES = 8  # where a report's provenance lines are looked for
 
 
-def record(benchmark: str, *, machine: str | None = None, **figures) -> dict:
+def record(benchmark: str, **figures) -> dict:
     """A result: the benchmark's name, then the command, machine and code that produced it (what
-    `provenance_lines` reads), then its figures. `machine` replaces the plain machine line where a benchmark's
-    figures also depend on other packages (`machine.machine_line(xxhash=...)`)."""
-    return {"benchmark": benchmark, "command": command_line(), "machine": machine or machine_line(),
-            "source": source_state(), **figures}
+    `provenance_lines` reads), then its figures."""
+    return {"benchmark": benchmark, "command": command_line(), "machine": machine_line(), "source": source_state(),
+            **figures}
 
 
 def with_provenance(report: str, result: dict) -> str:
@@ -27,7 +26,7 @@ def with_provenance(report: str, result: dict) -> str:
     `provenance_lines` does): every report says what produced it where a reader looks first."""
     if any(line.startswith("Command: `") for line in report.splitlines()[:HEAD_LINES]):
         return report
-    title, newline, rest = report.partition("\n")
+    title, _, rest = report.partition("\n")
     if not title.startswith("#"):
         title, rest = "", report
     lines = ([title, ""] if title else []) + provenance_lines(result) + ["", rest.lstrip("\n")]
