@@ -693,17 +693,6 @@ def describe_workload(prompts: list[QAPrompt], working_set: int, device_blocks: 
             "pressure": working_set / device_blocks}
 
 
-def scrub_paths(text: str, work_dir: str) -> str:
-    """Results name files relative to the checkout or the environment, never by this machine's paths."""
-    import sysconfig
-
-    replacements = [(work_dir, "$TMPDIR/kvstrata-ttft"), (sysconfig.get_paths()["purelib"], "site-packages"),
-                    (str(REPO_ROOT) + os.sep, ""), (str(REPO_ROOT), ".")]
-    for old, new in replacements:
-        text = text.replace(old, new)
-    return text
-
-
 def write_outputs(result: dict, args) -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
