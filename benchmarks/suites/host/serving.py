@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
 
     seq_counts = [int(n) for n in args.seqs.split(",")]
     best: dict[str, dict] = {}
-    for repeat, side, measured in in_turn.each_side_in_turn(__file__, json.dumps(seq_counts), args.baseline, args.repeats):
+    for repeat, side, measured in in_turn.each_side_in_turn(__file__, json.dumps(seq_counts), args.baseline,
+                                                            args.repeats):
         kept = best.setdefault(side, {way: {k: [float("inf")] * len(seq_counts) for k in ("period", "inside")}
                                       for way in WAYS})
         for way in WAYS:

@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if not kinds or not set(kinds) <= set(KINDS):
         parser.error(f"--kinds: expected some of {', '.join(KINDS)}, got {args.kinds!r}")
-    result = results.record("startup", dtype=args.dtype, rounds=args.rounds, runs=measure(args.rounds, args.dtype, kinds))
+    result = results.record("startup", dtype=args.dtype, rounds=args.rounds,
+                            runs=measure(args.rounds, args.dtype, kinds))
     results.publish(result, report(result), args.out_dir)
     return 0

@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.dtypes.split(","):
         rows += measure(getattr(torch, name), args.rounds, args.budget_s)
     steps = measure_steps(args.rounds) if args.steps else []
-    result = {**results.record("cpu_layer_ops"), "load_average": ", ".join(f"{v:.1f}" for v in os.getloadavg()), "rows": rows, "steps": steps}
+    result = results.record("cpu_layer_ops", load_average=", ".join(f"{v:.1f}" for v in os.getloadavg()),
+                            rows=rows, steps=steps)
     results.publish(result, markdown(result), args.out_dir, "cpu_layer_ops")
     return 0

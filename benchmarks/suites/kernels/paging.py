@@ -307,7 +307,8 @@ def main(argv: list[str] | None = None) -> int | None:
                         help="CPU, with --baseline-kernel: compare the two kernels' outputs bit for bit on N random "
                              "calls instead of timing")
     options.seed(parser, help="--bits: the random calls' seed")
-    options.quick(parser, help="one small case in float32: every kernel checked against SDPA, timings not worth keeping")
+    options.quick(parser, help="one small case in float32: every kernel checked against SDPA, timings not worth "
+                               "keeping")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"

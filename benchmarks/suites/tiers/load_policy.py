@@ -153,12 +153,13 @@ def main(argv=None) -> int:
         for scenario in [s for s in args.scenarios.split(",") if s]:
             started = time.perf_counter()
             scenarios[scenario] = run_scenario(scenario, base, loaded, document, questions, args, Path(tmp))
-            print(f"{scenario}: " + ", ".join(f"{p} p50 {r['p50_s'] * 1000:.0f} ms" for p, r in scenarios[scenario].items())
+            print(f"{scenario}: " + ", ".join(f"{p} p50 {r['p50_s'] * 1000:.0f} ms"
+                                              for p, r in scenarios[scenario].items())
                   + f" ({time.perf_counter() - started:.0f} s)", flush=True)
-    result = {**results.record("load_policy"), "dtype": base.resolved_dtype(), "doc_tokens": args.doc_tokens, "rounds": args.rounds,
-              "slow_ms_per_block": args.slow_ms_per_block, "overlap_ms_per_block": args.overlap_ms_per_block,
-              "load_average_1min": os.getloadavg()[0],
-              "scenarios": scenarios}
+    result = results.record("load_policy", dtype=base.resolved_dtype(), doc_tokens=args.doc_tokens,
+                            rounds=args.rounds, slow_ms_per_block=args.slow_ms_per_block,
+                            overlap_ms_per_block=args.overlap_ms_per_block, load_average_1min=os.getloadavg()[0],
+                            scenarios=scenarios)
     results.publish(result, markdown(result), args.out_dir, "load_policy")
     return 0
 
