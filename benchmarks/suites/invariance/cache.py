@@ -106,7 +106,7 @@ def main(argv=None) -> int:
 
 def markdown(result: dict) -> str:
     lines = ["# Do cache hits change greedy outputs?", "",
-             *provenance_lines(result),
+             *provenance_lines(result), "",
              f"Model: {result['model']}; documents of the development set cut to {result['doc_tokens']} tokens, "
              f"each cached by its first question; each further question's greedy answer "
              f"({result['max_tokens']} tokens, end of sequence ignored) compared with prefix caching off. "

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
 def markdown(result: dict) -> str:
     names = list(result["by_kv_dtype"])
     lines = ["# KV cache dtype: bytes against answers", "",
-             *provenance_lines(result),
+             *provenance_lines(result), "",
              f"Model: {result['model']} in {result['dtype']}; documents of the development set cut to "
              f"{result['doc_tokens']} tokens, each cached by its first question; each further question's greedy "
              f"answer ({result['max_tokens']} tokens, end of sequence ignored) with prefix caching off "

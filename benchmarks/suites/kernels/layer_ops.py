@@ -124,7 +124,7 @@ def measure_steps(rounds: int, context: int = 2048) -> list[dict]:
 
 def markdown(result: dict) -> str:
     lines = ["# The CPU layer ops: torch references against the compiled kernels, per call", "",
-             *provenance_lines(result),
+             *provenance_lines(result), "",
              f"Load average (1, 5, 15 min) at the end: {result['load_average']}", "",
              "One thread; process CPU time per call, best of the rounds (sides alternating within each round). "
              "Shapes of the embedded model (SmolLM2-135M); rotary and the K/V store on the decoder's strided views "
