@@ -6,7 +6,7 @@
 `run` sets placement by prefix against round robin and random on the same requests (tokens served locally, from
 the remote tier and recomputed, the share of the best possible, TTFT, throughput, refusals), then kills a Valkey
 primary, kills and restarts a kvstrata replica and cuts the router's event feed from one, each at a fixed second,
-checking every answer against an uncached engine's and timing each recovery (benchmarks/lib/cluster_run.py).
+checking every answer against an uncached engine's and timing each recovery (benchmarks/suites/cluster/run.py).
 """
 import sys
 from pathlib import Path
@@ -16,12 +16,12 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose kernels.py
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # would stand for the installed `kernels`
 
-from benchmarks.harness import Subcommand, run_suite  # noqa: E402
+from benchmarks.lib.harness import Subcommand, run_suite  # noqa: E402
 
 SUBCOMMANDS = (
-    Subcommand("run", "cluster_run", "placement by prefix against round robin and random, then three failures "
+    Subcommand("run", "cluster.run", "placement by prefix against round robin and random, then three failures "
                "mid-run, with a timeline plot"),
-    Subcommand("small", "cluster_small", "a Valkey cluster, two replicas, one failover: the suite in under a minute"),
+    Subcommand("small", "cluster.small", "a Valkey cluster, two replicas, one failover: the suite in under a minute"),
 )
 
 

@@ -16,14 +16,14 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose kernels.py
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # would stand for the installed `kernels`
 
-from benchmarks.harness import Subcommand, run_suite  # noqa: E402
+from benchmarks.lib.harness import Subcommand, run_suite  # noqa: E402
 
 SUBCOMMANDS = (
-    Subcommand("report", "gpu_report", "the GPU figures and goals in one run (refuses without CUDA; --smoke on "
+    Subcommand("report", "gpu.report", "the GPU figures and goals in one run (refuses without CUDA; --smoke on "
                "a CPU)"),
-    Subcommand("diag", "gpu_diag", "behind the report's figures: disk readers, restarts, the steps around a hit, "
+    Subcommand("diag", "gpu.diag", "behind the report's figures: disk readers, restarts, the steps around a hit, "
                "layer-by-layer loads"),
-    Subcommand("graph-steps", "graph_steps", "decoder steps eager, through transformers and as CUDA graphs"),
+    Subcommand("graph-steps", "gpu.graph_steps", "decoder steps eager, through transformers and as CUDA graphs"),
 )
 
 

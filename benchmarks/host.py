@@ -18,18 +18,18 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose kernels.py
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # would stand for the installed `kernels`
 
-from benchmarks.harness import Subcommand, run_suite  # noqa: E402
+from benchmarks.lib.harness import Subcommand, run_suite  # noqa: E402
 
 SUBCOMMANDS = (
-    Subcommand("engine", "engine_host", "the engine's host work per decode step, outside the model"),
-    Subcommand("request", "request_host", "a request's host cost before its first token, by phase"),
-    Subcommand("serving", "serving_host", "what AsyncEngine and the HTTP server add to a decode step"),
-    Subcommand("hit-beside-decodes", "hit_beside_decodes",
+    Subcommand("engine", "host.engine", "the engine's host work per decode step, outside the model"),
+    Subcommand("request", "host.request", "a request's host cost before its first token, by phase"),
+    Subcommand("serving", "host.serving", "what AsyncEngine and the HTTP server add to a decode step"),
+    Subcommand("hit-beside-decodes", "host.hit_beside_decodes",
                "a lower-tier hit's TTFT beside four decoding sequences, and their longest step"),
-    Subcommand("startup", "startup", "the embedded model's load at start: from its GGUF, first and later starts"),
-    Subcommand("cpu-step", "cpu_step",
+    Subcommand("startup", "host.startup", "the embedded model's load at start: from its GGUF, first and later starts"),
+    Subcommand("cpu-step", "host.cpu_step",
                "a device hit's TTFT and decode ms/token on the CPU, beside another checkout and transformers"),
-    Subcommand("structured-outputs", "structured_outputs",
+    Subcommand("structured-outputs", "host.structured_outputs",
                "the grammar mask of B structured rows against B plain decode steps"),
 )
 

@@ -14,13 +14,13 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose kernels.py
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # would stand for the installed `kernels`
 
-from benchmarks.harness import Subcommand, run_suite  # noqa: E402
+from benchmarks.lib.harness import Subcommand, run_suite  # noqa: E402
 
 SUBCOMMANDS = (
-    Subcommand("cache", "cache_invariance", "greedy answers over a cached document against prefix caching off, "
+    Subcommand("cache", "invariance.cache", "greedy answers over a cached document against prefix caching off, "
                "per dtype"),
-    Subcommand("kv-dtype", "kv_cache_dtype", "a block's bytes against the answers, per cache.kv_cache_dtype"),
-    Subcommand("batch", "batch_invariance", "which ops change bits with the batch's shape, and the invariant "
+    Subcommand("kv-dtype", "invariance.kv_dtype", "a block's bytes against the answers, per cache.kv_cache_dtype"),
+    Subcommand("batch", "invariance.batch", "which ops change bits with the batch's shape, and the invariant "
                "mode's cost (ops, trace, tiles, cost)"),
 )
 

@@ -17,15 +17,15 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose kernels.py
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # would stand for the installed `kernels`
 
-from benchmarks.harness import Subcommand, run_suite  # noqa: E402
+from benchmarks.lib.harness import Subcommand, run_suite  # noqa: E402
 
 SUBCOMMANDS = (
-    Subcommand("paging", "paging", "paged prefix-prefill against contiguous SDPA; split-KV on CUDA"),
-    Subcommand("cpu-linear", "cpu_linear", "the compiled CPU linear layer against F.linear, per product and row "
-               "count"),
-    Subcommand("decoder-step", "decoder_step", "a model step's cost: kvstrata's decoder against transformers' "
+    Subcommand("paging", "kernels.paging", "paged prefix-prefill against contiguous SDPA; split-KV on CUDA"),
+    Subcommand("cpu-linear", "kernels.cpu_linear", "the compiled CPU linear layer against F.linear, per product "
+               "and row count"),
+    Subcommand("decoder-step", "kernels.decoder_step", "a model step's cost: kvstrata's decoder against transformers' "
                "modules"),
-    Subcommand("layer-ops", "cpu_layer_ops", "a layer's per-row ops on a CPU, per call: torch references against "
+    Subcommand("layer-ops", "kernels.layer_ops", "a layer's per-row ops on a CPU, per call: torch references against "
                "the compiled kernels"),
 )
 

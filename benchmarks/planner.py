@@ -18,7 +18,6 @@ prefix, and sweeps the CPU and device tiers' sizes of eight prefix-routed replic
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
@@ -32,6 +31,9 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose
     sys.path[0] = str(ROOT)  # kernels.py would stand for the installed `kernels`
+
+from benchmarks.lib import options, results  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 BLOCK_SIZE = 16
 
@@ -135,8 +137,6 @@ REPLICA_SETS = ("--set", "cache.tiers.device.size=40GiB", "--set", "cache.tiers.
 
 
 def write_results(data: dict, plot: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "planner.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     lines = ["# kvstrata plan: accuracy and speed", "",
              f"Trace: `{data['trace']}` ({data['requests']} requests), the Mooncake FAST'25 conversation trace "
              "(kvcache-ai/Mooncake, Apache-2.0; not shipped). Config: `model: llama-3-8b` (dummy weights, "
@@ -162,26 +162,30 @@ def write_results(data: dict, plot: str) -> None:
                   f"![sweep]({Path(plot).name})"]
     serve_path = RESULTS / "planner_serve.json"
     if serve_path.exists():
-        d = json.loads(serve_path.read_text())
-        lines += ["", "## Projected against served TTFT (this machine: 2 shared CPU cores)", "",
-                  f"Command: `python benchmarks/planner.py serve-check`. {d['requests']} requests of a tiny generated "
-                  f"trace ({d['block_tokens']} tokens an id, token ids synthesized from the ids, 4 tokens answered), "
-                  "played one after another against `kvstrata serve` (the embedded model, "
-                  + ", ".join(f"`{x}`" for x in d["settings"] if "path" not in x)
-                  + ", `server.trace_log` on); the planner replays the same trace from a profile `kvstrata plan "
-                  "--measure` wrote with the same config just before.", "",
-                  "| | hit ratio | mean TTFT (ms) | median TTFT (ms) |", "| --- | ---: | ---: | ---: |",
-                  f"| served (measured) | {d['served']['hit_ratio']:.3f} | {d['served']['ttft_ms_mean']:.0f} | "
-                  f"{d['served']['ttft_ms_p50']:.0f} |",
-                  f"| planned (projected) | {d['planned']['hit_ratio']:.3f} | {d['planned']['ttft_ms_mean']:.0f} | "
-                  f"{d['planned']['ttft_ms_p50']:.0f} |", "",
-                  f"Projected / served mean TTFT: {d['ttft_mean_ratio']:.2f}. One run on a shared machine: the "
-                  "profile's step cost moves with the other work on it. The server's own trace "
-                  f"(`server.trace_log`, file mode {d['trace_log']['mode']}) held {d['trace_log']['requests']} "
-                  f"requests; replayed at its 512 tokens an id it gives a hit ratio of "
-                  f"{d['trace_log']['hit_ratio']:.3f} (coarser ids: a prompt's last, partly shared span counts "
-                  "as a miss)."]
-    (RESULTS / "planner.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        lines += ["", *serve_report(json.loads(serve_path.read_text()))]
+    results.write(RESULTS, {"benchmark": "planner", **data}, lines)
+
+
+def serve_report(d: dict) -> list[str]:
+    """serve-check's report: the TTFT `kvstrata serve` measured against the TTFT the planner projected."""
+    return ["## Projected against served TTFT (this machine: 2 shared CPU cores)", "",
+            f"Command: `python benchmarks/planner.py serve-check`. {d['requests']} requests of a tiny generated "
+            f"trace ({d['block_tokens']} tokens an id, token ids synthesized from the ids, 4 tokens answered), "
+            "played one after another against `kvstrata serve` (the embedded model, "
+            + ", ".join(f"`{x}`" for x in d["settings"] if "path" not in x)
+            + ", `server.trace_log` on); the planner replays the same trace from a profile `kvstrata plan "
+            "--measure` wrote with the same config just before.", "",
+            "| | hit ratio | mean TTFT (ms) | median TTFT (ms) |", "| --- | ---: | ---: | ---: |",
+            f"| served (measured) | {d['served']['hit_ratio']:.3f} | {d['served']['ttft_ms_mean']:.0f} | "
+            f"{d['served']['ttft_ms_p50']:.0f} |",
+            f"| planned (projected) | {d['planned']['hit_ratio']:.3f} | {d['planned']['ttft_ms_mean']:.0f} | "
+            f"{d['planned']['ttft_ms_p50']:.0f} |", "",
+            f"Projected / served mean TTFT: {d['ttft_mean_ratio']:.2f}. One run on a shared machine: the "
+            "profile's step cost moves with the other work on it. The server's own trace "
+            f"(`server.trace_log`, file mode {d['trace_log']['mode']}) held {d['trace_log']['requests']} "
+            f"requests; replayed at its 512 tokens an id it gives a hit ratio of "
+            f"{d['trace_log']['hit_ratio']:.3f} (coarser ids: a prompt's last, partly shared span counts "
+            "as a miss)."]
 
 
 SERVE_BLOCK_TOKENS = 32  # tokens an id stands for in the serve check: short prompts for a shared 2-core CPU
@@ -210,6 +214,11 @@ def synthesized_tokens(hash_ids: Sequence[int], block_tokens: int, vocab: int = 
     return tokens
 
 
+def write_trace(path: Path, records: list[dict]) -> None:
+    """A trace file: one JSON record a line (the Mooncake format)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
 def serve_check(work: Path) -> dict:
     import httpx
 
@@ -219,7 +228,7 @@ def serve_check(work: Path) -> dict:
     work.mkdir(parents=True)
     trace = work / "tiny_trace.jsonl"
     records = tiny_trace()
-    trace.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    write_trace(trace, records)
     disk = work / "kvstore"
     settings = [*SERVE_SETTINGS, f"cache.tiers.disk.path={disk}", "cache.tiers.disk.size=256MiB"]
     sets = [a for s in settings for a in ("--set", s)]
@@ -257,14 +266,14 @@ def serve_check(work: Path) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = options.parser(__doc__, whole_doc=True)
     commands = parser.add_subparsers(dest="command", required=True)
     sample = commands.add_parser("sample", help="write the generated sample trace")
     sample.add_argument("out")
     sample.add_argument("--requests", type=int, default=400)
     acc = commands.add_parser("accuracy", help="planner against the LRU oracle, its speed, and a sweep's plot")
     acc.add_argument("--trace", required=True)
-    acc.add_argument("--config", default=str(ROOT / "benchmarks" / "data" / "traces" / "plan_llama3_8b.yaml"))
+    options.config(acc, default=str(ROOT / "benchmarks" / "data" / "traces" / "plan_llama3_8b.yaml"))
     acc.add_argument("--plot", default=str(RESULTS / "planner.png"))
     commands.add_parser("report", help="write results/planner.md again from the JSON results")
     check = commands.add_parser("serve-check", help="projected against served TTFT on a tiny trace")
@@ -272,17 +281,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve-check":
         data = serve_check(Path(args.work))
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "planner_serve.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        results.write(RESULTS, {"benchmark": "planner_serve", **data}, serve_report(data))
         print(json.dumps({k: data[k] for k in ("served", "planned", "ttft_mean_ratio", "trace_log")}, indent=2))
         return 0
     if args.command == "report":
         write_results(json.loads((RESULTS / "planner.json").read_text()), str(RESULTS / "planner.png"))
         return 0
     if args.command == "sample":
-        with open(args.out, "w", encoding="utf-8") as f:
-            for record in make_sample(args.requests):
-                f.write(json.dumps(record) + "\n")
+        write_trace(Path(args.out), make_sample(args.requests))
         return 0
     data = accuracy(args.trace, args.config)
     sweep_args = ["--replicas", "8", "--route", "prefix", "--sweep", "cache.tiers.cpu.size=0,64GiB,256GiB,1TiB",

@@ -39,9 +39,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose
     sys.path[0] = str(REPO_ROOT)  # kernels.py would stand for the installed `kernels`
 
-from benchmarks.machine import command_line, machine_line  # noqa: E402
-from benchmarks.harness import load, save_result  # noqa: E402
+from benchmarks.lib.machine import provenance_lines  # noqa: E402
+from benchmarks.lib.harness import load  # noqa: E402
 from benchmarks.lib.ttft_workload import DEFAULT_DATA, cut_document, load_document, load_questions  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
 
 ANSWERS = (" It runs once the loop ends without a break.", " It is never executed.",
            " Only when an exception is raised.", " It depends on the interpreter.")
@@ -49,13 +51,13 @@ CONFIGURATIONS = ("recompute", "cached", "cached_batched")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "default.yaml"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p = options.parser(__doc__)
+    options.config(p)
+    options.overrides(p)
     p.add_argument("--docs", type=int, default=2)
     p.add_argument("--questions", type=int, default=2, help="questions per document")
     p.add_argument("--doc-tokens", type=int, default=1500)
-    p.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
+    options.out_dir(p, options.RESULTS_DIR)
     return p.parse_args(argv)
 
 
@@ -139,8 +141,7 @@ def compare_scores(by_config: dict[str, list[dict]]) -> dict:
 def report(result: dict) -> str:
     s, cmp = result["summary"], result["scores"]
     lines = ["# Scoring answers on long documents (prompt log-probabilities)", "",
-             f"Command: `{result['command']}`  ", f"Machine: {result['machine']}  ",
-             f"Code: commit {result['commit']}", "",
+             *provenance_lines(result), "",
              f"Workload: {result['workload']}", "",
              "| engine | requests | total s | new document p50 ms | other answers p50 ms "
              "| other answers' cached tokens (mean) |",
@@ -161,8 +162,6 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    import subprocess
-
     import torch
 
     from kvstrata import load_config
@@ -176,16 +175,14 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="kvstrata-scoring-") as tmp:  # each engine its own disk tier
             by_config[name] = run_configuration(name, load_config(args.config, [*args.overrides,
                                                 f"cache.tiers.disk.path={tmp}/kv"]), loaded, requests)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
     workload = (f"{args.docs} documents cut to {args.doc_tokens} tokens, {args.questions} questions each, "
                 f"{len(ANSWERS)} answers per question (context + answer as token "
                 f"ids, prompt_logprobs=1, max_tokens=1), {config.resolved_dtype()}, "
                 f"{torch.get_num_threads()} torch threads")
-    result = {"command": command_line(), "machine": machine_line(), "commit": commit, "workload": workload,
+    result = {**results.record("scoring"), "workload": workload,
               "results": by_config, "summary": {n: summarise(r) for n, r in by_config.items()},
               "scores": compare_scores(by_config)}
-    save_result(args.out_dir, "scoring", result, report(result))
+    results.publish(result, report(result), args.out_dir, "scoring")
     return 0
 
 

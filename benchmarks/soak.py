@@ -22,7 +22,6 @@ A failure prints its seed and the shortest prefix of its step trace that still f
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import logging
 import random
@@ -53,6 +52,7 @@ from kvstrata.tiers.hierarchy import TierHierarchy  # noqa: E402
 from kvstrata.tiers.transfer import TransferEngine  # noqa: E402
 from tests.tier_cases import GatedTier  # noqa: E402
 from tests.valkey_server import ValkeyServer  # noqa: E402
+from benchmarks.lib import options  # noqa: E402
 
 BS = 4
 LAYOUT = BlockLayout(num_layers=1, block_size=BS, num_kv_heads=1, head_dim=4, dtype=torch.float32)
@@ -496,11 +496,11 @@ def shortest_trace(seed: int, steps: int) -> list[tuple[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = options.parser(__doc__)
     parser.add_argument("--seeds", type=int, default=1000)
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--quick", action="store_true", help="100 seeds of 30 steps")
+    options.quick(parser, help="100 seeds of 30 steps")
     parser.add_argument("--verbose", action="store_true", help="the engine's warnings too (every injected fault "
                         "logs one)")
     args = parser.parse_args(argv)

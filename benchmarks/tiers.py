@@ -15,19 +15,20 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose kernels.py
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # would stand for the installed `kernels`
 
-from benchmarks.harness import Subcommand, run_suite  # noqa: E402
+from benchmarks.lib.harness import Subcommand, run_suite  # noqa: E402
 
 SUBCOMMANDS = (
-    Subcommand("promotion", "promotion", "CPU-tier and warm-disk promotion through the transfer engine as a share "
-               "of memcpy, and disk write-down throughput"),
-    Subcommand("hashing", "hashing", "chain hashing, ns per token: xxh3_128 and sha256 against vLLM's sha256+cbor2"),
-    Subcommand("disk-readers", "disk_read_scaling", "warm disk reads by 1 to N reader processes against their "
+    Subcommand("promotion", "tiers.promotion", "CPU-tier and warm-disk promotion through the transfer engine as a "
+               "share of memcpy, and disk write-down throughput"),
+    Subcommand("hashing", "tiers.hashing", "chain hashing, ns per token: xxh3_128 and sha256 against vLLM's "
+               "sha256+cbor2"),
+    Subcommand("disk-readers", "tiers.disk_readers", "warm disk reads by 1 to N reader processes against their "
                "copies from memory"),
-    Subcommand("disk-promotion", "disk_promotion", "a document promoted from a warm disk on the fill threads and "
+    Subcommand("disk-promotion", "tiers.disk_promotion", "a document promoted from a warm disk on the fill threads and "
                "on one; --baseline REV"),
-    Subcommand("remote-lookup", "remote_lookup", "a remote-tier lookup: the server-side script against pipelined "
+    Subcommand("remote-lookup", "tiers.remote_lookup", "a remote-tier lookup: the server-side script against pipelined "
                "EXISTS"),
-    Subcommand("load-policy", "load_policy", "TTFT of a lower-tier hit under always_load, always_recompute and "
+    Subcommand("load-policy", "tiers.load_policy", "TTFT of a lower-tier hit under always_load, always_recompute and "
                "auto"),
 )
 

@@ -22,14 +22,14 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose kernels.py
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # would stand for the installed `kernels`
 
-from benchmarks.harness import Subcommand, run_suite  # noqa: E402
+from benchmarks.lib.harness import Subcommand, run_suite  # noqa: E402
 
 SUBCOMMANDS = (
-    Subcommand("pressure", "ttft_pressure", "TTFT with the working set 4x the device tier, per tier set-up, "
+    Subcommand("pressure", "ttft.pressure", "TTFT with the working set 4x the device tier, per tier set-up, "
                "restart, replicas, dtypes and peers"),
-    Subcommand("concurrency", "ttft_concurrency", "fcfs against uncached_first: hit and miss TTFT, token gaps, "
+    Subcommand("concurrency", "ttft.concurrency", "fcfs against uncached_first: hit and miss TTFT, token gaps, "
                "throughput under streams or Poisson arrivals"),
-    Subcommand("vllm", "cpu_vs_vllm", "against vLLM on the same CPU: miss and device-hit TTFT, decode ms/token, "
+    Subcommand("vllm", "ttft.vllm", "against vLLM on the same CPU: miss and device-hit TTFT, decode ms/token, "
                "per dtype"),
 )
 

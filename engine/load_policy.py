@@ -28,7 +28,7 @@ Where a head's step is not counted on to run while its tail loads (`overlap=Fals
 the plan is priced `head_step + load(tail) + rest_step`: a head then pays only where computing its blocks beats
 loading them. On a GPU no head chosen beside a load was seen to pay for itself: an eager head took longer than
 the load beside it, and a replayed head waited for its tail after its step, spending what a faster load had
-saved. Why that tail did not land during the head's step is not known (benchmarks/lib/gpu_diag.py part d times
+saved. Why that tail did not land during the head's step is not known (benchmarks/suites/gpu/diag.py part d times
 it); until it is, a head on a GPU is priced as if it did not overlap. On a CPU a head beside its tail's load
 gives the first token sooner.
 

@@ -14,7 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.lib.ttft_concurrency import Driver, goals, mark_joined, run_poisson  # noqa: E402
+from benchmarks.suites.ttft.concurrency import Driver, goals, mark_joined, run_poisson  # noqa: E402
 from server_process import run_bench_on_a_tiny_model  # noqa: E402
 
 

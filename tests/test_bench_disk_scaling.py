@@ -1,6 +1,6 @@
 """The disk read scaling benchmark (`benchmarks/tiers.py disk-readers`; its run end to end is in
 test_bench_suites.py): a record that fails the readers' checks fails the run."""
-from benchmarks.lib import disk_read_scaling
+from benchmarks.suites.tiers import disk_readers as disk_read_scaling
 
 
 def test_a_record_that_fails_the_checks_fails_the_run_in_one_line_without_waiting(tmp_path):

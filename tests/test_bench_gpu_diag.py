@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import gpu
-from benchmarks.lib import gpu_diag
+from benchmarks.suites.gpu import diag as gpu_diag
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ prompt and a miss computed, the document's questions found on the device, then i
 blocks are dropped; the benchmark raises otherwise), and its phases add up to its time to first token."""
 import pytest
 
-from benchmarks.lib import request_host
+from benchmarks.suites.host import request as request_host
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ each. The third kind, a GGUF load that keeps no copy, is the first start's load 
 import pytest
 
 from benchmarks import host
-from benchmarks.lib import startup
+from benchmarks.suites.host import startup
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 subcommand's too, which imports its module), a bad subcommand is one line, the quick modes run (the other
 suites' runs are in their own tests: test_bench_ttft, test_bench_kv_cache_dtype, test_gpu_report,
 test_bench_startup, test_soak, ...), and the modules import one way (entry points -> helpers and
-benchmarks/lib, never an entry point, no circles)."""
+benchmarks/lib and benchmarks/suites, never an entry point, no circles)."""
 from __future__ import annotations
 
 import ast
@@ -19,7 +19,7 @@ if str(REPO_ROOT) not in sys.path:
 
 BENCH = REPO_ROOT / "benchmarks"
 ENTRY_POINTS = sorted(p.stem for p in BENCH.glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
-# the suites that dispatch to benchmarks/lib (harness.run_suite); soak, planner and scoring parse their own options
+# the suites that dispatch to benchmarks/suites/SUITE/ (harness.run_suite); soak, planner and scoring parse their own options
 SUITES = [name for name in ENTRY_POINTS if "SUBCOMMANDS" in (BENCH / f"{name}.py").read_text()]
 
 
@@ -119,22 +119,38 @@ def test_tiers_disk_readers_reads_every_layout_through_the_record_checks(tmp_pat
     assert "| SmolLM2-135M | 2 |" in (tmp_path / "disk_read_scaling.md").read_text()
 
 
+def test_a_result_says_what_produced_it_in_its_json_and_its_reports_first_lines(tmp_path, capsys):
+    from benchmarks.lib import results
+
+    result = {"rows": [1, 2], "data": str(REPO_ROOT / "benchmarks" / "data" / "x.jsonl")}
+    report = results.write(tmp_path, result, ["# A benchmark", "", "| a | b |"], name="demo")
+    written = json.loads((tmp_path / "demo.json").read_text())
+    assert list(written)[:4] == ["benchmark", "command", "machine", "source"] and written["rows"] == [1, 2]
+    assert written["benchmark"] == "demo" and written["data"] == "benchmarks/data/x.jsonl"  # no machine's paths
+    head = report.read_text().splitlines()[:6]
+    assert head[0] == "# A benchmark" and head[2].startswith("Command: `python ")
+    assert head[3].startswith("Machine: ") and head[4].startswith("Code: commit ")
+    # a report that gives its command first is left as it is
+    results.write(tmp_path, written, ["# Again", "", f"Command: `{written['command']}`", "", "text"], name="again")
+    assert (tmp_path / "again.md").read_text().count("Command: `") == 1
+
+
 def test_planner_quick_mode_writes_a_sample_trace(tmp_path):
     out = tmp_path / "trace.jsonl"
     assert suite("planner").main(["sample", str(out), "--requests", "20"]) in (0, None)
     assert len(out.read_text().splitlines()) == 20
 
 
-def _benchmark_imports(path: Path) -> set[str]:
-    """The `benchmarks` modules `path` imports, dotted below `benchmarks` (`lib.harness`, `machine`, ...)."""
+def _benchmark_imports(path: Path, modules: set[str]) -> set[str]:
+    """The `benchmarks` modules `path` imports, dotted below `benchmarks` (`lib.harness`, `suites.ttft.pressure`,
+    ...): `from benchmarks.X import y` names `X.y` where that is a module, else `X`."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "benchmarks":
             base = node.module.split(".", 1)[1] if "." in node.module else ""
-            if base in ("", "lib"):  # `from benchmarks import x`, `from benchmarks.lib import x`
-                names |= {f"{base}.{alias.name}".lstrip(".") for alias in node.names}
-            else:
-                names.add(base)
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}".lstrip(".")
+                names.add(candidate if candidate in modules else base)
         elif isinstance(node, ast.Import):
             names |= {a.name.split(".", 1)[1] for a in node.names if a.name.startswith("benchmarks.")}
     return names
@@ -146,13 +162,13 @@ def test_no_benchmark_imports_another_entry_point():
     modules = {str(p.relative_to(BENCH).with_suffix("")).replace("/", "."): p for p in BENCH.rglob("*.py")
                if "data" not in p.parts and p.name != "__init__.py"}
     for name, path in sorted(modules.items()):
-        imported = _benchmark_imports(path)
+        imported = _benchmark_imports(path, set(modules))
         assert not imported & set(ENTRY_POINTS), f"{name} imports entry points {imported & set(ENTRY_POINTS)}"
         assert imported <= set(modules), f"{name} imports {imported - set(modules)}, which do not exist"
-        if name.startswith("lib."):
+        if name.startswith(("lib.", "suites.")):
             assert 'if __name__ == "__main__"' not in path.read_text(), f"{name} is a script; run it from a suite"
     # and no circles among the helpers
-    graph = {name: _benchmark_imports(path) & set(modules) for name, path in modules.items()}
+    graph = {name: _benchmark_imports(path, set(modules)) & set(modules) for name, path in modules.items()}
     state: dict[str, str] = {}
 
     def visit(name: str, trail: tuple[str, ...]) -> None:

@@ -315,7 +315,7 @@ def assert_each_configuration_is_what_it_claims(configurations: dict, num_reques
 
 
 def test_the_report_names_the_engine_sources_modified_since_the_commit_measured(tmp_path, monkeypatch):
-    import benchmarks.machine as machine
+    import benchmarks.lib.machine as machine
 
     def git(*argv):
         subprocess.run(["git", *argv], cwd=tmp_path, check=True, capture_output=True)
@@ -385,7 +385,7 @@ def test_vllm_says_in_one_line_where_it_cannot_run_on_a_cpu(monkeypatch, system,
 
 
 def test_the_vllm_comparison_report_gives_ours_over_vllms_per_dtype():
-    from benchmarks.lib.cpu_vs_vllm import report
+    from benchmarks.suites.ttft.vllm import report
 
     def side(miss, hit, decode, answers):
         return {"miss_s": miss, "hit_s": hit, "decode_s_per_token": decode, "answers": answers, "cached": []}

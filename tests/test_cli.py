@@ -173,11 +173,11 @@ def test_bench_with_a_bad_config_fails_before_running(tmp_path):
     assert_one_line_error(result, "model.dtype")
 
 
-@pytest.mark.parametrize("benchmark, module", [("ttft", "ttft_pressure"), ("concurrency", "ttft_concurrency")])
+@pytest.mark.parametrize("benchmark, module", [("ttft", "pressure"), ("concurrency", "concurrency")])
 def test_bench_runs_the_suites_subcommand_with_the_config_and_options(monkeypatch, benchmark, module):
     ran = []
     # the suite (benchmarks/ttft.py) imports its subcommand's module when it runs: this one records its options
-    monkeypatch.setitem(sys.modules, f"benchmarks.lib.{module}", types.SimpleNamespace(main=ran.append))
+    monkeypatch.setitem(sys.modules, f"benchmarks.suites.ttft.{module}", types.SimpleNamespace(main=ran.append))
     config, argv = str(CONFIGS / "pressure.yaml"), list(sys.argv)
     assert cli.main(["bench", benchmark, "--config", config, "--set", "model.threads=1", "--docs", "2"]) == 0
     assert ran == [["--config", config, "--set", "model.threads=1", "--docs", "2"]]

@@ -1,5 +1,5 @@
 """The decoder (engine/decoder.py) computes, on the torch path, the bits transformers' own modules compute on the
-same weights over the same paged KV cache (benchmarks/lib/decoder_step.py runs them so, as the engine did before the
+same weights over the same paged KV cache (benchmarks/suites/kernels/decoder_step.py runs them so, as the engine did before the
 decoder), for every supported family's parts; and packing a model's projections holds its weights once."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_model_families import _families
 
-from benchmarks.lib.decoder_step import CASES, Paths, register_transformers_attention, step_input, TRANSFORMERS_ATTENTION
+from benchmarks.suites.kernels.decoder_step import CASES, Paths, register_transformers_attention, step_input, TRANSFORMERS_ATTENTION
 from kvstrata.engine.decoder import Decoder
 from kvstrata.engine.model_loader import LoadedModel
 from kvstrata.engine.model_runner import ModelRunner
@@ -76,7 +76,7 @@ def test_a_pack_in_the_other_layout_is_made_anew_and_the_modules_follow_it():
 
 
 def test_the_step_benchmark_asserts_agreement_in_float32_and_measures_it_in_bf16():
-    from benchmarks.lib.decoder_step import check_agreement
+    from benchmarks.suites.kernels.decoder_step import check_agreement
 
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     off = logits.clone()

@@ -22,7 +22,7 @@ def test_an_async_engine_left_running_at_exit_is_shut_down_and_its_blocks_writte
         import asyncio, atexit, sys
         from pathlib import Path
         sys.path.insert(0, {str(REPO_ROOT)!r})
-        from benchmarks.lib.engine_host import build_engine
+        from benchmarks.suites.host.engine import build_engine
         from kvstrata.engine.async_engine import AsyncEngine
         from kvstrata.engine.sampling import SamplingParams
 

@@ -1,4 +1,4 @@
-"""The GPU report (`benchmarks/gpu.py report`, benchmarks/lib/gpu_report.py): it refuses to write GPU figures without CUDA, counts the CUDA tests from
+"""The GPU report (`benchmarks/gpu.py report`, benchmarks/suites/gpu/report.py): it refuses to write GPU figures without CUDA, counts the CUDA tests from
 their JUnit XML, judges each goal from measured ratios, and its `--smoke` run (every section on the CPU, tiny shapes)
 writes a report with every section (slow)."""
 from __future__ import annotations
@@ -17,7 +17,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import gpu  # noqa: E402
-from benchmarks.lib import decoder_step, gpu_report  # noqa: E402
+from benchmarks.suites.kernels import decoder_step  # noqa: E402
+from benchmarks.suites.gpu import report as gpu_report
 
 SECTION_HEADINGS = ("## Device", "## Goals", "## CUDA tests (`pytest -m cuda`)", "## Copy bandwidth and promotion",
                     "## Prefix-prefill kernel", "## A model step: kvstrata's decoder against transformers' modules",
@@ -275,7 +276,7 @@ def test_a_run_with_another_block_size_is_its_own_report(tmp_path, capsys):
 
 
 def test_graph_steps_builds_smollm2s_shape_without_the_embedded_tokenizer(tmp_path):
-    from benchmarks.lib import graph_steps
+    from benchmarks.suites.gpu import graph_steps
 
     from kvstrata.engine import model_loader
 

@@ -1,7 +1,7 @@
 """Everything the cluster benchmark runs, on this machine's loopback: a Valkey cluster (tests/valkey_server.py's,
 primaries with a replica each), `kvstrata serve` replicas whose remote tier is that cluster, and `kvstrata route`
 in front of them, its event feed from each replica passing through a `FeedProxy` that can be cut and restored.
-The measuring is benchmarks/lib/cluster_run.py's."""
+The measuring is benchmarks/suites/cluster/run.py's."""
 from __future__ import annotations
 
 import re
