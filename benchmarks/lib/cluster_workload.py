@@ -189,6 +189,27 @@ def percentile(values: list[float], p: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))]
 
 
+SOURCES = ("local", "remote", "disk", "computed")
+
+
+def main_source(outcome: Outcome) -> str:
+    """Where most of a request's prompt came from: the local tiers (device and CPU), the remote tier, the local
+    disk, or computing it. A prompt found mostly in the local tiers costs its replica least; the TTFT by source
+    says how much placement can gain over a policy that finds the same prompts in the remote tier instead."""
+    cached = {t: int(outcome.cached_by_tier.get(t, 0)) for t in TIERS}
+    shares = {"local": cached["device"] + cached["cpu"], "remote": cached["remote"], "disk": cached["disk"],
+              "computed": outcome.prompt_tokens - sum(cached.values())}
+    return max(SOURCES, key=lambda source: shares[source])  # ties go to the first named
+
+
+def ttft_by_source(answered: list[Outcome]) -> dict:
+    """Per main source (`main_source`): the requests and their TTFT p50."""
+    by_source = {source: [o.ttft_s for o in answered if o.ttft_s is not None and main_source(o) == source]
+                 for source in SOURCES}
+    return {source: {"requests": len(ttfts), "ttft_p50_s": percentile(ttfts, 50)}
+            for source, ttfts in by_source.items()}
+
+
 def summary(outcomes: list[Outcome], wall_s: float) -> dict:
     """Per tier the prompt tokens served (device+cpu: local), TTFT percentiles of the answered, throughput."""
     answered = [o for o in outcomes if o.verdict in ("correct", "wrong")]
@@ -200,7 +221,7 @@ def summary(outcomes: list[Outcome], wall_s: float) -> dict:
             "prompt_tokens": prompt, "local_tokens": tokens["device"] + tokens["cpu"], "tokens_by_tier": tokens,
             "recomputed_tokens": prompt - sum(tokens.values()),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p95_s": percentile(ttfts, 95),
-            "ttft_p99_s": percentile(ttfts, 99), "wall_s": wall_s,
+            "ttft_p99_s": percentile(ttfts, 99), "ttft_by_source": ttft_by_source(answered), "wall_s": wall_s,
             "requests_per_s": len(answered) / wall_s if wall_s else None}
 
 

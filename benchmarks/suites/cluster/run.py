@@ -36,7 +36,7 @@ import httpx
 
 from benchmarks.lib.cluster_stack import ReplicaSizes, Stack
 from benchmarks.lib.cluster_workload import (Outcome, best_single_cache, documents, drive, outcome_rows, prompts,
-                                             reference_answers, summary, zipf_schedule)
+                                             SOURCES, reference_answers, summary, zipf_schedule)
 from benchmarks.lib import results
 from benchmarks.lib.machine import provenance_lines
 from tests.valkey_server import valkey_cluster
@@ -346,6 +346,10 @@ def plot(failure: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def source_cell(row: dict) -> str:
+    return f"{row['requests']}, {row['ttft_p50_s']:.3f}" if row["requests"] else "-"
+
+
 def report(result: dict, args) -> list[str]:
     lines = [f"# Replicas on a Valkey cluster behind the router", "", *provenance_lines(result), "",
              f"Set-up: a Valkey cluster of {args.primaries} primaries with {args.valkey_replicas} replica(s) each "
@@ -374,6 +378,11 @@ def report(result: dict, args) -> list[str]:
             p, rr = policies["prefix"], policies["round_robin"]
             lines.append(f"Prefix placement against round robin: {p['local_tokens'] / max(rr['local_tokens'], 1):.2f}x "
                          f"the local tokens, TTFT p50 {p['ttft_p50_s'] / rr['ttft_p50_s']:.2f}x.")
+        lines += ["", "TTFT p50 by where most of each prompt came from (requests, seconds): a policy's TTFT p50 is "
+                      "its median request's, so it falls only as far as that request moves from one row to a cheaper "
+                      "one.", "", "| policy | " + " | ".join(SOURCES) + " |", "|---" * (len(SOURCES) + 1) + "|"]
+        lines += [f"| {name} | " + " | ".join(source_cell(r["ttft_by_source"][s]) for s in SOURCES) + " |"
+                  for name, r in policies.items() if "ttft_by_source" in r]
         lines.append("")
     failure = result.get("failures")
     if failure:

@@ -1,0 +1,29 @@
+"""The cluster suite's report explains its TTFT ratio: each request is filed under where most of its prompt came
+from, so a reader sees whether the median request of each policy was a local hit, a remote or disk hit, or
+computed."""
+from __future__ import annotations
+
+from benchmarks.lib.cluster_workload import Outcome, main_source, summary
+
+
+def outcome(prompt_tokens: int, ttft_s: float, **cached) -> Outcome:
+    return Outcome(doc="d", question="q", sent_s=0.0, status=200, ttft_s=ttft_s, done=True, verdict="correct",
+                   prompt_tokens=prompt_tokens, cached_by_tier=cached)
+
+
+def test_a_request_is_filed_under_the_source_of_most_of_its_prompt():
+    assert main_source(outcome(100, 0.1, device=48, cpu=32)) == "local"  # device and CPU together
+    assert main_source(outcome(100, 0.1, device=16, remote=80)) == "remote"
+    assert main_source(outcome(100, 0.1, disk=64)) == "disk"
+    assert main_source(outcome(100, 0.1, device=16)) == "computed"  # a shared chat-template block is no hit
+    assert main_source(outcome(100, 0.1)) == "computed"
+
+
+def test_the_summary_gives_each_source_its_requests_and_median_ttft():
+    outcomes = [outcome(100, 0.1, device=96), outcome(100, 0.3, device=96), outcome(100, 0.2, cpu=96),
+                outcome(100, 0.5, remote=96), outcome(100, 4.0)]
+    by_source = summary(outcomes, wall_s=10.0)["ttft_by_source"]
+    assert by_source["local"] == {"requests": 3, "ttft_p50_s": 0.2}
+    assert by_source["remote"] == {"requests": 1, "ttft_p50_s": 0.5}
+    assert by_source["disk"] == {"requests": 0, "ttft_p50_s": None}
+    assert by_source["computed"] == {"requests": 1, "ttft_p50_s": 4.0}
