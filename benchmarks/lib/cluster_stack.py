@@ -32,6 +32,7 @@ class ReplicaSizes:
     cpu_blocks: int
     threads: int = 1
     remote_timeout: str = "500ms"
+    remote: bool = True  # False: no remote tier, the cluster unused
 
 
 class FeedProxy:
@@ -129,10 +130,11 @@ class ServeReplica:
 
     def start(self) -> None:
         s = self.sizes
+        remote = (f"cache.tiers.remote.url={self.remote_url}", "cache.tiers.remote.cluster=true",
+                  f"cache.tiers.remote.timeout={s.remote_timeout}") if s.remote else ()
         self.process = ServerProcess(
             self.disk, f"cache.tiers.device.size={s.device_blocks}", f"cache.tiers.cpu.size={s.cpu_blocks}",
-            f"model.threads={s.threads}", f"cache.tiers.remote.url={self.remote_url}", "cache.tiers.remote.cluster=true",
-            f"cache.tiers.remote.timeout={s.remote_timeout}",
+            f"model.threads={s.threads}", *remote,
             f"events.endpoint=tcp://127.0.0.1:{self.events_port}",
             f"events.replay_endpoint=tcp://127.0.0.1:{self.replay_port}", port=self.port)
 

