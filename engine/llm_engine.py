@@ -8,7 +8,9 @@ the serving layer publishes them. Without it no event is built.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import gc
 import logging
 import time
@@ -36,7 +38,7 @@ from kvstrata.engine.sampling import (MAX_LOGPROBS, SamplingParams, adjust_logit
 from kvstrata.engine.scheduler import Scheduler, SchedulerOutput
 from kvstrata.engine.structured_outputs import GrammarCompiler, GrammarMatcher, mask_logits
 from kvstrata.kernels.backends import compiled_products, get_ops, resolve_backend, resolve_batch_invariant
-from kvstrata.tiers.base import BlockLayout
+from kvstrata.tiers.base import BlockLayout, close_at_exit
 from kvstrata.tiers.block_events import BlockEventListener
 from kvstrata.tiers.block_pool import BlockPool
 from kvstrata.tiers.cpu import CpuTier
@@ -148,9 +150,17 @@ def freeze_long_lived_objects() -> None:
     """Leave the objects that exist now out of the garbage collector's full collections: the model's modules, the
     tokenizer, the tiers live as long as the engine, and a full collection walked all of them, a long pause in the
     step it fell in. Collected first, so that no garbage is kept. Process-wide, as vLLM's engine does it;
-    `LLMEngine.close` undoes it."""
+    `LLMEngine.close` undoes it, and so does the exit of a process that dropped an engine unclosed: objects left
+    frozen are never collected at shutdown, and Triton's bindings (imported by torch) then report theirs as
+    leaked."""
     gc.collect()
     gc.freeze()
+    _unfreeze_at_exit()
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)
 
 
 class LLMEngine:
@@ -237,6 +247,9 @@ class LLMEngine:
             self.hierarchy.close()
             raise
         freeze_long_lived_objects()
+        # A script that never closes its engine still has it closed at exit, whole (registered after the
+        # hierarchy's handler, so it runs before it).
+        self._atexit = close_at_exit(self)
 
     # ------------------------------------------------------------------ construction
 
@@ -839,6 +852,7 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._atexit)
         self.hierarchy.persist()  # waits until the disk tier has committed, or counted as failed, each write
         self._final_stats = self.stats()
         self.hierarchy.close()

@@ -94,6 +94,25 @@ def test_the_embedded_model_answers_through_python_c(tmp_path, where):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ending", ["left open", "deleted"])
+def test_a_script_that_never_closes_its_engine_exits_cleanly_with_its_blocks_on_disk(tmp_path, ending):
+    """vLLM's users end scripts without closing the engine, or `del` it: the exit must still write the cached
+    blocks down and undo the engine's gc.freeze (frozen objects are never collected at shutdown, and Triton's
+    bindings, imported through torch, then printed hundreds of "leaked" lines)."""
+    from kvstrata.tiers.lmdb_store import read_store_stats
+
+    config, disk = str(REPO / "configs" / "default.yaml"), tmp_path / "kv"
+    code = ("from kvstrata import LLM, SamplingParams, load_config\n"
+            f"llm = LLM(load_config({config!r}, {{'cache.tiers.disk.path': {str(disk)!r}}}))\n"
+            "llm.generate('word ' * 100, SamplingParams(max_tokens=2, temperature=0.0))\n"
+            + ("del llm\n" if ending == "deleted" else ""))
+    run = run_python("-c", code, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "leaked" not in run.stderr, run.stderr[-1500:]
+    assert read_store_stats(str(disk))["entries"] >= 6  # the prompt's full blocks (16 tokens each), on disk
+
+
+@pytest.mark.slow
 def test_the_embedded_model_answers_through_python_m_kvstrata_from_the_repo_root(tmp_path):
     document = tmp_path / "doc.txt"
     document.write_text("The Eiffel Tower is in Paris. It was finished in 1889.")
