@@ -117,9 +117,8 @@ def parse_guidellm(report: dict) -> dict:
             "request_latency_median_s": None if latency is None else latency * ms,
             "output_tokens_per_s": stat("output_tokens_per_second", "mean"),
             "requests_per_s": stat("requests_per_second", "mean"),
-            "successful": _pick(metrics, "request_totals", "successful") or _pick(benchmark, "request_totals",
-                                                                                   "successful"),
-            "errored": _pick(metrics, "request_totals", "errored") or _pick(benchmark, "request_totals", "errored"),
+            "successful": _pick(metrics, "request_totals", "successful"),
+            "errored": _pick(metrics, "request_totals", "errored"),
             "prompt_tokens_median": stat("prompt_token_count", "median"),
             "output_tokens_median": stat("output_token_count", "median")}
 
@@ -166,11 +165,30 @@ class Server:
         with urllib.request.urlopen(request, timeout=600) as response:
             return json.loads(response.read())
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each process of the server has used so far, by its name (vLLM's engine
+        runs in a child process of its API server; ours in one process): how many cores a side kept busy."""
+        import psutil
+
+        out: dict[str, float] = {}
+        try:
+            root = psutil.Process(self.process.pid)
+            for proc in [root, *root.children(recursive=True)]:
+                try:
+                    times = proc.cpu_times()
+                    key = f"{proc.pid}:{proc.name()}"
+                    out[key] = times.user + times.system
+                except psutil.Error:
+                    continue
+        except psutil.Error:
+            pass
+        return out
+
     def close(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, 15)  # its own session: vLLM's engine process goes with it
             try:
-                self.process.wait(timeout=60)
+                self.process.wait(timeout=20)  # vLLM's server ignores it while it starts
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, 9)
                 self.process.wait()
@@ -193,7 +211,7 @@ def vllm_command(python: str, model_dir: str, port: int, dtype: str, max_model_l
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--tokenizer", model_dir,
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_bytes),
-            "--enable-prefix-caching", "--seed", "0", "--disable-log-requests"]
+            "--enable-prefix-caching", "--seed", "0"]
 
 
 def side_env(threads: int, vllm: bool) -> dict:
@@ -259,8 +277,9 @@ def markdown(result: dict) -> list[str]:
     for name, side in result["sides"].items():
         if side.get("available"):
             f = side["figures"]
-            counts.append(f"{name}: {f.get('successful')} successful, {f.get('errored')} errored, started in "
-                          f"{side['start_s']:.0f} s")
+            busy = side.get("server_cores_busy")
+            counts.append(f"{name}: {f.get('successful')} successful, started in {side['start_s']:.0f} s"
+                          + ("" if busy is None else f", its processes kept {busy:.2f} cores busy during the run"))
         else:
             counts.append(f"{name}: not run: {side['reason']}")
     lines += ["", "Requests: " + "; ".join(counts) + ".", "", "| goal (issue 62) | measured | target | status |",
@@ -359,9 +378,10 @@ def run_side(name: str, args, guidellm: str, data: str, tokenizer_dir: str, conv
         command = guidellm_command(guidellm, server.url, tokenizer_dir, args.streams, args.requests, data,
                                    str(output))
         log(f"{name}: guidellm ({args.requests} requests, {args.streams} streams) ...")
-        started = time.perf_counter()
+        started, cpu_before = time.perf_counter(), server.cpu_seconds()
         done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        wall_s = time.perf_counter() - started
+        wall_s, cpu_after = time.perf_counter() - started, server.cpu_seconds()
+        cpu_s = {key: cpu_after[key] - cpu_before.get(key, 0.0) for key in cpu_after}
         (out_dir / f".{args.name}-{name}-guidellm.log").write_text(done.stdout + done.stderr)
         if done.returncode != 0 or not output.exists():
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -370,6 +390,7 @@ def run_side(name: str, args, guidellm: str, data: str, tokenizer_dir: str, conv
         shutil.copyfile(output, out_dir / f".{args.name}-{name}-guidellm.json")  # guidellm's whole report
         figures = parse_guidellm(raw)
         log(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items() if isinstance(v, (int, float))))
-        return {"available": True, "start_s": start_s, "guidellm_wall_s": wall_s, "figures": figures}
+        return {"available": True, "start_s": start_s, "guidellm_wall_s": wall_s, "figures": figures,
+                "server_cpu_s": cpu_s, "server_cores_busy": sum(cpu_s.values()) / wall_s}
     finally:
         server.close()
