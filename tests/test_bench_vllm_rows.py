@@ -113,8 +113,10 @@ def test_the_pressure_report_sets_each_vllm_row_beside_our_configuration_for_the
                         "vllm_cache_all": theirs(4 << 20, record(0.4, "device")),
                         "vllm_after_restart": theirs(4 << 20, record(4.0, "miss"))}}
     text = "\n".join(vllm_pressure.side_by_side(result))
-    assert "| vllm_recompute | 1 MiB | 4000 ms | 4000 ms | 0 / 1 | – | recompute | 8000 ms | 8000 ms | 2.00 | 2.00 |" in text
-    assert "| vllm_after_restart | 4 MiB | 4000 ms | 4000 ms | 0 / 1 | – | disk_after_restart | 300 ms | 300 ms | 0.07 |" in text
+    assert ("| vllm_recompute | 1 MiB | 4000 ms | 4000 ms | 0 / 1 | – | recompute | 8000 ms | 8000 ms | 2.00 | 2.00 |"
+            in text)
+    assert ("| vllm_after_restart | 4 MiB | 4000 ms | 4000 ms | 0 / 1 | – | disk_after_restart | 300 ms | 300 ms | "
+            "0.07 |" in text)
     assert "A miss (recompute p50): ours / vLLM 2.00" in text
     assert "ours 200 ms, vLLM 400 ms, ours / vLLM 0.50" in text
     assert "128 tokens" in text

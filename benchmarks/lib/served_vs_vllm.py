@@ -34,13 +34,11 @@ SIDES = ("kvstrata", "vllm")
 MODEL_NAME = "smollm2-135m-instruct"  # what each server answers to: ours by default, vLLM's --served-model-name
 START_TIMEOUT_S = 600.0  # a loaded two-core machine: vLLM's start (its engine process, graph capture) takes minutes
 
-# guidellm's figure -> (report label, unit scale, whether lower is better for us)
-METRICS = (("ttft_median_ms", "TTFT median", "ms", True), ("ttft_p95_ms", "TTFT p95", "ms", True),
-           ("ttft_mean_ms", "TTFT mean", "ms", True), ("itl_median_ms", "inter-token latency median", "ms", True),
-           ("itl_p95_ms", "inter-token latency p95", "ms", True),
-           ("request_latency_median_s", "request latency median", "s", True),
-           ("output_tokens_per_s", "output tokens/s", "tok/s", False),
-           ("requests_per_s", "requests/s", "req/s", False))
+# the figures side by side: (key in `parse_guidellm`'s dict, label, unit)
+METRICS = (("ttft_median_ms", "TTFT median", "ms"), ("ttft_p95_ms", "TTFT p95", "ms"),
+           ("ttft_mean_ms", "TTFT mean", "ms"), ("itl_median_ms", "inter-token latency median", "ms"),
+           ("itl_p95_ms", "inter-token latency p95", "ms"), ("request_latency_median_s", "request latency median", "s"),
+           ("output_tokens_per_s", "output tokens/s", "tok/s"), ("requests_per_s", "requests/s", "req/s"))
 
 
 # ---------------------------------------------------------------------------------------------- guidellm
@@ -107,14 +105,12 @@ def parse_guidellm(report: dict) -> dict:
     def stat(name: str, key: str, *more: str):
         return _pick(metrics, name, "successful", key, *more)
 
-    ms = 1.0
-    latency = stat("request_latency", "median")
     return {"ttft_median_ms": stat("time_to_first_token_ms", "median"),
             "ttft_p95_ms": stat("time_to_first_token_ms", "percentiles", "p95"),
             "ttft_mean_ms": stat("time_to_first_token_ms", "mean"),
             "itl_median_ms": stat("inter_token_latency_ms", "median"),
             "itl_p95_ms": stat("inter_token_latency_ms", "percentiles", "p95"),
-            "request_latency_median_s": None if latency is None else latency * ms,
+            "request_latency_median_s": stat("request_latency", "median"),  # guidellm gives it in seconds
             "output_tokens_per_s": stat("output_tokens_per_second", "mean"),
             "requests_per_s": stat("requests_per_second", "mean"),
             "successful": _pick(metrics, "request_totals", "successful"),
@@ -238,7 +234,7 @@ def comparison_rows(sides: dict) -> list[tuple[str, str, str, str]]:
     """(figure, ours, vLLM's, ours / vLLM) per figure."""
     ours, theirs = (sides.get("kvstrata") or {}).get("figures"), (sides.get("vllm") or {}).get("figures")
     rows = []
-    for key, label, unit, _ in METRICS:
+    for key, label, unit in METRICS:
         a, b = (ours or {}).get(key), (theirs or {}).get(key)
         ratio = f"{a / b:.2f}" if a is not None and b else "–"
         rows.append((label, _fmt(a, unit), _fmt(b, unit), ratio))
@@ -278,8 +274,11 @@ def markdown(result: dict) -> list[str]:
         if side.get("available"):
             f = side["figures"]
             busy = side.get("server_cores_busy")
+            load = side.get("load_average_1min")
             counts.append(f"{name}: {f.get('successful')} successful, started in {side['start_s']:.0f} s"
-                          + ("" if busy is None else f", its processes kept {busy:.2f} cores busy during the run"))
+                          + ("" if busy is None else f", its processes kept {busy:.2f} cores busy during the run")
+                          + ("" if load is None else f", load average {load['mean']:.1f} (max {load['max']:.1f}) "
+                             "while it ran"))
         else:
             counts.append(f"{name}: not run: {side['reason']}")
     lines += ["", "Requests: " + "; ".join(counts) + ".", "", "| goal (issue 62) | measured | target | status |",
@@ -316,7 +315,9 @@ def run(args, log=print) -> dict:
         for name in ([] if guidellm is None else args.guidellm):
             log(f"{name}: starting its server ...")
             try:
-                sides[name] = run_side(name, args, guidellm, data, tokenizer_dir, model_dirs, tmp, out_dir, log)
+                with LoadSampler() as side_load:  # the sides run one after the other: each one's load, apart
+                    sides[name] = run_side(name, args, guidellm, data, tokenizer_dir, model_dirs, tmp, out_dir, log)
+                sides[name]["load_average_1min"] = side_load.summary()
             except PeerUnavailable as why:
                 log(str(why))
                 sides[name] = {"available": False, "reason": str(why)}
