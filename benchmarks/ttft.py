@@ -4,9 +4,10 @@
     python benchmarks/ttft.py concurrency --config configs/pressure.yaml --streams 4
 
 `pressure` measures recompute, each tier set-up, a restart on the disk tier, the replicas sharing a remote tier
-(`--configs ...,replicas`), dtypes side by side (`--dtype`) and the peers (transformers, llama.cpp) on the same
-prompts; `concurrency` runs `scheduler.policy` fcfs against uncached_first under N streams or Poisson arrivals
-(the server under guidellm: benchmarks/results/guidellm.md); `vllm` runs vLLM beside us on the same CPU (a
+(`--configs ...,replicas`), dtypes side by side (`--dtype`) and the peers (transformers, llama.cpp; vLLM's rows
+with `--peers ...,vllm`) on the same prompts; `concurrency` runs `scheduler.policy` fcfs against uncached_first
+under N streams or Poisson arrivals, or with `--guidellm kvstrata,vllm` our server and vLLM's under guidellm
+(benchmarks/results/guidellm.md has our server's earlier runs); `vllm` runs vLLM beside us on the same CPU (a
 miss, a device hit, decode per token, per dtype; vLLM in a venv of its own, made once in the user's cache). The
 workload, statistics, report and peers are modules of benchmarks/lib/ (ttft_workload, ttft_stats, ttft_report,
 peers).

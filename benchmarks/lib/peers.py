@@ -216,7 +216,7 @@ class VLLMPeer:
     name = "vllm"
 
     def __init__(self, python: Path, model_dir: Path, dtype: str, threads: int, max_model_len: int,
-                 kv_cache_bytes: int, log_path: Path | None = None):
+                 kv_cache_bytes: int, log_path: Path | None = None, prefix_caching: bool = True):
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads),
                    HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         env.pop("PYTHONPATH", None)  # nothing of this checkout's environment in the peer's interpreter
@@ -225,7 +225,8 @@ class VLLMPeer:
 
         self.process = subprocess.Popen(vllm_side.command(str(python), "--model", str(model_dir), "--dtype", dtype,
                                                           "--max-model-len", str(max_model_len), "--kv-cache-bytes",
-                                                          str(kv_cache_bytes)),
+                                                          str(kv_cache_bytes),
+                                                          *([] if prefix_caching else ["--no-prefix-caching"])),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
                                         env=env, cwd=str(model_dir))
         self.info = self._read()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.lib import vllm_pressure
 from benchmarks.lib.ttft_stats import MISS, TIERS, Goal, p50_of, ratio, worst_receipt_error
 
 ROUND_ROBIN = "round_robin"
@@ -301,6 +302,8 @@ def markdown(result: dict) -> str:
         *dtype_table(result), "",
         "## Peers (same prompts, same GGUF)", "",
         *_peer_table(result), "",
+        "## Beside vLLM (same prompts, same weights and threads)", "",
+        *vllm_pressure.side_by_side(result), "",
         "## Goals", "",
         goals_table(result), "",
     ]

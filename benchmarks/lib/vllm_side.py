@@ -6,7 +6,7 @@ on stdin, one JSON line on stdout each, prefixed with `REPLY_PREFIX` (vLLM logs 
     {"reset_prefix_cache": true}           ->  {"reset": true}
 
 `seconds` is what the caller sees: the time `LLM.generate` takes for one prompt (for `max_tokens=1`, its TTFT).
-Greedy, `ignore_eos`, prefix caching on.
+Greedy, `ignore_eos`, prefix caching on (`--no-prefix-caching`: off, every prompt computed in full).
 
 vLLM spawns its engine process, which would run a script's top level again (a script needs a guard on `__name__`
 for it): the peer runs this file's text with `python -c` and a call of `main()`
@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--dtype", required=True)
     parser.add_argument("--max-model-len", type=int, required=True)
     parser.add_argument("--kv-cache-bytes", type=int, required=True)
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     args = parser.parse_args()
 
     import vllm
@@ -40,11 +41,13 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM(model=args.model, tokenizer=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_bytes,
-              enable_prefix_caching=True, seed=0)
+              enable_prefix_caching=args.prefix_caching, seed=0)
     import torch
 
+    cache = llm.llm_engine.vllm_config.cache_config
     reply({"ready": True, "start_s": time.perf_counter() - started, "vllm": vllm.__version__,
-           "torch": torch.__version__, "torch_threads": torch.get_num_threads()})
+           "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+           "block_size": cache.block_size, "prefix_caching": bool(cache.enable_prefix_caching)})
     for line in sys.stdin:
         request = json.loads(line)
         if request.get("reset_prefix_cache"):

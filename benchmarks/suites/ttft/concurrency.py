@@ -15,6 +15,11 @@ requests per second. Reported per policy: hit and miss TTFT p50 / p90 / p99, thr
 generated tokens per second of wall time), and the hits' TTFT when each is sent alone on a warm cache.
 Goals (issue "schedule by uncached work"): under `uncached_first`, hit p50 within 2x of alone and p90
 within 4x; miss p50 at most 25% worse than under `fcfs`; throughput within 10% of `fcfs`.
+
+`--guidellm kvstrata,vllm` measures something else: `kvstrata serve` and vLLM's OpenAI server, each in turn,
+under guidellm with `--streams` concurrent streams, `--requests` requests on `--docs` shared prefixes of
+`--doc-tokens` tokens with a `--suffix-tokens` suffix and `--max-tokens` output tokens (defaults: the workload of
+issue 62, on configs/default.yaml), written as `<out-dir>/<name>.md` and `.json` (benchmarks/lib/served_vs_vllm.py).
 """
 from __future__ import annotations
 
@@ -47,22 +52,51 @@ BUILTIN_QUESTIONS = ("What is this section about?", "Name one keyword it explain
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = options.parser("TTFT under concurrency: fcfs against uncached_first")
-    options.config(p, default=str(DEFAULT_CONFIG), help="kvstrata YAML config")
+    options.config(p, default=None,
+                   help="kvstrata YAML config (default configs/pressure.yaml; with --guidellm configs/default.yaml)")
     options.overrides(p, help="override a config key (repeatable)")
     options.data(p, None, help="longdoc QA jsonl (doc, question per line); default: built in")
     p.add_argument("--docs", type=int, default=6, help=f"documents in the workload (built in: at most {len(BUILTIN_DOCS)})")
     p.add_argument("--doc-tokens", type=int, default=2000, help="cut each document to this many tokens")
-    p.add_argument("--requests", type=int, default=32, help="requests in the workload")
+    p.add_argument("--requests", type=int, default=None, help="requests in the workload (default 32; with "
+                   "--guidellm 60)")
     p.add_argument("--zipf-exponent", type=float, default=1.2)
     options.seed(p)
     arrivals = p.add_mutually_exclusive_group()
     arrivals.add_argument("--streams", type=int, default=4, help="closed-loop clients (default 4)")
     arrivals.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests per second")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens generated per request (default 8; with --guidellm 16)")
+    served = p.add_argument_group("servers under guidellm (--guidellm)")
+    served.add_argument("--guidellm", default=None, metavar="SIDES",
+                        help="comma separated, some of kvstrata,vllm: the servers under guidellm, in turn, instead "
+                             "of fcfs against uncached_first in this process")
+    served.add_argument("--suffix-tokens", type=int, default=60, help="each prompt's own tokens after its prefix")
+    options.dtype(served, default="float32", help="both servers' dtype")
+    served.add_argument("--kv-cache-mib", type=int, default=512,
+                        help="KV cache on the device, each: our device tier, vLLM's --kv-cache-memory-bytes")
+    served.add_argument("--max-model-len", type=int, default=4096, help="vLLM's --max-model-len")
+    options.name(served, "guidellm_vs_vllm", help="stem of the --guidellm output files")
     p.add_argument("--policies", default=",".join(POLICIES), help="policies to compare, comma separated")
     options.threads(p, default=None, help="torch threads (default: torch's choice)")
     options.out_dir(p, help="write ttft_concurrency.md and .json here")
     args = p.parse_args(argv)
+    if args.guidellm is not None:
+        from benchmarks.lib.served_vs_vllm import SIDES
+
+        args.guidellm = [x.strip() for x in args.guidellm.split(",") if x.strip()]
+        if not args.guidellm or set(args.guidellm) - set(SIDES):
+            p.error(f"--guidellm: expected some of {', '.join(SIDES)}, got {args.guidellm}")
+        if args.rate is not None:
+            p.error("--guidellm runs closed-loop streams (--streams), not --rate")
+        defaults = {"config": REPO_ROOT / "configs" / "default.yaml", "requests": 60, "max_tokens": 16}
+        if args.threads is None:
+            args.threads = 1
+    else:
+        defaults = {"config": DEFAULT_CONFIG, "requests": 32, "max_tokens": 8}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, str(value) if key == "config" else value)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     unknown = set(args.policies) - set(POLICIES)
     if unknown or not args.policies:
@@ -349,6 +383,8 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.guidellm:
+        return run_guidellm(args)
     from kvstrata import load_config
 
     import torch
@@ -388,4 +424,13 @@ def main(argv: list[str] | None = None) -> int:
               "outputs_equal": all(o == outputs[0] for o in outputs) if len(outputs) > 1 else None,
               "records": {name: r["records"] for name, r in by_policy.items()}}
     results.publish(result, markdown(result), args.out_dir, "ttft_concurrency")
+    return 0
+
+
+def run_guidellm(args) -> int:
+    """`--guidellm`: the servers side by side under guidellm (benchmarks/lib/served_vs_vllm.py)."""
+    from benchmarks.lib import served_vs_vllm
+
+    result = served_vs_vllm.run(args, log=lambda line: print(line, flush=True))
+    results.publish(result, served_vs_vllm.markdown(result), args.out_dir)
     return 0

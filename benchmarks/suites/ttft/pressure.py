@@ -82,6 +82,9 @@ DTYPE_CONFIGURATIONS = ("recompute", "device_cpu", "device_cpu_disk")  # miss, d
 REPLICAS = "replicas"  # opt-in: it starts a valkey-server; measured as replicas_local and replicas_shared
 NUM_REPLICAS = 2
 PEERS = ("hf_generate", "llama_cpp_ram_cache", "llama_cpp_disk_cache")
+# opt-in (`--peers ...,vllm`): it installs vLLM into a venv of its own the first time, and runs four rows
+# (benchmarks/lib/vllm_pressure.py), each a process of its own
+VLLM = "vllm"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pressure.yaml"
 PROFILE_QUESTION = "Summarize this section in one sentence."
@@ -104,7 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device-blocks", type=int, default=None,
                    help="device tier in blocks (default: working set / 4, at least one prompt)")
     p.add_argument("--configs", default=",".join(CONFIGURATIONS), help="configurations to run, comma separated")
-    p.add_argument("--peers", default=",".join(PEERS), help="peers to run, comma separated, or 'none'")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help=f"peers to run, comma separated, or 'none' ({VLLM!r}, not run by default: vLLM's rows beside "
+                        "ours, in a venv of its own made once)")
     p.add_argument("--cold-pairs", type=int, default=3, help="alternating cold-request pairs (0: skip)")
     p.add_argument("--sweep-fractions", default="0.1,0.5,1.0",
                    help="device tier as fractions of the sweep working set ('' to skip the sweep)")
@@ -123,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--restart-child", default=None, help=argparse.SUPPRESS)  # internal: a fresh process
     args = p.parse_args(argv)
     args.configs = _names(p, args.configs, (*CONFIGURATIONS, REPLICAS), "--configs")
-    args.peers = [] if args.peers.strip() == "none" else _names(p, args.peers, PEERS, "--peers")
+    args.peers = [] if args.peers.strip() == "none" else _names(p, args.peers, (*PEERS, VLLM), "--peers")
     args.dtypes = _names(p, args.dtype, DTYPES, "--dtype") if args.dtype else []
     if args.threads is not None:
         args.overrides.append(f"model.threads={args.threads}")
@@ -601,7 +606,13 @@ def run_benchmark(args, work_dir: Path) -> dict:
         cold = measure_cold_slowdown(base, loaded, prompts, device_blocks, working_set, args.cold_pairs, work_dir)
         print(f"  off {cold['median_off_s']:.3f} s, on {cold['median_on_s']:.3f} s: {cold['slowdown']:+.1%}", flush=True)
 
-    peers = run_peers(args.peers, loaded, prompts, dtype, work_dir, args.threads) if args.peers else {}
+    peers = run_peers([n for n in args.peers if n != VLLM], loaded, prompts, dtype, work_dir, args.threads)
+    if VLLM in args.peers:
+        from benchmarks.lib.vllm_pressure import run_vllm_rows
+
+        layout = block_layout(base, loaded)
+        peers.update(run_vllm_rows(loaded, prompts, base.resolved_dtype(), args.threads, device_blocks, working_set,
+                                   block_size, layout.block_nbytes, work_dir, log=lambda line: print(line, flush=True)))
 
     sweep = None
     if args.sweep_fractions:
