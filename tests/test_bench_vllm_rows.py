@@ -4,6 +4,7 @@ the reports built from canned figures. Nothing here starts vLLM, guidellm or a s
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -200,3 +201,30 @@ def test_where_guidellm_cannot_be_installed_each_side_says_so_in_one_line(monkey
     assert all(not side["available"] for side in result["sides"].values())
     assert {g["status"] for g in result["goals"]} == {"N/A"}
     assert "kvstrata: not run: guidellm not run" in "\n".join(served_vs_vllm.markdown(result))
+
+
+def test_a_load_tool_run_leaves_no_process_behind(tmp_path):
+    """guidellm's workers outlived their run; the whole process group goes once the command ends."""
+    import os
+
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys; "
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid)); print('done')")
+    done = served_vs_vllm.run_as_group([sys.executable, "-c", code], env=dict(os.environ))
+    assert done.returncode == 0 and done.stdout.strip() == "done"
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10  # SIGKILL lands asynchronously
+    while is_running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_running(child)
+
+
+def is_running(pid: int) -> bool:
+    """True while `pid` is a live process (a zombie awaiting its reaper is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

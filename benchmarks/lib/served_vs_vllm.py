@@ -191,6 +191,26 @@ class Server:
         self._log.close()
 
 
+def run_as_group(command: list[str], env: dict) -> subprocess.CompletedProcess:
+    """Run `command` to its end in a session of its own, and take down whatever it leaves behind: guidellm's
+    worker processes outlived a run that was interrupted or failed, and kept a core busy. Its output goes to
+    files, not pipes, which a process left behind would hold open."""
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env,
+                                   start_new_session=True)
+        try:
+            process.wait()
+        finally:
+            try:
+                os.killpg(process.pid, 9)
+            except ProcessLookupError:  # nothing of it is left
+                pass
+            process.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        return subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read())
+
+
 def ours_command(config: str, port: int, dtype: str, threads: int, device_mib: int, disk_dir: str,
                  overrides: list[str]) -> list[str]:
     sets = [f"model.dtype={dtype}", f"model.threads={threads}", f"cache.tiers.device.size={device_mib}MiB",
@@ -381,7 +401,7 @@ def run_side(name: str, args, guidellm: str, data: str, tokenizer_dir: str, conv
                                    str(output))
         log(f"{name}: guidellm ({args.requests} requests, {args.streams} streams) ...")
         started, cpu_before = time.perf_counter(), server.cpu_seconds()
-        done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        done = run_as_group(command, env=dict(os.environ, HF_HUB_OFFLINE="1"))
         wall_s, cpu_after = time.perf_counter() - started, server.cpu_seconds()
         cpu_s = {key: cpu_after[key] - cpu_before.get(key, 0.0) for key in cpu_after}
         (tmp / f"{name}-guidellm.log").write_text(done.stdout + done.stderr)
