@@ -228,3 +228,24 @@ def is_running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def test_a_peer_venv_step_that_fails_says_which_in_one_line_and_leaves_the_venv_unfinished(tmp_path, monkeypatch):
+    import subprocess
+
+    ran = []
+
+    def run(step, **kwargs):
+        ran.append(step)
+        failed = "guidellm==0.8.1" in step
+        return subprocess.CompletedProcess(step, 1 if failed else 0, "", "ERROR: no matching distribution\n")
+
+    monkeypatch.setattr(peers.subprocess, "run", run)
+    venv = tmp_path / "venv"
+    with pytest.raises(peers.PeerUnavailable) as failure:
+        peers.peer_venv(venv, [["install", "-q", "guidellm==0.8.1"]], ["guidellm", "--help"], "guidellm 0.8.1",
+                        "guidellm not run", log=lambda line: None)
+    assert str(failure.value) == ("guidellm not run: `python -m pip install -q guidellm==0.8.1` failed: "
+                                  "ERROR: no matching distribution")
+    assert [step[1:3] for step in ran] == [["-m", "venv"], ["-m", "pip"]]  # no check after a failed step
+    assert not (venv / ".kvstrata-complete").exists()

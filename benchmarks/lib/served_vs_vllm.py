@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from benchmarks.lib.peers import PeerUnavailable
+from benchmarks.lib.peers import PeerUnavailable, peer_venv
 
 GUIDELLM_VERSION = "0.8.1"
 SIDES = ("kvstrata", "vllm")
@@ -52,23 +52,9 @@ def guidellm_venv_dir() -> Path:
 def guidellm_bin(log=print) -> Path:
     """The `guidellm` command of its venv, the venv made first where it is not whole yet. Raises `PeerUnavailable`
     (one line) where a step fails."""
-    venv = guidellm_venv_dir()
-    python, command, done = venv / "bin" / "python", venv / "bin" / "guidellm", venv / ".kvstrata-complete"
-    if done.exists() and command.exists():
-        return command
-    log(f"installing guidellm {GUIDELLM_VERSION} into {venv} (once) ...")
-    steps = ([sys.executable, "-m", "venv", str(venv)] if not python.exists() else None,
-             [str(python), "-m", "pip", "install", "-q", f"guidellm=={GUIDELLM_VERSION}"],
-             [str(command), "--help"])
-    for step in steps:
-        if step is None:
-            continue
-        result = subprocess.run(step, capture_output=True, text=True)
-        if result.returncode != 0:
-            last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise PeerUnavailable(f"guidellm not run: `{' '.join([Path(step[0]).name, *step[1:]])}` failed: {last}")
-    done.write_text(f"guidellm {GUIDELLM_VERSION}\n")
-    return command
+    python = peer_venv(guidellm_venv_dir(), [["install", "-q", f"guidellm=={GUIDELLM_VERSION}"]],
+                       ["guidellm", "--help"], f"guidellm {GUIDELLM_VERSION}", "guidellm not run", log)
+    return python.parent / "guidellm"
 
 
 def data_spec(prefix_tokens: int, prefix_count: int, suffix_tokens: int, output_tokens: int) -> str:
