@@ -11,8 +11,6 @@ checking every answer against an uncached engine's and timing each recovery (ben
 import sys
 from pathlib import Path
 
-# Run as a script: import `benchmarks` and `tests` from the checkout, and not this folder's modules by their bare
-# names (benchmarks/kernels.py would shadow Hugging Face's `kernels`, which transformers imports to load the model).
 if __name__ == "__main__":  # run as a script: the repo root leads the path instead of benchmarks/, whose kernels.py
     sys.path[0] = str(Path(__file__).resolve().parent.parent)  # would stand for the installed `kernels`
 
