@@ -6,14 +6,16 @@ import time
 import msgpack
 import msgspec
 import pytest
+import torch
 import zmq
 
 from kvstrata.cli import main
 from kvstrata.engine.config import ConfigError, load_config
-from kvstrata.serving.events import (BlockIndex, KVEventPublisher, KVEventSubscriber, WireFormat, decode_batch,
-                                     encode_batch)
+from kvstrata.serving.events import (BlockIndex, KVEventPublisher, KVEventSubscriber, ReceivedBatch, WireFormat,
+                                     decode_batch, encode_batch)
 from kvstrata.tiers.block_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvstrata.tiers.cpu import CpuTier
+from kvstrata.tiers import lmdb_store
 from kvstrata.tiers.disk import DiskTier
 from server_process import free_ports
 from tier_cases import BF16, key, payload, tokens
@@ -77,6 +79,47 @@ def test_disk_tier_reports_what_it_committed_and_what_its_lru_evicted(tmp_path):
     assert seen == [BlockStored([key(1), key(2)], None, tokens(1) + tokens(2), BF16.block_size, "disk"),
                     BlockRemoved([key(1)], "disk"), BlockStored([key(3)], key(2), tokens(3), BF16.block_size, "disk"),
                     AllBlocksCleared("disk")]
+
+
+def test_a_disk_store_reopened_by_a_new_process_reports_every_block_it_holds(tmp_path):
+    """A replica restarted on its disk store tells its new listener (the router, through the replay buffer) what
+    the store holds, so that the prompts on those blocks are sent to it again: each block alone, as the store
+    keeps no parents; a record of another layout is not held (every read of it misses)."""
+    tier = DiskTier(BF16, str(tmp_path / "kv"), 1 << 24, check_integrity=False)
+    put(tier, [1, 2, 3])
+    tier.flush()
+    tier.close()
+    store = lmdb_store.LmdbStore.open(str(tmp_path / "kv"), 1 << 26, 1 << 24, check_integrity=False)
+    with store.begin(write=True) as txn:  # a record written for another layout, under a hash of its own
+        txn.put(key(9), bytes(tier.codec.record_nbytes), db=store.blocks)
+    store.close()
+    seen = []
+    reopened = DiskTier(BF16, str(tmp_path / "kv"), 1 << 24, check_integrity=False)
+    reopened.event_listener = seen.append
+    reopened.report_contents()
+    reopened.close()
+    assert sorted(seen, key=lambda e: e.block_hashes) == [
+        BlockStored([key(i)], None, tokens(i), BF16.block_size, "disk") for i in sorted((1, 2, 3), key=key)]
+    index = BlockIndex()
+    for event in seen:
+        index.apply(event)
+    assert index.prefix_length([key(1), key(2), key(3)], ("disk",)) == 3
+
+
+def test_a_hierarchy_has_its_disk_tier_report_what_it_holds_once_a_listener_is_attached(tmp_path):
+    from kvstrata.tiers.block_pool import BlockPool
+    from kvstrata.tiers.hierarchy import TierHierarchy
+
+    tier = DiskTier(BF16, str(tmp_path / "kv"), 1 << 24, check_integrity=False)
+    put(tier, [1, 2])
+    tier.flush()
+    seen = []
+    pool = BlockPool(4, enable_caching=True)
+    hierarchy = TierHierarchy(pool, torch.zeros(4, *BF16.block_shape, dtype=BF16.dtype), disk=tier,
+                              event_listener=seen.append)
+    hierarchy.close()
+    assert {h for e in seen if isinstance(e, BlockStored) and e.medium == "disk" for h in e.block_hashes} == \
+        {key(1), key(2)}
 
 
 def test_a_tier_without_a_listener_builds_no_event():
@@ -364,3 +407,36 @@ def test_drain_timeout_fits_kubernetes_grace_and_write_back_means_on_evict():
     assert config.cache.offload == "on_evict"
     assert 0 < config.server.drain_timeout < 30
     assert load_config(None, ["server.drain_timeout=5s"]).server.drain_timeout == 5.0
+
+
+@pytest.mark.slow
+def test_an_engine_restarted_on_its_disk_store_names_its_blocks_and_the_router_sends_their_prompts_back(
+        tmp_path, embedded_model_fp32):
+    """The first engine caches a document and exits; the second opens the same disk store with a publisher: its
+    first events name the document's blocks on disk, so a router that follows them places the document's next
+    question on this replica rather than on one that would load it from the remote tier or compute it."""
+    from kvstrata import LLM, SamplingParams
+    from kvstrata.engine.config import ReplicaConfig
+    from kvstrata.serving.router import Replica, ReplicaSet
+
+    config = load_config({"model": {"dtype": "float32", "device": "cpu"},
+                          "cache": {"tiers": {"device": {"size": 16}, "cpu": {"size": 16},
+                                              "disk": {"path": str(tmp_path / "kv"), "size": "64MiB"}}}})
+    doc = list(range(1000, 1050))  # 3 full blocks
+    with LLM(config, loaded_model=embedded_model_fp32) as first:
+        first.generate(doc, SamplingParams(max_tokens=1, temperature=0.0))
+        hashes = first.engine.kv_manager.hasher.hash(doc)[:3]
+    publisher = KVEventPublisher(events_config())
+    subscriber = KVEventSubscriber(publisher.config.endpoint, publisher.config.replay_endpoint)
+    try:
+        with LLM(config, loaded_model=embedded_model_fp32, events=publisher):
+            events = collect_until(subscriber, lambda seen: sum(
+                len(e.block_hashes) for e in seen if isinstance(e, BlockStored) and e.medium == "disk") >= 3)
+    finally:
+        publisher.close()
+        subscriber.close()
+    restarted, other = (Replica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None) for port in (1, 2))
+    restarted.in_flight = 1  # busier than the other: only what it holds can draw the request
+    replicas = ReplicaSet([restarted, other])
+    replicas.apply(restarted, [ReceivedBatch(0, 0.0, events)])
+    assert replicas.choose(hashes, set()) == (restarted, 3)

@@ -135,6 +135,26 @@ def test_the_router_prefers_the_replica_holding_the_prefix_else_the_least_loaded
     assert replicas.choose(doc, {a, b}) == (None, 0)
 
 
+def test_a_prefix_on_a_replicas_disk_draws_its_prompts_and_memory_wins_between_equal_prefixes():
+    """A document a replica wrote down to its disk (or held there before a restart) goes back to it: any other
+    replica would load it from the shared remote tier or compute it."""
+    a, b, c = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None) for port in (1, 2, 3))
+    replicas = ReplicaSet([a, b, c])
+    doc = [bytes([i]) for i in range(8)]
+    b.index.apply(BlockStored(doc, None, [], 16, "disk"))
+    a.in_flight = c.in_flight = 0
+    b.in_flight = 2  # the least loaded would win if the disk did not count
+    assert replicas.choose(doc, set()) == (b, 8)
+    c.index.apply(BlockStored(doc[:6], None, [], 16, "device"))
+    assert replicas.choose(doc, set()) == (b, 8)  # all of it on disk beats three quarters in memory
+    c.index.apply(BlockStored(doc[6:], None, [], 16, "cpu"))
+    assert replicas.choose(doc, set()) == (c, 8)  # as much of it, in memory
+    a.index.apply(BlockStored(doc[:4], None, [], 16, "device"))
+    a.index.apply(BlockStored(doc[4:], None, [], 16, "disk"))
+    a.in_flight = 1  # a holds it half in memory, half on disk: c, all in memory, still wins
+    assert replicas.choose(doc, set()) == (c, 8)
+
+
 def test_a_replica_holding_the_prefix_gives_requests_up_once_it_is_max_load_gap_ahead_of_the_least_loaded():
     """A hot document must not queue every question behind one replica while the others idle."""
     a, b, c = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None) for port in (1, 2, 3))

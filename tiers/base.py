@@ -125,6 +125,11 @@ class LowerTier(abc.ABC):
     # are only remembered, so it neither keeps a pinned document nor limits how much may be pinned.
     keeps_pins: bool = True
 
+    def report_contents(self) -> None:
+        """Report every block held now as stored, to a listener just attached. Only a tier that outlives its
+        process has anything to report (the disk tier); the others start empty, or are shared by every
+        replica (remote), so a router gains nothing from hearing what they hold."""
+
     def _events(self) -> TierEvents | None:
         """A collector for one operation's events, or None when nobody listens."""
         return None if self.event_listener is None else TierEvents(self.name, self.layout.block_size)

@@ -365,6 +365,26 @@ class DiskTier(LowerTier):
                 logger.info("disk tier: another process grew the store at '%s'; adopting its map size", self.path)
                 self._store.adopt_map_size()
 
+    def report_contents(self) -> None:
+        """Report every block the store holds as stored, each alone (the store keeps no parents): a store
+        reopened by a restarted process holds blocks that no listener of this process has heard of, and a
+        router following its events would otherwise never send it their prompts."""
+        events = self._events()
+        if events is None:
+            return
+
+        def held(store, txn) -> list[tuple[bytes, tuple[int, ...]]]:
+            found = []
+            for block_hash, record in txn.cursor():
+                token_ids = self.codec.token_ids(record)
+                if token_ids is not None:  # another layout's record is a miss for every read: not held
+                    found.append((bytes(block_hash), token_ids))
+            return found
+
+        for block_hash, token_ids in self._in_snapshot("blocks", held, default=list):
+            events.stored(block_hash, token_ids, None)
+        events.emit(self.event_listener)
+
     # -- writes ------------------------------------------------------------------------------
 
     def put(self, block_hashes: Sequence[bytes], token_ids: Sequence[Sequence[int]],

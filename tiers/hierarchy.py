@@ -139,6 +139,8 @@ class TierHierarchy:
         self.event_listener = event_listener
         for tier in self.lower_tiers:
             tier.event_listener = event_listener
+            if event_listener is not None:  # a disk store reopened holds blocks this listener has not heard of
+                tier.report_contents()
         # A process that exits without closing still writes its cached blocks down, before the tiers close
         # themselves (a write-down in flight then failed on a closed disk tier, and its blocks were lost).
         self._closed = False

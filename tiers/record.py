@@ -133,6 +133,14 @@ class RecordCodec:
             raise RecordError(f"token ids {token_ids!r} do not fill a block of {self.layout.block_size} "
                               "as 64-bit integers") from None
 
+    def token_ids(self, record: Buffer) -> tuple[int, ...] | None:
+        """The token ids a record of this layout names, read from its header alone (the payload is not
+        verified: a reader verifies it before serving it). None for a record of another layout or size."""
+        view = memoryview(record).cast("B")
+        if len(view) != self.record_nbytes or view[:len(self._fixed)] != self._fixed:
+            return None
+        return self._token_ids.unpack_from(view, len(self._fixed))
+
     def _checked_header(self, record: Buffer, token_ids: Sequence[int]) -> tuple[int, memoryview]:
         """The stored checksum and the payload view, once the header is exactly the expected one."""
         head = self.head(token_ids)

@@ -8,10 +8,15 @@ How a request is placed:
 2. It renders and tokenizes the prompt as the replicas do (engine/prompts.py, the same tokenizer
    and chat template) and hashes it with the replicas' hasher (`BlockHasher.for_model`: same model
    identity, dtype, block size and hash, so the same names; `cache_salt` too).
-3. Among the healthy replicas, the one holding the most leading blocks in its device or CPU tier
-   wins (`ROUTING_MEDIA`; a disk hit is not worth a detour), provided it holds at least
-   `MIN_HELD_SHARE` of the prompt's blocks: every replica that has answered anything holds the chat
-   template's first block, and that alone must not draw every new document to one replica. Ties,
+3. Among the healthy replicas, the one holding the most leading blocks in its own tiers (device, CPU
+   or disk: `LOCAL_MEDIA`) wins, and between equal prefixes the one holding more of it in memory
+   (`MEMORY_MEDIA`). A prefix on a replica's own disk counts: read from there it costs less than
+   any other replica would pay to load it from the shared remote tier, and far less than computing
+   it (the cluster benchmark reports the TTFT of each source). A replica restarted on its disk
+   store names what the store holds in its first events (tiers/disk.py), so its documents come
+   back to it. The winner must hold at least `MIN_HELD_SHARE` of the prompt's blocks: every
+   replica that has answered anything holds the chat template's first block, and that alone must
+   not draw every new document to one replica. Ties,
    and prompts nobody holds enough of, go to the replica with the fewest requests in flight (then
    in turn). Affinity is bounded: when the holder has `router.max_load_gap` or more requests in
    flight beyond the least loaded candidate, the request goes by load instead, so a hot document
@@ -68,7 +73,8 @@ from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger("kvstrata")
 
-ROUTING_MEDIA = ("device", "cpu")
+MEMORY_MEDIA = ("device", "cpu")
+LOCAL_MEDIA = MEMORY_MEDIA + ("disk",)  # a replica's own tiers; the remote one every replica shares
 MIN_HELD_SHARE = 0.5  # of a prompt's cacheable blocks, for a replica's prefix to decide where the prompt goes
 RETRY_STATUSES = frozenset({502, 503, 504})
 HEALTH_TIMEOUT_S = 2.0
@@ -116,14 +122,15 @@ class ReplicaSet:
 
     def choose(self, block_hashes: list[bytes], tried: set[Replica]) -> tuple[Replica | None, int]:
         """The replica for a request whose prompt has `block_hashes`, and how many of them it holds
-        in `ROUTING_MEDIA`. Untried healthy replicas first; when none is left, untried unhealthy ones
+        in `LOCAL_MEDIA`. Untried healthy replicas first; when none is left, untried unhealthy ones
         (a health check may lag a recovery). None when every replica has been tried."""
         untried = [r for r in self.replicas if r not in tried]
         candidates = [r for r in untried if r.healthy] or untried
         if not candidates:
             return None, 0
         with self.lock:
-            held = {r: r.index.prefix_length(block_hashes, ROUTING_MEDIA) for r in candidates}
+            held = {r: r.index.prefix_length(block_hashes, LOCAL_MEDIA) for r in candidates}
+            in_memory = {r: r.index.prefix_length(block_hashes, MEMORY_MEDIA) if held[r] else 0 for r in candidates}
         if self.policy == "random":
             best = self._random.choice(candidates)
             return best, held[best]
@@ -138,7 +145,7 @@ class ReplicaSet:
         worth = {r: 0 if r.in_flight - least_loaded >= self.max_load_gap else w for r, w in worth.items()}
         turn = next(self._turn)
         order = {r: (i - turn) % len(self.replicas) for i, r in enumerate(self.replicas)}
-        best = max(candidates, key=lambda r: (worth[r], -r.in_flight, -order[r]))
+        best = max(candidates, key=lambda r: (worth[r], in_memory[r] if worth[r] else 0, -r.in_flight, -order[r]))
         return best, held[best]
 
     def apply(self, replica: Replica, batches: list[ReceivedBatch], reset: bool = False) -> None:
