@@ -168,7 +168,9 @@ def config(tmp_path: Path, mode: tuple[str, str], caching: bool, batched_tokens:
     backend, dtype = mode
     tiers = {"device": {"size": 24}, "cpu": {"size": 24}, "disk": {"path": str(tmp_path / "kv"), "size": "64MiB"}}
     return {"model": {"dtype": dtype, "device": "cpu", "attention_backend": backend, "batch_invariant": True},
-            "cache": {"enable_prefix_caching": caching, "block_size": 16, "tiers": tiers},
+            # always_load: a hit below the device is what these tests are about, however `auto` would price it
+            # on a loaded machine (it recomputed a CPU hit once beside three other test processes)
+            "cache": {"enable_prefix_caching": caching, "block_size": 16, "tiers": tiers, "load_policy": "always_load"},
             "scheduler": {"max_num_batched_tokens": batched_tokens, "max_num_seqs": 4}}
 
 

@@ -81,29 +81,43 @@ def test_disk_tier_reports_what_it_committed_and_what_its_lru_evicted(tmp_path):
                     AllBlocksCleared("disk")]
 
 
-def test_a_disk_store_reopened_by_a_new_process_reports_every_block_it_holds(tmp_path):
+def test_a_disk_store_reopened_by_a_new_process_reports_every_block_it_holds_in_runs_of_its_chains(tmp_path):
     """A replica restarted on its disk store tells its new listener (the router, through the replay buffer) what
-    the store holds, so that the prompts on those blocks are sent to it again: each block alone, as the store
-    keeps no parents; a record of another layout is not held (every read of it misses)."""
+    the store holds, so that the prompts on those blocks are sent to it again: in runs of one chain, each with
+    the parent its put named, as the events of the puts did. A block whose parent the store does not know (one
+    stored before it kept parents) and a record of another layout (every read of it misses) are left out."""
     tier = DiskTier(BF16, str(tmp_path / "kv"), 1 << 24, check_integrity=False)
     put(tier, [1, 2, 3])
+    put(tier, [5], parents=False)
     tier.flush()
     tier.close()
     store = lmdb_store.LmdbStore.open(str(tmp_path / "kv"), 1 << 26, 1 << 24, check_integrity=False)
-    with store.begin(write=True) as txn:  # a record written for another layout, under a hash of its own
-        txn.put(key(9), bytes(tier.codec.record_nbytes), db=store.blocks)
+    with store.begin(write=True) as txn:
+        txn.put(key(8), tier.codec.encode(tokens(8), payload(BF16, 8)), db=store.blocks)  # no parent kept
+        txn.put(key(9), bytes(tier.codec.record_nbytes), db=store.blocks)                  # not a record
+        txn.put(key(9), b"", db=store.parents)
     store.close()
     seen = []
     reopened = DiskTier(BF16, str(tmp_path / "kv"), 1 << 24, check_integrity=False)
     reopened.event_listener = seen.append
     reopened.report_contents()
     reopened.close()
-    assert sorted(seen, key=lambda e: e.block_hashes) == [
-        BlockStored([key(i)], None, tokens(i), BF16.block_size, "disk") for i in sorted((1, 2, 3), key=key)]
-    index = BlockIndex()
-    for event in seen:
-        index.apply(event)
-    assert index.prefix_length([key(1), key(2), key(3)], ("disk",)) == 3
+    assert sorted(seen, key=lambda e: e.block_hashes[0]) == sorted([
+        BlockStored([key(1), key(2), key(3)], None, tokens(1) + tokens(2) + tokens(3), BF16.block_size, "disk"),
+        BlockStored([key(5)], None, tokens(5), BF16.block_size, "disk")], key=lambda e: e.block_hashes[0])
+
+
+def test_the_reported_chains_run_parent_first_with_evicted_parents_named():
+    from kvstrata.tiers.disk import parents_first
+
+    blocks = {b"c": (b"b", ()), b"a": (None, ()), b"b": (b"a", ()), b"x": (b"gone", ()), b"y": (b"x", ()),
+              b"b2": (b"a", ())}
+    order = parents_first(blocks)
+    assert sorted(order) == sorted(blocks)
+    assert all(order.index(parent) < order.index(h) for h, (parent, _) in blocks.items() if parent in blocks)
+    # depth first: a chain's blocks follow one another, so each chain is one event's run
+    assert order.index(b"c") == order.index(b"b") + 1 and order.index(b"y") == order.index(b"x") + 1
+    assert parents_first({b"p": (b"q", ()), b"q": (b"p", ())}) == []  # a loop (damage) has no first block
 
 
 def test_a_hierarchy_has_its_disk_tier_report_what_it_holds_once_a_listener_is_attached(tmp_path):

@@ -366,23 +366,31 @@ class DiskTier(LowerTier):
                 self._store.adopt_map_size()
 
     def report_contents(self) -> None:
-        """Report every block the store holds as stored, each alone (the store keeps no parents): a store
-        reopened by a restarted process holds blocks that no listener of this process has heard of, and a
-        router following its events would otherwise never send it their prompts."""
+        """Report every block the store holds as stored, in runs of one chain with the parent each put named (the
+        store keeps it): a store reopened by a restarted process holds blocks that no listener of this process has
+        heard of, and a router following its events would otherwise never send it their prompts. A block stored
+        before the store kept parents is left out: an event must not name a parent it does not know."""
         events = self._events()
         if events is None:
             return
 
-        def held(store, txn) -> list[tuple[bytes, tuple[int, ...]]]:
-            found = []
-            for block_hash, record in txn.cursor():
-                token_ids = self.codec.token_ids(record)
-                if token_ids is not None:  # another layout's record is a miss for every read: not held
-                    found.append((bytes(block_hash), token_ids))
+        def held(store, txn) -> dict[bytes, tuple[bytes | None, tuple[int, ...]]]:
+            found = {}
+            if store.parents is None:
+                return found
+            for block_hash, parent in txn.cursor(db=store.parents):
+                block_hash, parent = bytes(block_hash), bytes(parent)
+                record = txn.get(block_hash, db=store.blocks)
+                token_ids = None if record is None else self.codec.token_ids(record)
+                # another layout's record is a miss for every read, and a parent not a hash is no parent: not held
+                if token_ids is not None and len(parent) in (0, len(block_hash)):
+                    found[block_hash] = (parent or None, token_ids)
             return found
 
-        for block_hash, token_ids in self._in_snapshot("blocks", held, default=list):
-            events.stored(block_hash, token_ids, None)
+        blocks = self._in_snapshot("blocks", held, default=dict)
+        for block_hash in parents_first(blocks):
+            parent, token_ids = blocks[block_hash]
+            events.stored(block_hash, token_ids, parent)
         events.emit(self.event_listener)
 
     # -- writes ------------------------------------------------------------------------------
@@ -588,7 +596,8 @@ class DiskTier(LowerTier):
                 meta = Meta.read(txn, store.meta)
                 for op in ops:
                     if op.kind == "put":
-                        stored = store.insert(txn, meta, op.block_hash, op.value, self.capacity_bytes, evicted)
+                        stored = store.insert(txn, meta, op.block_hash, op.value, self.capacity_bytes, evicted,
+                                              op.parent)
                         if events is not None:
                             for h in evicted:
                                 events.removed(h)
@@ -703,6 +712,20 @@ class DiskTier(LowerTier):
                    "read_processes": self._readers.processes if self._readers and self._readers.usable else 0,
                    "blocks_read_by_processes": self._blocks_read_by_processes},
         )
+
+
+def parents_first(blocks: dict[bytes, tuple[bytes | None, object]]) -> list[bytes]:
+    """The hashes of `blocks` (hash -> (parent hash, ...)) in an order where each chain runs from its first block
+    held to its last, depth first, so that a block right after its parent joins its run."""
+    children: dict[bytes | None, list[bytes]] = {}
+    for block_hash, (parent, _) in blocks.items():
+        children.setdefault(parent if parent in blocks else None, []).append(block_hash)
+    order, stack = [], list(reversed(children.get(None, [])))
+    while stack:
+        block_hash = stack.pop()
+        order.append(block_hash)
+        stack.extend(reversed(children.get(block_hash, [])))
+    return order
 
 
 def _leading_true(flags: Sequence[bool]) -> int:

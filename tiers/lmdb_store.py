@@ -46,8 +46,9 @@ LOCK_FILE = "lock.mdb"
 REPLACE_LOCK_FILE = "replace.lock"  # ours, beside LMDB's: held while a damaged store is moved aside
 STORE_FORMAT = b"kvstrata-disk-v2"   # v2: values are block records (tiers/record.py)
 STORE_FORMAT_FAMILY = "kvstrata-disk-"
-SUBDBS = (b"blocks", b"atime", b"lru", b"meta", b"pins", b"pinned")
-PIN_SUBDBS = (b"pins", b"pinned")  # added within format v2: a store written before them lacks them
+SUBDBS = (b"blocks", b"atime", b"lru", b"meta", b"pins", b"pinned", b"parents")
+# Added within format v2: a store written before them lacks them (opened for writing, it gets them).
+OPTIONAL_SUBDBS = (b"pins", b"pinned", b"parents")
 _U64 = struct.Struct(">Q")
 _ATIME = struct.Struct(">QQ")  # sequence, value size
 
@@ -129,7 +130,7 @@ def _walk_store(path: str, writable: bool) -> None:
         for name in SUBDBS:
             try:
                 db = env.open_db(name, txn=txn, create=False)
-            except lmdb.NotFoundError:  # a store from before the pin sub-databases
+            except lmdb.NotFoundError:  # a store from before the pin and parent sub-databases
                 continue
             for key in [bytes(k) for k in txn.cursor(db=db).iternext(keys=True, values=False)]:
                 value = txn.get(key, db=db)
@@ -266,8 +267,9 @@ class LmdbStore:
     Every method taking `txn` runs inside a write transaction the caller owns; they keep the
     invariants: a hash is in `blocks` iff it is in `atime`; it is in `lru` (as (seq, hash)) iff it is
     in `atime` and not in `pinned`; `pinned[h]` counts the owners in `pins` naming `h`; meta's
-    used_bytes is the sum of the sizes recorded in `atime`. A store opened read-only that predates
-    the pin sub-databases has `pins` and `pinned` None: it pins nothing.
+    used_bytes is the sum of the sizes recorded in `atime`; a hash in `parents` (each block's parent as
+    its put named it, b"" for none) is in `blocks`. A store opened read-only that predates the pin and
+    parent sub-databases has `pins`, `pinned` and `parents` None: it pins nothing and names no parents.
     """
 
     def __init__(self, path: str, env: lmdb.Environment, create: bool):
@@ -279,7 +281,7 @@ class LmdbStore:
         self._data_fd = os.open(data_file(path), os.O_RDONLY)
         try:
             self.check_size()  # opening the sub-databases reads pages already
-            self.blocks, self.atime, self.lru, self.meta, self.pins, self.pinned = (
+            self.blocks, self.atime, self.lru, self.meta, self.pins, self.pinned, self.parents = (
                 self._open_db(name, create) for name in SUBDBS)
         except BaseException:
             os.close(self._data_fd)
@@ -289,7 +291,7 @@ class LmdbStore:
         try:
             return self.env.open_db(name, create=create)
         except lmdb.NotFoundError:
-            if name in PIN_SUBDBS and not create:
+            if name in OPTIONAL_SUBDBS and not create:
                 return None
             raise
 
@@ -433,9 +435,10 @@ class LmdbStore:
     # -- LRU bookkeeping, inside a write transaction --------------------------------------------
 
     def insert(self, txn, meta: Meta, block_hash: bytes, value, capacity_bytes: int,
-               evicted: list[bytes] | None = None) -> bool:
+               evicted: list[bytes] | None = None, parent: bytes | None = None) -> bool:
         """Store a value, evicting least recently used ones to stay within capacity (their hashes are
-        appended to `evicted`, if given). False if already held."""
+        appended to `evicted`, if given), and the block's parent as the put named it (None: the chain's first,
+        or not told). False if already held."""
         if txn.get(block_hash, db=self.atime) is not None:
             self.touch(txn, meta, block_hash)
             return False
@@ -446,6 +449,8 @@ class LmdbStore:
             if evicted is not None:
                 evicted.append(oldest)
         txn.put(block_hash, value, db=self.blocks)
+        if self.parents is not None:
+            txn.put(block_hash, parent or b"", db=self.parents)
         self._record_use(txn, meta, block_hash, len(value))
         meta.used_bytes += len(value)
         return True
@@ -472,6 +477,8 @@ class LmdbStore:
             txn.delete(_U64.pack(seq) + block_hash, db=self.lru)
             meta.used_bytes -= size
         txn.delete(block_hash, db=self.atime)
+        if self.parents is not None:
+            txn.delete(block_hash, db=self.parents)
         return txn.delete(block_hash, db=self.blocks)
 
     def evict_oldest(self, txn, meta: Meta) -> bytes | None:
@@ -535,7 +542,7 @@ class LmdbStore:
     def clear(self, txn) -> int:
         """Drop every block and every pin."""
         entries = txn.stat(self.blocks)["entries"]
-        for db in (self.blocks, self.atime, self.lru, self.pins, self.pinned):
+        for db in (self.blocks, self.atime, self.lru, self.pins, self.pinned, self.parents):
             if db is not None:
                 txn.drop(db, delete=False)
         Meta(used_bytes=0, next_seq=read_u64(txn, self.meta, b"next_seq")).write(txn, self.meta)
