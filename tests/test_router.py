@@ -135,24 +135,27 @@ def test_the_router_prefers_the_replica_holding_the_prefix_else_the_least_loaded
     assert replicas.choose(doc, {a, b}) == (None, 0)
 
 
-def test_a_prefix_on_a_replicas_disk_draws_its_prompts_and_memory_wins_between_equal_prefixes():
-    """A document a replica wrote down to its disk (or held there before a restart) goes back to it: any other
-    replica would load it from the shared remote tier or compute it."""
+def test_a_prefix_nobody_holds_in_memory_goes_to_the_replica_holding_it_on_disk():
+    """A document a replica wrote down to its disk (or held there before a restart) goes back to it rather than to
+    a replica that would load it from the shared remote tier or compute it; but memory comes first: a disk that
+    holds every document its replica ever served must not bind them all to it, or a replica back from a restart
+    would get none."""
     a, b, c = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None) for port in (1, 2, 3))
     replicas = ReplicaSet([a, b, c])
     doc = [bytes([i]) for i in range(8)]
     b.index.apply(BlockStored(doc, None, [], 16, "disk"))
-    a.in_flight = c.in_flight = 0
     b.in_flight = 2  # the least loaded would win if the disk did not count
     assert replicas.choose(doc, set()) == (b, 8)
-    c.index.apply(BlockStored(doc[:6], None, [], 16, "device"))
-    assert replicas.choose(doc, set()) == (b, 8)  # all of it on disk beats three quarters in memory
-    c.index.apply(BlockStored(doc[6:], None, [], 16, "cpu"))
-    assert replicas.choose(doc, set()) == (c, 8)  # as much of it, in memory
-    a.index.apply(BlockStored(doc[:4], None, [], 16, "device"))
-    a.index.apply(BlockStored(doc[4:], None, [], 16, "disk"))
-    a.in_flight = 1  # a holds it half in memory, half on disk: c, all in memory, still wins
-    assert replicas.choose(doc, set()) == (c, 8)
+    a.index.apply(BlockStored(doc[:6], None, [], 16, "disk"))
+    a.in_flight = 0
+    assert replicas.choose(doc, set()) == (b, 8)  # the most of it on a disk
+    a.index.apply(BlockStored(doc[6:], None, [], 16, "disk"))
+    assert replicas.choose(doc, set()) == (a, 8)  # as much of it on both disks: the less loaded
+    c.in_flight = 3
+    c.index.apply(BlockStored(doc[:5], None, [], 16, "device"))
+    assert replicas.choose(doc, set()) == (c, 5)  # enough of it in memory: memory first, disks decide nothing
+    b.index.apply(BlockStored(doc[:5], None, [], 16, "cpu"))
+    assert replicas.choose(doc, set()) == (b, 8)  # as much in memory: the longer prefix with the disk's part
 
 
 def test_a_replica_holding_the_prefix_gives_requests_up_once_it_is_max_load_gap_ahead_of_the_least_loaded():

@@ -8,17 +8,16 @@ How a request is placed:
 2. It renders and tokenizes the prompt as the replicas do (engine/prompts.py, the same tokenizer
    and chat template) and hashes it with the replicas' hasher (`BlockHasher.for_model`: same model
    identity, dtype, block size and hash, so the same names; `cache_salt` too).
-3. Among the healthy replicas, the one holding the most leading blocks in its own tiers (device, CPU
-   or disk: `LOCAL_MEDIA`) wins, and between equal prefixes the one holding more of it in memory
-   (`MEMORY_MEDIA`). A prefix on a replica's own disk counts: read from there it costs less than
-   any other replica would pay to load it from the shared remote tier, and far less than computing
-   it (the cluster benchmark reports the TTFT of each source). A replica restarted on its disk
-   store names what the store holds in its first events (tiers/disk.py), so its documents come
-   back to it. The winner must hold at least `MIN_HELD_SHARE` of the prompt's blocks: every
-   replica that has answered anything holds the chat template's first block, and that alone must
-   not draw every new document to one replica. Ties,
-   and prompts nobody holds enough of, go to the replica with the fewest requests in flight (then
-   in turn). Affinity is bounded: when the holder has `router.max_load_gap` or more requests in
+3. Among the healthy replicas, the one holding the most leading blocks in its device or CPU tier
+   (`MEMORY_MEDIA`) wins; where none holds enough of it there, the one holding the most in its own
+   tiers, disk included (`LOCAL_MEDIA`): read from its disk, a prefix costs less than any other
+   replica would pay to load it from the shared remote tier, and far less than computing it (the
+   cluster benchmark reports the TTFT of each source). A replica restarted on its disk store names
+   what the store holds in its first events (tiers/disk.py), so its documents come back to it once
+   nobody holds them in memory. The winner must hold at least `MIN_HELD_SHARE` of the prompt's
+   blocks: every replica that has answered anything holds the chat template's first block, and that
+   alone must not draw every new document to one replica. Ties, and prompts nobody holds enough
+   of, go to the replica with the fewest requests in flight (then in turn). Affinity is bounded: when the holder has `router.max_load_gap` or more requests in
    flight beyond the least loaded candidate, the request goes by load instead, so a hot document
    does not queue every question behind one replica while others idle (SGLang's router guards its
    cache-aware policy the same way). `router.policy: round_robin` or `random` places requests
@@ -140,12 +139,18 @@ class ReplicaSet:
             self._next = (self.replicas.index(best) + 1) % n
             return best, held[best]
         enough = MIN_HELD_SHARE * len(block_hashes)
-        worth = {r: held[r] if held[r] and held[r] >= enough else 0 for r in candidates}
         least_loaded = min(r.in_flight for r in candidates)
-        worth = {r: 0 if r.in_flight - least_loaded >= self.max_load_gap else w for r, w in worth.items()}
+
+        def worth(length: int, replica: Replica) -> int:
+            """A held prefix long enough to decide, held by a replica not too far ahead of the least loaded."""
+            return length if length and length >= enough and replica.in_flight - least_loaded < self.max_load_gap else 0
+
         turn = next(self._turn)
         order = {r: (i - turn) % len(self.replicas) for i, r in enumerate(self.replicas)}
-        best = max(candidates, key=lambda r: (worth[r], in_memory[r] if worth[r] else 0, -r.in_flight, -order[r]))
+        # Memory first: where some replica holds enough of the prompt in memory, the disks decide nothing (its
+        # holder keeps it; a disk that held every document a replica ever served would otherwise bind them to it
+        # for good, and a replica back from a restart would get none); where none does, its own disk draws it.
+        best = max(candidates, key=lambda r: (worth(in_memory[r], r), worth(held[r], r), -r.in_flight, -order[r]))
         return best, held[best]
 
     def apply(self, replica: Replica, batches: list[ReceivedBatch], reset: bool = False) -> None:
