@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,24 +22,52 @@ FORBIDDEN = {
 }
 
 
-def imported_modules(path: Path, package: str) -> set[str]:
-    """Every module `path` imports, as absolute names; `from kvstrata import x` names `kvstrata.x`
-    when x is a subpackage, else the facade."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+PRODUCT_FOLDERS = ("kvstrata", "engine", "tiers", "kernels")
+
+
+def module_name(path: Path) -> str:
+    """The name `path` is imported by: kvstrata.<...>, the top-level engine/, tiers/ and kernels/ included."""
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[0] != "kvstrata":
+        parts.insert(0, "kvstrata")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@dataclass(frozen=True)
+class ImportStatement:
+    """One import statement: the module it names, made absolute (`from a import b`: a), what `from` takes of it,
+    and whether it sits under `if TYPE_CHECKING:` (annotations only: it never runs)."""
+
+    module: str
+    names: tuple[str, ...]
+    type_checking: bool
+
+
+def import_statements(path: Path, name: str) -> list[ImportStatement]:
+    """Every import statement of `path`, the module `name`, inside functions too: the one reader of imports that both
+    checks below interpret, the layers (everything named counts) and the circles (only what runs)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+                 and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
+                 for stmt in block.body for node in ast.walk(stmt)}
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    statements = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            statements += [ImportStatement(alias.name, (), id(node) in type_only) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level:  # relative: level 1 is the module's own package, kvstrata.<package>
-                parts = ["kvstrata", *package.split(".")]
-                base = parts[:len(parts) + 1 - node.level]
-                module = ".".join(base + ([module] if module else []))
-            if module == "kvstrata":
-                names.update(f"kvstrata.{a.name}" if a.name in SUBPACKAGES else "kvstrata" for a in node.names)
-            else:
-                names.add(module)
-    return names
+            base = ".".join(package[:len(package) + 1 - node.level]) if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            statements.append(ImportStatement(module, tuple(a.name for a in node.names), id(node) in type_only))
+    return statements
+
+
+def imported_modules(path: Path, name: str) -> set[str]:
+    """Every module or name `path` imports, annotations included, as absolute names (`from kvstrata import x`:
+    kvstrata.x, which `layer_of` reads as the subpackage x, or else the facade)."""
+    statements = import_statements(path, name)
+    return ({f"{s.module}.{n}" if s.module else n for s in statements for n in s.names}
+            | {s.module for s in statements if not s.names})
 
 
 def layer_of(module: str) -> str:
@@ -55,7 +84,7 @@ def test_inner_packages_import_nothing_from_the_layers_above_them(package):
     assert modules, f"no modules found under {package}/"
     violations = [f"{path.relative_to(REPO)} imports {name}"
                   for path in modules
-                  for name in sorted(imported_modules(path, ".".join(path.parent.relative_to(REPO).parts)))
+                  for name in sorted(imported_modules(path, module_name(path)))
                   if layer_of(name) in FORBIDDEN[package]]
     assert violations == []
 
@@ -65,7 +94,7 @@ def test_the_check_sees_every_way_of_importing_a_forbidden_layer(tmp_path):
     source.write_text("import kvstrata\nfrom kvstrata import __version__\nfrom kvstrata import serving\n"
                       "from kvstrata.serving.app import build_app\nfrom ..serving import metrics\n"
                       "def f():\n    import fastapi\n")
-    layers = {layer_of(name) for name in imported_modules(source, "engine")}
+    layers = {layer_of(name) for name in imported_modules(source, "kvstrata.engine.module")}
     assert layers == {FACADE, "kvstrata.serving", "fastapi"}
 
 
@@ -85,37 +114,15 @@ def test_a_checkout_imports_its_own_subpackages_without_an_install(tmp_path):
     assert found == [REPO / "engine" / "sizes.py", REPO / "tiers" / "names.py", REPO / "kernels" / "backends.py"]
 
 
-PRODUCT_FOLDERS = ("kvstrata", "engine", "tiers", "kernels")
-
-
-def module_name(path: Path) -> str:
-    """The name `path` is imported by: kvstrata.<...>, the top-level engine/, tiers/ and kernels/ included."""
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
-    if parts[0] != "kvstrata":
-        parts.insert(0, "kvstrata")
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def runtime_imports(path: Path, name: str) -> set[str]:
     """The modules `path` imports when it runs (inside functions too), as absolute names, leaving out imports
-    under `if TYPE_CHECKING:` (annotations only). `from package import submodule` names the submodule alone:
-    the package's own __init__ importing its submodules is no circle."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    type_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
-                 and getattr(block.test, "id", getattr(block.test, "attr", None)) == "TYPE_CHECKING"
-                 for stmt in block.body for node in ast.walk(stmt)}
-    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    under `if TYPE_CHECKING:`. `from package import x` names package and package.x: `import_graph` keeps
+    package.x alone where x is a module (the package's own __init__ importing its submodules is no circle)."""
     names = set()
-    for node in ast.walk(tree):
-        if id(node) in type_only:
-            continue
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[:len(package) + 1 - node.level]) if node.level else ""
-            module = ".".join(p for p in (base, node.module or "") if p)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-            names.add(module)
+    for statement in import_statements(path, name):
+        if not statement.type_checking:
+            names.add(statement.module)
+            names.update(f"{statement.module}.{n}" for n in statement.names)
     return names
 
 
