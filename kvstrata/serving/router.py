@@ -17,12 +17,12 @@ How a request is placed:
    nobody holds them in memory. The winner must hold at least `MIN_HELD_SHARE` of the prompt's
    blocks: every replica that has answered anything holds the chat template's first block, and that
    alone must not draw every new document to one replica. Ties, and prompts nobody holds enough
-   of, go to the replica with the fewest requests in flight (then in turn). Affinity is bounded: when the holder has `router.max_load_gap` or more requests in
-   flight beyond the least loaded candidate, the request goes by load instead, so a hot document
-   does not queue every question behind one replica while others idle (SGLang's router guards its
-   cache-aware policy the same way). `router.policy: round_robin` or `random` places requests
-   without looking at the caches: a plain load balancer, and the baselines prefix placement is
-   measured against.
+   of, go to the replica with the fewest requests in flight (then in turn). Affinity is bounded:
+   when the holder has `router.max_load_gap` or more requests in flight beyond the least loaded
+   candidate, the request goes by load instead, so a hot document does not queue every question
+   behind one replica while others idle (SGLang's router guards its cache-aware policy the same
+   way). `router.policy: round_robin` or `random` places requests without looking at the caches:
+   a plain load balancer, and the baselines prefix placement is measured against.
 4. The request is forwarded as it came (body, API key) and the answer passed back as it comes,
    streams included, with an `x-kvstrata-replica` header naming the replica. A replica that cannot
    be reached, or answers 502/503/504, is tried no more for this request: the next best one is.
@@ -143,7 +143,7 @@ class ReplicaSet:
 
         def worth(length: int, replica: Replica) -> int:
             """A held prefix long enough to decide, held by a replica not too far ahead of the least loaded."""
-            return length if length and length >= enough and replica.in_flight - least_loaded < self.max_load_gap else 0
+            return length if length >= enough and replica.in_flight - least_loaded < self.max_load_gap else 0
 
         turn = next(self._turn)
         order = {r: (i - turn) % len(self.replicas) for i, r in enumerate(self.replicas)}
