@@ -285,13 +285,13 @@ class ReplayEngine:
         return finished_at
 
     def held_prefix(self, chain: Sequence, media: tuple[str, ...]) -> int:
-        """How many leading blocks of `chain` the device (and, if in `media`, the CPU tier) holds: what a
-        replica's KV events tell the router."""
+        """How many leading blocks of `chain` the device and the lower tiers named in `media` (its CPU and disk
+        tiers; the remote one is every replica's) hold: what a replica's KV events tell the router."""
         cached = self.pool.cached_block_hash_to_block
-        cpu = self.cpu.order if self.cpu is not None and "cpu" in media else {}
+        lower = [t.order for t in (self.cpu, self.disk) if t is not None and t.name in media]
         n = 0
         for h in chain:
-            if h not in cached and h not in cpu:
+            if h not in cached and not any(h in order for order in lower):
                 break
             n += 1
         return n
@@ -416,7 +416,7 @@ class Planner:
 
     def _prefix_router(self, engines: list[ReplayEngine]):
         """The router's own placement (kvstrata/serving/router.py `ReplicaSet.choose`) over the engines,
-        each replica's index answered from its replayed device and CPU tiers."""
+        each replica's index answered from its replayed device, CPU and disk tiers."""
         from kvstrata.serving.router import Replica, ReplicaSet
 
         class ReplayedIndex:

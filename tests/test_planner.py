@@ -109,6 +109,20 @@ def test_prefix_routing_keeps_conversations_on_the_replica_holding_them(sample):
     assert routed["replicas"] == 4
 
 
+def test_the_planners_router_sees_each_replicas_disk_as_the_router_does():
+    """`--route prefix` replays the router's own placement, which counts a replica's disk where no replica holds
+    the prompt in memory: the replayed index must answer for the disk too, and never for the remote tier."""
+    from kvstrata.planner import ReplayEngine, Tally
+    from kvstrata.serving.router import LOCAL_MEDIA, MEMORY_MEDIA
+
+    disk, remote = LruIndex("disk", 8, keeps_holds=False), LruIndex("remote", None, keeps_holds=False)
+    engine = ReplayEngine(4, LruIndex("cpu", 4), disk, remote, "write_through", Tally())
+    disk.put(["a", "b"])
+    remote.put(["a", "b", "c"])
+    assert engine.held_prefix(["a", "b", "c"], LOCAL_MEDIA) == 2
+    assert engine.held_prefix(["a", "b", "c"], MEMORY_MEDIA) == 0
+
+
 def test_replicas_share_the_remote_tier(sample):
     raw = json.loads(json.dumps(BASE))
     raw["cache"]["tiers"]["device"]["size"] = 100
