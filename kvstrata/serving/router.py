@@ -127,9 +127,12 @@ class ReplicaSet:
         candidates = [r for r in untried if r.healthy] or untried
         if not candidates:
             return None, 0
+        enough = MIN_HELD_SHARE * len(block_hashes)
         with self.lock:
             held = {r: r.index.prefix_length(block_hashes, LOCAL_MEDIA) for r in candidates}
-            in_memory = {r: r.index.prefix_length(block_hashes, MEMORY_MEDIA) if held[r] else 0 for r in candidates}
+            # the memory part of a prefix too short to decide decides nothing: looked up only for the others
+            in_memory = {r: r.index.prefix_length(block_hashes, MEMORY_MEDIA) if held[r] and held[r] >= enough else 0
+                         for r in candidates} if self.policy == "prefix" else {}
         if self.policy == "random":
             best = self._random.choice(candidates)
             return best, held[best]
@@ -138,7 +141,6 @@ class ReplicaSet:
             best = min(candidates, key=lambda r: (self.replicas.index(r) - self._next) % n)
             self._next = (self.replicas.index(best) + 1) % n
             return best, held[best]
-        enough = MIN_HELD_SHARE * len(block_hashes)
         least_loaded = min(r.in_flight for r in candidates)
 
         def worth(length: int, replica: Replica) -> int:
