@@ -15,6 +15,11 @@ from urllib.parse import urlsplit
 
 import httpx
 
+if __package__:  # imported as tests.server_process, by the benchmarks
+    from tests.valkey_server import PortTaken, free_port
+else:  # by the tests, from their own folder
+    from valkey_server import PortTaken, free_port
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "configs" / "default.yaml"
 STARTUP_TIMEOUT_S = 300  # loading the model on a busy CPU
@@ -45,14 +50,8 @@ def run_bench_on_a_tiny_model(benchmark: str, config: str, *args: str) -> subpro
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports free at the time of asking (all bound at once, so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """`n` loopback ports free at the time of asking, none handed out before by this process."""
+    return [free_port() for _ in range(n)]
 
 
 class ServerProcess:
@@ -90,14 +89,22 @@ class ServerProcess:
                 if match:
                     return match.group(1)
             if self.process.poll() is not None:
-                raise RuntimeError(f"kvstrata serve exited with {self.process.returncode}:\n{self.output}")
+                raise self._exited()
             time.sleep(0.2)
         self.kill()
         raise RuntimeError(f"kvstrata serve did not start in {STARTUP_TIMEOUT_S} s:\n{self.output}")
 
+    def _exited(self) -> RuntimeError:
+        """What to raise once it has exited while starting: PortTaken where one of its ports was in use."""
+        self._reader.join(5)
+        error = PortTaken if "already in use" in self.output else RuntimeError
+        return error(f"kvstrata serve exited with {self.process.returncode}:\n{self.output}")
+
     def _wait_until_healthy(self) -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise self._exited()
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
                     return

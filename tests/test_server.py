@@ -75,6 +75,34 @@ def test_serve_on_a_port_in_use_is_one_line_error_and_exit_2(tmp_path):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def test_serve_on_a_port_another_server_began_listening_on_while_it_loaded_is_the_same_one_line_error(tmp_path):
+    # A second `kvstrata serve` started on the same port binds it too (both set SO_REUSEADDR, neither listens yet):
+    # whichever finishes loading second must still say so in one line, not with an OSError's text.
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))
+        port = other.getsockname()[1]
+        process = subprocess.Popen(
+            serve_command(f"cache.tiers.disk.path={tmp_path / 'kv'}", "cache.tiers.device.size=64", port=port),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=server_env(), cwd=REPO)
+        try:
+            stderr = []
+            for line in process.stderr:  # the small device tier's warning: logged after the bind, while it loads
+                stderr.append(line)
+                if "the device tier holds" in line:
+                    break
+            other.listen()
+            stdout, rest = process.communicate(timeout=300)
+        finally:
+            process.kill()
+    stderr = "".join(stderr) + rest
+    assert process.returncode == 2, stdout + stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"kvstrata: error: server.port: 127.0.0.1:{port} is already in use (choose another with --port)")
+    assert "listening on" not in stdout
+    assert "Traceback" not in stdout + stderr
+
+
 @pytest.mark.slow
 def test_startup_banner_names_address_model_and_tier_sizes(server):
     banner = server.output

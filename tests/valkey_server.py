@@ -48,10 +48,20 @@ class PortTaken(RuntimeError):
     """The server could not bind its port (or its cluster bus port): another process has it."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and never handed out before by this process. Ports are chosen before the servers
+    that bind them start, several in a row, and once its probe socket closes the OS may offer the same port again:
+    two servers given one port would both bind it (with SO_REUSEADDR) and the second would fail only once loaded."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class ValkeyServer:

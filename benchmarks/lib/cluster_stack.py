@@ -20,7 +20,7 @@ import httpx
 import yaml
 
 from tests.server_process import DEFAULT_CONFIG, REPO, ServerProcess, server_env
-from tests.valkey_server import ValkeyServer, free_port
+from tests.valkey_server import PortTaken, ValkeyServer, free_port
 
 ROUTING = re.compile(r"routing on (http://\S+)")
 START_TIMEOUT_S = 300
@@ -119,16 +119,34 @@ class ServeReplica:
     def __init__(self, work_dir: Path, remote_url: str, sizes: ReplicaSizes, index: int):
         self.index = index
         self.disk = work_dir / f"kvstore-{index}"
-        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self._choose_ports()
         self.sizes, self.remote_url = sizes, remote_url
         self.process: ServerProcess | None = None
         self.feed = FeedProxy(self.events_port)
+        self.started = False
+
+    def _choose_ports(self) -> None:
+        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        """Start, or restart at the same address. A first start whose port another process took between our look
+        and the server's listen tries fresh ports (at most three times): nobody knows this replica's address yet."""
+        for attempt in range(3):
+            try:
+                self._start()
+                self.started = True
+                return
+            except PortTaken:
+                if self.started or attempt == 2:
+                    raise
+                self._choose_ports()
+                self.feed.target_port = self.events_port
+
+    def _start(self) -> None:
         s = self.sizes
         remote = (f"cache.tiers.remote.url={self.remote_url}", "cache.tiers.remote.cluster=true",
                   f"cache.tiers.remote.timeout={s.remote_timeout}") if s.remote else ()

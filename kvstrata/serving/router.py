@@ -67,7 +67,7 @@ from kvstrata.engine.prompts import render_chat, render_document, tokenize_text
 from kvstrata.kernels.backends import resolve_backend, resolve_batch_invariant
 from kvstrata.serving.events import BlockIndex, KVEventSubscriber, ReceivedBatch
 from kvstrata.serving.schemas import ChatCompletionRequest, DocumentRequest, message_dicts
-from kvstrata.serving.sockets import bind_socket
+from kvstrata.serving.sockets import bind_socket, listen
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger("kvstrata")
@@ -564,6 +564,7 @@ def route(config: Config) -> None:
     router = None
     try:
         router = load_router(config)
+        listen(sock, key="router")
         host, port = sock.getsockname()[:2]
         lines = [f"kvstrata {__version__} routing on http://{host}:{port} (OpenAI API under /v1) to "
                  f"{len(rc.replicas)} replica{'s' if len(rc.replicas) != 1 else ''}, "

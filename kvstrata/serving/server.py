@@ -24,7 +24,7 @@ from kvstrata.tiers.storage import format_bytes
 from kvstrata.serving.app import build_app
 from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving.middleware import DrainState
-from kvstrata.serving.sockets import bind_socket
+from kvstrata.serving.sockets import bind_socket, listen
 from kvstrata.serving.stats_log import StatsLogger
 from kvstrata.serving.tokenizer_pool import TokenizerPool
 
@@ -105,6 +105,7 @@ def serve(config: Config) -> None:
         app = build_app(async_engine, model_id, metrics=metrics, tokenizers=tokenizers, drain=drain,
                         api_key=config.server.api_key, max_request_body=config.server.max_request_body,
                         access_log=config.server.access_log)
+        listen(sock)  # before the banner that says so
         print(_banner(config, async_engine, model_id, sock), flush=True)
         if config.server.stats_interval > 0:
             stats_log = StatsLogger(metrics.registry, llm_engine.layout.block_nbytes,

@@ -20,7 +20,22 @@ def bind_socket(host: str, port: int, key: str = "server") -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ValueError(f"{key}.port: {host}:{port} is already in use (choose another with --port)") from None
-        raise ValueError(f"{key}.host: cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise _socket_error(exc, host, port, key) from None
     return sock
+
+
+def listen(sock: socket.socket, key: str = "server") -> None:
+    """Start listening on a socket from `bind_socket`. The bind shares its port with any other socket that set
+    SO_REUSEADDR (so that a restart need not wait for old connections' TIME_WAIT) and is not listening yet, such as
+    another server still loading its model: whichever listens second fails here, in the same one line."""
+    try:
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        host, port = sock.getsockname()[:2]
+        raise _socket_error(exc, host, port, key) from None
+
+
+def _socket_error(exc: OSError, host: str, port: int, key: str) -> ValueError:
+    if exc.errno == errno.EADDRINUSE:
+        return ValueError(f"{key}.port: {host}:{port} is already in use (choose another with --port)")
+    return ValueError(f"{key}.host: cannot listen on {host}:{port}: {exc.strerror}")
