@@ -3,7 +3,13 @@ from, so a reader sees whether the median request of each policy was a local hit
 computed."""
 from __future__ import annotations
 
+import logging
+
+from benchmarks.lib.cluster_stack import health_changes
 from benchmarks.lib.cluster_workload import Outcome, main_source, summary
+from kvstrata.cli import LOG_FORMAT
+from kvstrata.engine.config import ReplicaConfig
+from kvstrata.serving.router import Replica, set_health
 
 
 def outcome(prompt_tokens: int, ttft_s: float, **cached) -> Outcome:
@@ -27,3 +33,17 @@ def test_the_summary_gives_each_source_its_requests_and_median_ttft():
     assert by_source["remote"] == {"requests": 1, "ttft_p50_s": 0.5}
     assert by_source["disk"] == {"requests": 0, "ttft_p50_s": None}
     assert by_source["computed"] == {"requests": 1, "ttft_p50_s": 4.0}
+
+
+def test_the_routers_own_log_says_to_the_millisecond_when_it_took_a_replica_out_and_back(caplog):
+    # The suite's samples come a second apart, coarser than the health interval the recovery is judged against.
+    replica = Replica(ReplicaConfig(url="http://127.0.0.1:8001"), subscriber=None)
+    with caplog.at_level(logging.WARNING, logger="kvstrata"):
+        set_health(replica, False)
+        set_health(replica, False)  # no change, no line
+        set_health(replica, True)
+    lines = ["noise", *(logging.Formatter(LOG_FORMAT).format(r) for r in caplog.records)]
+    wall0 = caplog.records[0].created - 2.0
+    changes = health_changes(lines, wall0)
+    assert [(url, state) for _, url, state in changes] == [(replica.url, "out"), (replica.url, "back")]
+    assert abs(changes[0][0] - 2.0) < 0.002

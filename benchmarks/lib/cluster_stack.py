@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,9 @@ from tests.server_process import DEFAULT_CONFIG, REPO, ServerProcess, server_env
 from tests.valkey_server import PortTaken, ValkeyServer, free_port
 
 ROUTING = re.compile(r"routing on (http://\S+)")
+# the router's log line when it takes a replica out or back (kvstrata/serving/router.py `set_health`), with the log
+# format's time (kvstrata/cli.py)
+HEALTH_CHANGE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+ router: replica (\S+) is (out|back)\b")
 START_TIMEOUT_S = 300
 
 
@@ -220,6 +224,18 @@ class RouterProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def health_changes(lines: list[str], wall0: float) -> list[tuple[float, str, str]]:
+    """(seconds after the wall-clock time `wall0`, replica URL, "out" or "back") for each change of a replica's
+    health in the router's log `lines`: the moment it stopped or began again to send that replica requests."""
+    changes = []
+    for line in lines:
+        if match := HEALTH_CHANGE.search(line):
+            stamp, url, state = match.groups()
+            at = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            changes.append((at - wall0, url, state))
+    return changes
 
 
 def _start(replica: ServeReplica, failed: list[BaseException]) -> None:

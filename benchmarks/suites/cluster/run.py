@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.lib.cluster_stack import ReplicaSizes, Stack
+from benchmarks.lib.cluster_stack import ReplicaSizes, Stack, health_changes
 from benchmarks.lib.cluster_workload import (Outcome, best_single_cache, documents, drive, outcome_rows, prompts,
                                              SOURCES, reference_answers, summary, zipf_schedule)
 from benchmarks.lib import results
@@ -172,7 +172,7 @@ def run_failures(stack: Stack, args, schedule, references) -> dict:
     router = stack.router("prefix", args.health_interval)
     events: list[tuple[float, str]] = []
     recovery: dict = {}
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     monitor = Monitor(stack, router.url, t0)
     killed_primary = 1 if stack.primaries > 1 else 0  # not the node the replicas' URL names: a restart starts there
     target = stack.replicas[-1]  # killed and restarted
@@ -240,17 +240,16 @@ def run_failures(stack: Stack, args, schedule, references) -> dict:
         router.close()
     judge(outcomes, expected)
     events.sort()
-    recovery.update(recovery_times(monitor.samples, events, outcomes, target.url, fed.url))
+    recovery.update(recovery_times(monitor.samples, health_changes(list(router.lines), wall0), events, outcomes, target.url,
+                                   fed.url))
     return {"summary": summary(outcomes, max(args.duration, max((o.sent_s for o in outcomes), default=0.0))), "events": events, "recovery": recovery,
             "outcomes": outcome_rows(outcomes), "samples": monitor.samples, "killed": target.url, "fed": fed.url}
 
 
-def first(samples, after: float, condition) -> float | None:
-    return next((s["t"] for s in samples if s["t"] >= after and condition(s)), None)
-
-
-def recovery_times(samples: list[dict], events: list[tuple[float, str]], outcomes: list[Outcome], target: str,
-                   fed: str) -> dict:
+def recovery_times(samples: list[dict], health_changes: list[tuple[float, str, str]], events: list[tuple[float, str]],
+                   outcomes: list[Outcome], target: str, fed: str) -> dict:
+    """Each recovery's time. The router's own log says to the millisecond when it took the killed replica out and
+    back (`health_changes`); the samples, a second apart, say the rest."""
     found: dict = {}
     when = {name: t for t, name in events}
     if "Valkey primary killed" in when:
@@ -273,7 +272,7 @@ def recovery_times(samples: list[dict], events: list[tuple[float, str]], outcome
                                                    for v in ("correct", "wrong", "error", "lost")}
     if "kvstrata replica killed" in when:
         kill = when["kvstrata replica killed"]
-        out = first(samples, kill, lambda s: s["router"].get(target, {}).get("healthy") is False)
+        out = next((t for t, url, state in health_changes if t >= kill and url == target and state == "out"), None)
         found["router_takes_replica_out_s"] = None if out is None else out - kill
         found["replica_killed_at_s"] = kill
         found["requests_at_killed_replica"] = {
@@ -285,7 +284,7 @@ def recovery_times(samples: list[dict], events: list[tuple[float, str]], outcome
             for o in outcomes)
     if "replica listening" in when:
         up = when["replica listening"]
-        back = first(samples, up, lambda s: s["router"].get(target, {}).get("healthy") is True)
+        back = next((t for t, url, state in health_changes if t >= up and url == target and state == "back"), None)
         found["router_routes_to_it_again_s"] = None if back is None else back - up
         served = [o for o in outcomes if o.replica == target and o.sent_s >= up and o.verdict == "correct"]
         found["after_restart"] = {"requests": len(served),
