@@ -26,8 +26,9 @@ from kvstrata.kernels.backends import cpu_kernel_available
 from kvstrata.serving.app import build_app
 from kvstrata.serving.events import KVEventPublisher
 from kvstrata.serving.metrics import ServingMetrics
-from kvstrata.serving.router import (EventFeed, Replica as RoutedReplica, ReplicaSet, _pass_through, load_router,
-                                     prompt_token_ids)
+from kvstrata.serving import router as router_module
+from kvstrata.serving.router import (EventFeed, HealthChecks, Replica as RoutedReplica, ReplicaSet, _pass_through,
+                                     load_router, prompt_token_ids)
 from kvstrata.tiers.block_events import BlockRemoved, BlockStored
 from kvstrata.serving.sockets import bind_socket
 from kvstrata.serving.tokenizer_pool import TokenizerPool
@@ -189,6 +190,24 @@ def test_round_robin_and_random_placement_ignore_the_caches_and_skip_replicas_th
     chosen = [at_random.choose(doc, set())[0] for _ in range(300)]
     assert all(60 <= chosen.count(r) <= 140 for r in (a, b, c)), [chosen.count(r) for r in (a, b, c)]
     assert at_random.choose(doc, {a, b}) == (c, 0)
+
+
+def test_a_replica_that_never_answers_its_health_check_does_not_delay_taking_out_one_that_died(monkeypatch):
+    monkeypatch.setattr(router_module, "HEALTH_TIMEOUT_S", 60.0)  # the hung replica's check outlasts the test
+    hung = socket.create_server(("127.0.0.1", 0))  # the kernel accepts its connections; nobody answers them
+    (dead_port,) = free_ports(1)  # nothing listens there
+    stuck, dead = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None)
+                   for port in (hung.getsockname()[1], dead_port))
+    checks = HealthChecks(ReplicaSet([stuck, dead]), interval=0.05)
+    try:
+        deadline = time.monotonic() + 10
+        while dead.healthy:
+            assert time.monotonic() < deadline, "the dead replica was not taken out while the other hung"
+            time.sleep(0.01)
+        assert stuck.healthy  # its check is still waiting for an answer
+    finally:
+        hung.close()  # the waiting check's connection is reset, so its thread ends at once
+        checks.close()
 
 
 def test_the_routing_policy_is_checked_when_the_config_is_read():
