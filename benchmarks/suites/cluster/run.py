@@ -240,16 +240,16 @@ def run_failures(stack: Stack, args, schedule, references) -> dict:
         router.close()
     judge(outcomes, expected)
     events.sort()
-    recovery.update(recovery_times(monitor.samples, health_changes(list(router.lines), wall0), events, outcomes, target.url,
-                                   fed.url))
+    router_health = health_changes(list(router.lines), wall0)
+    recovery.update(recovery_times(monitor.samples, router_health, events, outcomes, target.url, fed.url))
     return {"summary": summary(outcomes, max(args.duration, max((o.sent_s for o in outcomes), default=0.0))), "events": events, "recovery": recovery,
             "outcomes": outcome_rows(outcomes), "samples": monitor.samples, "killed": target.url, "fed": fed.url}
 
 
-def recovery_times(samples: list[dict], health_changes: list[tuple[float, str, str]], events: list[tuple[float, str]],
-                   outcomes: list[Outcome], target: str, fed: str) -> dict:
+def recovery_times(samples: list[dict], router_health: list[tuple[float, str, str]],
+                   events: list[tuple[float, str]], outcomes: list[Outcome], target: str, fed: str) -> dict:
     """Each recovery's time. The router's own log says to the millisecond when it took the killed replica out and
-    back (`health_changes`); the samples, a second apart, say the rest."""
+    back (`router_health`, from `health_changes`); the samples, a second apart, say the rest."""
     found: dict = {}
     when = {name: t for t, name in events}
     if "Valkey primary killed" in when:
@@ -272,7 +272,7 @@ def recovery_times(samples: list[dict], health_changes: list[tuple[float, str, s
                                                    for v in ("correct", "wrong", "error", "lost")}
     if "kvstrata replica killed" in when:
         kill = when["kvstrata replica killed"]
-        out = next((t for t, url, state in health_changes if t >= kill and url == target and state == "out"), None)
+        out = next((t for t, url, state in router_health if t >= kill and url == target and state == "out"), None)
         found["router_takes_replica_out_s"] = None if out is None else out - kill
         found["replica_killed_at_s"] = kill
         found["requests_at_killed_replica"] = {
@@ -284,7 +284,7 @@ def recovery_times(samples: list[dict], health_changes: list[tuple[float, str, s
             for o in outcomes)
     if "replica listening" in when:
         up = when["replica listening"]
-        back = next((t for t, url, state in health_changes if t >= up and url == target and state == "back"), None)
+        back = next((t for t, url, state in router_health if t >= up and url == target and state == "back"), None)
         found["router_routes_to_it_again_s"] = None if back is None else back - up
         served = [o for o in outcomes if o.replica == target and o.sent_s >= up and o.verdict == "correct"]
         found["after_restart"] = {"requests": len(served),
