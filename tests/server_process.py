@@ -68,6 +68,7 @@ class ServerProcess:
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env={**server_env(), **(env or {})}, cwd=cwd)
         self.lines: list[str] = []
+        self.listening_at: float | None = None  # time.monotonic() when its banner came
         self._reader = threading.Thread(target=self._read_output, daemon=True)
         self._reader.start()
         self.base_url = self._wait_until_listening()
@@ -75,6 +76,8 @@ class ServerProcess:
 
     def _read_output(self) -> None:
         for line in self.process.stdout:
+            if self.listening_at is None and LISTENING.search(line):
+                self.listening_at = time.monotonic()  # it listens before it prints the banner
             self.lines.append(line.rstrip("\n"))
 
     @property

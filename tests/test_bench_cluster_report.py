@@ -47,3 +47,15 @@ def test_the_routers_own_log_says_to_the_millisecond_when_it_took_a_replica_out_
     changes = health_changes(lines, wall0)
     assert [(url, state) for _, url, state in changes] == [(replica.url, "out"), (replica.url, "back")]
     assert abs(changes[0][0] - 2.0) < 0.002
+
+
+def test_a_replica_the_router_took_out_within_the_logs_millisecond_of_its_kill_is_timed_not_missed():
+    from benchmarks.suites.cluster.run import recovery_times
+
+    url = "http://127.0.0.1:8001"
+    events = [(35.2, "kvstrata replica killed"), (50.0, "replica listening")]
+    # an in-flight stream reset at once: the log's time, cut to the millisecond, reads a little before the kill
+    router_health = [(35.1995, url, "out"), (50.25, url, "back")]
+    found = recovery_times([], router_health, events, [], url, "http://127.0.0.1:8002")
+    assert found["router_takes_replica_out_s"] == 0.0
+    assert abs(found["router_routes_to_it_again_s"] - 0.25) < 1e-9

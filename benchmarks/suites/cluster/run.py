@@ -43,6 +43,7 @@ from tests.valkey_server import valkey_cluster
 from benchmarks.lib import options
 
 BLOCK_SIZE = 16
+LOG_TIME_RESOLUTION_S = 0.001  # a log line's time is cut to the millisecond: it may read up to that much early
 FAULTS = re.compile(r"^kvstrata_cache_remote_faults_total (\S+)$", re.MULTILINE)
 
 
@@ -181,8 +182,9 @@ def run_failures(stack: Stack, args, schedule, references) -> dict:
     def restart() -> None:
         t = now()
         target.start()
-        recovery["replica_restart_s"] = now() - t
-        events.append((now(), "replica listening"))
+        listening = target.process.listening_at - t0
+        recovery["replica_restart_s"] = listening - t
+        events.append((listening, "replica listening"))
 
     restarting = threading.Thread(target=restart, daemon=True)
 
@@ -210,10 +212,10 @@ def run_failures(stack: Stack, args, schedule, references) -> dict:
                     time.sleep(0.1)
                 recovery["valkey_promoted_s"] = now() - t if primary_promoted(stack, killed_primary) else None
                 events.append((now(), "replica promoted"))
-            elif what == "kill":
-                target.kill()
-                events.append((now(), "kvstrata replica killed"))
+            elif what == "kill":  # its time taken first: nothing can see the kill before it
                 recovery["replica_killed_at_s"] = now()
+                events.append((recovery["replica_killed_at_s"], "kvstrata replica killed"))
+                target.kill()
             elif what == "restart":  # loading the model takes a while: the later failures keep their seconds
                 events.append((now(), "replica restarting"))
                 restarting.start()
@@ -272,8 +274,9 @@ def recovery_times(samples: list[dict], router_health: list[tuple[float, str, st
                                                    for v in ("correct", "wrong", "error", "lost")}
     if "kvstrata replica killed" in when:
         kill = when["kvstrata replica killed"]
-        out = next((t for t, url, state in router_health if t >= kill and url == target and state == "out"), None)
-        found["router_takes_replica_out_s"] = None if out is None else out - kill
+        out = next((t for t, url, state in router_health
+                    if t >= kill - LOG_TIME_RESOLUTION_S and url == target and state == "out"), None)
+        found["router_takes_replica_out_s"] = None if out is None else max(0.0, out - kill)
         found["replica_killed_at_s"] = kill
         found["requests_at_killed_replica"] = {
             v: sum(o.verdict == v and o.replica == target and kill - 30 <= o.sent_s <= kill for o in outcomes)
@@ -284,8 +287,9 @@ def recovery_times(samples: list[dict], router_health: list[tuple[float, str, st
             for o in outcomes)
     if "replica listening" in when:
         up = when["replica listening"]
-        back = next((t for t, url, state in router_health if t >= up and url == target and state == "back"), None)
-        found["router_routes_to_it_again_s"] = None if back is None else back - up
+        back = next((t for t, url, state in router_health
+                     if t >= up - LOG_TIME_RESOLUTION_S and url == target and state == "back"), None)
+        found["router_routes_to_it_again_s"] = None if back is None else max(0.0, back - up)
         served = [o for o in outcomes if o.replica == target and o.sent_s >= up and o.verdict == "correct"]
         found["after_restart"] = {"requests": len(served),
                                   "disk_tokens": sum(int(o.cached_by_tier.get("disk", 0)) for o in served),
