@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import redis
 
@@ -64,6 +64,18 @@ def free_port() -> int:
             return port
 
 
+def start_on_free_ports(start: Callable[[], None], choose_ports: Callable[[], None], attempts: int = 3) -> None:
+    """`start()` a server on ports chosen by `free_port`; where another process took one between our look and the
+    server's bind (`start` raises PortTaken), `choose_ports()` and try again, `attempts` times in all."""
+    for attempt in range(attempts):
+        try:
+            return start()
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+            choose_ports()
+
+
 class ValkeyServer:
     """One valkey-server process; `args` are extra server options, e.g. ("--maxmemory", "1mb")."""
 
@@ -80,18 +92,16 @@ class ValkeyServer:
                           "--cluster-port", str(self.bus_port), "--cluster-node-timeout", "2000"]
         self.dir = Path(tempfile.mkdtemp(prefix="valkey-"))
         self.process: subprocess.Popen | None = None
-        for attempt in range(3):
-            try:
-                self.start()
-                return
-            except PortTaken:
-                # another test process took the free port between our look and the server's bind
-                if port is not None or attempt == 2:
-                    raise
-                self.port = free_port()
-                if self.bus_port is not None:
-                    self.bus_port = free_port()
-                    self.args[self.args.index("--cluster-port") + 1] = str(self.bus_port)
+        if port is not None:  # a given port cannot be chosen again
+            self.start()
+        else:
+            start_on_free_ports(self.start, self._choose_ports)
+
+    def _choose_ports(self) -> None:
+        self.port = free_port()
+        if self.bus_port is not None:
+            self.bus_port = free_port()
+            self.args[self.args.index("--cluster-port") + 1] = str(self.bus_port)
 
     @property
     def url(self) -> str:

@@ -21,7 +21,7 @@ import httpx
 import yaml
 
 from tests.server_process import DEFAULT_CONFIG, REPO, ServerProcess, server_env
-from tests.valkey_server import PortTaken, ValkeyServer, free_port
+from tests.valkey_server import ValkeyServer, free_port, start_on_free_ports
 
 ROUTING = re.compile(r"routing on (http://\S+)")
 # the router's log line when it takes a replica out or back (kvstrata/serving/router.py `set_health`), with the log
@@ -123,14 +123,14 @@ class ServeReplica:
     def __init__(self, work_dir: Path, remote_url: str, sizes: ReplicaSizes, index: int):
         self.index = index
         self.disk = work_dir / f"kvstore-{index}"
-        self._choose_ports()
         self.sizes, self.remote_url = sizes, remote_url
         self.process: ServerProcess | None = None
-        self.feed = FeedProxy(self.events_port)
-        self.started = False
+        self.feed = FeedProxy(target_port=0)  # relays to the events port, chosen next
+        self._choose_ports()
 
     def _choose_ports(self) -> None:
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self.feed.target_port = self.events_port
 
     @property
     def url(self) -> str:
@@ -138,17 +138,11 @@ class ServeReplica:
 
     def start(self) -> None:
         """Start, or restart at the same address. A first start whose port another process took between our look
-        and the server's listen tries fresh ports (at most three times): nobody knows this replica's address yet."""
-        for attempt in range(3):
-            try:
-                self._start()
-                self.started = True
-                return
-            except PortTaken:
-                if self.started or attempt == 2:
-                    raise
-                self._choose_ports()
-                self.feed.target_port = self.events_port
+        and the server's listen tries fresh ports: nobody knows this replica's address yet."""
+        if self.process is not None:  # a restart
+            self._start()
+        else:
+            start_on_free_ports(self._start, self._choose_ports)
 
     def _start(self) -> None:
         s = self.sizes

@@ -132,7 +132,7 @@ class ReplicaSet:
         with self.lock:
             held = {r: r.index.prefix_length(block_hashes, LOCAL_MEDIA) for r in candidates}
             # the memory part of a prefix too short to decide decides nothing: looked up only for the others
-            in_memory = {r: r.index.prefix_length(block_hashes, MEMORY_MEDIA) if held[r] and held[r] >= enough else 0
+            in_memory = {r: r.index.prefix_length(block_hashes, MEMORY_MEDIA) if held[r] >= enough else 0
                          for r in candidates} if self.policy == "prefix" else {}
         if self.policy == "random":
             best = self._random.choice(candidates)
