@@ -15,7 +15,8 @@
  * Speed (BLIS's blocking, simplified): a register tile of up to MR rows x NR columns (12 vector accumulators) is
  * fed by broadcasting x[i, k] and loading w[k, j:j + NR]; the KC x NR panel of w it walks is converted to float32
  * and packed contiguously when many row groups reuse it (or it is float16), so it stays in L1 while MC rows of x
- * (in L2) stream past; up to DIRECT_ROWS rows (a decode, a short question) reads w where it lies instead: fewer than
+ * (in L2) stream past; up to direct_rows() rows (a decode, a question after a cached document) reads w where it lies
+ * instead, since packing a panel costs more than so few rows gain from it: fewer than
  * DIRECT_GROUP_ROWS rows take DIRECT_KC rows of it at a time across their share of the columns, so the weight is one
  * pass of a few long streams; more rows take it a DIRECT_MULTI_KC x NR strip at a time, each row group (of up to MR)
  * finding the strip in L1, so the accumulators are stored and reloaded once a DIRECT_MULTI_KC, while the first group
@@ -40,14 +41,20 @@
 #define NR 16         /* columns of a register tile (two vectors of 8) */
 #define KC 128        /* K block: a packed panel is KC x NR floats (8 KiB, in L1) */
 #define MC 96         /* rows of a row block (MC x KC of x, 48 KiB, stays in L2) */
-#define DIRECT_ROWS 16  /* items of up to this many rows read the weights in place (each row group rereads them from cache) */
 #define DIRECT_KC 8   /* K block of 1-3 rows reading the weights in place: 8 rows streamed at once, item-wide */
-#define DIRECT_GROUP_ROWS 4   /* items of this many rows or more (up to DIRECT_ROWS) take the weights a strip at a time */
+#define DIRECT_GROUP_ROWS 4   /* items of this many rows or more (up to direct_rows()) take the weights a strip at a time */
 #define DIRECT_MULTI_KC 48   /* their K block (<= KC): a strip of w, 48 rows x 64 bytes, stays in L1 for all rows */
 #define CHUNK 256     /* columns of a work item: its packed block of KC x CHUNK floats (128 KiB) stays in L2 */
 #define MIN_WORK_PER_THREAD (1 << 18)   /* multiply-adds below which another thread costs more than it saves */
 
 enum { OK = 0, ERR_ALLOC = -2, ERR_SHAPE = -4 };
+
+/* Items of up to this many rows read the weights in place, each row group rereading a strip from L1; larger ones
+ * pack them. bfloat16 weights are widened by every row group that reads them in place (once when packed), so
+ * packing pays from fewer rows; float16 ones are always packed (a tile reads only float32 and bfloat16 in place). */
+static inline int64_t direct_rows(int w_dtype) {
+    return w_dtype == DTYPE_F32 ? 64 : w_dtype == DTYPE_BF16 ? 32 : 0;
+}
 
 /* Weights a tile reading w in place prefetches while it runs, one line a k: row k of them at `at + k * ld` (bytes),
  * for k < rows (0: none). run_rows points it at the strip it takes next, which the hardware prefetchers do not
@@ -219,7 +226,7 @@ static Ahead share(Ahead ahead, int g, int groups) {
     return part;
 }
 
-/* Rows [i0, i0 + rows) x columns [j0, j0 + width) of an item of DIRECT_GROUP_ROWS to DIRECT_ROWS rows, the weights
+/* Rows [i0, i0 + rows) x columns [j0, j0 + width) of an item of DIRECT_GROUP_ROWS to direct_rows() rows, the weights
  * read where they lie: the rows split into near-equal groups of at most MR (10 rows: two of 5, each a 5 x 16 tile),
  * and each K block of DIRECT_MULTI_KC takes the columns a strip (whole cache lines) at a time, every group after the
  * first finding the strip in L1. The long K block makes the accumulators' stores and reloads rare (run_item's
@@ -265,13 +272,13 @@ static __attribute__((noinline)) void run_rows(const Problem *p, float *packed, 
 
 /* Work item: rows [i0, i0 + MC) x columns [j0, j0 + chunk), clipped. For each K block, every row group of MR rows
  * against np panels at a time. Where the item has fewer than DIRECT_GROUP_ROWS rows (a decode), the weights are read
- * where they lie, DIRECT_KC rows across the item's width (run_rows takes DIRECT_GROUP_ROWS to DIRECT_ROWS rows);
+ * where they lie, DIRECT_KC rows across the item's width (run_rows takes DIRECT_GROUP_ROWS to direct_rows() rows);
  * otherwise the block is first packed, so that the row groups read it contiguous from cache. */
 static void run_item(const Problem *p, float *packed, int64_t item) {
     const int64_t i0 = item / p->col_chunks * MC, j0 = item % p->col_chunks * p->chunk;
     const int64_t i1 = i0 + MC < p->M ? i0 + MC : p->M;
     const int width = (int)(j0 + p->chunk < p->N ? p->chunk : p->N - j0), panels = (width + NR - 1) / NR;
-    const int direct = i1 - i0 <= DIRECT_ROWS && p->w_dtype != DTYPE_F16;
+    const int direct = i1 - i0 <= direct_rows(p->w_dtype);
     if (direct && i1 - i0 >= DIRECT_GROUP_ROWS) {
         run_rows(p, packed, i0, (int)(i1 - i0), j0, width);
         return;
@@ -339,7 +346,7 @@ int kvs_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const void *w,
      * takes whole rows' share of the columns (N / threads): each K block is then read row after row across the
      * weight's width, streams the prefetchers follow, instead of short pieces of many rows. */
     int64_t chunk = CHUNK;
-    if (M <= DIRECT_ROWS && w_dtype != DTYPE_F16) {
+    if (M <= direct_rows(w_dtype)) {
         const int64_t tile = NR * 6;
         chunk = ((N + threads - 1) / threads + tile - 1) / tile * tile;
     }

@@ -101,14 +101,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if len(x_shape) == 2 else out.view(*x_shape[:-1], N)
 
 
-# The dtypes whose products the default mode (not only the invariant one) computes here, by CPU family, and up to
-# how many rows a call (None: any). AVX2: bfloat16 products of every row count (this kernel beat `F.linear` at every product of the embedded model, 1 to 2,048 rows, torch having no bfloat16 GEMM
-# for AVX2 there); float32 stays MKL's, faster for one row. AVX-512 and AMX: torch's bfloat16 GEMM (oneDNN, with
-# the CPU's bfloat16 dot products or tiles) for a prefill's many rows; a decode's or a short question's few rows
-# (up to FEW_ROWS, where this kernel reads the weights where they lie) here, since such a step is bound by reading
-# the weights, which this kernel reads once, in place, at half float32's bytes, while torch's bfloat16 decode step
-# was reported slower there than its float32 one.
-FEW_ROWS = 16  # the C file's DIRECT_ROWS
+# The dtypes whose products the default mode (not only the invariant one) computes here, by CPU family, and up to how
+# many rows a call (None: any). AVX2: bfloat16 products of every row count (this kernel beat `F.linear` at every
+# product of the embedded model, 1 to 2,048 rows, torch having no bfloat16 GEMM for AVX2 there); float32 stays MKL's,
+# faster for one row. AVX-512 and AMX: torch's bfloat16 GEMM (oneDNN, with the CPU's bfloat16 dot products or tiles)
+# for a prefill's many rows; a decode's or a short question's few rows (up to FEW_ROWS; this kernel reads bfloat16
+# weights where they lie up to twice as many) here, since such a step is bound by reading the weights, which this
+# kernel reads once, in place, at half float32's bytes, while torch's bfloat16 decode step was reported slower there
+# than its float32 one.
+FEW_ROWS = 16
 MODEL_DTYPES = {"avx2": {torch.bfloat16: None},
                 "avx512": {torch.bfloat16: FEW_ROWS},
                 "amx": {torch.bfloat16: FEW_ROWS}}

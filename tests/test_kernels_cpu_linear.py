@@ -45,10 +45,11 @@ def exact(x, weight, bias):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M, K, N", [(1, 64, 96), (5, 37, 45), (13, 576, 200), (70, 300, 333), (130, 129, 17),
-                                     (3, 1, 20), (2, 260, 1000), (10, 100, 77)])
+                                     (3, 1, 20), (2, 260, 1000), (10, 100, 77), (29, 129, 100), (61, 300, 45)])
 def test_matches_f_linear_in_float64(M, K, N, dtype):
     """Odd K and N (no multiple of 8 or 16), one row to several row blocks, K across several K blocks (10 rows:
-    two groups of 5 over K blocks of 48, the last one short, and a last partial strip of columns)."""
+    two groups of 5 over K blocks of 48, the last one short, and a last partial strip of columns; 29 and 61 rows:
+    a question's suffix, the weights read in place by 5 and 11 row groups in float32, 29 in bfloat16 too)."""
     for bias in (True, False):
         x, weight, b = problem(M, K, N, dtype, bias)
         out = cpu_linear.linear(x, weight, b)
@@ -86,8 +87,8 @@ def test_leading_axes_and_strided_rows_are_what_f_linear_takes():
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_row_has_the_same_bits_in_any_call_at_any_place_on_any_thread_count(dtype, bias, threads):
     """Every row count 1..70, at several offsets of the same rows, on 1-3 threads: each row's bits are those it
-    gets alone, on one thread. (Rows of 1..3 read the weight in place 8 rows of K at a time, 4..16 a strip at a time,
-    more are packed: all three paths.)"""
+    gets alone, on one thread. (Rows of 1..3 read the weight in place 8 rows of K at a time, 4..64 a strip at a time
+    (4..32 in bfloat16), more are packed: all three paths and the rows where one gives way to the next.)"""
     x, weight, b = problem(75, 200, 300, dtype, bias, seed=1)
     threads(1)
     alone = torch.cat([cpu_linear.linear(x[i:i + 1], weight, b) for i in range(75)])
