@@ -39,7 +39,9 @@
 #define QUERY_BLOCK 8
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 512
-#define SHORT_QUERY 16   /* new tokens up to which a sequence's items take several KV heads */
+/* New tokens up to which a sequence's item takes all of them (and its KV heads): a question after a cached document
+ * then reads the document's K/V once, not once per QUERY_BLOCK of its tokens. */
+#define SHORT_QUERY 64
 #define MAX_ROWS 5       /* rows a register tile takes at most (scores_rows, accumulate_rows): 4, 6 measured slower */
 #define MAX_VECS 8       /* vectors of 8 columns a register tile takes at most */
 

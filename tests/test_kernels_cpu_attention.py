@@ -104,7 +104,10 @@ def test_a_row_has_the_same_bits_whole_cached_chunked_batched_or_on_more_threads
     problem = make_paged_problem([(0, 300), (37, 40), (200, 1), (5, 130)], num_heads=9, num_kv_heads=3,
                                  head_dim=64, block_size=16, dtype=dtype, seed=5)
     (whole,) = sub_call(problem, [(0, 0, 300)])
-    for a, b in ((0, 1), (63, 64), (64, 65), (299, 300), (0, 64), (1, 129), (100, 300), (130, 131)):
+    # (a question's rows after a cached prefix: up to SHORT_QUERY of them take one item for all their tokens and
+    # heads, more take items of a few tokens and one head; both sides of that limit here)
+    for a, b in ((0, 1), (63, 64), (64, 65), (299, 300), (0, 64), (1, 129), (100, 300), (130, 131), (10, 27),
+                 (200, 264), (200, 265)):
         (part,) = sub_call(problem, [(0, a, b)])
         assert torch.equal(part, whole[a:b]), f"rows {a}..{b} alone differ from the whole prompt's"
     chunks = sub_call(problem, [(0, 0, 24)]) + sub_call(problem, [(0, 24, 100)]) + sub_call(problem, [(0, 100, 300)])
