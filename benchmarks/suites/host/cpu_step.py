@@ -295,7 +295,7 @@ def write_report(args, rows, raw) -> None:
         for dtype, threads, merged in rows)]
     del sides
     out = Path(args.out)
-    results.publish(raw, lines, out.parent, out.stem)
+    results.publish({"benchmark": "cpu_step", "sides": raw}, lines, out.parent, out.stem)
 
 
 def _lower_or_higher(baseline: float, value: float) -> str:
