@@ -21,3 +21,16 @@ def test_a_run_writes_its_table_and_every_rounds_figures(tmp_path):
     assert "baseline (abc1234) = this tree: True" in report
     written = json.loads((tmp_path / "cpu_step.json").read_text())
     assert [s["side"] for s in written["sides"]] == ["baseline (abc1234)", "this tree"]
+
+
+def test_its_questions_have_exactly_the_tokens_asked_each_its_own():
+    """A hit computes the question's tokens, so they must be as many as `--question-tokens` says: padding a short
+    question with spaces once gave 9-14 tokens for 24 (a run of spaces is one token)."""
+    from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(EMBEDDED_MODEL))
+    for num_tokens in (10, 24, 64):
+        questions = cpu_step.question_ids(tokenizer, 7, num_tokens)
+        assert [len(q) for q in questions] == [num_tokens] * 7
+        assert len({tuple(q[:16]) for q in questions}) == 7, "two questions share their first block"
+        assert tokenizer.decode(questions[0]).startswith(" Question:")

@@ -55,13 +55,18 @@ def document_ids(tokenizer, num_tokens: int) -> list[int]:
 
 
 def question_ids(tokenizer, count: int, num_tokens: int) -> list[list[int]]:
-    """`count` questions of exactly `num_tokens` tokens (the development set's, cut or padded with spaces)."""
+    """`count` distinct questions of exactly `num_tokens` tokens: the development set's, each cut, or continued by
+    the questions after it, at `num_tokens` (padding with spaces would not do: a run of spaces is one token)."""
     lines = (REPO_ROOT / "benchmarks" / "data" / "longdoc_qa_dev.jsonl").read_text().splitlines()
     questions = [json.loads(line)["question"] for line in lines]
     out = []
     for i in range(count):
-        ids = tokenizer.encode(" Question: " + questions[i % len(questions)] + " " * num_tokens,
-                               add_special_tokens=False)
+        ids: list[int] = []
+        for j in range(i, i + len(questions)):
+            ids += tokenizer.encode((" Question: " if j == i else " ") + questions[j % len(questions)],
+                                    add_special_tokens=False)
+            if len(ids) >= num_tokens:
+                break
         out.append(ids[:num_tokens])
     return out
 
@@ -89,6 +94,7 @@ def measure_kvstrata(dtype: str, threads: int, doc_tokens: int, question_tokens:
     for question in questions[:repeats]:
         out = llm.generate([doc + question], one)[0]
         assert out.cached_tokens_by_tier["device"] == doc_tokens, out.cached_tokens_by_tier
+        assert len(question) == question_tokens, len(question)  # every question's tokens computed, no fewer
         ttft.append(out.ttft_s)
         start = time.perf_counter()
         out = llm.generate([doc + question], many)[0]

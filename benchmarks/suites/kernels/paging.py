@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int | None:
         # (48 cached + 2000 new): a shared system prompt cached before a new document, the common miss
         cases = [Case(SMOLLM2, 1, 2048, 512), Case(SMOLLM2, 1, 0, 512), Case(SMOLLM2, 1, 48, 2000),
                  Case(SMOLLM2, 16, 2048, 1), Case(SMOLLM2, 1, 2048, 1), Case(SMOLLM2, 1, 2048, 10),
-                 *QUESTION_CASES]
+                 Case(SMOLLM2, 1, 2048, 24), Case(SMOLLM2, 1, 2048, 48), *QUESTION_CASES]
         dtypes, ours, timer, name = [torch.float32, torch.bfloat16], reference_prefix_prefill, time_cpu, \
             "torch reference_prefix_prefill"
         machine = machine_line()
