@@ -14,17 +14,17 @@ hit's whole set of products is timed too: `--hit-rows` rows through the model's 
 its own weights, so they come from memory as in the model (14 MB a layer in float32, more than the L3 cache).
 
 Each figure is the best of `--repeats` timings by process CPU time (a shared machine slows a run, never speeds
-it), the three sides timed in turn, shape by shape, so that load drifts over all alike. One call's Python overhead
-is timed too, on a product too small to matter (1 x 8 x 8).
+it), the sides taking turns within every round of every shape, so that load drifts over all alike. One call's
+Python overhead is timed too, on a product too small to matter (1 x 8 x 8).
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.lib.cpu_timing import best_cpu_times
 from benchmarks.lib.kernel_builds import wrapper_over
 from benchmarks.lib.machine import machine_line
 from kvstrata.kernels import cpu_linear
@@ -53,18 +53,6 @@ def same_bits(sides: dict, x: torch.Tensor, weight: torch.Tensor) -> None:
             raise SystemExit(f"cpu-linear: {name} differs from {first[0]} at {tuple(x.shape)} x {tuple(weight.shape)}")
 
 
-def best_cpu_time(fn, repeats: int, calls: int) -> float:
-    """The least process CPU time of `calls` calls, over `repeats` tries, per call (one untimed call first)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.process_time()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.process_time() - start) / calls)
-    return best
-
-
 def measure(dtype: torch.dtype, threads: int, repeats: int, max_flops: float, sides: dict, shapes: list,
             row_counts: list[int]) -> list[dict]:
     torch.set_num_threads(threads)
@@ -79,7 +67,7 @@ def measure(dtype: torch.dtype, threads: int, repeats: int, max_flops: float, si
             if "baseline" in sides:
                 same_bits(sides, x, weight)
             calls = max(1, int(2e7 / (2 * M * K * N)))  # ~10 ms of work a try
-            times = {side: best_cpu_time(lambda fn=fn: fn(x, weight), repeats, calls) for side, fn in sides.items()}
+            times = best_cpu_times({side: lambda fn=fn: fn(x, weight) for side, fn in sides.items()}, repeats, calls)
             rows.append({"shape": name, "K": K, "N": N, "M": M, **times})
             print(f"{dtype} {threads}t {name:8s} M={M:5d} " + "  ".join(f"{s} {t * 1e3:8.3f} ms" for s, t in
                                                                       times.items()), flush=True)
@@ -89,7 +77,8 @@ def measure(dtype: torch.dtype, threads: int, repeats: int, max_flops: float, si
 def overhead_us(threads: int, sides: dict) -> dict:
     torch.set_num_threads(threads)
     x, weight = torch.randn(1, 8), torch.randn(8, 8).t()
-    return {side: 1e6 * best_cpu_time(lambda fn=fn: fn(x, weight), 5, 20000) for side, fn in sides.items()}
+    times = best_cpu_times({side: lambda fn=fn: fn(x, weight) for side, fn in sides.items()}, 5, 20000)
+    return {side: 1e6 * t for side, t in times.items()}
 
 
 def measure_hit(dtype: torch.dtype, M: int, repeats: int, sides: dict) -> dict:
@@ -106,7 +95,7 @@ def measure_hit(dtype: torch.dtype, M: int, repeats: int, sides: dict) -> dict:
         for layer in layers:
             for x, weight in layer:
                 fn(x, weight)
-    times = {side: best_cpu_time(lambda fn=fn: hit(fn), repeats, 1) for side, fn in sides.items()}
+    times = best_cpu_times({side: lambda fn=fn: hit(fn) for side, fn in sides.items()}, repeats, 1)
     flops = LAYERS * sum(2 * M * K * N for _, K, N in SHAPES[:4])
     print(f"{dtype} hit M={M} " + "  ".join(f"{s} {t * 1e3:8.1f} ms" for s, t in times.items()), flush=True)
     return {"dtype": str(dtype).removeprefix("torch."), "M": M, "flops": flops, **times}
@@ -115,7 +104,7 @@ def measure_hit(dtype: torch.dtype, M: int, repeats: int, sides: dict) -> dict:
 def baseline_report(results: dict, hits: list[dict], overhead: dict, argv: str) -> str:
     lines = ["## This kernel against a baseline build of another source", "",
              f"`{argv}`", "", machine_line(), "",
-             "Best of the repeats by process CPU time per call, the two kernels timed in turn shape by shape, each "
+             "Best of the repeats by process CPU time per call, the two kernels taking turns within every round, each "
              "timed product first checked to give the baseline's bits. Speedup: baseline's time over this "
              "kernel's (> 1: this kernel is faster).", "",
              "One call's Python cost, a 1 x 8 x 8 product: " + ", ".join(f"{s} {t:.1f} us" for s, t in
@@ -144,7 +133,7 @@ def baseline_report(results: dict, hits: list[dict], overhead: dict, argv: str) 
 def report(results: dict, overhead: dict, argv: str) -> str:
     lines = ["# The compiled CPU linear layer against F.linear", "",
              f"`{argv}`", "", machine_line(), "",
-             "Best of the repeats by process CPU time per call, the sides timed in turn shape by shape; weights "
+             "Best of the repeats by process CPU time per call, the sides taking turns within every round; weights "
              "stored `[in, out]` as the CPU decoder keeps them. `reference_linear` is the invariant mode's product "
              "before this kernel (float32 on AVX2: MKL with the rows padded to a multiple of 4). Ratios: "
              "cpu_linear's time over the other's (< 1: cpu_linear is faster).", "",

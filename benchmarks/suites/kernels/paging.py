@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
+from benchmarks.lib.cpu_timing import best_cpu_times  # noqa: E402
 from benchmarks.lib.kernel_builds import wrapper_over  # noqa: E402
 from benchmarks.lib.machine import machine_line  # noqa: E402
 from kvstrata.kernels import cpu_attention, cpu_build  # noqa: E402
@@ -141,21 +141,16 @@ def check_agreement(problem: Problem, ours: Callable[..., torch.Tensor]) -> None
                                atol=3e-2, rtol=3e-2)
 
 
-def time_cpu(fn: Callable[[], object], repeats: int) -> float:
-    """Best of `repeats` calls, in seconds of this process's CPU time (one thread)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best
+def time_cpu(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each side's best of `repeats` calls, in seconds of this process's CPU time (one thread), in turn."""
+    return best_cpu_times(fns, repeats)
 
 
-def time_cuda(fn: Callable[[], object], repeats: int) -> float:
+def time_cuda(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=max(100, 20 * repeats), return_mode="median") / 1e3
+    return {side: triton.testing.do_bench(fn, warmup=25, rep=max(100, 20 * repeats), return_mode="median") / 1e3
+            for side, fn in fns.items()}
 
 
 def chosen_splits(case: Case, problem: Problem) -> int:
@@ -182,11 +177,10 @@ def timing_table(cases: list[Case], dtypes: list[torch.dtype], kernels: dict[str
     for case in cases:
         for dtype in dtypes:
             problem = make_problem(case, dtype, device)
-            seconds = {}
-            for name, kernel in kernels.items():
+            for kernel in kernels.values():
                 check_agreement(problem, kernel)
-                seconds[name] = timer(lambda: kernel(*problem.paged_args, problem.scale), repeats)
-            seconds[SDPA] = timer(sdpa_baseline(problem), repeats)
+            seconds = timer({**{name: functools.partial(kernel, *problem.paged_args, problem.scale)
+                                for name, kernel in kernels.items()}, SDPA: sdpa_baseline(problem)}, repeats)
             cells = [case.describe(), str(dtype).removeprefix("torch."),
                      *([str(chosen_splits(case, problem))] if splits_column else []),
                      *(f"{seconds[name] * 1e3:.3f}" for name in [*kernels, SDPA]),
