@@ -17,18 +17,25 @@ from benchmarks.lib.harness import REPO_ROOT, module_command
 
 def baseline_import_root(rev: str, work_dir: Path) -> Path:
     """A directory that, first on PYTHONPATH, makes `kvstrata` import the engine of commit `rev`: the commit in a
-    worktree, its packages laid out as its pyproject maps them."""
+    worktree, its packages laid out as its pyproject maps them (`import_root_of`)."""
     tree = work_dir / "tree"
     subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(tree), rev], cwd=REPO_ROOT, check=True)
+    return import_root_of(tree, work_dir / "root")
+
+
+def import_root_of(tree: Path, root: Path) -> Path:
+    """`root`, made to hold the `kvstrata` packages of the checkout `tree` alone, laid out as its pyproject maps
+    them: first on PYTHONPATH, it makes `kvstrata` import that checkout's code while everything else (this tree's
+    `benchmarks` among it) is still imported from here."""
     package_dirs = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    root = work_dir / "root"
     top = root / "kvstrata"
     top.mkdir(parents=True)
     for entry in (tree / package_dirs["kvstrata"]).iterdir():
         (top / entry.name).symlink_to(entry)
     for package, directory in package_dirs.items():
-        if package != "kvstrata":
-            (root / package.replace(".", "/")).symlink_to(tree / directory)
+        link = root / package.replace(".", "/")
+        if package != "kvstrata" and not link.exists():  # a checkout whose kvstrata/ links its packages has them
+            link.symlink_to(tree / directory)
     return root
 
 

@@ -8,8 +8,9 @@ weights with the document's KV kept between calls (its equivalent of a hit), sam
 
 `run` measures each side in its own process, in alternating rounds, so that a busy machine slows all sides alike:
 this tree's kvstrata (and transformers, in the same process), and, with `--baseline-root`, the kvstrata of another
-checkout (its repository root put first on PYTHONPATH), and, with `--llama-cpp`, llama-cpp-python (the `peers`
-extra) on the shipped GGUF file itself, same threads. Figures are medians over every round's repeats.
+checkout (its `kvstrata` packages alone put first on PYTHONPATH: the benchmark is this tree's), and, with
+`--llama-cpp`, llama-cpp-python (the `peers` extra) on the shipped GGUF file itself, same threads. Figures are
+medians over every round's repeats.
 
 What is timed:
 - hit TTFT: `LLM.generate` of document + question, `max_tokens=1`, the document's blocks already on the device;
@@ -30,10 +31,12 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.lib.harness import module_command
+from benchmarks.lib.in_turn import import_root_of
 from benchmarks.lib import options
 from benchmarks.lib import results
 
@@ -243,9 +246,15 @@ def median_ms(values: list[float]) -> float:
 
 
 def command_run(args) -> None:
-    sides = [("this tree", REPO_ROOT, True, False)]
-    if args.baseline_root:
-        sides.insert(0, (f"baseline ({args.baseline_label})", Path(args.baseline_root).resolve(), False, False))
+    with tempfile.TemporaryDirectory() as work_dir:
+        sides = [("this tree", REPO_ROOT, True, False)]
+        if args.baseline_root:  # its kvstrata alone: its own benchmarks would measure otherwise than this tree's
+            root = import_root_of(Path(args.baseline_root).resolve(), Path(work_dir) / "root")
+            sides.insert(0, (f"baseline ({args.baseline_label})", root, False, False))
+        measure_sides(args, sides)
+
+
+def measure_sides(args, sides: list[tuple[str, Path, bool, bool]]) -> None:
     if args.llama_cpp:
         from benchmarks.lib.peers import LLAMA_CPP_MISSING, llama_cpp_available
 
