@@ -167,8 +167,8 @@ def measure_case(loaded, ops, case: Case, context: int, repeats: int) -> dict:
     agreement = check_agreement(runs, step, loaded.dtype)
     times = {path: [] for path in runs}
     for _ in range(2):  # in turn, twice: a drift of the machine shows as a spread, not as a ratio
-        for path, run in runs.items():
-            times[path].append(timer(lambda: run(step), repeats))
+        for path, seconds in timer({path: lambda run=run: run(step) for path, run in runs.items()}, repeats).items():
+            times[path].append(seconds)
     best = {path: min(t) for path, t in times.items()}
     return {"case": case.name, "num_seqs": case.num_seqs, "new_tokens": case.new, "context": context,
             "decoder_s": best["decoder"], "transformers_s": best["transformers"], "graphs_s": best.get("graphs"),
