@@ -70,7 +70,6 @@ typedef struct {
     const int64_t *item_start;
     int64_t num_items;
     int short_heads;               /* KV heads per item of a short query (heads_per_item) */
-    int64_t item_rows;             /* the most query rows an item takes: each thread's scratch holds as many */
     int64_t next_item;             /* shared counter, taken atomically by the threads */
 } Problem;
 
@@ -506,8 +505,8 @@ static void run_item(const Problem *p, Scratch *s, int64_t item) {
     attend_block(p, s, lo, h0, h0 + hpi, t0, t1);
 }
 
-static int scratch_alloc(Scratch *s, int head_dim, int64_t item_rows, int num_kv_heads) {
-    size_t rows = (size_t)item_rows, D = (size_t)head_dim;
+static int scratch_alloc(Scratch *s, int head_dim, int num_heads, int num_kv_heads) {
+    size_t rows = (size_t)(SHORT_QUERY > QUERY_BLOCK ? SHORT_QUERY : QUERY_BLOCK) * num_heads, D = (size_t)head_dim;
     size_t floats = 2 * rows * D + 2 * rows + MAX_ROWS * KEY_TILE + (2 * (size_t)num_kv_heads + 2) * KEY_TILE * D;
     float *mem = (float *)malloc(floats * sizeof(float));
     if (!mem) return ERR_ALLOC;
@@ -531,7 +530,7 @@ static int worker(void *arg, int index, int count) {
     (void)index, (void)count;
     Problem *p = (Problem *)arg;
     Scratch s;
-    if (scratch_alloc(&s, p->head_dim, p->item_rows, p->num_kv_heads) != OK) return ERR_ALLOC;
+    if (scratch_alloc(&s, p->head_dim, p->num_heads, p->num_kv_heads) != OK) return ERR_ALLOC;
     for (;;) {
         int64_t item = __atomic_fetch_add(&p->next_item, 1, __ATOMIC_RELAXED);
         if (item >= p->num_items) break;
@@ -571,22 +570,19 @@ int kvs_prefix_prefill(
     if (!item_start) return ERR_ALLOC;
     int threads = num_threads < 1 ? 1 : num_threads;
     int short_heads = num_seqs >= threads ? num_kv_heads : 1;
-    int64_t items = 0, item_rows = 1;
-    const int group = num_heads / num_kv_heads;
+    int64_t items = 0;
     for (int b = 0; b < num_seqs; b++) {
         item_start[b] = items;
         int64_t q_len = query_start[b + 1] - query_start[b];
-        int64_t tokens = tokens_per_item(q_len), rows = (q_len < tokens ? q_len : tokens) * group *
-                                                        heads_per_item(q_len, short_heads);
+        int64_t tokens = tokens_per_item(q_len);
         items += (q_len + tokens - 1) / tokens * (num_kv_heads / heads_per_item(q_len, short_heads));
-        if (rows > item_rows) item_rows = rows;
     }
     item_start[num_seqs] = items;
     Problem p = {query, query_dtype, q_stride_token, q_stride_head, cache, cache_dtype,
                  cache_strides[0], cache_strides[1], cache_strides[2], cache_strides[3], cache_strides[4],
                  num_blocks, layer, block_size, block_tables, bt_stride, bt_int32, query_start, seq_lens,
                  num_seqs, num_heads, num_kv_heads, head_dim, scale, out, o_stride_token, o_stride_head,
-                 item_start, items, short_heads, item_rows, 0};
+                 item_start, items, short_heads, 0};
     if (threads > items) threads = (int)items;
     int status = items > 0 ? run_parallel(worker, &p, threads) : OK;
     free(item_start);
