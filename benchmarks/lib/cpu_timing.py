@@ -1,6 +1,7 @@
 """Timing sides against each other on a CPU, in one process: each side's best time by process CPU time (a shared
 machine's other processes slow a run, never speed it), the sides taking turns within every round, so that a load
-that comes and goes falls on all of them alike rather than on whichever ran while it lasted."""
+that comes and goes falls on all of them alike rather than on whichever ran while it lasted; and each round begins
+with the next side, so that none always runs first, in caches the others filled with their own data."""
 from __future__ import annotations
 
 import time
@@ -13,8 +14,10 @@ def best_cpu_times(fns: dict[str, Callable[[], object]], repeats: int, calls: in
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
-    for _ in range(repeats):
-        for side, fn in fns.items():
+    sides = list(fns.items())
+    for round_index in range(repeats):
+        turn = round_index % len(sides)
+        for side, fn in sides[turn:] + sides[:turn]:
             start = time.process_time()
             for _ in range(calls):
                 fn()
