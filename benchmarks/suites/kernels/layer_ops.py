@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from benchmarks.lib.cpu_timing import best_cpu_times
 from benchmarks.lib.machine import provenance_lines
 from benchmarks.lib import options
 from benchmarks.lib import results
@@ -68,13 +69,8 @@ def measure(dtype: torch.dtype, rounds: int, budget_s: float) -> list[dict]:
     rows = []
     for case, num_tokens in TOKENS.items():
         for op, (reference, compiled) in op_calls(num_tokens, dtype).items():
-            reference(), compiled()  # warm-up (and the kernel's build)
             calls = max(3, min(2000, int(budget_s / max(per_call_s(reference, 3), 1e-6))))
-            best = {"torch": float("inf"), "compiled": float("inf")}
-            for round_index in range(rounds):
-                sides = [("torch", reference), ("compiled", compiled)]
-                for side, fn in sides if round_index % 2 == 0 else sides[::-1]:
-                    best[side] = min(best[side], per_call_s(fn, calls))
+            best = best_cpu_times({"torch": reference, "compiled": compiled}, rounds, calls)
             rows.append({"dtype": str(dtype).removeprefix("torch."), "case": case, "tokens": num_tokens, "op": op,
                          "calls_per_round": calls, "torch_us": best["torch"] * 1e6,
                          "compiled_us": best["compiled"] * 1e6, "speedup": best["torch"] / best["compiled"]})
@@ -108,12 +104,8 @@ def measure_steps(rounds: int, context: int = 2048) -> list[dict]:
         runners = {"torch": ModelRunner(loaded, kv_cache, references),
                    "compiled": ModelRunner(loaded, kv_cache, compiled)}
         logits = {side: runner.execute(step) for side, runner in runners.items()}
-        best = {side: float("inf") for side in runners}
-        for round_index in range(rounds):
-            for side, runner in list(runners.items())[::1 if round_index % 2 == 0 else -1]:
-                start = time.process_time()
-                runner.execute(step)
-                best[side] = min(best[side], time.process_time() - start)
+        best = best_cpu_times({side: lambda runner=runner: runner.execute(step) for side, runner in runners.items()},
+                              rounds)
         rows.append({"case": case.name, "context": context, "torch_ms": best["torch"] * 1e3,
                      "compiled_ms": best["compiled"] * 1e3, "speedup": best["torch"] / best["compiled"],
                      "max_logit_difference": float((logits["torch"] - logits["compiled"]).abs().max()),
