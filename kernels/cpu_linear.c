@@ -14,14 +14,16 @@
  *
  * Speed (BLIS's blocking, simplified): a register tile of up to MR rows x NR columns (12 vector accumulators) is
  * fed by broadcasting x[i, k] and loading w[k, j:j + NR]; the KC x NR panel of w it walks is converted to float32
- * and packed contiguously when many row groups reuse it (or it is float16), so it stays in L1 while MC rows of x
- * (in L2) stream past; up to direct_rows() rows (a decode, a question after a cached document) reads w where it lies
- * instead, since packing a panel costs more than so few rows gain from it: fewer than
- * DIRECT_GROUP_ROWS rows take DIRECT_KC rows of it at a time across their share of the columns, so the weight is one
- * pass of a few long streams; more rows take it a DIRECT_MULTI_KC x NR strip at a time, each row group (of up to MR)
- * finding the strip in L1, so the accumulators are stored and reloaded once a DIRECT_MULTI_KC, while the first group
- * prefetches the next strip (prefetches change no arithmetic). Threads take (row block, column chunk) items from a
- * shared counter.
+ * and packed contiguously when many row groups reuse it (or it is float16), so it is read from cache while the rows
+ * of x stream past. A work item of many rows packs its columns of w once, each K block as its first MC rows reach
+ * it, and its other row blocks find them packed: packing anew for every MC rows read the weight's strided rows from
+ * memory again each time, which was most of what a prefill's products lost to a vendor BLAS. Up to direct_rows()
+ * rows (a decode, a question after a cached document) read w where it lies instead, since packing a panel costs
+ * more than so few rows gain from it: fewer than DIRECT_GROUP_ROWS rows take DIRECT_KC rows of it at a time across
+ * their share of the columns, so the weight is one pass of a few long streams; more rows take it a DIRECT_MULTI_KC x
+ * NR strip at a time, each row group (of up to MR) finding the strip in L1, so the accumulators are stored and
+ * reloaded once a DIRECT_MULTI_KC, while the first group prefetches the next strip (prefetches change no
+ * arithmetic). Threads take (rows, column chunk) items from a shared counter.
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,12 +41,12 @@
 
 #define MR 6          /* rows of a register tile */
 #define NR 16         /* columns of a register tile (two vectors of 8) */
-#define KC 128        /* K block: a packed panel is KC x NR floats (8 KiB, in L1) */
-#define MC 96         /* rows of a row block (MC x KC of x, 48 KiB, stays in L2) */
+#define KC 256        /* K block: a packed panel is KC x NR floats (16 KiB, in L1) */
+#define MC 96         /* rows of a row block: its MC x CHUNK outputs (96 KiB) stay in L2 across K blocks */
 #define DIRECT_KC 8   /* K block of 1-3 rows reading the weights in place: 8 rows streamed at once, item-wide */
 #define DIRECT_GROUP_ROWS 4   /* items of this many rows or more (up to direct_rows()) take the weights a strip at a time */
 #define DIRECT_MULTI_KC 48   /* their K block (<= KC): a strip of w, 48 rows x 64 bytes, stays in L1 for all rows */
-#define CHUNK 256     /* columns of a work item: its packed block of KC x CHUNK floats (128 KiB) stays in L2 */
+#define CHUNK 256     /* most columns of a packed work item: a K block of them packed (256 KiB) stays in L2 */
 #define MIN_WORK_PER_THREAD (1 << 18)   /* multiply-adds below which another thread costs more than it saves */
 
 enum { OK = 0, ERR_ALLOC = -2, ERR_SHAPE = -4 };
@@ -76,6 +78,8 @@ typedef struct {
     float *out;            /* [M, N], rows ldo apart */
     int64_t ldo;
     int64_t chunk, col_chunks, num_items;   /* columns per work item (a multiple of NR), their count, items */
+    int64_t item_rows;     /* rows per work item */
+    size_t packed_floats;  /* each thread's packing buffer */
     int64_t next_item;     /* shared counter, taken atomically by the threads */
 } Problem;
 
@@ -270,26 +274,40 @@ static __attribute__((noinline)) void run_rows(const Problem *p, float *packed, 
     }
 }
 
-/* Work item: rows [i0, i0 + MC) x columns [j0, j0 + chunk), clipped. For each K block, every row group of MR rows
- * against np panels at a time. Where the item has fewer than DIRECT_GROUP_ROWS rows (a decode), the weights are read
- * where they lie, DIRECT_KC rows across the item's width (run_rows takes DIRECT_GROUP_ROWS to direct_rows() rows);
- * otherwise the block is first packed, so that the row groups read it contiguous from cache. */
-static void run_item(const Problem *p, float *packed, int64_t item) {
-    const int64_t i0 = item / p->col_chunks * MC, j0 = item % p->col_chunks * p->chunk;
-    const int64_t i1 = i0 + MC < p->M ? i0 + MC : p->M;
-    const int width = (int)(j0 + p->chunk < p->N ? p->chunk : p->N - j0), panels = (width + NR - 1) / NR;
-    const int direct = i1 - i0 <= direct_rows(p->w_dtype);
-    if (direct && i1 - i0 >= DIRECT_GROUP_ROWS) {
-        run_rows(p, packed, i0, (int)(i1 - i0), j0, width);
-        return;
+/* Rows [i0, i1) x columns [j0, j0 + width) against w packed: MC rows at a time, for each K block every row group of MR
+ * rows against np panels at a time. The first row block packs each K block of the columns into its own place in
+ * `packed` as it reaches it (fresh in cache for its use), the others find them there. */
+static void run_packed(const Problem *p, float *packed, int64_t i0, int64_t i1, int64_t j0, int width) {
+    const int panels = (width + NR - 1) / NR;
+    for (int64_t b0 = i0; b0 < i1; b0 += MC) {
+        const int64_t b1 = b0 + MC < i1 ? b0 + MC : i1;
+        for (int64_t k0 = 0; k0 < p->K; k0 += KC) {
+            const int kc = (int)(p->K - k0 < KC ? p->K - k0 : KC), last = k0 + kc == p->K;
+            float *block = packed + k0 * p->chunk;   /* K block k0 / KC: KC x chunk floats */
+            if (b0 == i0) pack_block(block, p, k0, kc, j0, width);
+            for (int64_t i = b0; i < b1; i += MR) {
+                const int mr = (int)(b1 - i < MR ? b1 - i : MR), step = panels_at_once(mr);
+                for (int q = 0; q < panels; q += step) {
+                    const int np = panels - q < step ? panels - q : step;
+                    const int nc = width - q * NR < np * NR ? width - q * NR : np * NR;
+                    const int64_t j = j0 + q * NR;
+                    const float *bias = last && p->bias ? p->bias + j : NULL;
+                    run_tile(mr, np, FROM_PACKED, nc, kc, p->x + i * p->ldx + k0, p->ldx, block + (int64_t)q * KC * NR,
+                             NR, p->out + i * p->ldo + j, p->ldo, k0 == 0, bias, NO_AHEAD);
+                }
+            }
+        }
     }
+}
+
+/* Rows [i0, i1) (fewer than DIRECT_GROUP_ROWS: a decode) x columns [j0, j0 + width), the weights read where they
+ * lie, DIRECT_KC rows of them at a time across the item's width, every row group against np panels at a time. */
+static void run_few_rows(const Problem *p, float *packed, int64_t i0, int64_t i1, int64_t j0, int width) {
+    const int panels = (width + NR - 1) / NR;
     const int src = p->w_dtype == DTYPE_F32 ? FROM_F32 : FROM_BF16;
     const size_t wsize = p->w_dtype == DTYPE_F32 ? 4 : 2;
-    const int block = direct ? DIRECT_KC : KC;
-    for (int64_t k0 = 0; k0 < p->K; k0 += block) {
-        const int kc = (int)(p->K - k0 < block ? p->K - k0 : block);
-        const int last = k0 + kc == p->K;
-        if (!direct) pack_block(packed, p, k0, kc, j0, width);
+    for (int64_t k0 = 0; k0 < p->K; k0 += DIRECT_KC) {
+        const int kc = (int)(p->K - k0 < DIRECT_KC ? p->K - k0 : DIRECT_KC), last = k0 + kc == p->K;
         for (int64_t i = i0; i < i1; i += MR) {
             const int mr = (int)(i1 - i < MR ? i1 - i : MR), step = panels_at_once(mr);
             for (int q = 0; q < panels; q += step) {
@@ -298,10 +316,7 @@ static void run_item(const Problem *p, float *packed, int64_t item) {
                 const int64_t j = j0 + q * NR;
                 const float *x = p->x + i * p->ldx + k0, *bias = last && p->bias ? p->bias + j : NULL;
                 float *c = p->out + i * p->ldo + j;
-                if (!direct) {
-                    run_tile(mr, np, FROM_PACKED, nc, kc, x, p->ldx, packed + (int64_t)q * KC * NR, NR, c, p->ldo,
-                             k0 == 0, bias, NO_AHEAD);
-                } else if (nc == np * NR) {
+                if (nc == np * NR) {
                     const char *w = (const char *)p->w + (size_t)(k0 * p->ldw + j) * wsize;
                     run_tile(mr, np, src, nc, kc, x, p->ldx, w, p->ldw, c, p->ldo, k0 == 0, bias, NO_AHEAD);
                 } else {   /* the last columns, fewer than the tile's: packed (zero-padded), never read past N */
@@ -313,11 +328,25 @@ static void run_item(const Problem *p, float *packed, int64_t item) {
     }
 }
 
+/* Work item: rows [i0, i0 + item_rows) x columns [j0, j0 + chunk), clipped. Up to direct_rows() rows read the weights
+ * where they lie (fewer than DIRECT_GROUP_ROWS: run_few_rows, more: run_rows); more rows pack them (run_packed). */
+static void run_item(const Problem *p, float *packed, int64_t item) {
+    const int64_t i0 = item / p->col_chunks * p->item_rows, j0 = item % p->col_chunks * p->chunk;
+    const int64_t i1 = i0 + p->item_rows < p->M ? i0 + p->item_rows : p->M;
+    const int width = (int)(j0 + p->chunk < p->N ? p->chunk : p->N - j0);
+    if (i1 - i0 > direct_rows(p->w_dtype))
+        run_packed(p, packed, i0, i1, j0, width);
+    else if (i1 - i0 >= DIRECT_GROUP_ROWS)
+        run_rows(p, packed, i0, (int)(i1 - i0), j0, width);
+    else
+        run_few_rows(p, packed, i0, i1, j0, width);
+}
+
 /* One thread's share of a call (run_parallel): items taken from the shared counter until none is left. */
 static int worker(void *arg, int index, int count) {
     (void)index, (void)count;
     Problem *p = (Problem *)arg;
-    float *packed = (float *)aligned_alloc(64, sizeof(float) * KC * CHUNK);
+    float *packed = (float *)aligned_alloc(64, sizeof(float) * p->packed_floats);
     if (!packed) return ERR_ALLOC;
     for (;;) {
         int64_t item = __atomic_fetch_add(&p->next_item, 1, __ATOMIC_RELAXED);
@@ -326,6 +355,18 @@ static int worker(void *arg, int index, int count) {
     }
     free(packed);
     return OK;
+}
+
+/* Parts to split the rows of a packed call into (at most `most`): the fewest that make (parts x column chunks) a
+ * multiple of the thread count, so that the threads get equal shares of equal items. */
+static int64_t row_splits(int64_t col_chunks, int64_t threads, int64_t most) {
+    int64_t a = col_chunks, b = threads;   /* their greatest common divisor */
+    while (b) {
+        const int64_t r = a % b;
+        a = b;
+        b = r;
+    }
+    return threads / a < most ? threads / a : most;
 }
 
 /* out = x @ w (+ bias), float32 out. Returns OK, or ERR_SHAPE for sizes the caller should have refused. */
@@ -342,17 +383,25 @@ int kvs_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const void *w,
     int64_t threads = num_threads < 1 ? 1 : num_threads;
     const int64_t work = M * N * K / MIN_WORK_PER_THREAD;
     if (threads > work) threads = work < 1 ? 1 : work;
-    /* Packed items take CHUNK columns. Where the rows are few enough to read the weights in place, an item
-     * takes whole rows' share of the columns (N / threads): each K block is then read row after row across the
-     * weight's width, streams the prefetchers follow, instead of short pieces of many rows. */
-    int64_t chunk = CHUNK;
+    Problem p = {.x = x, .ldx = ldx, .M = M, .K = K, .w = w, .w_dtype = w_dtype, .ldw = ldw, .N = N, .bias = bias,
+                 .out = out, .ldo = ldo, .item_rows = MC, .packed_floats = KC * CHUNK, .next_item = 0};
     if (M <= direct_rows(w_dtype)) {
+        /* Rows few enough to read the weights in place: an item takes whole rows' share of the columns (N / threads),
+         * so each K block is read row after row across the weight's width, streams the prefetchers follow, instead
+         * of short pieces of many rows. */
         const int64_t tile = NR * 6;
-        chunk = ((N + threads - 1) / threads + tile - 1) / tile * tile;
+        p.chunk = ((N + threads - 1) / threads + tile - 1) / tile * tile;
+    } else {
+        /* Packed: N split into near-equal chunks of at most CHUNK columns, and the rows into as few parts as give
+         * every thread the same number of equal items (each part packs its chunk's columns once). */
+        const int64_t pieces = (N + CHUNK - 1) / CHUNK, splits = row_splits(pieces, threads, (M + MR - 1) / MR);
+        p.chunk = ((N + pieces - 1) / pieces + NR - 1) / NR * NR;
+        p.item_rows = ((M + splits - 1) / splits + MR - 1) / MR * MR;
+        p.packed_floats = (size_t)((K + KC - 1) / KC * KC * p.chunk);
     }
-    const int64_t col_chunks = (N + chunk - 1) / chunk, items = (M + MC - 1) / MC * col_chunks;
-    if (threads > items) threads = items;
-    Problem p = {x, ldx, M, K, w, w_dtype, ldw, N, bias, out, ldo, chunk, col_chunks, items, 0};
+    p.col_chunks = (N + p.chunk - 1) / p.chunk;
+    p.num_items = (M + p.item_rows - 1) / p.item_rows * p.col_chunks;
+    if (threads > p.num_items) threads = p.num_items;
     return run_parallel(worker, &p, (int)threads);
 }
 

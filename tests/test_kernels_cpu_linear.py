@@ -100,6 +100,22 @@ def test_a_row_has_the_same_bits_in_any_call_at_any_place_on_any_thread_count(dt
                 (n, rows, start)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prefill_chunk_has_each_row_s_bits_on_any_thread_count(dtype, threads):
+    """A prefill's many rows: each item packs its columns of the weight once, K block by K block (K of 600: three
+    blocks, the last short), and reuses them for all its row blocks (300 rows: four of up to 96); the rows are
+    split into as many parts as the thread count needs (N of 700: three column chunks of 240, 240 and 220 columns,
+    so 2 and 4 threads split the rows, 3 do not). Every row keeps the bits it gets alone, and the sums are right."""
+    x, weight, b = problem(300, 600, 700, dtype, seed=3)
+    threads(1)
+    alone = torch.cat([cpu_linear.linear(x[i:i + 1], weight, b) for i in range(300)])
+    torch.testing.assert_close(alone.double(), exact(x, weight, b), **TOLERANCE[dtype])
+    for n in (1, 2, 3, 4):
+        threads(n)
+        assert torch.equal(cpu_linear.linear(x, weight, b), alone), n
+        assert torch.equal(cpu_linear.linear(x[5:205], weight, b), alone[5:205]), n
+
+
 def test_big_calls_split_over_threads_give_the_same_bits(threads):
     """A call large enough to start threads, with row blocks and column chunks over them."""
     x, weight, b = problem(200, 160, 700, torch.float32, seed=2)
