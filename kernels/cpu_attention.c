@@ -36,7 +36,8 @@
 
 #define LANES 8
 #define KEY_TILE 32
-#define QUERY_BLOCK 8
+/* New tokens of a long query's item: its KV head's tiles (K transposed once a tile) feed QUERY_BLOCK x group rows */
+#define QUERY_BLOCK 32
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 512
 /* New tokens up to which a sequence's item takes all of them (and its KV heads): a question after a cached document
@@ -501,7 +502,9 @@ static void run_item(const Problem *p, Scratch *s, int64_t item) {
     int64_t tokens = tokens_per_item(q_len), blocks = (q_len + tokens - 1) / tokens, local = item - p->item_start[lo];
     int hpi = heads_per_item(q_len, p->short_heads);
     int h0 = (int)(local / blocks) * hpi;
-    int64_t t0 = (local % blocks) * tokens, t1 = t0 + tokens < q_len ? t0 + tokens : q_len;
+    /* a sequence's last tokens first: they see the most keys, and threads that take the longest items first finish
+     * together */
+    int64_t t0 = (blocks - 1 - local % blocks) * tokens, t1 = t0 + tokens < q_len ? t0 + tokens : q_len;
     attend_block(p, s, lo, h0, h0 + hpi, t0, t1);
 }
 
