@@ -274,58 +274,54 @@ static __attribute__((noinline)) void run_rows(const Problem *p, float *packed, 
     }
 }
 
-/* Rows [i0, i1) x columns [j0, j0 + width) against w packed: MC rows at a time, for each K block every row group of MR
- * rows against np panels at a time. The first row block packs each K block of the columns into its own place in
- * `packed` as it reaches it (fresh in cache for its use), the others find them there. */
-static void run_packed(const Problem *p, float *packed, int64_t i0, int64_t i1, int64_t j0, int width) {
-    const int panels = (width + NR - 1) / NR;
-    for (int64_t b0 = i0; b0 < i1; b0 += MC) {
-        const int64_t b1 = b0 + MC < i1 ? b0 + MC : i1;
-        for (int64_t k0 = 0; k0 < p->K; k0 += KC) {
-            const int kc = (int)(p->K - k0 < KC ? p->K - k0 : KC), last = k0 + kc == p->K;
-            float *block = packed + k0 * p->chunk;   /* K block k0 / KC: KC x chunk floats */
-            if (b0 == i0) pack_block(block, p, k0, kc, j0, width);
-            for (int64_t i = b0; i < b1; i += MR) {
-                const int mr = (int)(b1 - i < MR ? b1 - i : MR), step = panels_at_once(mr);
-                for (int q = 0; q < panels; q += step) {
-                    const int np = panels - q < step ? panels - q : step;
-                    const int nc = width - q * NR < np * NR ? width - q * NR : np * NR;
-                    const int64_t j = j0 + q * NR;
-                    const float *bias = last && p->bias ? p->bias + j : NULL;
-                    run_tile(mr, np, FROM_PACKED, nc, kc, p->x + i * p->ldx + k0, p->ldx, block + (int64_t)q * KC * NR,
-                             NR, p->out + i * p->ldo + j, p->ldo, k0 == 0, bias, NO_AHEAD);
-                }
+/* K block [k0, k0 + kc) of rows [i0, i1) x columns [j0, j0 + width): every row group of MR rows against np panels at
+ * a time, reading w from `block` (the K block's columns packed by pack_block), or, where `block` is NULL, where it
+ * lies (a tile's last columns, fewer than it takes, packed into `scratch` first, zero-padded: never read past N). */
+static void run_block(const Problem *p, int64_t i0, int64_t i1, int64_t j0, int width, int64_t k0, int kc,
+                      const float *block, float *scratch) {
+    const int panels = (width + NR - 1) / NR, last = k0 + kc == p->K;
+    const int src = p->w_dtype == DTYPE_F32 ? FROM_F32 : FROM_BF16;
+    const size_t wsize = p->w_dtype == DTYPE_F32 ? 4 : 2;
+    for (int64_t i = i0; i < i1; i += MR) {
+        const int mr = (int)(i1 - i < MR ? i1 - i : MR), step = panels_at_once(mr);
+        for (int q = 0; q < panels; q += step) {
+            const int np = panels - q < step ? panels - q : step;
+            const int nc = width - q * NR < np * NR ? width - q * NR : np * NR;
+            const int64_t j = j0 + q * NR;
+            const float *x = p->x + i * p->ldx + k0, *bias = last && p->bias ? p->bias + j : NULL;
+            float *c = p->out + i * p->ldo + j;
+            if (block) {
+                run_tile(mr, np, FROM_PACKED, nc, kc, x, p->ldx, block + (int64_t)q * KC * NR, NR, c, p->ldo, k0 == 0,
+                         bias, NO_AHEAD);
+            } else if (nc == np * NR) {
+                const char *w = (const char *)p->w + (size_t)(k0 * p->ldw + j) * wsize;
+                run_tile(mr, np, src, nc, kc, x, p->ldx, w, p->ldw, c, p->ldo, k0 == 0, bias, NO_AHEAD);
+            } else {
+                pack_block(scratch, p, k0, kc, j, nc);
+                run_tile(mr, np, FROM_PACKED, nc, kc, x, p->ldx, scratch, NR, c, p->ldo, k0 == 0, bias, NO_AHEAD);
             }
         }
     }
 }
 
-/* Rows [i0, i1) (fewer than DIRECT_GROUP_ROWS: a decode) x columns [j0, j0 + width), the weights read where they
- * lie, DIRECT_KC rows of them at a time across the item's width, every row group against np panels at a time. */
-static void run_few_rows(const Problem *p, float *packed, int64_t i0, int64_t i1, int64_t j0, int width) {
-    const int panels = (width + NR - 1) / NR;
-    const int src = p->w_dtype == DTYPE_F32 ? FROM_F32 : FROM_BF16;
-    const size_t wsize = p->w_dtype == DTYPE_F32 ? 4 : 2;
-    for (int64_t k0 = 0; k0 < p->K; k0 += DIRECT_KC) {
-        const int kc = (int)(p->K - k0 < DIRECT_KC ? p->K - k0 : DIRECT_KC), last = k0 + kc == p->K;
-        for (int64_t i = i0; i < i1; i += MR) {
-            const int mr = (int)(i1 - i < MR ? i1 - i : MR), step = panels_at_once(mr);
-            for (int q = 0; q < panels; q += step) {
-                const int np = panels - q < step ? panels - q : step;
-                const int nc = width - q * NR < np * NR ? width - q * NR : np * NR;
-                const int64_t j = j0 + q * NR;
-                const float *x = p->x + i * p->ldx + k0, *bias = last && p->bias ? p->bias + j : NULL;
-                float *c = p->out + i * p->ldo + j;
-                if (nc == np * NR) {
-                    const char *w = (const char *)p->w + (size_t)(k0 * p->ldw + j) * wsize;
-                    run_tile(mr, np, src, nc, kc, x, p->ldx, w, p->ldw, c, p->ldo, k0 == 0, bias, NO_AHEAD);
-                } else {   /* the last columns, fewer than the tile's: packed (zero-padded), never read past N */
-                    pack_block(packed, p, k0, kc, j, nc);
-                    run_tile(mr, np, FROM_PACKED, nc, kc, x, p->ldx, packed, NR, c, p->ldo, k0 == 0, bias, NO_AHEAD);
-                }
-            }
+/* Rows [i0, i1) x columns [j0, j0 + width) against w packed, MC rows at a time. The first row block packs each K
+ * block of the columns into its own place in `packed` as it reaches it (fresh in cache for its use); the others find
+ * them there. */
+static void run_packed(const Problem *p, float *packed, int64_t i0, int64_t i1, int64_t j0, int width) {
+    for (int64_t b0 = i0; b0 < i1; b0 += MC)
+        for (int64_t k0 = 0; k0 < p->K; k0 += KC) {
+            const int kc = (int)(p->K - k0 < KC ? p->K - k0 : KC);
+            float *block = packed + k0 * p->chunk;   /* K block k0 / KC: KC x chunk floats */
+            if (b0 == i0) pack_block(block, p, k0, kc, j0, width);
+            run_block(p, b0, b0 + MC < i1 ? b0 + MC : i1, j0, width, k0, kc, block, NULL);
         }
-    }
+}
+
+/* Rows [i0, i1) (fewer than DIRECT_GROUP_ROWS: a decode) x columns [j0, j0 + width), the weights read where they
+ * lie, DIRECT_KC rows of them at a time across the item's width. */
+static void run_few_rows(const Problem *p, float *packed, int64_t i0, int64_t i1, int64_t j0, int width) {
+    for (int64_t k0 = 0; k0 < p->K; k0 += DIRECT_KC)
+        run_block(p, i0, i1, j0, width, k0, (int)(p->K - k0 < DIRECT_KC ? p->K - k0 : DIRECT_KC), NULL, packed);
 }
 
 /* Work item: rows [i0, i0 + item_rows) x columns [j0, j0 + chunk), clipped. Up to direct_rows() rows read the weights
