@@ -84,6 +84,26 @@ def test_kernels_paging_times_another_cpu_kernel_source_beside_this_trees(capsys
     assert "| SmolLM2-135M prefill: 2 x (64 cached + 16 new) | float32 |" in out
 
 
+def test_kernels_cpu_linear_against_another_source_keeps_every_figure_in_its_json(tmp_path):
+    """`cpu-linear --baseline-kernel`: both sides' seconds a call, per product and per cache hit, are in the JSON
+    beside the report, as its tables give them."""
+    from kvstrata.kernels import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.skip("no C compiler to build the CPU kernel")
+    out = tmp_path / "linear.md"
+    assert suite("kernels").main(["cpu-linear", "--rows", "1", "5", "--shapes", "o", "--dtypes", "float32",
+                                  "--repeats", "1", "--hit-rows", "1", "--out", str(out),
+                                  "--baseline-kernel", str(REPO_ROOT / "kernels" / "cpu_linear.c")]) in (0, None)
+    result = json.loads(out.with_suffix(".json").read_text())
+    products = result["seconds_per_call"]
+    assert [(p["dtype"], p["threads"], p["shape"], p["M"]) for p in products] == [("float32", 1, "o", 1),
+                                                                                ("float32", 1, "o", 5)]
+    assert all(p["cpu_linear"] > 0 and p["baseline"] > 0 for p in products)
+    assert [(h["dtype"], h["M"]) for h in result["hits"]] == [("float32", 1)]
+    assert f"{products[1]['cpu_linear'] * 1e3:.3f}" in out.read_text()
+
+
 def test_kernels_paging_bits_tells_an_equal_kernel_from_one_that_rounds_otherwise(tmp_path, capsys):
     """`--bits N`: the same source gives every bit of this tree's kernel; one whose score scale is off by one ulp
     is caught (exit 1, the differing call named)."""

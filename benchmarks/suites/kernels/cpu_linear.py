@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                                          sides, shapes, args.rows)
                for threads in args.threads for dtype in args.dtypes}
     command = "python benchmarks/kernels.py cpu-linear " + " ".join(argv or [])
+    hits = []
     if args.baseline_kernel:
         hits = [measure_hit(getattr(torch, dtype), M, args.repeats, sides) for dtype in args.dtypes
                 for M in args.hit_rows]
@@ -189,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         text = report(measured, overhead_us(1, sides), command)
     out = Path(args.out) if args.out else None
+    # the figures as the tables give them, seconds a call per side
+    products = [{"dtype": dtype, "threads": threads, **row} for (dtype, threads), rows in measured.items()
+                for row in rows]
     result = results.record(out.stem if out else "cpu_linear", dtypes=args.dtypes, threads=args.threads,
-                            repeats=args.repeats)
+                            repeats=args.repeats, seconds_per_call=products, hits=hits)
     results.publish(result, text + "\n", out and out.parent, out and out.stem)
     return 0
