@@ -41,7 +41,7 @@
 
 #define MR 6          /* rows of a register tile */
 #define NR 16         /* columns of a register tile (two vectors of 8) */
-#define KC 256        /* K block: a packed panel is KC x NR floats (16 KiB, in L1) */
+#define KC 256        /* K block: a packed panel is KC x NR floats (16 KiB), read from L2 by every row group */
 #define MC 96         /* rows of a row block: its MC x CHUNK outputs (96 KiB) stay in L2 across K blocks */
 #define DIRECT_KC 8   /* K block of 1-3 rows reading the weights in place: 8 rows streamed at once, item-wide */
 #define DIRECT_GROUP_ROWS 4   /* items of this many rows or more (up to direct_rows()) take the weights a strip at a time */
