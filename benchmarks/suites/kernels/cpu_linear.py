@@ -13,8 +13,8 @@ holding the headers it includes), every timed product first checked to give the 
 hit's whole set of products is timed too: `--hit-rows` rows through the model's 30 layers x 4 products, each layer
 its own weights, so they come from memory as in the model (14 MB a layer in float32, more than the L3 cache).
 
-Each figure is the best of `--repeats` timings by process CPU time (a shared machine slows a run, never speeds
-it), the sides taking turns within every round of every shape, so that load drifts over all alike. One call's
+Each figure is the best of `--repeats` timings, by process CPU time on one thread (a shared machine slows a run,
+never speeds it) and by the wall clock on several (`benchmarks/lib/cpu_timing.py`), the sides taking turns within every round of every shape, so that load drifts over all alike. One call's
 Python overhead is timed too, on a product too small to matter (1 x 8 x 8).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.lib.cpu_timing import best_cpu_times
+from benchmarks.lib.cpu_timing import best_cpu_times, clock_for
 from benchmarks.lib.kernel_builds import wrapper_over
 from benchmarks.lib.machine import machine_line
 from kvstrata.kernels import cpu_linear
@@ -67,7 +67,8 @@ def measure(dtype: torch.dtype, threads: int, repeats: int, max_flops: float, si
             if "baseline" in sides:
                 same_bits(sides, x, weight)
             calls = max(1, int(2e7 / (2 * M * K * N)))  # ~10 ms of work a try
-            times = best_cpu_times({side: lambda fn=fn: fn(x, weight) for side, fn in sides.items()}, repeats, calls)
+            times = best_cpu_times({side: lambda fn=fn: fn(x, weight) for side, fn in sides.items()}, repeats, calls,
+                                   clock_for(threads))
             rows.append({"shape": name, "K": K, "N": N, "M": M, **times})
             print(f"{dtype} {threads}t {name:8s} M={M:5d} " + "  ".join(f"{s} {t * 1e3:8.3f} ms" for s, t in
                                                                       times.items()), flush=True)
@@ -101,10 +102,13 @@ def measure_hit(dtype: torch.dtype, M: int, repeats: int, sides: dict) -> dict:
     return {"dtype": str(dtype).removeprefix("torch."), "M": M, "flops": flops, **times}
 
 
+TIMED_BY = "one thread by process CPU time, several by the wall clock"
+
+
 def baseline_report(results: dict, hits: list[dict], overhead: dict, argv: str) -> str:
     lines = ["## This kernel against a baseline build of another source", "",
              f"`{argv}`", "", machine_line(), "",
-             "Best of the repeats by process CPU time per call, the two kernels taking turns within every round, each "
+             f"Best of the repeats per call, {TIMED_BY}, the two kernels taking turns within every round, each "
              "timed product first checked to give the baseline's bits. Speedup: baseline's time over this "
              "kernel's (> 1: this kernel is faster).", "",
              "One call's Python cost, a 1 x 8 x 8 product: " + ", ".join(f"{s} {t:.1f} us" for s, t in
@@ -133,7 +137,7 @@ def baseline_report(results: dict, hits: list[dict], overhead: dict, argv: str) 
 def report(results: dict, overhead: dict, argv: str) -> str:
     lines = ["# The compiled CPU linear layer against F.linear", "",
              f"`{argv}`", "", machine_line(), "",
-             "Best of the repeats by process CPU time per call, the sides taking turns within every round; weights "
+             f"Best of the repeats per call, {TIMED_BY}, the sides taking turns within every round; weights "
              "stored `[in, out]` as the CPU decoder keeps them. `reference_linear` is the invariant mode's product "
              "before this kernel (float32 on AVX2: MKL with the rows padded to a multiple of 4). Ratios: "
              "cpu_linear's time over the other's (< 1: cpu_linear is faster).", "",
