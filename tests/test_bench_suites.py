@@ -84,6 +84,22 @@ def test_kernels_paging_times_another_cpu_kernel_source_beside_this_trees(capsys
     assert "| SmolLM2-135M prefill: 2 x (64 cached + 16 new) | float32 |" in out
 
 
+def test_kernels_paging_writes_its_tables_and_every_figure_with_out(tmp_path, capsys):
+    """`paging --out FILE`: the tables as printed, in FILE, and each row's seconds a call per side in the JSON
+    beside it, as the table gives them."""
+    out = tmp_path / "paging_run.md"
+    assert suite("kernels").main(["paging", "--quick", "--repeats", "1", "--device", "cpu", "--out", str(out)]) \
+        in (0, None)
+    printed, report = capsys.readouterr().out, out.read_text()
+    row = next(line for line in printed.splitlines() if line.startswith("| SmolLM2-135M prefill: 2 x (64 cached"))
+    assert row in report
+    timings = json.loads(out.with_suffix(".json").read_text())["timings"]
+    assert [t["case"] for t in timings] == ["SmolLM2-135M prefill: 2 x (64 cached + 16 new)"]
+    seconds = timings[0]["seconds_per_call"]
+    assert "SDPA contiguous" in seconds and all(s > 0 for s in seconds.values())
+    assert all(f"{s * 1e3:.3f}" in row for s in seconds.values())
+
+
 def test_kernels_cpu_linear_against_another_source_keeps_every_figure_in_its_json(tmp_path):
     """`cpu-linear --baseline-kernel`: both sides' seconds a call, per product and per cache hit, are in the JSON
     beside the report, as its tables give them."""

@@ -14,8 +14,9 @@ hit's whole set of products is timed too: `--hit-rows` rows through the model's 
 its own weights, so they come from memory as in the model (14 MB a layer in float32, more than the L3 cache).
 
 Each figure is the best of `--repeats` timings, by process CPU time on one thread (a shared machine slows a run,
-never speeds it) and by the wall clock on several (`benchmarks/lib/cpu_timing.py`), the sides taking turns within every round of every shape, so that load drifts over all alike. One call's
-Python overhead is timed too, on a product too small to matter (1 x 8 x 8).
+never speeds it) and by the wall clock on several (`benchmarks/lib/cpu_timing.py`), the sides taking turns within
+every round of every shape, so that load drifts over all alike. One call's Python overhead is timed too, on a
+product too small to matter (1 x 8 x 8).
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ Figures are reported as ratios `ours / SDPA` (1.0 = paging costs nothing).
 Every timed function is first checked to give the baseline's output on the very problem it is timed on.
 
     python benchmarks/kernels.py paging                 # prints markdown tables
+    python benchmarks/kernels.py paging --out benchmarks/results/paging.md   # writes them too (figures: paging.json)
     python benchmarks/kernels.py paging --baseline-kernel ../old/kernels/cpu_attention.c   # CPU: another checkout's kernel beside this one
     python benchmarks/kernels.py paging --baseline-kernel ../old/kernels/cpu_attention.c --bits 500   # its bits, instead
 
@@ -46,7 +47,7 @@ from benchmarks.lib.machine import machine_line  # noqa: E402
 from kvstrata.kernels import cpu_attention, cpu_build  # noqa: E402
 from kvstrata.kernels.prefix_prefill import (choose_num_splits, prefix_prefill, reference_prefix_prefill,  # noqa: E402
                                              sm_count)
-from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import options, results  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -165,11 +166,11 @@ SDPA = "SDPA contiguous"
 
 def timing_table(cases: list[Case], dtypes: list[torch.dtype], kernels: dict[str, Callable[..., torch.Tensor]],
                  ratios: list[tuple[str, str, str]], timer, repeats: int, device: torch.device,
-                 splits_column: bool = False) -> list[str]:
+                 splits_column: bool = False, figures: list[dict] | None = None) -> list[str]:
     """One markdown row per case and dtype: the time of each of `kernels` (paged arguments, then scale) and
     of SDPA on the contiguous problem, then each ratio (label, numerator, denominator) of those times; with
     `splits_column`, the number of splits the Triton kernel chooses there. Each line is printed as it is
-    measured; the table's lines are returned."""
+    measured; the table's lines are returned, and each row's seconds a call per side appended to `figures`."""
     header = ["case", "dtype", *(["splits"] if splits_column else []), *(f"{name} (ms)" for name in [*kernels, SDPA]),
               *(label for label, _, _ in ratios)]
     lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
@@ -187,15 +188,18 @@ def timing_table(cases: list[Case], dtypes: list[torch.dtype], kernels: dict[str
                      *(f"{seconds[a] / seconds[b]:.2f}" for _, a, b in ratios)]
             lines.append("| " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
+            if figures is not None:
+                figures.append({"case": case.describe(), "dtype": cells[1], "seconds_per_call": seconds})
             del problem
             free_cached_memory(device)
     return lines
 
 
 def paging_table(cases: list[Case], dtypes: list[torch.dtype], ours: Callable[..., torch.Tensor], timer,
-                 repeats: int, device: torch.device) -> list[str]:
+                 repeats: int, device: torch.device, figures: list[dict] | None = None) -> list[str]:
     """The cost of paging: `ours` on the paged problem against SDPA on the contiguous one."""
-    return timing_table(cases, dtypes, {"ours": ours}, [("ours / SDPA", "ours", SDPA)], timer, repeats, device)
+    return timing_table(cases, dtypes, {"ours": ours}, [("ours / SDPA", "ours", SDPA)], timer, repeats, device,
+                        figures=figures)
 
 
 def split_kv_table(cases: list[Case], dtypes: list[torch.dtype], timer, repeats: int,
@@ -303,6 +307,7 @@ def main(argv: list[str] | None = None) -> int | None:
     options.seed(parser, help="--bits: the random calls' seed")
     options.quick(parser, help="one small case in float32: every kernel checked against SDPA, timings not worth "
                                "keeping")
+    options.out(parser, help="also write the tables here (markdown), every figure in the JSON beside it")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
@@ -326,22 +331,31 @@ def main(argv: list[str] | None = None) -> int | None:
             ours, name = compiled_kernel, "the compiled CPU kernel, beside the torch reference"
     if args.quick:
         cases, dtypes = [Case(SMOLLM2, 2, 64, 16)], [torch.float32]
-    print(f"machine: {machine}; ours = {name}; block size {BLOCK_SIZE}")
-    if not on_cuda:
-        print("(CPU run: the Triton kernel's figures, split-KV among them, need a GPU)")
-    print()
+    head = [f"machine: {machine}; ours = {name}; block size {BLOCK_SIZE}",
+            *([] if on_cuda else ["(CPU run: the Triton kernel's figures, split-KV among them, need a GPU)"]), ""]
+    print("\n".join(head))
+    figures: list[dict] = []
     if ours is compiled_kernel and args.baseline_kernel:
-        timing_table(cases, dtypes, {"cpu kernel": ours, "baseline kernel": kernel_built_from(args.baseline_kernel)},
-                     [("baseline / kernel", "baseline kernel", "cpu kernel"), ("kernel / SDPA", "cpu kernel", SDPA)],
-                     timer, args.repeats, device)
+        table = timing_table(cases, dtypes, {"cpu kernel": ours,
+                                             "baseline kernel": kernel_built_from(args.baseline_kernel)},
+                             [("baseline / kernel", "baseline kernel", "cpu kernel"),
+                              ("kernel / SDPA", "cpu kernel", SDPA)], timer, args.repeats, device, figures=figures)
     elif ours is compiled_kernel:
-        timing_table(cases, dtypes, {"cpu kernel": ours, "torch reference": reference_prefix_prefill},
-                     [("reference / kernel", "torch reference", "cpu kernel"), ("kernel / SDPA", "cpu kernel", SDPA)],
-                     timer, args.repeats, device)
+        table = timing_table(cases, dtypes, {"cpu kernel": ours, "torch reference": reference_prefix_prefill},
+                             [("reference / kernel", "torch reference", "cpu kernel"),
+                              ("kernel / SDPA", "cpu kernel", SDPA)], timer, args.repeats, device, figures=figures)
     else:
-        paging_table(cases, dtypes, ours, timer, args.repeats, device)
+        table = paging_table(cases, dtypes, ours, timer, args.repeats, device, figures=figures)
+    split: list[str] = []
     if on_cuda:
-        print()
-        print("Split-KV: a question over a cached document")
-        print()
-        split_kv_table(cases if args.quick else QUESTION_CASES, [torch.bfloat16], timer, args.repeats, device)
+        split = ["", "Split-KV: a question over a cached document", ""]
+        print("\n".join(split))
+        split += split_kv_table(cases if args.quick else QUESTION_CASES, [torch.bfloat16], timer, args.repeats,
+                                device)
+    if args.out:
+        out = Path(args.out)
+        report = ["# Cost of paging: the paged prefix-prefill against SDPA on the contiguous problem", "", *head,
+                  *table, *split]
+        results.write(out.parent, results.record(out.stem, repeats=args.repeats, device=args.device,
+                                                 baseline_kernel=args.baseline_kernel, timings=figures),
+                      report, out.stem)
