@@ -203,12 +203,12 @@ def paging_table(cases: list[Case], dtypes: list[torch.dtype], ours: Callable[..
 
 
 def split_kv_table(cases: list[Case], dtypes: list[torch.dtype], timer, repeats: int,
-                   device: torch.device) -> list[str]:
+                   device: torch.device, figures: list[dict] | None = None) -> list[str]:
     """What split-KV buys: the Triton kernel with its choice of splits against itself in one pass, and SDPA."""
     return timing_table(cases, dtypes,
                         {"split-KV": prefix_prefill, "single pass": functools.partial(prefix_prefill, num_splits=1)},
                         [("single pass / split-KV", "single pass", "split-KV"), ("split-KV / SDPA", "split-KV", SDPA)],
-                        timer, repeats, device, splits_column=True)
+                        timer, repeats, device, splits_column=True, figures=figures)
 
 
 # The compiled kernel alone: in the default mode an AVX-512 or AMX CPU sends long prefills to ATen's flash attention
@@ -347,15 +347,17 @@ def main(argv: list[str] | None = None) -> int | None:
     else:
         table = paging_table(cases, dtypes, ours, timer, args.repeats, device, figures=figures)
     split: list[str] = []
+    split_figures: list[dict] = []
     if on_cuda:
         split = ["", "Split-KV: a question over a cached document", ""]
         print("\n".join(split))
         split += split_kv_table(cases if args.quick else QUESTION_CASES, [torch.bfloat16], timer, args.repeats,
-                                device)
+                                device, figures=split_figures)
     if args.out:
         out = Path(args.out)
         report = ["# Cost of paging: the paged prefix-prefill against SDPA on the contiguous problem", "", *head,
                   *table, *split]
         results.write(out.parent, results.record(out.stem, repeats=args.repeats, device=args.device,
-                                                 baseline_kernel=args.baseline_kernel, timings=figures),
+                                                 baseline_kernel=args.baseline_kernel, timings=figures,
+                                                 split_kv=split_figures),
                       report, out.stem)
