@@ -35,8 +35,9 @@ from typing import Sequence
 from kvstrata.engine.costs import ReadCost, StepCost
 from kvstrata.engine.hashing import BlockHasher
 from kvstrata.engine.kv_state import Lookup, RequestKVState, Tail, UncachedEstimate
-from kvstrata.engine.load_policy import LOAD_POLICIES, LoadPlan, choose_plan, recomputed_by_tier
+from kvstrata.engine.load_policy import LOAD_POLICIES, LoadPlan, choose_plan
 from kvstrata.engine.prompt_logprobs import PromptLogprobCache
+from kvstrata.engine.receipt import TierBlocks
 from kvstrata.engine.request import Request
 from kvstrata.tiers.base import TIER_NAMES
 from kvstrata.tiers.block_pool import KVCacheBlock
@@ -72,6 +73,22 @@ class PrefixCacheStats:
     hit_blocks: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIER_NAMES})  # served, per tier
     # found in each tier at lookup but recomputed, by the load policy's choice (`recomputed_tokens_by_tier`)
     recomputed_blocks: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIER_NAMES})
+
+    def count_query(self, num_prompt_tokens: int, block_size: int) -> None:
+        """A request admitted for the first time."""
+        self.queries += 1
+        self.query_tokens += num_prompt_tokens
+        self.query_blocks += (num_prompt_tokens - 1) // block_size
+
+    def count(self, blocks: TierBlocks) -> None:
+        for t, n in blocks.served.items():
+            self.hit_blocks[t] += n
+        for t, n in blocks.recomputed.items():
+            self.recomputed_blocks[t] += n
+
+    def copy(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self.queries, self.query_tokens, self.query_blocks, dict(self.hit_blocks),
+                                dict(self.recomputed_blocks))
 
 
 class KVCacheManager:
@@ -215,7 +232,7 @@ class KVCacheManager:
             if refuse:
                 self._refuse(request)
             return None
-        self._plan_hits(request, found_in, plan)
+        request.hits.plan(found_in, plan, self.block_size)
         first = plan.device_run if plan.overlaps else plan.cut  # the prefix the request starts from
         # the tokens of the blocks that load (the device's hits are not read: a long document's tuples were
         # made for nothing at every admission)
@@ -282,10 +299,8 @@ class KVCacheManager:
         state.blocks.extend(hit.blocks)
         state.num_cached_blocks = tail.start + hit.num_blocks
         request.num_computed_tokens += hit.num_blocks * self.block_size
-        request.hits.prefill_saved_s_estimate += self.step_cost.prefill_s(hit.num_blocks * self.block_size,
-                                                                          tail.start * self.block_size)
-        self._count_tail(request, hit.tiers, tail.start)
-        request.hits.tail_to_count = None  # landed: what did not arrive, the request computes
+        saved_s = self.step_cost.prefill_s(hit.num_blocks * self.block_size, tail.start * self.block_size)
+        self.prefix_stats.count(request.hits.land_tail(hit.tiers, tail.start, self.block_size, saved_s))
 
     # ----------------------------------------------------------------- refusals for room
 
@@ -634,67 +649,23 @@ class KVCacheManager:
     def _tokens_by_tier(self, tiers: list[str]) -> dict[str, int]:
         return {t: tiers.count(t) * self.block_size for t in TIER_NAMES}
 
-    def _plan_hits(self, request: Request, found_in: list[str], plan: LoadPlan) -> None:
-        """What the request will report and be counted for, from the plan its admission starts from: at its
-        first, the tokens found in each tier and recomputed, and the tail to count when it lands; at a retry
-        (after a preemption), what this lookup found of the first admission's tail still to count."""
-        hits = request.hits
-        if not hits.admitted:
-            hits.recomputed_tokens_by_tier = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES)
-            hits.tail_to_count = range(plan.head_end, plan.cut) if plan.overlaps else None
-        elif hits.tail_to_count is not None:
-            hits.tail_recomputed = recomputed_by_tier(found_in, plan, self.block_size, TIER_NAMES,
-                                                      within=hits.tail_to_count)
-
     def _record_admission(self, request: Request, state: RequestKVState, num_cached: int) -> None:
-        """Count a request's hits as it is admitted with its prefix (see `PrefixCacheStats`): at its
-        first admission, the prefix (what it reports as cached) and the prefill time it saves; at any, the
-        blocks of a tail planned at the first that had not landed by then (the request was preempted while
-        it loaded), wherever this admission's prefix found them (or as recomputed, where its load policy
-        chose so). Once per request, each block."""
+        """Count a request's hits as it is admitted with its prefix (engine/receipt.py `HitAccount.admit`; see
+        `PrefixCacheStats`): once per request, each block."""
         tiers, state.prefix_tiers = state.prefix_tiers, []
         state.lookup = None  # admitted: no longer ordered with the waiting ones
         if self._refusal is not None and self._refusal.request.request_id == request.request_id:
             self._refusal = None
-        hits = request.hits
-        if not hits.admitted:
-            hits.prefill_saved_s_estimate = self.step_cost.prefill_s(num_cached, 0)
-            hits.cached_tokens_by_tier = self._tokens_by_tier(tiers)
-            self._count_query(request)
-        else:
-            self._count_tail(request, tiers, 0)
-            for t, n in (hits.tail_recomputed or {}).items():
-                hits.recomputed_tokens_by_tier[t] += n
-                self.prefix_stats.recomputed_blocks[t] += n // self.block_size
-        hits.tail_recomputed = None
+        first = not request.hits.admitted
         tail = state.tail
-        hits.tail_to_count = _overlap(hits.tail_to_count, tail and range(tail.start, tail.end))
-
-    def _count_query(self, request: Request) -> None:
-        stats = self.prefix_stats
-        stats.queries += 1
-        stats.query_tokens += request.num_prompt_tokens
-        stats.query_blocks += (request.num_prompt_tokens - 1) // self.block_size
-        recomputed = request.recomputed_tokens_by_tier or {}
-        for t in TIER_NAMES:
-            stats.hit_blocks[t] += request.cached_tokens_by_tier.get(t, 0) // self.block_size
-            stats.recomputed_blocks[t] += recomputed.get(t, 0) // self.block_size
-
-    def _count_tail(self, request: Request, tiers: list[str], start: int) -> None:
-        """Count the hits among blocks `start..` of the request (served by `tiers`) that are in its tail
-        still to be counted (`HitAccount.tail_to_count`)."""
-        hits = request.hits
-        if hits.tail_to_count is None:
-            return
-        for k, tier in enumerate(tiers, start):
-            if k in hits.tail_to_count:
-                hits.cached_tokens_by_tier[tier] = hits.cached_tokens_by_tier.get(tier, 0) + self.block_size
-                self.prefix_stats.hit_blocks[tier] += 1
+        counted = request.hits.admit(tiers, self.block_size, self.step_cost.prefill_s(num_cached, 0),
+                                     tail and range(tail.start, tail.end))
+        if first:
+            self.prefix_stats.count_query(request.num_prompt_tokens, self.block_size)
+        self.prefix_stats.count(counted)
 
     def stats(self) -> PrefixCacheStats:
-        s = self.prefix_stats
-        return PrefixCacheStats(s.queries, s.query_tokens, s.query_blocks, dict(s.hit_blocks),
-                                dict(s.recomputed_blocks))
+        return self.prefix_stats.copy()
 
 
 def _found_below(load: PrefixLoad) -> dict[str, int]:
@@ -704,10 +675,3 @@ def _found_below(load: PrefixLoad) -> dict[str, int]:
 
 def _in_flight(load: PrefixLoad) -> set[bytes]:
     return set() if load.ready else {load.block_hashes[k] for k in load.below}
-
-
-def _overlap(a: range | None, b: range | None) -> range | None:
-    """The blocks in both ranges (None: none)."""
-    if a is None or b is None or max(a.start, b.start) >= min(a.stop, b.stop):
-        return None
-    return range(max(a.start, b.start), min(a.stop, b.stop))

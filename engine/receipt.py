@@ -29,7 +29,9 @@ the load once the head is computed counts as load (each moment is counted once).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Sequence
 
+from kvstrata.engine.load_policy import LoadPlan, recomputed_by_tier
 from kvstrata.tiers.base import TIER_NAMES
 
 PHASES = ("queue", "lookup", "load", "prefill")
@@ -91,6 +93,74 @@ class HitAccount:
     @property
     def admitted(self) -> bool:
         return self.cached_tokens_by_tier is not None
+
+    def plan(self, found_in: Sequence[str], plan: LoadPlan, block_size: int) -> None:
+        """Take the plan an admission starts from (its lookup found block k in tier `found_in[k]`): at the first,
+        the tokens found in each tier and recomputed, and the tail to count when it lands; at a retry (after a
+        preemption), what this lookup found of the first admission's tail still to count and chose to recompute."""
+        if not self.admitted:
+            self.recomputed_tokens_by_tier = recomputed_by_tier(found_in, plan, block_size, TIER_NAMES)
+            self.tail_to_count = range(plan.head_end, plan.cut) if plan.overlaps else None
+        elif self.tail_to_count is not None:
+            self.tail_recomputed = recomputed_by_tier(found_in, plan, block_size, TIER_NAMES,
+                                                      within=self.tail_to_count)
+
+    def admit(self, tiers: Sequence[str], block_size: int, prefill_saved_s: float,
+              tail: range | None) -> TierBlocks:
+        """The request is admitted with a prefix whose block k the tier `tiers[k]` served, and `tail` (the blocks of
+        a tail still loading, or None). Its first admission reports that prefix, and `prefill_saved_s` (what
+        computing it would cost); a later one (after a preemption while a tail loaded) counts only the blocks of
+        the first admission's tail that had not landed, wherever this prefix found them. Returns the blocks newly
+        counted."""
+        if not self.admitted:
+            self.prefill_saved_s_estimate = prefill_saved_s
+            self.cached_tokens_by_tier = {t: tiers.count(t) * block_size for t in TIER_NAMES}
+            counted = TierBlocks({t: n // block_size for t, n in self.cached_tokens_by_tier.items()},
+                                 {t: n // block_size for t, n in (self.recomputed_tokens_by_tier or {}).items()})
+        else:
+            recomputed = self.tail_recomputed or {}
+            for t, n in recomputed.items():
+                self.recomputed_tokens_by_tier[t] += n
+            counted = TierBlocks(self._count_tail(tiers, 0, block_size),
+                                 {t: n // block_size for t, n in recomputed.items()})
+        self.tail_recomputed = None
+        self.tail_to_count = _overlap(self.tail_to_count, tail)
+        return counted
+
+    def land_tail(self, tiers: Sequence[str], start: int, block_size: int, prefill_saved_s: float) -> TierBlocks:
+        """The tail loading beside the prefix has landed at block `start`, its block k served by `tiers[k]`: what
+        it saved is added, and its blocks still to count are counted (what did not arrive, the request computes).
+        Returns the blocks newly counted."""
+        self.prefill_saved_s_estimate += prefill_saved_s
+        counted = TierBlocks(self._count_tail(tiers, start, block_size), {})
+        self.tail_to_count = None
+        return counted
+
+    def _count_tail(self, tiers: Sequence[str], start: int, block_size: int) -> dict[str, int]:
+        """Count the blocks `start..` (served by `tiers`) that are in the tail still to count; returns how many
+        each tier served."""
+        served = dict.fromkeys(TIER_NAMES, 0)
+        if self.tail_to_count is not None:
+            for k, tier in enumerate(tiers, start):
+                if k in self.tail_to_count:
+                    self.cached_tokens_by_tier[tier] = self.cached_tokens_by_tier.get(tier, 0) + block_size
+                    served[tier] += 1
+        return served
+
+
+@dataclass
+class TierBlocks:
+    """Blocks per tier that one step of a request's `HitAccount` counted: served, and found but recomputed."""
+
+    served: dict[str, int]
+    recomputed: dict[str, int]
+
+
+def _overlap(a: range | None, b: range | None) -> range | None:
+    """The blocks in both ranges (None: none)."""
+    if a is None or b is None or max(a.start, b.start) >= min(a.stop, b.stop):
+        return None
+    return range(max(a.start, b.start), min(a.stop, b.stop))
 
 
 @dataclass(frozen=True)
