@@ -8,9 +8,10 @@ LOCK   := constraints.txt
 LATEST_VENV ?= .venv-latest
 PORT   ?= 8000
 GPU_REPORT_ARGS ?=
+CPU_REPORT_ARGS ?=
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install test test-fast test-install test-latest lock serve bench gpu-report clean
+.PHONY: install test test-fast test-install test-latest lock serve bench gpu-report cpu-report clean
 
 install: $(STAMP)
 
@@ -65,6 +66,10 @@ bench: $(STAMP)
 # On a machine with a CUDA GPU: the CUDA tests and the GPU figures, into benchmarks/results/gpu.md.
 gpu-report: $(STAMP)
 	$(PY) benchmarks/gpu.py report $(GPU_REPORT_ARGS)
+
+# On any CPU: kvstrata beside vLLM, every goal of the CPU-speed issue, into benchmarks/results/cpu_report_<family>.md.
+cpu-report: $(STAMP)
+	$(PY) benchmarks/ttft.py cpu-report $(CPU_REPORT_ARGS)
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) kvstore .pytest_cache

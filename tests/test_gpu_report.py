@@ -17,6 +17,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import gpu  # noqa: E402
+from benchmarks.lib.child_runs import junit_counts  # noqa: E402
 from benchmarks.suites.kernels import decoder_step  # noqa: E402
 from benchmarks.suites.gpu import report as gpu_report
 
@@ -57,7 +58,7 @@ def test_cuda_test_counts_come_from_the_junit_xml(tmp_path):
         <testcase classname="tests.test_b" name="test_broken"><error message="y"/></testcase>
         <testcase classname="tests.test_b" name="test_gpu"><skipped message="z"/></testcase>
         </testsuite></testsuites>""")
-    counts = gpu_report.junit_counts(junit)
+    counts = junit_counts(junit)
     assert (counts["passed"], counts["failed"], counts["errors"], counts["skipped"]) == (1, 1, 1, 1)
     assert counts["not_passed"] == ["tests.test_a::test_bad", "tests.test_b::test_broken"]
     assert counts["why"] == {"tests.test_a::test_bad": "x", "tests.test_b::test_broken": "y"}

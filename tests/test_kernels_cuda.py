@@ -19,7 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.suites.gpu.report import CUDA_CHECK_DEADLINE_ENV, run_until  # noqa: E402
+from benchmarks.lib.child_runs import run_until  # noqa: E402
+from benchmarks.suites.gpu.report import CUDA_CHECK_DEADLINE_ENV  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 ALL_CASES = [c.name for c in CUDA_CASES] + list(KV_DTYPE_CASES) + LAYER_OPS_CASES

@@ -17,7 +17,7 @@ import gc
 import time
 from pathlib import Path
 
-from benchmarks.lib.ttft_stats import MISS, ratio, summarize
+from benchmarks.lib.ttft_stats import MISS, p50_of, ratio, summarize
 
 ROWS = ("vllm_recompute", "vllm_device_budget", "vllm_cache_all", "vllm_after_restart")
 # ours beside vLLM's: which of our configurations answers the same question as each vLLM row
@@ -142,8 +142,6 @@ def side_by_side(result: dict) -> list[str]:
         return [f"vLLM was not run: {missing['reason']}"]
     if not any(name in peers for name in ROWS):
         return ["vLLM was not run (`--peers vllm` runs it)."]
-    from benchmarks.lib.ttft_stats import p50_of
-
     configurations = result.get("configurations") or {}
     lines = ["| vLLM row | KV cache | vLLM p50 | p90 | device hits | vLLM device-hit p50 | ours | ours p50 | p90 | "
              "ours / vLLM p50 | ours / vLLM p90 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -159,16 +157,41 @@ def side_by_side(result: dict) -> list[str]:
         lines.append(f"| {name} | {row['cache_bytes'] / (1 << 20):.0f} MiB | {_ms(s)} | {_ms(s, 'p90')} | "
                      f"{row['hits']} / {len(row['records'])} | {_ms(row.get('device_hit'))} | {ours_name} | "
                      f"{_ms(o)} | {_ms(o, 'p90')} | {_x(p50)} | {_x(p90)} |")
-    ours_device = p50_of([r for c in configurations.values() for r in c.get("records", [])], hit_tier="device")
-    theirs_device = p50_of([r for n in ROWS for r in (peers.get(n) or {}).get("records", [])], hit_tier="device")
-    ours_miss = p50_of((configurations.get("recompute") or {}).get("records", []))
-    theirs_miss = p50_of((peers.get("vllm_recompute") or {}).get("records", []))
-    lines += ["", f"A miss (recompute p50): ours / vLLM {_x(ratio(ours_miss, theirs_miss))}; a device hit (p50 over "
+    ours_device, theirs_device = device_hit_p50s(result)
+    headline = headline_ratios(result)
+    lines += ["", f"A miss (recompute p50): ours / vLLM {_x(headline['miss'])}; a device hit (p50 over "
               f"every row's device hits): ours {_s(ours_device)}, vLLM {_s(theirs_device)}, ours / vLLM "
-              f"{_x(ratio(ours_device, theirs_device))}. vLLM's KV block is "
+              f"{_x(headline['device_hit'])}. vLLM's KV block is "
               f"{_info(peers, 'block_size')} tokens (its CPU default), ours 16: a vLLM hit computes the rest of "
               "its last partly cached block too."]
     return lines
+
+
+def device_hit_p50s(result: dict) -> tuple[float | None, float | None]:
+    """The p50 of every device hit, ours over all our configurations and vLLM's over all its rows."""
+    configurations, peers = result.get("configurations") or {}, result.get("peers") or {}
+    ours = p50_of([r for c in configurations.values() for r in c.get("records", [])], hit_tier="device")
+    theirs = p50_of([r for n in ROWS for r in (peers.get(n) or {}).get("records", [])], hit_tier="device")
+    return ours, theirs
+
+
+def headline_ratios(result: dict) -> dict[str, float | None]:
+    """Ours / vLLM's p50 (None where a side is missing): `miss` (recompute against vLLM's recompute), `device_hit`
+    (every device hit), `pressure` (our device and CPU tiers against vLLM's prefix caching in the same device bytes)
+    and `restart` (our disk tier after a restart against a new vLLM process)."""
+    configurations, peers = result.get("configurations") or {}, result.get("peers") or {}
+
+    def ours(name: str) -> float | None:
+        return p50_of((configurations.get(name) or {}).get("records", []))
+
+    def theirs(name: str) -> float | None:
+        row = peers.get(name) or {}
+        return p50_of(row.get("records", [])) if row.get("available") else None
+
+    return {"miss": ratio(ours("recompute"), theirs("vllm_recompute")),
+            "device_hit": ratio(*device_hit_p50s(result)),
+            "pressure": ratio(ours("device_cpu"), theirs("vllm_device_budget")),
+            "restart": ratio(ours("disk_after_restart"), theirs("vllm_after_restart"))}
 
 
 def _s(seconds: float | None) -> str:

@@ -28,6 +28,7 @@ from kvstrata.kernels.backends import get_ops, resolve_backend  # noqa: E402
 from kvstrata.kernels.batch_invariant import cpu_matrix_isa, linear_tile_rows, reference_linear  # noqa: E402
 from kvstrata.tiers.base import BlockLayout  # noqa: E402
 from benchmarks.lib import options  # noqa: E402
+from benchmarks.lib import results  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -188,20 +189,32 @@ def trace(args) -> None:
 # cost: prefill TTFT of a cold prompt and the decode step time after it, both modes, median of repeats.
 
 def cost(args) -> None:
-    print(f"CPU: {cpu_matrix_isa()} (torch capability {torch.backends.cpu.get_cpu_capability()}), "
-          f"{torch.get_num_threads()} thread(s), attention_backend {args.backend} "
-          f"({resolve_backend(args.backend, 'cpu')}), median of {args.repeats}\n")
-    print("| dtype | mode | prefill TTFT | decode step | TTFT ratio | step ratio |")
-    print("|---|---|---|---|---|---|")
+    lines = [f"CPU: {cpu_matrix_isa()} (torch capability {torch.backends.cpu.get_cpu_capability()}), "
+             f"{torch.get_num_threads()} thread(s), attention_backend {args.backend} "
+             f"({resolve_backend(args.backend, 'cpu')}), median of {args.repeats}", "",
+             "| dtype | mode | prefill TTFT | decode step | TTFT ratio | step ratio |", "|---|---|---|---|---|---|"]
+    print("\n".join(lines))
+    runs = []
     for dtype in args.dtypes:
         loaded = load_model(resolve_model(EMBEDDED_MODEL), getattr(torch, dtype), "cpu")
         tokens = loaded.tokenizer.encode(document("execmodel", 20000))[:args.length]
         rows = [(invariant, *_prefill_and_step(loaded, tokens, dtype, invariant, args)) for invariant in (False, True)]
         base_ttft, base_step = rows[0][1], rows[0][2]
         for invariant, ttft, step in rows:
-            print(f"| {dtype} | {'invariant' if invariant else 'default'} | {ttft * 1e3:.0f} ms | "
-                  f"{step * 1e3:.1f} ms | {ttft / base_ttft:.2f}x | {step / base_step:.2f}x |")
-    print(f"\nprompt of {len(tokens)} tokens, {args.tokens} tokens decoded")
+            lines.append(f"| {dtype} | {'invariant' if invariant else 'default'} | {ttft * 1e3:.0f} ms | "
+                         f"{step * 1e3:.1f} ms | {ttft / base_ttft:.2f}x | {step / base_step:.2f}x |")
+            print(lines[-1])
+        (_, ttft, step) = rows[1]
+        runs.append({"dtype": dtype, "prompt_tokens": len(tokens), "default_ttft_s": base_ttft,
+                     "default_step_s": base_step, "invariant_ttft_s": ttft, "invariant_step_s": step,
+                     "ttft_ratio": ttft / base_ttft, "step_ratio": step / base_step})
+    lines += ["", f"prompt of {len(tokens)} tokens, {args.tokens} tokens decoded"]
+    print(lines[-1])
+    if args.out_dir:
+        result = results.record(args.name, cpu_matrix_isa=cpu_matrix_isa(), threads=torch.get_num_threads(),
+                                backend=resolve_backend(args.backend, "cpu"), repeats=args.repeats,
+                                decode_tokens=args.tokens, runs=runs)
+        results.write(args.out_dir, result, ["# The batch-invariant mode's cost", "", *lines])
 
 
 def _prefill_and_step(loaded, tokens, dtype: str, invariant: bool, args) -> tuple[float, float]:
@@ -239,6 +252,8 @@ def main(argv=None) -> None:
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch"],
                    help="model.attention_backend (auto: the compiled CPU kernel where it builds; torch: the references)")
+    options.out_dir(p, None, help="where to write the table and its figures (<name>.md, .json); none: printed only")
+    options.name(p, "batch_invariance_cost")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -174,6 +174,17 @@ def ms(values: list[float]) -> float:
     return 1e3 * statistics.median(values)
 
 
+FIGURES = ("miss_s", "hit_s", "decode_s_per_token")  # a side's figures, in the report's order
+
+
+def ratios(run: dict) -> dict[str, float] | None:
+    """One dtype's run: ours / vLLM's median of each figure (`FIGURES`); None where vLLM did not run."""
+    sides = run["sides"]
+    if "kvstrata" not in sides or "vllm" not in sides:
+        return None
+    return {key: ms(sides["kvstrata"][key]) / ms(sides["vllm"][key]) for key in FIGURES}
+
+
 def report(result: dict) -> list[str]:
     lines = ["# kvstrata against vLLM on one CPU", "", f"Command: `{result['command']}`", "",
              f"Commit {result['source']['commit']}"
@@ -187,15 +198,15 @@ def report(result: dict) -> list[str]:
     for run in result["runs"]:
         sides = run["sides"]
         vllm = sides.get("vllm")
+        ours_to_theirs = ratios(run)
         for name, row in sides.items():
-            figures = [ms(row["miss_s"]), ms(row["hit_s"]), ms(row["decode_s_per_token"])]
-            ratios = ["", "", ""]
-            if name == "kvstrata" and vllm:
-                theirs = [ms(vllm["miss_s"]), ms(vllm["hit_s"]), ms(vllm["decode_s_per_token"])]
-                ratios = [f"{a / b:.2f}" for a, b in zip(figures, theirs)]
+            figures = [ms(row[key]) for key in FIGURES]
+            shown = ["", "", ""]
+            if name == "kvstrata" and ours_to_theirs:
+                shown = [f"{ours_to_theirs[key]:.2f}" for key in FIGURES]
             tokens = f"{min(run['prompt_tokens'])}-{max(run['prompt_tokens'])}"
             lines.append(f"| {run['dtype']} | {name} | {tokens} | {figures[0]:.0f} | {figures[1]:.1f} | "
-                         f"{figures[2]:.1f} | " + " | ".join(ratios) + " |")
+                         f"{figures[2]:.1f} | " + " | ".join(shown) + " |")
         if "kvstrata" in sides and vllm:
             same = sum(a == b for a, b in zip(sides["kvstrata"]["answers"], vllm["answers"]))
             notes.append(f"- {run['dtype']}: greedy {result['decode_tokens'] + 1}-token answers equal on {same} of "
