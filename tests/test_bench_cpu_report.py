@@ -41,6 +41,7 @@ def test_goals_are_the_ratios_each_parts_own_report_gives(tmp_path):
     assert goal(result, "one_thread", "float32: a device hit")["target"] == 1.0
     # parts with no results of their own: said so, and no goal of theirs read as met
     assert result["parts"]["tests"]["status"] == "not run" and result["parts"]["invariant_mode"]["status"] == "not run"
+    assert "| tests | not run | – | – | – |" in lines
     assert not [g for g in result["goals"] if g["part"] in ("tests", "invariant_mode")]
     assert result["parts"]["pressure"]["commit"] == "54fdb6d"
     assert any(line.startswith("| guidellm | guidellm: TTFT p95, ours / vLLM | 0.61x | <= 1.0 | yes |")
@@ -79,6 +80,7 @@ def test_the_kernel_tests_part_counts_what_failed(tmp_path, monkeypatch):
     result, _ = report.summarize(str(out), "r", "avx2", {"tests": {"status": "ran"}})
     (failed,) = [g for g in result["goals"] if g["part"] == "tests"]
     assert failed["value"] == 1 and failed["status"] == "MISS" and "of 1 passed" in failed["name"]
+    assert result["parts"]["tests"]["command"] == f"python -m pytest -q -p no:cacheprovider {tests}"
 
 
 def test_parts_are_named_and_a_dry_run_runs_nothing(tmp_path, capsys):

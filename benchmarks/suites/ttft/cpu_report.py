@@ -187,7 +187,8 @@ def run_tests(out_dir: str, stem: str, timeout_s: float) -> int:
     if counts is None:
         print(f"tests: pytest wrote no results (exit status {run.returncode})", flush=True)
         return run.returncode or 1
-    result = results.record(stem, **counts, returncode=run.returncode, tests=list(KERNEL_TESTS))
+    result = {**results.record(stem, **counts, returncode=run.returncode, tests=list(KERNEL_TESTS)),
+              "command": shlex.join(["python", *command[1:-1]])}  # what ran, without the scratch JUnit file
     lines = ["# The compiled CPU kernels' tests", "",
              f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, {counts['skipped']} "
              f"skipped: `pytest {' '.join(KERNEL_TESTS)}`"]
@@ -214,9 +215,11 @@ def summarize(out_dir: str, name: str, family: str, runs: dict[str, dict]) -> tu
     for part in PARTS:
         stem = part_stem(name, part.name)
         found = read_part(out_dir, stem)
-        state = {"file": f"{stem}.md", **runs.get(part.name, {})}
+        state = {"file": f"{stem}.md" if found is not None else None, **runs.get(part.name, {})}
         if found is None:
-            state["status"] = state["status"] + "; it wrote no results" if "status" in state else "not run"
+            ran = state.get("status")
+            state["status"] = "not run" if ran is None else ran if ran.startswith("skipped") else \
+                f"{ran}; it wrote no results"
         else:
             state.update(command=found.get("command"), commit=(found.get("source") or {}).get("commit"))
             state.setdefault("status", "kept from an earlier run")
@@ -252,8 +255,9 @@ def report_lines(result: dict) -> list[str]:
     lines += ["", "## Parts", "", "| part | status | commit | command | report |", "|---|---|---|---|---|"]
     for part, state in result["parts"].items():
         command = state.get("command")
+        report = f"[{state['file']}]({state['file']})" if state["file"] else "–"
         lines.append(f"| {part} | {state['status']} | {state.get('commit') or '–'} | "
-                     f"{f'`{command}`' if command else '–'} | [{state['file']}]({state['file']}) |")
+                     f"{f'`{command}`' if command else '–'} | {report} |")
     return lines
 
 
