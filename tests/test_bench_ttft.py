@@ -400,3 +400,29 @@ def test_the_vllm_comparison_report_gives_ours_over_vllms_per_dtype():
     ours = next(line for line in lines if line.startswith("| float32 | kvstrata |"))
     assert ours.split("|")[4:10] == [" 5000 ", " 100.0 ", " 30.0 ", " 2.00 ", " 1.00 ", " 1.50 "]
     assert "equal on 1 of 2 documents" in "\n".join(lines)
+
+
+def test_the_vllm_comparison_without_vllm_writes_our_figures_and_its_reason_and_nothing_else(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """Where vLLM cannot run, the report says why in one line and gives our figures alone; vLLM's own output goes to
+    a scratch folder, never among the results (a results folder holds indexed reports only)."""
+    from benchmarks.lib import peers
+    from benchmarks.suites.ttft import vllm
+
+    class ExitsAtStart:  # as `VLLMPeer` when vLLM's process exits before it is ready: its output is in its log
+        def __init__(self, *args, log_path, **kwargs):
+            log_path.write_text("RuntimeError: this CPU is not supported\n")
+            raise peers.PeerUnavailable("vLLM not measured: its process exited with 1 (its log has the reason)")
+
+    monkeypatch.setattr(vllm, "vllm_python", lambda log: Path(sys.executable))
+    monkeypatch.setattr(vllm, "vllm_model_dir", lambda weights, tokenizer, dtype: tmp_path / "unused")
+    monkeypatch.setattr(vllm, "VLLMPeer", ExitsAtStart)
+    out = tmp_path / "results"
+    vllm.main(["--dtype", "float32", "--docs", "1", "--doc-tokens", "48", "--decode-tokens", "2",
+               "--out-dir", str(out), "--name", "side"])
+    assert sorted(p.name for p in out.iterdir()) == ["side.json", "side.md"]
+    (run,) = json.loads((out / "side.json").read_text())["runs"]
+    assert run["notes"] == ["vLLM not measured: its process exited with 1 (its log has the reason)"]
+    assert list(run["sides"]) == ["kvstrata"] and "- vLLM not measured: its process exited" in (out / "side.md").read_text()
+    kept = Path(capsys.readouterr().out.split("vLLM's logs are kept in ")[1].split()[0])
+    assert (kept / "vllm-float32.log").read_text().startswith("RuntimeError")

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,7 +131,7 @@ def measure_dtype(args, dtype: str, log) -> dict:
             started = time.perf_counter()
             sides["vllm"] = VLLMPeer(python, model_dir, dtype, args.threads, args.max_model_len,
                                      args.kv_cache_mib << 20,
-                                     log_path=Path(args.out_dir) / f".{args.name}-vllm-{dtype}.log")
+                                     log_path=args.log_dir / f"vllm-{dtype}.log")
             sides["vllm"].info["start_wall_s"] = time.perf_counter() - started
         except PeerUnavailable as why:
             notes.append(str(why))
@@ -238,9 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": args.name, "command": command_line(), "source": source_state(), "cpu": cpu_name(),
               "cores": os.cpu_count(), "cpu_flags": cpu_flags_line(), "threads": args.threads,
               "docs": args.docs, "doc_tokens": args.doc_tokens, "decode_tokens": args.decode_tokens, "runs": []}
+    args.log_dir = Path(tempfile.mkdtemp(prefix="kvstrata-vllm-"))  # vLLM's own output: kept only if it failed
     for dtype in args.dtype:
         result["runs"].append(measure_dtype(args, dtype, log))
         lines = report(result)  # after each dtype: a run stopped early keeps what it measured
         results.write(args.out_dir, result, lines, args.name)
     print("\n".join(lines))
+    if any(run["notes"] for run in result["runs"]):
+        log(f"vLLM's logs are kept in {args.log_dir}")
+    else:
+        shutil.rmtree(args.log_dir, ignore_errors=True)
     return 0
