@@ -423,6 +423,7 @@ def test_the_vllm_comparison_without_vllm_writes_our_figures_and_its_reason_and_
     assert sorted(p.name for p in out.iterdir()) == ["side.json", "side.md"]
     (run,) = json.loads((out / "side.json").read_text())["runs"]
     assert run["notes"] == ["vLLM not measured: its process exited with 1 (its log has the reason)"]
-    assert list(run["sides"]) == ["kvstrata"] and "- vLLM not measured: its process exited" in (out / "side.md").read_text()
+    assert list(run["sides"]) == ["kvstrata"]
+    assert "- vLLM not measured: its process exited" in (out / "side.md").read_text()
     kept = Path(capsys.readouterr().out.split("vLLM's logs are kept in ")[1].split()[0])
     assert (kept / "vllm-float32.log").read_text().startswith("RuntimeError")
