@@ -165,10 +165,12 @@ def part_stem(name: str, part: str) -> str:
     return f"{name}_{part}"
 
 
+def tests_command() -> list[str]:
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS]
+
+
 def part_command(part: Part, out_dir: str, stem: str) -> list[str]:
-    if part.arguments is None:
-        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS]
-    return [sys.executable, *part.arguments(out_dir, stem)]
+    return tests_command() if part.arguments is None else [sys.executable, *part.arguments(out_dir, stem)]
 
 
 def skipped_why(part: Part) -> str | None:
@@ -181,7 +183,7 @@ def run_tests(out_dir: str, stem: str, timeout_s: float) -> int:
     """The kernels' tests in a child pytest; their counts written as the part's result."""
     with tempfile.TemporaryDirectory(prefix="kvstrata-cpu-tests-") as tmp:
         junit = Path(tmp) / "tests.xml"
-        command = part_command(PARTS[0], out_dir, stem) + [f"--junitxml={junit}"]
+        command = tests_command() + [f"--junitxml={junit}"]
         run = run_until(command, dict(os.environ), time.time() + timeout_s, on_line=print, cwd=REPO_ROOT)
         counts = junit_counts(junit) if junit.exists() else None
     if counts is None:
