@@ -11,8 +11,8 @@ under N streams or Poisson arrivals, or with `--guidellm kvstrata,vllm` our serv
 (benchmarks/results/guidellm.md has our server's earlier runs); `vllm` runs vLLM beside us on the same CPU (a
 miss, a device hit, decode per token, per dtype; vLLM in a venv of its own, made once in the user's cache);
 `cpu-report` runs those beside vLLM, the compiled kernels' tests and the batch-invariant mode's cost, and says which
-goals of the CPU-speed issue this CPU family meets. The workload, statistics, report and peers are modules of benchmarks/lib/ (ttft_workload, ttft_stats, ttft_report,
-peers).
+goals of the CPU-speed issue this CPU family meets. The workload, statistics, report and peers are modules of
+benchmarks/lib/ (ttft_workload, ttft_stats, ttft_report, peers).
 
 Retired (git keeps them): `threads.py` timed TTFT per torch thread count, the measurement behind
 `model.threads: auto` (results/archive/threads.md); `background_threads.py` found native work beside the step
