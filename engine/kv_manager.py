@@ -37,7 +37,7 @@ from kvstrata.engine.hashing import BlockHasher
 from kvstrata.engine.kv_state import Lookup, RequestKVState, Tail, UncachedEstimate
 from kvstrata.engine.load_policy import LOAD_POLICIES, LoadPlan, choose_plan
 from kvstrata.engine.prompt_logprobs import PromptLogprobCache
-from kvstrata.engine.receipt import TierBlocks
+from kvstrata.engine.receipt import TierBlocks, tokens_by_tier
 from kvstrata.engine.request import Request
 from kvstrata.tiers.base import TIER_NAMES
 from kvstrata.tiers.block_pool import KVCacheBlock
@@ -173,7 +173,7 @@ class KVCacheManager:
         self._account_load(request, load)
         # in one statement: a fault before leaves the prefix held for `free` to let go
         state.computed, state.prefix_tiers, state.prefix = hit.blocks, hit.tiers, None
-        return hit.blocks, hit.num_blocks * self.block_size, self._tokens_by_tier(hit.tiers)
+        return hit.blocks, hit.num_blocks * self.block_size, tokens_by_tier(hit.tiers, self.block_size)
 
     def start_load(self, request: Request) -> bool:
         """Look the request up, hold its prefix and start its load, if it does not hold its prefix yet
@@ -645,9 +645,6 @@ class KVCacheManager:
         return array("i") if state is None else state.block_ids_now()
 
     # ----------------------------------------------------------------- hit accounting
-
-    def _tokens_by_tier(self, tiers: list[str]) -> dict[str, int]:
-        return {t: tiers.count(t) * self.block_size for t in TIER_NAMES}
 
     def _record_admission(self, request: Request, state: RequestKVState, num_cached: int) -> None:
         """Count a request's hits as it is admitted with its prefix (engine/receipt.py `HitAccount.admit`; see

@@ -114,15 +114,14 @@ class HitAccount:
         counted."""
         if not self.admitted:
             self.prefill_saved_s_estimate = prefill_saved_s
-            self.cached_tokens_by_tier = {t: tiers.count(t) * block_size for t in TIER_NAMES}
-            counted = TierBlocks({t: n // block_size for t, n in self.cached_tokens_by_tier.items()},
-                                 {t: n // block_size for t, n in (self.recomputed_tokens_by_tier or {}).items()})
+            self.cached_tokens_by_tier = tokens_by_tier(tiers, block_size)
+            counted = TierBlocks(_in_blocks(self.cached_tokens_by_tier, block_size),
+                                 _in_blocks(self.recomputed_tokens_by_tier or {}, block_size))
         else:
             recomputed = self.tail_recomputed or {}
             for t, n in recomputed.items():
                 self.recomputed_tokens_by_tier[t] += n
-            counted = TierBlocks(self._count_tail(tiers, 0, block_size),
-                                 {t: n // block_size for t, n in recomputed.items()})
+            counted = TierBlocks(self._count_tail(tiers, 0, block_size), _in_blocks(recomputed, block_size))
         self.tail_recomputed = None
         self.tail_to_count = _overlap(self.tail_to_count, tail)
         return counted
@@ -154,6 +153,15 @@ class TierBlocks:
 
     served: dict[str, int]
     recomputed: dict[str, int]
+
+
+def tokens_by_tier(tiers: Sequence[str], block_size: int) -> dict[str, int]:
+    """The tokens each tier served, from the tier of each block of a prefix."""
+    return {t: tiers.count(t) * block_size for t in TIER_NAMES}
+
+
+def _in_blocks(tokens: dict[str, int], block_size: int) -> dict[str, int]:
+    return {t: n // block_size for t, n in tokens.items()}
 
 
 def _overlap(a: range | None, b: range | None) -> range | None:
