@@ -59,6 +59,19 @@ def corrupt_value(path: str, i: int, mangle) -> None:
     env.close()
 
 
+def stall_the_writer(tier: DiskTier) -> threading.Event:
+    """Hold the writer before its next transaction until the returned event is set: what is put meanwhile queues."""
+    go = threading.Event()
+    commit = tier._commit
+
+    def stalled_commit(batch):
+        go.wait()
+        commit(batch)
+
+    tier._commit = stalled_commit
+    return go
+
+
 @pytest.mark.parametrize("layout", [BF16, FP32], ids=["bf16", "fp32"])
 def test_put_then_get_returns_identical_bytes(store_path, layout):
     tier = DiskTier(layout, store_path, 4 * MiB)
@@ -94,14 +107,7 @@ tier.close()
 
 def test_pending_puts_are_served_before_the_writer_commits_them(store_path):
     tier = DiskTier(BF16, store_path, 4 * MiB)
-    gate = threading.Event()
-    commit = tier._commit
-
-    def stalled_commit(batch):
-        gate.wait()
-        commit(batch)
-
-    tier._commit = stalled_commit  # hold the writer so the puts stay pending
+    gate = stall_the_writer(tier)  # the puts stay pending
     put_blocks(tier, range(3))
     assert tier.stats().extra["pending_puts"] == 3
     assert tier.count_prefix([key(0), key(1), key(2), key(3)]) == 3
@@ -161,6 +167,55 @@ def test_reads_commit_no_write_until_a_write_or_flush_applies_their_touches(stor
     put_blocks(tier, [5])  # 3 is now the least recently read: the touches went in before this eviction
     tier.flush()
     assert [tier.contains(key(i)) for i in (1, 2, 3, 4, 5)] == [True, True, False, True, True]
+    tier.close()
+
+
+def test_a_put_of_a_held_block_keeps_it_from_the_evictions_queued_before_it(store_path):
+    """An upper tier letting block 1 go puts it here; the store holds it, so only its touch is queued. The puts
+    queued before that touch must not evict it on the way: then no tier would hold it."""
+    tier = DiskTier(BF16, store_path, 2 * RecordCodec(BF16).record_nbytes)
+    put_blocks(tier, [1, 2])  # 1 is the oldest
+    tier.flush()
+    go = stall_the_writer(tier)
+    put_blocks(tier, [3])  # queued: it needs room, and 1 is the oldest
+    put_blocks(tier, [1])  # held: a touch queued behind the put of 3
+    go.set()
+    tier.flush()
+    assert [tier.contains(key(i)) for i in (1, 2, 3)] == [True, False, True]
+    assert get_blocks(tier, [1]) == [True]
+    put_blocks(tier, [4])  # once its touch is applied, 1 is evicted in its turn again
+    put_blocks(tier, [5])
+    tier.flush()
+    assert [tier.contains(key(i)) for i in (1, 3, 4, 5)] == [False, False, True, True]
+    tier.close()
+
+
+def test_a_put_of_a_block_the_transaction_in_flight_evicted_stores_it_again(store_path):
+    """The last committed snapshot still holds block 1 while the writer's open transaction has evicted it: a put
+    of 1 then must store its record, not queue a touch of a block about to be gone."""
+    tier = DiskTier(BF16, store_path, 2 * RecordCodec(BF16).record_nbytes)
+    put_blocks(tier, [1, 2])
+    tier.flush()
+    evicted, go = threading.Event(), threading.Event()
+    store = tier._store
+    insert = store.insert
+
+    def insert_then_stall(*args, **kwargs):
+        stored = insert(*args, **kwargs)  # 1 evicted for 3, not committed yet
+        evicted.set()
+        go.wait()
+        return stored
+
+    store.insert = insert_then_stall
+    put_blocks(tier, [3])
+    assert evicted.wait(10)
+    assert tier.contains(key(1))  # the snapshot does not know yet
+    put_blocks(tier, [1])
+    store.insert = insert
+    go.set()
+    tier.flush()
+    assert [tier.contains(key(i)) for i in (1, 2, 3)] == [True, False, True]
+    assert get_blocks(tier, [1, 3]) == [True, True]
     tier.close()
 
 

@@ -14,6 +14,11 @@ the queue, so they are applied first; a flush, a close or a long queue of them a
 reads thus cost no write transaction (a commit and an fsync) beside them. Crash safety is LMDB's: a transaction
 is all or nothing, so after kill -9 a reader sees the last committed state and never a torn value.
 
+A put of a block the store already holds queues a touch, not the record. Its caller (an upper tier letting the block
+go) leaves the block to this tier alone, so eviction passes over it until that touch is applied: the puts queued
+before it would otherwise evict it on the way and lose it. A put of a block that the transaction in flight has just
+evicted stores the record again. Another process sharing the store evicts by its own queue.
+
 No storage fault escapes the tier; each is a miss or a counted, dropped write:
 - the map is full (pages pinned by readers, fragmentation): the oldest blocks are evicted and the
   batch retried; what still does not fit is dropped and counted in `write_errors`;
@@ -29,7 +34,7 @@ import dataclasses
 import logging
 import os
 import threading
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, TypeVar
@@ -128,6 +133,7 @@ class _Op:
     parent: Optional[bytes] = None      # "put": its parent's hash, for the same event (None: unknown)
     damaged: Optional[LmdbStore] = None  # "replace": the store a reader found damaged, and why
     reason: str = ""
+    kept: bool = False                  # "touch": a put's, whose block eviction passes over until it is applied
 
 
 class DiskTier(LowerTier):
@@ -168,6 +174,8 @@ class DiskTier(LowerTier):
         self._gate = _EnvGate()
 
         self._pending: dict[bytes, bytearray] = {}    # queued puts not yet committed, servable
+        self._kept: Counter[bytes] = Counter()        # blocks eviction passes over: a put's touch is queued for each
+        self._evicting: set[bytes] = set()            # evicted by the batch in flight, committed or not yet
         self._max_pending = 4 * writer_batch
         self._closed = False
         self._damage_reported = False                 # since the store was last (re)opened
@@ -400,26 +408,50 @@ class DiskTier(LowerTier):
         self._check_open()
         assert len(block_hashes) == len(token_ids) == len(srcs)
         parents = parents_or_unknown(parents, len(block_hashes))
-        held = self._held(block_hashes)
+        held = self._keep_held(block_hashes)
         ops = []
         for h, ids, src, parent, is_held in zip(block_hashes, token_ids, srcs, parents, held):
             if is_held:
-                ops.append(_Op("touch", h))
+                ops.append(_Op("touch", h, kept=True))
             else:
                 ops.append(_Op("put", h, self.codec.encode(ids, src), token_ids=ids, parent=parent))
         self._enqueue(ops)
 
-    def _held(self, block_hashes: Sequence[bytes]) -> list[bool]:
+    def _keep_held(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Which blocks are held; those that are stay kept from eviction until their touch is applied.
+
+        Each is kept before it is looked up, under the lock the writer takes to evict: an eviction decided before
+        that is in `_evicting` (the block counts as not held, whatever a snapshot still says), one decided after
+        passes over it. Those found not held are let go at once."""
         with self._cond:
+            self._kept.update(block_hashes)
             pending = [h in self._pending for h in block_hashes]
+            evicting = [h in self._evicting for h in block_hashes]
         held = self._in_snapshot(
-            "atime", lambda store, txn: [p or txn.get(h) is not None for h, p in zip(block_hashes, pending)],
-            default=lambda: pending)
+            "atime", lambda store, txn: [not e and (p or txn.get(h) is not None)
+                                         for h, p, e in zip(block_hashes, pending, evicting)],
+            default=lambda: [p and not e for p, e in zip(pending, evicting)])
         seen: set[bytes] = set()
         for k, h in enumerate(block_hashes):  # a hash twice in one batch is stored once
             held[k] = held[k] or h in seen
             seen.add(h)
+        with self._cond:
+            self._let_go(h for h, is_held in zip(block_hashes, held) if not is_held)
         return held
+
+    def _let_go(self, block_hashes: Iterator[bytes]) -> None:
+        """Under the lock: one keeping of each block ends."""
+        self._kept.subtract(block_hashes)
+        for h in [h for h, n in self._kept.items() if n <= 0]:
+            del self._kept[h]
+
+    def _spare(self, block_hash: bytes) -> bool:
+        """The writer's question before it evicts a block (see `_keep_held`)."""
+        with self._cond:
+            if self._kept[block_hash] > 0:
+                return True
+            self._evicting.add(block_hash)
+            return False
 
     def _enqueue(self, ops: list[_Op], wake: bool = True) -> None:
         """Queue `ops` for the writer; `wake=False` (touches) leaves them for its next batch (see the module doc)."""
@@ -517,6 +549,8 @@ class DiskTier(LowerTier):
         for op in batch:
             if op.kind == "put" and self._pending.get(op.block_hash) is op.value:
                 del self._pending[op.block_hash]
+        self._let_go(op.block_hash for op in batch if op.kind == "touch" and op.kept)
+        self._evicting.clear()  # committed (or given up on): a snapshot now says what the batch left
 
     def _take_batch(self, ops: deque[_Op]) -> list[_Op]:
         """Up to `writer_batch` puts and whatever cheap ops sit between them, in queue order."""
@@ -597,7 +631,7 @@ class DiskTier(LowerTier):
                 for op in ops:
                     if op.kind == "put":
                         stored = store.insert(txn, meta, op.block_hash, op.value, self.capacity_bytes, evicted,
-                                              op.parent)
+                                              op.parent, self._spare)
                         if events is not None:
                             for h in evicted:
                                 events.removed(h)
@@ -637,7 +671,7 @@ class DiskTier(LowerTier):
             with self._gate.shared, store.begin(write=True) as txn:
                 meta = Meta.read(txn, store.meta)
                 while meta.used_bytes > keep_bytes:
-                    oldest = store.evict_oldest(txn, meta)
+                    oldest = store.evict_oldest(txn, meta, self._spare)
                     if oldest is None:
                         break
                     if events is not None:

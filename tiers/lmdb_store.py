@@ -435,15 +435,16 @@ class LmdbStore:
     # -- LRU bookkeeping, inside a write transaction --------------------------------------------
 
     def insert(self, txn, meta: Meta, block_hash: bytes, value, capacity_bytes: int,
-               evicted: list[bytes] | None = None, parent: bytes | None = None) -> bool:
+               evicted: list[bytes] | None = None, parent: bytes | None = None,
+               spare: Callable[[bytes], bool] | None = None) -> bool:
         """Store a value, evicting least recently used ones to stay within capacity (their hashes are
-        appended to `evicted`, if given), and the block's parent as the put named it (None: the chain's first,
-        or not told). False if already held."""
+        appended to `evicted`, if given; those `spare` says yes to are passed over), and the block's parent as the
+        put named it (None: the chain's first, or not told). False if already held."""
         if txn.get(block_hash, db=self.atime) is not None:
             self.touch(txn, meta, block_hash)
             return False
         while meta.used_bytes + len(value) > capacity_bytes:
-            oldest = self.evict_oldest(txn, meta)
+            oldest = self.evict_oldest(txn, meta, spare)
             if oldest is None:
                 break
             if evicted is not None:
@@ -481,14 +482,19 @@ class LmdbStore:
             txn.delete(block_hash, db=self.parents)
         return txn.delete(block_hash, db=self.blocks)
 
-    def evict_oldest(self, txn, meta: Meta) -> bytes | None:
-        """Drop the least recently used block and return its hash; None when nothing is left to drop."""
+    def evict_oldest(self, txn, meta: Meta, spare: Callable[[bytes], bool] | None = None) -> bytes | None:
+        """Drop the least recently used block that `spare` (if given) does not keep and return its hash; None
+        when nothing is left to drop."""
         cursor = txn.cursor(db=self.lru)
         if not cursor.first():
             if not txn.stat(self.atime)["entries"]:
                 meta.used_bytes = 0  # nothing is held: whatever the counter said, nothing is used
             return None  # (or every block left is pinned)
         block_hash = bytes(cursor.key())[_U64.size:]
+        while spare is not None and spare(block_hash):
+            if not cursor.next():
+                return None  # every block left is spared or pinned
+            block_hash = bytes(cursor.key())[_U64.size:]
         cursor.delete()
         self.delete(txn, meta, block_hash)
         self.evictions += 1
