@@ -105,3 +105,50 @@ def test_the_invariant_mode_part_reads_what_batch_cost_writes(tmp_path):
     assert [g.name for g in goals] == ["batch-invariant mode, float32: a 48-token prefill",
                                        "batch-invariant mode, float32: a decode step"]
     assert all(g.value > 0 and g.status in ("PASS", "MISS") for g in goals)
+
+
+def test_where_vllm_did_not_run_the_goals_are_held_against_transformers_and_say_so(tmp_path):
+    """On a CPU where vLLM cannot run, the side-by-side and pressure goals divide ours by transformers' `generate`
+    (sdpa), the floor, and each such goal's name says so; guidellm's, with no server beside ours, read N/A."""
+    def side(miss, hit, decode):
+        return {"miss_s": miss, "hit_s": hit, "decode_s_per_token": decode, "answers": [], "cached": []}
+
+    one_thread = {"threads": 1, "runs": [{"dtype": "float32", "notes": ["vLLM not measured: no wheel"],
+                                          "sides": {"kvstrata": side([1.5], [0.05], [0.03]),
+                                                    "transformers": side([2.0], [2.0], [0.04])}}]}
+
+    def records(*ttfts, hit_tier="device"):
+        return [{"ttft_s": t, "hit_tier": hit_tier} for t in ttfts]
+
+    pressure = {"configurations": {"recompute": {"records": records(2.4, 2.4, hit_tier="miss")},
+                                   "device_cpu": {"records": records(0.1, 0.1)},
+                                   "disk_after_restart": {"records": records(0.3, 0.3, hit_tier="disk")}},
+                "peers": {"vllm_recompute": {"available": False, "reason": "vLLM not measured: no wheel"},
+                          "hf_generate": {"available": True, "records": records(2.0, 2.0, hit_tier=None)}}}
+    guidellm = {"goals": [{"name": "output throughput, ours / vLLM", "value": None, "target": 1.0,
+                           "direction": ">="}]}
+    for part, found in (("one_thread", one_thread), ("pressure", pressure), ("guidellm", guidellm)):
+        (tmp_path / f"r_{part}.json").write_text(json.dumps(found))
+    result, lines = report.summarize(str(tmp_path), "r", "portable", {})
+    floor = [g for g in result["goals"] if g["part"] in ("one_thread", "pressure")]
+    assert len(floor) == 7 and all(report.FLOOR_SAYS in g["name"] for g in floor)
+    assert all(g["denominator"] == "transformers'" for g in floor)
+    values = {g["name"].split(": ")[-1]: round(g["value"], 3) for g in floor}
+    assert values == {"a miss's TTFT": 0.75, "a decoded token": 0.75, "a device hit's TTFT": 0.025,
+                      "TTFT p50, our device + CPU tiers / every prompt prefilled": 0.05,
+                      "TTFT p50 after a restart, our disk tier / every prompt prefilled": 0.15,
+                      "a miss (recompute p50)": 1.2, "a device hit (p50)": 0.05}
+    assert goal(result, "pressure", "a miss (recompute p50)")["status"] == "MISS"  # 1.2x the floor: above 1.1x
+    assert goal(result, "guidellm", "output throughput")["status"] == "N/A"
+
+
+def test_with_vllm_there_the_floor_beside_it_changes_no_goal(tmp_path):
+    """The pressure part runs transformers too; where vLLM ran, its goals are still vLLM's."""
+    shutil.copy(RESULTS / RUNS["pressure"], tmp_path / "r_pressure.json")
+    before, _ = report.summarize(str(tmp_path), "r", "avx2", {})
+    found = json.loads((tmp_path / "r_pressure.json").read_text())
+    found["peers"]["hf_generate"] = {"available": True, "records": [{"ttft_s": 50.0, "hit_tier": None}]}
+    (tmp_path / "r_pressure.json").write_text(json.dumps(found))
+    after, _ = report.summarize(str(tmp_path), "r", "avx2", {})
+    assert [(g["name"], g["value"]) for g in after["goals"]] == [(g["name"], g["value"]) for g in before["goals"]]
+    assert not any(report.FLOOR_SAYS in g["name"] for g in after["goals"])

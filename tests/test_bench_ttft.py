@@ -399,13 +399,14 @@ def test_the_vllm_comparison_report_gives_ours_over_vllms_per_dtype():
                     "threads": 1, "docs": 2, "decode_tokens": 1, "runs": [run]})
     ours = next(line for line in lines if line.startswith("| float32 | kvstrata |"))
     assert ours.split("|")[4:10] == [" 5000 ", " 100.0 ", " 30.0 ", " 2.00 ", " 1.00 ", " 1.50 "]
-    assert "equal on 1 of 2 documents" in "\n".join(lines)
+    assert "answers equal to vLLM's on 1 of 2 documents" in "\n".join(lines)
 
 
-def test_the_vllm_comparison_without_vllm_writes_our_figures_and_its_reason_and_nothing_else(tmp_path, monkeypatch,
-                                                                                              capsys):
-    """Where vLLM cannot run, the report says why in one line and gives our figures alone; vLLM's own output goes to
-    a scratch folder, never among the results (a results folder holds indexed reports only)."""
+def test_where_vllm_cannot_run_ours_is_held_against_transformers_sdpa_and_the_report_says_why(tmp_path, monkeypatch,
+                                                                                                  capsys):
+    """Where vLLM cannot run, the report says why in one line and divides ours by transformers' `generate` with sdpa
+    (the floor); vLLM's own output goes to a scratch folder, never among the results (a results folder holds indexed
+    reports only)."""
     from benchmarks.lib import peers
     from benchmarks.suites.ttft import vllm
 
@@ -422,8 +423,19 @@ def test_the_vllm_comparison_without_vllm_writes_our_figures_and_its_reason_and_
                "--out-dir", str(out), "--name", "side"])
     assert sorted(p.name for p in out.iterdir()) == ["side.json", "side.md"]
     (run,) = json.loads((out / "side.json").read_text())["runs"]
-    assert run["notes"] == ["vLLM not measured: its process exited with 1 (its log has the reason)"]
-    assert list(run["sides"]) == ["kvstrata"]
-    assert "- vLLM not measured: its process exited" in (out / "side.md").read_text()
+    assert run["notes"] == ["vLLM not measured: its process exited with 1 (its log has the reason)",
+                            f"In vLLM's place: {vllm.FLOOR}."]
+    assert list(run["sides"]) == ["kvstrata", "transformers"]
+    assert run["info"]["transformers"]["attention"] == "sdpa"
+    floor = run["sides"]["transformers"]
+    assert [len(answer) for answer in floor["answers"]] == [3]  # 1 + --decode-tokens, whatever the model says
+    assert floor["miss_s"][0] > 0 and floor["decode_s_per_token"][0] > 0
+    assert vllm.peer_of(run) == "transformers"
+    measured = vllm.ratios(run)
+    report = (out / "side.md").read_text()
+    assert f"Ours / {vllm.FLOOR}, per dtype." in report
+    ours = next(line for line in report.splitlines() if line.startswith("| float32 | kvstrata |"))
+    assert ours.split("|")[7:10] == [f" {measured[key]:.2f} " for key in vllm.FIGURES]
+    assert "- vLLM not measured: its process exited" in report
     kept = Path(capsys.readouterr().out.split("vLLM's logs are kept in ")[1].split()[0])
     assert (kept / "vllm-float32.log").read_text().startswith("RuntimeError")

@@ -1,8 +1,9 @@
 """The systems kvstrata is compared with, on the same prompts (token ids) and the same model file.
 
 - `HFGeneratePeer`: what a user without kvstrata runs: Hugging Face transformers' `generate` with
-  `max_new_tokens=1`, one request at a time, no KV reuse between requests, the model's default
-  attention, the same GGUF dequantised to the same dtype.
+  `max_new_tokens=1`, one request at a time, no KV reuse between requests, the attention implementation asked
+  for (the benchmarks ask for `sdpa`, transformers' default on a CPU), the same GGUF dequantised to the same dtype.
+  It is the floor wherever vLLM cannot run.
 - `LlamaCppPeer`: llama-cpp-python on the same GGUF with its prompt cache, `LlamaRAMCache` or
   `LlamaDiskCache`. Calls are non-streaming: a streamed call was seen not to store its prompt-cache
   state. TTFT is the latency of a `max_tokens=1` call (which includes saving the state).
@@ -35,11 +36,12 @@ def llama_cpp_available() -> bool:
 
 
 class HFGeneratePeer:
-    """transformers `generate(max_new_tokens=1)` per request: every prompt is prefilled in full."""
+    """transformers `generate` per request: every prompt is prefilled in full. `attention` picks transformers'
+    attention implementation (None: the model's default)."""
 
     name = "hf_generate"
 
-    def __init__(self, model_dir: Path, gguf_file: str | None, dtype):
+    def __init__(self, model_dir: Path, gguf_file: str | None, dtype, attention: str | None = None):
         os.environ["HF_HUB_OFFLINE"] = "1"
         import torch
         from transformers import AutoModelForCausalLM
@@ -48,20 +50,29 @@ class HFGeneratePeer:
         files = {"local_files_only": True}
         if gguf_file:
             files["gguf_file"] = gguf_file
+        if attention:
+            files["attn_implementation"] = attention
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **files).eval()
         self.attention = self.model.config._attn_implementation
+        self.info = {"attention": self.attention}
         eos = self.model.generation_config.eos_token_id
         self._pad_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
 
-    def first_token_latency(self, token_ids: Sequence[int]) -> float:
+    def generate(self, token_ids: Sequence[int], max_tokens: int) -> dict:
+        """Greedy, exactly `max_tokens` tokens (an end-of-sequence token does not stop it): the wall time of one
+        call and the tokens it generated."""
         torch = self._torch
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long)
         attention_mask = torch.ones_like(input_ids)
         start = time.perf_counter()
         with torch.inference_mode():
-            self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=1, do_sample=False,
-                                pad_token_id=self._pad_token_id)
-        return time.perf_counter() - start
+            out = self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, do_sample=False, pad_token_id=self._pad_token_id)
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "token_ids": out[0, input_ids.shape[1]:].tolist(), "cached_tokens": 0}
+
+    def first_token_latency(self, token_ids: Sequence[int]) -> float:
+        return self.generate(token_ids, 1)["seconds"]
 
     def close(self) -> None:
         del self.model

@@ -175,23 +175,35 @@ def device_hit_p50s(result: dict) -> tuple[float | None, float | None]:
     return ours, theirs
 
 
+def _our_p50(result: dict, configuration: str) -> float | None:
+    return p50_of(((result.get("configurations") or {}).get(configuration) or {}).get("records", []))
+
+
+def _peer_p50(result: dict, peer: str) -> float | None:
+    row = (result.get("peers") or {}).get(peer) or {}
+    return p50_of(row.get("records", [])) if row.get("available") else None
+
+
 def headline_ratios(result: dict) -> dict[str, float | None]:
     """Ours / vLLM's p50 (None where a side is missing): `miss` (recompute against vLLM's recompute), `device_hit`
     (every device hit), `pressure` (our device and CPU tiers against vLLM's prefix caching in the same device bytes)
     and `restart` (our disk tier after a restart against a new vLLM process)."""
-    configurations, peers = result.get("configurations") or {}, result.get("peers") or {}
-
-    def ours(name: str) -> float | None:
-        return p50_of((configurations.get(name) or {}).get("records", []))
-
-    def theirs(name: str) -> float | None:
-        row = peers.get(name) or {}
-        return p50_of(row.get("records", [])) if row.get("available") else None
-
-    return {"miss": ratio(ours("recompute"), theirs("vllm_recompute")),
+    return {"miss": ratio(_our_p50(result, "recompute"), _peer_p50(result, "vllm_recompute")),
             "device_hit": ratio(*device_hit_p50s(result)),
-            "pressure": ratio(ours("device_cpu"), theirs("vllm_device_budget")),
-            "restart": ratio(ours("disk_after_restart"), theirs("vllm_after_restart"))}
+            "pressure": ratio(_our_p50(result, "device_cpu"), _peer_p50(result, "vllm_device_budget")),
+            "restart": ratio(_our_p50(result, "disk_after_restart"), _peer_p50(result, "vllm_after_restart"))}
+
+
+def floor_ratios(result: dict) -> dict[str, float | None] | None:
+    """`headline_ratios`' four, each against transformers' `generate` (the `hf_generate` peer: every prompt prefilled
+    in full, so one p50 for all four), the floor where vLLM cannot run; None where that peer did not run."""
+    theirs = _peer_p50(result, "hf_generate")
+    if theirs is None:
+        return None
+    return {"miss": ratio(_our_p50(result, "recompute"), theirs),
+            "device_hit": ratio(device_hit_p50s(result)[0], theirs),
+            "pressure": ratio(_our_p50(result, "device_cpu"), theirs),
+            "restart": ratio(_our_p50(result, "disk_after_restart"), theirs)}
 
 
 def _s(seconds: float | None) -> str:

