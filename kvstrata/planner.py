@@ -195,8 +195,10 @@ class ReplayEngine:
             self.write_down([block_hash])
 
     def _on_cpu_evict(self, block_hash) -> None:
-        target = self.policy.cascade_target(block_hash)
-        if target is not None:
+        target, held = self.policy.cascade_target(block_hash)
+        if held:
+            target.put([block_hash])  # only made the most recent there: no write-down
+        elif target is not None:
             self.write_down([block_hash], [target])
 
     def write_down(self, hashes: list, targets: Sequence[LruIndex] | None = None) -> None:

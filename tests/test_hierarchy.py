@@ -36,9 +36,11 @@ def content_for(block_hash: bytes) -> torch.Tensor:
 
 
 def make_stack(device_blocks: int, cpu_blocks: int = 0, disk_path=None, disk_blocks: int = 0,
-               offload: str = "write_through", gate_cpu: bool = False, remote_url: str | None = None):
+               offload: str = "write_through", gate_cpu: bool = False, remote_url: str | None = None,
+               disk_records: int | None = None):
     """A KV manager over a device pool and the lower tiers asked for; `gate_cpu` wraps the CPU tier
-    in a `GatedTier` (its reads wait for `hierarchy.cpu.gate`); `remote_url` adds a remote tier."""
+    in a `GatedTier` (its reads wait for `hierarchy.cpu.gate`); `remote_url` adds a remote tier; `disk_records`
+    sizes the disk tier to exactly that many blocks (else it holds about twice `disk_blocks`)."""
     pool = BlockPool(device_blocks)
     kv = LAYOUT.allocate(device_blocks)
     cpu = CpuTier(LAYOUT, cpu_blocks) if cpu_blocks else None
@@ -47,7 +49,10 @@ def make_stack(device_blocks: int, cpu_blocks: int = 0, disk_path=None, disk_blo
     disk = None
     if disk_path is not None:
         from kvstrata.tiers.disk import DiskTier
-        disk = DiskTier(LAYOUT, str(disk_path), disk_blocks * LAYOUT.block_nbytes * 2)
+        from kvstrata.tiers.record import RecordCodec
+        capacity = disk_blocks * LAYOUT.block_nbytes * 2 if disk_records is None else \
+            disk_records * RecordCodec(LAYOUT).record_nbytes
+        disk = DiskTier(LAYOUT, str(disk_path), capacity)
     remote = None
     if remote_url is not None:
         from kvstrata.tiers.remote import RemoteTier
@@ -201,6 +206,24 @@ def test_cpu_evictions_cascade_to_disk_and_disk_hits_refill_cpu(tmp_path):
     assert again.num_cached_tokens == 6 * BS
     # blocks that came up from disk were put in the CPU tier too (it holds exactly these 6 now)
     assert all(h.cpu.contains(x) for x in again.block_hashes[:6])
+
+
+def test_the_disk_keeps_a_document_read_back_from_it_over_colder_ones_that_left_the_cpu_tier_before_it(tmp_path):
+    """The disk's LRU order is the order blocks left the CPU tier, those it held already too: a document read back
+    from disk and used since must not be evicted before colder ones that the CPU tier let go earlier."""
+    kv = make_stack(device_blocks=8, cpu_blocks=6, disk_path=tmp_path / "kv", disk_records=18)  # 3 documents
+    h = kv.hierarchy
+    a, b, c, d, e, f = (doc(50 + i, 6 * BS + 1) for i in range(6))
+    for tokens in (a, b, c):
+        run_request(kv, tokens)  # the CPU tier holds one document: a, then b, left it for disk
+    assert run_request(kv, a).cached_tokens_by_tier["disk"] == 6 * BS  # read back: the CPU tier lets c go
+    for tokens in (d, e, f):  # the CPU tier lets a go (the disk holds it), then d, then e; b and c are the coldest
+        run_request(kv, tokens)
+    h.disk.flush()
+    held = {name: all(h.disk.contains(x) for x in HASHER.hash(tokens))
+            for name, tokens in zip("abcde", (a, b, c, d, e))}
+    assert held == {"a": True, "b": False, "c": False, "d": True, "e": True}
+    assert run_request(kv, a).cached_tokens_by_tier["disk"] == 6 * BS
 
 
 def test_a_disk_hit_lands_before_its_blocks_are_copied_into_the_cpu_tier(tmp_path):

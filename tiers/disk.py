@@ -14,10 +14,11 @@ the queue, so they are applied first; a flush, a close or a long queue of them a
 reads thus cost no write transaction (a commit and an fsync) beside them. Crash safety is LMDB's: a transaction
 is all or nothing, so after kill -9 a reader sees the last committed state and never a torn value.
 
-A put of a block the store already holds queues a touch, not the record. Its caller (an upper tier letting the block
-go) leaves the block to this tier alone, so eviction passes over it until that touch is applied: the puts queued
-before it would otherwise evict it on the way and lose it. A put of a block that the transaction in flight has just
-evicted stores the record again. Another process sharing the store evicts by its own queue.
+A put of a block the store already holds (a CPU-tier eviction, mostly: tiers/policy.py) queues a touch, not the
+record, and like a read's it waits for the next write. The block must then count as the most recent one: eviction
+passes over it until that touch is applied, since the puts queued before the touch would otherwise evict it as the
+oldest, and its caller has just let go of it. A put of a block that the transaction in flight has just evicted stores
+the record again. Another process sharing the store evicts by its own queue.
 
 No storage fault escapes the tier; each is a miss or a counted, dropped write:
 - the map is full (pages pinned by readers, fragmentation): the oldest blocks are evicted and the
@@ -415,7 +416,7 @@ class DiskTier(LowerTier):
                 ops.append(_Op("touch", h, kept=True))
             else:
                 ops.append(_Op("put", h, self.codec.encode(ids, src), token_ids=ids, parent=parent))
-        self._enqueue(ops)
+        self._enqueue(ops, wake=not all(held))  # touches alone wait for the next write, as a read's do
 
     def _keep_held(self, block_hashes: Sequence[bytes]) -> list[bool]:
         """Which blocks are held; those that are stay kept from eviction until their touch is applied.

@@ -380,9 +380,9 @@ class TierHierarchy:
                       parent: bytes | None) -> None:
         """CPU-tier LRU eviction cascades to disk (the disk tier copies the payload before returning).
         Runs on whichever thread put into the CPU tier (a transfer worker, mostly)."""
-        target = self.policy.cascade_target(block_hash)
+        target, held = self.policy.cascade_target(block_hash)
         if target is not None:
-            self.write_downs.put(target, [block_hash], [token_ids], [payload], [parent])
+            self.write_downs.put(target, [block_hash], [token_ids], [payload], [parent], counted=not held)
 
     def persist(self, max_blocks: int | None = None, wait: bool = True) -> int:
         """Write cached blocks that the disk tier lacks down to it, device first, then CPU.

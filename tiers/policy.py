@@ -20,8 +20,11 @@ What it decides:
   A block still queued when its slot is reused is written down then, under either policy. Blocks promoted from a
   lower tier are below already and are not queued.
 - A block served from disk or the remote tier is copied up into the CPU tier: the next miss is a local one.
-- A CPU-tier eviction cascades to disk, unless disk holds the block already (the remote tier, written through,
-  has it already).
+- A CPU-tier eviction cascades to disk (the remote tier, written through, has the block already). A block the
+  disk holds already is only made its most recent there: the disk's LRU order is the order blocks left the CPU tier,
+  whichever of them it held before. Left at its older place (where its last disk read or write put it), a document
+  read back from disk and used since would be evicted before the colder blocks that left the CPU tier after that
+  read.
 """
 from __future__ import annotations
 
@@ -212,11 +215,12 @@ class TierPolicy:
         still queued by write_through)."""
         return self.pending.pop(block_id, None) is not None or self.offload == "on_evict"
 
-    def cascade_target(self, block_hash: BlockHash) -> TierIndex | None:
-        """Where a block the CPU tier evicts goes: disk, unless it holds the block already (or there is none)."""
-        if self.disk is None or self.disk.contains(block_hash):
-            return None
-        return self.disk
+    def cascade_target(self, block_hash: BlockHash) -> tuple[TierIndex | None, bool]:
+        """Where a block the CPU tier evicts goes (disk, if there is one), and whether that tier holds it already: a
+        put then only makes it the most recent there, and counts as no write-down."""
+        if self.disk is None:
+            return None, False
+        return self.disk, self.disk.contains(block_hash)
 
 
 def _earlier_below(found: Sequence[str], start: int, end: int) -> Generator[Question, int, list[str]]:

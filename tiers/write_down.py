@@ -60,10 +60,12 @@ class WriteDowns:
             self._count(target.name, len(block_ids))
 
     def put(self, tier: LowerTier, hashes: list[bytes], tokens: list[Sequence[int]], payloads: list[torch.Tensor],
-            parents: list[bytes | None]) -> None:
-        """Put host payloads into a lower tier (it copies them before returning), counted as write-downs."""
+            parents: list[bytes | None], counted: bool = True) -> None:
+        """Put host payloads into a lower tier (it copies them before returning), counted as write-downs unless
+        `counted` is False (blocks the tier holds already, which the put only touches)."""
         tier.put(hashes, tokens, payloads, parents)
-        self._count(tier.name, len(hashes))
+        if counted:
+            self._count(tier.name, len(hashes))
 
     def let_go_of_copied(self) -> None:
         """Forget the store jobs whose blocks are copied off the device (their slots may be reused without a wait)."""
