@@ -1,6 +1,7 @@
 """`kvstrata plan` against an independent LRU replay, its speed, and a sweep's plot.
 
     python benchmarks/planner.py sample benchmarks/data/traces/sample_trace.jsonl   # the shipped sample
+    python benchmarks/planner.py longdoc longdoc_trace.jsonl                         # long-document QA, Zipf reuse
     python benchmarks/planner.py accuracy --trace conversation_trace.jsonl            # -> results/planner.{json,md}
     python benchmarks/planner.py serve-check                                          # -> results/planner_serve.json
 
@@ -96,6 +97,23 @@ def make_sample(num_requests: int = 400, seed: int = 0) -> list[dict]:
             sessions.remove(s)
         else:
             s["ids"] += new_ids(1)  # the answer becomes part of the next turn's context
+    return records
+
+
+def make_longdoc(num_docs: int = 60, num_requests: int = 3000, zipf: float = 0.9, doc_ids: int = 4,
+                 seed: int = 1) -> list[dict]:
+    """A Mooncake-format trace of long-document QA: each request one of `num_docs` documents of `doc_ids` ids, drawn
+    with Zipf(`zipf`) popularity, and a question of its own (one id), a prompt just short of the ids' span,
+    16 output tokens, 3 s apart (no queueing). Deterministic in `seed`."""
+    rng = random.Random(seed)
+    weights = [1 / (k + 1) ** zipf for k in range(num_docs)]
+    next_question = num_docs * doc_ids
+    records = []
+    for k in range(num_requests):
+        doc = rng.choices(range(num_docs), weights)[0]
+        ids = list(range(doc * doc_ids, (doc + 1) * doc_ids)) + [next_question + k]
+        records.append({"timestamp": 3000 * k, "input_length": len(ids) * 512 - 400, "output_length": 16,
+                        "hash_ids": ids})
     return records
 
 
@@ -271,6 +289,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sample = commands.add_parser("sample", help="write the generated sample trace")
     sample.add_argument("out")
     sample.add_argument("--requests", type=int, default=400)
+    longdoc = commands.add_parser("longdoc", help="write a long-document QA trace (Zipf reuse of documents)")
+    longdoc.add_argument("out")
+    longdoc.add_argument("--docs", type=int, default=60)
+    longdoc.add_argument("--requests", type=int, default=3000)
+    longdoc.add_argument("--zipf", type=float, default=0.9)
+    options.seed(longdoc, default=1)
     acc = commands.add_parser("accuracy", help="planner against the LRU oracle, its speed, and a sweep's plot")
     acc.add_argument("--trace", required=True)
     options.config(acc, default=str(ROOT / "benchmarks" / "data" / "traces" / "plan_llama3_8b.yaml"))
@@ -289,6 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "sample":
         write_trace(Path(args.out), make_sample(args.requests))
+        return 0
+    if args.command == "longdoc":
+        write_trace(Path(args.out), make_longdoc(args.docs, args.requests, args.zipf, seed=args.seed))
         return 0
     data = accuracy(args.trace, args.config)
     sweep_args = ["--replicas", "8", "--route", "prefix", "--sweep", "cache.tiers.cpu.size=0,64GiB,256GiB,1TiB",

@@ -268,3 +268,20 @@ def _sets(raw: dict, *more: str) -> list[str]:
 
     walk("", raw)
     return [a for s in [*flat, *more] for a in ("--set", s)]
+
+
+def test_the_long_document_trace_reuses_a_few_documents_most_with_a_question_of_its_own_each():
+    from collections import Counter
+
+    from benchmarks.planner import make_longdoc
+
+    records = make_longdoc(num_docs=10, num_requests=500, zipf=0.9, doc_ids=4, seed=3)
+    assert records == make_longdoc(num_docs=10, num_requests=500, zipf=0.9, doc_ids=4, seed=3)
+    docs = Counter(r["hash_ids"][0] // 4 for r in records)
+    assert set(docs) <= set(range(10)) and docs.most_common(1)[0][0] == 0 and docs[0] > 2 * docs[9]
+    for r in records:
+        doc = r["hash_ids"][0] // 4
+        assert r["hash_ids"][:4] == list(range(4 * doc, 4 * doc + 4))
+        assert r["input_length"] <= len(r["hash_ids"]) * 512
+    questions = [r["hash_ids"][4] for r in records]
+    assert len(set(questions)) == len(questions) and min(questions) >= 40
