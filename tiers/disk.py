@@ -442,9 +442,12 @@ class DiskTier(LowerTier):
 
     def _let_go(self, block_hashes: Iterator[bytes]) -> None:
         """Under the lock: one keeping of each block ends."""
-        self._kept.subtract(block_hashes)
-        for h in [h for h, n in self._kept.items() if n <= 0]:
-            del self._kept[h]
+        kept = self._kept
+        for h in block_hashes:
+            if kept[h] > 1:
+                kept[h] -= 1
+            else:
+                kept.pop(h, None)
 
     def _spare(self, block_hash: bytes) -> bool:
         """The writer's question before it evicts a block (see `_keep_held`)."""
