@@ -103,25 +103,40 @@ def guidellm_goals(result: dict) -> list[Goal]:
             for g in result.get("goals", [])]
 
 
+@dataclass(frozen=True)
+class PressureGoal:
+    key: str                  # in `headline_ratios` and `floor_ratios`
+    measures: str
+    target: float
+    direction: str
+    against_vllm: str = ""    # what ours is divided by, where it needs saying
+    against_floor: str = ""
+
+
+PRESSURE_GOALS = (
+    PressureGoal("pressure", "TTFT p50, our device + CPU tiers", 1.0, "<",
+                 "vLLM's prefix caching in the same bytes", "every prompt prefilled"),
+    PressureGoal("restart", "TTFT p50 after a restart, our disk tier", 1.0, "<", "a new vLLM process",
+                 "every prompt prefilled"),
+    PressureGoal("miss", "a miss (recompute p50)", MAX_RATIO, "<="),
+    PressureGoal("device_hit", "a device hit (p50)", 1.0, "<="),
+)
+
+
 def pressure_goals(result: dict) -> list[Goal]:
-    """The pressure suite's rows beside vLLM's (benchmarks/lib/vllm_pressure.py `headline_ratios`)."""
+    """The pressure suite's rows beside vLLM's (benchmarks/lib/vllm_pressure.py `headline_ratios`), or beside the
+    floor's where vLLM's did not run (`floor_ratios`)."""
     from benchmarks.lib.vllm_pressure import floor_ratios, headline_ratios
 
-    ratio = headline_ratios(result)
+    ratio, on_floor = headline_ratios(result), False
     if all(value is None for value in ratio.values()) and (floor := floor_ratios(result)) is not None:
-        theirs = "transformers'"
-        return [Goal(f"pressure{FLOOR_SAYS}: TTFT p50, our device + CPU tiers / every prompt prefilled",
-                     floor["pressure"], 1.0, "<", "ours", theirs),
-                Goal(f"pressure{FLOOR_SAYS}: TTFT p50 after a restart, our disk tier / every prompt prefilled",
-                     floor["restart"], 1.0, "<", "ours", theirs),
-                Goal(f"pressure{FLOOR_SAYS}: a miss (recompute p50)", floor["miss"], MAX_RATIO, "<=", "ours", theirs),
-                Goal(f"pressure{FLOOR_SAYS}: a device hit (p50)", floor["device_hit"], 1.0, "<=", "ours", theirs)]
-    return [Goal("pressure: TTFT p50, our device + CPU tiers / vLLM's prefix caching in the same bytes",
-                 ratio["pressure"], 1.0, "<", "ours", "vLLM's"),
-            Goal("pressure: TTFT p50 after a restart, our disk tier / a new vLLM process", ratio["restart"], 1.0, "<",
-                 "ours", "vLLM's"),
-            Goal("pressure: a miss (recompute p50)", ratio["miss"], MAX_RATIO, "<=", "ours", "vLLM's"),
-            Goal("pressure: a device hit (p50)", ratio["device_hit"], 1.0, "<=", "ours", "vLLM's")]
+        ratio, on_floor = floor, True
+    goals = []
+    for g in PRESSURE_GOALS:
+        against = g.against_floor if on_floor else g.against_vllm
+        name = f"pressure{FLOOR_SAYS if on_floor else ''}: {g.measures}" + (f" / {against}" if against else "")
+        goals.append(Goal(name, ratio[g.key], g.target, g.direction, "ours", "transformers'" if on_floor else "vLLM's"))
+    return goals
 
 
 def invariant_mode_goals(result: dict) -> list[Goal]:
