@@ -22,6 +22,7 @@ A failure prints its seed and the shortest prefix of its step trace that still f
 """
 from __future__ import annotations
 
+import argparse
 import atexit
 import logging
 import random
@@ -504,10 +505,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="the engine's warnings too (every injected fault "
                         "logs one)")
     args = parser.parse_args(argv)
-    if not args.verbose:
-        logging.getLogger("kvstrata").setLevel(logging.CRITICAL)
     if args.quick:
         args.seeds, args.steps = 100, 30
+    logger = logging.getLogger("kvstrata")
+    level = logger.level
+    if not args.verbose:
+        logger.setLevel(logging.CRITICAL)
+    try:  # the level is given back: called in a process that goes on (a test), the engine's warnings are its own
+        return soak(args)
+    finally:
+        logger.setLevel(level)
+
+
+def soak(args: argparse.Namespace) -> int:
+    """Run the seeds `args` names, print what failed and the totals; 1 if any failed."""
     stats = SoakStats()
     started = time.perf_counter()
     failures = []
