@@ -101,10 +101,10 @@ def make_sample(num_requests: int = 400, seed: int = 0) -> list[dict]:
 
 
 def make_longdoc(num_docs: int = 60, num_requests: int = 3000, zipf: float = 0.9, doc_ids: int = 4,
-                 seed: int = 1) -> list[dict]:
+                 seed: int = 1, answer_tokens: int = 16) -> list[dict]:
     """A Mooncake-format trace of long-document QA: each request one of `num_docs` documents of `doc_ids` ids, drawn
     with Zipf(`zipf`) popularity, and a question of its own (one id), a prompt just short of the ids' span,
-    16 output tokens, 3 s apart (no queueing). Deterministic in `seed`."""
+    `answer_tokens` output tokens, 3 s apart (no queueing). Deterministic in `seed`."""
     rng = random.Random(seed)
     weights = [1 / (k + 1) ** zipf for k in range(num_docs)]
     next_question = num_docs * doc_ids
@@ -112,7 +112,7 @@ def make_longdoc(num_docs: int = 60, num_requests: int = 3000, zipf: float = 0.9
     for k in range(num_requests):
         doc = rng.choices(range(num_docs), weights)[0]
         ids = list(range(doc * doc_ids, (doc + 1) * doc_ids)) + [next_question + k]
-        records.append({"timestamp": 3000 * k, "input_length": len(ids) * 512 - 400, "output_length": 16,
+        records.append({"timestamp": 3000 * k, "input_length": len(ids) * 512 - 400, "output_length": answer_tokens,
                         "hash_ids": ids})
     return records
 
@@ -294,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     longdoc.add_argument("--docs", type=int, default=60)
     longdoc.add_argument("--requests", type=int, default=3000)
     longdoc.add_argument("--zipf", type=float, default=0.9)
+    longdoc.add_argument("--answer-tokens", type=int, default=16, help="each request's output tokens")
     options.seed(longdoc, default=1)
     acc = commands.add_parser("accuracy", help="planner against the LRU oracle, its speed, and a sweep's plot")
     acc.add_argument("--trace", required=True)
@@ -315,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_trace(Path(args.out), make_sample(args.requests))
         return 0
     if args.command == "longdoc":
-        write_trace(Path(args.out), make_longdoc(args.docs, args.requests, args.zipf, seed=args.seed))
+        write_trace(Path(args.out), make_longdoc(args.docs, args.requests, args.zipf, seed=args.seed,
+                                                      answer_tokens=args.answer_tokens))
         return 0
     data = accuracy(args.trace, args.config)
     sweep_args = ["--replicas", "8", "--route", "prefix", "--sweep", "cache.tiers.cpu.size=0,64GiB,256GiB,1TiB",

@@ -91,6 +91,7 @@ class Workload:
     documents: list[list[int]]
     ops: list[tuple[str, int]]
     remote: bool = False  # with a remote tier (when a valkey-server can be started)
+    offload_answers: bool = False  # answers written down as they fill, else kept on the device until reused
 
 
 def make_workload(seed: int, steps: int) -> Workload:
@@ -101,7 +102,8 @@ def make_workload(seed: int, steps: int) -> Workload:
     while sum(op == "step" for op, _ in ops) < steps:
         ops.append((rng.choices(kinds, weights)[0], rng.randrange(1 << 30)))
     return Workload(seed, rng.choice(POLICIES), rng.choice(LOAD_POLICIES), rng.choice(["write_through", "on_evict"]),
-                    rng.randint(2, 6), documents, ops, remote=rng.random() < 0.5)
+                    rng.randint(2, 6), documents, ops, remote=rng.random() < 0.5,
+                    offload_answers=rng.random() < 0.5)
 
 
 _server: ValkeyServer | None = None
@@ -161,7 +163,8 @@ class Soak:
             stats.remote_seeds += 1
         kv_cache = LAYOUT.allocate(DEVICE_BLOCKS)
         self.hierarchy = TierHierarchy(pool, kv_cache, self.cpu, self.disk, workload.offload,
-                                       transfers=TransferEngine(kv_cache, fill_threads=2), remote=self.remote)
+                                       transfers=TransferEngine(kv_cache, fill_threads=2), remote=self.remote,
+                                       offload_answers=workload.offload_answers)
         self.hasher = BlockHasher(BS, b"soak", "xxh3_128")
         self.kv = KVCacheManager(self.hierarchy, self.hasher, BS, load_policy=workload.load_policy,
                                  step_cost=StepCost(per_token_s=1e-3))

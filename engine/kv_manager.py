@@ -599,7 +599,8 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         self.hierarchy.cache_blocks(state.blocks, request.block_hashes,
-                                    self._block_tokens(request, num_cached, num_full), num_cached, num_full)
+                                    self._block_tokens(request, num_cached, num_full), num_cached, num_full,
+                                    request.num_prompt_tokens // self.block_size)
         state.num_cached_blocks = num_full
 
     def uncache_from(self, request: Request, num_tokens: int) -> None:

@@ -296,7 +296,8 @@ class LLMEngine:
             if tier is not None:
                 tier.share(kv_cache, *transfers.shared_host_buffers())
         return TierHierarchy(pool, kv_cache, cpu, disk, self.config.cache.offload, transfers=transfers,
-                             remote=remote, event_listener=self.block_events)
+                             remote=remote, event_listener=self.block_events,
+                             offload_answers=self.config.cache.offload_answers)
 
     def _allocate_kv_cache(self, num_blocks: int, shared: bool) -> torch.Tensor:
         if shared:

@@ -13,7 +13,9 @@ How the trace becomes requests: each trace id stands for `trace_block_tokens` to
 its whole prefix, as a chain hash does). A request's prompt is its `input_length` tokens (held within its
 ids' span); its last token is always computed, as in serving. A running request holds its prompt's and
 its answer's blocks until it is done: its projected prefill, then `output_length` tokens at the profile's
-decode speed; a request that finds too few free device blocks waits for running ones to finish.
+decode speed; a request that finds too few free device blocks waits for running ones to finish. The answer's
+full blocks are cached on the device under hashes of their own (a trace never asks an answer again) and written
+down as the policy says (`cache.offload_answers`).
 
 What the replay projects, per request, is the time to first token: the wait for device room, if any, then
 the load policy's estimate of its plan (the head's compute beside the tail's load, then the rest), from speeds
@@ -176,9 +178,9 @@ class ReplayEngine:
     `TierHierarchy` and the KV manager apply them to bytes."""
 
     def __init__(self, device_blocks: int, cpu: LruIndex | None, disk: LruIndex | None, remote: LruIndex | None,
-                 offload: str, tally: Tally, enable_caching: bool = True) -> None:
+                 offload: str, tally: Tally, enable_caching: bool = True, offload_answers: bool = False) -> None:
         self.pool = BlockPool(device_blocks, enable_caching=enable_caching, on_evict=self._on_device_evict)
-        self.policy = TierPolicy(self.pool, cpu, disk, remote, offload)
+        self.policy = TierPolicy(self.pool, cpu, disk, remote, offload, offload_answers)
         self.cpu, self.disk, self.remote = cpu, disk, remote
         self.lower_tiers = self.policy.lower_tiers
         self.tally = tally
@@ -207,14 +209,16 @@ class ReplayEngine:
             self.tally.write_downs[tier.name] += len(hashes)
 
     def admit(self, chain: Sequence, found: Sequence[str], use_device: Sequence[int], use_below: Sequence[int],
-              total_blocks: int) -> Admission | None:
+              total_blocks: int, answer: Sequence = ()) -> Admission | None:
         """Hold the device hits at positions `use_device` and the lower-tier hits at `use_below`, make room for
-        `total_blocks` blocks in all, load the lower-tier hits, compute and cache the rest of the chain, and write
-        down as the policy says: `TierHierarchy.acquire_prefix`, `finish_prefix`, the KV manager's allocation and
+        `total_blocks` blocks in all, load the lower-tier hits, compute and cache the rest of the chain and the
+        `answer`'s full blocks (their hashes: a trace's answers are never asked for again), and write down as the
+        policy says: `TierHierarchy.acquire_prefix`, `finish_prefix`, the KV manager's allocation and
         `cache_blocks`, then `flush_pending` after the step. None when the request cannot fit the device."""
         pool, policy = self.pool, self.policy
         hits = pool.get_cached_blocks([chain[k] for k in use_device])
         pool.touch(hits)
+        policy.device_blocks_reused(hits)
         below = [chain[k] for k in use_below]
         below_found = [found[k] for k in use_below]
         policy.hold_below(below, below_found, hold=True)  # so that no write-down the allocation causes evicts them
@@ -244,13 +248,14 @@ class ReplayEngine:
                 self.tally.promotions[served[k]] += 1
         new = iter(pool.get_new_blocks(total_blocks - len(served)))
         blocks = [used[k] if k in served else next(new) for k in range(len(chain))]
-        blocks.extend(new)  # the prompt's partial block and the answer's: never cached
+        blocks.extend(new)  # the answer's and the last partial block
         computed = []  # cache the blocks computed, a run of them at a time
         for is_used, run in itertools.groupby(range(len(chain)), key=served.__contains__):
             if not is_used:
                 run = list(run)
                 computed += pool.cache_full_blocks(blocks, list(chain), run[0], run[-1] + 1)
-        policy.block_computed(computed)
+        answered = pool.cache_full_blocks(blocks, [*chain, *answer], len(chain), len(chain) + len(answer))
+        policy.block_computed(computed, answered)
         _, pending = policy.take_pending()  # the step that computed them is over
         if pending:
             self.write_down(pending)
@@ -353,7 +358,8 @@ class Planner:
         disk = LruIndex("disk", cap["disk"], keeps_holds=False) if cap["disk"] else None
         remote = LruIndex("remote", cap["remote"], keeps_holds=False) if cap["remote"] != 0 else None
         engines = [ReplayEngine(max(cap["device"], 1), LruIndex("cpu", cap["cpu"]) if cap["cpu"] else None, disk,
-                                remote, self.config.cache.offload, tally, self.config.cache.enable_prefix_caching)
+                                remote, self.config.cache.offload, tally, self.config.cache.enable_prefix_caching,
+                                self.config.cache.offload_answers)
                    for _ in range(self.replicas)]
         choose = self._prefix_router(engines) if self.route == "prefix" and len(engines) > 1 else None
         per_id, bs = self.per_id, self.block_size
@@ -390,7 +396,11 @@ class Planner:
         use_device = [*range(plan.device_run), *(k for k in range(plan.head_end, plan.cut) if found[k] == "device")]
         use_below = [k for k in range(plan.head_end, plan.cut) if found[k] != "device"]
         total_blocks = -(-(num_tokens + output_length) // bs)
-        admitted = engine.admit(chain, found, use_device, use_below, total_blocks)
+        # the answer's full blocks, all but its last token computed (fed back to compute the next one); each block a
+        # hash of its own: no trace asks an answer again
+        num_answer_blocks = max((num_tokens + output_length - 1) // bs - len(chain), 0)
+        answer = [("answer", order, j) for j in range(num_answer_blocks)]
+        admitted = engine.admit(chain, found, use_device, use_below, total_blocks, answer)
         if admitted is None:  # larger than the device tier: it cannot run here; counted, never cached
             tally.too_large += 1
             return
@@ -602,7 +612,7 @@ def tiers_yaml(config) -> str:
     import yaml
 
     data = config.to_dict()["cache"]
-    keep = {"block_size": data["block_size"], "offload": data["offload"],
+    keep = {"block_size": data["block_size"], "offload": data["offload"], "offload_answers": data["offload_answers"],
             "tiers": {k: v for k, v in data["tiers"].items() if v is not None}}
     return yaml.safe_dump({"cache": keep}, sort_keys=False, default_flow_style=False)
 

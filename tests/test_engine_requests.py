@@ -169,3 +169,36 @@ def test_a_batch_with_n_answers_one_output_per_prompt_in_order_and_refuses_n_per
     with pytest.raises(ValueError, match="n must be 1 for one engine request"):
         llm.engine.add_request("n2", llm.engine.tokenize(PROMPT), SamplingParams(n=2))
     assert llm.engine.requests == {}
+
+
+@pytest.mark.parametrize("offload_answers", [False, True])
+def test_an_answer_goes_below_the_device_only_once_a_later_prompt_reuses_it_unless_offload_answers(
+        embedded_model_fp32, offload_answers):
+    """`cache.offload_answers` off (the default): an answer's blocks are not in the CPU tier after it is generated,
+    so a chat's next turn after the device is reset finds only the first prompt below; a next turn that reuses the
+    answer from the device writes it down. On: the answer goes down as it is generated."""
+    config = {"model": {"dtype": "float32", "device": "cpu"},
+              "cache": {"block_size": 16, "offload_answers": offload_answers, "load_policy": "always_load",
+                        "tiers": {"device": {"size": 64}, "cpu": {"size": 64}}}}
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    one_token = SamplingParams(max_tokens=1)
+    with LLM(config, loaded_model=embedded_model_fp32) as llm:
+        def chat(text: str) -> tuple[list[int], int, int]:
+            """A first turn answered; the next turn's prompt, and the blocks of the first prompt and the answer."""
+            prompt = llm.engine.tokenize(text)
+            answer = llm.generate(prompt, greedy)[0].token_ids
+            prompt_blocks = len(prompt) // 16
+            answer_blocks = (len(prompt) + len(answer) - 1) // 16 - prompt_blocks  # the last token is never fed back
+            return [*prompt, *answer, *llm.engine.tokenize(" Name one more.")], prompt_blocks, answer_blocks
+
+        turn, prompt_blocks, answer_blocks = chat(PROMPT * 3)
+        assert llm.reset_prefix_cache()
+        below = llm.generate(turn, one_token)[0].cached_tokens_by_tier
+        assert below["cpu"] == 16 * (prompt_blocks + (answer_blocks if offload_answers else 0))
+
+        turn, prompt_blocks, answer_blocks = chat("Name a planet. " + PROMPT * 2)
+        reused = llm.generate(turn, one_token)[0].cached_tokens_by_tier  # the answer reused from the device
+        assert reused["device"] >= 16 * (prompt_blocks + answer_blocks)
+        assert llm.reset_prefix_cache()
+        below = llm.generate(turn, one_token)[0].cached_tokens_by_tier
+        assert below["cpu"] >= 16 * (prompt_blocks + answer_blocks)

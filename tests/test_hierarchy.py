@@ -37,7 +37,7 @@ def content_for(block_hash: bytes) -> torch.Tensor:
 
 def make_stack(device_blocks: int, cpu_blocks: int = 0, disk_path=None, disk_blocks: int = 0,
                offload: str = "write_through", gate_cpu: bool = False, remote_url: str | None = None,
-               disk_records: int | None = None):
+               disk_records: int | None = None, offload_answers: bool = False):
     """A KV manager over a device pool and the lower tiers asked for; `gate_cpu` wraps the CPU tier
     in a `GatedTier` (its reads wait for `hierarchy.cpu.gate`); `remote_url` adds a remote tier; `disk_records`
     sizes the disk tier to exactly that many blocks (else it holds about twice `disk_blocks`)."""
@@ -57,7 +57,7 @@ def make_stack(device_blocks: int, cpu_blocks: int = 0, disk_path=None, disk_blo
     if remote_url is not None:
         from kvstrata.tiers.remote import RemoteTier
         remote = RemoteTier(LAYOUT, remote_url, timeout=0.5)
-    hierarchy = TierHierarchy(pool, kv, cpu, disk, offload, remote=remote)
+    hierarchy = TierHierarchy(pool, kv, cpu, disk, offload, remote=remote, offload_answers=offload_answers)
     return KVCacheManager(hierarchy, HASHER, BS)
 
 
@@ -89,6 +89,23 @@ def run_request(kv: KVCacheManager, tokens: list[int], finish: bool = True) -> R
     if finish:
         kv.free(req)
     return req
+
+
+def decode(kv: KVCacheManager, req: Request, tokens: list[int]) -> None:
+    """Generate `tokens` one step each, as the scheduler drives a decode: a block the step fills is cached, given its
+    content, and written down (as the policy says) once the step is over."""
+    for token in tokens:
+        req.output_token_ids.append(token)
+        assert kv.allocate_slots(req, 1) is not None
+        for block, h in zip(kv.states[req.request_id].blocks, req.block_hashes):
+            as_bytes(kv.hierarchy.kv_cache[block.block_id]).copy_(content_for(h))
+        req.num_computed_tokens += 1
+        kv.hierarchy.flush_pending()
+    kv.hierarchy.wait_for_write_downs()
+
+
+def held_below(kv: KVCacheManager, block_hashes) -> list[bool]:
+    return [any(tier.contains(h) for tier in kv.hierarchy.lower_tiers) for h in block_hashes]
 
 
 def doc(seed: int, n: int) -> list[int]:
@@ -640,3 +657,41 @@ def test_a_promotion_never_evicts_a_device_hit_later_in_the_same_prefix():
     assert all(h.pool.get_cached_block(x).ref_cnt == 0 for x in first.block_hashes[3:6])
     # held: block 0, and the block reserved for the prompt's last token when the load started
     assert h.pool.num_free_blocks == h.pool.num_blocks - 1 - len(kv.states[probe.request_id].reserved)
+
+
+@pytest.mark.parametrize("offload", ["write_through", "on_evict"])
+def test_an_answer_stays_on_the_device_until_a_later_prompt_reuses_it(tmp_path, offload):
+    """A block holding a generated token is cached on the device but written down by neither policy, nor by persist:
+    in long-document QA an answer is asked for once, and below it would take the room of documents asked about
+    again. A later prompt that reuses it (a chat's next turn) makes it a prompt block, written down as one."""
+    kv = make_stack(device_blocks=12, cpu_blocks=64, disk_path=tmp_path / "disk", disk_blocks=64, offload=offload)
+    prompt, answer = doc(31, 2 * BS + 1), doc(32, 2 * BS + 3)
+    req = run_request(kv, prompt, finish=False)
+    decode(kv, req, answer)  # fills the prompt's last block and two more: all three hold generated tokens
+    kv.free(req)
+    prompt_blocks, answer_blocks = req.block_hashes[:2], req.block_hashes[2:5]
+    assert kv.pool.get_cached_block(answer_blocks[2]) is not None  # cached on the device: a later turn finds it
+    kv.hierarchy.persist()
+    run_request(kv, doc(33, 11 * BS + 1))  # takes every device block: the answers' slots are reused
+    assert kv.pool.get_cached_block(answer_blocks[0]) is None
+    assert held_below(kv, prompt_blocks) == [True, True]
+    assert held_below(kv, answer_blocks) == [False] * 3
+
+    kv = make_stack(device_blocks=16, cpu_blocks=64, offload=offload)
+    req = run_request(kv, prompt, finish=False)
+    decode(kv, req, answer)
+    kv.free(req)
+    next_turn = run_request(kv, prompt + answer + doc(34, BS))
+    assert next_turn.cached_tokens_by_tier["device"] == 5 * BS  # the answer reused from the device
+    run_request(kv, doc(35, 15 * BS + 1))  # evicts them all (on_evict writes down what leaves the device)
+    kv.hierarchy.wait_for_write_downs()
+    assert held_below(kv, req.block_hashes[:5]) == [True] * 5
+    again = run_request(kv, prompt + answer + doc(36, BS))
+    assert again.cached_tokens_by_tier["cpu"] == 5 * BS  # served, content checked, from the CPU tier
+
+
+def test_offload_answers_writes_generated_blocks_down_as_they_fill():
+    kv = make_stack(device_blocks=16, cpu_blocks=64, offload_answers=True)
+    req = run_request(kv, doc(37, 2 * BS + 1), finish=False)
+    decode(kv, req, doc(38, 2 * BS + 3))
+    assert held_below(kv, req.block_hashes[:5]) == [True] * 5

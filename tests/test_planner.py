@@ -285,3 +285,27 @@ def test_the_long_document_trace_reuses_a_few_documents_most_with_a_question_of_
         assert r["input_length"] <= len(r["hash_ids"]) * 512
     questions = [r["hash_ids"][4] for r in records]
     assert len(set(questions)) == len(questions) and min(questions) >= 40
+
+
+def test_answers_written_down_take_the_room_of_the_documents_asked_about_again(tmp_path):
+    """The planner replays the engine's answer policy (`cache.offload_answers`): kept on the device, a request's
+    generated blocks leave the CPU and disk tiers to the documents; written down, each answer (asked for once)
+    pushes a document's blocks out of them."""
+    from benchmarks.planner import make_longdoc
+
+    trace = tmp_path / "longdoc.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in make_longdoc(num_docs=20, num_requests=300,
+                                                                       answer_tokens=256)))
+    requests = read_trace(trace)
+
+    def replay(offload_answers: bool) -> dict:
+        raw = json.loads(json.dumps(BASE))
+        raw["cache"].update(offload="write_through", offload_answers=offload_answers,
+                            tiers={"device": {"size": 256}, "cpu": {"size": 1024}, "disk": {"size": 2048}})
+        return Planner(load_config(raw, for_machine=False), DEFAULT_SPEEDS).replay(requests)
+
+    kept, written = replay(False), replay(True)
+    assert written["written_down_bytes"]["cpu"] > kept["written_down_bytes"]["cpu"]
+    assert written["written_down_bytes"]["disk"] > kept["written_down_bytes"]["disk"]
+    assert kept["by_tier"]["cpu"] + kept["by_tier"]["disk"] > written["by_tier"]["cpu"] + written["by_tier"]["disk"]
+    assert kept["hit_ratio"] > written["hit_ratio"]

@@ -115,8 +115,8 @@ class TierHierarchy:
     def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, cpu: LowerTier | None = None,
                  disk: LowerTier | None = None, offload: str = "write_through",
                  transfers: TransferEngine | None = None, remote: LowerTier | None = None,
-                 event_listener: BlockEventListener | None = None):
-        self.policy = TierPolicy(pool, cpu, disk, remote, offload)
+                 event_listener: BlockEventListener | None = None, offload_answers: bool = False):
+        self.policy = TierPolicy(pool, cpu, disk, remote, offload, offload_answers)
         assert kv_cache.shape[0] == pool.num_blocks
         self.pool = pool
         self.kv_cache = kv_cache
@@ -187,6 +187,7 @@ class TierHierarchy:
             end = below[room]
             self.pool.free_blocks(list(reversed([b for b in blocks[end:] if b is not None])))
             found_in, blocks, below = found_in[:end], blocks[:end], below[:room]
+        self.policy.device_blocks_reused(b for b in blocks if b is not None)
         load = PrefixLoad(list(block_hashes[:len(found_in)]), list(block_tokens[:len(found_in)]), found_in,
                           blocks, below, [None] * len(below), parent=parent)  # type: ignore[arg-type]
         if not below:
@@ -292,15 +293,19 @@ class TierHierarchy:
 
     def cache_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
                      block_tokens: Sequence[Sequence[int]], num_cached_blocks: int,
-                     num_full_blocks: int) -> list[KVCacheBlock]:
+                     num_full_blocks: int, num_prompt_blocks: int | None = None) -> list[KVCacheBlock]:
         """Cache a request's newly full blocks on the device (their K/V are computed in this step).
 
-        `block_tokens` holds the token ids of blocks[num_cached_blocks:num_full_blocks] only.
+        `block_tokens` holds the token ids of blocks[num_cached_blocks:num_full_blocks] only. Blocks from
+        `num_prompt_blocks` on hold a generated token (None: none does): the policy keeps them on the device.
         """
         newly = self.pool.cache_full_blocks(list(blocks), list(block_hashes), num_cached_blocks, num_full_blocks)
         newly_ids = {b.block_id for b in newly}
         self._unpersisted |= bool(newly)
-        self.policy.block_computed(newly)
+        answer_ids = {b.block_id for b in blocks[max(num_cached_blocks, num_prompt_blocks):num_full_blocks]
+                      } if num_prompt_blocks is not None else set()
+        self.policy.block_computed([b for b in newly if b.block_id not in answer_ids],
+                                   [b for b in newly if b.block_id in answer_ids])
         stored = []
         for k in range(num_cached_blocks, num_full_blocks):
             block = blocks[k]
@@ -395,7 +400,8 @@ class TierHierarchy:
         self.wait_for_write_downs()  # what was handed down is below before the disk tier is asked
         if self.disk is None or not self._unpersisted:
             return 0
-        written = write_missing_to_disk(self.write_downs, self.pool, self.cpu, self.disk, max_blocks)
+        written = write_missing_to_disk(self.write_downs, self.pool, self.cpu, self.disk, max_blocks,
+                                        self.policy.writes_down)
         if not written:
             self._unpersisted = False  # everything cached is on disk now
         if wait:
@@ -458,7 +464,7 @@ class TierHierarchy:
         self.flush_pending()
         if write_down:
             cached = [(b.block_id, h) for h, b in self.pool.cached_block_hash_to_block.items()
-                      if b.block_id in self.write_downs.cached]
+                      if b.block_id in self.write_downs.cached and self.policy.writes_down(b.block_id)]
             if cached:
                 self._write_down(*map(list, zip(*cached)))
         self.wait_for_write_downs()  # nothing lands below after a clear, nor reads a reused slot

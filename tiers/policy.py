@@ -19,6 +19,11 @@ What it decides:
   and the remote tier; `on_evict` copies a cached block to the same tiers only when the device reuses its slot.
   A block still queued when its slot is reused is written down then, under either policy. Blocks promoted from a
   lower tier are below already and are not queued.
+- An answer stays on the device (`offload_answers` off, as LMCache's `save_decode_cache` is by default): a block
+  holding a generated token is cached on the device, but written down by neither policy, nor by persist. In
+  long-document QA an answer is asked for once; written down, each answer would take lower-tier room (and network,
+  for the remote tier) from the documents asked about again. A later prompt that reuses it (the next turn of a
+  chat) makes it a prompt block: it is written down then, as one computed (`device_blocks_reused`).
 - A block served from disk or the remote tier is copied up into the CPU tier: the next miss is a local one.
 - A CPU-tier eviction cascades to disk (the remote tier, written through, has the block already). A block the
   disk holds already is only made its most recent there: the disk's LRU order is the order blocks left the CPU tier,
@@ -28,6 +33,7 @@ What it decides:
 """
 from __future__ import annotations
 
+import itertools
 from typing import Generator, Hashable, Iterable, Protocol, Sequence
 
 from kvstrata.tiers.block_pool import BlockPool, KVCacheBlock
@@ -66,12 +72,14 @@ class TierPolicy:
     """The policy of one engine's tiers: the device pool and the lower tiers it has, in tier order."""
 
     def __init__(self, pool: BlockPool, cpu: TierIndex | None = None, disk: TierIndex | None = None,
-                 remote: TierIndex | None = None, offload: str = "write_through") -> None:
+                 remote: TierIndex | None = None, offload: str = "write_through", offload_answers: bool = False
+                 ) -> None:
         if offload not in OFFLOAD_POLICIES:
             raise ValueError(f"cache.offload: unknown policy {offload!r} (use one of {', '.join(OFFLOAD_POLICIES)})")
         self.pool = pool
         self.cpu, self.disk, self.remote = cpu, disk, remote
         self.offload = offload
+        self.offload_answers = offload_answers
         self.lower_tiers: list[TierIndex] = [t for t in (cpu, disk, remote) if t is not None]
         # Write-downs go to the CPU tier (or disk without one) and to the remote tier, which shares them with other
         # replicas; the CPU tier's evictions reach disk by the cascade.
@@ -79,6 +87,9 @@ class TierPolicy:
                                                     if t is not None]
         # write_through: device blocks cached since the last `take_pending`, not yet written down (id -> hash)
         self.pending: dict[int, BlockHash] = {}
+        # answers kept on the device only (`offload_answers` off): cached blocks holding a generated token that no
+        # later prompt has reused (id -> hash)
+        self.answers: dict[int, BlockHash] = {}
 
     # ------------------------------------------------------------------ lookup
 
@@ -189,20 +200,42 @@ class TierPolicy:
 
     # ------------------------------------------------------------------ write-down
 
-    def block_computed(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Blocks newly cached on the device whose K/V this engine computed: write_through queues them."""
+    def block_computed(self, blocks: Iterable[KVCacheBlock], answers: Iterable[KVCacheBlock] = ()) -> None:
+        """Blocks newly cached on the device whose K/V this engine computed: write_through queues them. `answers`
+        hold a generated token: they stay on the device unless `offload_answers`."""
+        if self.offload_answers:
+            blocks = itertools.chain(blocks, answers)
+        else:
+            self.answers.update((block.block_id, block.block_hash) for block in answers)
+        self._queue(blocks)
+
+    def device_blocks_reused(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Device hits of a prompt's prefix: an answer among them is a prompt's block now, written down as one
+        computed (queued by write_through, by on_evict when it leaves the device)."""
+        if self.answers:
+            reused = [block for block in blocks if self.answers.pop(block.block_id, None) is not None]
+            self._queue(reused)
+
+    def _queue(self, blocks: Iterable[KVCacheBlock]) -> None:
         if self.offload == "write_through" and self.write_down_targets:
             for block in blocks:
                 self.pending[block.block_id] = block.block_hash
+
+    def writes_down(self, block_id: int) -> bool:
+        """Whether a cached device block's content belongs below (for persist and a reset that writes down what
+        the device holds): every one but an answer kept on the device."""
+        return block_id not in self.answers
 
     def block_forgotten(self, block_id: int) -> None:
         """A device block's cache entry was dropped without eviction (its K/V were never computed, or the device
         cache was reset): nothing of it is written down."""
         self.pending.pop(block_id, None)
+        self.answers.pop(block_id, None)
 
     def device_cache_cleared(self) -> None:
         """The device cache was reset: nothing queued is written down (what had to be was, before the reset)."""
         self.pending.clear()
+        self.answers.clear()
 
     def take_pending(self) -> tuple[list[int], list[BlockHash]]:
         """The queued write-through blocks (ids, hashes), handed over once the step that computed them is done."""
@@ -213,6 +246,8 @@ class TierPolicy:
     def device_evicting(self, block_id: int) -> bool:
         """The pool is reusing a cached block's slot: whether its content must be written down first (on_evict, or
         still queued by write_through)."""
+        if self.answers.pop(block_id, None) is not None:
+            return False
         return self.pending.pop(block_id, None) is not None or self.offload == "on_evict"
 
     def cascade_target(self, block_hash: BlockHash) -> tuple[TierIndex | None, bool]:

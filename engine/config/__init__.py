@@ -13,6 +13,7 @@
         remote: {url: "redis://127.0.0.1:6379/0", cluster: false, key_prefix: kvstrata, timeout: 50ms, ttl: 0,
                  queue_size: 1GiB}
       offload: write_through    # or on_evict
+      offload_answers: false    # true: generated tokens' blocks go down too, not only once a prompt reuses them
       pin_share: 0.5            # the most of the CPU and disk tiers that pinned documents may take
       preload: [{file: handbook.txt, cache_salt: null, pin: true}]   # documents cached at start-up
       load_policy: auto         # or always_load, always_recompute

@@ -233,6 +233,9 @@ class CacheConfig(_Section):
     # write_back: LMCache's and SGLang's name for on_evict (a block goes down when it leaves the device)
     offload: Annotated[Literal["write_through", "on_evict"],
                        BeforeValidator(lambda v: "on_evict" if v == "write_back" else v)] = "write_through"
+    # whether blocks holding generated tokens go down too (LMCache's save_decode_cache): off, an answer stays on
+    # the device until a later prompt reuses it (a chat's next turn), leaving the lower tiers to the prompts
+    offload_answers: bool = False
     pin_share: Fraction = 0.5
     preload: tuple[PreloadConfig, ...] = ()
     # whether a prefix found below the device is loaded or recomputed (engine/load_policy.py)
