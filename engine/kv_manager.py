@@ -499,8 +499,11 @@ class KVCacheManager:
 
     def wait_for_loads(self, timeout: float) -> bool:
         """Wait until some prefix load lands (True) or `timeout` seconds pass: for a step with nothing
-        else to do. Also releases the prefixes of requests let go while loading."""
-        transfers = [x.transfer for s in self.states.values() for x in s.loads if x.transfer is not None]
+        else to do. Also releases the prefixes of requests let go while loading. Those loads are waited for
+        too: their blocks are the room a waiting request may need, and a step that did not wait for them
+        would come straight back, spinning beside the copy it waits on."""
+        loads = [x for s in self.states.values() for x in s.loads] + self._abandoned
+        transfers = [x.transfer for x in loads if x.transfer is not None]
         landed = bool(transfers) and self.hierarchy.transfers.wait_any(transfers, timeout)
         self.release_abandoned()
         return landed

@@ -7,6 +7,8 @@ hash, and every served prefix is checked byte for byte.
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from test_hierarchy import BS, HASHER, computed_blocks, content_for, doc, make_stack, run_request
@@ -165,6 +167,28 @@ def test_a_request_aborted_while_loading_releases_its_blocks_once_the_load_lands
     kv.release_abandoned()
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert all(kv.pool.get_cached_block(h) is not None for h in req.block_hashes[:6])
+
+
+def test_a_step_with_nothing_to_run_waits_for_an_aborted_load_whose_blocks_a_waiting_request_needs():
+    """The only room a waiting request can get is the blocks an aborted request's load still writes into: a step
+    with nothing to run waits for that load (and lets its blocks go) instead of coming straight back, which spun the
+    step thread beside the copy it waited on."""
+    kv = make_stack(device_blocks=8, cpu_blocks=16, gate_cpu=True)
+    document = doc(8, 6 * BS + 1)
+    put_below(kv, document, 6)
+    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
+    kv.hierarchy.cpu.gate.clear()
+    loading = new_request(document)
+    scheduler.add_request(loading)
+    assert fake_step(kv, scheduler) == [] and loading.status == RequestStatus.LOADING
+    scheduler.finish(loading, RequestStatus.FINISHED_ABORTED)
+    waiting = new_request(doc(9, 4 * BS + 1))  # 5 blocks: 2 are free while the load holds 6
+    scheduler.add_request(waiting)
+    assert fake_step(kv, scheduler) == [] and waiting.status == RequestStatus.WAITING
+    threading.Timer(0.2, kv.hierarchy.cpu.gate.set).start()
+    assert kv.wait_for_loads(timeout=30)
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    assert fake_step(kv, scheduler) == [waiting]
 
 
 # ------------------------------------------------------------------ the next step's admission work, beside a step
