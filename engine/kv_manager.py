@@ -238,11 +238,14 @@ class KVCacheManager:
         # made for nothing at every admission)
         tokens = [None] * plan.device_run + self._block_tokens(request, plan.device_run, first)
         state = self._state(request)
-        load = state.prefix = self.hierarchy.acquire_prefix(hashes[:first], tokens, found_in[:first])
+        prompt_blocks = request.num_prompt_tokens // self.block_size  # past them: its answer, if resumed
+        load = state.prefix = self.hierarchy.acquire_prefix(hashes[:first], tokens, found_in[:first],
+                                                            prompt_blocks=prompt_blocks)
         if plan.overlaps:  # the tail loads while the request computes the head
             tail = self.hierarchy.acquire_prefix(hashes[plan.head_end:plan.cut],
                                                  self._block_tokens(request, plan.head_end, plan.cut),
-                                                 found_in[plan.head_end:plan.cut], parent=hashes[plan.head_end - 1])
+                                                 found_in[plan.head_end:plan.cut], parent=hashes[plan.head_end - 1],
+                                                 prompt_blocks=max(prompt_blocks - plan.head_end, 0))
             state.tail = Tail(tail, plan.head_end, plan.cut)
         if reserves:
             state.reserved = self.pool.get_new_blocks(fresh)

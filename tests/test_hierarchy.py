@@ -695,3 +695,19 @@ def test_offload_answers_writes_generated_blocks_down_as_they_fill():
     req = run_request(kv, doc(37, 2 * BS + 1), finish=False)
     decode(kv, req, doc(38, 2 * BS + 3))
     assert held_below(kv, req.block_hashes[:5]) == [True] * 5
+
+
+def test_a_preempted_request_finding_its_own_answer_again_does_not_write_it_down():
+    """Readmitted after a preemption, a request finds the blocks of its own answer on the device: that is no later
+    prompt reusing them, and they stay on the device."""
+    kv = make_stack(device_blocks=16, cpu_blocks=64)
+    req = run_request(kv, doc(39, 2 * BS + 1), finish=False)
+    decode(kv, req, doc(40, 2 * BS + 3))
+    kv.free(req)  # preempted, as the scheduler does: its blocks go back, still cached, and it starts over
+    req.num_computed_tokens = 0
+    blocks, num_cached, _ = computed_blocks(kv, req)
+    assert num_cached == 4 * BS  # its prompt's two blocks and two of its answer's (the last token is computed)
+    assert kv.allocate_slots(req, req.num_tokens - num_cached, blocks) is not None
+    kv.hierarchy.flush_pending()
+    kv.hierarchy.wait_for_write_downs()
+    assert held_below(kv, req.block_hashes[:5]) == [True, True, False, False, False]

@@ -165,12 +165,15 @@ class TierHierarchy:
         return self.policy.relocate_on_device(block_hashes, found)
 
     def acquire_prefix(self, block_hashes: Sequence[bytes], block_tokens: Sequence[Sequence[int]],
-                       found_in: Sequence[str] | None = None, parent: bytes | None = None) -> PrefixLoad:
+                       found_in: Sequence[str] | None = None, parent: bytes | None = None,
+                       prompt_blocks: int | None = None) -> PrefixLoad:
         """Find the longest cached prefix of the chain in any tier, hold all of it and start loading
         the part found below the device. Call `finish_prefix` once the result is `ready`.
         `found_in` is a `locate` of the same chain just made (the caller chose where to cut it), or None.
         `block_tokens` need only be given (not None) for the blocks found below the device: only theirs are read.
         `parent` is the hash of the block before the chain's first when it does not start the chain.
+        `prompt_blocks`: how many leading blocks of the chain are its request's prompt (None: all); device hits
+        past them are the request's own answer, found again after a preemption: no later prompt's reuse.
 
         Order of operations: device hits are held first and lower-tier hits are held in their tier,
         so that the allocation for the load (which may evict device blocks and write them down,
@@ -187,7 +190,7 @@ class TierHierarchy:
             end = below[room]
             self.pool.free_blocks(list(reversed([b for b in blocks[end:] if b is not None])))
             found_in, blocks, below = found_in[:end], blocks[:end], below[:room]
-        self.policy.device_blocks_reused(b for b in blocks if b is not None)
+        self.policy.device_blocks_reused(b for b in blocks[:prompt_blocks] if b is not None)
         load = PrefixLoad(list(block_hashes[:len(found_in)]), list(block_tokens[:len(found_in)]), found_in,
                           blocks, below, [None] * len(below), parent=parent)  # type: ignore[arg-type]
         if not below:
