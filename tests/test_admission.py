@@ -150,8 +150,10 @@ def test_a_tier_failing_mid_transfer_is_a_miss_not_a_crash():
     assert kv.pool.num_free_blocks == kv.pool.num_blocks - len(kv.states[req.request_id].blocks)
 
 
-def test_a_request_aborted_while_loading_releases_its_blocks_once_the_load_lands():
-    kv = make_stack(device_blocks=24, cpu_blocks=16, gate_cpu=True)
+def an_aborted_load(device_blocks: int) -> tuple:
+    """A stack whose CPU tier holds a 6-block document, and a request for it aborted while its load is held at the
+    CPU tier's closed gate: (kv, scheduler, the aborted request)."""
+    kv = make_stack(device_blocks=device_blocks, cpu_blocks=16, gate_cpu=True)
     document = doc(8, 6 * BS + 1)
     put_below(kv, document, 6)
     scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
@@ -160,6 +162,11 @@ def test_a_request_aborted_while_loading_releases_its_blocks_once_the_load_lands
     scheduler.add_request(req)
     assert fake_step(kv, scheduler) == [] and req.status == RequestStatus.LOADING
     scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+    return kv, scheduler, req
+
+
+def test_a_request_aborted_while_loading_releases_its_blocks_once_the_load_lands():
+    kv, scheduler, req = an_aborted_load(device_blocks=24)
     assert kv.pool.num_free_blocks == kv.pool.num_blocks - 6  # still being written into: not reusable
     kv.hierarchy.cpu.gate.set()
     kv.wait_for_loads(timeout=10)
@@ -173,15 +180,7 @@ def test_a_step_with_nothing_to_run_waits_for_an_aborted_load_whose_blocks_a_wai
     """The only room a waiting request can get is the blocks an aborted request's load still writes into: a step
     with nothing to run waits for that load (and lets its blocks go) instead of coming straight back, which spun the
     step thread beside the copy it waited on."""
-    kv = make_stack(device_blocks=8, cpu_blocks=16, gate_cpu=True)
-    document = doc(8, 6 * BS + 1)
-    put_below(kv, document, 6)
-    scheduler = Scheduler(kv, max_num_batched_tokens=256, max_num_seqs=4)
-    kv.hierarchy.cpu.gate.clear()
-    loading = new_request(document)
-    scheduler.add_request(loading)
-    assert fake_step(kv, scheduler) == [] and loading.status == RequestStatus.LOADING
-    scheduler.finish(loading, RequestStatus.FINISHED_ABORTED)
+    kv, scheduler, _ = an_aborted_load(device_blocks=8)
     waiting = new_request(doc(9, 4 * BS + 1))  # 5 blocks: 2 are free while the load holds 6
     scheduler.add_request(waiting)
     assert fake_step(kv, scheduler) == [] and waiting.status == RequestStatus.WAITING
