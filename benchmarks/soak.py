@@ -6,8 +6,9 @@ one line), driven by a seeded workload: arrivals on shared documents and unshare
 together larger than the device), aborts and preemptions in every phase, both kinds of cache reset, pins
 and unpins, reads that fail, blocks taken away below, disk records and remote values damaged (bytes
 flipped, or cut short), the remote server killed mid-run (connection refused) and started again, both
-scheduler policies and every load policy. A fake model step of random duration writes each computed
-block's bytes from its chain hash, so every served prefix is checked byte for byte.
+scheduler policies, every load policy, both offload policies, answers written down or kept on the device
+(`offload_answers`). A fake model step of random duration writes each computed block's bytes from its
+chain hash, so every served prefix is checked byte for byte.
 
 After every step the invariants are checked (`check_invariants`): each device block's ref count
 equals the holds on it (requests, reservations, loads in flight or landed, abandoned loads), a block
