@@ -305,8 +305,8 @@ class TierHierarchy:
         newly = self.pool.cache_full_blocks(list(blocks), list(block_hashes), num_cached_blocks, num_full_blocks)
         newly_ids = {b.block_id for b in newly}
         self._unpersisted |= bool(newly)
-        answer_ids = {b.block_id for b in blocks[max(num_cached_blocks, num_prompt_blocks):num_full_blocks]
-                      } if num_prompt_blocks is not None else set()
+        first_answer = num_full_blocks if num_prompt_blocks is None else num_prompt_blocks
+        answer_ids = {b.block_id for b in blocks[first_answer:num_full_blocks]}
         self.policy.block_computed([b for b in newly if b.block_id not in answer_ids],
                                    [b for b in newly if b.block_id in answer_ids])
         stored = []
@@ -403,8 +403,8 @@ class TierHierarchy:
         self.wait_for_write_downs()  # what was handed down is below before the disk tier is asked
         if self.disk is None or not self._unpersisted:
             return 0
-        written = write_missing_to_disk(self.write_downs, self.pool, self.cpu, self.disk, max_blocks,
-                                        self.policy.writes_down)
+        written = write_missing_to_disk(self.write_downs, self._device_blocks_for_below(), self.cpu, self.disk,
+                                        max_blocks)
         if not written:
             self._unpersisted = False  # everything cached is on disk now
         if wait:
@@ -461,15 +461,23 @@ class TierHierarchy:
             return None
         return [tier.name for tier in self.lower_tiers if not tier.clear()]
 
+    def _device_blocks_for_below(self) -> list[tuple[bytes, int]]:
+        """(hash, block id) of the device's cached blocks whose content belongs below, for persist and a reset
+        that writes the device down: those computed here (`write_downs.cached`) but an answer the policy keeps
+        on the device."""
+        cached, writes_down = self.write_downs.cached, self.policy.writes_down
+        return [(h, b.block_id) for h, b in list(self.pool.cached_block_hash_to_block.items())
+                if b.block_id in cached and writes_down(b.block_id)]
+
     def _forget_device_blocks(self, write_down: bool) -> bool:
         if self.pool.num_free_blocks != self.pool.num_blocks:
             return False
         self.flush_pending()
         if write_down:
-            cached = [(b.block_id, h) for h, b in self.pool.cached_block_hash_to_block.items()
-                      if b.block_id in self.write_downs.cached and self.policy.writes_down(b.block_id)]
+            cached = self._device_blocks_for_below()
             if cached:
-                self._write_down(*map(list, zip(*cached)))
+                hashes, block_ids = map(list, zip(*cached))
+                self._write_down(block_ids, hashes)
         self.wait_for_write_downs()  # nothing lands below after a clear, nor reads a reused slot
         ok = self.pool.reset_prefix_cache()
         if ok:

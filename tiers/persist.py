@@ -3,23 +3,22 @@ process on the same disk path finds what this one computed."""
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterator
+from typing import Iterator, Sequence
 
 import torch
 
 from kvstrata.tiers.base import LowerTier
-from kvstrata.tiers.block_pool import BlockPool
 from kvstrata.tiers.write_down import WriteDowns
 
 PERSIST_BATCH_BLOCKS = 64
 
 
-def write_missing_to_disk(write_downs: WriteDowns, pool: BlockPool, cpu: LowerTier | None, disk: LowerTier,
-                          max_blocks: int | None, writes_down: Callable[[int], bool]) -> int:
-    """Hand the cached blocks the disk tier lacks down to it, device first (those whose block id `writes_down`
-    says belong below), then CPU; at most `max_blocks` (an idle server writes in small chunks, so that a new request
-    never waits long behind one). Returns how many."""
-    missing = itertools.islice(_blocks_missing_on_disk(write_downs, pool, cpu, disk, writes_down), max_blocks)
+def write_missing_to_disk(write_downs: WriteDowns, device_blocks: Sequence[tuple[bytes, int]], cpu: LowerTier | None,
+                          disk: LowerTier, max_blocks: int | None) -> int:
+    """Hand the cached blocks the disk tier lacks down to it, device first (`device_blocks`: the (hash, block id) of
+    those that belong below), then CPU; at most `max_blocks` (an idle server writes in small chunks, so that a new
+    request never waits long behind one). Returns how many."""
+    missing = itertools.islice(_blocks_missing_on_disk(write_downs, device_blocks, cpu, disk), max_blocks)
     written = 0
     # batches of a bounded size: the disk tier encodes a whole batch before queueing it
     while batch := list(itertools.islice(missing, PERSIST_BATCH_BLOCKS)):
@@ -34,16 +33,14 @@ def write_missing_to_disk(write_downs: WriteDowns, pool: BlockPool, cpu: LowerTi
     return written
 
 
-def _blocks_missing_on_disk(write_downs: WriteDowns, pool: BlockPool, cpu: LowerTier | None, disk: LowerTier,
-                            writes_down: Callable[[int], bool]
+def _blocks_missing_on_disk(write_downs: WriteDowns, device_blocks: Sequence[tuple[bytes, int]],
+                            cpu: LowerTier | None, disk: LowerTier
                             ) -> Iterator[tuple[bytes, tuple[int, ...], int | torch.Tensor, bytes | None]]:
     """(hash, token ids, device block id or host payload, parent) of cached blocks the disk tier lacks: device first,
     then CPU. Lazy, so that a small chunk stops asking the disk tier as soon as it is full."""
     seen: set[bytes] = set()
     cached = write_downs.cached
-    device = ((h, cached[b.block_id].tokens, b.block_id, cached[b.block_id].parent)
-              for h, b in list(pool.cached_block_hash_to_block.items())
-              if b.block_id in cached and writes_down(b.block_id))
+    device = ((h, cached[b].tokens, b, cached[b].parent) for h, b in device_blocks)
     held_in_cpu = cpu.blocks() if cpu is not None else ()
     for h, t, p, parent in itertools.chain(device, held_in_cpu):
         if h not in seen and not disk.contains(h):
