@@ -148,11 +148,22 @@ def compiled_products(backend: str, dtype: torch.dtype, batch_invariant: bool) -
     return cpu_linear.available() and (batch_invariant or cpu_linear.takes_default_products(dtype))
 
 
+def device_problem(backend: str, device_type: str) -> str | None:
+    """Why the configured `model.attention_backend` cannot run on a `device_type` ("cpu" or "cuda") device, or None:
+    what config validation can tell before any kernel is built ("triton" off CUDA unless the Triton interpreter is
+    on; "cpu" off a CPU)."""
+    if backend == "cpu" and device_type != "cpu":
+        return f"model.attention_backend: 'cpu' runs on a CPU device, got {device_type!r} (use 'auto')"
+    if backend == "triton" and device_type != "cuda" and not triton_interpreted():
+        return f"model.attention_backend: 'triton' needs a CUDA device, got {device_type!r} (use 'torch' or 'auto')"
+    return None
+
+
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """Turn the configured `model.attention_backend` into a concrete backend for `device`:
     "auto" is "triton" on CUDA when Triton imports, "cpu" on a CPU when its kernel builds, else "torch";
-    "triton" off CUDA is an error unless the Triton interpreter is on; "cpu" off a CPU, or where its kernel
-    cannot be built, is an error; "torch" works everywhere."""
+    `device_problem`'s cases are errors, and so are "triton" without the triton package and "cpu" where its kernel
+    cannot be built; "torch" works everywhere."""
     device_type = getattr(device, "type", None) or str(device).split(":")[0]
     if backend == "auto":
         if device_type == "cuda" and triton_available():
@@ -160,23 +171,19 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         return "cpu" if device_type == "cpu" and cpu_kernel_available() else "torch"
     if backend == "torch":
         return "torch"
-    if backend == "cpu":
-        if device_type != "cpu":
-            raise ValueError(f"model.attention_backend: 'cpu' runs on a CPU device, got {device_type!r} "
-                             "(use 'auto')")
-        if not cpu_kernel_available():
-            raise ValueError(_NO_CPU_KERNEL)
-        return "cpu"
-    if backend == "triton":
-        if not triton_available():
-            raise ValueError("model.attention_backend: 'triton' needs the triton package, which is not installed "
-                             "(use 'torch' or 'auto')")
-        if device_type != "cuda" and not triton_interpreted():
-            raise ValueError(f"model.attention_backend: 'triton' needs a CUDA device, got {device_type!r} "
-                             "(use 'torch' or 'auto')")
-        return "triton"
-    raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of {_CHOICES})")
+    if backend not in BACKENDS:
+        raise ValueError(f"model.attention_backend: unknown backend {backend!r} (expected one of {_CHOICES})")
+    problem = device_problem(backend, device_type)
+    if problem is not None:
+        raise ValueError(problem)
+    if backend == "cpu" and not cpu_kernel_available():
+        raise ValueError(_NO_CPU_KERNEL)
+    if backend == "triton" and not triton_available():
+        raise ValueError("model.attention_backend: 'triton' needs the triton package, which is not installed "
+                         "(use 'torch' or 'auto')")
+    return backend
 
 
-__all__ = ["BACKENDS", "INVARIANT_BY_DEFAULT", "KernelOps", "compiled_products", "cpu_kernel_available", "get_ops",
-           "resolve_batch_invariant", "resolve_backend", "triton_available", "triton_interpreted"]
+__all__ = ["BACKENDS", "INVARIANT_BY_DEFAULT", "KernelOps", "compiled_products", "cpu_kernel_available",
+           "device_problem", "get_ops", "resolve_batch_invariant", "resolve_backend", "triton_available",
+           "triton_interpreted"]

@@ -482,6 +482,23 @@ def test_device_tier_larger_than_the_gpu_is_refused(monkeypatch):
     assert load_config({"cache": {"tiers": {"device": {"size": "4GiB"}}}}).cache.tiers.device.size.nbytes == 4 * GiB
 
 
+@pytest.mark.parametrize("tier, size", [("device", "1B"), ("device", "0.5MiB"), ("cpu", "1KiB")])
+def test_a_tier_too_small_for_one_block_is_refused_by_the_check_as_by_serve(tier, size):
+    error = config_error({"model": {"device": "cpu"}, "cache": {"tiers": {tier: {"size": size}}}})
+    assert error.key == f"cache.tiers.{tier}.size" and "holds no block" in str(error)
+
+
+def test_an_attention_backend_the_device_cannot_run_is_refused_by_the_check_as_by_serve(monkeypatch, two_gpus):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    error = config_error({"model": {"device": "cpu", "attention_backend": "triton"}})
+    assert error.key == "model.attention_backend" and "needs a CUDA device" in str(error)
+    error = config_error({"model": {"device": "cuda", "attention_backend": "cpu"}})
+    assert error.key == "model.attention_backend" and "runs on a CPU device" in str(error)
+    assert load_config({"model": {"device": "cuda", "attention_backend": "triton"}}).model.attention_backend == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs Triton kernels on a CPU
+    assert load_config({"model": {"device": "cpu", "attention_backend": "triton"}}).model.attention_backend == "triton"
+
+
 def test_disk_tier_larger_than_free_space_is_refused(tmp_path):
     error = config_error({"cache": {"tiers": {"disk": {"path": str(tmp_path / "kv"), "size": "100PiB"}}}})
     assert error.key == "cache.tiers.disk.size" and "free space" in str(error)
@@ -646,6 +663,21 @@ def test_overrides_as_dotted_strings_are_parsed_as_yaml(tmp_path):
 def test_overrides_as_a_dict_and_null_turns_a_tier_off():
     config = load_config(CONFIGS / "default.yaml", {"cache.tiers.disk": None, "model.dtype": "fp32"})
     assert config.cache.tiers.disk is None and config.model.dtype == "float32"
+
+
+@pytest.mark.parametrize("written", ["&SK-TopSecret", "*SK-TopSecret", "~", "null", "[not, a, list]", "123"])
+def test_secrets_set_with_an_override_are_taken_as_written_never_read_as_yaml(written):
+    # read as YAML, "&..." is an anchor (null: the server left open) and "*..." an alias whose error echoes it
+    config = load_config(None, [f"server.api_key={written}"])
+    assert config.server.api_key == written
+    url = f"redis://app:{written.strip('[]')}@127.0.0.1:6379/0"
+    assert load_config(None, [f"cache.tiers.remote.url={url}"]).cache.tiers.remote.url == url
+
+
+def test_a_remote_password_given_as_a_query_parameter_is_masked_wherever_the_url_is_shown():
+    config = load_config(None, [f"cache.tiers.remote.url=redis://127.0.0.1:6379/0?password={SECRET}"])
+    shown = config.to_yaml() + repr(config)
+    assert SECRET not in shown and "redis://127.0.0.1:6379/0?password=********" in config.to_yaml()
 
 
 def test_override_of_an_unknown_key_names_it():

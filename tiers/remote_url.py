@@ -9,7 +9,8 @@ Cheap to import (no torch, no client library): config validation uses it.
 """
 from __future__ import annotations
 
-from urllib.parse import SplitResult, unquote, urlsplit
+import re
+from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlsplit
 
 SECRET_MASK = "********"
 URL_SCHEMES = ("redis", "rediss")
@@ -20,28 +21,36 @@ URL_SCHEMES = ("redis", "rediss")
 # prompt of a Llama-3-8B-shaped model is 1 GiB of bf16 records; the memory is used only while the writer is behind.
 DEFAULT_QUEUE_BYTES = 1 << 30
 
+_QUERY_PASSWORD = re.compile(r"((?:^|&)password=)[^&]*", re.IGNORECASE)
+
 
 def masked_url(url: str) -> str:
-    """`url` with its password (if any) replaced by `SECRET_MASK`; anything unparsable is masked whole."""
+    """`url` with its passwords (the `user:password@` one, and any `password=` of its query, which the `redis`
+    client reads too) replaced by `SECRET_MASK`; anything unparsable is masked whole. Any scheme: an HTTP URL
+    given with credentials is shown the same way."""
     try:
         parts = urlsplit(url)
-        if parts.password is None:
+        netloc = parts.netloc
+        if parts.password is not None:
+            netloc = f"{parts.username or ''}:{SECRET_MASK}@{netloc.rpartition('@')[2]}"
+        query = _QUERY_PASSWORD.sub(rf"\1{SECRET_MASK}", parts.query)
+        if (netloc, query) == (parts.netloc, parts.query):
             return url
-        user = parts.username or ""
-        host = parts.netloc.rpartition("@")[2]
-        return parts._replace(netloc=f"{user}:{SECRET_MASK}@{host}").geturl()
+        return parts._replace(netloc=netloc, query=query).geturl()
     except ValueError:
         return SECRET_MASK
 
 
 def scrub(text: str, url: str) -> str:
-    """`text` (an error message from the client, say) with the URL's password masked out of it."""
+    """`text` (an error message from the client, say) with the URL's passwords masked out of it."""
     try:
-        password = urlsplit(url).password
+        parts = urlsplit(url)
+        passwords = [parts.password, *(value for key, value in parse_qsl(parts.query) if key.lower() == "password")]
     except ValueError:
         return text
-    for spelled in {password, unquote(password)} if password else ():
-        text = text.replace(spelled, SECRET_MASK)
+    for password in filter(None, passwords):
+        for spelled in {password, unquote(password), quote(password, safe="")}:
+            text = text.replace(spelled, SECRET_MASK)
     return text
 
 

@@ -128,7 +128,8 @@ def _environment_overrides(environ: Mapping[str, str]) -> list[tuple[str, str, A
 
 
 def parse_overrides(overrides: Mapping[str, Any] | list[str] | str | None) -> dict[str, Any]:
-    """`["a.b=1", "c=x"]` -> `{"a.b": 1, "c": "x"}` (values parsed as YAML scalars); a dict passes through."""
+    """`["a.b=1", "c=x"]` -> `{"a.b": 1, "c": "x"}` (values parsed as YAML scalars, but `LITERAL_OVERRIDES` taken
+    as written); a dict passes through."""
     if overrides is None:
         return {}
     if isinstance(overrides, Mapping):
@@ -144,7 +145,14 @@ def parse_overrides(overrides: Mapping[str, Any] | list[str] | str | None) -> di
     return parsed
 
 
+# Secrets set with `--set` are taken as written: parsed as YAML, a key such as `&k3y` would be an anchor (null: no
+# key at all, the server left open) and one YAML cannot parse would be echoed in the error.
+LITERAL_OVERRIDES = ("server.api_key", "cache.tiers.remote.url")
+
+
 def _parse_scalar(key: str, text: str) -> Any:
+    if key in LITERAL_OVERRIDES:
+        return text or None
     try:
         return yaml.safe_load(text) if text else None
     except yaml.YAMLError as exc:

@@ -13,6 +13,7 @@ import psutil
 from kvstrata.engine.config.fields import KV_CACHE_DTYPES, FieldError
 from kvstrata.engine.config.probes import auto_dtype
 from kvstrata.engine.sizes import Size, format_size
+from kvstrata.kernels.backends import device_problem
 from kvstrata.tiers.storage import check_room, format_bytes
 
 if TYPE_CHECKING:
@@ -67,14 +68,29 @@ def _dtype_for_sizing(config: Config) -> str:
     return "bfloat16" if where != _RAM else auto_dtype("cpu")
 
 
+def check_attention_backend(config: Config) -> None:
+    """The attention backend asked for against the device the model would run on (kernels/backends.py's rules).
+    Raises FieldError naming `model.attention_backend`."""
+    where, _ = device_capacity(config.model.device)
+    problem = device_problem(config.model.attention_backend, "cpu" if where == _RAM else "cuda")
+    if problem is not None:
+        key, _, message = problem.partition(": ")
+        raise FieldError(key, message)
+
+
 def check_tiers_fit(config: Config, disk: bool = True) -> None:
     """Every tier's bytes, whether its size was given in bytes or in blocks, against the memory or
     disk that would hold it: the device's memory; the RAM available now for the CPU tier plus a
     device tier on the CPU (pinned memory counted as the allocator rounds it); with `disk`, the
-    disk's room. Raises FieldError naming the tier's size key."""
+    disk's room. The device and CPU tiers must hold a block at least. Raises FieldError naming the
+    tier's size key."""
     tiers = config.cache.tiers
     tier_bytes = TierBytes(config)
     where, capacity = device_capacity(config.model.device)
+    for key, tier in (("cache.tiers.device.size", tiers.device), ("cache.tiers.cpu.size", tiers.cpu)):
+        if tier is not None and tier_bytes(tier.size) < tier_bytes.block_nbytes:
+            raise FieldError(key, f"{tier_bytes.describe(tier.size)} holds no block of {tier_bytes.block_nbytes} "
+                                  "bytes")
     device_bytes = tier_bytes(tiers.device.size)
     if capacity is not None and device_bytes > capacity:
         raise FieldError("cache.tiers.device.size", f"{tier_bytes.describe(tiers.device.size)} is more than "

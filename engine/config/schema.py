@@ -412,6 +412,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _tiers_fit_the_machine(self, info: ValidationInfo) -> Config:
         if _for_machine(info):
+            machine.check_attention_backend(self)
             machine.check_tiers_fit(self, disk=not _disk_read_only(info))
         return self
 
