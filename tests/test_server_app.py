@@ -95,6 +95,18 @@ def test_unknown_route_and_wrong_method_answer_in_openai_shape():
     assert_openai_error(run(post(app, "/health", {})), 405, code="method_not_allowed")
 
 
+def test_a_wrong_method_names_every_method_the_path_answers():
+    # /v1/cache/documents has a GET route and a POST route: a 405 must name both, not the first one found
+    async def put(app):
+        async with client(app) as http:
+            return await http.put("/v1/cache/documents", json={})
+
+    response = run(put(fake_app()))
+    error = assert_openai_error(response, 405, code="method_not_allowed")
+    assert response.headers["allow"] == "GET, POST"
+    assert error["message"].endswith("(allowed: GET, POST)")
+
+
 def test_body_over_the_limit_is_refused_with_413_by_its_content_length():
     error = assert_openai_error(run(post(fake_app(max_request_body=1024), "/v1/completions",
                                          {"prompt": "x" * 2000})), 413, code="request_too_large")
@@ -131,6 +143,9 @@ BAD_FIELDS = [
     ("/v1/chat/completions", "echo", True), ("/v1/chat/completions", "tools", [{"type": "function"}]),
     ("/v1/chat/completions", "frequency_penalty", 2.01), ("/v1/chat/completions", "top_logprobs", 30),
     ("/v1/chat/completions", "max_completion_tokens", -1),
+    # JSON's booleans are no numbers (pydantic alone would take true as 1)
+    ("/v1/completions", "max_tokens", True), ("/v1/completions", "logprobs", True),
+    ("/v1/chat/completions", "temperature", False), ("/v1/completions", "seed", True),
 ]
 
 
@@ -144,6 +159,40 @@ def test_a_bad_or_unsupported_field_is_400_naming_it(path, field, value):
     error = assert_openai_error(run(post(fake_app(engine), path, body)), 400, param=field)
     assert error["message"].startswith(field)
     assert engine.received == []  # nothing reached the engine
+
+
+@pytest.mark.parametrize("fields, param, fragment", [
+    ({"max_tokens": -1, "max_completion_tokens": 3}, "max_completion_tokens", "differs from max_tokens"),
+    ({"max_tokens": 2, "max_completion_tokens": 3}, "max_completion_tokens", "differs from max_tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only with stream: true"),
+    ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options", "only with stream: true"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "messages.0.role", "expected a role"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
+     "messages.0.content", "'cache_control'"),
+], ids=["invalid max_tokens beside max_completion_tokens", "two limits", "stream_options alone",
+        "stream_options with stream false", "empty role", "a text part's extra key"])
+def test_fields_that_contradict_or_ask_nothing_are_400_naming_the_field(fields, param, fragment):
+    engine = FakeAsyncEngine()
+    error = assert_openai_error(run(post(fake_app(engine), "/v1/chat/completions", {**CHAT, **fields})), 400, param)
+    assert fragment in error["message"] and engine.received == []
+    assert run(post(fake_app(), "/v1/chat/completions", {**CHAT, "max_tokens": 3,
+                                                         "max_completion_tokens": 3})).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_json_body_sent_as_another_content_type_is_400_saying_so(content_type):
+    async def send(app):
+        async with client(app) as http:
+            return await http.post("/v1/completions", content=b'{"prompt": "x"}',
+                                   headers={"content-type": content_type} if content_type else {})
+
+    error = assert_openai_error(run(send(fake_app())), 400)
+    assert "Content-Type: application/json" in error["message"]
+
+
+def test_token_ids_to_detokenize_are_numbers_not_booleans():
+    error = assert_openai_error(run(post(fake_app(), "/detokenize", {"tokens": [1, True]})), 400, param="tokens.1")
+    assert "got true" in error["message"]
 
 
 @pytest.mark.parametrize("path,body,param", [

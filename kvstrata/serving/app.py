@@ -112,6 +112,8 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         if body.stream and body.prompt_logprobs is not None:  # as vLLM: its streams carry none
             raise APIError(400, "prompt_logprobs: not available with stream: true; ask for a whole response",
                            param="prompt_logprobs")
+        if body.stream_options is not None and not body.stream:  # as vLLM and OpenAI: it would ask for nothing
+            raise APIError(400, "stream_options: only with stream: true", param="stream_options")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=_given(body.temperature, 1.0),
                                   top_p=_given(body.top_p, 1.0), top_k=_given(body.top_k, -1),
@@ -248,6 +250,9 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         token_ids = await tokenize(partial(render_chat, **body.rendering), message_dicts(body.messages), "messages")
         max_tokens, max_tokens_field = body.max_tokens, "max_tokens"
         if body.max_completion_tokens is not None:
+            if max_tokens not in (None, body.max_completion_tokens):  # two limits: which one was meant is unsaid
+                raise APIError(400, "max_completion_tokens: differs from max_tokens (its older name); give one",
+                               param="max_completion_tokens")
             max_tokens, max_tokens_field = body.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:  # as vLLM: whatever room the context leaves
             max_tokens = max(1, max_model_len - len(token_ids))

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from kvstrata.serving.schemas import ErrorInfo, ErrorResponse
 
@@ -55,7 +56,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if not _says_json(request) and any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors()):
+            # FastAPI reads a body as JSON only when its Content-Type says so (curl -d sends a form's)
+            content_type = request.headers.get("content-type") or "none"
+            return APIError(400, f"the request body must be JSON, sent with Content-Type: application/json "
+                                 f"(got {content_type.split(';')[0]})").response()
         return validation_error_to_api_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -73,10 +79,27 @@ def http_error_to_api_error(request: Request, exc: StarletteHTTPException) -> AP
     if exc.status_code == 404:
         return APIError(404, f"no such route: {where}", code="not_found")
     if exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow", "")
+        allowed = _methods_allowed(request) or (exc.headers or {}).get("Allow", "")
         return APIError(405, f"method not allowed: {where}" + (f" (allowed: {allowed})" if allowed else ""),
-                        code="method_not_allowed", headers=exc.headers)
+                        code="method_not_allowed",
+                        headers={**(exc.headers or {}), **({"Allow": allowed} if allowed else {})})
     return APIError(exc.status_code, f"{where}: {exc.detail}", headers=exc.headers)
+
+
+def _says_json(request: Request) -> bool:
+    media_type = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
+
+
+def _methods_allowed(request: Request) -> str:
+    """Every method some route of this path answers: Starlette's 405 names only the first route's, and one path
+    (`/v1/cache/documents`) has a route for GET and another for POST."""
+    methods = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
 
 
 def validation_error_to_api_error(exc: RequestValidationError) -> APIError:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer,
+                      model_validator)
 from typing_extensions import TypedDict  # pydantic reads typing's only from Python 3.12
 
 from kvstrata.engine.prompts import unicode_problem
@@ -24,7 +25,16 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+def _not_a_bool(value: Any) -> Any:
+    # JSON's true is no number: pydantic would take it as 1 (`max_tokens: true` asking for one token)
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+Int = Annotated[int, BeforeValidator(_not_a_bool)]
+Number = Annotated[float, BeforeValidator(_not_a_bool)]
 Item = TypeVar("Item")
 
 
@@ -87,29 +97,29 @@ class ResponseFormat(_Request):
 
 class SamplingRequest(_Request):
     model: Text | None = None
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     # None (some clients send null for "unset"): OpenAI's defaults, temperature 1 and top_p 1; top_k off.
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: Int | None = None
+    seed: Int | None = None
     stop: Any = None  # a string or a list of them; validated below
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = None  # choices per prompt, each sampled by its own request (sharing the prompt's blocks)
+    n: Int | None = None  # choices per prompt, each sampled by its own request (sharing the prompt's blocks)
     cache_salt: Text | None = None  # isolates this request's cache entries from requests without the same salt
     ignore_eos: bool | None = False
     user: Text | None = None  # the caller's name for its end user: nothing for the server to do
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's
-    logit_bias: dict[int, float] | None = None  # OpenAI's: token ids (as JSON keys, strings) to a bias
-    min_p: float | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None  # vLLM's
+    logit_bias: dict[int, Number] | None = None  # OpenAI's: token ids (as JSON keys, strings) to a bias
+    min_p: Number | None = None
+    min_tokens: Int | None = None
+    stop_token_ids: list[Int] | None = None
     # vLLM's: each prompt token's log-probability, rank and `prompt_logprobs` likeliest alternatives
     # (whole responses only, as vLLM)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int | None = None
     include_stop_str_in_output: bool | None = None  # vLLM's: the stop string stays at the answer's end
     skip_special_tokens: bool | None = None  # vLLM's (default true): special tokens' text left out
     spaces_between_special_tokens: _no_op_only(True) = None  # vLLM's; for slow tokenizers only
@@ -142,7 +152,7 @@ class SamplingRequest(_Request):
 class CompletionRequest(SamplingRequest):
     # Text or token ids, or a batch of them: validated into a list of prompts, each text or token ids.
     prompt: Any
-    logprobs: int | None = None  # how many alternatives to report with each token's log-probability
+    logprobs: Int | None = None  # how many alternatives to report with each token's log-probability
     best_of: _no_op_only(1) = None
     echo: bool | None = None  # the prompt's text (and, with logprobs, its tokens' log-probabilities) first
     suffix: _no_op_only("") = None
@@ -163,9 +173,16 @@ def _one_prompt(prompt: Any, where: str) -> str | list[int]:
 
 
 class ChatMessage(_Request):
-    role: Text
+    role: Text  # any the chat template renders (vLLM's rule), but never empty
     content: Any  # a string, or a list of text parts; validated into one string
     name: _no_op_only() = None
+
+    @field_validator("role")
+    @classmethod
+    def _a_role(cls, role: str) -> str:
+        if not role.strip():
+            raise ValueError("expected a role such as 'system', 'user' or 'assistant'")
+        return role
 
     @field_validator("content")
     @classmethod
@@ -175,8 +192,10 @@ class ChatMessage(_Request):
         if isinstance(content, list):
             texts = []
             for i, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                        and set(part) == {"type", "text"}):
+                if isinstance(part, dict) and part.get("type") == "text" and set(part) - {"type", "text"}:
+                    raise ValueError(f"part {i}: a text part takes 'type' and 'text' only, got "
+                                     f"{', '.join(repr(k) for k in sorted(set(part) - {'type', 'text'}))} too")
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise ValueError(f"part {i}: only text parts ({{'type': 'text', 'text': ...}}) are supported, "
                                      f"got {kind!r}")
@@ -209,9 +228,9 @@ class ChatRendering(_Request):
 
 class ChatCompletionRequest(SamplingRequest, ChatRendering):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    max_completion_tokens: Int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     echo: _no_op_only(False) = None
     tools: _no_op_only([]) = None
     tool_choice: _no_op_only("none", "auto") = None
@@ -257,7 +276,7 @@ class DetokenizeRequest(_Request):
     """`POST /detokenize` (vLLM's): token ids back to text."""
 
     model: Text | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 # ---------------------------------------------------------------------------------------------
