@@ -2,7 +2,8 @@
 
 `update` returns the text that is safe to show so far: it holds back the tokens of an incomplete
 UTF-8 character and the tail that could still turn into a stop string, so that text shown to a
-streaming client is always a prefix of the final text.
+streaming client is always a prefix of the final text. An answer that ends inside a character ends
+before it.
 
 Each new token costs a decode of a few tokens, never of the whole output: decoding everything again
 at every token made a step's host work grow with the answer's length (for a long answer, more than a
@@ -69,7 +70,12 @@ class IncrementalDetokenizer:
         complete = len(new_text) > len(window_text) and not new_text.endswith(REPLACEMENT_CHAR)
         if not (final or complete or pending > MAX_PENDING_TOKENS):
             return
-        self._text += new_text[len(window_text):]
+        added = new_text[len(window_text):]
+        if final and pending <= MAX_PENDING_TOKENS:
+            # an answer cut inside a character (by max_tokens, say): no byte will complete it, so it is left out
+            # (as vLLM does) rather than shown as a replacement character
+            added = added.rstrip(REPLACEMENT_CHAR)
+        self._text += added
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
 
     def update(self, token_ids: Sequence[int], final: bool = False) -> tuple[str, str | None]:

@@ -234,7 +234,10 @@ def _penalise(row: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[in
         seen = counts > 0
         seen[_ids(prompt_ids, row.device)] = True
         penalised = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
-        row.copy_(torch.where(seen, penalised, row))
+        # a penalty near 0 (valid: it favours repeating) overflows the division to inf, and softmax to NaN: held
+        # where no temperature's division overflows, the tokens it favours stay the likeliest and the draw sound
+        bound = torch.finfo(row.dtype).max * GREEDY_TEMPERATURE
+        row.copy_(torch.where(seen, penalised.clamp_(-bound, bound), row))
     row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 

@@ -121,6 +121,19 @@ def test_tokens_without_text_or_with_broken_bytes_neither_stall_the_text_nor_gro
         words + [tokenizer.eos_token_id], skip_special_tokens=False)
 
 
+def test_an_answer_cut_inside_a_character_ends_before_it(real_tokenizer):
+    token_ids = real_tokenizer.encode("Party 🎉🎉", add_special_tokens=False)
+    whole = real_tokenizer.decode(token_ids)
+    cut = next(n for n in range(len(token_ids), 0, -1) if real_tokenizer.decode(token_ids[:n]).endswith("\ufffd"))
+    shown = stream(real_tokenizer, token_ids[:cut])
+    assert shown[-1] == real_tokenizer.decode(token_ids[:cut]).rstrip("\ufffd")
+    assert whole.startswith(shown[-1]) and shown[-1].endswith("🎉")  # the whole characters before the cut stay
+    # a lone invalid byte inside the answer is still shown: only the cut at the end is left out
+    lone_byte = next(i for i in range(real_tokenizer.vocab_size) if real_tokenizer.decode([i]) == "\ufffd")
+    words = real_tokenizer.encode(" one two", add_special_tokens=False)
+    assert stream(real_tokenizer, words + [lone_byte] * (MAX_PENDING_TOKENS + 2) + words)[-1].count("\ufffd") > 0
+
+
 def word_tokenizer(**options):
     """SentencePiece-style words ("▁world": the word and the space before it) and punctuation."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

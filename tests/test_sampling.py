@@ -1,4 +1,6 @@
 """Sampling parameters and the sampler (no model: synthetic logits)."""
+import itertools
+
 import pytest
 import torch
 
@@ -222,6 +224,17 @@ def test_repetition_penalty_shrinks_the_logits_of_tokens_in_the_prompt_or_the_ou
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 2.0]])
     row = adjusted(SamplingParams(repetition_penalty=2.0), prompt=[0, 1], output=[3], logits=logits)
     assert row.tolist() == [1.0, -4.0, 2.0, -4.0, 2.0]  # positive ones divided, negative ones multiplied
+
+
+@pytest.mark.parametrize("penalty", [1e-39, 1e-300])  # float32's subnormals, and a value float32 holds as 0
+def test_a_repetition_penalty_near_zero_favours_the_seen_tokens_and_samples_from_them_alone(penalty):
+    logits = torch.tensor([[2.0, 1.0, 3.0, -2.0, 0.5]])
+    row = adjusted(SamplingParams(repetition_penalty=penalty), prompt=[0, 1], logits=logits.clone())
+    assert torch.isfinite(row).all()
+    for seed, temperature in itertools.product(range(10), (1.0, 0.5, 2e-5)):
+        params = SamplingParams(temperature=temperature, seed=seed, repetition_penalty=penalty)
+        token = _sample_seeded(adjust_logits(logits.clone(), [params], [[0, 1]], [[]], EOS), [params])
+        assert token.item() in (0, 1)  # the seen tokens with positive logits, pushed to the top
 
 
 def _penalised_by_hand(row: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
