@@ -211,14 +211,14 @@ class ReaderPool:
         return None
 
     def _replace(self, reader: _Reader, error: BaseException) -> _Reader | None:
-        stuck = isinstance(error, TimeoutError)
+        stuck, timeout_s = isinstance(error, TimeoutError), reader.sock.gettimeout()
         reader.close(kill=stuck)
         with self._lock:
             self._running.remove(reader)
             self._restarts += 1
             self._broken = self._broken or self._restarts > MAX_RESTARTS
             broken, closed = self._broken, self._closed
-        what = (f"did not answer in {READ_TIMEOUT_S:g} s and was killed" if stuck
+        what = (f"did not answer in {timeout_s:g} s and was killed" if stuck
                 else f"ended (exit status {reader.process.returncode})")
         logger.warning("%s tier: a reader process %s (%s); its blocks are read in this process%s", self.tier, what,
                        error or type(error).__name__, ", and every read from now on" if broken else "")
