@@ -54,9 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = options.parser(__doc__)
     options.config(p)
     options.overrides(p)
-    p.add_argument("--docs", type=int, default=2)
-    p.add_argument("--questions", type=int, default=2, help="questions per document")
-    p.add_argument("--doc-tokens", type=int, default=1500)
+    p.add_argument("--docs", type=options.positive_int, default=2)
+    p.add_argument("--questions", type=options.positive_int, default=2, help="questions per document")
+    p.add_argument("--doc-tokens", type=options.positive_int, default=1500)
     options.out_dir(p, options.RESULTS_DIR)
     return p.parse_args(argv)
 

@@ -26,8 +26,10 @@ import runpy
 import sys
 from pathlib import Path
 from typing import Any, Sequence
+from urllib.parse import quote
 
 from kvstrata import __version__, planner
+from kvstrata.tiers.remote_url import masked_url
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -88,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--doc", required=True, help="the document (a text file)")
     ask.add_argument("--question", action="append", default=[], help="a question (repeatable)")
     ask.add_argument("questions", nargs="*", metavar="QUESTION", help="more questions")
-    ask.add_argument("--max-tokens", type=_positive_int, default=256, help="longest answer in tokens (default 256)")
+    ask.add_argument("--max-tokens", type=positive_int, default=256, help="longest answer in tokens (default 256)")
     ask.add_argument("--choice", action="append", default=[],
                      help="an answer to score (repeatable): each question becomes a multiple choice, its choices "
                           "ranked by their log-likelihood given the document and the question")
@@ -181,11 +183,34 @@ def _add_override_argument(parser: argparse.ArgumentParser) -> None:
                         help="override one config key, e.g. --set cache.tiers.cpu.size=2GiB (repeatable)")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+class IntAtLeast:
+    """An argparse type: an integer of at least `minimum`. argparse names the type by its `__name__` when the text
+    is no integer at all ("invalid positive integer value: 'abc'"), so it carries a name a user can read."""
+
+    def __init__(self, minimum: int, name: str):
+        self.minimum = minimum
+        self.__name__ = name
+
+    def __call__(self, text: str) -> int:
+        value = int(text)
+        if value < self.minimum:
+            raise argparse.ArgumentTypeError(f"must be a {self.__name__}, got {value}")
+        return value
+
+
+positive_int = IntAtLeast(1, "positive integer")
+non_negative_int = IntAtLeast(0, "non-negative integer")
+
+
+def check_http_url(url: str, option: str) -> None:
+    """ValueError, one line naming `option`, unless `url` is a server's base URL (the config's rule, which never
+    echoes a password)."""
+    from kvstrata.engine.config.fields import http_url
+
+    try:
+        http_url(url)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
 
 
 def _load(args: argparse.Namespace, disk_read_only: bool = False, **extra_overrides: Any):
@@ -229,6 +254,8 @@ def serve_config(args: argparse.Namespace):
 
 def _route(args: argparse.Namespace) -> int:
     replicas = [dict(zip(("url", "events"), spec.split(",", 1))) for spec in args.replica] or None
+    for replica in replicas or ():
+        check_http_url(replica["url"], "--replica")  # before the config, whose message would show a password
     config = _load(args, **{"router.host": args.host, "router.port": args.port, "router.replicas": replicas})
     from kvstrata.serving.router import route
 
@@ -239,6 +266,8 @@ def _route(args: argparse.Namespace) -> int:
 def _ask(args: argparse.Namespace) -> int:
     """Answers are printed by `qa.ask` itself (it streams them as they are generated)."""
     doc_path = Path(args.doc)
+    if doc_path.is_dir():
+        raise ValueError(f"--doc: {args.doc!r} is a directory, not a text file")
     if not doc_path.is_file():
         raise ValueError(f"--doc: no such file {args.doc!r}")
     questions = [*args.question, *args.questions]
@@ -322,6 +351,10 @@ def _cache_stats(args: argparse.Namespace) -> int:
             report["remote"] = _remote_stats(remote)
     if report:
         sys.stdout.write(yaml.safe_dump(report, sort_keys=False))
+    if report.get("remote", {}).get("reachable") is False:
+        # reported above with the rest; the exit status tells a script that the figures are missing
+        _print_error(report["remote"]["error"])
+        return EXIT_FAILURE
     return EXIT_OK
 
 
@@ -338,7 +371,6 @@ def _disk_stats(disk) -> dict:
 def _remote_stats(remote) -> dict:
     """The blocks under the tier's key prefix; an unreachable server is reported, not raised."""
     from kvstrata.tiers.remote import prefix_usage
-    from kvstrata.tiers.remote_url import masked_url
 
     report = {"url": masked_url(remote.url), "cluster": remote.cluster, "key_prefix": remote.key_prefix}
     try:
@@ -377,7 +409,6 @@ def _clear_remote(config, say_if_off: bool) -> None:
     if remote is None:
         return
     from kvstrata.tiers.remote import clear_prefix
-    from kvstrata.tiers.remote_url import masked_url
 
     removed = clear_prefix(remote.url, cluster=remote.cluster, key_prefix=remote.key_prefix)
     print(f"cleared {removed} blocks from {masked_url(remote.url)} (key prefix {remote.key_prefix})")
@@ -403,7 +434,10 @@ def _documents_list(args: argparse.Namespace) -> int:
 
 
 def _documents_unpin(args: argparse.Namespace) -> int:
-    _server_call(args, "DELETE", f"/v1/cache/documents/{args.document_id}")
+    if not args.document_id:
+        raise ValueError("unpin: the document id is empty (ids are as `kvstrata cache documents list` prints them)")
+    # one path segment, whatever it holds: an id with `?`, `#` or `/` must not reach another route
+    _server_call(args, "DELETE", f"/v1/cache/documents/{quote(args.document_id, safe='')}")
     print(f"unpinned {args.document_id}")
     return EXIT_OK
 
@@ -436,6 +470,8 @@ def _server_call(args: argparse.Namespace, method: str, path: str, body: dict | 
     import urllib.request
 
     url, api_key = args.url, args.api_key
+    if url is not None:
+        check_http_url(url, "--url")
     if url is None or api_key is None:
         server = _load(args, disk_read_only=True).server
         host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
@@ -456,7 +492,7 @@ def _server_call(args: argparse.Namespace, method: str, path: str, body: dict | 
             message = f"HTTP {exc.code} {exc.reason}"
         raise ValueError(message) from None
     except urllib.error.URLError as exc:
-        raise OSError(f"cannot reach the server at {url}: {exc.reason}") from None
+        raise OSError(f"cannot reach the server at {masked_url(url)}: {exc.reason}") from None
 
 
 def _remote_tier(config, say_if_off: bool):
@@ -475,6 +511,9 @@ def _disk_store(config, if_off: str, if_missing: str):
     if disk is None:
         print(f"disk tier: off in this config ({if_off})")
         return None
+    if disk.path.exists() and not disk.path.is_dir():
+        # the config's own check of the path is left out for a command that only reads the store: say what it says
+        raise ValueError(f"cache.tiers.disk.path: {str(disk.path)!r} exists and is not a directory")
     if not store_exists(disk.path):
         print(f"disk tier: no store at {disk.path} yet ({if_missing})")
         return None

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 from kvstrata.engine.costs import ReadCost, StepCost
 from kvstrata.engine.load_policy import LoadPlan, choose_plan
+from kvstrata.engine.sizes import Size
 from kvstrata.tiers.names import LOWER_TIER_NAMES, TIER_NAMES
 from kvstrata.tiers.block_pool import BlockPool
 from kvstrata.tiers.lru import LruIndex
@@ -308,7 +309,7 @@ class Planner:
     """Replays a trace through the tiers `config` describes (sizes for the machine being planned)."""
 
     def __init__(self, config, speeds: Speeds, trace_block_tokens: int = TRACE_BLOCK_TOKENS,
-                 replicas: int = 1, route: str = "round_robin", remote_size: str | int | None = None) -> None:
+                 replicas: int = 1, route: str = "round_robin", remote_size: str | int | Size | None = None) -> None:
         from kvstrata.engine.config.machine import TierBytes
 
         cache = config.cache
@@ -338,16 +339,8 @@ class Planner:
         self.replicas = replicas
         self.route = route
 
-    def _blocks(self, size: str | int, sizing) -> int:
-        from kvstrata.engine.sizes import Size
-
-        try:
-            parsed = Size.parse(size)
-        except ValueError as exc:
-            raise ValueError(f"--remote-size: {exc}") from None
-        if parsed.is_off:
-            raise ValueError("--remote-size: must be more than 0 (leave the remote tier out to turn it off)")
-        return max(sizing(parsed) // self.block_nbytes, 1)
+    def _blocks(self, size: str | int | Size, sizing) -> int:
+        return max(sizing(parse_remote_size(size)) // self.block_nbytes, 1)
 
     def replay(self, requests: Sequence[TraceRequest]) -> dict[str, Any]:
         started = time.perf_counter()
@@ -619,12 +612,25 @@ def tiers_yaml(config) -> str:
 
 # ------------------------------------------------------------------------------------------ command line
 
+def parse_remote_size(size: str | int | Size) -> Size:
+    """`--remote-size` as a `Size`; ValueError, one line, unless it is a size more than 0."""
+    try:
+        parsed = Size.parse(size)
+    except ValueError as exc:
+        raise ValueError(f"--remote-size: {exc}") from None
+    if parsed.is_off:
+        raise ValueError("--remote-size: must be more than 0 (leave the remote tier out to turn it off)")
+    return parsed
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvstrata.cli import positive_int  # here, not at the top: the command line imports this module
+
     parser.add_argument("--trace", help="a Mooncake-format trace (JSON lines: timestamp, input_length, "
                                         "output_length, hash_ids)")
-    parser.add_argument("--trace-block-tokens", type=int, default=TRACE_BLOCK_TOKENS,
+    parser.add_argument("--trace-block-tokens", type=positive_int, default=TRACE_BLOCK_TOKENS,
                         help=f"tokens one trace id stands for (default {TRACE_BLOCK_TOKENS}, the Mooncake traces')")
-    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument("--limit", type=positive_int, help="replay only the first N requests")
     parser.add_argument("--profile", help="speeds measured by `kvstrata plan --measure` (default: stated defaults)")
     parser.add_argument("--measure", metavar="PROFILE", help="measure this machine's speeds with the config and "
                                                               "write them to PROFILE, for --profile")
@@ -634,7 +640,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=float, default=0.95,
                         help="with --sweep: recommend the smallest configuration within this share of the best "
                              "hit ratio (default 0.95)")
-    parser.add_argument("--replicas", type=int, default=1, help="plan N engines sharing the disk and remote tiers")
+    parser.add_argument("--replicas", type=positive_int, default=1,
+                        help="plan N engines sharing the disk and remote tiers")
     parser.add_argument("--route", default="round_robin", choices=ROUTES,
                         help="how requests reach the replicas (prefix: the router's own placement)")
     parser.add_argument("--remote-size", metavar="SIZE", help="the remote server's memory for blocks, e.g. 512GiB "
@@ -654,20 +661,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.trace:
         raise ValueError("plan: give --trace FILE (or --measure PROFILE)")
-    if args.trace_block_tokens <= 0:
-        raise ValueError(f"--trace-block-tokens: must be positive, got {args.trace_block_tokens}")
-    if args.replicas < 1:
-        raise ValueError(f"--replicas: must be at least 1, got {args.replicas}")
     if not 0 < args.target <= 1:
         raise ValueError(f"--target: must be in (0, 1], got {args.target}")
-    if args.plot and not args.sweep:
-        raise ValueError("--plot: needs --sweep")
+    if args.plot:
+        _check_plot(args.plot, args.sweep)
+    # checked here even where the config has no remote tier to bound: a size that is none is a mistake either way
+    remote_size = parse_remote_size(args.remote_size) if args.remote_size is not None else None
     speeds = read_profile(args.profile) if args.profile else DEFAULT_SPEEDS
-    requests = read_trace(args.trace, args.limit)
-    if not requests:
-        raise ValueError(f"{args.trace}: the trace holds no request")
+    requests = _read_requests(args.trace, args.limit)
     planner_args = {"trace_block_tokens": args.trace_block_tokens, "replicas": args.replicas, "route": args.route,
-                    "remote_size": args.remote_size}
+                    "remote_size": remote_size}
     if not args.sweep:
         config = load_config(args.config, overrides, for_machine=False)
         result = Planner(config, speeds, **planner_args).replay(requests)
@@ -691,6 +694,23 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**best.result, "recommended": best.settings,
                           "points": [{"settings": p.settings, **p.result} for p in points]}))
     return 0
+
+
+def _check_plot(path: str, sweep: list[str]) -> None:
+    """Before the sweep, which may take minutes, rather than after it: the plot needs one, and a folder to go to."""
+    if not sweep:
+        raise ValueError("--plot: needs --sweep")
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise ValueError(f"--plot: no folder {str(folder)!r} to write {Path(path).name!r} in")
+
+
+def _read_requests(path: str, limit: int | None) -> list[TraceRequest]:
+    """The trace's first `limit` requests; ValueError, one line naming the file, for one that is no trace or has none."""
+    requests = read_trace(path, limit)
+    if not requests:
+        raise ValueError(f"{path}: the trace holds no request")
+    return requests
 
 
 def _slope(points: list[tuple[int, float]]) -> float:

@@ -41,13 +41,16 @@ def iter_trace(path: str | os.PathLike, limit: int | None = None) -> Iterator[Tr
         raise ValueError(f"{path}: cannot read the trace: {exc.strerror or exc}") from None
     with handle:
         count = 0
-        for number, line in enumerate(handle, 1):
-            if limit is not None and count >= limit:
-                return
-            if not line.strip():
-                continue
-            yield _parse(line, f"{path}:{number}")
-            count += 1
+        try:
+            for number, line in enumerate(handle, 1):
+                if limit is not None and count >= limit:
+                    return
+                if not line.strip():
+                    continue
+                yield _parse(line, f"{path}:{number}")
+                count += 1
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not a trace (not UTF-8 text)") from None
 
 
 def _parse(line: str, where: str) -> TraceRequest:

@@ -157,6 +157,22 @@ def test_ask_without_the_document_is_one_line_and_exit_2(tmp_path):
     assert_one_line_error(kvstrata("ask", "--doc", "missing.txt", "what?", cwd=tmp_path), "--doc: no such file")
 
 
+def test_ask_on_a_directory_says_it_is_a_directory(tmp_path, capsys):
+    (tmp_path / "docs").mkdir()
+    assert cli.main(["ask", "--doc", "docs", "what?"]) == 2
+    assert capsys.readouterr().err == "kvstrata: error: --doc: 'docs' is a directory, not a text file\n"
+
+
+@pytest.mark.parametrize("value, says", [("abc", "invalid positive integer value: 'abc'"),
+                                         ("0", "must be a positive integer, got 0")])
+def test_a_count_that_is_no_positive_integer_is_refused_in_words(tmp_path, capsys, value, says):
+    (tmp_path / "doc.txt").write_text("a document")
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["ask", "--doc", "doc.txt", "what?", "--max-tokens", value])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"kvstrata ask: error: argument --max-tokens: {says}"
+
+
 def test_ask_without_a_question_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "doc.txt").write_text("a document")
     assert_one_line_error(kvstrata("ask", "--doc", "doc.txt", cwd=tmp_path), "at least one question")
@@ -182,6 +198,14 @@ def test_bench_runs_the_suites_subcommand_with_the_config_and_options(monkeypatc
     assert cli.main(["bench", benchmark, "--config", config, "--set", "model.threads=1", "--docs", "2"]) == 0
     assert ran == [["--config", config, "--set", "model.threads=1", "--docs", "2"]]
     assert sys.argv == argv  # the caller's command line again, after the suite saw `ttft.py SUBCOMMAND ...`
+
+
+@pytest.mark.parametrize("benchmark, option, value", [("ttft", "--docs", "-1"), ("ttft", "--cold-pairs", "-1"),
+                                                       ("concurrency", "--streams", "0"), ("scoring", "--docs", "0")])
+def test_bench_refuses_a_count_below_its_least_before_running(capsys, benchmark, option, value):
+    least = "non-negative" if option == "--cold-pairs" else "positive"
+    assert cli.main(["bench", benchmark, "--config", str(CONFIGS / "pressure.yaml"), option, value]) == 2
+    assert f"argument {option}: must be a {least} integer, got {value}" in capsys.readouterr().err
 
 
 def test_bench_outside_a_source_tree_says_where_to_run_it(monkeypatch, tmp_path, capsys):
@@ -292,6 +316,18 @@ def test_ctrl_c_exits_130_quietly(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("url, says", [
+    ("http://u:RouteSecret@127.0.0.1:1/x", "got 'http://u:********@127.0.0.1:1/x'"),
+    ("http://127.0.0.1:99999", "got 'http://127.0.0.1:99999'"),
+    ("http://127.0.0.1:0,tcp://127.0.0.1:5557", "got 'http://127.0.0.1:0'"),
+])
+def test_route_refuses_a_replica_url_it_cannot_call_and_never_shows_its_password(capsys, url, says):
+    assert cli.main(["route", "--replica", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvstrata: error: --replica: expected http://host:port") and err.count("\n") == 1
+    assert says in err and "RouteSecret" not in err
+
+
 def test_unknown_arguments_are_refused(tmp_path):
     result = kvstrata("config", "check", str(CONFIGS / "default.yaml"), "--frobnicate", cwd=tmp_path)
     assert result.returncode == 2 and "unrecognized arguments: --frobnicate" in result.stderr
@@ -330,6 +366,14 @@ def test_cache_stats_and_clear_on_a_disk_store(tmp_path, capsys):
     assert cli.main(["cache", "stats", "--config", config]) == 0
     after = yaml.safe_load(capsys.readouterr().out)["disk"]
     assert after["entries"] == 0 and after["used_bytes"] == 0
+
+
+def test_cache_stats_on_a_disk_path_that_is_a_file_is_the_config_checks_error(tmp_path):
+    (tmp_path / "afile").write_text("not a store")
+    sets = ("--set", "cache.tiers.disk.path=./afile", "--set", "cache.tiers.disk.size=1GiB")
+    said = f"cache.tiers.disk.path: '{tmp_path / 'afile'}' exists and is not a directory"
+    assert_one_line_error(kvstrata("config", "check", str(CONFIGS / "default.yaml"), *sets, cwd=tmp_path), said)
+    assert_one_line_error(kvstrata("cache", "stats", *sets, cwd=tmp_path), said)
 
 
 def test_cache_stats_before_anything_was_written_says_so(tmp_path):
@@ -437,12 +481,73 @@ def test_cache_commands_on_an_unreachable_remote_tier(tmp_path, capsys):
     from valkey_server import free_port
 
     config = remote_config(tmp_path, f"redis://:hunter2@127.0.0.1:{free_port()}/0")
-    assert cli.main(["cache", "stats", "--tier", "remote", "--config", config]) == 0  # reported, not raised
-    report = yaml.safe_load(capsys.readouterr().out)["remote"]
+    assert cli.main(["cache", "stats", "--tier", "remote", "--config", config]) == 1  # reported, and failed
+    out, err = capsys.readouterr()
+    report = yaml.safe_load(out)["remote"]
     assert report["reachable"] is False and "hunter2" not in str(report)
+    assert err.startswith("kvstrata: error: remote tier redis://:********@") and err.count("\n") == 1
+    assert "hunter2" not in err
     result = kvstrata("cache", "clear", "--tier", "remote", "--config", config, cwd=tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "remote tier redis://" in result.stderr and "hunter2" not in result.stderr + result.stdout
+
+
+# ------------------------------------------------------------------------------------------ cache documents
+
+
+@pytest.fixture
+def document_server():
+    """A stand-in for a running server's document API: answers every DELETE with `{}` and records its path."""
+    import http.server
+    import threading
+
+    paths = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_DELETE(self):
+            paths.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", paths
+    server.shutdown()
+    thread.join()
+
+
+def test_documents_unpin_sends_any_id_as_one_path_segment(document_server, capsys):
+    url, paths = document_server
+    for document_id in ("a?b#c", "../../v1/models"):
+        assert cli.main(["cache", "documents", "unpin", document_id, "--url", url]) == 0
+        assert capsys.readouterr().out == f"unpinned {document_id}\n"
+    assert paths == ["/v1/cache/documents/a%3Fb%23c", "/v1/cache/documents/..%2F..%2Fv1%2Fmodels"]
+
+
+def test_documents_unpin_of_an_empty_id_is_one_line_and_asks_nothing(document_server, capsys):
+    url, paths = document_server
+    assert cli.main(["cache", "documents", "unpin", "", "--url", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvstrata: error: unpin: the document id is empty") and err.count("\n") == 1
+    assert paths == []
+
+
+@pytest.mark.parametrize("url", ["http://user:Pw5ecret@127.0.0.1:9", "http://user:Pw5ecret@127.0.0.1:x",
+                                 "ftp://user:Pw5ecret@127.0.0.1:9"])
+def test_documents_commands_refuse_a_url_they_cannot_call_and_never_show_its_password(capsys, url):
+    assert cli.main(["cache", "documents", "list", "--url", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvstrata: error: --url: expected http://host:port") and err.count("\n") == 1
+    assert "user:********@127.0.0.1" in err and "Pw5ecret" not in err
+
+
+# ------------------------------------------------------------------------------------------ logging
 
 
 def test_log_lines_carry_time_level_and_logger_at_the_level_asked(tmp_path, monkeypatch, capsys):

@@ -783,6 +783,14 @@ def test_remote_tier_takes_tls_and_an_acl_user_and_round_trips_with_its_password
     assert SECRET not in shown and "rediss://app:********@cache.internal:6380/2" in config.to_yaml()
 
 
+@pytest.mark.parametrize("url", [f"http://app:{SECRET}@127.0.0.1:8001", "http://127.0.0.1:99999",
+                                 "http://127.0.0.1:8001/v1", "ftp://127.0.0.1:8001"])
+def test_a_router_replica_url_no_client_can_call_is_refused_and_its_password_never_shown(url):
+    error = config_error({"router": {"replicas": [{"url": url}]}})
+    assert error.key == "router.replicas.0.url" and "expected http://host:port" in str(error)
+    assert SECRET not in str(error)
+
+
 def test_remote_url_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("KVSTRATA_REMOTE_URL", "redis://10.0.0.5:6379/0")
     assert load_config(CONFIGS / "replicas.yaml").cache.tiers.remote.url == "redis://10.0.0.5:6379/0"

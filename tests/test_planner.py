@@ -249,6 +249,40 @@ def test_a_malformed_trace_is_one_line_and_exit_2(tmp_path, capsys, bad, message
     assert message in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("more", [(), ("--replicas", "2")], ids=["one", "replicas"])
+def test_a_remote_size_that_is_none_is_refused_whether_or_not_the_config_has_a_remote_tier(capsys, more):
+    for remote in ({}, {"cache.tiers.remote.url": "redis://127.0.0.1:1/0"}):
+        sets = _sets(BASE, *(f"{key}={value}" for key, value in remote.items()))
+        assert main(["plan", "--trace", str(SAMPLE), "--remote-size", "abc", *more, *sets]) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith("kvstrata: error: --remote-size: bad size 'abc'") and err.count("\n") == 1
+        assert out == ""
+
+
+def test_a_limit_below_one_is_refused_as_an_argument(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--trace", str(SAMPLE), "--limit", "-1", *_sets(BASE)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "kvstrata plan: error: argument --limit: must be a positive integer, got -1"
+
+
+def test_a_binary_trace_is_one_line_naming_the_file(tmp_path, capsys):
+    trace = tmp_path / "trace.png"
+    trace.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    assert main(["plan", "--trace", str(trace), *_sets(BASE)]) == 2
+    assert capsys.readouterr().err == f"kvstrata: error: {trace}: not a trace (not UTF-8 text)\n"
+
+
+def test_a_plot_with_no_folder_to_go_to_is_refused_before_the_sweep(tmp_path, capsys):
+    plot = tmp_path / "no" / "such" / "p.png"
+    assert main(["plan", "--trace", str(SAMPLE), "--sweep", "cache.tiers.cpu.size=0,150", "--plot", str(plot),
+                 *_sets(BASE)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing replayed
+    assert err == f"kvstrata: error: --plot: no folder '{plot.parent}' to write 'p.png' in\n"
+
+
 def test_an_unknown_sweep_key_is_one_line_and_exit_2(capsys):
     assert main(["plan", "--trace", str(SAMPLE), "--sweep", "scheduler.max_seqs=1,2", *_sets(BASE)]) == 2
     err = capsys.readouterr().err.strip()

@@ -215,6 +215,29 @@ def test_the_routing_policy_is_checked_when_the_config_is_read():
         load_config({**ENGINE, "router": {"policy": "least_cost", "replicas": [{"url": "http://127.0.0.1:9"}]}})
 
 
+@pytest.mark.parametrize("replicas, says", [
+    (["http://127.0.0.1:8001", "http://127.0.0.1:8001/"],
+     "router.replicas.1.url: 'http://127.0.0.1:8001' is listed twice (replicas 0 and 1)"),
+    (["http://127.0.0.1:8001,tcp://127.0.0.1:5557", "http://127.0.0.1:8002,tcp://127.0.0.1:5557"],
+     "router.replicas.1.events: 'tcp://127.0.0.1:5557' is listed twice (replicas 0 and 1)"),
+])
+def test_route_refuses_a_replica_listed_twice_before_it_listens(capsys, replicas, says):
+    from kvstrata.cli import main
+
+    assert main(["route", "--port", "0", *(arg for spec in replicas for arg in ("--replica", spec))]) == 2
+    assert capsys.readouterr().err == f"kvstrata: error: {says}\n"
+
+
+def test_route_refuses_a_configured_replica_port_no_server_can_listen_on(tmp_path, capsys):
+    from kvstrata.cli import main
+
+    config = tmp_path / "router.yaml"
+    config.write_text(json.dumps({**ENGINE, "router": {"port": 0, "replicas": [{"url": "http://127.0.0.1:99999"}]}}))
+    assert main(["route", "--config", str(config)]) == 2
+    assert capsys.readouterr().err == ("kvstrata: error: router.replicas.0.url: expected http://host:port (port 1 to "
+                                       "65535, no user or password), got 'http://127.0.0.1:99999'\n")
+
+
 class CutStream(httpx.AsyncByteStream):
     """A replica's streamed answer that arrives in `chunks` and then, with `cut`, breaks off as a
     replica that dies mid-answer does."""

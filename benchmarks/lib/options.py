@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvstrata.cli import non_negative_int, positive_int  # noqa: F401 (the suites' counts take these types)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = str(REPO_ROOT / "benchmarks" / "results")
 DEFAULT_CONFIG = str(REPO_ROOT / "configs" / "default.yaml")
@@ -47,7 +49,7 @@ def overrides(p: argparse.ArgumentParser, help: str | None = None) -> None:
 def threads(p: argparse.ArgumentParser, default: int | list[int] | None = None, help: str | None = None,
             many: bool = False) -> None:
     """`--threads N` (`many`: one or more N, a run each): torch's CPU threads."""
-    p.add_argument("--threads", type=int, default=default, help=help, **({"nargs": "+"} if many else {}))
+    p.add_argument("--threads", type=positive_int, default=default, help=help, **({"nargs": "+"} if many else {}))
 
 
 def dtype(p: argparse.ArgumentParser, default: str | list[str] | None = None, help: str | None = None,
@@ -59,7 +61,7 @@ def dtype(p: argparse.ArgumentParser, default: str | list[str] | None = None, he
 
 def repeats(p: argparse.ArgumentParser, default: int, help: str | None = None) -> None:
     """`--repeats N`: timed runs of each figure (the benchmark's help says which of them counts)."""
-    p.add_argument("--repeats", type=int, default=default, help=help)
+    p.add_argument("--repeats", type=positive_int, default=default, help=help)
 
 
 def seed(p: argparse.ArgumentParser, default: int = 0, help: str | None = None) -> None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+from urllib.parse import urlsplit
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, PlainSerializer, PlainValidator
 
 from kvstrata.engine.sizes import Size
+from kvstrata.tiers.remote_url import masked_url
 
 # `cache.kv_cache_dtype` (vLLM's names) -> the torch dtype the K/V are kept in; auto: the model's dtype
 # (int8: llama.cpp's q8_0 idea, rows scaled one by one, see kernels/kv_format.py)
@@ -194,8 +196,18 @@ def next_endpoint(endpoint: str) -> str:
 
 
 def http_url(value: Any) -> str:
-    if not isinstance(value, str) or not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?/?", value.strip()):
-        raise ValueError(f"expected http://host:port, got {short_repr(value)}")
+    """A server's base URL, `http(s)://host[:port]` (port 1 to 65535). A user or password is refused, and never
+    echoed: the API key goes in a header, and clients would take `user:password@host` for a host name."""
+    try:
+        parts = urlsplit(value.strip()) if isinstance(value, str) else None
+        valid = (parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
+                 and parts.port != 0 and "@" not in parts.netloc and parts.path in ("", "/")
+                 and not parts.query and not parts.fragment)
+    except ValueError:  # a port out of range or not a number, a malformed IPv6 address
+        valid = False
+    if not valid:
+        shown = repr(masked_url(value)) if isinstance(value, str) else short_repr(value)
+        raise ValueError(f"expected http://host:port (port 1 to 65535, no user or password), got {shown}")
     return value.strip().rstrip("/")
 
 

@@ -394,6 +394,19 @@ class RouterConfig(_Section):
     def _listenable_host(cls, host: str) -> str:
         return check_host(host)
 
+    @field_validator("replicas")
+    @classmethod
+    def _each_replica_once(cls, replicas: list[ReplicaConfig]) -> list[ReplicaConfig]:
+        """A URL listed twice would double one replica's share of requests; an events endpoint listed twice would
+        feed one replica's events into another's index."""
+        first: dict[tuple[str, str], int] = {}
+        for i, replica in enumerate(replicas):
+            for key, value in (("url", replica.url), ("events", replica.events)):
+                if value is not None and first.setdefault((key, value), i) != i:
+                    shown = masked_url(value) if key == "url" else value
+                    raise FieldError(f"{i}.{key}", f"{shown!r} is listed twice (replicas {first[key, value]} and {i})")
+        return replicas
+
 
 class Config(_Section):
     model: ModelConfig = ModelConfig()

@@ -56,26 +56,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="kvstrata YAML config (default configs/pressure.yaml; with --guidellm configs/default.yaml)")
     options.overrides(p, help="override a config key (repeatable)")
     options.data(p, None, help="longdoc QA jsonl (doc, question per line); default: built in")
-    p.add_argument("--docs", type=int, default=6, help=f"documents in the workload (built in: at most {len(BUILTIN_DOCS)})")
-    p.add_argument("--doc-tokens", type=int, default=2000, help="cut each document to this many tokens")
-    p.add_argument("--requests", type=int, default=None, help="requests in the workload (default 32; with "
-                   "--guidellm 60)")
+    p.add_argument("--docs", type=options.positive_int, default=6,
+                   help=f"documents in the workload (built in: at most {len(BUILTIN_DOCS)})")
+    p.add_argument("--doc-tokens", type=options.positive_int, default=2000,
+                   help="cut each document to this many tokens")
+    p.add_argument("--requests", type=options.positive_int, default=None,
+                   help="requests in the workload (default 32; with --guidellm 60)")
     p.add_argument("--zipf-exponent", type=float, default=1.2)
     options.seed(p)
     arrivals = p.add_mutually_exclusive_group()
-    arrivals.add_argument("--streams", type=int, default=4, help="closed-loop clients (default 4)")
+    arrivals.add_argument("--streams", type=options.positive_int, default=4, help="closed-loop clients (default 4)")
     arrivals.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests per second")
-    p.add_argument("--max-tokens", type=int, default=None,
+    p.add_argument("--max-tokens", type=options.positive_int, default=None,
                    help="tokens generated per request (default 8; with --guidellm 16)")
     served = p.add_argument_group("servers under guidellm (--guidellm)")
     served.add_argument("--guidellm", default=None, metavar="SIDES",
                         help="comma separated, some of kvstrata,vllm: the servers under guidellm, in turn, instead "
                              "of fcfs against uncached_first in this process")
-    served.add_argument("--suffix-tokens", type=int, default=60, help="each prompt's own tokens after its prefix")
+    served.add_argument("--suffix-tokens", type=options.non_negative_int, default=60,
+                        help="each prompt's own tokens after its prefix")
     options.dtype(served, default="float32", help="both servers' dtype")
-    served.add_argument("--kv-cache-mib", type=int, default=512,
+    served.add_argument("--kv-cache-mib", type=options.positive_int, default=512,
                         help="KV cache on the device, each: our device tier, vLLM's --kv-cache-memory-bytes")
-    served.add_argument("--max-model-len", type=int, default=4096, help="vLLM's --max-model-len")
+    served.add_argument("--max-model-len", type=options.positive_int, default=4096, help="vLLM's --max-model-len")
     options.name(served, "guidellm_vs_vllm", help="stem of the --guidellm output files")
     p.add_argument("--policies", default=",".join(POLICIES), help="policies to compare, comma separated")
     options.threads(p, default=None, help="torch threads (default: torch's choice)")
@@ -101,8 +104,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.policies) - set(POLICIES)
     if unknown or not args.policies:
         p.error(f"--policies: expected some of {', '.join(POLICIES)}, got {args.policies}")
-    if args.docs < 1 or args.requests < 1 or args.doc_tokens < 1 or (args.streams or 1) < 1:
-        p.error("--docs, --requests, --doc-tokens and --streams must be positive")
     return args
 
 

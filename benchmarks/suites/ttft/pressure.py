@@ -98,24 +98,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     options.config(p, default=str(DEFAULT_CONFIG), help="kvstrata YAML config (model, dtype, cache knobs)")
     options.overrides(p, help="override a config key (repeatable)")
     options.data(p, str(DEFAULT_DATA), help="long-document QA questions, jsonl (default benchmarks/data/longdoc_qa_dev.jsonl)")
-    p.add_argument("--docs", type=int, default=6, help="documents in the workload")
-    p.add_argument("--questions", type=int, default=3, help="questions per document in the round-robin pass")
-    p.add_argument("--zipf-requests", type=int, default=10, help="requests in the Zipf pass (0: none)")
+    p.add_argument("--docs", type=options.positive_int, default=6, help="documents in the workload")
+    p.add_argument("--questions", type=options.positive_int, default=3,
+                   help="questions per document in the round-robin pass")
+    p.add_argument("--zipf-requests", type=options.non_negative_int, default=10,
+                   help="requests in the Zipf pass (0: none)")
     p.add_argument("--zipf-exponent", type=float, default=1.2)
     options.seed(p)
-    p.add_argument("--doc-tokens", type=int, default=2000, help="cut each document to this many tokens")
-    p.add_argument("--device-blocks", type=int, default=None,
+    p.add_argument("--doc-tokens", type=options.positive_int, default=2000,
+                   help="cut each document to this many tokens")
+    p.add_argument("--device-blocks", type=options.positive_int, default=None,
                    help="device tier in blocks (default: working set / 4, at least one prompt)")
     p.add_argument("--configs", default=",".join(CONFIGURATIONS), help="configurations to run, comma separated")
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"peers to run, comma separated, or 'none' ({VLLM!r}, not run by default: vLLM's rows beside "
                         "ours, in a venv of its own made once)")
-    p.add_argument("--cold-pairs", type=int, default=3, help="alternating cold-request pairs (0: skip)")
+    p.add_argument("--cold-pairs", type=options.non_negative_int, default=3,
+                   help="alternating cold-request pairs (0: skip)")
     p.add_argument("--sweep-fractions", default="0.1,0.5,1.0",
                    help="device tier as fractions of the sweep working set ('' to skip the sweep)")
-    p.add_argument("--sweep-docs", type=int, default=6)
-    p.add_argument("--sweep-questions", type=int, default=2)
-    p.add_argument("--sweep-doc-tokens", type=int, default=1000)
+    p.add_argument("--sweep-docs", type=options.positive_int, default=6)
+    p.add_argument("--sweep-questions", type=options.positive_int, default=2)
+    p.add_argument("--sweep-doc-tokens", type=options.positive_int, default=1000)
     options.dtype(p, None, help="dtypes to measure, comma separated, e.g. float32,bfloat16 (default: the config's)")
     options.threads(p, default=None, help="CPU threads for torch and llama.cpp (default: the config's model.threads)")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the cProfile runs")

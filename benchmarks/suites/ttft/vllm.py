@@ -55,11 +55,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     options.dtype(p, ["float32", "bfloat16"], many=True)
     options.threads(p, default=1, help="threads of each side (torch's, and vLLM's bound cores)")
     options.data(p, str(DEFAULT_DATA))
-    p.add_argument("--docs", type=int, default=3, help="documents (prompts of each kind per side and dtype)")
-    p.add_argument("--doc-tokens", type=int, default=1850, help="cut each document to this many tokens")
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-mib", type=int, default=1024,
+    p.add_argument("--docs", type=options.positive_int, default=3,
+                   help="documents (prompts of each kind per side and dtype)")
+    p.add_argument("--doc-tokens", type=options.positive_int, default=1850,
+                   help="cut each document to this many tokens")
+    p.add_argument("--decode-tokens", type=options.positive_int, default=64)
+    p.add_argument("--max-model-len", type=options.positive_int, default=4096)
+    p.add_argument("--kv-cache-mib", type=options.positive_int, default=1024,
                    help="each side's KV cache: vLLM's kv_cache_memory_bytes, our device tier")
     p.add_argument("--sides", default="kvstrata,vllm", help="comma separated: kvstrata, vllm, transformers (measured "
                    "anyway where vLLM cannot run)")
