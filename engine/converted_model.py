@@ -107,6 +107,12 @@ def _write(directory: Path, save: Callable[[Path], None]) -> None:
 
 
 def first_line(exc: BaseException) -> str:
-    """An exception's message, its first line only (for a one-line error or warning)."""
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__).strip()
+    """An exception's message, its first line only (for a one-line error or warning); a first line that ends in a
+    colon introduces what follows, which is then kept too, on the same line and cut short."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if not lines[0].endswith(":") or len(lines) == 1:
+        return lines[0]
+    rest = " ".join(lines[1:])
+    return f"{lines[0]} {rest if len(rest) <= 200 else rest[:197] + '...'}"

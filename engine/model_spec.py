@@ -130,6 +130,8 @@ def _rope_type(config: Mapping[str, Any]) -> str:
 
 def _architecture(config: Mapping[str, Any]) -> str:
     architectures = config.get("architectures") or []
+    if isinstance(architectures, str):  # one name where transformers writes a list of them
+        architectures = [architectures]
     model_type = config.get("model_type")
     if architectures:
         name = architectures[0]

@@ -215,6 +215,14 @@ def test_supported_architectures_are_accepted(tmp_path, architecture):
     assert load_config({"model": {"name": str(tmp_path / "m")}}).model.shape().architecture == architecture
 
 
+def test_an_architecture_written_as_one_name_not_a_list_is_read_as_that_name(tmp_path):
+    write_model_dir(tmp_path / "m", architectures="LlamaForCausalLM")
+    assert load_config({"model": {"name": str(tmp_path / "m")}}).model.shape().architecture == "LlamaForCausalLM"
+    write_model_dir(tmp_path / "gpt2", architectures="GPT2LMHeadModel", model_type="gpt2")
+    error = config_error({"model": {"name": str(tmp_path / "gpt2")}})
+    assert "architecture GPT2LMHeadModel is not supported" in str(error)
+
+
 def test_unsupported_architecture_is_one_line_naming_it(tmp_path):
     write_model_dir(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
     error = config_error({"model": {"name": str(tmp_path / "gpt2")}})

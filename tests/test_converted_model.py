@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvstrata.engine import converted_model
-from kvstrata.engine.converted_model import MANIFEST, load_or_convert
+from kvstrata.engine.converted_model import MANIFEST, first_line, load_or_convert
 
 CHAT = [{"role": "system", "content": "Answer from the document."},
         {"role": "user", "content": "What does `yield from` delegate to?"}]
@@ -139,3 +139,15 @@ def test_the_embedded_model_loads_from_its_copy_as_from_its_gguf(tmp_path, monke
     copy = converted_model.converted_dir(converted.model_config.identity)
     assert sorted(p.name for p in copy.iterdir()) == sorted(["tokenizer", str(dtype).removeprefix("torch.")])
     shutil.rmtree(copy)  # hundreds of MB that pytest would keep with its last runs' folders
+
+
+def test_a_load_errors_first_line_that_ends_in_a_colon_keeps_what_it_introduces_on_one_line():
+    # as transformers words a model folder without tokenizer files
+    error = ValueError("Couldn't instantiate the backend tokenizer from one of: \n(1) a `tokenizers` library "
+                       "serialization file, \n(2) a slow tokenizer instance to convert or \n(3) an equivalent slow "
+                       "tokenizer class to instantiate and convert. \nYou need to have sentencepiece installed.")
+    line = first_line(error)
+    assert "\n" not in line and line.startswith("Couldn't instantiate the backend tokenizer from one of: (1) a")
+    assert len(line) < 300
+    assert first_line(ValueError("no such file\nTraceback detail")) == "no such file"
+    assert first_line(ValueError("")) == "ValueError"
