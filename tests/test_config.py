@@ -401,6 +401,12 @@ def test_several_errors_are_reported_in_one_line():
     assert error.key == "cache.hash" and "(and 1 more error)" in str(error)
 
 
+def test_a_misspelt_key_is_the_error_named_not_the_key_it_left_missing(tmp_path):
+    (tmp_path / "doc.txt").write_text("a handbook")
+    error = config_error({"cache": {"preload": [{"fil": str(tmp_path / "doc.txt")}]}})
+    assert error.key == "cache.preload.0.fil" and "unknown key" in str(error) and "(and 1 more error)" in str(error)
+
+
 def test_model_directory_without_config_json_is_refused(tmp_path):
     (tmp_path / "empty-dir").mkdir()
     assert config_error({"model": {"name": str(tmp_path / "empty-dir")}}).key == "model.name"

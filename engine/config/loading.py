@@ -193,7 +193,8 @@ def _validate(raw: dict[str, Any], env_sources: Mapping[str, str], context: dict
 
 def _translate(exc: ValidationError, env_sources: Mapping[str, str]) -> ConfigError:
     errors = exc.errors(include_url=False)
-    first = errors[0]
+    # an unknown key first: a misspelt one (`fil:`) also leaves the key it meant missing, which says less
+    first = min(errors, key=lambda error: error["type"] != "extra_forbidden")
     loc = [str(part) for part in first["loc"]]
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):
