@@ -29,6 +29,7 @@ from typing import Any, Sequence
 from urllib.parse import quote
 
 from kvstrata import __version__, planner
+from kvstrata.arguments import positive_int
 from kvstrata.tiers.remote_url import masked_url
 
 EXIT_OK = 0
@@ -181,25 +182,6 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_override_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config key, e.g. --set cache.tiers.cpu.size=2GiB (repeatable)")
-
-
-class IntAtLeast:
-    """An argparse type: an integer of at least `minimum`. argparse names the type by its `__name__` when the text
-    is no integer at all ("invalid positive integer value: 'abc'"), so it carries a name a user can read."""
-
-    def __init__(self, minimum: int, name: str):
-        self.minimum = minimum
-        self.__name__ = name
-
-    def __call__(self, text: str) -> int:
-        value = int(text)
-        if value < self.minimum:
-            raise argparse.ArgumentTypeError(f"must be a {self.__name__}, got {value}")
-        return value
-
-
-positive_int = IntAtLeast(1, "positive integer")
-non_negative_int = IntAtLeast(0, "non-negative integer")
 
 
 def check_http_url(url: str, option: str) -> None:

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvstrata.arguments import positive_int
 from kvstrata.engine.costs import ReadCost, StepCost
 from kvstrata.engine.load_policy import LoadPlan, choose_plan
 from kvstrata.engine.sizes import Size
@@ -624,8 +625,6 @@ def parse_remote_size(size: str | int | Size) -> Size:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvstrata.cli import positive_int  # here, not at the top: the command line imports this module
-
     parser.add_argument("--trace", help="a Mooncake-format trace (JSON lines: timestamp, input_length, "
                                         "output_length, hash_ids)")
     parser.add_argument("--trace-block-tokens", type=positive_int, default=TRACE_BLOCK_TOKENS,

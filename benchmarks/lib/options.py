@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvstrata.cli import non_negative_int, positive_int  # noqa: F401 (the suites' counts take these types)
+from kvstrata.arguments import non_negative_int, positive_int  # noqa: F401 (the suites' counts take these types)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = str(REPO_ROOT / "benchmarks" / "results")
