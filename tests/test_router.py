@@ -28,7 +28,7 @@ from kvstrata.serving.events import KVEventPublisher
 from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving import router as router_module
 from kvstrata.serving.router import (EventFeed, HealthChecks, Replica as RoutedReplica, ReplicaSet, _pass_through,
-                                     load_router, prompt_token_ids)
+                                     load_router, prompt_token_ids, set_health)
 from kvstrata.tiers.block_events import BlockRemoved, BlockStored
 from kvstrata.serving.sockets import bind_socket
 from kvstrata.serving.tokenizer_pool import TokenizerPool
@@ -207,6 +207,37 @@ def test_a_replica_that_never_answers_its_health_check_does_not_delay_taking_out
         assert stuck.healthy  # its check is still waiting for an answer
     finally:
         hung.close()  # the waiting check's connection is reset, so its thread ends at once
+        checks.close()
+
+
+def test_when_no_replica_is_healthy_one_that_refused_is_tried_and_a_hung_one_never():
+    """A replica that refused its health check's connection fails a try at once (and may have come back since); a
+    hung one takes the connection and answers nothing, so a request sent there would wait its whole timeout."""
+    refused, hung = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None) for port in (1, 2))
+    replicas = ReplicaSet([refused, hung])
+    set_health(refused, False)
+    set_health(hung, False, hung=True)
+    assert replicas.choose([], set())[0] is refused
+    assert replicas.choose([], {refused}) == (None, 0)
+    set_health(hung, True)
+    assert not hung.hung and replicas.choose([], {refused})[0] is hung
+
+
+def test_a_health_check_that_times_out_marks_its_replica_hung_and_one_refused_not(monkeypatch):
+    monkeypatch.setattr(router_module, "HEALTH_TIMEOUT_S", 0.3)
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts its connections; nobody answers them
+    (dead_port,) = free_ports(1)
+    stuck, dead = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None)
+                   for port in (silent.getsockname()[1], dead_port))
+    checks = HealthChecks(ReplicaSet([stuck, dead]), interval=0.05)
+    try:
+        deadline = time.monotonic() + 10
+        while stuck.healthy or dead.healthy:
+            assert time.monotonic() < deadline, "a replica that does not answer was not taken out"
+            time.sleep(0.01)
+        assert stuck.hung and not dead.hung
+    finally:
+        silent.close()
         checks.close()
 
 
@@ -443,6 +474,22 @@ def wait_for_health(router_url: str, replica_url: str, healthy: bool) -> None:
 
 
 @pytest.mark.slow
+def test_the_router_refuses_what_a_replica_would_and_answers_its_own_errors_in_openai_shape(cluster):
+    _, router_url, _ = cluster
+    # over the replicas' limit: refused before the router reads (and tokenizes) it
+    too_large = httpx.post(f"{router_url}/v1/completions", content=b'{"prompt": "' + b"x" * (33 << 20) + b'"}',
+                           headers={"content-type": "application/json"}, timeout=60)
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
+    # nested deeper than Python parses: the router places it by load, the replica says what is wrong
+    deep = b'{"prompt": "x", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    answer = httpx.post(f"{router_url}/v1/completions", content=deep, headers={"content-type": "application/json"},
+                        timeout=60)
+    assert answer.status_code == 400 and "error" in answer.json()
+    for response, status in ((httpx.get(f"{router_url}/v1/completions", timeout=60), 405),
+                             (httpx.get(f"{router_url}/v1/no-such-route", timeout=60), 404)):
+        assert response.status_code == status and set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_a_replica_that_goes_away_costs_no_request_and_comes_back(cluster):
     replicas, router_url, _ = cluster
     docs = [document(name) for name in ("assert", "del", "pass", "return")]

@@ -36,7 +36,11 @@ busy, 503 one with a tier it could not clear; the others are reset).
 A health check (`GET /health` every `router.health_interval`) takes a replica out when it fails and
 puts it back when it answers again; then the router rebuilds that replica's index from its replay
 buffer, since a replica that restarted holds other blocks (and numbers its events from 0 again).
-Bodies the router cannot read are forwarded all the same, by load: the replica answers the error.
+A replica that took the health check's connection but did not answer in time (a hung process) is not tried
+at all while it is out: a request would wait its whole timeout there. One that refused the connection may
+still be tried when no healthy replica is left (the check may lag its recovery, and the try fails at once).
+Bodies the router cannot read are forwarded all the same, by load: the replica answers the error. A body
+over `server.max_request_body` is refused with 413 before it is read, as a replica would refuse it.
 A stream's first event is read before anything is sent to the client, so a replica that dies before it
 (in the prompt's prefill) is replaced as one that cannot be reached is. One that dies later, in the
 middle of a streamed answer, cannot be (what was sent cannot be taken back): the stream ends with an
@@ -66,7 +70,9 @@ from kvstrata.engine.config import Config, ReplicaConfig
 from kvstrata.engine.hashing import BlockHasher
 from kvstrata.engine.prompts import render_chat, render_document, tokenize_text
 from kvstrata.kernels.backends import resolve_backend, resolve_batch_invariant
+from kvstrata.serving.errors import install_error_handlers
 from kvstrata.serving.events import BlockIndex, KVEventSubscriber, ReceivedBatch
+from kvstrata.serving.middleware import BodySizeLimit
 from kvstrata.serving.schemas import ChatCompletionRequest, DocumentRequest, message_dicts
 from kvstrata.serving.sockets import bind_socket, listen
 from kvstrata.serving.tokenizer_pool import TokenizerPool
@@ -99,6 +105,7 @@ class Replica:
     subscriber: KVEventSubscriber | None
     index: BlockIndex = field(default_factory=BlockIndex)
     healthy: bool = True        # until a health check says otherwise (a request that fails says so too)
+    hung: bool = False          # out because it did not answer in time (it took the connection): not tried at all
     in_flight: int = 0          # requests forwarded and not yet answered in full
     needs_resync: bool = True   # the index is to be rebuilt from the replica's replay buffer
 
@@ -122,10 +129,12 @@ class ReplicaSet:
 
     def choose(self, block_hashes: list[bytes], tried: set[Replica]) -> tuple[Replica | None, int]:
         """The replica for a request whose prompt has `block_hashes`, and how many of them it holds
-        in `LOCAL_MEDIA`. Untried healthy replicas first; when none is left, untried unhealthy ones
-        (a health check may lag a recovery). None when every replica has been tried."""
+        in `LOCAL_MEDIA`. Untried healthy replicas first; when none is left, untried unhealthy ones that
+        refused a connection (a health check may lag a recovery, and such a try fails at once), never a hung
+        one (it takes the connection and answers nothing: the request would wait its whole timeout). None
+        when no replica is left to try."""
         untried = [r for r in self.replicas if r not in tried]
-        candidates = [r for r in untried if r.healthy] or untried
+        candidates = [r for r in untried if r.healthy] or [r for r in untried if not r.hung]
         if not candidates:
             return None, 0
         enough = MIN_HELD_SHARE * len(block_hashes)
@@ -217,11 +226,12 @@ class HealthChecks:
     def _run(self, replica: Replica) -> None:
         with httpx.Client(timeout=HEALTH_TIMEOUT_S) as client:
             while not self._stopping.is_set():
+                hung = False
                 try:
                     ok = client.get(f"{replica.url}/health").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                set_health(replica, ok)
+                except httpx.HTTPError as exc:
+                    ok, hung = False, isinstance(exc, httpx.TimeoutException)
+                set_health(replica, ok, hung)
                 self._stopping.wait(self.interval)
 
     def close(self) -> None:
@@ -231,7 +241,8 @@ class HealthChecks:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def set_health(replica: Replica, ok: bool) -> None:
+def set_health(replica: Replica, ok: bool, hung: bool = False) -> None:
+    replica.hung = not ok and hung
     if ok == replica.healthy:
         return
     replica.healthy = ok
@@ -261,7 +272,7 @@ def prompt_token_ids(tokenizer, path: str, payload: Any) -> list[int] | None:
             return tokenize_text(tokenizer, prompt)
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return prompt
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         pass
     return None
 
@@ -289,7 +300,7 @@ class Router:
         when the body is not a request the router can read."""
         try:
             payload = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested deeper than Python parses: the replica says what is wrong
             return []
         if not isinstance(payload, dict):
             return []
@@ -318,7 +329,7 @@ class Router:
                     stream=True)
             except httpx.TransportError as exc:
                 replica.in_flight -= 1
-                set_health(replica, False)
+                set_health(replica, False, hung=isinstance(exc, httpx.TimeoutException))
                 last_error = f"{replica.url}: {type(exc).__name__}"
                 continue
             if upstream.status_code in RETRY_STATUSES and len(tried) < len(self.replicas.replicas):
@@ -417,6 +428,10 @@ class Router:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="kvstrata route", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+        install_error_handlers(app)  # 404, 405 and the rest in OpenAI's shape, as the replicas answer them
+        # the replicas' limit, before the router reads (and tokenizes) a body: one they refuse is not worth placing,
+        # and a client that goes away mid-body is let go here
+        app.add_middleware(BodySizeLimit, max_bytes=self.config.server.max_request_body)
 
         for method, path in FORWARDED_ROUTES:
             app.add_api_route(path, self._forwarder(path), methods=[method])
