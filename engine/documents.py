@@ -132,6 +132,7 @@ class DocumentRegistry:
         return [self._describe(doc_id, entry) for doc_id, entry in self._entries.items()]
 
     def get(self, document_id: str) -> Document:
+        _check_document_id(document_id)
         entry = self._entries.get(document_id)
         if entry is None:
             raise UnknownDocumentError(document_id)
@@ -139,6 +140,7 @@ class DocumentRegistry:
 
     def unpin(self, document_id: str) -> Document:
         """Forget a document: its blocks become ordinary cached blocks (evictable by LRU again)."""
+        _check_document_id(document_id)
         entry = self._entries.pop(document_id, None)
         if entry is None:
             raise UnknownDocumentError(document_id)
@@ -153,3 +155,9 @@ class DocumentRegistry:
     def _describe(self, document_id: str, entry: _Entry) -> Document:
         return Document(document_id, entry.num_tokens, len(entry.block_hashes) * self.block_size, entry.pinned,
                         entry.salted, self.hierarchy.blocks_by_tier(entry.block_hashes))
+
+
+def _check_document_id(document_id: object) -> None:
+    # ids are strings; a list or a dict would otherwise fail the lookup itself (unhashable)
+    if not isinstance(document_id, str):
+        raise TypeError(f"document_id must be a string (a document's id), got {type(document_id).__name__}")

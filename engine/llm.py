@@ -7,12 +7,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 from kvstrata.engine.config import Config, load_config
 from kvstrata.engine.documents import Document
 from kvstrata.engine.llm_engine import CacheReset, LLMEngine
-from kvstrata.engine.prompts import render_document
+from kvstrata.engine.prompts import check_text, render_document
 from kvstrata.tiers.names import TIER_NAMES
 from kvstrata.engine.receipt import CacheReceipt
 from kvstrata.engine.request import Request, RequestFailedError, RequestStatus
@@ -21,7 +21,7 @@ from kvstrata.tiers.block_events import BlockEventListener
 
 logger = logging.getLogger("kvstrata")
 
-Prompt = Union[str, Sequence[int]]
+Prompt = Union[str, Sequence[int], dict]  # text, token ids, or vLLM's TextPrompt or TokensPrompt
 
 
 @dataclass
@@ -134,6 +134,7 @@ class LLM:
         `kvstrata.serving.events.KVEventPublisher(config.events)`; with none given, `kvstrata.LLM`
         gives a config with an `events` section a publisher of its own, closed by `close()`."""
         self.config = config if isinstance(config, Config) else load_config(config)
+        self._closed = False
         self._publisher = None
         if self.config.events is not None and events is None:
             events = self._publisher = self._own_event_publisher(self.config.events)
@@ -154,53 +155,61 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """vLLM's name for `tokenizer`."""
+        return self.engine.tokenizer
+
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
-        """Generate for one prompt or a list; prompts are text or token ids. Outputs keep the order.
+                 cache_salt: str | None = None, *, use_tqdm: Union[bool, Callable] = True,
+                 lora_request: None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list; prompts are text or token ids, or vLLM's dicts of either
+        (`{"prompt": text}`, `{"prompt_token_ids": ids}`). Outputs keep the order. `use_tqdm` and
+        `lora_request` are vLLM's, accepted so that its scripts run: no progress bar is shown, and only
+        `lora_request=None` is taken (kvstrata has no LoRA).
 
         An internal error of the engine's that ends a prompt's request (`RequestStatus.FINISHED_ERROR`: a fault
         while admitting it, or in a step it was in) raises `RequestFailedError` naming the prompt, once every
         other request of the call has run to its end; the traceback is in the `kvstrata` log, and the engine goes
         on serving later calls."""
-        return self._run(self._normalise_prompts(prompts), sampling_params, cache_salt)
+        self._check_open()
+        prompts = _prompt_list(prompts)
+        params = _call_params(len(prompts), sampling_params, cache_salt, use_tqdm, lora_request)
+        return self._run([self._tokenized(k, p) for k, p in enumerate(prompts)], params, cache_salt)
 
     def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             cache_salt: str | None = None, *, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             cache_salt: str | None = None, *, use_tqdm: Union[bool, Callable] = True, lora_request: None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template
         (rendered as vLLM's `LLM.chat` renders them: see `render_chat` in engine/prompts.py)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        self._check_open()
+        conversations = _conversations(messages)
+        params = _call_params(len(conversations), sampling_params, cache_salt, use_tqdm, lora_request)
+        check_bool("add_generation_prompt", add_generation_prompt)
+        check_bool("continue_final_message", continue_final_message)
+        _check_template_kwargs(chat_template_kwargs)
         rendering = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                          template_kwargs=chat_template_kwargs)
         return self._run([(None, self.engine.apply_chat_template(c, **rendering)) for c in conversations],
-                         sampling_params, cache_salt)
+                         params, cache_salt)
 
-    def _normalise_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, Sequence) or len(prompts) == 0:
-            raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of them")
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                out.append((p, self.engine.tokenize(p)))
-            elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
-                out.append((None, list(p)))
-            else:
-                raise ValueError("each prompt must be a string or a list of integer token ids")
-        return out
+    def _tokenized(self, k: int, prompt: Any) -> tuple[str | None, list[int]]:
+        """`prompts[k]` of `generate` as its text (None for token ids) and its token ids."""
+        if isinstance(prompt, dict):
+            prompt = _prompt_of_dict(k, prompt)
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenize(prompt)
+        if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            return None, _token_ids(k, prompt)
+        raise ValueError(f"prompts[{k}] must be a string, a list of integer token ids, or a dict with 'prompt' or "
+                         f"'prompt_token_ids' (vLLM's TextPrompt, TokensPrompt), got {_shown(prompt)}")
 
-    def _run(self, prompts: list[tuple[str | None, list[int]]], sampling_params, cache_salt) -> list[RequestOutput]:
+    def _run(self, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
+             cache_salt: str | None) -> list[RequestOutput]:
         """One engine request per sequence (`n` per prompt), all validated before any is added, so a
         bad prompt leaves nothing half-scheduled; one output per prompt, in order."""
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         requests = [(text, token_ids, p.for_choice(i))
                     for (text, token_ids), p in zip(prompts, params) for i in range(p.n)]
         requests = [(text, self.engine.validate_request(token_ids, p), p) for text, token_ids, p in requests]
@@ -232,15 +241,22 @@ class LLM:
         extend (rendered open, without the end of turn), or a plain `prompt` they extend. Returns the
         document: its id (stable across restarts), token counts and the blocks each tier holds.
         """
+        self._check_open()
+        if prompt is not None and not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string or None, got {_shown(prompt)}")
+        check_cache_salt(cache_salt)
+        check_bool("pin", pin)
         document = render_document(self.tokenizer, messages=messages, prompt=prompt)
         return self.engine.cache_document(document, cache_salt, pin)
 
     def list_documents(self) -> list[Document]:
         """Documents cached with `cache_document` or `cache.preload` (and pinned ones from before a restart)."""
+        self._check_open()
         return self.engine.documents.list()
 
     def unpin_document(self, document_id: str) -> Document:
         """Forget a document: its blocks become ordinary cached blocks, evictable again. KeyError if unknown."""
+        self._check_open()
         return self.engine.documents.unpin(document_id)
 
     def reset_prefix_cache(self, reset_external: bool = False) -> CacheReset:
@@ -248,22 +264,141 @@ class LLM:
         theirs (`offload: on_evict` writes them down first, as eviction would). `reset_external=True`
         forgets everything cached instead: every tier (a shared disk or remote tier for everyone
         sharing it), the documents and their pins. Falsy if requests run or a tier could not be cleared."""
+        self._check_open()
+        check_bool("reset_external", reset_external)
         return self.engine.reset_prefix_cache(reset_external)
 
     def stats(self) -> dict:
-        """Per-tier blocks, bytes, hits, misses, evictions; prefix-cache query and hit tokens; moves."""
+        """Per-tier blocks, bytes, hits, misses, evictions; prefix-cache query and hit tokens; moves.
+        After `close()`, the figures as of the close (what writing down did)."""
         return self.engine.stats()
 
     def close(self) -> None:
-        """Flush pending write-downs to disk (so the next process finds them) and release the tiers."""
+        """Flush pending write-downs to disk (so the next process finds them) and release the tiers.
+        Afterwards only `stats()` and the tokenizer answer: every other call raises RuntimeError. Closing
+        again does nothing."""
+        self._closed = True
         try:
             self.engine.close()
         finally:
             if self._publisher is not None:  # after the engine's close, whose write-down it reports
                 self._publisher.close()
 
+    def _check_open(self) -> None:
+        # a closed engine's tiers are released: a call would fail deep in one of them, or quietly
+        # succeed only while its prompt happens to need no lower tier
+        if self._closed:
+            raise RuntimeError("this LLM is closed: create a new one")
+
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# vLLM's dict prompts: TextPrompt and TokensPrompt. Their other keys (multi-modal data, ...) ask for what
+# kvstrata does not do, so they are refused rather than ignored.
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _prompt_list(prompts: Any) -> list:
+    """`generate`'s prompts as a list: one prompt (text, token ids, a dict) may come alone, as in vLLM."""
+    alone = isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                                 and isinstance(prompts[0], int))
+    if alone:
+        return [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a string, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', "
+                         "or a non-empty list of them")
+    return list(prompts)
+
+
+def _prompt_of_dict(k: int, prompt: dict) -> str | Sequence[int]:
+    """The text of a TextPrompt or the token ids of a TokensPrompt (`prompts[k]`)."""
+    unknown = [key for key in prompt if key not in _PROMPT_KEYS]
+    if unknown:
+        raise ValueError(f"prompts[{k}]: {unknown[0]!r} is not supported (a dict prompt holds 'prompt' or "
+                         f"'prompt_token_ids' only)")
+    if len(prompt) != 1:
+        raise ValueError(f"prompts[{k}] must hold 'prompt' (text) or 'prompt_token_ids' (token ids): one of them")
+    (key, value), = prompt.items()
+    if (key == "prompt") != isinstance(value, str):
+        raise ValueError(f"prompts[{k}][{key!r}] must be {'a string' if key == 'prompt' else 'a list of token ids'}, "
+                         f"got {_shown(value)}")
+    return value
+
+
+def _token_ids(k: int, prompt: Sequence) -> list[int]:
+    """`prompts[k]` as a list of token ids. A bool is an int to Python, but True as token id 1 is a mistake."""
+    for j, t in enumerate(prompt):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise ValueError(f"prompts[{k}] must be a string or a list of integer token ids: item {j} is {t!r}")
+    return list(prompt)
+
+
+def _conversations(messages: Any) -> list:
+    """`chat`'s messages as a list of conversations: one conversation (a list of message dicts) may come alone."""
+    if not isinstance(messages, (list, tuple)) or len(messages) == 0:
+        raise ValueError("messages must be a conversation (a non-empty list of {role, content} dicts) or a "
+                         f"non-empty list of them, got {_shown(messages)}")
+    return [messages] if isinstance(messages[0], dict) else list(messages)
+
+
+def _call_params(num_prompts: int, sampling_params: Any, cache_salt: Any, use_tqdm: Any,
+                 lora_request: Any) -> list[SamplingParams]:
+    """The arguments `generate` and `chat` share beside their prompts, checked before any prompt is rendered;
+    returns the SamplingParams of each prompt."""
+    check_cache_salt(cache_salt)
+    if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+        raise TypeError(f"use_tqdm must be True, False or a callable (vLLM's progress bar), got {_shown(use_tqdm)}")
+    if lora_request is not None:
+        raise ValueError("lora_request: kvstrata does not support LoRA adapters (give None)")
+    return _params_per_prompt(sampling_params, num_prompts)
+
+
+def _params_per_prompt(sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, one per prompt, "
+                        f"got {_shown(sampling_params)}")
+    for k, p in enumerate(sampling_params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{k}] must be a SamplingParams, got {_shown(p)}")
+    if len(sampling_params) != num_prompts:
+        raise ValueError(f"{len(sampling_params)} sampling params for {num_prompts} prompts")
+    return list(sampling_params)
+
+
+def check_cache_salt(cache_salt: Any) -> None:
+    """A salt is hashed into every block key as it is: a string, so that the same salt means the same
+    cache entries from Python and over HTTP (whose schema takes only a string)."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a string or None, got {_shown(cache_salt)}")
+    check_text(cache_salt, "cache_salt")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """An option that is on or off: a truthy "no" or 1 must not switch it on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {_shown(value)}")
+
+
+def _check_template_kwargs(kwargs: Any) -> None:
+    """The template's extra variables: names (strings) to values, passed on as keyword arguments."""
+    if kwargs is not None and not (isinstance(kwargs, Mapping) and all(isinstance(name, str) for name in kwargs)):
+        raise TypeError(f"chat_template_kwargs must be a dict of variable names (strings) to values, or None, "
+                        f"got {_shown(kwargs)}")
+
+
+def _shown(value: Any) -> str:
+    """A bad argument in an error message, on one line: its value when that is short and says more than its
+    type (`5`, `'x'`, `[None]`), else its type (`object`, not `<object object at 0x7f...>`)."""
+    text = repr(value)
+    plain = type(value).__repr__ is object.__repr__
+    return type(value).__name__ if plain or len(text) > 40 or "\n" in text else text

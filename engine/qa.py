@@ -50,10 +50,9 @@ def ask(config: Config, doc_path: str | Path, questions: Sequence[str], max_toke
     The LLM is loaded once for all questions and closed at the end, which writes the document's
     blocks down to the disk tier for the next run.
     """
+    check_texts("questions", questions)
     out = out or sys.stdout
     document = read_document(doc_path)
-    if not questions:
-        raise ValueError("ask: give at least one question")
     with LLM(config) as llm:
         answers = []
         for question in questions:
@@ -77,12 +76,10 @@ def score_choices(config: Config, doc_path: str | Path, questions: Sequence[str]
                   out: TextIO | None = None) -> list[list[ScoredChoice]]:
     """Score every choice as the answer to each question about the document, printing each question's
     choices best first (by log-likelihood per token); returns them in the order given, per question."""
+    check_texts("questions", questions)
+    check_texts("choices", choices)
     out = out or sys.stdout
     document = read_document(doc_path)
-    if not questions:
-        raise ValueError("ask: give at least one question")
-    if any(not c.strip() for c in choices):
-        raise ValueError("--choice: a choice is empty")
     with LLM(config) as llm:
         scored = []
         for question in questions:
@@ -112,6 +109,19 @@ def _print_choices(question: str, scored: list[ScoredChoice], outs: list[Request
     out.write(f"   [{len(scored)} choices in {seconds:.2f} s · cached {sum(cached.values())}/{prompt_tokens} "
               f"prompt tokens: {by_tier}]\n\n")
     out.flush()
+
+
+def check_texts(name: str, texts: Sequence[str]) -> None:
+    """`texts` (the questions, the choices) is a non-empty list of non-empty strings. A bare string is
+    refused, not taken as one item: iterated, it would be a list of one-character texts."""
+    if not isinstance(texts, (list, tuple)):
+        hint = " (put a single one in a list)" if isinstance(texts, str) else ""
+        raise TypeError(f"{name} must be a list of strings{hint}, got {type(texts).__name__}")
+    if not texts:
+        raise ValueError(f"{name}: give at least one")
+    for k, text in enumerate(texts):
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{name}[{k}] must be a non-empty string, got {text!r:.40}")
 
 
 def read_document(doc_path: str | Path) -> str:

@@ -153,10 +153,10 @@ def _is_real(x) -> bool:
 def _normalise_stop(stop) -> list[str]:
     if stop is None:
         return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    if not all(isinstance(s, str) and s for s in stops):
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    return stops
+    return list(stops)
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:

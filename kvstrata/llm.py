@@ -42,7 +42,10 @@ def llm_config(model: Any, config: Any, engine_args: Mapping[str, Any]) -> Confi
         if config is not None:
             raise ConfigError(None, "LLM: give the config once, as the first argument or as config=")
         model, config = None, model
-    given = {**engine_args, "model": os.fspath(model) if model is not None else engine_args.get("model")}
+    if model is None:
+        model = engine_args.get("model")
+    # a path becomes its string; anything else goes as it is, for the config to refuse by name
+    given = {**engine_args, "model": os.fspath(model) if isinstance(model, os.PathLike) else model}
     try:
         overrides = engine_arg_overrides(given, lambda arg: arg.name, allowed=OFFLINE_ARGS)
         return load_config(config, overrides or None) if overrides or not isinstance(config, Config) else config

@@ -55,6 +55,12 @@ def test_a_bad_keyword_is_one_line_naming_it(kwargs, message):
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("model", [5, ["smollm2-135m-instruct"], 2.5])
+def test_a_model_that_is_neither_a_name_nor_a_path_is_one_line_naming_it(model):
+    with pytest.raises(ConfigError, match=rf"^model \(model.name\): expected a string, got "):
+        LLM(model=model)  # refused before anything is loaded
+
+
 def test_the_config_is_given_once(tmp_path):
     with pytest.raises(ConfigError, match="give the config once"):
         llm_config({"model": {}}, {"model": {}}, {})

@@ -147,3 +147,31 @@ def test_long_prefill_shows_progress_from_the_cached_tokens_until_the_first_toke
     request.first_token_time = request.arrival_time + 1.0
     assert prefill_progress(bar, request) is None
     assert "prefill" in capsys.readouterr().err
+
+
+def _no_model(*_args, **_kwargs):
+    raise AssertionError("a bad argument must be refused before the model is loaded")
+
+
+@pytest.mark.parametrize("questions, choices, error, message", [
+    ("Why?", None, TypeError, r"^questions must be a list of strings \(put a single one in a list\), got str$"),
+    ([], None, ValueError, r"^questions: give at least one$"),
+    ([None], None, ValueError, r"^questions\[0\] must be a non-empty string, got None$"),
+    (["Why?", "  "], None, ValueError, r"^questions\[1\] must be a non-empty string, got '  '$"),
+    (["Why?"], "disk", TypeError, r"^choices must be a list of strings \(put a single one in a list\), got str$"),
+    (["Why?"], [], ValueError, r"^choices: give at least one$"),
+    (["Why?"], ["disk", 5], ValueError, r"^choices\[1\] must be a non-empty string, got 5$"),
+])
+def test_ask_and_score_choices_refuse_a_bare_string_or_a_bad_item_naming_it_before_loading(
+        tmp_path, monkeypatch, questions, choices, error, message):
+    from kvstrata.engine import qa
+    from kvstrata.engine.config import load_config
+
+    monkeypatch.setattr(qa, "LLM", _no_model)
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOCUMENT)
+    with pytest.raises(error, match=message):
+        if choices is None:
+            qa.ask(load_config(), doc, questions, max_tokens=2)
+        else:
+            qa.score_choices(load_config(), doc, questions, choices)
