@@ -16,11 +16,7 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files with tests marked `slow` run first: `make test`'s processes are handed whole files in this order, and a
-    long file handed out last would keep one process running alone at the end. Tests marked `cuda` run compiled
-    kernels on a GPU: without CUDA they are skipped, saying so."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file keeps its own order
+    """Tests marked `cuda` run compiled kernels on a GPU: without CUDA they are skipped, saying so."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m cuda` on one)")
