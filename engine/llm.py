@@ -157,7 +157,7 @@ class LLM:
 
     def get_tokenizer(self):
         """vLLM's name for `tokenizer`."""
-        return self.engine.tokenizer
+        return self.tokenizer
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

@@ -493,9 +493,6 @@ def _disk_store(config, if_off: str, if_missing: str):
     if disk is None:
         print(f"disk tier: off in this config ({if_off})")
         return None
-    if disk.path.exists() and not disk.path.is_dir():
-        # the config's own check of the path is left out for a command that only reads the store: say what it says
-        raise ValueError(f"cache.tiers.disk.path: {str(disk.path)!r} exists and is not a directory")
     if not store_exists(disk.path):
         print(f"disk tier: no store at {disk.path} yet ({if_missing})")
         return None

@@ -28,12 +28,17 @@ def format_bytes(nbytes: int | float) -> str:
     raise AssertionError("unreachable")
 
 
+def check_no_file_at(path: str | os.PathLike) -> None:
+    """ValueError, one line naming the path, if something other than a directory is there (nothing is touched)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{os.fspath(path)!r} exists and is not a directory")
+
+
 def prepare_private_dir(path: str | os.PathLike) -> None:
     """Create the directory `path` (and its parents) if missing, private to its owner, and check that
     a file can be written in it. Raises ValueError, one line naming the path, if it cannot be used."""
     path = os.fspath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{path!r} exists and is not a directory")
+    check_no_file_at(path)
     try:
         if os.path.isdir(path):
             make_private(path)

@@ -21,7 +21,7 @@ from kvstrata.engine.model_spec import (EMBEDDED_MODEL, LENGTH_DEPENDENT_ROPE, P
                                       model_shape)
 from kvstrata.engine.sizes import Size, format_size
 from kvstrata.tiers.remote_url import DEFAULT_QUEUE_BYTES, SECRET_MASK, check_url, masked_url
-from kvstrata.tiers.storage import prepare_private_dir
+from kvstrata.tiers.storage import check_no_file_at, prepare_private_dir
 
 DEFAULT_DEVICE_TIER_SIZE = Size(nbytes=1024**3)
 DEFAULT_MAX_REQUEST_BODY = 32 * 1024**2  # a 2k-token document is ~10 KB of JSON; a 128k-token one ~0.6 MB
@@ -138,12 +138,17 @@ class DiskTierConfig(_Section):
 
     @model_validator(mode="after")
     def _writable(self, info: ValidationInfo) -> DiskTierConfig:
-        # An off tier touches nothing; a command that only reads the store neither creates nor writes it.
-        if not self.size.is_off and not _disk_read_only(info):
-            try:
+        # An off tier touches nothing; a command that only reads the store neither creates nor writes it, but a
+        # file where the store should be is refused all the same.
+        if self.size.is_off:
+            return self
+        try:
+            if _disk_read_only(info):
+                check_no_file_at(self.path)
+            else:
                 prepare_private_dir(self.path)  # created 0700: stored token ids decode back to prompts
-            except ValueError as exc:
-                raise FieldError("path", str(exc)) from None
+        except ValueError as exc:
+            raise FieldError("path", str(exc)) from None
         return self
 
 class RemoteTierConfig(_Section):
