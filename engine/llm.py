@@ -164,8 +164,9 @@ class LLM:
                  cache_salt: str | None = None, *, use_tqdm: Union[bool, Callable] = True,
                  lora_request: None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list; prompts are text or token ids, or vLLM's dicts of either
-        (`{"prompt": text}`, `{"prompt_token_ids": ids}`). Outputs keep the order. `use_tqdm` and
-        `lora_request` are vLLM's, accepted so that its scripts run: no progress bar is shown, and only
+        (TextPrompt `{"prompt": text}`, TokensPrompt `{"prompt_token_ids": ids}`, either with its own
+        `"cache_salt"`; `cache_salt` here salts the prompts without one). Outputs keep the order. `use_tqdm`
+        and `lora_request` are vLLM's, accepted so that its scripts run: no progress bar is shown, and only
         `lora_request=None` is taken (kvstrata has no LoRA).
 
         An internal error of the engine's that ends a prompt's request (`RequestStatus.FINISHED_ERROR`: a fault
@@ -175,7 +176,7 @@ class LLM:
         self._check_open()
         prompts = _prompt_list(prompts)
         params = _call_params(len(prompts), sampling_params, cache_salt, use_tqdm, lora_request)
-        return self._run([self._tokenized(k, p) for k, p in enumerate(prompts)], params, cache_salt)
+        return self._run([self._tokenized(k, p, cache_salt) for k, p in enumerate(prompts)], params)
 
     def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -192,32 +193,57 @@ class LLM:
         _check_template_kwargs(chat_template_kwargs)
         rendering = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                          template_kwargs=chat_template_kwargs)
-        return self._run([(None, self.engine.apply_chat_template(c, **rendering)) for c in conversations],
-                         params, cache_salt)
+        return self._run([_Prompt(None, self.engine.apply_chat_template(c, **rendering), cache_salt)
+                          for c in conversations], params)
 
-    def _tokenized(self, k: int, prompt: Any) -> tuple[str | None, list[int]]:
-        """`prompts[k]` of `generate` as its text (None for token ids) and its token ids."""
+    def _tokenized(self, k: int, prompt: Any, cache_salt: str | None) -> _Prompt:
+        """`prompts[k]` of `generate` as its text (None for token ids), its token ids and its salt (its own, for
+        a dict that has one, else the call's `cache_salt`)."""
         if isinstance(prompt, dict):
-            prompt = _prompt_of_dict(k, prompt)
+            return self._prompt_of_dict(k, prompt, cache_salt)
         if isinstance(prompt, str):
-            return prompt, self.engine.tokenize(prompt)
+            return _Prompt(prompt, self.engine.tokenize(prompt), cache_salt)
         if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-            return None, _token_ids(k, prompt)
+            return _Prompt(None, _token_ids(k, prompt), cache_salt)
         raise ValueError(f"prompts[{k}] must be a string, a list of integer token ids, or a dict with 'prompt' or "
                          f"'prompt_token_ids' (vLLM's TextPrompt, TokensPrompt), got {_shown(prompt)}")
 
-    def _run(self, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
-             cache_salt: str | None) -> list[RequestOutput]:
+    def _prompt_of_dict(self, k: int, prompt: dict, cache_salt: str | None) -> _Prompt:
+        """A TextPrompt (`prompt`) or TokensPrompt (`prompt_token_ids`, with the text they stand for in `prompt`
+        if the caller has it), as vLLM defines them; either may carry its own `cache_salt`. Their multi-modal
+        keys are taken only when empty (None): kvstrata runs text models."""
+        unknown = [key for key in prompt if key not in _PROMPT_KEYS
+                   and not (key in _EMPTY_ONLY_KEYS and prompt[key] is None)]
+        if unknown:
+            raise ValueError(f"prompts[{k}]: {unknown[0]!r} is not supported (a dict prompt holds 'prompt' or "
+                             f"'prompt_token_ids', and 'cache_salt')")
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"prompts[{k}]['prompt'] must be a string, got {_shown(text)}")
+        if ids is None and text is None:
+            raise ValueError(f"prompts[{k}] must hold 'prompt' (text) or 'prompt_token_ids' (token ids)")
+        if ids is not None and (isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence)):
+            raise ValueError(f"prompts[{k}]['prompt_token_ids'] must be a list of token ids, got {_shown(ids)}")
+        own_salt = prompt.get("cache_salt")
+        if own_salt is not None:
+            check_cache_salt(own_salt, f"prompts[{k}]['cache_salt']")
+            if cache_salt is not None and own_salt != cache_salt:  # two tenants' salts for one prompt: a mistake
+                raise ValueError(f"prompts[{k}]['cache_salt'] differs from the call's cache_salt: give one")
+        salt = own_salt if own_salt is not None else cache_salt
+        if ids is not None:
+            return _Prompt(text, _token_ids(k, ids), salt)
+        return _Prompt(text, self.engine.tokenize(text), salt)
+
+    def _run(self, prompts: list[_Prompt], params: list[SamplingParams]) -> list[RequestOutput]:
         """One engine request per sequence (`n` per prompt), all validated before any is added, so a
         bad prompt leaves nothing half-scheduled; one output per prompt, in order."""
-        requests = [(text, token_ids, p.for_choice(i))
-                    for (text, token_ids), p in zip(prompts, params) for i in range(p.n)]
-        requests = [(text, self.engine.validate_request(token_ids, p), p) for text, token_ids, p in requests]
+        requests = [(prompt, p.for_choice(i)) for prompt, p in zip(prompts, params) for i in range(p.n)]
+        requests = [(prompt, self.engine.validate_request(prompt.token_ids, p), p) for prompt, p in requests]
         arrival = time.perf_counter()
         ids = []
-        for text, token_ids, p in requests:
+        for prompt, token_ids, p in requests:
             rid = f"gen-{next(self._ids)}"
-            self.engine.add_validated_request(rid, token_ids, p, cache_salt=cache_salt, prompt=text,
+            self.engine.add_validated_request(rid, token_ids, p, cache_salt=prompt.cache_salt, prompt=prompt.text,
                                               arrival_time=arrival)
             ids.append(rid)
         finished = self.engine.run_until_finished(ids)
@@ -297,9 +323,19 @@ class LLM:
         self.close()
 
 
-# vLLM's dict prompts: TextPrompt and TokensPrompt. Their other keys (multi-modal data, ...) ask for what
-# kvstrata does not do, so they are refused rather than ignored.
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+# vLLM's dict prompts: TextPrompt and TokensPrompt (vllm/inputs). Their multi-modal keys ask for what kvstrata
+# does not do: refused, unless empty.
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+_EMPTY_ONLY_KEYS = ("multi_modal_data", "mm_processor_kwargs")
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """One prompt of a call, ready for the engine: its text (None for token ids given alone), ids and salt."""
+
+    text: str | None
+    token_ids: list[int]
+    cache_salt: str | None
 
 
 def _prompt_list(prompts: Any) -> list:
@@ -312,21 +348,6 @@ def _prompt_list(prompts: Any) -> list:
         raise ValueError("prompts must be a string, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', "
                          "or a non-empty list of them")
     return list(prompts)
-
-
-def _prompt_of_dict(k: int, prompt: dict) -> str | Sequence[int]:
-    """The text of a TextPrompt or the token ids of a TokensPrompt (`prompts[k]`)."""
-    unknown = [key for key in prompt if key not in _PROMPT_KEYS]
-    if unknown:
-        raise ValueError(f"prompts[{k}]: {unknown[0]!r} is not supported (a dict prompt holds 'prompt' or "
-                         f"'prompt_token_ids' only)")
-    if len(prompt) != 1:
-        raise ValueError(f"prompts[{k}] must hold 'prompt' (text) or 'prompt_token_ids' (token ids): one of them")
-    (key, value), = prompt.items()
-    if (key == "prompt") != isinstance(value, str):
-        raise ValueError(f"prompts[{k}][{key!r}] must be {'a string' if key == 'prompt' else 'a list of token ids'}, "
-                         f"got {_shown(value)}")
-    return value
 
 
 def _token_ids(k: int, prompt: Sequence) -> list[int]:
@@ -373,14 +394,14 @@ def _params_per_prompt(sampling_params: Any, num_prompts: int) -> list[SamplingP
     return list(sampling_params)
 
 
-def check_cache_salt(cache_salt: Any) -> None:
+def check_cache_salt(cache_salt: Any, name: str = "cache_salt") -> None:
     """A salt is hashed into every block key as it is: a string, so that the same salt means the same
     cache entries from Python and over HTTP (whose schema takes only a string)."""
     if cache_salt is None:
         return
     if not isinstance(cache_salt, str):
-        raise TypeError(f"cache_salt must be a string or None, got {_shown(cache_salt)}")
-    check_text(cache_salt, "cache_salt")
+        raise TypeError(f"{name} must be a string or None, got {_shown(cache_salt)}")
+    check_text(cache_salt, name)
 
 
 def check_bool(name: str, value: Any) -> None:

@@ -120,14 +120,34 @@ def test_vllm_dict_prompts_use_tqdm_lora_request_none_and_get_tokenizer_run_as_i
 
 @pytest.mark.parametrize("prompt, message", [
     ({"prompt": PROMPT, "multi_modal_data": {"image": None}}, r"^prompts\[0\]: 'multi_modal_data' is not supported"),
-    ({}, r"^prompts\[0\] must hold 'prompt' \(text\) or 'prompt_token_ids' \(token ids\): one of them$"),
-    ({"prompt": PROMPT, "prompt_token_ids": [1, 2]}, r"^prompts\[0\] must hold 'prompt' .*: one of them$"),
+    ({"prompt": PROMPT, "mm_processor_kwargs": {}}, r"^prompts\[0\]: 'mm_processor_kwargs' is not supported"),
+    ({}, r"^prompts\[0\] must hold 'prompt' \(text\) or 'prompt_token_ids' \(token ids\)$"),
+    ({"cache_salt": "tenant-a"}, r"^prompts\[0\] must hold 'prompt' \(text\) or 'prompt_token_ids'"),
     ({"prompt": [1, 2]}, r"^prompts\[0\]\['prompt'\] must be a string, got \[1, 2\]$"),
     ({"prompt_token_ids": PROMPT}, r"^prompts\[0\]\['prompt_token_ids'\] must be a list of token ids, got '"),
     ({"prompt_token_ids": [1, None]}, r"^prompts\[0\] .*: item 1 is None$"),
 ])
 def test_a_dict_prompt_that_is_not_vllms_text_or_tokens_prompt_is_refused_clearly(llm, prompt, message):
     refused(llm, ValueError, message, lambda: llm.generate([prompt], GREEDY))
+
+
+def test_a_dict_prompts_own_cache_salt_keeps_its_blocks_apart_as_the_calls_cache_salt_does(llm):
+    """vLLM's TextPrompt and TokensPrompt carry a `cache_salt` each: one call may serve several tenants."""
+    (plain,) = llm.generate([DOCUMENT], GREEDY)
+    ids = plain.prompt_token_ids
+    cached = llm.generate([{"prompt": DOCUMENT}, {"prompt": DOCUMENT, "cache_salt": "tenant-a"},
+                           {"prompt_token_ids": ids, "prompt": DOCUMENT, "cache_salt": "tenant-b"}], GREEDY)
+    assert [o.cached_tokens for o in cached] == [48, 0, 0]  # the unsalted blocks serve the unsalted prompt only
+    assert cached[2].prompt == DOCUMENT and all(o.token_ids == plain.token_ids for o in cached)
+    again = llm.generate([{"prompt_token_ids": ids, "cache_salt": "tenant-a"}, DOCUMENT], GREEDY)
+    assert [o.cached_tokens for o in again] == [48, 48]  # each its own blocks
+    tenant_b = llm.generate([DOCUMENT, {"prompt": DOCUMENT, "cache_salt": "tenant-b"}], GREEDY, cache_salt="tenant-b")
+    assert [o.cached_tokens for o in tenant_b] == [48, 48]  # the call's salt salts the plain prompt
+    assert llm.generate([{"prompt": PROMPT, "multi_modal_data": None, "mm_processor_kwargs": None}], GREEDY)
+    refused(llm, TypeError, r"^prompts\[0\]\['cache_salt'\] must be a string or None, got 7$",
+            lambda: llm.generate([{"prompt": PROMPT, "cache_salt": 7}], GREEDY))
+    refused(llm, ValueError, r"^prompts\[1\]\['cache_salt'\] differs from the call's cache_salt: give one$",
+            lambda: llm.generate([PROMPT, {"prompt": PROMPT, "cache_salt": "tenant-a"}], GREEDY, cache_salt="x"))
 
 
 def test_what_vllm_takes_and_kvstrata_does_not_is_refused_clearly(llm):
