@@ -324,6 +324,30 @@ def test_discard_and_clear_remove_blocks(store_path):
     tier.close()
 
 
+def test_discard_many_drops_the_held_blocks_in_one_commit_seen_by_a_fresh_process(store_path):
+    tier = DiskTier(BF16, store_path, 4 * MiB)
+    put_blocks(tier, range(6))
+    tier.flush()
+    commits = []
+    commit = tier._commit
+    tier._commit = lambda batch: (commits.append(len(batch)), commit(batch))
+    assert tier.discard_many([key(i) for i in (0, 2, 4, 99)]) == 3  # 99 was never put
+    assert len(commits) == 1
+    assert tier.stats().used_blocks == 3
+    assert blocks_a_fresh_process_reads(store_path) == 3  # committed before it returned
+    assert get_blocks(tier, range(6)) == [False, True, False, True, False, True]
+    tier.close()
+
+
+def blocks_a_fresh_process_reads(path: str) -> int:
+    """The blocks another process finds committed in the store at `path` (LMDB read directly: no kvstrata import)."""
+    code = ("import lmdb, sys; env = lmdb.open(sys.argv[1], max_dbs=4, readonly=True, lock=False); "
+            "blocks = env.open_db(b'blocks', create=False); print(env.begin().stat(blocks)['entries'])")
+    run = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return int(run.stdout)
+
+
 def test_close_is_idempotent_and_later_use_is_an_error(store_path):
     tier = DiskTier(BF16, store_path, 4 * MiB)
     tier.close()

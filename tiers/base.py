@@ -201,6 +201,10 @@ class LowerTier(abc.ABC):
     def discard(self, block_hash: bytes) -> bool:
         """Drop one block if held; True if it was."""
 
+    def discard_many(self, block_hashes: Sequence[bytes]) -> int:
+        """Drop each block held; how many were. A tier that commits its writes overrides it to commit once."""
+        return sum(self.discard(h) for h in block_hashes)
+
     @abc.abstractmethod
     def clear(self) -> bool:
         """Drop every block and every pin. True once they are gone; False if the tier could not do it

@@ -497,8 +497,12 @@ class DiskTier(LowerTier):
         return {owner: Pin(tuple(hashes), info) for owner, (hashes, info) in records.items()}
 
     def discard(self, block_hash: bytes) -> bool:
-        held = self.contains(block_hash)
-        self._enqueue([_Op("delete", block_hash)])
+        return self.discard_many([block_hash]) == 1
+
+    def discard_many(self, block_hashes: Sequence[bytes]) -> int:
+        """Committed before this returns, in one transaction rather than one per block."""
+        held = sum(self.contains(h) for h in block_hashes)
+        self._enqueue([_Op("delete", h) for h in block_hashes])
         self.flush()
         return held
 

@@ -54,8 +54,7 @@ def probe_loads(pool: BlockPool, kv_cache: torch.Tensor, transfers: TransferEngi
     except Exception:  # noqa: BLE001 - a tier that cannot be probed is priced when it is used
         logger.warning("kvstrata: could not time reads from the %s tier at start-up", tier.name, exc_info=True)
     finally:
-        for h in hashes:
-            tier.discard(h)
+        tier.discard_many(hashes)
         tier.flush()  # the discards are done before anyone listens again
         tier.event_listener = listener
         pool.free_blocks(device_blocks)
