@@ -160,34 +160,54 @@ class ServeReplica:
             self.process.kill()
 
     def stop(self) -> None:
+        """SIGTERM, without waiting: the server drains and writes its cache down (`wait` for it)."""
         if self.process is not None and self.process.process.poll() is None:
-            self.process.terminate(60)
+            self.process.process.terminate()
+
+    def wait(self) -> None:
+        if self.process is not None:
+            self.process.wait(60)
 
     def config(self) -> dict:
         return {"url": self.url, "events": self.feed.endpoint, "replay": f"tcp://127.0.0.1:{self.replay_port}"}
 
 
-class RouterProcess:
-    """`kvstrata route` in a child process, with the replicas' model and cache settings and `policy`."""
+@dataclass(frozen=True)
+class RouterSettings:
+    policy: str
+    health_interval: str = "500ms"
+    max_load_gap: int | None = None
 
-    def __init__(self, work_dir: Path, replicas: list[ServeReplica], policy: str, health_interval: str,
-                 max_load_gap: int | None = None):
+
+class RouterProcess:
+    """`kvstrata route` in a child process, with the replicas' model and cache settings and `settings`; started
+    once it listens (`wait_healthy` waits for a replica it can route to)."""
+
+    def __init__(self, work_dir: Path, replicas: list[dict], settings: RouterSettings):
         config = yaml.safe_load(DEFAULT_CONFIG.read_text())
         config["model"] = {**config.get("model", {}), "dtype": "float32"}
         config.pop("events", None)
-        config["router"] = {"host": "127.0.0.1", "port": 0, "policy": policy, "health_interval": health_interval,
-                            "request_timeout": "300s", "replicas": [r.config() for r in replicas]}
-        if max_load_gap is not None:
-            config["router"]["max_load_gap"] = max_load_gap
-        path = work_dir / f"router-{policy}.yaml"
+        config["router"] = {"host": "127.0.0.1", "port": 0, "policy": settings.policy,
+                            "health_interval": settings.health_interval, "request_timeout": "300s",
+                            "replicas": replicas}
+        if settings.max_load_gap is not None:
+            config["router"]["max_load_gap"] = settings.max_load_gap
+        path = work_dir / f"router-{settings.policy}.yaml"
         path.write_text(yaml.safe_dump(config))
         command = [sys.executable, "-m", "kvstrata", "route", "--config", str(path)]
+        self.settings, self.replicas = settings, replicas
         self.lines: list[str] = []
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=server_env(), cwd=REPO)
         threading.Thread(target=self._read, daemon=True).start()
-        self.url = self._wait_for_banner()
-        deadline = time.monotonic() + 60
+        try:
+            self.url = self._wait_for_banner()
+        except BaseException:
+            self.close()
+            raise
+
+    def wait_healthy(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
@@ -243,16 +263,22 @@ def _start(replica: ServeReplica, failed: list[BaseException]) -> None:
 
 
 class Stack:
-    """The Valkey cluster's nodes (`nodes[:primaries]` the primaries), the replicas, and a scratch directory."""
+    """The Valkey cluster's nodes (`nodes[:primaries]` the primaries), the replicas, and a scratch directory.
+    `first_router`: the settings of the first router asked for, started beside the replicas (it loads its
+    tokenizer while they load the model, and takes each in once it answers)."""
 
-    def __init__(self, nodes: list[ValkeyServer], primaries: int, num_replicas: int, sizes: ReplicaSizes):
+    def __init__(self, nodes: list[ValkeyServer], primaries: int, num_replicas: int, sizes: ReplicaSizes,
+                 first_router: RouterSettings | None = None):
         self.nodes, self.primaries = nodes, primaries
         self.work_dir = Path(tempfile.mkdtemp(prefix="kvstrata-cluster-"))
         remote_url = f"redis://127.0.0.1:{nodes[0].port}/0"
         self.replicas = [ServeReplica(self.work_dir, remote_url, sizes, i) for i in range(num_replicas)]
+        self._early: list[RouterProcess] = []
         try:  # side by side: each loads the model
             failed = []
             threads = [threading.Thread(target=_start, args=(r, failed)) for r in self.replicas]
+            if first_router is not None:
+                threads.append(threading.Thread(target=self._start_router, args=(first_router, failed)))
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -263,11 +289,34 @@ class Stack:
             self.close()
             raise
 
+    def _start_router(self, settings: RouterSettings, failed: list[BaseException]) -> None:
+        try:
+            self._early.append(RouterProcess(self.work_dir, [r.config() for r in self.replicas], settings))
+        except BaseException as exc:  # noqa: BLE001 (raised again by the caller's thread)
+            failed.append(exc)
+
     def router(self, policy: str, health_interval: str = "500ms", max_load_gap: int | None = None) -> RouterProcess:
-        return RouterProcess(self.work_dir, self.replicas, policy, health_interval, max_load_gap)
+        """A router in front of the replicas, routing to at least one: the one started beside them if it has these
+        settings (and the replicas kept the addresses it was given: a port taken meanwhile moves a replica)."""
+        settings, replicas = RouterSettings(policy, health_interval, max_load_gap), [r.config() for r in self.replicas]
+        early = self._early.pop() if self._early else None
+        if early is not None and (early.settings, early.replicas) != (settings, replicas):
+            early.close()
+            early = None
+        router = early or RouterProcess(self.work_dir, replicas, settings)
+        try:
+            router.wait_healthy()
+        except BaseException:
+            router.close()
+            raise
+        return router
 
     def close(self) -> None:
-        for replica in self.replicas:
+        for router in self._early:
+            router.close()
+        for replica in self.replicas:  # all at once: each writes its cache down
             replica.stop()
+        for replica in self.replicas:
+            replica.wait()
             replica.feed.close()
         shutil.rmtree(self.work_dir, ignore_errors=True)

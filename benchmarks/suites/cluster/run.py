@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.lib.cluster_stack import ReplicaSizes, Stack, health_changes
+from benchmarks.lib.cluster_stack import ReplicaSizes, RouterSettings, Stack, health_changes
 from benchmarks.lib.cluster_workload import (Outcome, best_single_cache, documents, drive, outcome_rows, prompts,
                                              SOURCES, reference_answers, summary, zipf_schedule)
 from benchmarks.lib import results
@@ -66,7 +66,7 @@ def parser(small: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--remote", choices=("on", "off"), default="on",
                    help="off: the replicas share no remote tier, so placement alone decides what each finds; needs "
                         "--duration 0 (the failure run is the remote tier's)")
-    p.add_argument("--duration", type=float, default=12 if small else 180,
+    p.add_argument("--duration", type=float, default=9 if small else 180,
                    help="the failure run's seconds (0: no failure run)")
     p.add_argument("--min-failure-requests", type=int, default=8 if small else 0,
                    help="the failure run goes on past --duration until this many requests were sent")
@@ -426,7 +426,9 @@ def main(argv: list[str] | None = None, small: bool = False) -> int:
     sizes = ReplicaSizes(args.device_blocks, args.cpu_blocks, remote=args.remote == "on")
     started = time.monotonic()
     with valkey_cluster(args.primaries, replicas=args.valkey_replicas) as nodes:
-        stack = Stack(nodes, args.primaries, args.replicas, sizes)
+        first = args.policies.split(",")[0] if args.requests > 0 else "prefix"
+        stack = Stack(nodes, args.primaries, args.replicas, sizes,
+                      first_router=RouterSettings(first, args.health_interval, args.max_load_gap))
         print(f"cluster and {args.replicas} replicas up in {time.monotonic() - started:.0f} s", flush=True)
         reference.join()
         if len(found) != len(unique):
