@@ -541,6 +541,123 @@ class DiesBeforeItsFirstEvent:
         self.listener.close()
 
 
+class FreezesOnARequest:
+    """A replica whose process stops (SIGSTOP, a wedged GPU) once it has taken a request: its health checks are
+    answered until then, never after; the request gets the head of an event stream and its first event first
+    when `after_first_event`, else nothing at all."""
+
+    def __init__(self, after_first_event: bool = False):
+        self.after_first_event = after_first_event
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.taken = 0
+        self.frozen = threading.Event()
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buffer = b""
+        try:
+            while not self.frozen.is_set():
+                while b"\r\n\r\n" not in buffer:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    buffer += chunk
+                head, _, buffer = buffer.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(buffer) < length:
+                    buffer += conn.recv(65536)
+                buffer = buffer[length:]
+                if self.frozen.is_set():
+                    return
+                if head.startswith(b"GET /health"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                    continue
+                self.taken += 1
+                self.frozen.set()
+                if self.after_first_event:
+                    event = b'data: {"choices": [{"index": 0, "delta": {"content": "The"}}]}\n\n'
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n" % len(event) + event + b"\r\n")
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self.connections:
+            conn.close()
+
+
+@pytest.fixture
+def quick_to_give_up(monkeypatch):
+    """Health checks that time out after 0.3 s, and requests that give a hung replica up after 1 s of them."""
+    monkeypatch.setattr(router_module, "HEALTH_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(router_module, "HUNG_ABANDON_S", 1.0)
+
+
+def routed(replica_urls: list[str]):
+    (port,) = free_ports(1)
+    router = load_router(load_config({**ENGINE, "router": {
+        "policy": "round_robin", "health_interval": "200ms", "request_timeout": "300s",
+        "replicas": [{"url": url} for url in replica_urls]}}))
+    return router, HTTPServer(router.app, port)
+
+
+@pytest.mark.slow
+def test_a_request_waiting_on_a_replica_that_stops_answering_is_answered_by_another(cluster, quick_to_give_up):
+    replicas, _, _ = cluster
+    freezing = FreezesOnARequest()
+    router, front = routed([freezing.url, replicas[0].url])
+    try:
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0.0,
+                "messages": [{"role": "user", "content": f"{document('while')}\n\nAnswer briefly. Why?"}]}
+        answered = []
+        for _ in range(2):  # in turn: one of the two goes to the replica that freezes
+            started = time.monotonic()
+            response = httpx.post(f"{front.url}/v1/chat/completions", json=body, timeout=300)
+            answered.append((response.status_code, response.headers.get("x-kvstrata-replica"),
+                             time.monotonic() - started))
+        assert freezing.taken == 1
+        assert [(status, replica) for status, replica, _ in answered] == [(200, replicas[0].url)] * 2
+        assert max(seconds for _, _, seconds in answered) < 60  # not the request timeout's 300 s
+        assert router.replicas.replicas[0].hung
+    finally:
+        front.stop()
+        router.close()
+        freezing.close()
+
+
+def test_a_stream_whose_replica_stops_answering_mid_answer_ends_with_an_error_event(quick_to_give_up):
+    freezing = FreezesOnARequest(after_first_event=True)
+    router, front = routed([freezing.url])
+    try:
+        body = {"model": MODEL, "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+        started = time.monotonic()
+        with httpx.stream("POST", f"{front.url}/v1/chat/completions", json=body, timeout=300) as response:
+            assert response.status_code == 200
+            data = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+        assert time.monotonic() - started < 60
+        assert json.loads(data[0])["choices"][0]["delta"]["content"] == "The"
+        error = json.loads(data[1])["error"]["message"]
+        assert error == f"replica {freezing.url} stopped answering mid-answer; the answer is incomplete"
+        assert data[2:] == ["[DONE]"]
+    finally:
+        front.stop()
+        router.close()
+        freezing.close()
+
+
 @pytest.mark.slow
 def test_a_stream_whose_replica_dies_before_its_first_event_is_answered_whole_by_another(cluster):
     replicas, _, _ = cluster

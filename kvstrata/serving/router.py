@@ -44,7 +44,10 @@ over `server.max_request_body` is refused with 413 before it is read, as a repli
 A stream's first event is read before anything is sent to the client, so a replica that dies before it
 (in the prompt's prefill) is replaced as one that cannot be reached is. One that dies later, in the
 middle of a streamed answer, cannot be (what was sent cannot be taken back): the stream ends with an
-error event saying so, then `data: [DONE]`, never a half event.
+error event saying so, then `data: [DONE]`, never a half event. A replica that stops answering (its health
+checks time out, one after another, for HUNG_ABANDON_S) is given up on by the requests waiting there too: one
+that has sent the client nothing yet goes to another replica, a stream under way ends with the error event,
+instead of each waiting out `router.request_timeout`.
 """
 from __future__ import annotations
 
@@ -84,6 +87,10 @@ LOCAL_MEDIA = MEMORY_MEDIA + ("disk",)  # a replica's own tiers; the remote one 
 MIN_HELD_SHARE = 0.5  # of a prompt's cacheable blocks, for a replica's prefix to decide where the prompt goes
 RETRY_STATUSES = frozenset({502, 503, 504})
 HEALTH_TIMEOUT_S = 2.0
+# How long a replica's health checks must have gone unanswered before the requests waiting on it give up: long
+# enough that a replica merely slow to answer one check (a long step holding its event loop) keeps its requests.
+HUNG_ABANDON_S = 10.0
+HUNG_POLL_S = 0.25  # how often a waiting request looks at its replica's health
 EVENT_POLL_MS = 100
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 # The replicas' routes the router serves: the prompts of the first two are placed by their cached
@@ -106,12 +113,37 @@ class Replica:
     index: BlockIndex = field(default_factory=BlockIndex)
     healthy: bool = True        # until a health check says otherwise (a request that fails says so too)
     hung: bool = False          # out because it did not answer in time (it took the connection): not tried at all
+    hung_since: float | None = None  # monotonic time of the first of the health checks it has not answered since
     in_flight: int = 0          # requests forwarded and not yet answered in full
     needs_resync: bool = True   # the index is to be rebuilt from the replica's replay buffer
 
     @property
     def url(self) -> str:
         return self.config.url
+
+    def hung_for(self) -> float:
+        """Seconds since its health checks stopped being answered (0 while they are)."""
+        return 0.0 if self.hung_since is None else time.monotonic() - self.hung_since
+
+
+class ReplicaHung(Exception):
+    """The replica a request waits on has not answered its health checks for HUNG_ABANDON_S."""
+
+
+async def _unless_hung(replica: Replica, awaitable):
+    """What `awaitable` gives, unless `replica` stays hung for HUNG_ABANDON_S first: then ReplicaHung, and the
+    wait is cancelled (as it is if the caller is)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=HUNG_POLL_S)
+            if done:
+                return task.result()
+            if replica.hung_for() >= HUNG_ABANDON_S:
+                raise ReplicaHung(replica.url)
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 class ReplicaSet:
@@ -243,6 +275,10 @@ class HealthChecks:
 
 def set_health(replica: Replica, ok: bool, hung: bool = False) -> None:
     replica.hung = not ok and hung
+    if not replica.hung:
+        replica.hung_since = None
+    elif replica.hung_since is None:  # the check began its wait a timeout ago
+        replica.hung_since = time.monotonic() - HEALTH_TIMEOUT_S
     if ok == replica.healthy:
         return
     replica.healthy = ok
@@ -324,9 +360,13 @@ class Router:
             tried.add(replica)
             replica.in_flight += 1
             try:
-                upstream = await self.client.send(
+                upstream = await _unless_hung(replica, self.client.send(
                     self.client.build_request(request.method, replica.url + path, content=body, headers=headers),
-                    stream=True)
+                    stream=True))
+            except ReplicaHung:
+                replica.in_flight -= 1
+                last_error = f"{replica.url}: stopped answering"
+                continue
             except httpx.TransportError as exc:
                 replica.in_flight -= 1
                 set_health(replica, False, hung=isinstance(exc, httpx.TimeoutException))
@@ -340,14 +380,15 @@ class Router:
             chunks, head = upstream.aiter_raw(), b""
             if _is_event_stream(upstream):
                 try:
-                    head = await _first_event(chunks)
-                except httpx.TransportError as exc:
-                    # It died before its first event (in the prompt's prefill, say): nothing has reached the
-                    # client, so another replica can still give the whole answer.
+                    head = await _unless_hung(replica, _first_event(chunks))
+                except (httpx.TransportError, ReplicaHung) as exc:
+                    # It died or hung before its first event (in the prompt's prefill, say): nothing has reached
+                    # the client, so another replica can still give the whole answer.
                     replica.in_flight -= 1
                     await upstream.aclose()
-                    set_health(replica, False)
-                    last_error = f"{replica.url}: {type(exc).__name__} before its first event"
+                    set_health(replica, False, hung=replica.hung)
+                    why = "stopped answering" if isinstance(exc, ReplicaHung) else type(exc).__name__
+                    last_error = f"{replica.url}: {why} before its first event"
                     continue
             logger.debug("router: %s -> %s (%d of %d blocks held)", path, replica.url, held, len(hashes))
             passed = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")}
@@ -489,7 +530,11 @@ async def _pass_through(upstream: httpx.Response, replica: Replica, head: bytes 
     async def body() -> AsyncIterator[bytes]:
         if head:
             yield head
-        async for chunk in chunks:
+        while True:
+            try:
+                chunk = await _unless_hung(replica, anext(chunks))
+            except StopAsyncIteration:
+                return
             yield chunk
 
     try:
@@ -503,18 +548,18 @@ async def _pass_through(upstream: httpx.Response, replica: Replica, head: bytes 
                 yield complete + separator
         if partial:
             yield partial
-    except httpx.TransportError:
-        set_health(replica, False)  # the replica went away mid-answer: the answer ends here
+    except (httpx.TransportError, ReplicaHung) as exc:
+        set_health(replica, False, hung=replica.hung)  # the replica went away mid-answer: the answer ends here
         if events and last != SSE_DONE:
-            yield _sse_cut_error(replica)
+            yield _sse_cut_error(replica, "stopped answering" if isinstance(exc, ReplicaHung) else "went away")
     finally:
         replica.in_flight -= 1
         await upstream.aclose()
 
 
-def _sse_cut_error(replica: Replica) -> bytes:
-    """The error event and end of a stream whose replica went away before finishing it."""
-    body = _error_body(f"replica {replica.url} went away mid-answer; the answer is incomplete")
+def _sse_cut_error(replica: Replica, what_it_did: str = "went away") -> bytes:
+    """The error event and end of a stream whose replica went away (or stopped answering) before finishing it."""
+    body = _error_body(f"replica {replica.url} {what_it_did} mid-answer; the answer is incomplete")
     return f"data: {json.dumps(body)}".encode() + SSE_SEPARATOR + SSE_DONE
 
 
