@@ -49,7 +49,7 @@ def load_or_convert(directory: Path, load_copy: Callable[[Path], _T], convert: C
                     save: Callable[[_T, Path], None]) -> _T:
     """`load_copy(directory)` when `directory` holds a whole, undamaged copy; else `convert()`, whose result is saved
     there (`save(result, folder)`) for the next time."""
-    if _verified(directory):
+    if is_whole_copy(directory):
         try:
             return load_copy(directory)
         except Exception as exc:  # noqa: BLE001 - a copy that fails to load is a miss, converted again
@@ -60,7 +60,7 @@ def load_or_convert(directory: Path, load_copy: Callable[[Path], _T], convert: C
     return value
 
 
-def _verified(directory: Path) -> bool:
+def is_whole_copy(directory: Path) -> bool:
     """The folder holds a manifest of this format whose every file is there with its digest."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
@@ -90,13 +90,13 @@ def _write(directory: Path, save: Callable[[Path], None]) -> None:
         save(temp)
         files = {p.name: digest_file(p) for p in sorted(temp.iterdir()) if p.is_file()}
         (temp / MANIFEST).write_text(json.dumps({"version": FORMAT_VERSION, "files": files}), encoding="utf-8")
-        if directory.exists() and not _verified(directory):
+        if directory.exists() and not is_whole_copy(directory):
             shutil.rmtree(directory, ignore_errors=True)
         try:
             os.rename(temp, directory)
             temp = None
         except OSError:
-            if not _verified(directory):  # not another process's whole copy: ours could not be put there
+            if not is_whole_copy(directory):  # not another process's whole copy: ours could not be put there
                 raise
     except Exception as exc:  # noqa: BLE001 - the copy is an optimisation: the model is loaded either way
         logger.warning("kvstrata: could not keep a converted copy of the model in %s (%s); the next start converts "

@@ -3,9 +3,10 @@ model with random weights built from a transformers config (`load_format: dummy`
 
 Nothing is ever fetched from a hub: a name is either the embedded model, a local path, or (dummy
 only) a preset named in `model_spec.PRESETS`. The engine runs the loaded weights with its own forward
-pass over the paged KV cache (`engine/decoder.py`); transformers' forward is left as transformers
-builds it, with SDPA attention (tests compare against it). Whatever goes wrong while loading is one
-line naming `model.name` (a ValueError), never a traceback.
+pass over the paged KV cache (`engine/decoder.py`), so a checkpoint it reads exactly is read without
+transformers' model classes (`engine/checkpoint.py`); any other model is built by transformers, whose own
+forward is left as transformers builds it, with SDPA attention (tests compare against it). Whatever goes
+wrong while loading is one line naming `model.name` (a ValueError), never a traceback.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvstrata.engine.converted_model import converted_dir, first_line, load_or_convert
+from kvstrata.engine.checkpoint import CausalLM, read_checkpoint
+from kvstrata.engine.converted_model import converted_dir, first_line, is_whole_copy, load_or_convert
 from kvstrata.engine.model_identity import directory_identity, file_identity
 from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, is_gguf_file, read_config_json, read_shape
 
@@ -60,7 +62,7 @@ class ModelConfig:
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module  # a *ForCausalLM in eval mode, gradients off, attention = kvstrata
+    model: torch.nn.Module  # engine/checkpoint.py's CausalLM or transformers' *ForCausalLM; eval mode, no gradients
     tokenizer: object
     model_config: ModelConfig
     source: ModelSource
@@ -102,9 +104,15 @@ def _embedded_source() -> ModelSource:
     return ModelSource(directory, _EMBEDDED_GGUF, EMBEDDED_MODEL)
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
-    """Load tokenizer and weights (dequantised to `dtype` for a GGUF; random for `dummy`) with kvstrata
-    attention plugged in. Raises ValueError, one line naming `model.name`, for anything that fails."""
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str, *,
+               transformers_modules: bool = False) -> LoadedModel:
+    """Load tokenizer and weights (dequantised to `dtype` for a GGUF; random for `dummy`). Raises ValueError, one
+    line naming `model.name`, for anything that fails.
+
+    The weights of a checkpoint it reads exactly (engine/checkpoint.py) come in kvstrata's own weight modules,
+    without importing transformers' model classes; any other model's, or with `transformers_modules`, in
+    transformers' `*ForCausalLM`, whose own forward then runs too (tests and benchmarks compare against it). The
+    engine runs either the same way, to the same bits."""
     # never reach a hub: the env var covers code paths that ignore local_files_only; it must be set
     # before huggingface_hub is first imported, which transformers does on import
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -114,7 +122,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
         _check_runnable(source)  # before reading gigabytes of weights
     try:
         with _gguf_parsed_once():
-            tokenizer, model = _from_pretrained(source, dtype)
+            tokenizer, model = _from_pretrained(source, dtype, transformers_modules)
         model.to(device).eval().requires_grad_(False)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as exc:
         raise ValueError(f"model.name: cannot load {source.directory}: {first_line(exc)}") from None
@@ -143,10 +151,14 @@ def load_tokenizer(source: ModelSource):
         lambda tokenizer, folder: tokenizer.save_pretrained(folder))
 
 
-def _from_pretrained(source: ModelSource, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
+def _from_pretrained(source: ModelSource, dtype: torch.dtype, transformers_modules: bool):
     def from_files(directory: Path, **files):
+        if not files and not transformers_modules:
+            model = read_checkpoint(directory, dtype)
+            if model is not None:
+                return model
+        from transformers import AutoModelForCausalLM
+
         with _quiet_gguf_dtype_warning():
             return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True,
                                                         attn_implementation=TRANSFORMERS_ATTENTION, **files)
@@ -155,8 +167,11 @@ def _from_pretrained(source: ModelSource, dtype: torch.dtype):
     if not source.gguf_file:
         return tokenizer, from_files(source.directory)
     # the GGUF's weights in this dtype, converted once and kept (engine/converted_model.py)
-    model = load_or_convert(converted_dir(model_identity(source)) / str(dtype).removeprefix("torch."), from_files,
-                            lambda: from_files(source.directory, gguf_file=source.gguf_file), _save_dequantised)
+    copy = converted_dir(model_identity(source)) / str(dtype).removeprefix("torch.")
+    model = load_or_convert(copy, from_files, lambda: from_files(source.directory, gguf_file=source.gguf_file),
+                            _save_dequantised)
+    if not transformers_modules and not isinstance(model, CausalLM) and is_whole_copy(copy):
+        model = from_files(copy)  # a first start then runs the modules every later start runs
     return tokenizer, model
 
 

@@ -102,13 +102,15 @@ def test_a_failed_save_leaves_no_temporary_folder(tmp_path, caplog):
 
 @pytest.mark.slow
 def test_the_embedded_model_loads_from_its_copy_as_from_its_gguf(tmp_path, monkeypatch):
-    """The first load converts the GGUF and keeps the copy; the second reads the copy, and gets the same weights and
-    buffers (bits and dtypes), config, generation config and tokenizer (its ids and chat template). In bfloat16, the
-    dtype the GGUF's weights are cast to; float32 takes the same path (and `tests/test_bench_startup.py` converts
-    and reloads it in float32, in processes of their own)."""
+    """The first load converts the GGUF (in transformers' model classes here) and keeps the copy; the second reads the
+    copy into kvstrata's own weight modules (engine/checkpoint.py), and gets the same weights (bits and dtypes), RoPE
+    tables, config, generation config and tokenizer (its ids and chat template). In bfloat16, the dtype the GGUF's
+    weights are cast to; float32 takes the same path (and `tests/test_bench_startup.py` converts and reloads it in
+    float32, in processes of their own). A first start without `transformers_modules` runs what later ones run."""
     dtype = torch.bfloat16
     from transformers import modeling_gguf_pytorch_utils
 
+    from kvstrata.engine.checkpoint import CausalLM
     from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
 
     monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path))
@@ -117,17 +119,22 @@ def test_the_embedded_model_loads_from_its_copy_as_from_its_gguf(tmp_path, monke
     monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint",
                         lambda *a, **k: gguf_reads.append(1) or read(*a, **k))
     source = resolve_model(EMBEDDED_MODEL)
-    converted = load_model(source, dtype, "cpu")
-    assert gguf_reads
+    converted = load_model(source, dtype, "cpu", transformers_modules=True)
+    assert gguf_reads and not isinstance(converted.model, CausalLM)
     gguf_reads.clear()
     copied = load_model(source, dtype, "cpu")
     assert not gguf_reads  # neither the weights nor the tokenizer read the GGUF again
+    assert isinstance(copied.model, CausalLM)
 
     assert copied.model_config == converted.model_config  # the identity (the GGUF's digest) included
-    for (name, a), (other, b) in zip([*converted.model.named_parameters(), *converted.model.named_buffers()],
-                                     [*copied.model.named_parameters(), *copied.model.named_buffers()], strict=True):
-        assert name == other and a.dtype == b.dtype == (torch.float32 if "inv_freq" in name else dtype)
-        assert torch.equal(a, b), name
+    params = dict(copied.model.named_parameters())
+    for name, a in converted.model.named_parameters():
+        assert a.dtype == params[name].dtype == dtype and torch.equal(a, params.pop(name)), name
+    assert not params
+    positions = torch.arange(8192)[None]
+    for a, b in zip(converted.model.get_decoder().rotary_emb(torch.ones(1, dtype=dtype), positions),
+                    copied.model.get_decoder().rotary_emb(torch.ones(1, dtype=dtype), positions), strict=True):
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b)
     assert (copied.model.get_output_embeddings().weight.data_ptr()
             == copied.model.get_input_embeddings().weight.data_ptr())  # still tied
     assert copied.model.generation_config.eos_token_id == converted.model.generation_config.eos_token_id

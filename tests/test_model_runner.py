@@ -1,14 +1,16 @@
 """The model on the paged KV cache gives the logits transformers gives on its own.
 
 Model-level tests share one float32 CPU load of the embedded model (torch kernels); the reference is
-the same weights run by transformers with its SDPA attention and no KV cache at all.
+the same files loaded into transformers' own model classes, run with its SDPA attention and no KV cache at all.
 """
+import functools
 import json
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from kvstrata.engine.checkpoint import CausalLM
 from kvstrata.engine.model_loader import (EMBEDDED_MODEL, ModelSource, load_model, model_identity,
                                           resolve_model)
 from kvstrata.engine.model_runner import ModelRunner, StepInput
@@ -85,18 +87,24 @@ def blocks_for(num_tokens: int, first: int = 0) -> list[int]:
 _reference_logits: dict[tuple[int, ...], torch.Tensor] = {}
 
 
-def transformers_last_logits(loaded, token_ids: list[int]) -> torch.Tensor:
+@functools.lru_cache(maxsize=1)
+def transformers_model() -> torch.nn.Module:
+    """The same files loaded into transformers' own model classes."""
+    return load_model(resolve_model(EMBEDDED_MODEL), torch.float32, "cpu", transformers_modules=True).model
+
+
+def transformers_last_logits(token_ids: list[int]) -> torch.Tensor:
     """The reference: transformers' own forward with SDPA over the whole sequence, no paged cache
     (memoised: several tests compare against the same prompt)."""
     key = tuple(token_ids)
     if key not in _reference_logits:
-        _reference_logits[key] = _transformers_forward(loaded, token_ids)
+        _reference_logits[key] = _transformers_forward(transformers_model(), token_ids)
     return _reference_logits[key]
 
 
-def _transformers_forward(loaded, token_ids: list[int]) -> torch.Tensor:
+def _transformers_forward(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return loaded.model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0, -1].float()
+        return model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0, -1].float()
 
 
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -114,7 +122,7 @@ def test_prefill_logits_match_transformers(loaded, runner, tokens):
     assert 80 <= len(prompt) <= 128
     logits = runner.execute(build_step([Chunk(prompt, 0, blocks_for(len(prompt)))]))
     assert logits.shape == (1, loaded.model_config.vocab_size) and logits.dtype == torch.float32
-    assert_logits_close(logits[0], transformers_last_logits(loaded, prompt))
+    assert_logits_close(logits[0], transformers_last_logits(prompt))
 
 
 @pytest.mark.slow
@@ -139,7 +147,7 @@ def test_decode_step_matches_transformers_on_the_extended_sequence(loaded, runne
     table = blocks_for(len(prompt) + 2)
     next_token = runner.execute(build_step([Chunk(prompt, 0, table)]))[0].argmax().item()
     logits = runner.execute(build_step([Chunk([next_token], len(prompt), table)]))[0]
-    assert_logits_close(logits, transformers_last_logits(loaded, prompt + [next_token]))
+    assert_logits_close(logits, transformers_last_logits(prompt + [next_token]))
 
 
 @pytest.mark.slow
@@ -147,14 +155,14 @@ def test_packed_sequences_match_each_alone(loaded, runner, tokens):
     a, b = tokens["a"], tokens["b"]
     table_a, table_b = blocks_for(len(a) + 1), blocks_for(len(b) + 1, first=20)
     packed = runner.execute(build_step([Chunk(a, 0, table_a), Chunk(b, 0, table_b)]))
-    assert_logits_close(packed[0], transformers_last_logits(loaded, a))
-    assert_logits_close(packed[1], transformers_last_logits(loaded, b))
+    assert_logits_close(packed[0], transformers_last_logits(a))
+    assert_logits_close(packed[1], transformers_last_logits(b))
 
     # then one decode step for both, packed again: each still reads only its own blocks
     next_a, next_b = packed.argmax(-1).tolist()
     decoded = runner.execute(build_step([Chunk([next_a], len(a), table_a), Chunk([next_b], len(b), table_b)]))
-    assert_logits_close(decoded[1], transformers_last_logits(loaded, b + [next_b]))
-    assert_logits_close(decoded[0], transformers_last_logits(loaded, a + [next_a]))
+    assert_logits_close(decoded[1], transformers_last_logits(b + [next_b]))
+    assert_logits_close(decoded[0], transformers_last_logits(a + [next_a]))
 
 
 @pytest.mark.slow
@@ -164,7 +172,7 @@ def test_shuffled_non_contiguous_blocks_give_the_same_logits(loaded, runner, tok
     table = torch.randperm(NUM_BLOCKS, generator=generator)[: len(blocks_for(len(prompt)))].tolist()
     assert table != sorted(table)
     logits = runner.execute(build_step([Chunk(prompt, 0, table)]))[0]
-    assert_logits_close(logits, transformers_last_logits(loaded, prompt))
+    assert_logits_close(logits, transformers_last_logits(prompt))
 
 
 @pytest.mark.slow
@@ -178,7 +186,7 @@ def test_triton_kernels_through_the_whole_model_match_transformers(loaded, token
     assert len(prompt) <= len(table) * BLOCK_SIZE
     triton_runner.execute(build_step([Chunk(prompt[:9], 0, table)], want_logits=False))
     logits = triton_runner.execute(build_step([Chunk(prompt[9:], 9, table)]))[0]
-    assert_logits_close(logits, transformers_last_logits(loaded, prompt))
+    assert_logits_close(logits, transformers_last_logits(prompt))
 
 
 @pytest.mark.slow
@@ -193,9 +201,10 @@ def test_loaded_model_summary(loaded):
                                      cfg.max_model_len)
     assert loaded.tokenizer.convert_tokens_to_ids("<|im_end|>") in cfg.eos_token_ids
     assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
-    # the GGUF is dequantised into plain Linear layers of the asked dtype (no packed-weight modules)
-    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in linears)
+    # the GGUF is dequantised into plain weights of the asked dtype (no packed-weight modules), read without
+    # transformers' model classes from the converted copy
+    assert isinstance(loaded.model, CausalLM)
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.float32}
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -20,11 +21,12 @@ def engine_config(tmp_path, **scheduler) -> dict:
             "scheduler": scheduler or {"max_num_batched_tokens": 2048, "max_num_seqs": 8}}
 
 
-def reference_logprobs(loaded, token_ids: list[int]) -> torch.Tensor:
-    """log P(token k+1 | tokens 0..k) for every k, from one plain forward pass of the model with
-    transformers' own attention (no paged cache, no engine)."""
+def reference_logprobs(token_ids: list[int]) -> torch.Tensor:
+    """log P(token k+1 | tokens 0..k) for every k, from one plain forward pass of the model in transformers' own
+    classes, with its own attention (no paged cache, no engine)."""
+    model = load_model(resolve_model(EMBEDDED_MODEL), torch.float32, "cpu", transformers_modules=True).model
     with torch.inference_mode():
-        logits = loaded.model(torch.tensor([token_ids])).logits[0].float()
+        logits = model(torch.tensor([token_ids])).logits[0].float()
     return logits[:-1].log_softmax(-1)
 
 
@@ -32,7 +34,7 @@ def test_prompt_logprobs_are_the_models_own_at_every_position(embedded_model_fp3
     with LLM(engine_config(tmp_path), loaded_model=embedded_model_fp32) as llm:
         out, = llm.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))
     ids = out.prompt_token_ids
-    expected = reference_logprobs(embedded_model_fp32, ids)
+    expected = reference_logprobs(ids)
     assert [e.token_id for e in out.prompt_logprobs] == ids[1:]
     for k, entry in enumerate(out.prompt_logprobs):
         assert entry.logprob == pytest.approx(expected[k, ids[k + 1]].item(), abs=1e-3)
@@ -91,7 +93,7 @@ def test_a_scored_prefix_is_not_recomputed_to_score_what_follows_it(embedded_mod
     assert stats["blocks_served"] >= 2 * (full_blocks - 3) and stats["blocks"] >= full_blocks
     for out, k in zip(scored, (2, 2, 5)):
         ids = out.prompt_token_ids
-        expected = reference_logprobs(embedded_model_fp32, ids)
+        expected = reference_logprobs(ids)
         assert [e.token_id for e in out.prompt_logprobs] == ids[1:]
         assert [e.logprob for e in out.prompt_logprobs] == pytest.approx(
             expected[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist(), abs=1e-3)

@@ -129,7 +129,7 @@ def load(name: str, dtype: torch.dtype, device: str, work_dir: Path):
         return load_model(resolve_model(str(directory), "dummy"), dtype, device)
     if name == "llama-3-8b":
         return load_model(resolve_model(name, "dummy"), dtype, device)
-    return load_model(resolve_model(name), dtype, device)
+    return load_model(resolve_model(name), dtype, device, transformers_modules=True)  # its forward is compared
 
 
 def measure_model(loaded, context: int, repeats: int, cases=CASES) -> list[dict]:
