@@ -140,15 +140,29 @@ def model_identity(source: ModelSource) -> str:
 def load_tokenizer(source: ModelSource):
     """The model's tokenizer (with its chat template) alone, without its weights (`kvstrata route`). A GGUF's is
     converted once and kept (engine/converted_model.py)."""
+    if not source.gguf_file:
+        return _auto_tokenizer(source.directory)
+    return load_or_convert(
+        converted_dir(model_identity(source)) / "tokenizer", _tokenizer_copy,
+        lambda: _auto_tokenizer(source.directory, gguf_file=source.gguf_file),
+        lambda tokenizer, folder: tokenizer.save_pretrained(folder))
+
+
+def _auto_tokenizer(directory: Path, **files):
     from transformers import AutoTokenizer
 
-    if not source.gguf_file:
-        return AutoTokenizer.from_pretrained(source.directory, local_files_only=True)
-    return load_or_convert(
-        converted_dir(model_identity(source)) / "tokenizer",
-        lambda copy: AutoTokenizer.from_pretrained(copy, local_files_only=True),
-        lambda: AutoTokenizer.from_pretrained(source.directory, local_files_only=True, gguf_file=source.gguf_file),
-        lambda tokenizer, folder: tokenizer.save_pretrained(folder))
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True, **files)
+
+
+def _tokenizer_copy(folder: Path):
+    """A converted tokenizer, loaded with the class that saved it when that is transformers' generic tokenizers-backed
+    one (as a GGUF's is): importing `AutoTokenizer` scans transformers' every model folder, a second of a start."""
+    saved_by = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    if saved_by != "TokenizersBackend":
+        return _auto_tokenizer(folder)
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(folder, local_files_only=True)
 
 
 def _from_pretrained(source: ModelSource, dtype: torch.dtype, transformers_modules: bool):

@@ -138,6 +138,7 @@ def test_the_embedded_model_loads_from_its_copy_as_from_its_gguf(tmp_path, monke
     assert (copied.model.get_output_embeddings().weight.data_ptr()
             == copied.model.get_input_embeddings().weight.data_ptr())  # still tied
     assert copied.model.generation_config.eos_token_id == converted.model.generation_config.eos_token_id
+    assert type(copied.tokenizer) is type(converted.tokenizer)  # reloaded with the class that saved it
     text = "def f(x):\n    return x ** 2  # square\n\u00e9t\u00e9 \U0001F600"
     assert copied.tokenizer(text)["input_ids"] == converted.tokenizer(text)["input_ids"]
     assert (copied.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
