@@ -255,16 +255,18 @@ def _check_runnable(source: ModelSource) -> dict:
 @contextmanager
 def _gguf_parsed_once():
     """transformers parses a GGUF's header three times in one load (for the config, the tokenizer and the
-    weights), and each parse walks the tokenizer's ~100k strings one numpy slice at a time: a large part of a
-    first start each. While loading, the `gguf` package's reader is built once per file and shared; it only
-    maps the file and reads it."""
+    weights), and each parse walks the tokenizer's ~100k strings one numpy slice at a time; it also builds the
+    table of GGUF tensor names anew for each of the model's ~400 modules. Each is a large part of a first start.
+    While loading, the `gguf` package's reader is built once per file and its name table once per architecture,
+    and shared: transformers only reads them."""
     try:
         import gguf
     except ImportError:  # a model directory needs no GGUF reader; a GGUF without it fails with transformers' line
         yield
         return
-    make_reader = gguf.GGUFReader
+    make_reader, make_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], object] = {}
+    name_maps: dict[tuple[object, int], object] = {}
 
     def shared_reader(path, mode="r"):
         key = (os.fspath(path), mode)
@@ -272,11 +274,16 @@ def _gguf_parsed_once():
             readers[key] = make_reader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = shared_reader
+    def shared_name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = make_name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, shared_name_map
     try:
         yield
     finally:
-        gguf.GGUFReader = make_reader
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_name_map
 
 
 @contextmanager
