@@ -118,9 +118,14 @@ def test_the_embedded_model_loads_from_its_copy_as_from_its_gguf(tmp_path, monke
     read = modeling_gguf_pytorch_utils.load_gguf_checkpoint
     monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint",
                         lambda *a, **k: gguf_reads.append(1) or read(*a, **k))
+    import gguf
+    name_tables = []
+    build_table = gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda *a: name_tables.append(a) or build_table(*a))
     source = resolve_model(EMBEDDED_MODEL)
     converted = load_model(source, dtype, "cpu", transformers_modules=True)
     assert gguf_reads and not isinstance(converted.model, CausalLM)
+    assert len(name_tables) == 1  # built once, not once per module (~400) as transformers asks for it
     gguf_reads.clear()
     copied = load_model(source, dtype, "cpu")
     assert not gguf_reads  # neither the weights nor the tokenizer read the GGUF again
