@@ -110,20 +110,35 @@ def _median_s(fn, repeats: int) -> float:
 # trace: run one prompt whole, and as a prefix step then a suffix step; name the first op whose rows differ.
 
 class Recorder:
-    """Records, in forward order, every leaf module's output and the attention's inputs and output."""
+    """Records, in forward order, the output of every op the decoder calls (engine/decoder.py runs the layers through
+    its kernel ops, never through the model's modules): each named by the op and its call's number in the step, the
+    K/V, q and attention by their layer."""
 
-    def __init__(self, loaded, ops):
+    def __init__(self, ops):
         self.records: list[tuple[str, torch.Tensor]] = []
-        for name, module in loaded.model.named_modules():
-            if name and not list(module.children()) and "rotary" not in name and "lm_head" not in name:
-                short = name.replace("model.layers.", "L").replace("model.", "")
-                module.register_forward_hook(lambda m, i, out, short=short: self._record(short, out))
-        self.ops = dataclasses.replace(ops, store_kv=self._store_kv(ops.store_kv),
-                                       prefix_prefill=self._prefill(ops.prefix_prefill))
+        self.calls: dict[str, int] = {}
+        linear = ops.model_linear or torch.nn.functional.linear
+        self.ops = dataclasses.replace(
+            ops, store_kv=self._store_kv(ops.store_kv), prefix_prefill=self._prefill(ops.prefix_prefill),
+            rms_norm=self._numbered("rms_norm", ops.rms_norm), rotary=self._numbered("rotary", ops.rotary),
+            silu_and_mul=self._numbered("silu_and_mul", ops.silu_and_mul),
+            model_linear=self._numbered("linear", linear))
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.calls.clear()
 
     def _record(self, name, tensor):
-        tensor = tensor[0] if isinstance(tensor, tuple) else tensor
-        self.records.append((name, tensor.detach().reshape(-1, tensor.shape[-1]).clone()))
+        tensor = tensor[0] if isinstance(tensor, tuple) else tensor  # rms_norm's (out, residual): its out
+        self.records.append((name, tensor.detach().reshape(tensor.shape[0], -1).clone()))  # a row per token
+
+    def _numbered(self, op, run):
+        def recording(*args, **kwargs):
+            out = run(*args, **kwargs)
+            self.calls[op] = self.calls.get(op, 0) + 1
+            self._record(f"{op} #{self.calls[op]}", out)
+            return out
+        return recording
 
     def _store_kv(self, store_kv):
         def recording(key, value, kv_cache, layer, slot_mapping):
@@ -149,7 +164,7 @@ def run_steps(loaded, recorder, tokens, cuts):
     table = list(range(-(-len(tokens) // BLOCK_SIZE)))
     steps, start, logits = [], 0, None
     for end in cuts:
-        recorder.records.clear()
+        recorder.clear()
         pos = list(range(start, end))
         logits = runner.execute(StepInput(tokens[start:end], pos, [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
                                                                     for p in pos], [table], [0, end - start], [end],
@@ -160,7 +175,12 @@ def run_steps(loaded, recorder, tokens, cuts):
 
 
 def first_difference(reference, records, rows: slice) -> str:
-    for (name, ref), (_, got) in zip(reference, records):
+    """The first op whose rows for the step's tokens differ from the same rows of the whole prompt's (the product
+    for the sampled row only, a row per step rather than per token, is left to the logits' column)."""
+    tokens = reference[0][1].shape[0]  # the whole prompt's: its first op (a norm) has a row per token
+    for (name, ref), (_, got) in zip(reference, records, strict=True):
+        if ref.shape[0] != tokens:
+            continue
         if not torch.equal(ref[rows], got):
             diff = (ref[rows].float() - got.float()).abs()
             return f"{name} ({int((diff > 0).sum())} values, max {float(diff.max()):.2g})"
@@ -175,7 +195,7 @@ def trace(args) -> None:
           "last logits equal |")
     print("|---|---|---|---|---|")
     for invariant in (False, True):
-        recorder = Recorder(loaded, get_ops(args.backend, batch_invariant=invariant))
+        recorder = Recorder(get_ops(args.backend, batch_invariant=invariant))
         (whole,), whole_logits = run_steps(loaded, recorder, tokens, [len(tokens)])
         for cut in args.cuts:
             (prefix, suffix), logits = run_steps(loaded, recorder, tokens, [cut, len(tokens)])
