@@ -150,17 +150,22 @@ class CausalLM(nn.Module):
 
 def read_checkpoint(directory: Path, dtype: torch.dtype) -> CausalLM | None:
     """The checkpoint in `directory` on the CPU, its weights in `dtype`; None when it is not one read exactly here
-    (the caller then loads it with transformers)."""
+    (the caller then loads it with transformers). ValueError for weights files that cannot be read."""
     raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     config, why_not = _checkpoint_config(raw)
     weight_files = _weight_files(directory)
-    if config is not None and weight_files:
-        state = _read_tensors(weight_files)
-        why_not = _unlike_its_config(state, config)
-    if config is None or not weight_files or why_not:
-        logger.debug("kvstrata: %s is loaded by transformers (%s)", directory, why_not or "no safetensors")
-        return None
-    state = {name: tensor.to(dtype) for name, tensor in state.items()}
+    from safetensors import SafetensorError
+
+    try:
+        if config is not None and weight_files:
+            stored = _stored_tensors(weight_files)
+            why_not = _unlike_its_config(stored, config)  # before any weight is read
+        if config is None or not weight_files or why_not:
+            logger.debug("kvstrata: %s is loaded by transformers (%s)", directory, why_not or "no safetensors")
+            return None
+        state = _read_tensors(stored, dtype)
+    except SafetensorError as exc:  # a damaged or truncated file: one line, as any other load error
+        raise ValueError(f"its weights are not readable safetensors ({exc})") from None
     rotary = RotaryEmbedding(inverse_frequencies(_rope_parameters(raw), config.head_dim, raw))
     return CausalLM(state, config, _generation_defaults(directory, raw), rotary)
 
@@ -227,33 +232,60 @@ def _weight_files(directory: Path) -> list[Path]:
     return [directory / name for name in sorted(set(weight_map.values()))]
 
 
-def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Every tensor of the files by name, the embedding under both its names when the file kept it once (as
-    safetensors keeps a tied pair)."""
+@dataclass(frozen=True)
+class StoredTensor:
+    file: Path
+    name: str  # its name in the file (a tied pair is stored once, under one of its names)
+    shape: tuple[int, ...]
+
+
+def _stored_tensors(files: list[Path]) -> dict[str, StoredTensor]:
+    """Where each tensor of the checkpoint is, by name, without reading it; the embedding under both its names when
+    the file kept a tied pair once (safetensors names the other in its metadata)."""
     from safetensors import safe_open
 
-    state: dict[str, torch.Tensor] = {}
+    stored: dict[str, StoredTensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            aliases = {alias: name for alias, name in (f.metadata() or {}).items() if name in f.keys()}
-            for name in f.keys():
+            names = set(f.keys())
+            for name in names:
                 if not name.endswith(_BENIGN_KEYS):
-                    state[name] = f.get_tensor(name)
-            for alias, name in aliases.items():
-                if alias.startswith(("model.", "lm_head.")) and alias not in state:
-                    state[alias] = state[name]
+                    stored[name] = StoredTensor(file, name, tuple(f.get_slice(name).get_shape()))
+            for alias, name in (f.metadata() or {}).items():
+                if name in names and alias.startswith(("model.", "lm_head.")) and alias not in stored:
+                    stored[alias] = stored[name]
+    return stored
+
+
+def _read_tensors(stored: dict[str, StoredTensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors in `dtype`, cast one by one (a model is never held in two dtypes at once); a tensor stored once
+    under two names is read once."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name, where in stored.items():
+        by_file.setdefault(where.file, []).append(name)
+    read: dict[tuple[Path, str], torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                key = (file, stored[name].name)
+                if key not in read:
+                    read[key] = f.get_tensor(key[1]).to(dtype)
+                state[name] = read[key]
     return state
 
 
-def _unlike_its_config(state: dict[str, torch.Tensor], config: CheckpointConfig) -> str:
+def _unlike_its_config(stored: dict[str, StoredTensor], config: CheckpointConfig) -> str:
     """Why the tensors are not exactly a Llama-family model's of this config (names and head sizes); "" if they are.
     Biases and Qwen3's q/k norms are read off the names. A tied model's `lm_head.weight` is dropped: transformers
     ties the two whatever the file holds."""
     if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+        stored.pop("lm_head.weight", None)
     first = "model.layers.0."
-    biases = [key for key in _LAYER_KEYS if f"{first}{key}.bias" in state]
-    norms = ["self_attn.q_norm", "self_attn.k_norm"] if f"{first}self_attn.q_norm.weight" in state else []
+    biases = [key for key in _LAYER_KEYS if f"{first}{key}.bias" in stored]
+    norms = ["self_attn.q_norm", "self_attn.k_norm"] if f"{first}self_attn.q_norm.weight" in stored else []
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.tie_word_embeddings:
         expected.add("lm_head.weight")
@@ -262,9 +294,9 @@ def _unlike_its_config(state: dict[str, torch.Tensor], config: CheckpointConfig)
         expected |= {f"{layer}{key}.weight" for key in (*_LAYER_KEYS, *norms, "input_layernorm",
                                                            "post_attention_layernorm")}
         expected |= {f"{layer}{key}.bias" for key in biases}
-    if set(state) != expected:
-        return f"tensors {sorted(set(state) ^ expected)[:3]} are not those of its config"
-    rows = tuple(state[f"{first}self_attn.{p}_proj.weight"].shape[0] for p in "qk")
+    if set(stored) != expected:
+        return f"tensors {sorted(set(stored) ^ expected)[:3]} are not those of its config"
+    rows = tuple(stored[f"{first}self_attn.{p}_proj.weight"].shape[0] for p in "qk")
     if rows != (config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim):
         return "q_proj's or k_proj's rows are not its heads x head_dim"
     return ""

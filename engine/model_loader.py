@@ -10,6 +10,7 @@ wrong while loading is one line naming `model.name` (a ValueError), never a trac
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import logging
@@ -185,7 +186,11 @@ def _from_pretrained(source: ModelSource, dtype: torch.dtype, transformers_modul
     model = load_or_convert(copy, from_files, lambda: from_files(source.directory, gguf_file=source.gguf_file),
                             _save_dequantised)
     if not transformers_modules and not isinstance(model, CausalLM) and is_whole_copy(copy):
-        model = from_files(copy)  # a first start then runs the modules every later start runs
+        # a first start then runs the modules every later start runs; the conversion's weights are let go first,
+        # so that a large model is never held twice
+        del model
+        gc.collect()
+        model = from_files(copy)
     return tokenizer, model
 
 

@@ -1,6 +1,8 @@
 """The startup benchmark (`benchmarks/host.py startup`): one round of a first start (it converts the GGUF) and a
 later one (it reads the copy), each in a process of its own, that name the same model, and a report with a row for
 each. The third kind, a GGUF load that keeps no copy, is the first start's load without the save."""
+import json
+
 import pytest
 
 from benchmarks import host
@@ -15,6 +17,11 @@ def test_one_round_times_a_first_and_a_later_start(tmp_path):
     for kind in ("first", "later"):
         assert f"| {startup.KINDS[kind]} |" in report
     assert startup.KINDS["gguf"] not in report
+    runs = json.loads((tmp_path / "startup.json").read_text())["runs"]
+    first, later = runs["first"][0], runs["later"][0]
+    assert first["identity"] == later["identity"]
+    # a first start reads back the copy it wrote: it runs the weight modules every later start runs
+    assert first["weights_in"] == later["weights_in"] == "CausalLM"
 
 
 def test_unknown_kinds_are_one_line(capsys):

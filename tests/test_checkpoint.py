@@ -113,3 +113,14 @@ def test_reading_a_checkpoint_imports_no_transformers_model_code(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["CausalLM", "[]"]
+
+
+def test_a_truncated_weights_file_is_one_line_naming_the_model(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "model", _families()["llama_gqa_head_dim_128"])
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    with pytest.raises(ValueError) as info:
+        load_model(resolve_model(str(model_dir)), torch.float32, "cpu")
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"model.name: cannot load {model_dir}")
+    assert "not readable safetensors" in message

@@ -38,7 +38,7 @@ from kvstrata.engine.model_loader import EMBEDDED_MODEL, load_model, resolve_mod
 imported = time.perf_counter()
 loaded = load_model(resolve_model(EMBEDDED_MODEL), getattr(torch, sys.argv[1]), "cpu")
 print(json.dumps({"import_s": imported - started, "load_s": time.perf_counter() - imported,
-                  "identity": loaded.model_config.identity}))
+                  "identity": loaded.model_config.identity, "weights_in": type(loaded.model).__name__}))
 """
 
 
