@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvstrata.engine.model_spec import read_shape
@@ -47,6 +48,7 @@ class CheckpointConfig:
     head_dim: int
     rms_norm_eps: float
     tie_word_embeddings: bool
+    rope: dict[str, Any]  # rope_type, rope_theta and, for llama3, its scaling factors and pretraining context
 
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self.raw)
@@ -154,11 +156,11 @@ def read_checkpoint(directory: Path, dtype: torch.dtype) -> CausalLM | None:
     raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     config, why_not = _checkpoint_config(raw)
     weight_files = _weight_files(directory)
-    from safetensors import SafetensorError
-
     try:
         if config is not None and weight_files:
             stored = _stored_tensors(weight_files)
+            if config.tie_word_embeddings:
+                stored.pop("lm_head.weight", None)  # transformers ties the two whatever the file holds
             why_not = _unlike_its_config(stored, config)  # before any weight is read
         if config is None or not weight_files or why_not:
             logger.debug("kvstrata: %s is loaded by transformers (%s)", directory, why_not or "no safetensors")
@@ -166,11 +168,11 @@ def read_checkpoint(directory: Path, dtype: torch.dtype) -> CausalLM | None:
         state = _read_tensors(stored, dtype)
     except SafetensorError as exc:  # a damaged or truncated file: one line, as any other load error
         raise ValueError(f"its weights are not readable safetensors ({exc})") from None
-    rotary = RotaryEmbedding(inverse_frequencies(_rope_parameters(raw), config.head_dim, raw))
+    rotary = RotaryEmbedding(inverse_frequencies(config.rope, config.head_dim))
     return CausalLM(state, config, _generation_defaults(directory, raw), rotary)
 
 
-def inverse_frequencies(rope: dict[str, Any], head_dim: int, raw: dict[str, Any]) -> torch.Tensor:
+def inverse_frequencies(rope: dict[str, Any], head_dim: int) -> torch.Tensor:
     """RoPE's float32 inverse frequencies, one per pair of a head's dims: `default`, or Llama 3.1's scaled ones
     (low frequencies divided by `factor`, a smooth ramp between `low_freq_factor` and `high_freq_factor`)."""
     base = float(rope["rope_theta"])
@@ -178,8 +180,7 @@ def inverse_frequencies(rope: dict[str, Any], head_dim: int, raw: dict[str, Any]
     if rope["rope_type"] == "default":
         return inv_freq
     factor, low, high = (float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
-    old_context = rope.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings") \
-        or raw["max_position_embeddings"]
+    old_context = rope["original_max_position_embeddings"]
     low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
@@ -195,8 +196,8 @@ def _checkpoint_config(raw: dict[str, Any]) -> tuple[CheckpointConfig | None, st
         shape = read_shape(raw)
     except ValueError as exc:
         return None, str(exc)
-    rope = _rope_parameters(raw)
-    if rope is None or rope.get("rope_type") not in READ_ROPE_TYPES:
+    rope = _rope_parameters(raw, shape.rope_type)
+    if rope is None or rope["rope_type"] not in READ_ROPE_TYPES:
         return None, f"RoPE {rope}"
     if raw.get("partial_rotary_factor", 1.0) != 1.0 or rope.get("partial_rotary_factor", 1.0) != 1.0:
         return None, "a partial rotary factor"
@@ -207,17 +208,20 @@ def _checkpoint_config(raw: dict[str, Any]) -> tuple[CheckpointConfig | None, st
     config = CheckpointConfig(raw=raw, hidden_size=int(raw["hidden_size"]), num_hidden_layers=shape.num_layers,
                               num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
                               head_dim=shape.head_dim, rms_norm_eps=float(raw["rms_norm_eps"]),
-                              tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)))
+                              tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), rope=rope)
     return config, ""
 
 
-def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any] | None:
-    """`rope_parameters` (transformers 5), else the older `rope_theta` and `rope_scaling`; None without a base."""
+def _rope_parameters(raw: dict[str, Any], rope_type: str) -> dict[str, Any] | None:
+    """`rope_parameters` (transformers 5), else the older `rope_theta` and `rope_scaling`, with the pretraining
+    context where transformers finds it; None without a base."""
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     if any(isinstance(value, dict) for value in rope.values()):
         return None  # per-layer-type RoPE
     rope.setdefault("rope_theta", raw.get("rope_theta"))
-    rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
+    rope["rope_type"] = rope_type  # model_spec.read_shape's reading of it
+    rope["original_max_position_embeddings"] = rope.get("original_max_position_embeddings") \
+        or raw.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
     return rope if rope["rope_theta"] is not None else None
 
 
@@ -242,8 +246,6 @@ class StoredTensor:
 def _stored_tensors(files: list[Path]) -> dict[str, StoredTensor]:
     """Where each tensor of the checkpoint is, by name, without reading it; the embedding under both its names when
     the file kept a tied pair once (safetensors names the other in its metadata)."""
-    from safetensors import safe_open
-
     stored: dict[str, StoredTensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -258,31 +260,21 @@ def _stored_tensors(files: list[Path]) -> dict[str, StoredTensor]:
 
 
 def _read_tensors(stored: dict[str, StoredTensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors in `dtype`, cast one by one (a model is never held in two dtypes at once); a tensor stored once
-    under two names is read once."""
-    from safetensors import safe_open
-
+    """The tensors in `dtype`, cast one by one (a model is never held in two dtypes at once), each file opened once."""
     by_file: dict[Path, list[str]] = {}
     for name, where in stored.items():
         by_file.setdefault(where.file, []).append(name)
-    read: dict[tuple[Path, str], torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     for file, names in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             for name in names:
-                key = (file, stored[name].name)
-                if key not in read:
-                    read[key] = f.get_tensor(key[1]).to(dtype)
-                state[name] = read[key]
+                state[name] = f.get_tensor(stored[name].name).to(dtype)
     return state
 
 
 def _unlike_its_config(stored: dict[str, StoredTensor], config: CheckpointConfig) -> str:
     """Why the tensors are not exactly a Llama-family model's of this config (names and head sizes); "" if they are.
-    Biases and Qwen3's q/k norms are read off the names. A tied model's `lm_head.weight` is dropped: transformers
-    ties the two whatever the file holds."""
-    if config.tie_word_embeddings:
-        stored.pop("lm_head.weight", None)
+    Biases and Qwen3's q/k norms are read off the names."""
     first = "model.layers.0."
     biases = [key for key in _LAYER_KEYS if f"{first}{key}.bias" in stored]
     norms = ["self_attn.q_norm", "self_attn.k_norm"] if f"{first}self_attn.q_norm.weight" in stored else []

@@ -20,6 +20,7 @@ written (a read-only or full disk) is left out, with one warning.
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -46,21 +47,26 @@ def converted_dir(identity: str) -> Path:
 
 
 def load_or_convert(directory: Path, load_copy: Callable[[Path], _T], convert: Callable[[], _T],
-                    save: Callable[[_T, Path], None]) -> _T:
+                    save: Callable[[_T, Path], None], read_back: bool = False) -> _T:
     """`load_copy(directory)` when `directory` holds a whole, undamaged copy; else `convert()`, whose result is saved
-    there (`save(result, folder)`) for the next time."""
-    if is_whole_copy(directory):
+    there (`save(result, folder)`) for the next time. With `read_back`, a conversion whose copy is then in place is let
+    go and the copy loaded instead, so that a first start gets what every later start gets (and a large result is
+    never held twice)."""
+    if _verified(directory):
         try:
             return load_copy(directory)
         except Exception as exc:  # noqa: BLE001 - a copy that fails to load is a miss, converted again
             logger.warning("kvstrata: the converted copy in %s did not load (%s); converting the model again",
                            directory, first_line(exc))
     value = convert()
-    _write(directory, lambda folder: save(value, folder))
+    if _write(directory, lambda folder: save(value, folder)) and read_back:
+        del value
+        gc.collect()
+        return load_copy(directory)
     return value
 
 
-def is_whole_copy(directory: Path) -> bool:
+def _verified(directory: Path) -> bool:
     """The folder holds a manifest of this format whose every file is there with its digest."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
@@ -80,9 +86,10 @@ def is_whole_copy(directory: Path) -> bool:
     return True
 
 
-def _write(directory: Path, save: Callable[[Path], None]) -> None:
+def _write(directory: Path, save: Callable[[Path], None]) -> bool:
     """Save into a private temporary folder beside `directory`, write its manifest last, then rename it into place
-    (replacing a damaged copy). Another process that renamed its own copy first wins; a failure leaves nothing."""
+    (replacing a damaged copy). Another process that renamed its own copy first wins; a failure leaves nothing.
+    Whether a whole copy is in place after it."""
     temp = None
     try:
         directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -90,17 +97,19 @@ def _write(directory: Path, save: Callable[[Path], None]) -> None:
         save(temp)
         files = {p.name: digest_file(p) for p in sorted(temp.iterdir()) if p.is_file()}
         (temp / MANIFEST).write_text(json.dumps({"version": FORMAT_VERSION, "files": files}), encoding="utf-8")
-        if directory.exists() and not is_whole_copy(directory):
+        if directory.exists() and not _verified(directory):
             shutil.rmtree(directory, ignore_errors=True)
         try:
             os.rename(temp, directory)
             temp = None
         except OSError:
-            if not is_whole_copy(directory):  # not another process's whole copy: ours could not be put there
+            if not _verified(directory):  # not another process's whole copy: ours could not be put there
                 raise
+        return True
     except Exception as exc:  # noqa: BLE001 - the copy is an optimisation: the model is loaded either way
         logger.warning("kvstrata: could not keep a converted copy of the model in %s (%s); the next start converts "
                        "it again", directory, first_line(exc))
+        return False
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)

@@ -10,7 +10,6 @@ wrong while loading is one line naming `model.name` (a ValueError), never a trac
 """
 from __future__ import annotations
 
-import gc
 import importlib.util
 import json
 import logging
@@ -23,8 +22,8 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvstrata.engine.checkpoint import CausalLM, read_checkpoint
-from kvstrata.engine.converted_model import converted_dir, first_line, is_whole_copy, load_or_convert
+from kvstrata.engine.checkpoint import read_checkpoint
+from kvstrata.engine.converted_model import converted_dir, first_line, load_or_convert
 from kvstrata.engine.model_identity import directory_identity, file_identity
 from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, is_gguf_file, read_config_json, read_shape
 
@@ -182,15 +181,10 @@ def _from_pretrained(source: ModelSource, dtype: torch.dtype, transformers_modul
     if not source.gguf_file:
         return tokenizer, from_files(source.directory)
     # the GGUF's weights in this dtype, converted once and kept (engine/converted_model.py)
-    copy = converted_dir(model_identity(source)) / str(dtype).removeprefix("torch.")
-    model = load_or_convert(copy, from_files, lambda: from_files(source.directory, gguf_file=source.gguf_file),
-                            _save_dequantised)
-    if not transformers_modules and not isinstance(model, CausalLM) and is_whole_copy(copy):
-        # a first start then runs the modules every later start runs; the conversion's weights are let go first,
-        # so that a large model is never held twice
-        del model
-        gc.collect()
-        model = from_files(copy)
+    # (in kvstrata's own modules, read back from the copy on a first start too, unless transformers' are asked for)
+    model = load_or_convert(converted_dir(model_identity(source)) / str(dtype).removeprefix("torch."), from_files,
+                            lambda: from_files(source.directory, gguf_file=source.gguf_file), _save_dequantised,
+                            read_back=not transformers_modules)
     return tokenizer, model
 
 
@@ -270,25 +264,25 @@ def _gguf_parsed_once():
         yield
         return
     make_reader, make_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[str, str], object] = {}
-    name_maps: dict[tuple[object, int], object] = {}
-
-    def shared_reader(path, mode="r"):
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = make_reader(path, mode)
-        return readers[key]
-
-    def shared_name_map(arch, n_blocks):
-        if (arch, n_blocks) not in name_maps:
-            name_maps[arch, n_blocks] = make_name_map(arch, n_blocks)
-        return name_maps[arch, n_blocks]
-
+    shared_reader = _built_once(make_reader, lambda path, mode="r": (os.fspath(path), mode))
+    shared_name_map = _built_once(make_name_map, lambda arch, n_blocks: (arch, n_blocks))
     gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, shared_name_map
     try:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_name_map
+
+
+def _built_once(build, key):
+    """`build`, called through once per `key(*args, **kwargs)`, answering again with what it built then."""
+    built: dict = {}
+
+    def shared(*args, **kwargs):
+        k = key(*args, **kwargs)
+        if k not in built:
+            built[k] = build(*args, **kwargs)
+        return built[k]
+    return shared
 
 
 @contextmanager

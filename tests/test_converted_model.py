@@ -47,6 +47,16 @@ def test_a_copy_is_used_once_written_whole(tmp_path):
     assert folder.stat().st_mode & 0o777 == 0o700  # the user's alone
 
 
+def test_read_back_returns_the_copy_once_written_and_the_conversion_where_none_could_be(tmp_path):
+    def read_back(folder) -> str:
+        return f"copy: {loaded_text(folder)}"
+
+    assert load_or_convert(tmp_path / "copy", read_back, Converter(), saved_text, read_back=True) == "copy: converted"
+    (tmp_path / "a-file").write_text("")
+    assert load_or_convert(tmp_path / "a-file" / "copy", read_back, Converter(), saved_text,
+                           read_back=True) == "converted"
+
+
 @pytest.mark.parametrize("damage", ["flip a byte", "no manifest", "a file missing", "manifest not json"])
 def test_a_damaged_or_half_written_copy_is_converted_again_and_replaced(tmp_path, damage, caplog):
     convert = Converter()
