@@ -31,6 +31,7 @@ from __future__ import annotations
 import array
 import hashlib
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import cbor2
@@ -219,6 +220,46 @@ class BlockHasher:
             parent=hashes[-1] if hashes else None)
         hashes.extend(new_hashes)
         return new_hashes
+
+
+
+MAX_NAMESPACE_BYTES = 4096  # a namespace is a few hundred bytes of CBOR; a naming read from afar is checked
+
+
+@dataclass(frozen=True)
+class BlockNaming:
+    """How an engine names its KV blocks, all a router needs to name a prompt's blocks as that engine's KV events
+    do: the namespace, block size and hash algorithm. `model` is the identity the namespace was made from (the
+    namespace is a digest input, not readable): a router tells by it a replica serving another model, whose
+    prompts it would tokenize otherwise, from one merely configured otherwise (another dtype, say)."""
+
+    model: str
+    namespace: bytes
+    block_size: int
+    algo: str
+
+    def hasher(self) -> BlockHasher:
+        return BlockHasher(self.block_size, self.namespace, self.algo)
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "namespace": self.namespace.hex(), "block_size": self.block_size,
+                "hash": self.algo}
+
+    @classmethod
+    def from_json(cls, data: Any) -> BlockNaming:
+        """The naming `to_json` wrote; ValueError, one line, for anything else."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a block naming is an object, got {type(data).__name__}")
+        model, namespace, block_size, algo = (data.get(k) for k in ("model", "namespace", "block_size", "hash"))
+        if not isinstance(model, str) or not model:
+            raise ValueError("a block naming's model must be a non-empty string")
+        if not isinstance(namespace, str) or len(namespace) > 2 * MAX_NAMESPACE_BYTES:
+            raise ValueError("a block naming's namespace must be a hex string")
+        if not isinstance(algo, str):
+            raise ValueError("a block naming's hash must be a string")
+        naming = cls(model, bytes.fromhex(namespace), block_size, algo)  # fromhex: ValueError for non-hex
+        naming.hasher()  # checks the block size and the algorithm
+        return naming
 
 
 def tokens_as_bytes(token_ids: Any) -> bytes:

@@ -25,7 +25,7 @@ from kvstrata.engine.config import Config, DiskTierConfig, RemoteTierConfig
 from kvstrata.engine.costs import StepCost, attention_pairs, kv_reads
 from kvstrata.engine.detokenizer import IncrementalDetokenizer
 from kvstrata.engine.documents import Document, DocumentPlan, DocumentRegistry
-from kvstrata.engine.hashing import BlockHasher
+from kvstrata.engine.hashing import BlockHasher, BlockNaming
 from kvstrata.engine.kv_manager import KVCacheManager
 from kvstrata.engine.model_loader import LoadedModel, load_model, resolve_model
 from kvstrata.engine.model_runner import ModelRunner, StepInput
@@ -199,6 +199,8 @@ class LLMEngine:
         hasher = BlockHasher.for_model(mc.identity, self.dtype_name, cache.block_size, cache.hash,
                                        batch_invariant=self.batch_invariant, kv_dtype=self.kv_dtype_name,
                                        attention=self.attention_backend)
+        # how this engine names its blocks, for a router to name a prompt's alike (its /health tells it)
+        self.block_naming = BlockNaming(mc.identity, hasher.namespace, hasher.block_size, hasher.algo)
         logprob_blocks = min(PROMPT_LOGPROB_BLOCKS_PER_DEVICE_BLOCK * self.hierarchy.pool.num_blocks,
                              MAX_PROMPT_LOGPROB_BLOCKS)
         sc = config.scheduler

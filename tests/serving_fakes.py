@@ -7,6 +7,7 @@ from typing import AsyncIterator, Callable
 
 import httpx
 
+from kvstrata.engine.hashing import BlockNaming
 from kvstrata.engine.llm import RequestOutput
 from kvstrata.engine.sampling import SamplingParams, TokenLogprobs
 from kvstrata.serving.app import build_app
@@ -16,6 +17,7 @@ from kvstrata.serving.tokenizer_pool import TokenizerPool
 
 MODEL = "fake-model"
 VOCAB = 256
+BLOCK_NAMING = BlockNaming(f"{MODEL}@xxh3_128:0", b"fake-namespace", 16, "xxh3_128")
 
 
 class ByteTokenizer:
@@ -58,7 +60,7 @@ class FakeAsyncEngine:
     REPLY = "hi!"
 
     def __init__(self, max_model_len: int = 512, reply: Callable[[list[int], SamplingParams], str] | None = None):
-        self.engine = type("LLMEngineLimits", (), {"max_model_len": max_model_len})()
+        self.engine = type("LLMEngineLimits", (), {"max_model_len": max_model_len, "block_naming": BLOCK_NAMING})()
         self.is_running = True
         self.snapshot = None
         self.reply = reply or (lambda token_ids, params: self.REPLY)

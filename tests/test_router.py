@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,16 +21,15 @@ import uvicorn
 
 from kvstrata.engine.async_engine import AsyncEngine
 from kvstrata.engine.config import ReplicaConfig, load_config
+from kvstrata.engine.hashing import BlockNaming
 from kvstrata.engine.llm_engine import LLMEngine
 from kvstrata.engine.prompts import render_document
-from kvstrata.kernels import cpu_features
-from kvstrata.kernels.backends import cpu_kernel_available
 from kvstrata.serving.app import build_app
 from kvstrata.serving.events import KVEventPublisher
 from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving import router as router_module
 from kvstrata.serving.router import (EventFeed, HealthChecks, Replica as RoutedReplica, ReplicaSet, _pass_through,
-                                     load_router, prompt_token_ids, set_health)
+                                     learn_naming, load_router, prompt_token_ids, set_health)
 from kvstrata.tiers.block_events import BlockRemoved, BlockStored
 from kvstrata.serving.sockets import bind_socket
 from kvstrata.serving.tokenizer_pool import TokenizerPool
@@ -107,6 +108,11 @@ def cluster(embedded_model_fp32):
         replica.close()
 
 
+def alike(replicas: ReplicaSet, block_hashes: list[bytes]) -> dict:
+    """A prompt's block hashes for each replica, all of them naming blocks alike."""
+    return dict.fromkeys(replicas.replicas, block_hashes)
+
+
 def test_a_batch_of_prompts_is_placed_by_its_first_prompt():
     from serving_fakes import ByteTokenizer
 
@@ -123,17 +129,17 @@ def test_the_router_prefers_the_replica_holding_the_prefix_else_the_least_loaded
     doc = [bytes([i]) for i in range(8)]
     a.index.apply(BlockStored(doc[:1], None, [], 16, "device"))   # the chat template's block, say
     b.index.apply(BlockStored(doc[:6], None, [], 16, "cpu"))
-    assert replicas.choose(doc, set()) == (b, 6)
+    assert replicas.choose(alike(replicas, doc), set()) == (b, 6)
     b.index.apply(BlockRemoved(doc[2:], "cpu"))  # 2 of 8: not enough to decide; the less loaded wins
     a.in_flight = 1
-    assert replicas.choose(doc, set()) == (b, 2)
+    assert replicas.choose(alike(replicas, doc), set()) == (b, 2)
     a.in_flight, b.in_flight = 0, 3
-    assert replicas.choose(doc, set()) == (a, 1)
+    assert replicas.choose(alike(replicas, doc), set()) == (a, 1)
     b.in_flight = 0
-    assert {replicas.choose(doc[6:], set())[0] for _ in range(2)} == {a, b}  # nobody holds it: in turn
+    assert {replicas.choose(alike(replicas, doc[6:]), set())[0] for _ in range(2)} == {a, b}  # nobody holds it: in turn
     b.healthy = False
-    assert replicas.choose(doc, set())[0] is a and replicas.choose(doc, {a})[0] is b
-    assert replicas.choose(doc, {a, b}) == (None, 0)
+    assert replicas.choose(alike(replicas, doc), set())[0] is a and replicas.choose(alike(replicas, doc), {a})[0] is b
+    assert replicas.choose(alike(replicas, doc), {a, b}) == (None, 0)
 
 
 def test_a_prefix_nobody_holds_in_memory_goes_to_the_replica_holding_it_on_disk():
@@ -146,17 +152,17 @@ def test_a_prefix_nobody_holds_in_memory_goes_to_the_replica_holding_it_on_disk(
     doc = [bytes([i]) for i in range(8)]
     b.index.apply(BlockStored(doc, None, [], 16, "disk"))
     b.in_flight = 2  # the least loaded would win if the disk did not count
-    assert replicas.choose(doc, set()) == (b, 8)
+    assert replicas.choose(alike(replicas, doc), set()) == (b, 8)
     a.index.apply(BlockStored(doc[:6], None, [], 16, "disk"))
     a.in_flight = 0
-    assert replicas.choose(doc, set()) == (b, 8)  # the most of it on a disk
+    assert replicas.choose(alike(replicas, doc), set()) == (b, 8)  # the most of it on a disk
     a.index.apply(BlockStored(doc[6:], None, [], 16, "disk"))
-    assert replicas.choose(doc, set()) == (a, 8)  # as much of it on both disks: the less loaded
+    assert replicas.choose(alike(replicas, doc), set()) == (a, 8)  # as much of it on both disks: the less loaded
     c.in_flight = 3
     c.index.apply(BlockStored(doc[:5], None, [], 16, "device"))
-    assert replicas.choose(doc, set()) == (c, 5)  # enough of it in memory: memory first, disks decide nothing
+    assert replicas.choose(alike(replicas, doc), set()) == (c, 5)  # enough of it in memory: memory first, disks decide nothing
     b.index.apply(BlockStored(doc[:5], None, [], 16, "cpu"))
-    assert replicas.choose(doc, set()) == (b, 8)  # as much in memory: the longer prefix with the disk's part
+    assert replicas.choose(alike(replicas, doc), set()) == (b, 8)  # as much in memory: the longer prefix with the disk's part
 
 
 def test_a_replica_holding_the_prefix_gives_requests_up_once_it_is_max_load_gap_ahead_of_the_least_loaded():
@@ -167,13 +173,13 @@ def test_a_replica_holding_the_prefix_gives_requests_up_once_it_is_max_load_gap_
     a.index.apply(BlockStored(doc, None, [], 16, "device"))
     b.index.apply(BlockStored(doc[:5], None, [], 16, "cpu"))
     a.in_flight, b.in_flight, c.in_flight = 3, 0, 0
-    assert replicas.choose(doc, set()) == (a, 8)  # 3 ahead: the prefix still decides
+    assert replicas.choose(alike(replicas, doc), set()) == (a, 8)  # 3 ahead: the prefix still decides
     a.in_flight = 4
-    assert replicas.choose(doc, set()) == (b, 5)  # 4 ahead: the next holder of enough of it
+    assert replicas.choose(alike(replicas, doc), set()) == (b, 5)  # 4 ahead: the next holder of enough of it
     b.in_flight = 4
-    assert replicas.choose(doc, set()) == (c, 0)  # both holders 4 ahead of c: by load
+    assert replicas.choose(alike(replicas, doc), set()) == (c, 0)  # both holders 4 ahead of c: by load
     c.in_flight = 1
-    assert replicas.choose(doc, set()) == (a, 8)  # c caught up: back to the longest prefix
+    assert replicas.choose(alike(replicas, doc), set()) == (a, 8)  # c caught up: back to the longest prefix
 
 
 def test_round_robin_and_random_placement_ignore_the_caches_and_skip_replicas_that_are_out():
@@ -181,15 +187,15 @@ def test_round_robin_and_random_placement_ignore_the_caches_and_skip_replicas_th
     doc = [bytes([i]) for i in range(8)]
     a.index.apply(BlockStored(doc, None, [], 16, "device"))
     in_turn = ReplicaSet([a, b, c], policy="round_robin")
-    assert [in_turn.choose(doc, set())[0] for _ in range(6)] == [a, b, c, a, b, c]
+    assert [in_turn.choose(alike(in_turn, doc), set())[0] for _ in range(6)] == [a, b, c, a, b, c]
     b.healthy = False
-    assert [in_turn.choose(doc, set())[0] for _ in range(4)] == [a, c, a, c]
-    assert in_turn.choose(doc, {a, c})[0] is b  # only the one that is out is left untried
+    assert [in_turn.choose(alike(in_turn, doc), set())[0] for _ in range(4)] == [a, c, a, c]
+    assert in_turn.choose(alike(in_turn, doc), {a, c})[0] is b  # only the one that is out is left untried
     b.healthy = True
     at_random = ReplicaSet([a, b, c], policy="random")
-    chosen = [at_random.choose(doc, set())[0] for _ in range(300)]
+    chosen = [at_random.choose(alike(at_random, doc), set())[0] for _ in range(300)]
     assert all(60 <= chosen.count(r) <= 140 for r in (a, b, c)), [chosen.count(r) for r in (a, b, c)]
-    assert at_random.choose(doc, {a, b}) == (c, 0)
+    assert at_random.choose(alike(at_random, doc), {a, b}) == (c, 0)
 
 
 def test_a_replica_that_never_answers_its_health_check_does_not_delay_taking_out_one_that_died(monkeypatch):
@@ -198,7 +204,7 @@ def test_a_replica_that_never_answers_its_health_check_does_not_delay_taking_out
     (dead_port,) = free_ports(1)  # nothing listens there
     stuck, dead = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None)
                    for port in (hung.getsockname()[1], dead_port))
-    checks = HealthChecks(ReplicaSet([stuck, dead]), interval=0.05)
+    checks = HealthChecks(ReplicaSet([stuck, dead]), interval=0.05, model=MODEL)
     try:
         deadline = time.monotonic() + 10
         while dead.healthy:
@@ -217,10 +223,10 @@ def test_when_no_replica_is_healthy_one_that_refused_is_tried_and_a_hung_one_nev
     replicas = ReplicaSet([refused, hung])
     set_health(refused, False)
     set_health(hung, False, hung=True)
-    assert replicas.choose([], set())[0] is refused
-    assert replicas.choose([], {refused}) == (None, 0)
+    assert replicas.choose(alike(replicas, []), set())[0] is refused
+    assert replicas.choose(alike(replicas, []), {refused}) == (None, 0)
     set_health(hung, True)
-    assert not hung.hung and replicas.choose([], {refused})[0] is hung
+    assert not hung.hung and replicas.choose(alike(replicas, []), {refused})[0] is hung
 
 
 def test_a_health_check_that_times_out_marks_its_replica_hung_and_one_refused_not(monkeypatch):
@@ -229,7 +235,7 @@ def test_a_health_check_that_times_out_marks_its_replica_hung_and_one_refused_no
     (dead_port,) = free_ports(1)
     stuck, dead = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}"), None)
                    for port in (silent.getsockname()[1], dead_port))
-    checks = HealthChecks(ReplicaSet([stuck, dead]), interval=0.05)
+    checks = HealthChecks(ReplicaSet([stuck, dead]), interval=0.05, model=MODEL)
     try:
         deadline = time.monotonic() + 10
         while stuck.healthy or dead.healthy:
@@ -353,6 +359,49 @@ def test_repeated_documents_go_to_the_replica_that_holds_them(cluster):
     assert routed >= 0.9, routed
 
 
+def sample(metrics_text: str, name: str, **labels: str) -> float:
+    """One sample of the router's /metrics (whose labels come sorted by name), 0 when it has none yet."""
+    try:
+        return metric_value(metrics_text, name, ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())))
+    except AssertionError:
+        return 0.0
+
+
+@pytest.mark.slow
+def test_the_routers_metrics_count_where_requests_went_what_placed_them_and_how_much_was_held(cluster):
+    replicas, router_url, router = cluster
+    doc = document("class")
+    body = json.dumps({"messages": [{"role": "user", "content": f"{doc}\n\nAnswer briefly. Why?"}]}).encode()
+    before = httpx.get(f"{router_url}/metrics", timeout=30).text
+    holder = ask(router_url, doc, "Why?").headers["x-kvstrata-replica"]
+    held_by = next(r for r in router.replicas.replicas if r.url == holder)
+    deadline = time.monotonic() + 30
+    while True:  # its KV events reach the router a moment after the answer
+        hashes = asyncio.run(router.prompt_hashes("/v1/chat/completions", body))
+        if held_by.index.prefix_length(hashes[held_by], ("device", "cpu")) == len(hashes[held_by]):
+            break
+        assert time.monotonic() < deadline, "the router never learned what the replica holds"
+        time.sleep(0.05)
+    for _ in range(2):
+        assert ask(router_url, doc, "Why?").headers["x-kvstrata-replica"] == holder
+    after = httpx.get(f"{router_url}/metrics", timeout=30).text
+
+    def grew(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+    blocks = len(hashes[held_by])
+    assert grew("kvstrata_router_requests_total", replica=holder, placement="load") == 1  # nobody held it yet
+    assert grew("kvstrata_router_requests_total", replica=holder, placement="prefix") == 2
+    assert grew("kvstrata_router_prompt_blocks_total", replica=holder) == 3 * blocks
+    # the repeats held all of it; the first, placed by load, at most the chat template's first block
+    assert grew("kvstrata_router_prompt_blocks_held_total", replica=holder) - 2 * blocks in (0, 1)
+    assert grew("kvstrata_router_placement_seconds_count") == 3
+    assert sample(after, "kvstrata_router_refused_total") == 0
+    for replica in replicas:
+        assert sample(after, "kvstrata_router_replica_healthy", replica=replica.url) == 1
+        assert sample(after, "kvstrata_router_replica_matched", replica=replica.url) == 1
+    assert sample(after, "kvstrata_router_replica_blocks", replica=holder, tier="device") >= blocks
+
+
 @pytest.mark.slow
 def test_a_replica_counts_its_published_and_dropped_event_batches_in_metrics(cluster):
     replicas, _, _ = cluster
@@ -368,7 +417,11 @@ def test_the_router_hashes_a_prompt_as_the_replicas_do(cluster):
     messages = [{"role": "user", "content": document("if")}]
     token_ids = prompt_token_ids(router.tokenizer, "/v1/chat/completions", {"messages": messages})
     assert token_ids == engine.apply_chat_template(messages)
-    assert router.hasher.hash(token_ids, cache_salt="t") == engine.kv_manager.hasher.hash(token_ids, cache_salt="t")
+    # named as each replica's /health said it names blocks
+    body = json.dumps({"messages": messages, "cache_salt": "t"}).encode()
+    hashes = asyncio.run(router.prompt_hashes("/v1/chat/completions", body))
+    whole = engine.kv_manager.hasher.hash(token_ids, cache_salt="t")
+    assert hashes == {r: whole[:(len(token_ids) - 1) // engine.block_size] for r in router.replicas.replicas}
     # Read as the replica reads the request: text parts, an open last message, template variables.
     text = document("if")[:300]
     parts = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "text", "text": " Why?"}]}]
@@ -652,6 +705,7 @@ def test_a_stream_whose_replica_stops_answering_mid_answer_ends_with_an_error_ev
         error = json.loads(data[1])["error"]["message"]
         assert error == f"replica {freezing.url} stopped answering mid-answer; the answer is incomplete"
         assert data[2:] == ["[DONE]"]
+        assert sample(router.metrics.render().decode(), "kvstrata_router_streams_cut_total", replica=freezing.url) == 1
     finally:
         front.stop()
         router.close()
@@ -680,6 +734,8 @@ def test_a_stream_whose_replica_dies_before_its_first_event_is_answered_whole_by
             assert response.headers["x-kvstrata-replica"] == replicas[0].url
             data = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
         assert dying.taken == 1
+        assert sample(router.metrics.render().decode(), "kvstrata_router_failovers_total", replica=dying.url,
+                      reason="died_before_first_event") == 1
         assert data[-1] == "[DONE]" and not any("error" in json.loads(d) for d in data[:-1])
         assert "".join(c["delta"].get("content") or "" for d in data[:-1] for c in json.loads(d)["choices"])
         assert not router.replicas.replicas[0].healthy
@@ -690,38 +746,79 @@ def test_a_stream_whose_replica_dies_before_its_first_event_is_answered_whole_by
 
 
 @pytest.mark.slow
-def test_in_the_batch_invariant_mode_the_router_names_blocks_by_the_replicas_attention_backend(embedded_model_fp32):
-    """The mode's blocks are named by the attention backend (each sums in its own order): the router resolves
-    `auto` as a replica on its machine does, and a replica told to run another backend names other blocks."""
-    invariant = {**ENGINE, "model": {**ENGINE["model"], "batch_invariant": True}}
-    router = load_router(load_config({**invariant, "router": {"replicas": [{"url": "http://127.0.0.1:9"}]}}))
-    token_ids = list(range(100, 164))
-
-    def replica_hashes(**model) -> tuple[str, list[bytes]]:
-        engine = LLMEngine(load_config({**invariant, "model": {**invariant["model"], **model}}), embedded_model_fp32)
-        try:
-            return engine.attention_backend, engine.kv_manager.hasher.hash(token_ids)
-        finally:
-            engine.close()
-
-    backend, hashes = replica_hashes()
-    assert router.hasher.hash(token_ids) == hashes
-    # `batch_invariant: auto` (the default) is resolved by the router as by a replica, on a CPU family where it
-    # turns the mode on and on one where it does not
-    for family in ("avx2", "amx"):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(cpu_features, "cpu_matrix_family", lambda: family)
-            auto_router = load_router(load_config({**ENGINE, "router": {"replicas": [{"url": "http://127.0.0.1:9"}]}}))
+def test_the_router_names_a_prompts_blocks_as_each_replica_resolved_its_settings(embedded_model_fp32):
+    """The router resolves none of a replica's `auto` settings itself (the batch-invariant mode, the attention
+    backend it names, the block size): each replica's /health answer says how it names blocks, so the router's
+    hashes are each replica's own, even where two replicas name blocks otherwise."""
+    urls = [{"url": "http://127.0.0.1:9"}, {"url": "http://127.0.0.1:10"}]  # nothing answers there: fed by hand
+    router = load_router(load_config({"router": {"replicas": urls}}))  # no dtype, mode or cache settings at all
+    first, second = router.replicas.replicas
+    messages = [{"role": "user", "content": document("if")}]
+    body = json.dumps({"messages": messages, "cache_salt": "t"}).encode()
+    settings = [{"model": {}, "cache": {}},  # batch_invariant: auto, as this CPU resolves it
+                {"model": {"batch_invariant": True, "attention_backend": "torch"}, "cache": {}},
+                {"model": {"batch_invariant": False}, "cache": {"block_size": 32}}]
+    namings, named = [], []
+    try:
+        for setting in settings:
+            config = load_config({"model": {**ENGINE["model"], **setting["model"]},
+                                  "cache": {**ENGINE["cache"], **setting["cache"]}})
+            engine = LLMEngine(config, embedded_model_fp32)
             try:
-                assert auto_router.hasher.hash(token_ids) == replica_hashes(batch_invariant="auto")[1]
+                learn_naming(first, {"status": "ok", "block_naming": engine.block_naming.to_json()}, router.model)
+                hashes = asyncio.run(router.prompt_hashes("/v1/chat/completions", body))
+                token_ids = engine.apply_chat_template(messages)
+                hittable = (len(token_ids) - 1) // config.cache.block_size  # the last token is always computed
+                assert hashes[first] == engine.kv_manager.hasher.hash(token_ids, cache_salt="t")[:hittable]
+                assert second not in hashes  # it never answered: matched by nothing
+                namings.append(engine.block_naming)
+                named.append(hashes[first])
             finally:
-                auto_router.close()
-    other = "cpu" if backend == "torch" else "torch"
-    if other == "cpu" and not cpu_kernel_available():
-        pytest.skip("no C compiler here: the torch backend is the only one on this CPU")
-    other_backend, other_hashes = replica_hashes(attention_backend=other)
-    assert other_backend == other and other_hashes != hashes
-    router.close()
+                engine.close()
+        assert len(set(namings)) == len(set(map(tuple, named))) == len(settings)  # each names other blocks
+        learn_naming(second, {"status": "ok", "block_naming": namings[0].to_json()}, router.model)
+        hashes = asyncio.run(router.prompt_hashes("/v1/chat/completions", body))
+        assert hashes == {first: named[-1], second: named[0]}  # one prompt, each replica's names
+    finally:
+        router.close()
+
+
+def test_a_replica_serving_another_model_or_naming_no_blocks_gets_requests_by_load_said_once(caplog):
+    ours = BlockNaming("smollm2@xxh3_128:01", b"namespace", 16, "xxh3_128")
+    replica = RoutedReplica(ReplicaConfig(url="http://127.0.0.1:1"), None)
+    learn_naming(replica, {"status": "ok", "block_naming": ours.to_json()}, ours.model)
+    assert replica.naming == ours and replica.naming_problem is None
+    other_model = {"block_naming": {**ours.to_json(), "model": "llama@xxh3_128:02"}}
+    answers = [other_model, other_model, other_model, {"status": "ok"}, "ok",
+               {"block_naming": {**ours.to_json(), "namespace": "not hex"}},
+               {"block_naming": {**ours.to_json(), "block_size": 0}},
+               {"block_naming": {**ours.to_json(), "hash": "md5"}}]
+    with caplog.at_level("WARNING", logger="kvstrata"):
+        for answer in answers:
+            learn_naming(replica, answer, ours.model)
+            assert replica.naming is None
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == ("router: replica http://127.0.0.1:1: it serves llama@xxh3_128:02, while the router renders "
+                       "prompts for smollm2@xxh3_128:01: no prompt is matched to its cache, it gets requests by load")
+    assert len(said) == len(answers) - 3  # the same reason again is not said again
+    assert "gives no block naming" in said[1]
+    assert all("gives a block naming the router cannot read" in line for line in said[2:])
+    learn_naming(replica, {"block_naming": ours.to_json()}, ours.model)  # a replica restarted with the right model
+    assert replica.naming == ours and replica.naming_problem is None
+
+
+def test_the_router_starts_without_importing_torch(embedded_model_fp32):
+    """A router needs a model's tokenizer and identity, never its weights: it starts in a process without torch
+    (whose import is seconds and hundreds of MB), once the tokenizer's copy is converted (as the fixture has)."""
+    script = ("import sys\n"
+              "from kvstrata.engine.config import load_config\n"
+              "from kvstrata.serving.router import load_router\n"
+              "router = load_router(load_config({'router': {'replicas': [{'url': 'http://127.0.0.1:9'}]}}))\n"
+              "router.close()\n"
+              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_an_event_feed_with_no_replica_publishing_events_waits_without_spinning():

@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from kvstrata.engine.hashing import BlockNaming
 from kvstrata.serving import stats_log
 from server_process import (REPO, ServerProcess, aborted_requests, metric_value, raw_post, read_response,
                             serve_command, server_env)
@@ -116,7 +117,10 @@ def test_startup_banner_names_address_model_and_tier_sizes(server):
 
 @pytest.mark.slow
 def test_health_and_models_list_the_served_model(http, client):
-    assert http.get("/health").json() == {"status": "ok"}
+    health = http.get("/health").json()
+    assert health["status"] == "ok"
+    naming = BlockNaming.from_json(health["block_naming"])  # what a router hashes this replica's prompts by
+    assert naming.model.startswith("smollm2-135m-instruct@") and naming.block_size == 16
     models = client.models.list()
     assert [m.id for m in models.data] == ["smollm2-135m-instruct"]
 

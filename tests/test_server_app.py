@@ -11,7 +11,7 @@ import pytest
 from kvstrata.serving.middleware import DrainState
 from kvstrata.serving.server import stopped_message
 from kvstrata.engine.structured_outputs import StructuredOutputsParams
-from serving_fakes import MODEL, ByteTokenizer, FakeAsyncEngine, client, fake_app
+from serving_fakes import BLOCK_NAMING, MODEL, ByteTokenizer, FakeAsyncEngine, client, fake_app
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -75,7 +75,7 @@ def test_the_right_key_is_let_in_whatever_the_case_of_its_scheme():
 
 def test_health_and_metrics_need_no_key():
     app = fake_app(api_key=KEY)
-    assert run(get(app, "/health")).json() == {"status": "ok"}
+    assert run(get(app, "/health")).json() == {"status": "ok", "block_naming": BLOCK_NAMING.to_json()}
     assert run(get(app, "/metrics")).status_code == 200
 
 

@@ -5,7 +5,8 @@
     GET  /v1/models             the one model served
     POST /tokenize              vLLM's: a prompt's (or chat's) token ids, their count and the context length
     POST /detokenize            vLLM's: token ids to text
-    GET  /health                200 while the engine runs and the server is not draining
+    GET  /health                200 while the engine runs and the server is not draining, with the
+                                engine's block naming (what a router hashes prompts by)
     GET  /metrics               Prometheus text: prefix-cache hits per tier, TTFT, tier usage, moves
     POST /v1/cache/documents    messages or prompt -> its blocks computed and stored (pinned unless `pin: false`)
     GET  /v1/cache/documents    the documents cached, with the blocks each tier holds
@@ -92,6 +93,8 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
         app.add_middleware(AccessLog)
     created = int(time.time())
     max_model_len = engine.engine.max_model_len
+    # a router names a prompt's blocks by it, to find them in this replica's KV events
+    block_naming = engine.engine.block_naming.to_json()
 
     @app.exception_handler(EngineStoppedError)
     async def _engine_stopped(_: Request, exc: EngineStoppedError) -> Response:
@@ -193,7 +196,7 @@ def build_app(engine: AsyncEngine, model_id: str, *, metrics: ServingMetrics, to
             raise service_unavailable("the server is shutting down")
         if not engine.is_running:
             raise service_unavailable("the engine is not running")
-        return {"status": "ok"}
+        return {"status": "ok", "block_naming": block_naming}
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

@@ -6,8 +6,11 @@ How a request is placed:
 1. The router follows every replica's KV events (serving/events.py) into one `BlockIndex` per
    replica: which block hashes each holds in each tier.
 2. It renders and tokenizes the prompt as the replicas do (engine/prompts.py, the same tokenizer
-   and chat template) and hashes it with the replicas' hasher (`BlockHasher.for_model`: same model
-   identity, dtype, block size and hash, so the same names; `cache_salt` too).
+   and chat template) and hashes it as each replica names its blocks (`cache_salt` too). Each replica's
+   `/health` answer gives its `BlockNaming` (the namespace its model, dtype, modes and hash make, the
+   block size and the algorithm), so the router never guesses how a replica resolved its `auto`
+   settings. A replica serving another model than the router's (its prompts would be other tokens), or
+   not yet answering, is matched by nothing: it gets requests by load, and the first is said in one line.
 3. Among the healthy replicas, the one holding the most leading blocks in its device or CPU tier
    (`MEMORY_MEDIA`) wins; where none holds enough of it there, the one holding the most in its own
    tiers, disk included (`LOCAL_MEDIA`): read from its disk, a prefix costs less than any other
@@ -32,6 +35,9 @@ to the replica that holds it); the list is every replica's, each document naming
 goes to every replica (a document's id is the same on all). `POST /reset_prefix_cache` resets every
 replica's device cache, or with `?reset_external=true` every tier of each (409 naming the replicas still
 busy, 503 one with a tier it could not clear; the others are reset).
+
+`GET /metrics` (Prometheus, serving/router_metrics.py) counts the requests each replica got and what placed them,
+the share of their prompts it held, the failovers, cut streams and refusals, and shows each replica's state.
 
 A health check (`GET /health` every `router.health_interval`) takes a replica out when it fails and
 puts it back when it answers again; then the router rebuilds that replica's index from its replay
@@ -70,12 +76,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvstrata import __version__
 from kvstrata.engine.config import Config, ReplicaConfig
-from kvstrata.engine.hashing import BlockHasher
+from kvstrata.engine.hashing import BlockNaming
 from kvstrata.engine.prompts import render_chat, render_document, tokenize_text
-from kvstrata.kernels.backends import resolve_backend, resolve_batch_invariant
 from kvstrata.serving.errors import install_error_handlers
 from kvstrata.serving.events import BlockIndex, KVEventSubscriber, ReceivedBatch
 from kvstrata.serving.middleware import BodySizeLimit
+from kvstrata.serving.router_metrics import RouterMetrics, RoutingCounts
 from kvstrata.serving.schemas import ChatCompletionRequest, DocumentRequest, message_dicts
 from kvstrata.serving.sockets import bind_socket, listen
 from kvstrata.serving.tokenizer_pool import TokenizerPool
@@ -116,6 +122,9 @@ class Replica:
     hung_since: float | None = None  # monotonic time of the first of the health checks it has not answered since
     in_flight: int = 0          # requests forwarded and not yet answered in full
     needs_resync: bool = True   # the index is to be rebuilt from the replica's replay buffer
+    naming: BlockNaming | None = None  # how it names blocks, from its last /health answer; None: matched by nothing
+    naming_problem: str | None = None  # why it has none, once it has answered (another model, say)
+    counts: RoutingCounts = field(default_factory=RoutingCounts)  # what the router did with its requests (/metrics)
 
     @property
     def url(self) -> str:
@@ -159,9 +168,9 @@ class ReplicaSet:
         self._random = random.Random()
         self._next = 0  # round robin's next replica
 
-    def choose(self, block_hashes: list[bytes], tried: set[Replica]) -> tuple[Replica | None, int]:
-        """The replica for a request whose prompt has `block_hashes`, and how many of them it holds
-        in `LOCAL_MEDIA`. Untried healthy replicas first; when none is left, untried unhealthy ones that
+    def choose(self, block_hashes: dict[Replica, list[bytes]], tried: set[Replica]) -> tuple[Replica | None, int]:
+        """The replica for a request whose prompt has `block_hashes[replica]` as each replica names its blocks
+        (none for a replica missing there), and how many of them it holds in `LOCAL_MEDIA`. Untried healthy replicas first; when none is left, untried unhealthy ones that
         refused a connection (a health check may lag a recovery, and such a try fails at once), never a hung
         one (it takes the connection and answers nothing: the request would wait its whole timeout). None
         when no replica is left to try."""
@@ -169,11 +178,12 @@ class ReplicaSet:
         candidates = [r for r in untried if r.healthy] or [r for r in untried if not r.hung]
         if not candidates:
             return None, 0
-        enough = MIN_HELD_SHARE * len(block_hashes)
+        hashes = {r: block_hashes.get(r, []) for r in candidates}
+        enough = {r: MIN_HELD_SHARE * len(hashes[r]) for r in candidates}
         with self.lock:
-            held = {r: r.index.prefix_length(block_hashes, LOCAL_MEDIA) for r in candidates}
+            held = {r: r.index.prefix_length(hashes[r], LOCAL_MEDIA) for r in candidates}
             # the memory part of a prefix too short to decide decides nothing: looked up only for the others
-            in_memory = {r: r.index.prefix_length(block_hashes, MEMORY_MEDIA) if held[r] >= enough else 0
+            in_memory = {r: r.index.prefix_length(hashes[r], MEMORY_MEDIA) if held[r] >= enough[r] else 0
                          for r in candidates} if self.policy == "prefix" else {}
         if self.policy == "random":
             best = self._random.choice(candidates)
@@ -187,7 +197,7 @@ class ReplicaSet:
 
         def worth(length: int, replica: Replica) -> int:
             """A held prefix long enough to decide, held by a replica not too far ahead of the least loaded."""
-            return length if length >= enough and replica.in_flight - least_loaded < self.max_load_gap else 0
+            return length if length >= enough[replica] and replica.in_flight - least_loaded < self.max_load_gap else 0
 
         turn = next(self._turn)
         order = {r: (i - turn) % len(self.replicas) for i, r in enumerate(self.replicas)}
@@ -196,6 +206,14 @@ class ReplicaSet:
         # for good, and a replica back from a restart would get none); where none does, its own disk draws it.
         best = max(candidates, key=lambda r: (worth(in_memory[r], r), worth(held[r], r), -r.in_flight, -order[r]))
         return best, held[best]
+
+    def placed_by(self, replica: Replica, held: int, block_hashes: dict[Replica, list[bytes]]) -> str:
+        """What placed a request `choose` sent to `replica` holding `held` of its blocks: "prefix" when that was
+        enough to decide, else "load" (or the blind policy's name)."""
+        if self.policy != "prefix":
+            return self.policy
+        num_blocks = len(block_hashes.get(replica, ()))
+        return "prefix" if num_blocks and held >= MIN_HELD_SHARE * num_blocks else "load"
 
     def apply(self, replica: Replica, batches: list[ReceivedBatch], reset: bool = False) -> None:
         with self.lock:
@@ -243,27 +261,42 @@ class EventFeed:
 
 
 class HealthChecks:
-    """A thread per replica that asks its `/health` every `interval` seconds. Each replica has its own, so one that
-    takes the whole HEALTH_TIMEOUT_S to answer (a hung process, a lost network) delays no other's check: a replica
-    that died beside it is still taken out within the interval."""
+    """A thread per replica that asks its `/health` every `interval` seconds, and takes the block naming it answers
+    (`learn_naming`). Each replica has its own, so one that takes the whole HEALTH_TIMEOUT_S to answer (a hung
+    process, a lost network) delays no other's check: a replica that died beside it is still taken out within the
+    interval."""
 
-    def __init__(self, replicas: ReplicaSet, interval: float):
+    def __init__(self, replicas: ReplicaSet, interval: float, model: str):
         self.interval = interval
+        self.model = model
         self._stopping = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(replica,), name=f"kvstrata-router-health-{i}",
-                                          daemon=True) for i, replica in enumerate(replicas.replicas)]
+        self._checked_once = [threading.Event() for _ in replicas.replicas]
+        self._threads = [threading.Thread(target=self._run, args=(replica, checked), name=f"kvstrata-router-health-{i}",
+                                          daemon=True)
+                         for i, (replica, checked) in enumerate(zip(replicas.replicas, self._checked_once))]
         for thread in self._threads:
             thread.start()
 
-    def _run(self, replica: Replica) -> None:
+    def wait_first_round(self) -> None:
+        """Until every replica's first check has ended (its naming learned, or it found out), at most a check's
+        timeout: a router that starts with its replicas up places its first requests by their caches too."""
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S + 1
+        for checked in self._checked_once:
+            checked.wait(max(0.0, deadline - time.monotonic()))
+
+    def _run(self, replica: Replica, checked_once: threading.Event) -> None:
         with httpx.Client(timeout=HEALTH_TIMEOUT_S) as client:
             while not self._stopping.is_set():
                 hung = False
                 try:
-                    ok = client.get(f"{replica.url}/health").status_code == 200
+                    answer = client.get(f"{replica.url}/health")
+                    ok = answer.status_code == 200
                 except httpx.HTTPError as exc:
                     ok, hung = False, isinstance(exc, httpx.TimeoutException)
+                if ok:  # before it is back in: a replica restarted with other settings names its blocks otherwise
+                    learn_naming(replica, _json_or_none(answer), self.model)
                 set_health(replica, ok, hung)
+                checked_once.set()
                 self._stopping.wait(self.interval)
 
     def close(self) -> None:
@@ -285,6 +318,31 @@ def set_health(replica: Replica, ok: bool, hung: bool = False) -> None:
     if ok:
         replica.needs_resync = True  # it may have restarted: what it holds now, its replay buffer says
     logger.warning("router: replica %s is %s", replica.url, "back" if ok else "out (unreachable or unhealthy)")
+
+
+def learn_naming(replica: Replica, health: Any, model: str) -> None:
+    """Take the block naming in a replica's `/health` answer. A replica serving another model than the router's
+    (`model`, its identity), or whose answer names none the router can read, is matched by nothing (it gets
+    requests by load), said in one line when that starts or its reason changes."""
+    given = health.get("block_naming") if isinstance(health, dict) else None
+    try:
+        naming = BlockNaming.from_json(given)
+        problem = None if naming.model == model else \
+            f"it serves {naming.model}, while the router renders prompts for {model}"
+    except ValueError as exc:
+        problem = "its /health answer gives no block naming (a kvstrata older than the router's?)" if given is None \
+            else f"its /health answer gives a block naming the router cannot read ({exc})"
+    if problem is not None and problem != replica.naming_problem:
+        logger.warning("router: replica %s: %s: no prompt is matched to its cache, it gets requests by load",
+                       replica.url, problem)
+    replica.naming, replica.naming_problem = (None, problem) if problem else (naming, None)
+
+
+def _json_or_none(answer: httpx.Response) -> Any:
+    try:
+        return answer.json()
+    except ValueError:
+        return None
 
 
 def prompt_token_ids(tokenizer, path: str, payload: Any) -> list[int] | None:
@@ -316,46 +374,57 @@ def prompt_token_ids(tokenizer, path: str, payload: Any) -> list[int] | None:
 class Router:
     """The routing state and the HTTP face; `close()` stops its threads."""
 
-    def __init__(self, config: Config, tokenizer, hasher: BlockHasher):
+    def __init__(self, config: Config, tokenizer, model: str):
         rc = config.router
         assert rc is not None
         self.config = config
-        self.hasher = hasher
+        self.model = model  # the identity of the model whose tokenizer and chat template render prompts here
         self.tokenizer = tokenizer  # the pool's threads tokenize with copies of it
         self.tokenizers = TokenizerPool(tokenizer)
         self.replicas = ReplicaSet([
             Replica(r, KVEventSubscriber(r.events, r.replay) if r.events is not None else None) for r in rc.replicas],
             max_load_gap=rc.max_load_gap, policy=rc.policy)
         self.events = EventFeed(self.replicas)
-        self.health = HealthChecks(self.replicas, rc.health_interval)
+        self.health = HealthChecks(self.replicas, rc.health_interval, model)
+        self.health.wait_first_round()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(rc.request_timeout, connect=HEALTH_TIMEOUT_S))
+        self.refused = 0  # requests no replica could take (answered 503)
+        self.metrics = RouterMetrics(self.replicas, lambda: self.refused)
         self.app = self._build_app()
 
-    async def prompt_hashes(self, path: str, body: bytes) -> list[bytes]:
-        """The hashes of the blocks of this prompt that a replica could serve from its cache; none
-        when the body is not a request the router can read."""
+    async def prompt_hashes(self, path: str, body: bytes) -> dict[Replica, list[bytes]]:
+        """The hashes of the blocks of this prompt that each replica could serve from its cache, as it names
+        them (hashed once per naming); none when the body is not a request the router can read, and none for a
+        replica whose naming is unknown."""
         try:
             payload = json.loads(body)
         except (ValueError, RecursionError):  # nested deeper than Python parses: the replica says what is wrong
-            return []
+            return {}
         if not isinstance(payload, dict):
-            return []
+            return {}
         token_ids = await self.tokenizers.run(prompt_token_ids, path, payload)
         salt = payload.get("cache_salt")
         if token_ids is None or not (salt is None or isinstance(salt, str)):
-            return []
-        hittable = (len(token_ids) - 1) // self.hasher.block_size  # the last token is always computed
-        return self.hasher.hash(token_ids[:hittable * self.hasher.block_size], cache_salt=salt)
+            return {}
+        by_naming: dict[BlockNaming, list[bytes]] = {}
+        for naming in {r.naming for r in self.replicas.replicas} - {None}:
+            hittable = (len(token_ids) - 1) // naming.block_size  # the last token is always computed
+            by_naming[naming] = naming.hasher().hash(token_ids[:hittable * naming.block_size], cache_salt=salt)
+        return {r: by_naming[r.naming] for r in self.replicas.replicas if r.naming in by_naming}
 
     async def forward(self, request: Request, path: str) -> Response:
         body = await request.body()
-        hashes = await self.prompt_hashes(path, body) if request.method == "POST" else []
+        started = time.perf_counter()
+        hashes = await self.prompt_hashes(path, body) if request.method == "POST" else {}
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         tried: set[Replica] = set()
         last_error = "no replica is configured"
         while True:
             replica, held = self.replicas.choose(hashes, tried)
+            if not tried:
+                self.metrics.placement_seconds.observe(time.perf_counter() - started)
             if replica is None:
+                self.refused += 1
                 return _error(503, f"no replica could take the request ({last_error})")
             tried.add(replica)
             replica.in_flight += 1
@@ -365,16 +434,19 @@ class Router:
                     stream=True))
             except ReplicaHung:
                 replica.in_flight -= 1
+                replica.counts.failovers["hung"] += 1
                 last_error = f"{replica.url}: stopped answering"
                 continue
             except httpx.TransportError as exc:
                 replica.in_flight -= 1
                 set_health(replica, False, hung=isinstance(exc, httpx.TimeoutException))
+                replica.counts.failovers["unreachable"] += 1
                 last_error = f"{replica.url}: {type(exc).__name__}"
                 continue
             if upstream.status_code in RETRY_STATUSES and len(tried) < len(self.replicas.replicas):
                 replica.in_flight -= 1
                 await upstream.aclose()
+                replica.counts.failovers[f"http_{upstream.status_code}"] += 1
                 last_error = f"{replica.url}: HTTP {upstream.status_code}"
                 continue
             chunks, head = upstream.aiter_raw(), b""
@@ -388,9 +460,15 @@ class Router:
                     await upstream.aclose()
                     set_health(replica, False, hung=replica.hung)
                     why = "stopped answering" if isinstance(exc, ReplicaHung) else type(exc).__name__
+                    replica.counts.failovers["hung" if isinstance(exc, ReplicaHung) else "died_before_first_event"] += 1
                     last_error = f"{replica.url}: {why} before its first event"
                     continue
-            logger.debug("router: %s -> %s (%d of %d blocks held)", path, replica.url, held, len(hashes))
+            logger.debug("router: %s -> %s (%d of %d blocks held)", path, replica.url, held,
+                         len(hashes.get(replica, ())))
+            counts = replica.counts
+            counts.placed[self.replicas.placed_by(replica, held, hashes)] += 1
+            counts.prompt_blocks += len(hashes.get(replica, ()))
+            counts.held_blocks += held
             passed = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "cache-control")}
             passed["x-kvstrata-replica"] = replica.url
             return StreamingResponse(_pass_through(upstream, replica, head, chunks), status_code=upstream.status_code,
@@ -481,10 +559,15 @@ class Router:
         app.add_api_route(DOCUMENTS_PATH + "/{document_id}", self.unpin_document, methods=["DELETE"])
         app.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])
 
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
         @app.get("/health")
         async def health() -> Response:
             states = {r.url: {"healthy": r.healthy, "in_flight": r.in_flight,
-                              "blocks": {m: len(s) for m, s in r.index.by_medium.items()}}
+                              "blocks": {m: len(s) for m, s in r.index.by_medium.items()},
+                              "matched": r.naming is not None, "naming_problem": r.naming_problem}
                       for r in self.replicas.replicas}
             ok = any(r.healthy for r in self.replicas.replicas)
             return JSONResponse({"status": "ok" if ok else "no healthy replica", "replicas": states},
@@ -551,6 +634,7 @@ async def _pass_through(upstream: httpx.Response, replica: Replica, head: bytes 
     except (httpx.TransportError, ReplicaHung) as exc:
         set_health(replica, False, hung=replica.hung)  # the replica went away mid-answer: the answer ends here
         if events and last != SSE_DONE:
+            replica.counts.streams_cut += 1
             yield _sse_cut_error(replica, "stopped answering" if isinstance(exc, ReplicaHung) else "went away")
     finally:
         replica.in_flight -= 1
@@ -594,8 +678,8 @@ def _error_body(message: str) -> dict:
 
 
 def load_router(config: Config) -> Router:
-    """The router for `config`: the replicas' model's tokenizer and block hasher, without its weights."""
-    from kvstrata.engine.model_loader import load_tokenizer, model_identity, resolve_model
+    """The router for `config`: the replicas' model's tokenizer and identity, without its weights (nor torch)."""
+    from kvstrata.engine.model_source import load_tokenizer, model_identity, resolve_model
 
     if config.router is None:
         raise ValueError("router.replicas: missing (list the replicas in the config's router section or with --replica)")
@@ -608,15 +692,7 @@ def load_router(config: Config) -> Router:
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ValueError(f"model.name: cannot load the tokenizer of {source.directory}: "
                          f"{' '.join(str(exc).split())[:200]}") from None
-    cache = config.cache
-    # `auto` resolved here, as the dtype is: the replicas are meant to run on machines like the router's
-    backend = resolve_backend(config.model.attention_backend, config.resolved_device())
-    batch_invariant = resolve_batch_invariant(config.model.batch_invariant, backend)
-    attention = backend if batch_invariant else None
-    hasher = BlockHasher.for_model(model_identity(source), config.resolved_dtype(), cache.block_size, cache.hash,
-                                   batch_invariant=batch_invariant,
-                                   kv_dtype=config.resolved_kv_cache_dtype(), attention=attention)
-    return Router(config, tokenizer, hasher)
+    return Router(config, tokenizer, model_identity(source))
 
 
 def route(config: Config) -> None:
