@@ -35,5 +35,9 @@ def test_a_valkey_primary_killed_mid_run_costs_no_request_and_no_wrong_answer(tm
     after = [o for o in failures["outcomes"] if o["sent_s"] > promoted]
     assert after and all(o["verdict"] == "correct" for o in after)
     assert sum(o["cached_by_tier"].get("device", 0) + o["cached_by_tier"].get("cpu", 0) for o in after) > 0
+    # the router's /metrics counted every request it forwarded, each placed by the prefix its replica held or by load
+    seen = failures["router"]
+    assert sum(seen["placed"].values()) == summary["requests"] and set(seen["placed"]) <= {"prefix", "load"}
+    assert seen["placed"].get("prefix", 0) > 0 and 0 < seen["held_share"] <= 1 and seen["refused"] == 0
     assert (tmp_path / "cluster_small.png").stat().st_size > 0
     assert "Valkey primary killed" in (tmp_path / "cluster_small.md").read_text()

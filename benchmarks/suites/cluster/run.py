@@ -96,6 +96,29 @@ def judge(outcomes: list[Outcome], expected: dict) -> None:
         o.judge(expected[(o.doc, o.question)])
 
 
+def router_view(router_url: str) -> dict:
+    """What the router's own /metrics say it did: the requests it forwarded by what placed them, its failovers by
+    reason, and the share of the prompts' cacheable blocks the chosen replicas held when chosen."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    placed: dict[str, float] = {}
+    failovers: dict[str, float] = {}
+    totals = {"kvstrata_router_prompt_blocks_total": 0.0, "kvstrata_router_prompt_blocks_held_total": 0.0,
+              "kvstrata_router_refused_total": 0.0}
+    text = httpx.get(f"{router_url}/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvstrata_router_requests_total":
+                placed[sample.labels["placement"]] = placed.get(sample.labels["placement"], 0) + sample.value
+            elif sample.name == "kvstrata_router_failovers_total":
+                failovers[sample.labels["reason"]] = failovers.get(sample.labels["reason"], 0) + sample.value
+            elif sample.name in totals:
+                totals[sample.name] += sample.value
+    blocks, held = totals["kvstrata_router_prompt_blocks_total"], totals["kvstrata_router_prompt_blocks_held_total"]
+    return {"placed": placed, "failovers": failovers, "refused": totals["kvstrata_router_refused_total"],
+            "prompt_blocks": blocks, "held_blocks": held, "held_share": held / blocks if blocks else None}
+
+
 def compare_policies(stack: Stack, args, schedule, references) -> dict:
     expected = {(p.doc, p.question): text for p, (text, _) in references.items()}
     capacity = len(stack.replicas) * max(args.device_blocks, args.cpu_blocks)
@@ -108,6 +131,7 @@ def compare_policies(stack: Stack, args, schedule, references) -> dict:
             outcomes = asyncio.run(drive(router.url, schedule, args.concurrency, args.max_tokens,
                                          time_limit_s=10 * args.requests + 60, timeout_s=args.request_timeout))
             wall = time.monotonic() - started
+            seen_by_router = router_view(router.url)
         finally:
             router.close()
         judge(outcomes, expected)
@@ -117,6 +141,7 @@ def compare_policies(stack: Stack, args, schedule, references) -> dict:
         row["best_local_tokens"] = best
         row["share_of_best"] = row["local_tokens"] / best if best else None
         row["replicas_used"] = {url: sum(o.replica == url for o in outcomes) for url in sorted({o.replica for o in outcomes})}
+        row["router"] = seen_by_router
         row["outcomes"] = outcome_rows(outcomes)
         results[policy] = row
         print(f"{policy} ({wall:.0f} s): {json.dumps({k: v for k, v in row.items() if k != 'outcomes'})}", flush=True)
@@ -239,6 +264,7 @@ def run_failures(stack: Stack, args, schedule, references) -> dict:
         thread.join(max(0.0, t0 + args.duration + 300 - time.monotonic()))
         if restarting.is_alive():
             restarting.join(max(0.0, t0 + args.duration + 300 - time.monotonic()))
+        seen_by_router = router_view(router.url)
     finally:
         monitor.close()
         router.close()
@@ -247,7 +273,8 @@ def run_failures(stack: Stack, args, schedule, references) -> dict:
     router_health = health_changes(list(router.lines), wall0)
     recovery.update(recovery_times(monitor.samples, router_health, events, outcomes, target.url, fed.url))
     return {"summary": summary(outcomes, max(args.duration, max((o.sent_s for o in outcomes), default=0.0))), "events": events, "recovery": recovery,
-            "outcomes": outcome_rows(outcomes), "samples": monitor.samples, "killed": target.url, "fed": fed.url}
+            "outcomes": outcome_rows(outcomes), "samples": monitor.samples, "killed": target.url, "fed": fed.url,
+            "router": seen_by_router}
 
 
 def recovery_times(samples: list[dict], router_health: list[tuple[float, str, str]],
@@ -358,6 +385,14 @@ def source_cell(row: dict) -> str:
     return f"{row['requests']}, {row['ttft_p50_s']:.3f}" if row["requests"] else "-"
 
 
+def _placed_cell(view: dict) -> str:
+    return ", ".join(f"{n:.0f} {how}" for how, n in sorted(view["placed"].items())) or "none"
+
+
+def _share_cell(share: float | None) -> str:
+    return "n/a" if share is None else f"{share:.0%}"
+
+
 def report(result: dict, args) -> list[str]:
     lines = [f"# Replicas on a Valkey cluster behind the router", "", *provenance_lines(result), "",
              f"Set-up: a Valkey cluster of {args.primaries} primaries with {args.valkey_replicas} replica(s) each "
@@ -388,6 +423,11 @@ def report(result: dict, args) -> list[str]:
             p, rr = policies["prefix"], policies["round_robin"]
             lines.append(f"Prefix placement against round robin: {p['local_tokens'] / max(rr['local_tokens'], 1):.2f}x "
                          f"the local tokens, TTFT p50 {p['ttft_p50_s'] / rr['ttft_p50_s']:.2f}x.")
+        lines += ["", "The router's own count (its /metrics): requests by what placed them, and the share of the "
+                      "prompts' cacheable blocks the chosen replica held when chosen.", "",
+                  "| policy | placed by | held at placement |", "|---|---|---|"]
+        lines += [f"| {name} | {_placed_cell(r['router'])} | {_share_cell(r['router']['held_share'])} |"
+                  for name, r in policies.items() if "router" in r]
         lines += ["", "TTFT p50 by where most of each prompt came from (requests, seconds): a policy's TTFT p50 is "
                       "its median request's, so it falls only as far as that request moves from one row to a cheaper "
                       "one.", "", "| policy | " + " | ".join(SOURCES) + " |", "|---" * (len(SOURCES) + 1) + "|"]
@@ -400,6 +440,10 @@ def report(result: dict, args) -> list[str]:
         lines += [f"## Failures ({args.duration:.0f} s under placement by prefix)", "",
                   f"{s['requests']} requests: {s['correct']} correct, {s['wrong']} wrong, {s['error']} clear errors, "
                   f"{s['lost']} lost silently; TTFT p50 {s['ttft_p50_s']:.3f} s, p99 {s['ttft_p99_s']:.3f} s.", "",
+                  *([f"The router's own count (its /metrics): {_placed_cell(failure['router'])}; held at placement "
+                     f"{_share_cell(failure['router']['held_share'])}; failovers "
+                     f"{json.dumps(failure['router']['failovers'])}; refused {failure['router']['refused']:.0f}.", ""]
+                    if "router" in failure else []),
                   "| second | event |", "|---|---|"]
         lines += [f"| {t:.1f} | {name} |" for t, name in failure["events"]]
         lines += ["", "Recovery:", "", "```", json.dumps(failure["recovery"], indent=1), "```", "",
