@@ -27,6 +27,7 @@ SUBCOMMANDS = (
     Subcommand("hit-beside-decodes", "host.hit_beside_decodes",
                "a lower-tier hit's TTFT beside four decoding sequences, and their longest step"),
     Subcommand("startup", "host.startup", "the embedded model's load at start: from its GGUF, first and later starts"),
+    Subcommand("router-start", "host.router_start", "`kvstrata route`'s start: time, peak memory, torch or not"),
     Subcommand("cpu-step", "host.cpu_step",
                "a device hit's TTFT and decode ms/token on the CPU, beside another checkout and transformers"),
     Subcommand("structured-outputs", "host.structured_outputs",
