@@ -170,10 +170,10 @@ class ReplicaSet:
 
     def choose(self, block_hashes: dict[Replica, list[bytes]], tried: set[Replica]) -> tuple[Replica | None, int]:
         """The replica for a request whose prompt has `block_hashes[replica]` as each replica names its blocks
-        (none for a replica missing there), and how many of them it holds in `LOCAL_MEDIA`. Untried healthy replicas first; when none is left, untried unhealthy ones that
-        refused a connection (a health check may lag a recovery, and such a try fails at once), never a hung
-        one (it takes the connection and answers nothing: the request would wait its whole timeout). None
-        when no replica is left to try."""
+        (none for a replica missing there), and how many of them it holds in `LOCAL_MEDIA`. Untried healthy
+        replicas first; when none is left, untried unhealthy ones that refused a connection (a health check may
+        lag a recovery, and such a try fails at once), never a hung one (it takes the connection and answers
+        nothing: the request would wait its whole timeout). None when no replica is left to try."""
         untried = [r for r in self.replicas if r not in tried]
         candidates = [r for r in untried if r.healthy] or [r for r in untried if not r.hung]
         if not candidates:

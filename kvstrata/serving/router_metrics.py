@@ -27,11 +27,11 @@ PLACEMENT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 class RoutingCounts:
     """What the router did with one replica's requests, since it started."""
 
-    placed: Counter = field(default_factory=Counter)     # forwarded requests by what placed them (`ReplicaSet.placed_by`)
-    prompt_blocks: int = 0   # cacheable blocks of the prompts forwarded there, as it names blocks
-    held_blocks: int = 0     # of those, the leading blocks it held in its own tiers when chosen
+    placed: Counter = field(default_factory=Counter)  # forwarded requests by what placed them (`ReplicaSet.placed_by`)
+    prompt_blocks: int = 0  # cacheable blocks of the prompts forwarded there, as it names blocks
+    held_blocks: int = 0    # of those, the leading blocks it held in its own tiers when chosen
     failovers: Counter = field(default_factory=Counter)  # tries given up on it before the client got anything, by why
-    streams_cut: int = 0     # streamed answers it left unfinished (it died or hung mid-answer): ended with an error event
+    streams_cut: int = 0    # answers it left unfinished (it died or hung mid-stream): ended with an error event
 
 
 class RouterMetrics:
@@ -71,7 +71,8 @@ def _families() -> dict[str, Metric]:
             "half of the prompt's cacheable blocks), load (the fewest in flight), or the policy round_robin or random",
             labels=["replica", "placement"]),
         "prompt_blocks": counter(
-            "kvstrata_router_prompt_blocks", "Cacheable blocks of the prompts forwarded to a replica", labels=["replica"]),
+            "kvstrata_router_prompt_blocks", "Cacheable blocks of the prompts forwarded to a replica",
+            labels=["replica"]),
         "held_blocks": counter(
             "kvstrata_router_prompt_blocks_held", "Of those, the leading blocks the replica held in its own tiers "
             "(device, CPU or disk) when it was chosen", labels=["replica"]),
