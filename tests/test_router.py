@@ -29,7 +29,7 @@ from kvstrata.serving.events import KVEventPublisher
 from kvstrata.serving.metrics import ServingMetrics
 from kvstrata.serving import router as router_module
 from kvstrata.serving.router import (EventFeed, HealthChecks, Replica as RoutedReplica, ReplicaSet, _pass_through,
-                                     learn_naming, load_router, prompt_token_ids, set_health)
+                                     learn_naming, load_router, prompt_token_ids, replica_line, set_health)
 from kvstrata.tiers.block_events import BlockRemoved, BlockStored
 from kvstrata.serving.sockets import bind_socket
 from kvstrata.serving.tokenizer_pool import TokenizerPool
@@ -805,6 +805,19 @@ def test_a_replica_serving_another_model_or_naming_no_blocks_gets_requests_by_lo
     assert all("gives a block naming the router cannot read" in line for line in said[2:])
     learn_naming(replica, {"block_naming": ours.to_json()}, ours.model)  # a replica restarted with the right model
     assert replica.naming == ours and replica.naming_problem is None
+
+
+def test_the_routers_banner_says_for_each_replica_whether_its_cache_is_matched():
+    ours = BlockNaming("smollm2@xxh3_128:01", b"namespace", 16, "xxh3_128")
+    matched, other, silent = (RoutedReplica(ReplicaConfig(url=f"http://127.0.0.1:{port}", events=events), None)
+                              for port, events in ((1, "tcp://127.0.0.1:5557"), (2, None), (3, None)))
+    learn_naming(matched, {"block_naming": ours.to_json()}, ours.model)
+    learn_naming(other, {"block_naming": {**ours.to_json(), "model": "llama@xxh3_128:02"}}, ours.model)
+    assert replica_line(matched) == "  http://127.0.0.1:1  events: tcp://127.0.0.1:5557; cache matched (16-token blocks)"
+    assert replica_line(other) == ("  http://127.0.0.1:2  events: none (routed by load); routed by load: it serves "
+                                   "llama@xxh3_128:02, while the router renders prompts for smollm2@xxh3_128:01")
+    assert replica_line(silent) == ("  http://127.0.0.1:3  events: none (routed by load); not answering yet: routed by "
+                                    "load until it does")
 
 
 def test_the_router_starts_without_importing_torch(embedded_model_fp32):

@@ -695,6 +695,19 @@ def load_router(config: Config) -> Router:
     return Router(config, tokenizer, model_identity(source))
 
 
+def replica_line(replica: Replica) -> str:
+    """A replica's line in the banner: its events and whether its prompts can be matched to its cache, as the
+    router's first health checks found it."""
+    events = replica.config.events or "none (routed by load)"
+    if replica.naming is not None:
+        cache = f"cache matched ({replica.naming.block_size}-token blocks)"
+    elif replica.naming_problem is not None:
+        cache = f"routed by load: {replica.naming_problem}"
+    else:
+        cache = "not answering yet: routed by load until it does"
+    return f"  {replica.url}  events: {events}; {cache}"
+
+
 def route(config: Config) -> None:
     """`kvstrata route`: bind, load the tokenizer, serve until SIGTERM/SIGINT."""
     rc = config.router
@@ -709,7 +722,7 @@ def route(config: Config) -> None:
         lines = [f"kvstrata {__version__} routing on http://{host}:{port} (OpenAI API under /v1) to "
                  f"{len(rc.replicas)} replica{'s' if len(rc.replicas) != 1 else ''}, "
                  f"{PLACEMENT[rc.policy]}"]
-        lines += [f"  {r.url}  events: {r.events or 'none (routed by load)'}" for r in rc.replicas]
+        lines += [replica_line(r) for r in router.replicas.replicas]
         print("\n".join(lines), flush=True)
         server = uvicorn.Server(uvicorn.Config(router.app, log_level="warning", access_log=False, lifespan="off"))
         server.run(sockets=[sock])
