@@ -222,7 +222,6 @@ class BlockHasher:
         return new_hashes
 
 
-
 MAX_NAMESPACE_BYTES = 4096  # a namespace is a few hundred bytes of CBOR; a naming read from afar is checked
 
 
